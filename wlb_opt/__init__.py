@@ -1,0 +1,50 @@
+"""wlb-opt: workload-balanced 4D parallelism for long-context LLM training.
+
+The planner core (specs, cost model, packing, sharding, simulator) needs only numpy and
+networkx. Kernels and the executor need the ``torch`` extra, exact solvers the ``exact``
+extra. Public names are resolved lazily so that ``import wlb_opt`` never imports an optional
+dependency (and stays cheap in a data-loader process).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (relative to this package)
+_EXPORTS = {
+    "ModelSpec": "specs",
+    "ParallelSpec": "specs",
+    "HardwareSpec": "specs",
+    "CostModel": "cost",
+    "PackPlan": "plan",
+    "ShardPlan": "plan",
+    "SolveInfo": "plan",
+    "check_pack": "plan",
+    "imbalance": "plan",
+    "split_documents": "docs",
+    "load_lengths": "docs",
+    "solve_pack": "pack",
+    "PACK_METHODS": "pack",
+    "WLBPacker": "pack",
+    "solve_shard": "shard",
+    "simulate_pipeline": "simulate",
+    "simulate_step": "simulate",
+    "SimResult": "simulate",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'wlb_opt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
