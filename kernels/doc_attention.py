@@ -1,0 +1,178 @@
+"""Document-masked attention over a segment table: the public ``doc_attention`` function.
+
+Layering (../shared/STYLE.md): ``triton_kernels.py`` (jit kernels) -> ``launch.py``
+(launchers, config choice) -> the ``torch.library`` custom ops below, whose autograd
+formula is registered with ``register_autograd`` (the custom-op form of an
+``autograd.Function``) -> :func:`doc_attention`. The custom ops carry fake (meta)
+implementations, so a training loop under ``torch.compile`` can call the kernel without a
+graph break; ``torch.library.opcheck`` checks the registration in the tests.
+
+``backend="torch"`` runs reference.py's per-segment path instead (plain torch autograd).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+
+from . import launch as _launch
+from .reference import attention_per_segment
+from .segments import as_segment_array, validate_segments
+
+__all__ = ["doc_attention", "BACKENDS", "TRITON_HEAD_DIMS"]
+
+BACKENDS = ("auto", "triton", "torch")
+TRITON_HEAD_DIMS = (16, 32, 64, 128)
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TORCH_DTYPES = _TRITON_DTYPES + (torch.float64,)
+
+
+# --- custom ops (the Triton backend) ------------------------------------------------------
+
+def _segments_np(segments: torch.Tensor):
+    return segments.detach().cpu().numpy().astype("int64", copy=False).reshape(-1, 4)
+
+
+def _interpreter_upcast(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    # The interpreter's tl.dot multiplies bf16 bit patterns: compute bf16 in fp32 there.
+    if _launch.interpreting() and tensors[0].dtype == torch.bfloat16:
+        return [t.float().contiguous() if t is not None else None for t in tensors]
+    return [t.contiguous() if t is not None and t.stride(-1) != 1 else t for t in tensors]
+
+
+@torch.library.custom_op("wlb_opt::doc_attention_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor,
+            softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [Tq, Hq, D], lse [Hq, Tq] fp32): Triton forward; ``segments`` is a CPU int tensor."""
+    q_, k_, v_ = _interpreter_upcast(q, k, v)
+    out, lse = _launch.forward(q_, k_, v_, _segments_np(segments), softmax_scale)
+    return out.to(q.dtype), lse
+
+
+@_fwd_op.register_fake
+def _(q, k, v, segments, softmax_scale):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("wlb_opt::doc_attention_bwd", mutates_args=())
+def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor, dlse: torch.Tensor | None, segments: torch.Tensor,
+            softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the split Triton backward; ``dlse`` is the gradient of lse, or None."""
+    dout_, q_, k_, v_, out_ = _interpreter_upcast(dout, q, k, v, out)
+    dlse_ = dlse.contiguous() if dlse is not None else None
+    dq, dk, dv = _launch.backward(dout_, q_, k_, v_, out_, lse.contiguous(), dlse_,
+                                  _segments_np(segments), softmax_scale)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, dlse, segments, softmax_scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, segments, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, segments)
+    ctx.softmax_scale = softmax_scale
+    ctx.set_materialize_grads(False)  # an unused lse must not cost a zero tensor and a pass
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, segments = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, dlse, segments, ctx.softmax_scale)
+    return dq, dk, dv, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- public API ---------------------------------------------------------------------------
+
+def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtypes: tuple) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have shape [T, H, D], got shape {tuple(t.shape)}")
+        if t.dtype not in dtypes:
+            raise ValueError(f"{name} has dtype {t.dtype}; valid: {[str(d) for d in dtypes]}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head dims differ: q has {q.shape[2]}, k/v have {k.shape[2]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
+def doc_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: Any,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    backend: Literal["auto", "triton", "torch"] = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of query rows over key ranges given by a segment table.
+
+    Args:
+        q: ``[Tq, Hq, D]`` queries (fp16, bf16 or fp32; fp64 with ``backend="torch"``).
+        k, v: ``[Tk, Hkv, D]`` keys and values, ``Hq % Hkv == 0`` (grouped-query attention:
+            query head h reads key/value head ``h // (Hq // Hkv)``).
+        segments: int array ``(S, 4)`` of rows ``(q_start, q_len, k_start, k_len)``, numpy
+            or a CPU tensor (copied to the device once; a CUDA tensor forces a sync). Query
+            rows ``[q_start, q_start+q_len)`` attend to keys ``[k_start, k_start+k_len)``,
+            causally aligned bottom-right; ``1 <= q_len <= k_len``; query ranges disjoint,
+            key ranges may overlap. With q_len=3, k_len=5 (x = visible)::
+
+                k: 0 1 2 3 4
+                q0 x x x . .
+                q1 x x x x .
+                q2 x x x x x
+
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+        return_lse: also return the log-sum-exp, ``[Hq, Tq]`` fp32, natural log, ``-inf`` on
+            uncovered rows (FlashAttention's varlen layout); it is differentiable.
+        backend: "auto" (Triton on CUDA, torch on CPU), "triton" (on CPU only under
+            ``TRITON_INTERPRET=1``; head dims 16/32/64/128), or "torch" (per-segment torch).
+
+    Returns:
+        ``out [Tq, Hq, D]`` in q's dtype, zeros on rows no segment covers (whose gradients
+        are zero too); ``(out, lse)`` with ``return_lse``.
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices, head counts or segment rows (the message
+            names the offending row or shape).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if q.is_cuda else "torch"
+    _check_tensors(q, k, v, _TORCH_DTYPES if backend == "torch" else _TRITON_DTYPES)
+    seg = validate_segments(segments, q.shape[0], k.shape[0])
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+    if backend == "torch":
+        out, lse = attention_per_segment(q, k, v, seg, scale)
+        return (out, lse) if return_lse else out
+
+    if q.shape[-1] not in TRITON_HEAD_DIMS:
+        raise ValueError(f"head dim {q.shape[-1]} is not supported by the Triton backend; "
+                         f"valid: {TRITON_HEAD_DIMS} (or use backend='torch')")
+    if not q.is_cuda and not _launch.interpreting():
+        raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before "
+                         "the kernels are first used (for CPU tensors); use backend='torch' on CPU")
+    seg_t = torch.from_numpy(as_segment_array(seg).astype("int32"))
+    out, lse = _fwd_op(q, k, v, seg_t, scale)
+    return (out, lse) if return_lse else out

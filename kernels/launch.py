@@ -1,0 +1,271 @@
+"""Launchers for the Triton kernels: block configs, bucketed autotuning, index upload.
+
+The kernels' grids come from host-built indices whose shape depends on the block sizes
+(segments.py), so ``triton.autotune`` (which only re-runs one grid) does not fit. Instead
+each launcher picks its config from a small list by timing it once per bucket key
+``(kernel, device, dtype, head_dim, group, next_pow2(Tq), next_pow2(Tk))``: a new length in
+the same bucket reuses the choice and the compiled kernel. Under ``TRITON_INTERPRET=1`` or
+with ``WLB_KERNEL_AUTOTUNE=0`` the first config that compiles is used (pinned, as the
+tests need). bf16 under the interpreter is computed in fp32: the interpreter's ``tl.dot``
+multiplies bf16 bit patterns.
+
+Indices for one segment table are uploaded to the device in one copy and cached (a few
+recent tables), so the backward pass of a step reuses the forward's upload.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from . import segments as _seg
+
+
+@dataclass(frozen=True, slots=True)
+class BlockConfig:
+    """Tile shape and launch parameters of one kernel."""
+
+    block_m: int
+    """Query rows per block (>= 16: the GPU's minimum ``tl.dot`` size)."""
+    block_n: int
+    """Key rows per block (>= 16)."""
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Candidates per kernel, best guess first (H100/H200, fp16/bf16); head_dim <= 64 gets wider
+# tiles. The interpreter uses _INTERPRET_CONFIG unless a test overrides it.
+_GPU_CONFIGS: dict[str, dict[bool, list[BlockConfig]]] = {
+    "fwd": {
+        True: [BlockConfig(128, 64, 8, 3), BlockConfig(128, 128, 8, 2), BlockConfig(64, 64, 4, 3),
+               BlockConfig(128, 32, 4, 3), BlockConfig(64, 32, 4, 2)],
+        False: [BlockConfig(128, 64, 4, 3), BlockConfig(128, 128, 8, 3), BlockConfig(64, 64, 4, 3),
+                BlockConfig(64, 32, 4, 2)],
+    },
+    "dq": {
+        True: [BlockConfig(128, 64, 8, 2), BlockConfig(128, 32, 4, 3), BlockConfig(64, 64, 4, 3),
+               BlockConfig(64, 32, 4, 2)],
+        False: [BlockConfig(128, 64, 4, 3), BlockConfig(128, 32, 4, 3), BlockConfig(64, 64, 4, 2),
+                BlockConfig(64, 32, 4, 2)],
+    },
+    "dkdv": {
+        True: [BlockConfig(64, 128, 8, 2), BlockConfig(32, 128, 4, 3), BlockConfig(64, 64, 4, 3),
+               BlockConfig(32, 64, 4, 2)],
+        False: [BlockConfig(64, 128, 4, 3), BlockConfig(32, 128, 4, 3), BlockConfig(64, 64, 4, 2),
+                BlockConfig(32, 64, 4, 2)],
+    },
+}
+_INTERPRET_CONFIG = BlockConfig(32, 32, 4, 1)
+_FORCED: dict[str, BlockConfig] = {}
+_TUNED: dict[tuple, BlockConfig] = {}
+_INDEX_CACHE: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
+_INDEX_CACHE_SIZE = 16
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _autotune_enabled() -> bool:
+    return not interpreting() and os.environ.get("WLB_KERNEL_AUTOTUNE", "1") not in ("", "0")
+
+
+@contextlib.contextmanager
+def forced_configs(**configs: BlockConfig | tuple[int, int]) -> Iterator[None]:
+    """Pin kernels to configs, e.g. ``forced_configs(fwd=(16, 16), dkdv=(32, 64))`` (tests)."""
+    unknown = set(configs) - set(_GPU_CONFIGS)
+    if unknown:
+        raise ValueError(f"unknown kernels {sorted(unknown)}; valid: {sorted(_GPU_CONFIGS)}")
+    saved = dict(_FORCED)
+    for name, cfg in configs.items():
+        _FORCED[name] = cfg if isinstance(cfg, BlockConfig) else BlockConfig(*cfg)
+    try:
+        yield
+    finally:
+        _FORCED.clear()
+        _FORCED.update(saved)
+
+
+def _candidates(kernel: str, head_dim: int) -> list[BlockConfig]:
+    if kernel in _FORCED:
+        return [_FORCED[kernel]]
+    if interpreting():
+        return [_INTERPRET_CONFIG]
+    return _GPU_CONFIGS[kernel][head_dim <= 64]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _time_ms(fn: Callable[[], None], reps: int = 3) -> float:
+    fn()  # compile and warm up
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _is_resource_error(exc: Exception) -> bool:
+    name = type(exc).__name__
+    return "OutOfResources" in name or "out of resource" in str(exc).lower()
+
+
+def run_tuned(kernel: str, key: tuple, head_dim: int, launch: Callable[[BlockConfig], None]) -> BlockConfig:
+    """Run ``launch(config)`` with the bucket's chosen config, tuning the bucket on a miss.
+
+    Every candidate computes the same result (outputs are fully overwritten), so the timing
+    runs are harmless. Configs that do not fit the chip (out of shared memory) are skipped.
+    """
+    cands = _candidates(kernel, head_dim)
+    full_key = (kernel,) + key
+    chosen = _TUNED.get(full_key) if kernel not in _FORCED else None
+    if chosen is not None:
+        launch(chosen)
+        return chosen
+    tune = _autotune_enabled() and len(cands) > 1
+    best, best_ms, errors = None, math.inf, []
+    for cfg in cands:
+        try:
+            ms = _time_ms(lambda: launch(cfg)) if tune else (launch(cfg) or 0.0)
+        except Exception as exc:  # noqa: BLE001 - only resource errors are skipped
+            if not _is_resource_error(exc):
+                raise
+            errors.append(f"{cfg}: {exc}")
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+        if not tune:
+            break
+    if best is None:
+        raise RuntimeError(f"no {kernel} config fits this device: " + "; ".join(errors))
+    if tune:
+        launch(best)  # leave the best config's result in the outputs
+    if kernel not in _FORCED:
+        _TUNED[full_key] = best
+    return best
+
+
+def tune_key(q: torch.Tensor, k: torch.Tensor) -> tuple:
+    return (str(q.device), q.dtype, q.shape[-1], q.shape[1] // k.shape[1],
+            _pow2(q.shape[0]), _pow2(k.shape[0]))
+
+
+def device_index(seg: np.ndarray, kind: str, cfg: BlockConfig, device: torch.device) -> dict[str, torch.Tensor]:
+    """Upload (and cache) the forward ("fwd") or transposed ("dkdv") index for a table."""
+    digest = hashlib.blake2b(np.ascontiguousarray(seg).tobytes(), digest_size=16).digest()
+    key = (digest, kind, cfg.block_m, cfg.block_n, str(device))
+    hit = _INDEX_CACHE.get(key)
+    if hit is not None:
+        _INDEX_CACHE.move_to_end(key)
+        return hit
+    if kind == "fwd":
+        parts = {"tiles": _seg.forward_tiles(seg, cfg.block_m, cfg.block_n)}
+    else:
+        tiles, entries = _seg.key_tiles(seg, cfg.block_m, cfg.block_n)
+        parts = {"tiles": tiles, "entries": entries}
+    flat = np.concatenate([p.reshape(-1) for p in parts.values()] + [np.zeros(1, np.int32)])
+    buf = torch.from_numpy(flat).to(device, non_blocking=False)
+    out, pos = {}, 0
+    for name, arr in parts.items():
+        out[name] = buf[pos : pos + arr.size].view(arr.shape)
+        pos += arr.size
+    _INDEX_CACHE[key] = out
+    if len(_INDEX_CACHE) > _INDEX_CACHE_SIZE:
+        _INDEX_CACHE.popitem(last=False)
+    return out
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact IEEE products (the GPU would default to TF32 and lose ~3 digits).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: np.ndarray, scale: float
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [Tq, Hq, D] (zeros on uncovered rows), lse [Hq, Tq] fp32 natural log (-inf there)."""
+    from . import triton_kernels as tk
+
+    n_q, hq, d = q.shape
+    out = torch.zeros_like(q)
+    lse = torch.full((hq, n_q), float("-inf"), dtype=torch.float32, device=q.device)
+    if len(seg) == 0 or n_q == 0:
+        return out, lse
+    group = hq // k.shape[1]
+
+    def launch(cfg: BlockConfig) -> None:
+        tiles = device_index(seg, "fwd", cfg, q.device)["tiles"]
+        tk._fwd_kernel[(tiles.shape[0], hq)](
+            q, k, v, out, lse, tiles,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), n_q, scale * tk.LOG2E,
+            GROUP=group, HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            PRECISION=_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    run_tuned("fwd", tune_key(q, k), d, launch)
+    return out, lse
+
+
+def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, dlse: torch.Tensor | None, seg: np.ndarray, scale: float
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (zeros outside every segment): split kernels, deterministic, no atomics."""
+    from . import triton_kernels as tk
+
+    n_q, hq, d = q.shape
+    n_k, hkv, _ = k.shape
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if len(seg) == 0 or n_q == 0:
+        return dq, dk, dv
+    group = hq // hkv
+    key = tune_key(q, k)
+    delta = torch.empty((hq, n_q), dtype=torch.float32, device=q.device)
+    block = 64
+    tk._delta_kernel[(triton_cdiv(n_q, block), hq)](
+        out, dout, dlse if dlse is not None else lse, delta,
+        out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), n_q,
+        HEAD_DIM=d, BLOCK_M=block, HAS_DLSE=dlse is not None,
+    )
+    prec = _precision(q.dtype)
+
+    def launch_dq(cfg: BlockConfig) -> None:
+        tiles = device_index(seg, "fwd", cfg, q.device)["tiles"]
+        tk._dq_kernel[(tiles.shape[0], hq)](
+            q, k, v, dout, dq, lse, delta, tiles,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
+            n_q, scale * tk.LOG2E, scale,
+            GROUP=group, HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            PRECISION=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    def launch_dkdv(cfg: BlockConfig) -> None:
+        index = device_index(seg, "dkdv", cfg, q.device)
+        tk._dkdv_kernel[(index["tiles"].shape[0], hkv)](
+            q, k, v, dout, dk, dv, lse, delta, index["tiles"], index["entries"],
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            n_q, n_k, scale * tk.LOG2E, scale,
+            GROUP=group, HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            PRECISION=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    run_tuned("dq", key, d, launch_dq)
+    run_tuned("dkdv", key, d, launch_dkdv)
+    return dq, dk, dv
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

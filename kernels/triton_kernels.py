@@ -1,0 +1,270 @@
+"""The ``@triton.jit`` kernels of document-masked attention (forward, dQ, dK/dV, delta).
+
+Only kernels live here; launch.py picks block sizes, uploads the host-built indices
+(segments.py) and launches them. This module imports triton, so it is imported lazily, on
+the first Triton call: ``import wlb_opt.kernels`` needs torch only.
+
+Mask, per segment (q_start, q_len, k_start, k_len) with ``off = k_start + k_len - q_len -
+q_start``: query row r sees key j iff ``k_start <= j <= r + off`` (bottom-right causal)::
+
+        keys ->  k_start ........................ k_start+k_len-1
+    q_start      x x x x x x x x x x x x . . . .      (k_len - q_len + 1 keys)
+                 x x x x x x x x x x x x x . . .
+                 x x x x x x x x x x x x x x . .
+    q_end-1      x x x x x x x x x x x x x x x x      (all k_len keys)
+
+A forward/dQ program owns one (segment, query tile) and one query head. Its key loop runs
+from k_start in two parts: tiles every row of the tile sees in full (no mask work), then the
+few tiles that straddle the diagonal (masked). A dK/dV program owns one aligned key tile and
+one KV head; it walks the transposed index (segments reading that tile), and for each the
+query rows in masked blocks near the diagonal, then unmasked blocks, summing over the query
+heads of its GQA group. Every output element is written by exactly one program, in a fixed
+order: deterministic, no atomics. Every load is masked to the rows of its own segment, so
+nothing is read out of bounds.
+
+Softmax runs in base 2 (scores are pre-multiplied by scale * log2(e)). The stored
+log-sum-exp is natural-log, ``[Hq, Tq]``, fp32, as FlashAttention's varlen API returns it.
+Lengths and row indices are runtime values (``do_not_specialize``), so new lengths never
+recompile; row offsets are computed in int64 so that T * H * D may exceed 2**31.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # the kernels inline these constants
+
+
+@triton.jit
+def _scores(q, k_tile, qk_scale, PRECISION: tl.constexpr):
+    """[BM, D] x [BN, D] -> [BM, BN] scores in the log2 domain, fp32."""
+    return tl.dot(q, tl.trans(k_tile), input_precision=PRECISION) * qk_scale
+
+
+@triton.jit(do_not_specialize=["n_q"])
+def _fwd_kernel(
+    Q, K, V, O, LSE, TILES,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    n_q, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    q0 = tl.load(TILES + tile * 4 + 0)
+    q_end = tl.load(TILES + tile * 4 + 1)
+    k_start = tl.load(TILES + tile * 4 + 2)
+    off = tl.load(TILES + tile * 4 + 3)
+
+    rows = q0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_end
+    dims = tl.arange(0, HEAD_DIM)
+    cols0 = tl.arange(0, BLOCK_N)
+    q_ptrs = Q + rows.to(tl.int64)[:, None] * stride_qt + head * stride_qh + dims[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    k_base = K + kv_head * stride_kh + dims[None, :]
+    v_base = V + kv_head * stride_vh + dims[None, :]
+
+    k_end = tl.minimum(q0 + BLOCK_M, q_end) + off  # one past the last key any row sees
+    n_full = tl.maximum(q0 + off + 1 - k_start, 0) // BLOCK_N  # tiles the first row sees whole
+    full_end = k_start + n_full * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start in range(k_start, full_end, BLOCK_N):  # below the diagonal: no mask
+        cols = (start + cols0).to(tl.int64)
+        k_tile = tl.load(k_base + cols[:, None] * stride_kt)
+        v_tile = tl.load(v_base + cols[:, None] * stride_vt)
+        s = _scores(q, k_tile, qk_scale, PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=PRECISION)
+        m_i = m_new
+    for start in range(full_end, k_end, BLOCK_N):  # on the diagonal: masked
+        cols = start + cols0
+        col_ok = cols < k_end
+        k_tile = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_kt, mask=col_ok[:, None], other=0.0)
+        v_tile = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_vt, mask=col_ok[:, None], other=0.0)
+        s = _scores(q, k_tile, qk_scale, PRECISION)
+        visible = (cols[None, :] <= rows[:, None] + off) & col_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row sees k_start in tile one
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=PRECISION)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    o_ptrs = O + rows.to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    tl.store(LSE + head.to(tl.int64) * n_q + rows, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["n_q"])
+def _delta_kernel(
+    O, DO, DLSE, DELTA,
+    stride_ot, stride_oh, stride_dot, stride_doh,
+    n_q,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    """delta[h, r] = sum_d O * dO - dLSE (the lse gradient folds into delta: d lse / d s = p)."""
+    head = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_q
+    dims = tl.arange(0, HEAD_DIM)
+    r64 = rows.to(tl.int64)[:, None]
+    o = tl.load(O + r64 * stride_ot + head * stride_oh + dims[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + r64 * stride_dot + head * stride_doh + dims[None, :], mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    lse_ptrs = head.to(tl.int64) * n_q + rows
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + lse_ptrs, mask=row_ok, other=0.0)
+    tl.store(DELTA + lse_ptrs, delta, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["n_q"])
+def _dq_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA, TILES,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_dot, stride_doh, stride_dqt, stride_dqh,
+    n_q, qk_scale, sm_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    q0 = tl.load(TILES + tile * 4 + 0)
+    q_end = tl.load(TILES + tile * 4 + 1)
+    k_start = tl.load(TILES + tile * 4 + 2)
+    off = tl.load(TILES + tile * 4 + 3)
+
+    rows = q0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_end
+    r64 = rows.to(tl.int64)[:, None]
+    dims = tl.arange(0, HEAD_DIM)
+    cols0 = tl.arange(0, BLOCK_N)
+    q = tl.load(Q + r64 * stride_qt + head * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + r64 * stride_dot + head * stride_doh + dims[None, :], mask=row_ok[:, None], other=0.0)
+    lse_ptrs = head.to(tl.int64) * n_q + rows
+    lse2 = tl.load(LSE + lse_ptrs, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + lse_ptrs, mask=row_ok, other=0.0)
+    k_base = K + kv_head * stride_kh + dims[None, :]
+    v_base = V + kv_head * stride_vh + dims[None, :]
+
+    k_end = tl.minimum(q0 + BLOCK_M, q_end) + off
+    n_full = tl.maximum(q0 + off + 1 - k_start, 0) // BLOCK_N
+    full_end = k_start + n_full * BLOCK_N
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start in range(k_start, full_end, BLOCK_N):
+        cols = (start + cols0).to(tl.int64)
+        k_tile = tl.load(k_base + cols[:, None] * stride_kt)
+        v_tile = tl.load(v_base + cols[:, None] * stride_vt)
+        p = tl.exp2(_scores(q, k_tile, qk_scale, PRECISION) - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v_tile), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=PRECISION)
+    for start in range(full_end, k_end, BLOCK_N):
+        cols = start + cols0
+        col_ok = cols < k_end
+        k_tile = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_kt, mask=col_ok[:, None], other=0.0)
+        v_tile = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_vt, mask=col_ok[:, None], other=0.0)
+        visible = (cols[None, :] <= rows[:, None] + off) & col_ok[None, :]
+        p = tl.exp2(_scores(q, k_tile, qk_scale, PRECISION) - lse2[:, None])
+        p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v_tile), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=PRECISION)
+
+    dq = dq * sm_scale
+    tl.store(DQ + r64 * stride_dqt + head * stride_dqh + dims[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _dkdv_block(
+    dk, dv, k_tile, v_tile, cols, Q, DO, LSE, DELTA, r, q_end, k_start, k_stop, off, head,
+    stride_qt, stride_qh, stride_dot, stride_doh, n_q, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Add one block of query rows [r, r + BLOCK_M) of one query head to dK, dV of a key tile."""
+    rows = r + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_end
+    r64 = rows.to(tl.int64)[:, None]
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + r64 * stride_qt + head * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + r64 * stride_dot + head * stride_doh + dims[None, :], mask=row_ok[:, None], other=0.0)
+    lse_ptrs = head.to(tl.int64) * n_q + rows
+    lse2 = tl.load(LSE + lse_ptrs, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + lse_ptrs, mask=row_ok, other=0.0)
+    p = tl.exp2(_scores(q, k_tile, qk_scale, PRECISION) - lse2[:, None])
+    if MASKED:
+        visible = (
+            (cols[None, :] >= k_start) & (cols[None, :] < k_stop)
+            & (cols[None, :] <= rows[:, None] + off) & row_ok[:, None]
+        )
+        p = tl.where(visible, p, 0.0)
+    # Unmasked blocks: rows past q_end load q = dO = delta = 0, so they add exactly zero.
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+    dp = tl.dot(do, tl.trans(v_tile), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["n_q", "n_k"])
+def _dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE, DELTA, KV_TILES, ENTRIES,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    n_q, n_k, qk_scale, sm_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    k0 = tl.load(KV_TILES + tile * 3 + 0)
+    e_lo = tl.load(KV_TILES + tile * 3 + 1)
+    e_hi = tl.load(KV_TILES + tile * 3 + 2)
+
+    cols = k0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_k
+    c64 = cols.to(tl.int64)[:, None]
+    dims = tl.arange(0, HEAD_DIM)
+    k_tile = tl.load(K + c64 * stride_kt + kv_head * stride_kh + dims[None, :], mask=col_ok[:, None], other=0.0)
+    v_tile = tl.load(V + c64 * stride_vt + kv_head * stride_vh + dims[None, :], mask=col_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    for e in range(e_lo, e_hi):
+        r0 = tl.load(ENTRIES + e * 6 + 0)
+        r_mid = tl.load(ENTRIES + e * 6 + 1)
+        q_end = tl.load(ENTRIES + e * 6 + 2)
+        k_start = tl.load(ENTRIES + e * 6 + 3)
+        k_stop = tl.load(ENTRIES + e * 6 + 4)
+        off = tl.load(ENTRIES + e * 6 + 5)
+        for g in range(GROUP):
+            head = kv_head * GROUP + g
+            for r in range(r0, r_mid, BLOCK_M):
+                dk, dv = _dkdv_block(
+                    dk, dv, k_tile, v_tile, cols, Q, DO, LSE, DELTA, r, q_end, k_start, k_stop, off,
+                    head, stride_qt, stride_qh, stride_dot, stride_doh, n_q, qk_scale,
+                    HEAD_DIM, BLOCK_M, True, PRECISION,
+                )
+            for r in range(r_mid, q_end, BLOCK_M):
+                dk, dv = _dkdv_block(
+                    dk, dv, k_tile, v_tile, cols, Q, DO, LSE, DELTA, r, q_end, k_start, k_stop, off,
+                    head, stride_qt, stride_qh, stride_dot, stride_doh, n_q, qk_scale,
+                    HEAD_DIM, BLOCK_M, False, PRECISION,
+                )
+
+    dk = dk * sm_scale
+    tl.store(DK + c64 * stride_dkt + kv_head * stride_dkh + dims[None, :], dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DV + c64 * stride_dvt + kv_head * stride_dvh + dims[None, :], dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
