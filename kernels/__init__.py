@@ -1,38 +1,27 @@
 """Document-masked attention over segment tables: a Triton kernel and its torch twins.
 
 ``from wlb_opt.kernels import doc_attention``. Importing this package imports torch but not
-triton: Triton is imported on the first call that uses the Triton backend, so that CPU-only
+triton: triton is imported on the first call that uses the Triton backend, so CPU-only
 processes and the torch backend never pay for it (and a missing triton only fails there).
+
+Note: the name ``doc_attention`` here is the function; the module that defines it is
+``importlib.import_module("wlb_opt.kernels.doc_attention")``.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .doc_attention import BACKENDS, TRITON_HEAD_DIMS, doc_attention
+from .reference import attention_per_segment, attention_reference, segment_mask
+from .segments import attention_flops, segments_from_lengths, validate_segments, visible_pairs
 
-_EXPORTS = {
-    "doc_attention": "doc_attention",
-    "BACKENDS": "doc_attention",
-    "TRITON_HEAD_DIMS": "doc_attention",
-    "attention_reference": "reference",
-    "attention_per_segment": "reference",
-    "segment_mask": "reference",
-    "validate_segments": "segments",
-    "segments_from_lengths": "segments",
-    "visible_pairs": "segments",
-    "attention_flops": "segments",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'wlb_opt.kernels' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__all__ = [
+    "BACKENDS",
+    "TRITON_HEAD_DIMS",
+    "attention_flops",
+    "attention_per_segment",
+    "attention_reference",
+    "doc_attention",
+    "segment_mask",
+    "segments_from_lengths",
+    "validate_segments",
+    "visible_pairs",
+]

@@ -26,12 +26,14 @@ BACKENDS = ("auto", "triton", "torch")
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TORCH_DTYPES = _TRITON_DTYPES + (torch.float64,)
+_INT32_MAX = 2**31 - 1
 
 
 # --- custom ops (the Triton backend) ------------------------------------------------------
 
-def _segments_np(segments: torch.Tensor):
-    return segments.detach().cpu().numpy().astype("int64", copy=False).reshape(-1, 4)
+def _segments_np(segments: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    # Validated here, on concrete values, so that traced (torch.compile) calls check too.
+    return validate_segments(segments, q.shape[0], k.shape[0])
 
 
 def _interpreter_upcast(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -46,7 +48,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.T
             softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [Tq, Hq, D], lse [Hq, Tq] fp32): Triton forward; ``segments`` is a CPU int tensor."""
     q_, k_, v_ = _interpreter_upcast(q, k, v)
-    out, lse = _launch.forward(q_, k_, v_, _segments_np(segments), softmax_scale)
+    out, lse = _launch.forward(q_, k_, v_, _segments_np(segments, q, k), softmax_scale)
     return out.to(q.dtype), lse
 
 
@@ -63,7 +65,7 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     dout_, q_, k_, v_, out_ = _interpreter_upcast(dout, q, k, v, out)
     dlse_ = dlse.contiguous() if dlse is not None else None
     dq, dk, dv = _launch.backward(dout_, q_, k_, v_, out_, lse.contiguous(), dlse_,
-                                  _segments_np(segments), softmax_scale)
+                                  _segments_np(segments, q, k), softmax_scale)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -160,10 +162,10 @@ def doc_attention(
     if backend == "auto":
         backend = "triton" if q.is_cuda else "torch"
     _check_tensors(q, k, v, _TORCH_DTYPES if backend == "torch" else _TRITON_DTYPES)
-    seg = validate_segments(segments, q.shape[0], k.shape[0])
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
     if backend == "torch":
+        seg = validate_segments(segments, q.shape[0], k.shape[0])
         out, lse = attention_per_segment(q, k, v, seg, scale)
         return (out, lse) if return_lse else out
 
@@ -173,6 +175,20 @@ def doc_attention(
     if not q.is_cuda and not _launch.interpreting():
         raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before "
                          "the kernels are first used (for CPU tensors); use backend='torch' on CPU")
-    seg_t = torch.from_numpy(as_segment_array(seg).astype("int32"))
-    out, lse = _fwd_op(q, k, v, seg_t, scale)
+    out, lse = _fwd_op(q, k, v, _segments_tensor(segments), scale)
     return (out, lse) if return_lse else out
+
+
+def _segments_tensor(segments: Any) -> torch.Tensor:
+    """The table as a CPU int32 tensor for the custom op (validated there, on concrete values).
+
+    Tensors pass through untouched, so the call traces under ``torch.compile``.
+    """
+    if isinstance(segments, torch.Tensor):
+        if segments.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"segments must be an int32/int64 tensor, got dtype {segments.dtype}")
+        return segments.to(device="cpu", dtype=torch.int32)
+    seg = as_segment_array(segments)
+    if len(seg) and (seg.max() > _INT32_MAX or seg.min() < -_INT32_MAX):
+        raise ValueError(f"segment values must fit in int32, got range [{seg.min()}, {seg.max()}]")
+    return torch.from_numpy(seg.astype("int32"))

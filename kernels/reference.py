@@ -119,4 +119,7 @@ def attention_per_segment(
         )
         out[q_start : q_start + q_len] = o_seg
         lse[:, q_start : q_start + q_len] = lse_seg.float()
+    if len(seg) == 0:  # keep the (all-zero) result on the autograd graph, like the kernel's
+        out = torch.cat([q[:0].to(dtype), out])
+        lse = torch.cat([q[:0, :, 0].t().float(), lse], dim=1)
     return out.to(q.dtype), lse

@@ -9,9 +9,10 @@ and runs on the host: the Triton launchers upload the indices built here in one 
 Two indices are built from a table, both vectorised:
 
 * the forward index (also used by the dQ kernel): one row per (segment, query tile) with the
-  tile's first query row, the segment's query end, its ``k_start`` and the diagonal offset
+  tile's first query row, the segment's query end, the diagonal offset
   ``off = k_start + k_len - q_len - q_start`` (key ``j`` is visible from query row ``r`` iff
-  ``k_start <= j <= r + off``);
+  ``k_start <= j <= r + off``) and the key loop bounds: unmasked tiles up to ``full_end``,
+  masked tiles up to ``k_end``;
 * the transposed index for the dK/dV kernel: for each key tile (aligned to the packed K
   rows), the list of segments whose key range meets it, with the first query row that sees
   any key of the tile and the row from which the whole tile is visible (no mask needed).
@@ -126,12 +127,16 @@ def segments_from_lengths(lengths: Any) -> np.ndarray:
 
 
 def forward_tiles(seg: np.ndarray, block_m: int, block_n: int) -> np.ndarray:
-    """Forward/dQ index: int32 rows (q0, q_end, k_start, off), one per (segment, query tile).
+    """Forward/dQ index: int32 rows (q0, q_end, off, k_start, full_end, k_end), one per
+    (segment, query tile of ``block_m`` rows).
 
-    Rows are sorted by the number of key tiles each program visits, largest first.
+    The program for a row visits keys [k_start, full_end) in unmasked tiles of ``block_n``
+    (every query row of the tile sees all of them) and [full_end, k_end) in masked tiles;
+    query row r sees key j iff ``k_start <= j <= r + off``. Rows are sorted by the number of
+    key tiles visited, largest first.
     """
     if len(seg) == 0:
-        return np.zeros((0, 4), dtype=np.int32)
+        return np.zeros((0, 6), dtype=np.int32)
     q_start, q_len, k_start, k_len = seg.T
     n_tiles = _cdiv(q_len, block_m)
     seg_of = np.repeat(np.arange(len(seg)), n_tiles)
@@ -141,10 +146,11 @@ def forward_tiles(seg: np.ndarray, block_m: int, block_n: int) -> np.ndarray:
     q_end = (q_start + q_len)[seg_of]
     ks = k_start[seg_of]
     off = (k_start + k_len - q_len - q_start)[seg_of]
-    k_end = np.minimum(q0 + block_m, q_end) + off  # exclusive end of the last visible key
+    k_end = np.minimum(q0 + block_m, q_end) + off  # one past the last key any row sees
+    full_end = ks + (q0 + off + 1 - ks) // block_n * block_n  # first row sees these whole
     work = _cdiv(k_end - ks, block_n)
     order = np.argsort(-work, kind="stable")
-    return np.stack([q0, q_end, ks, off], axis=1)[order].astype(np.int32)
+    return np.stack([q0, q_end, off, ks, full_end, k_end], axis=1)[order].astype(np.int32)
 
 
 def key_tiles(seg: np.ndarray, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -174,7 +180,7 @@ def key_tiles(seg: np.ndarray, block_m: int, block_n: int) -> tuple[np.ndarray, 
     off = (k_stop - q_len - q_start)[seg_of]
     r0 = np.maximum(q_start[seg_of], np.maximum(k0, ks) - off)
     inside = (k0 >= ks) & (k0 + block_n <= ke)
-    r_full = np.where(inside, np.clip(k0 + block_n - 1 - off, r0, q_end), q_end)
+    r_full = np.where(inside, np.clip(k0 + block_n - 2 - off, r0, q_end), q_end)
     r_mid = np.minimum(r0 + _cdiv(r_full - r0, block_m) * block_m, q_end)
     entries = np.stack([r0, r_mid, q_end, ks, ke, off], axis=1).astype(np.int32)
 

@@ -52,10 +52,12 @@ def _fwd_kernel(
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
-    q0 = tl.load(TILES + tile * 4 + 0)
-    q_end = tl.load(TILES + tile * 4 + 1)
-    k_start = tl.load(TILES + tile * 4 + 2)
-    off = tl.load(TILES + tile * 4 + 3)
+    q0 = tl.load(TILES + tile * 6 + 0)
+    q_end = tl.load(TILES + tile * 6 + 1)
+    off = tl.load(TILES + tile * 6 + 2)
+    k_start = tl.load(TILES + tile * 6 + 3)
+    full_end = tl.load(TILES + tile * 6 + 4)
+    k_end = tl.load(TILES + tile * 6 + 5)
 
     rows = q0 + tl.arange(0, BLOCK_M)
     row_ok = rows < q_end
@@ -66,9 +68,6 @@ def _fwd_kernel(
     k_base = K + kv_head * stride_kh + dims[None, :]
     v_base = V + kv_head * stride_vh + dims[None, :]
 
-    k_end = tl.minimum(q0 + BLOCK_M, q_end) + off  # one past the last key any row sees
-    n_full = tl.maximum(q0 + off + 1 - k_start, 0) // BLOCK_N  # tiles the first row sees whole
-    full_end = k_start + n_full * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -140,10 +139,12 @@ def _dq_kernel(
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
-    q0 = tl.load(TILES + tile * 4 + 0)
-    q_end = tl.load(TILES + tile * 4 + 1)
-    k_start = tl.load(TILES + tile * 4 + 2)
-    off = tl.load(TILES + tile * 4 + 3)
+    q0 = tl.load(TILES + tile * 6 + 0)
+    q_end = tl.load(TILES + tile * 6 + 1)
+    off = tl.load(TILES + tile * 6 + 2)
+    k_start = tl.load(TILES + tile * 6 + 3)
+    full_end = tl.load(TILES + tile * 6 + 4)
+    k_end = tl.load(TILES + tile * 6 + 5)
 
     rows = q0 + tl.arange(0, BLOCK_M)
     row_ok = rows < q_end
@@ -158,9 +159,6 @@ def _dq_kernel(
     k_base = K + kv_head * stride_kh + dims[None, :]
     v_base = V + kv_head * stride_vh + dims[None, :]
 
-    k_end = tl.minimum(q0 + BLOCK_M, q_end) + off
-    n_full = tl.maximum(q0 + off + 1 - k_start, 0) // BLOCK_N
-    full_end = k_start + n_full * BLOCK_N
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for start in range(k_start, full_end, BLOCK_N):

@@ -1,0 +1,62 @@
+"""`wlb-opt bench pack-speed`: wall time of solve_pack on one large global batch.
+
+The paper reports 20 ms per batch for WLB-LLM with 2 queues (Table 2); the target here is
+<= 5 ms for solve_pack(method="wlb") on 32 micro-batches x 131072 tokens of the default
+distribution, on a 2-core machine. Reports the median of repeated runs (the machine is shared).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..cli import add_cost_args, cost_from_args
+from ..pack import solve_pack
+from .data import global_batch
+
+
+def measure(lengths, ids, offsets, n_micro, max_tokens, cost, method, repeats) -> dict:
+    solve_pack(lengths, n_micro, max_tokens, cost, method, ids=ids, offsets=offsets)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        plan = solve_pack(lengths, n_micro, max_tokens, cost, method, ids=ids, offsets=offsets)
+        times.append(time.perf_counter() - t0)
+    t = np.array(times) * 1e3
+    return dict(method=method, documents=int(len(lengths)), micro_batches=n_micro, max_tokens=max_tokens,
+                median_ms=float(np.median(t)), p10_ms=float(np.percentile(t, 10)),
+                p90_ms=float(np.percentile(t, 90)), imbalance=plan.imbalance, repeats=repeats)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="wlb-opt bench pack-speed", description=__doc__.splitlines()[0])
+    p.add_argument("--dist", default="default", help="length distribution: default, light, real")
+    p.add_argument("--n-micro", type=int, default=32)
+    p.add_argument("--window", type=int, default=131072)
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--methods", default="wlb,original,fixed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="folder for pack_speed.json")
+    add_cost_args(p)
+    args = p.parse_args(argv)
+    cost = cost_from_args(args)
+    lengths, ids, offsets = global_batch(args.dist, args.window, args.n_micro * args.window, seed=args.seed)
+    rows = []
+    print(f"{len(lengths)} documents, {int(lengths.sum())} tokens, {args.n_micro} micro-batches, "
+          f"dist={args.dist}, {args.repeats} repeats")
+    print(f"{'method':>10} {'max_tokens':>10} {'median ms':>10} {'p10':>7} {'p90':>7} {'imbalance':>10}")
+    for method in args.methods.split(","):
+        max_tokens = int(1.25 * args.window) if method not in ("original", "fixed") else args.window
+        r = measure(lengths, ids, offsets, args.n_micro, max_tokens, cost, method, args.repeats)
+        rows.append(r)
+        print(f"{method:>10} {max_tokens:>10} {r['median_ms']:>10.2f} {r['p10_ms']:>7.2f} {r['p90_ms']:>7.2f} "
+              f"{r['imbalance']:>10.3f}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "pack_speed.json").write_text(json.dumps(rows, indent=2))
+        print(f"wrote {out / 'pack_speed.json'}")
+    return 0

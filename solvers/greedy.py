@@ -1,0 +1,130 @@
+"""Greedy packers: the paper's three methods on plain arrays.
+
+- `original_sequential`: Plain-4D. Items in data order are concatenated into fixed sequences
+  of `max_tokens` tokens; an item crossing a boundary continues in the next sequence.
+- `fixed_greedy`: Fixed-4D. Whole items, heaviest first, each to the least-loaded bin that
+  still has room (longest-processing-time with a token cap).
+- `wlb_greedy`: Algorithm 1 of WLB-LLM (§3.3): carried items first, then the rest
+  longest-first; each to the least-loaded bin if it fits, else to the bin with the fewest
+  tokens if it fits there, else deferred. `<=` max_tokens (DESIGN.md).
+
+All are deterministic: ties go to the lowest bin index, sorts are stable.
+"""
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from .problem import PackProblem, PackResult
+
+
+def placement_order(problem: PackProblem, key: np.ndarray) -> np.ndarray:
+    """Carried items in their given order, then the rest by `key` descending (stable)."""
+    k = problem.carried
+    rest = k + np.argsort(-key[k:], kind="stable")
+    return np.concatenate([np.arange(k, dtype=np.int64), rest.astype(np.int64)])
+
+
+def wlb_greedy(problem: PackProblem) -> PackResult:
+    """Algorithm 1: minimum workload first, minimum tokens as fallback, else defer."""
+    n = problem.n_bins
+    cap = int(problem.max_tokens)
+    lengths = problem.lengths.tolist()
+    weights = problem.weights.tolist()
+    order = placement_order(problem, problem.lengths).tolist()
+    loads = [0.0] * n
+    toks = [0] * n
+    members: list[list[int]] = [[] for _ in range(n)]
+    deferred: list[int] = []
+    heap = [(0.0, b) for b in range(n)]  # (load, bin): ties resolved by the lowest bin index
+    for i in order:
+        d = lengths[i]
+        load, b = heap[0]
+        if toks[b] + d <= cap:
+            loads[b] = load + weights[i]
+            toks[b] += d
+            members[b].append(i)
+            heapq.heapreplace(heap, (loads[b], b))
+            continue
+        b = min(range(n), key=toks.__getitem__)  # fallback: fewest tokens (rare)
+        if toks[b] + d <= cap:
+            loads[b] += weights[i]
+            toks[b] += d
+            members[b].append(i)
+            heap = [(loads[j], j) for j in range(n)]
+            heapq.heapify(heap)
+        else:
+            deferred.append(i)
+    return PackResult(bins=[np.asarray(m, dtype=np.int64) for m in members],
+                      deferred=np.asarray(deferred, dtype=np.int64))
+
+
+def fixed_greedy(problem: PackProblem) -> PackResult:
+    """Longest-processing-time on cost, with a token cap: heaviest first to the least-loaded
+    bin that has room; items that fit nowhere are deferred."""
+    n = problem.n_bins
+    cap = problem.max_tokens
+    order = placement_order(problem, problem.weights)
+    loads = np.zeros(n)
+    toks = np.zeros(n, dtype=np.int64)
+    members: list[list[int]] = [[] for _ in range(n)]
+    deferred: list[int] = []
+    for i in order.tolist():
+        d = problem.lengths[i]
+        room = toks + d <= cap
+        if not room.any():
+            deferred.append(i)
+            continue
+        b = int(np.argmin(np.where(room, loads, np.inf)))
+        loads[b] += problem.weights[i]
+        toks[b] += d
+        members[b].append(i)
+    return PackResult(bins=[np.asarray(m, dtype=np.int64) for m in members],
+                      deferred=np.asarray(deferred, dtype=np.int64))
+
+
+def original_sequential(problem: PackProblem) -> PackResult:
+    """Plain-4D: fill `n_bins` sequences of `max_tokens` tokens in data order, cutting items
+    at sequence boundaries; everything after the last sequence is deferred (as pieces)."""
+    cap = int(problem.max_tokens)
+    starts = np.concatenate([[0], np.cumsum(problem.lengths)[:-1]]).astype(np.int64)
+    ends = starts + problem.lengths
+    # Cut points: every multiple of cap inside an item splits it.
+    src, plen, poff, pbin = [], [], [], []
+    for i, (s, e) in enumerate(zip(starts.tolist(), ends.tolist())):
+        pos = s
+        while pos < e:
+            stop = min(e, (pos // cap + 1) * cap)
+            src.append(i)
+            plen.append(stop - pos)
+            poff.append(pos - s)
+            pbin.append(pos // cap)
+            pos = stop
+    src = np.asarray(src, dtype=np.int64)
+    plen = np.asarray(plen, dtype=np.int64)
+    poff = np.asarray(poff, dtype=np.int64)
+    pbin = np.asarray(pbin, dtype=np.int64)
+    bins = [np.flatnonzero(pbin == b) for b in range(problem.n_bins)]
+    deferred = np.flatnonzero(pbin >= problem.n_bins)
+    return PackResult(bins=bins, deferred=deferred, pieces=(src, plen, poff))
+
+
+def deal_to_replicas(loads: np.ndarray, dp: int, n_micro: int) -> np.ndarray:
+    """Give n_micro bins to each of dp replicas so that replica totals balance.
+
+    Heaviest bin first to the replica with the least total that still has a free slot.
+    Returns replica_of (int64, one entry per bin).
+    """
+    loads = np.asarray(loads, dtype=np.float64)
+    if dp == 1:
+        return np.zeros(len(loads), dtype=np.int64)
+    replica_of = np.empty(len(loads), dtype=np.int64)
+    totals = np.zeros(dp)
+    slots = np.full(dp, n_micro)
+    for j in np.argsort(-loads, kind="stable").tolist():
+        r = int(np.argmin(np.where(slots > 0, totals, np.inf)))
+        replica_of[j] = r
+        totals[r] += loads[j]
+        slots[r] -= 1
+    return replica_of

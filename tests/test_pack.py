@@ -1,0 +1,182 @@
+"""solve_pack: every method against the independent checker, Algorithm 1's rules by hand,
+dp > 1, carried documents, bad input, and plan serialisation."""
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import wlb_opt as wlb
+from wlb_opt.plan import PlanError
+
+HEURISTICS = ["original", "fixed", "wlb"]
+
+
+def unit_cost(attn=1.0, linear=0.0):
+    """A cost model with hand-computable weights: attn * d(d+1)/2 + linear * d."""
+    zero = dict(attn=attn, linear=linear, comm=0.0, doc_const=0.0, mb_const=0.0)
+    return wlb.CostModel(coef={"fwd": dict(zero), "bwd": dict(zero, attn=0.0, linear=0.0)}, attn_flops_per_pair=1.0)
+
+
+@pytest.fixture(scope="module")
+def cost():
+    return wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4),
+                                  wlb.HardwareSpec.preset("h100"))
+
+
+@given(
+    lengths=st.lists(st.integers(1, 400), min_size=0, max_size=60),
+    n_micro=st.integers(1, 5),
+    dp=st.integers(1, 3),
+    slack=st.floats(0.5, 2.0),
+    method=st.sampled_from(HEURISTICS),
+    carried_frac=st.floats(0, 1),
+)
+def test_every_heuristic_passes_the_checker(lengths, n_micro, dp, slack, method, carried_frac):
+    lengths = np.array(lengths, dtype=np.int64)
+    max_tokens = max(int(lengths.max()) if len(lengths) else 1,
+                     int(slack * lengths.sum() / (n_micro * dp)) if len(lengths) else 1)
+    carried = int(carried_frac * len(lengths))
+    ids = np.arange(100, 100 + len(lengths))
+    cost = unit_cost(attn=1e-6, linear=1e-3)
+    plan = wlb.solve_pack(lengths, n_micro, max_tokens, cost, method, ids=ids, dp=dp, carried=carried)
+    wlb.check_pack(plan, lengths, max_tokens, ids=ids, cost=cost)
+    assert plan.info.method == method
+
+
+def test_checker_catches_a_dropped_and_a_duplicated_document():
+    plan = wlb.solve_pack([5, 3, 2], 2, 6, unit_cost(), "wlb")
+    wlb.check_pack(plan, [5, 3, 2], 6)
+    broken = wlb.PackPlan.from_dict(plan.to_dict())
+    broken.micro_batches[0] = broken.micro_batches[0][:-1]
+    with pytest.raises(PlanError):
+        wlb.check_pack(broken, [5, 3, 2], 6)
+    dup = wlb.PackPlan.from_dict(plan.to_dict())
+    dup.micro_batches[1] = np.concatenate([dup.micro_batches[1], dup.micro_batches[0][:1]])
+    dup.tokens[1] += dup.lengths[dup.micro_batches[0][0]]
+    with pytest.raises(PlanError):
+        wlb.check_pack(dup, [5, 3, 2], 100)
+    with pytest.raises(PlanError, match="max_tokens"):
+        wlb.check_pack(plan, [5, 3, 2], 4)
+
+
+def test_algorithm1_minimum_workload_first():
+    # weights == lengths: 10 -> mb0, 6 -> mb1, 5 -> mb1 (load 6 < 10)
+    plan = wlb.solve_pack([5, 10, 6], 2, 100, unit_cost(attn=0.0, linear=1.0), "wlb")
+    assert [plan.lengths[mb].tolist() for mb in plan.micro_batches] == [[10], [6, 5]]
+
+
+def test_algorithm1_falls_back_to_fewest_tokens_then_defers():
+    # attention-only weights d(d+1)/2, cap 10, two micro-batches; longest first: 8, 5, 4, 2, 2.
+    # 8 -> mb0 (36); 5 -> mb1 (15); 4 -> mb1 (25, 9 tokens); 2 -> least work is mb1 but 11 > 10,
+    # fewest tokens is mb0 (8 + 2 = 10 fits); the last 2 fits in neither -> deferred.
+    plan = wlb.solve_pack([2, 4, 8, 5, 2], 2, 10, unit_cost(), "wlb")
+    assert [plan.lengths[mb].tolist() for mb in plan.micro_batches] == [[8, 2], [5, 4]]
+    assert plan.lengths[plan.deferred].tolist() == [2]
+    assert plan.tokens.tolist() == [10, 9]
+
+
+def test_max_tokens_is_inclusive():
+    plan = wlb.solve_pack([6, 4], 1, 10, unit_cost(), "wlb")
+    assert len(plan.deferred) == 0 and plan.tokens.tolist() == [10]
+
+
+def test_carried_documents_are_placed_first_in_their_order():
+    # carried 1 and 2 go first (1 -> mb0, 2 -> mb1), then 10, 9 longest-first: 10 -> mb0 (load 1 < 3)
+    plan = wlb.solve_pack([1, 2, 9, 10], 2, 100, unit_cost(attn=0.0, linear=1.0), "wlb", carried=2)
+    assert [plan.lengths[mb].tolist() for mb in plan.micro_batches] == [[1, 10], [2, 9]]
+    # without carrying, the longest go first
+    plan = wlb.solve_pack([1, 2, 9, 10], 2, 100, unit_cost(attn=0.0, linear=1.0), "wlb")
+    assert [plan.lengths[mb].tolist() for mb in plan.micro_batches] == [[10, 1], [9, 2]]
+    # carried documents take the room first: a carried 9 leaves no room for the fresh 5
+    plan = wlb.solve_pack([9, 5, 1], 1, 10, unit_cost(), "wlb", carried=1)
+    assert plan.lengths[plan.deferred].tolist() == [5]
+
+
+def test_original_cuts_at_sequence_boundaries_and_defers_the_tail():
+    plan = wlb.solve_pack([5, 6, 4], 2, 6, unit_cost(), "original", ids=[10, 11, 12])
+    got = [[(int(plan.doc_ids[i]), int(plan.offsets[i]), int(plan.lengths[i])) for i in mb] for mb in plan.micro_batches]
+    assert got == [[(10, 0, 5), (11, 0, 1)], [(11, 1, 5), (12, 0, 1)]]
+    assert [(int(plan.doc_ids[i]), int(plan.offsets[i]), int(plan.lengths[i])) for i in plan.deferred] == [(12, 1, 3)]
+    wlb.check_pack(plan, [5, 6, 4], 6, ids=[10, 11, 12])
+
+
+def test_fixed_balances_cost_within_fixed_length():
+    cost = unit_cost()
+    plan = wlb.solve_pack([4, 4, 3, 3, 2, 2], 2, 9, cost, "fixed")
+    wlb.check_pack(plan, [4, 4, 3, 3, 2, 2], 9, cost=cost)
+    assert len(plan.deferred) == 0
+    assert plan.imbalance < 1.1
+
+
+@pytest.mark.parametrize("method", HEURISTICS)
+def test_dp_gives_n_micro_per_replica(method, cost):
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(100, 20000, 300)
+    plan = wlb.solve_pack(lengths, 4, 200_000, cost, method, dp=3)
+    assert len(plan.micro_batches) == 12
+    assert np.bincount(plan.replica_of).tolist() == [4, 4, 4]
+    wlb.check_pack(plan, lengths, 200_000, cost=cost)
+    if method == "wlb":
+        totals = [plan.loads[plan.replica_of == r].sum() for r in range(3)]
+        assert max(totals) / min(totals) < 1.05
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(lengths=[3, 0]), "positive"),
+    (dict(lengths=[3, -1]), "positive"),
+    (dict(lengths=[3.5]), "integers"),
+    (dict(lengths=[float("nan")]), "NaN"),
+    (dict(n_micro=0), "n_micro"),
+    (dict(dp=0), "dp"),
+    (dict(lengths=[5, 50]), "max_tokens"),
+    (dict(method="magic"), "valid"),
+    (dict(carried=3), "carried"),
+    (dict(carried=-1), "carried"),
+    (dict(ids=[1]), "ids"),
+    (dict(time_limit=0), "time_limit"),
+])
+def test_bad_input_is_a_clear_error(kwargs, match):
+    args = dict(lengths=[3, 4], n_micro=2, max_tokens=10, cost=unit_cost(), method="wlb")
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        wlb.solve_pack(args.pop("lengths"), args.pop("n_micro"), args.pop("max_tokens"), **args)
+
+
+def test_plan_json_round_trip_and_digest(cost):
+    import json
+
+    lengths = np.random.default_rng(1).integers(1, 5000, 80)
+    plan = wlb.solve_pack(lengths, 4, 40000, cost, "wlb", dp=2)
+    back = wlb.PackPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert back.digest() == plan.digest()
+    np.testing.assert_array_equal(back.loads, plan.loads)
+    assert back.imbalance == plan.imbalance and back.info.method == "wlb"
+    other = wlb.solve_pack(lengths, 4, 40000, cost, "fixed", dp=2)
+    assert other.digest() != plan.digest()
+
+
+def test_split_documents():
+    pieces, ids, offsets = wlb.split_documents([5, 12, 3], window=5, ids=[7, 8, 9])
+    assert pieces.tolist() == [5, 5, 5, 2, 3]
+    assert ids.tolist() == [7, 8, 8, 8, 9]
+    assert offsets.tolist() == [0, 0, 5, 10, 0]
+    with pytest.raises(ValueError, match="window"):
+        wlb.split_documents([5], window=0)
+
+
+def test_load_lengths(tmp_path):
+    np.save(tmp_path / "a.npy", np.array([3, 4]))
+    (tmp_path / "b.txt").write_text("# lengths\n3\n4\n")
+    (tmp_path / "c.jsonl").write_text('{"n": 3}\n{"n": 4}\n')
+    (tmp_path / "d.jsonl").write_text('{"text": "abcdefgh"}\n')
+    assert wlb.load_lengths(tmp_path / "a.npy").tolist() == [3, 4]
+    assert wlb.load_lengths(tmp_path / "b.txt").tolist() == [3, 4]
+    assert wlb.load_lengths(tmp_path / "c.jsonl", field="n").tolist() == [3, 4]
+    assert wlb.load_lengths(tmp_path / "d.jsonl", field="text").tolist() == [2]
+    with pytest.raises(ValueError, match="field"):
+        wlb.load_lengths(tmp_path / "c.jsonl")
+    (tmp_path / "e.txt").write_text("3\n0\n")
+    with pytest.raises(ValueError, match="positive"):
+        wlb.load_lengths(tmp_path / "e.txt")
+    with pytest.raises(ValueError, match="does not exist"):
+        wlb.load_lengths(tmp_path / "missing.npy")

@@ -1,0 +1,279 @@
+"""The workload cost model: seconds of one document, one micro-batch, one attention segment.
+
+Paper §3 models a micro-batch as sum over its documents of W_a(d) + W_l(d), attention
+quadratic and the rest linear, both "derived from offline profiling" (Fig. 7). We keep that
+structure with four explicit terms per phase ("fwd", "bwd"):
+
+    doc_cost(d) = attn * d(d+1)/2  +  linear * d  +  comm * d  +  doc_const
+    micro_batch_cost(ds) = sum(doc_cost(ds)) + mb_const
+
+in seconds for all layers of one DP replica (a pipeline stage's share is 1/pp of it), with
+d(d+1)/2 the exact number of causal (query, key) pairs. `CostModel.analytic` derives the
+coefficients from FLOPs, bytes and the hardware's achieved efficiencies; a profiled model
+(measured on a device) has the same fields, so everything downstream is agnostic.
+
+`attention_latency(q_len, kv_len)` is the separate kernel-level model of paper §4.3 used to
+choose CP sharding: FLOPs padded to the kernel tile (128) and divided by an achieved
+throughput that depends on the query length (Fig. 10: flat up to one tile, a jump from 128
+to 256 rows when Hopper's TMA multicast kicks in). Until `wlb_opt.profile` measures it, the
+table below is a documented placeholder read qualitatively off the paper's Fig. 10.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from .specs import HardwareSpec, ModelSpec, ParallelSpec
+
+Phase = Literal["fwd", "bwd", "fwd_bwd"]
+PHASES: tuple[str, ...] = ("fwd", "bwd", "fwd_bwd")
+TERMS: tuple[str, ...] = ("attn", "linear", "comm", "doc_const", "mb_const")
+FORMAT_VERSION = 1
+
+# Attention efficiency by query-segment length, as a multiplier of HardwareSpec.attn_efficiency.
+# Placeholder from paper §4.3 / Fig. 10 (H100, FlashAttention, head dim 128): latency is flat
+# for q_len <= 128 (padding to the 128-row tile, already counted in FLOPs), and achieved
+# TFLOP/s jumps between 128 and 256 rows (TMA multicast of shared KV tiles), then saturates.
+DEFAULT_EFF_Q_LEN: tuple[int, ...] = (1, 256, 512, 1024, 4096)
+DEFAULT_EFF_SCALE: tuple[float, ...] = (0.60, 0.88, 0.95, 0.99, 1.0)
+EFFICIENCY_SOURCE = "placeholder: paper §4.3 / Fig. 10 shape (flat <=128 rows, jump at 256), not measured"
+
+
+def _validate_lengths(lengths) -> np.ndarray:
+    arr = np.asarray(lengths)
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    if arr.ndim != 1:
+        raise ValueError(f"lengths must be a 1-D sequence of token counts, got shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype.kind == "f":
+        if not np.all(np.isfinite(arr)):
+            raise ValueError(f"lengths must be finite positive integers, got NaN/inf at index {int(np.argmin(np.isfinite(arr)))}")
+        if np.any(arr != np.round(arr)):
+            i = int(np.argmax(arr != np.round(arr)))
+            raise ValueError(f"lengths must be integers, got {arr[i]!r} at index {i}")
+    elif arr.dtype.kind not in "iu":
+        raise ValueError(f"lengths must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64)
+    if np.any(arr <= 0):
+        i = int(np.argmax(arr <= 0))
+        raise ValueError(f"lengths must be positive token counts, got {int(arr[i])} at index {i}")
+    return arr
+
+
+def validate_phase(phase: str) -> None:
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Coefficients of the four-term document cost, per phase, plus the kernel model.
+
+    `coef[phase][term]` is in seconds per causal pair (attn), per token (linear, comm),
+    per document (doc_const) or per micro-batch (mb_const), for phase in ("fwd", "bwd").
+    """
+
+    coef: dict
+    attn_flops_per_pair: float
+    """Forward attention FLOPs per causal (q, k) pair over all layers on one CP rank (heads / tp)."""
+    attn_bwd_ratio: float = 2.5
+    """Backward / forward attention FLOPs (FlashAttention-2 recomputes S and P: 5 vs 2 matmuls)."""
+    attn_peak_flops: float = 1.0
+    """FLOP/s that attention_latency divides by before the shape-dependent scale."""
+    tile: int = 128
+    eff_q_len: tuple = DEFAULT_EFF_Q_LEN
+    eff_scale: tuple = DEFAULT_EFF_SCALE
+    efficiency_source: str = EFFICIENCY_SOURCE
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for phase in ("fwd", "bwd"):
+            if phase not in self.coef:
+                raise ValueError(f"CostModel.coef needs phases 'fwd' and 'bwd', got {sorted(self.coef)}")
+            for term in TERMS:
+                value = self.coef[phase].get(term)
+                if value is None or not np.isfinite(value) or value < 0:
+                    raise ValueError(f"CostModel.coef[{phase!r}][{term!r}] must be a finite number >= 0, got {value!r}")
+        if self.tile < 1:
+            raise ValueError(f"CostModel.tile must be >= 1, got {self.tile}")
+        if len(self.eff_q_len) != len(self.eff_scale) or not self.eff_q_len:
+            raise ValueError("CostModel.eff_q_len and eff_scale must be non-empty and of equal length")
+        if list(self.eff_q_len) != sorted(self.eff_q_len) or any(s <= 0 for s in self.eff_scale):
+            raise ValueError("CostModel.eff_q_len must increase and eff_scale must be positive")
+        # cached vectors: index 0 = fwd, 1 = bwd, 2 = fwd_bwd
+        table = np.array([[self.coef[p][t] for t in TERMS] for p in ("fwd", "bwd")], dtype=np.float64)
+        object.__setattr__(self, "_table", np.vstack([table, table.sum(axis=0)]))
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def analytic(
+        cls,
+        model: ModelSpec,
+        parallel: ParallelSpec | None = None,
+        hardware: HardwareSpec | None = None,
+        *,
+        tp_comm_exposed: float = 0.3,
+        cp_comm_exposed: float = 1.0,
+        tile: int = 128,
+    ) -> "CostModel":
+        """Coefficients from FLOPs and bytes.
+
+        - attention: 4 * hidden FLOPs per causal pair and layer (QK^T and PV), split over
+          tp (heads) and cp (pairs), at peak x attn_efficiency; backward 2.5x.
+        - linear: 2 x weights per token and layer plus the LM head, split over tp and cp, at
+          peak x gemm_efficiency; plus about 32 bytes x hidden of element-wise HBM traffic
+          per token and layer; backward 2x.
+        - comm: TP with sequence parallelism moves 4 activation shards per layer and phase
+          ((tp-1)/tp of tokens/cp x hidden bf16 each), of which `tp_comm_exposed` is not
+          hidden behind GEMMs; CP all-gathers K and V forward and reduce-scatters dK/dV
+          backward ((cp-1)/cp of the kv_dim/tp slice). TP on NVLink; CP on NVLink only when
+          tp x cp fits in a node, else on the network.
+        - doc_const: half a microsecond per layer (varlen kernel bookkeeping per document).
+        - mb_const: about 15 kernel launches per layer forward, 30 backward.
+        """
+        parallel = parallel or ParallelSpec()
+        hardware = hardware or HardwareSpec.preset("h100")
+        if not 0.0 <= tp_comm_exposed <= 1.0 or not 0.0 <= cp_comm_exposed <= 1.0:
+            raise ValueError("tp_comm_exposed and cp_comm_exposed must be in [0, 1]")
+        L, h = model.layers, model.hidden
+        split = parallel.tp * parallel.cp
+        peak = hardware.peak_tflops * 1e12
+
+        attn_flops_pair = 4.0 * h * L / split
+        attn_fwd = attn_flops_pair / (peak * hardware.attn_efficiency)
+        gemm_flops_tok = (2.0 * model.params_per_layer * L + 2.0 * model.vocab * h) / split
+        elementwise_s_tok = 32.0 * h * L / split / (hardware.hbm_gbps * 1e9)
+        linear_fwd = gemm_flops_tok / (peak * hardware.gemm_efficiency) + elementwise_s_tok
+
+        # TP is the innermost dimension (NVLink when it fits in a node); CP crosses nodes
+        # once tp x cp exceeds a node (paper §7.1 maps TP and CP inside a node when it can).
+        nvlink, network = hardware.nvlink_gbps * 1e9, hardware.network_gbps * 1e9
+        tp_bw = nvlink if parallel.tp <= parallel.gpus_per_node else network
+        cp_bw = nvlink if split <= parallel.gpus_per_node else network
+        tp_bytes_tok = 4 * (parallel.tp - 1) / parallel.tp * h * 2 / parallel.cp * L
+        cp_bytes_tok = (parallel.cp - 1) / parallel.cp * 2 * model.kv_dim / parallel.tp * 2 * L
+        comm_fwd = tp_comm_exposed * tp_bytes_tok / tp_bw + cp_comm_exposed * cp_bytes_tok / cp_bw
+
+        doc_const_fwd = 0.5e-6 * L
+        mb_const_fwd = 15 * hardware.kernel_launch_s * L
+        coef = {
+            "fwd": dict(attn=attn_fwd, linear=linear_fwd, comm=comm_fwd,
+                        doc_const=doc_const_fwd, mb_const=mb_const_fwd),
+            "bwd": dict(attn=2.5 * attn_fwd, linear=2.0 * linear_fwd, comm=comm_fwd,
+                        doc_const=2 * doc_const_fwd, mb_const=2 * mb_const_fwd),
+        }
+        meta = dict(kind="analytic", model=model.to_dict(), parallel=parallel.to_dict(),
+                    hardware=hardware.to_dict(), tp_comm_exposed=tp_comm_exposed,
+                    cp_comm_exposed=cp_comm_exposed)
+        return cls(coef=coef, attn_flops_per_pair=attn_flops_pair * parallel.cp,
+                   attn_bwd_ratio=2.5, attn_peak_flops=peak * hardware.attn_efficiency,
+                   tile=tile, meta=meta)
+
+    # ------------------------------------------------------------------ costs
+    def _row(self, phase: str) -> np.ndarray:
+        validate_phase(phase)
+        return self._table[PHASES.index(phase)]
+
+    def doc_cost(self, lengths, phase: Phase = "fwd_bwd") -> np.ndarray:
+        """Seconds of each document (all layers, one replica); vectorised over `lengths`."""
+        d = _validate_lengths(lengths).astype(np.float64)
+        attn, linear, comm, doc_const, _ = self._row(phase)
+        return attn * (d * (d + 1.0) * 0.5) + (linear + comm) * d + doc_const
+
+    def doc_cost_terms(self, lengths, phase: Phase = "fwd_bwd") -> dict[str, np.ndarray]:
+        """The four terms of doc_cost separately (for breakdowns and plots)."""
+        d = _validate_lengths(lengths).astype(np.float64)
+        attn, linear, comm, doc_const, _ = self._row(phase)
+        return {"attn": attn * d * (d + 1.0) * 0.5, "linear": linear * d, "comm": comm * d,
+                "doc_const": np.full_like(d, doc_const)}
+
+    def micro_batch_cost(self, lengths, phase: Phase = "fwd_bwd") -> float:
+        """Seconds of one micro-batch: its documents plus the per-micro-batch constant."""
+        return float(self.doc_cost(lengths, phase).sum() + self._row(phase)[4])
+
+    def linear_cost(self, tokens, phase: Phase = "fwd_bwd"):
+        """Seconds of the token-linear work (GEMMs, element-wise, communication) of `tokens`."""
+        _, linear, comm, _, _ = self._row(phase)
+        return (linear + comm) * np.asarray(tokens, dtype=np.float64)
+
+    def mb_const(self, phase: Phase = "fwd_bwd") -> float:
+        return float(self._row(phase)[4])
+
+    def attention_tiles(self, q_len, kv_len) -> np.ndarray:
+        """Number of tile x tile blocks a causal, bottom-right-aligned segment visits.
+
+        Query tile i (rows [i*T, min((i+1)*T, q))) sees keys up to kv - q + its last row + 1,
+        so it visits ceil((kv - q + min((i+1)T, q)) / T) key tiles. Summed in closed form.
+        """
+        q = np.asarray(q_len, dtype=np.int64)
+        kv = np.asarray(kv_len, dtype=np.int64)
+        if np.any(q < 0) or np.any(kv < q):
+            raise ValueError("attention segments need 0 <= q_len <= kv_len")
+        T = self.tile
+        n_q = -(-q // T)
+        s = kv - q
+        tiles = np.maximum(n_q - 1, 0) * (-(-s // T)) + n_q * np.maximum(n_q - 1, 0) // 2 + (-(-kv // T))
+        return np.where(q > 0, tiles, 0)
+
+    def attention_efficiency(self, q_len) -> np.ndarray:
+        """Shape-dependent multiplier of achieved attention throughput (see module docstring)."""
+        idx = np.searchsorted(np.asarray(self.eff_q_len), np.asarray(q_len), side="right") - 1
+        return np.asarray(self.eff_scale, dtype=np.float64)[np.clip(idx, 0, len(self.eff_scale) - 1)]
+
+    def attention_latency(self, q_len, kv_len, phase: Phase = "fwd_bwd"):
+        """Seconds of one attention segment (all layers, this rank's heads), tile-padded.
+
+        Vectorised: returns an array for array inputs, a float for scalars.
+        """
+        validate_phase(phase)
+        scalar = np.ndim(q_len) == 0 and np.ndim(kv_len) == 0
+        tiles = self.attention_tiles(q_len, kv_len)
+        mult = {"fwd": 1.0, "bwd": self.attn_bwd_ratio, "fwd_bwd": 1.0 + self.attn_bwd_ratio}[phase]
+        flops = tiles * float(self.tile * self.tile) * self.attn_flops_per_pair * mult
+        seconds = flops / (self.attn_peak_flops * self.attention_efficiency(q_len))
+        return float(seconds) if scalar else seconds
+
+    # ------------------------------------------------------------------ persistence
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["eff_q_len"] = list(self.eff_q_len)
+        d["eff_scale"] = list(self.eff_scale)
+        d["format_version"] = FORMAT_VERSION
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        d = dict(d)
+        version = d.pop("format_version", None)
+        if version != FORMAT_VERSION:
+            raise ValueError(f"CostModel format_version {version!r} is not supported; expected {FORMAT_VERSION}")
+        d["eff_q_len"] = tuple(d["eff_q_len"])
+        d["eff_scale"] = tuple(d["eff_scale"])
+        return cls(**d)
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True))
+
+    @classmethod
+    def load(cls, path) -> "CostModel":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def describe(self) -> str:
+        """One line per phase with the coefficients, for logs and the CLI."""
+        rows = []
+        for p in ("fwd", "bwd"):
+            c = self.coef[p]
+            rows.append(f"{p}: attn {c['attn']:.3e} s/pair, linear {c['linear']:.3e} s/tok, "
+                        f"comm {c['comm']:.3e} s/tok, doc {c['doc_const']:.2e} s, mb {c['mb_const']:.2e} s")
+        return "\n".join(rows)
+
+
+def default_cost() -> CostModel:
+    """The cost model used when none is given: 7B, one GPU's worth of layout, H100."""
+    return CostModel.analytic(ModelSpec.preset("7b"), ParallelSpec(), HardwareSpec.preset("h100"))

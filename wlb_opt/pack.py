@@ -1,0 +1,168 @@
+"""`solve_pack()`: pack one global batch into dp x n_micro micro-batches.
+
+The facade validates the input, turns documents into a solver problem (lengths and
+modelled costs), runs the chosen method from `PACK_METHODS`, and assembles a PackPlan whose
+loads are recomputed from the cost model, never taken from the solver. Methods:
+
+- "original": Plain-4D, data order, fixed-length sequences, documents cut at boundaries.
+- "fixed":    Fixed-4D, greedy fixed-length packing balanced on modelled cost.
+- "wlb":      WLB-LLM Algorithm 1, variable length up to max_tokens.
+- "cpsat", "milp": exact models (`wlb-opt[exact]`), see wlb_opt.solvers.cpsat / .milp.
+
+More methods can be added with `register_method`. The stateful streaming packer with
+outlier queues is `WLBPacker` (wlb_opt.packer), re-exported here.
+"""
+from __future__ import annotations
+
+import importlib
+import time
+from typing import Callable
+
+import numpy as np
+
+from .cost import CostModel, default_cost
+from .docs import validate_ids, validate_lengths
+from .plan import PackPlan, SolveInfo
+from .solvers.greedy import deal_to_replicas, fixed_greedy, original_sequential, wlb_greedy
+from .solvers.problem import PackProblem, PackResult
+
+# name -> solver callable, or "module:function" resolved on first use (optional deps).
+PACK_METHODS: dict[str, Callable[[PackProblem], PackResult] | str] = {
+    "original": original_sequential,
+    "fixed": fixed_greedy,
+    "wlb": wlb_greedy,
+    "cpsat": "wlb_opt.solvers.cpsat:solve",
+    "milp": "wlb_opt.solvers.milp:solve",
+}
+# Methods that keep documents whole in fixed-length micro-batches balance tokens too.
+_BALANCE_REPLICAS = {"original": False, "fixed": False}
+
+
+def register_method(name: str, solver: Callable[[PackProblem], PackResult] | str,
+                    balance_replicas: bool = True) -> None:
+    """Add a packing method (a callable on PackProblem, or "module:function")."""
+    PACK_METHODS[name] = solver
+    _BALANCE_REPLICAS[name] = balance_replicas
+
+
+def get_method(name: str) -> Callable[[PackProblem], PackResult]:
+    try:
+        solver = PACK_METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown packing method {name!r}; valid: {sorted(PACK_METHODS)}") from None
+    if isinstance(solver, str):
+        module, func = solver.split(":")
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("wlb_opt"):
+                raise ValueError(f"packing method {name!r} is not available in this version") from None
+            raise
+        solver = getattr(mod, func)
+        PACK_METHODS[name] = solver
+    return solver
+
+
+def _check_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def solve_pack(
+    lengths,
+    n_micro: int,
+    max_tokens: int,
+    cost: CostModel | None = None,
+    method: str = "wlb",
+    *,
+    ids=None,
+    offsets=None,
+    dp: int = 1,
+    carried: int = 0,
+    time_limit: float = 10.0,
+    seed: int = 0,
+    backend: str | None = None,
+    **options,
+) -> PackPlan:
+    """Pack one global batch of documents into dp x n_micro micro-batches.
+
+    Args:
+        lengths: token count of each document (or piece, see `split_documents`).
+        n_micro: micro-batches per DP replica (N).
+        max_tokens: token cap of one micro-batch, inclusive (S_max; the window for
+            fixed-length methods).
+        cost: the cost model the loads are measured with (default: 7B on H100, no parallelism).
+        method: one of PACK_METHODS.
+        ids: document ids (default 0..n-1); pieces of one document may share an id.
+        offsets: start of each piece inside its document (default 0).
+        dp: data-parallel replicas; dp x n_micro micro-batches are packed jointly.
+        carried: the first `carried` documents come from an earlier step; placed first.
+        time_limit, seed, backend: for exact methods ("milp" backend "cbc" | "highs").
+        **options: method-specific (e.g. allow_defer=True for exact methods).
+
+    Returns a PackPlan; tokens that do not fit are in `plan.deferred`, never dropped.
+    """
+    t0 = time.perf_counter()
+    lengths = validate_lengths(lengths)
+    n_micro = _check_int("n_micro", n_micro, 1)
+    dp = _check_int("dp", dp, 1)
+    max_tokens = _check_int("max_tokens", max_tokens, 1)
+    carried = _check_int("carried", carried, 0)
+    if carried > len(lengths):
+        raise ValueError(f"carried={carried} is out of range: only {len(lengths)} documents were given")
+    if not (isinstance(time_limit, (int, float)) and time_limit > 0):
+        raise ValueError(f"time_limit must be > 0 seconds, got {time_limit!r}")
+    solver = get_method(method)
+    ids = validate_ids(ids, len(lengths))
+    offsets = np.zeros(len(lengths), np.int64) if offsets is None else validate_ids(offsets, len(lengths), "offsets")
+    if len(lengths) and lengths.max() > max_tokens:
+        i = int(np.argmax(lengths))
+        raise ValueError(
+            f"document {int(ids[i])} (position {i}) has {int(lengths[i])} tokens > max_tokens={max_tokens}; "
+            "cut documents to the window first with wlb_opt.split_documents(lengths, window)")
+    cost = cost if cost is not None else default_cost()
+
+    problem = PackProblem(
+        lengths=lengths, weights=cost.doc_cost(lengths) if len(lengths) else np.zeros(0),
+        n_bins=dp * n_micro, max_tokens=max_tokens, carried=carried, bin_const=cost.mb_const(),
+        time_limit=float(time_limit), seed=int(seed), backend=backend, options=dict(options))
+    result = solver(problem)
+
+    if result.pieces is not None:
+        src, plen, poff = result.pieces
+        p_ids, p_len, p_off = ids[src], plen.astype(np.int64), offsets[src] + poff
+    else:
+        p_ids, p_len, p_off = ids, lengths, offsets
+    bins = [np.asarray(b, dtype=np.int64) for b in result.bins]
+    piece_cost = cost.doc_cost(p_len) if len(p_len) else np.zeros(0)
+    mb_const = cost.mb_const()
+    # Same values as cost.micro_batch_cost(p_len[b]) (same terms, same summation order).
+    loads = np.array([piece_cost[b].sum() + mb_const for b in bins], dtype=np.float64)
+    tokens = np.array([int(p_len[b].sum()) for b in bins], dtype=np.int64)
+    if _BALANCE_REPLICAS.get(method, True):
+        replica_of = deal_to_replicas(loads, dp, n_micro)
+    else:
+        replica_of = np.arange(dp * n_micro, dtype=np.int64) // n_micro
+
+    objective = float(loads.max()) if len(loads) else 0.0
+    bound = result.bound
+    gap = None
+    if bound is not None and objective > 0:
+        gap = max(0.0, (objective - bound) / objective)
+    info = SolveInfo(method=method, status=result.status, objective=objective, bound=bound, gap=gap,
+                     scale=result.scale, build_s=result.build_s, solve_s=result.solve_s,
+                     wall_s=time.perf_counter() - t0, extra=dict(result.extra))
+    return PackPlan(doc_ids=p_ids.astype(np.int64), lengths=p_len, offsets=p_off.astype(np.int64),
+                    micro_batches=bins, replica_of=replica_of,
+                    deferred=np.asarray(result.deferred, dtype=np.int64), loads=loads, tokens=tokens,
+                    n_micro=n_micro, dp=dp, max_tokens=max_tokens, info=info)
+
+
+def __getattr__(name: str):
+    # WLBPacker lives in its own module (wlb_opt.packer); resolved lazily to avoid a cycle.
+    if name == "WLBPacker":
+        from .packer import WLBPacker
+
+        return WLBPacker
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,198 @@
+"""Model, parallel layout and hardware descriptions: frozen, validating dataclasses.
+
+These three specs are all the analytic cost model needs. Presets follow paper Table 1
+(arXiv 2503.17924, §7.1) for the models, and vendor datasheets for the hardware; each preset
+says where its numbers come from.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+def _check_positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be a positive number, got {value!r}")
+
+
+def _check_fraction(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be in (0, 1], got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """A Llama-like decoder-only transformer."""
+
+    name: str = "custom"
+    """Label used in tables and saved cost models."""
+    hidden: int
+    """Model width (d_model)."""
+    layers: int
+    """Number of transformer blocks."""
+    heads: int
+    """Query heads; head_dim = hidden // heads."""
+    kv_heads: int | None = None
+    """Key/value heads (GQA); None means heads (multi-head attention)."""
+    ffn: int
+    """SwiGLU inner width (three hidden x ffn matrices per block)."""
+    vocab: int = 32000
+    """Vocabulary size (embedding and LM head)."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "layers", "heads", "ffn", "vocab"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelSpec.{name} must be an integer >= 1, got {value!r}")
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if not isinstance(self.kv_heads, int) or self.kv_heads < 1 or self.heads % self.kv_heads:
+            raise ValueError(
+                f"ModelSpec.kv_heads must be a positive divisor of heads={self.heads}, got {self.kv_heads!r}"
+            )
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"ModelSpec.hidden={self.hidden} must be divisible by heads={self.heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of K (and of V): kv_heads x head_dim."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def params_per_layer(self) -> int:
+        """Weights of one block: Q, O (hidden^2 each), K, V (hidden x kv_dim), SwiGLU (3 x hidden x ffn)."""
+        return 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_dim + 3 * self.hidden * self.ffn
+
+    @property
+    def n_params(self) -> int:
+        """Total weights, untied embedding and LM head included."""
+        return self.layers * self.params_per_layer + 2 * self.vocab * self.hidden
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelSpec":
+        """One of "tiny", "550m", "7b", "30b", "70b".
+
+        - "7b": Llama-2-7B exactly (Touvron et al. 2023; the paper says its 7B equals it).
+        - "550m": the paper's internal 550M is unpublished; a scaled Llama shape with
+          hidden 1536, 16 layers, 12 heads, ffn 4096 gives 0.55 B weights with embeddings.
+        - "30b": the Llama-1 33B shape (hidden 6656, 60 layers, 52 heads, ffn 17920).
+        - "70b": Llama-2-70B (hidden 8192, 80 layers, 64 heads, 8 KV heads, ffn 28672).
+        - "tiny": 2 layers of width 64 for tests and CPU examples.
+        """
+        try:
+            kwargs = _MODEL_PRESETS[name.lower()]
+        except (KeyError, AttributeError):
+            raise ValueError(
+                f"unknown ModelSpec preset {name!r}; valid: {sorted(_MODEL_PRESETS)}"
+            ) from None
+        return cls(name=name.lower(), **kwargs)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_MODEL_PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=176, vocab=256),
+    "550m": dict(hidden=1536, layers=16, heads=12, ffn=4096, vocab=32000),
+    "7b": dict(hidden=4096, layers=32, heads=32, ffn=11008, vocab=32000),
+    "30b": dict(hidden=6656, layers=60, heads=52, ffn=17920, vocab=32000),
+    "70b": dict(hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=32000),
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelSpec:
+    """A 4D layout: tensor, context, pipeline and data parallel degrees."""
+
+    tp: int = 1
+    """Tensor parallel size (with sequence parallelism)."""
+    cp: int = 1
+    """Context parallel size (all-gather K/V, Llama-3 style)."""
+    pp: int = 1
+    """Pipeline stages; layers are split evenly."""
+    dp: int = 1
+    """Data parallel replicas."""
+    gpus_per_node: int = 8
+    """Intra-node group size: TP x CP groups that fit in a node use NVLink."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelSpec.{f.name} must be an integer >= 1, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareSpec:
+    """One accelerator and its links. Bandwidths are per GPU, one direction, GB/s (1e9 B/s)."""
+
+    name: str = "custom"
+    peak_tflops: float
+    """Dense bf16 peak, TFLOP/s."""
+    gemm_efficiency: float
+    """Achieved fraction of peak on large GEMMs."""
+    attn_efficiency: float
+    """Achieved fraction of peak of the attention kernel on long (>= 256-row) tiles."""
+    hbm_gbps: float
+    """Device memory bandwidth."""
+    nvlink_gbps: float
+    """Intra-node link bandwidth."""
+    network_gbps: float
+    """Inter-node bandwidth per GPU."""
+    kernel_launch_s: float = 5e-6
+    """Fixed cost of one kernel launch (per micro-batch and layer constants use it)."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "peak_tflops", "hbm_gbps", "nvlink_gbps", "network_gbps")
+        _check_fraction(self, "gemm_efficiency", "attn_efficiency")
+        if not self.kernel_launch_s >= 0:
+            raise ValueError(f"HardwareSpec.kernel_launch_s must be >= 0, got {self.kernel_launch_s!r}")
+
+    @classmethod
+    def preset(cls, name: str) -> "HardwareSpec":
+        """One of "h100", "h200", "cpu".
+
+        - "h100": H100 SXM5 datasheet: 989 TFLOP/s dense bf16, HBM3 3.35 TB/s, NVLink 4
+          900 GB/s bidirectional (450 one way), 400 Gb/s RoCE/IB per GPU (50 GB/s).
+          Efficiencies: 0.60 for GEMM and 0.45 for FlashAttention-style kernels are typical
+          measured fractions (FA3 paper reports 0.5-0.75 of peak on long sequences).
+        - "h200": same compute as H100, HBM3e 4.8 TB/s.
+        - "cpu": a 2-core x86 host running fp32 (about 0.1 TFLOP/s peak), for examples.
+        """
+        try:
+            kwargs = _HARDWARE_PRESETS[name.lower()]
+        except (KeyError, AttributeError):
+            raise ValueError(
+                f"unknown HardwareSpec preset {name!r}; valid: {sorted(_HARDWARE_PRESETS)}"
+            ) from None
+        return cls(name=name.lower(), **kwargs)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_HARDWARE_PRESETS: dict[str, dict] = {
+    "h100": dict(peak_tflops=989.0, gemm_efficiency=0.75, attn_efficiency=0.25, hbm_gbps=3350.0,
+                 nvlink_gbps=450.0, network_gbps=50.0),
+    "h200": dict(peak_tflops=989.0, gemm_efficiency=0.76, attn_efficiency=0.27, hbm_gbps=4800.0,
+                 nvlink_gbps=450.0, network_gbps=50.0),
+    "cpu": dict(peak_tflops=0.1, gemm_efficiency=0.5, attn_efficiency=0.3, hbm_gbps=20.0,
+                nvlink_gbps=10.0, network_gbps=1.0, kernel_launch_s=2e-6),
+}
