@@ -180,7 +180,7 @@ def key_tiles(seg: np.ndarray, block_m: int, block_n: int) -> tuple[np.ndarray, 
     off = (k_stop - q_len - q_start)[seg_of]
     r0 = np.maximum(q_start[seg_of], np.maximum(k0, ks) - off)
     inside = (k0 >= ks) & (k0 + block_n <= ke)
-    r_full = np.where(inside, np.clip(k0 + block_n - 2 - off, r0, q_end), q_end)
+    r_full = np.where(inside, np.clip(k0 + block_n - 1 - off, r0, q_end), q_end)
     r_mid = np.minimum(r0 + _cdiv(r_full - r0, block_m) * block_m, q_end)
     entries = np.stack([r0, r_mid, q_end, ks, ke, off], axis=1).astype(np.int32)
 

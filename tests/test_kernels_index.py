@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wlb_opt.kernels import attention_flops, segment_mask, segments_from_lengths, validate_segments, visible_pairs
@@ -87,6 +87,7 @@ def replay_dkdv(seg, n_q, n_k, block_m, block_n):
     return count, mask
 
 
+@settings(max_examples=150)
 @given(segment_tables(), BLOCKS, BLOCKS)
 def test_forward_index_visits_every_visible_pair_once(table, block_m, block_n):
     seg, n_q, n_k = table
@@ -94,11 +95,25 @@ def test_forward_index_visits_every_visible_pair_once(table, block_m, block_n):
     np.testing.assert_array_equal(count, mask.astype(np.int64))
 
 
+@settings(max_examples=150)
 @given(segment_tables(), BLOCKS, BLOCKS)
 def test_transposed_index_visits_every_visible_pair_once(table, block_m, block_n):
     seg, n_q, n_k = table
     count, mask = replay_dkdv(seg, n_q, n_k, block_m, block_n)
     np.testing.assert_array_equal(count, mask.astype(np.int64))
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (16, 32), (32, 16)])
+def test_indices_on_single_segments_near_tile_boundaries(block_m, block_n):
+    """Sweep q_len and k_len - q_len around the tile sizes, where off-by-one bugs live."""
+    for k_start in (0, 3, 16):
+        for q_len in (1, 2, 3, 15, 16, 17, 31, 33):
+            for extra in range(0, 35):
+                seg = np.array([[1, q_len, k_start, q_len + extra]])
+                n_q, n_k = q_len + 2, k_start + q_len + extra + 1
+                for replay in (replay_forward, replay_dkdv):
+                    count, mask = replay(seg, n_q, n_k, block_m, block_n)
+                    np.testing.assert_array_equal(count, mask.astype(np.int64))
 
 
 @given(segment_tables())
