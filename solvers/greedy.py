@@ -33,31 +33,35 @@ def wlb_greedy(problem: PackProblem) -> PackResult:
     lengths = problem.lengths.tolist()
     weights = problem.weights.tolist()
     order = placement_order(problem, problem.lengths).tolist()
-    loads = [0.0] * n
     toks = [0] * n
-    members: list[list[int]] = [[] for _ in range(n)]
-    deferred: list[int] = []
-    heap = [(0.0, b) for b in range(n)]  # (load, bin): ties resolved by the lowest bin index
-    for i in order:
+    placed_bin = [-1] * len(order)  # bin of the k-th item in placement order, -1 = deferred
+    heap = [(0.0, b) for b in range(n)]  # (load, bin): a heap orders ties by the lowest bin index
+    replace = heapq.heapreplace
+    for k, i in enumerate(order):
         d = lengths[i]
         load, b = heap[0]
         if toks[b] + d <= cap:
-            loads[b] = load + weights[i]
             toks[b] += d
-            members[b].append(i)
-            heapq.heapreplace(heap, (loads[b], b))
+            replace(heap, (load + weights[i], b))
+            placed_bin[k] = b
             continue
         b = min(range(n), key=toks.__getitem__)  # fallback: fewest tokens (rare)
         if toks[b] + d <= cap:
-            loads[b] += weights[i]
             toks[b] += d
-            members[b].append(i)
-            heap = [(loads[j], j) for j in range(n)]
+            heap = [(load + weights[i], j) if j == b else (load, j) for load, j in heap]
             heapq.heapify(heap)
-        else:
-            deferred.append(i)
-    return PackResult(bins=[np.asarray(m, dtype=np.int64) for m in members],
-                      deferred=np.asarray(deferred, dtype=np.int64))
+            placed_bin[k] = b
+    return _group(np.asarray(order, dtype=np.int64), np.asarray(placed_bin, dtype=np.int64), n)
+
+
+def _group(order: np.ndarray, placed_bin: np.ndarray, n_bins: int) -> PackResult:
+    """Bins from (item, bin) pairs in placement order; each bin keeps placement order."""
+    keep = placed_bin >= 0
+    items, bins_of = order[keep], placed_bin[keep]
+    by_bin = np.argsort(bins_of, kind="stable")
+    counts = np.bincount(bins_of, minlength=n_bins)
+    bins = np.split(items[by_bin], np.cumsum(counts)[:-1])
+    return PackResult(bins=[b.astype(np.int64) for b in bins], deferred=order[~keep])
 
 
 def fixed_greedy(problem: PackProblem) -> PackResult:
