@@ -1,0 +1,63 @@
+"""The command line and the package boundary: `import wlb_opt` pulls no optional dependency."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from wlb_opt.cli import main
+
+
+def test_import_pulls_no_optional_dependency():
+    code = ("import sys, wlb_opt as wlb; "
+            "plan = wlb.solve_pack([5, 9, 3], 2, 10, method='wlb'); "
+            "wlb.check_pack(plan, [5, 9, 3], 10); "
+            "bad = [m for m in ('torch', 'triton', 'ortools', 'pulp', 'highspy', 'matplotlib') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_solver_stack_imports_together():
+    # ortools and highspy in one process (versions pinned in constraints-cpu.txt), plus pulp's CBC.
+    code = "import ortools, highspy, pulp; from ortools.sat.python import cp_model; print(pulp.listSolvers(onlyAvailable=True))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "PULP_CBC_CMD" in res.stdout
+
+
+def test_pack_command_prints_rows_and_imbalance(capsys):
+    assert main(["pack", "--dist", "default", "--n-micro", "4", "--method", "wlb"]) == 0
+    out = capsys.readouterr().out
+    assert "imbalance" in out and out.count("%") >= 4
+
+
+def test_pack_command_json_is_a_valid_plan(tmp_path, capsys):
+    lengths = np.array([300, 5000, 20, 7000, 900, 64])
+    np.save(tmp_path / "l.npy", lengths)
+    assert main(["pack", "--lengths", str(tmp_path / "l.npy"), "--n-micro", "2", "--max-tokens", "8000",
+                 "--window", "8000", "--method", "fixed", "--json"]) == 0
+    import wlb_opt as wlb
+
+    plan = wlb.PackPlan.from_dict(json.loads(capsys.readouterr().out))
+    wlb.check_pack(plan, lengths, 8000)
+
+
+def test_pack_command_reports_bad_input(tmp_path, capsys):
+    np.save(tmp_path / "l.npy", np.array([300, 9000]))
+    assert main(["pack", "--lengths", str(tmp_path / "l.npy"), "--n-micro", "2", "--max-tokens", "8000",
+                 "--window", "10000", "--method", "wlb"]) == 2
+    assert "max_tokens" in capsys.readouterr().err
+
+
+def test_unknown_command_and_benchmark(capsys):
+    assert main(["frobnicate"]) == 2
+    assert main(["bench", "nope"]) == 2
+    assert "pack-speed" in capsys.readouterr().err
+
+
+def test_pack_speed_benchmark_runs(tmp_path, capsys):
+    assert main(["bench", "pack-speed", "--n-micro", "4", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "pack_speed.json").read_text())
+    assert {r["method"] for r in rows} == {"wlb", "original", "fixed"}
+    assert all(r["median_ms"] > 0 for r in rows)
