@@ -1,0 +1,473 @@
+"""Step-time simulator: pipeline schedules as a networkx DAG, and a whole 4D step on top.
+
+Why a simulator: the paper's end-to-end numbers (§7.3) come from a cluster we do not have.
+What WLB-LLM changes is *which work each rank does*; how long a step then takes follows from
+the schedule's dependencies, which we can compute exactly for a given cost per operation.
+
+`simulate_pipeline(fwd, bwd, schedule, virtual_stages, p2p_s)` builds one node per
+(phase, micro-batch, virtual stage) operation, with two kinds of edges:
+
+- data edges: F(vs-1, m) -> F(vs, m), B(vs+1, m) -> B(vs, m), F(last, m) -> B(last, m),
+  weighted by the point-to-point send time when they cross devices;
+- order edges: consecutive operations of one device in its schedule order (1F1B, or
+  Megatron's interleaved 1F1B with v model chunks per device).
+
+Every operation starts as soon as its device and its inputs are ready, so the step time is
+the longest path of that DAG (node weights = durations) and the critical path is that path.
+`pipeline_recurrence` computes the same start times by a plain event loop without networkx;
+the tests check that both agree.
+
+`simulate_step(plan, shards, cost, parallel)` composes a step: a micro-batch's stage time is
+the max over its CP ranks' loads (CP is synchronous) divided by pp (layers split evenly);
+each DP replica runs its own pipeline; the step is the slowest replica plus a modelled
+gradient all-reduce.
+
+Modelled: per-op compute from the cost model (including its exposed TP/CP communication),
+PP send/recv per micro-batch, pipeline dependencies and bubbles, DP gradient sync.
+Not modelled: overlap of the gradient all-reduce with backward (we charge it fully, which is
+pessimistic for every method alike), memory (activation limits, recomputation), network
+contention between concurrent collectives, kernel launch jitter, the embedding and LM head
+making the first and last stages heavier, optimizer step time.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import numpy as np
+
+Schedule = Literal["1f1b", "interleaved"]
+SCHEDULES = ("1f1b", "interleaved")
+
+# An operation: (phase "F" | "B", micro-batch, virtual stage). Device = virtual stage % pp.
+Op = tuple[str, int, int]
+
+
+@dataclass
+class SimResult:
+    """What one pipeline run looks like. Times in seconds."""
+
+    step_time_s: float
+    """Time from the first operation's start to the last one's end."""
+    bubble_fraction: float
+    """Idle share of all stage-time: 1 - sum(stage_busy_s) / (stages x step_time_s)."""
+    stage_busy_s: np.ndarray
+    """Per physical stage, seconds of compute."""
+    critical_path: list
+    """Operations (phase, micro_batch, virtual_stage) on the longest path, in time order."""
+    timeline: list = field(default_factory=list)
+    """One dict per operation: stage, virtual_stage, phase, micro_batch, start_s, end_s."""
+
+    def to_dict(self) -> dict:
+        return dict(step_time_s=self.step_time_s, bubble_fraction=self.bubble_fraction,
+                    stage_busy_s=self.stage_busy_s.tolist(),
+                    critical_path=[list(op) for op in self.critical_path], timeline=self.timeline)
+
+
+# ---------------------------------------------------------------------- inputs
+def _chunk_costs(costs, name: str, virtual_stages: int) -> np.ndarray:
+    """[pp, m] (split evenly over v chunks) or [pp, v, m] -> [pp, v, m] seconds."""
+    arr = np.asarray(costs, dtype=np.float64)
+    if arr.ndim == 2:
+        arr = np.repeat(arr[:, None, :] / virtual_stages, virtual_stages, axis=1)
+    elif arr.ndim != 3 or arr.shape[1] != virtual_stages:
+        raise ValueError(f"{name} must have shape [stages, micro_batches] or [stages, {virtual_stages}, "
+                         f"micro_batches], got {arr.shape}")
+    if arr.shape[0] < 1 or arr.shape[2] < 1:
+        raise ValueError(f"{name} needs at least one stage and one micro-batch, got shape {arr.shape}")
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise ValueError(f"{name} must hold finite seconds >= 0")
+    return arr
+
+
+def _validate(fwd, bwd, schedule: str, virtual_stages: int, p2p_s):
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, (int, np.integer)) or virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
+    if schedule == "1f1b" and virtual_stages != 1:
+        raise ValueError(f"schedule '1f1b' has one chunk per stage; use schedule='interleaved' for "
+                         f"virtual_stages={virtual_stages}")
+    f = _chunk_costs(fwd, "fwd", virtual_stages)
+    b = _chunk_costs(bwd, "bwd", virtual_stages)
+    if f.shape != b.shape:
+        raise ValueError(f"fwd and bwd must have the same shape, got {f.shape} and {b.shape}")
+    pp, m = f.shape[0], f.shape[2]
+    if virtual_stages > 1 and m % pp:
+        # Megatron-LM's classic constraint: its grouped order deadlocks on a partial last group.
+        raise ValueError(f"the interleaved schedule needs micro_batches to be a multiple of stages "
+                         f"(pp={pp}), got {m}; use virtual_stages=1 or pad the step")
+    p2p = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (m,)) if np.ndim(p2p_s) == 0 else \
+        np.asarray(p2p_s, dtype=np.float64)
+    if p2p.shape != (m,) or not np.all(np.isfinite(p2p)) or np.any(p2p < 0):
+        raise ValueError(f"p2p_s must be seconds >= 0, a scalar or one per micro-batch ({m}), got {p2p_s!r}")
+    return f, b, p2p
+
+
+# ---------------------------------------------------------------------- schedules
+def stage_order(stage: int, pp: int, n_micro: int, virtual_stages: int = 1) -> list[Op]:
+    """The operations of physical stage `stage` in the order it runs them.
+
+    1F1B (PipeDream-flush): pp - stage - 1 warm-up forwards, then alternate one forward and
+    one backward, then the remaining backwards.
+    Interleaved (Megatron-LM, Narayanan et al. 2021): micro-batches go in groups of pp; within
+    a group all micro-batches run chunk 0, then chunk 1, ...; backwards run chunks in reverse.
+    Warm-up is 2 (pp - stage - 1) + (v - 1) pp forwards. With v = 1 Megatron runs the plain
+    1F1B schedule, and so does this function (the grouping is then the identity).
+    """
+    v = virtual_stages
+    fwd_seq, bwd_seq = [], []
+    for g in range(0, n_micro, pp):
+        group = range(g, min(g + pp, n_micro))
+        for c in range(v):
+            fwd_seq.extend(("F", mb, c * pp + stage) for mb in group)
+            bwd_seq.extend(("B", mb, (v - 1 - c) * pp + stage) for mb in group)
+    total = n_micro * v
+    warmup = (pp - stage - 1) if v == 1 else 2 * (pp - stage - 1) + (v - 1) * pp
+    warmup = min(warmup, total)
+    order = fwd_seq[:warmup]
+    for i in range(total - warmup):
+        order.append(fwd_seq[warmup + i])
+        order.append(bwd_seq[i])
+    order.extend(bwd_seq[total - warmup:])
+    return order
+
+
+def _deps(op: Op, n_virtual: int) -> list[Op]:
+    """Data dependencies of one operation (other operations of the same micro-batch)."""
+    phase, mb, vs = op
+    if phase == "F":
+        return [("F", mb, vs - 1)] if vs > 0 else []
+    return [("B", mb, vs + 1)] if vs < n_virtual - 1 else [("F", mb, vs)]
+
+
+def _durations(f: np.ndarray, b: np.ndarray) -> dict[Op, float]:
+    pp, v, m = f.shape
+    dur = {}
+    for c in range(v):
+        for s in range(pp):
+            vs = c * pp + s
+            for mb in range(m):
+                dur[("F", mb, vs)] = float(f[s, c, mb])
+                dur[("B", mb, vs)] = float(b[s, c, mb])
+    return dur
+
+
+def _orders(pp: int, m: int, v: int, order: Sequence[int] | None) -> list[list[Op]]:
+    orders = [stage_order(s, pp, m, v) for s in range(pp)]
+    if order is None:
+        return orders
+    perm = [int(x) for x in order]
+    if sorted(perm) != list(range(m)):
+        raise ValueError(f"order must be a permutation of range({m}), got {list(order)!r}")
+    # slot k of the schedule runs micro-batch perm[k]
+    return [[(ph, perm[k], vs) for ph, k, vs in o] for o in orders]
+
+
+# ---------------------------------------------------------------------- DAG
+def build_dag(fwd, bwd, schedule: Schedule = "1f1b", virtual_stages: int = 1, p2p_s=0.0, order=None):
+    """The schedule as a networkx DiGraph.
+
+    Nodes are operations (phase, micro_batch, virtual_stage) with attributes `duration` and
+    `stage`; edges carry `comm` (p2p seconds on data edges that cross devices, else 0) and
+    `weight` = duration of the source + comm, so the longest path ending in the sink
+    "end" is the step time.
+    """
+    import networkx as nx
+
+    f, b, p2p = _validate(fwd, bwd, schedule, virtual_stages, p2p_s)
+    pp, v, m = f.shape
+    n_virtual = pp * v
+    dur = _durations(f, b)
+    g = nx.DiGraph()
+    for op, d in dur.items():
+        g.add_node(op, duration=d, stage=op[2] % pp)
+    for seq in _orders(pp, m, v, order):
+        for a, c in zip(seq, seq[1:]):
+            g.add_edge(a, c, comm=0.0)
+    for op in dur:
+        for dep in _deps(op, n_virtual):
+            comm = float(p2p[op[1]]) if dep[2] % pp != op[2] % pp else 0.0
+            if g.has_edge(dep, op):  # same device, consecutive: keep the larger comm
+                comm = max(comm, g.edges[dep, op]["comm"])
+            g.add_edge(dep, op, comm=comm)
+    for op in dur:
+        g.add_edge(op, "end", comm=0.0)
+    g.add_node("end", duration=0.0, stage=-1)
+    for u, w, data in g.edges(data=True):
+        data["weight"] = g.nodes[u]["duration"] + data["comm"]
+    if not nx.is_directed_acyclic_graph(g):
+        raise ValueError(f"schedule {schedule!r} with pp={pp}, v={v}, n_micro={m} has a dependency cycle")
+    return g
+
+
+def simulate_pipeline(fwd, bwd, schedule: Schedule = "1f1b", virtual_stages: int = 1, p2p_s=0.0,
+                      order: Sequence[int] | None = None) -> SimResult:
+    """Step time of one pipeline replica.
+
+    Args:
+        fwd, bwd: seconds per operation, shape [stages, micro_batches] (a virtual stage of the
+            interleaved schedule then costs 1/v of it) or [stages, v, micro_batches].
+        schedule: "1f1b" or "interleaved".
+        virtual_stages: model chunks per device (v); 1 for "1f1b".
+        p2p_s: seconds to send one micro-batch's activations (or gradients) between adjacent
+            stages; a scalar or one value per micro-batch.
+        order: optional permutation: schedule slot k runs micro-batch order[k].
+
+    Returns SimResult(step_time_s, bubble_fraction, stage_busy_s, critical_path, timeline).
+    """
+    import networkx as nx
+
+    g = build_dag(fwd, bwd, schedule, virtual_stages, p2p_s, order)
+    f = _chunk_costs(fwd, "fwd", virtual_stages)
+    pp = f.shape[0]
+    start: dict = {}
+    for node in nx.topological_sort(g):
+        start[node] = max((start[u] + g.edges[u, node]["weight"] for u in g.predecessors(node)), default=0.0)
+    path = nx.dag_longest_path(g, weight="weight")
+    step = float(nx.dag_longest_path_length(g, weight="weight"))
+    # dag_longest_path_length and the forward pass are the same quantity computed twice.
+    if not np.isclose(step, start["end"], rtol=1e-9, atol=1e-12):  # pragma: no cover - a networkx bug
+        raise RuntimeError(f"longest path {step} != forward pass {start['end']}")
+    timeline = [dict(stage=int(op[2] % pp), virtual_stage=int(op[2]), phase=op[0], micro_batch=int(op[1]),
+                     start_s=start[op], end_s=start[op] + g.nodes[op]["duration"])
+                for op in g.nodes if op != "end"]
+    timeline.sort(key=lambda r: (r["stage"], r["start_s"]))
+    return _result(step, timeline, pp, [op for op in path if op != "end"])
+
+
+def _result(step: float, timeline: list, pp: int, critical: list) -> SimResult:
+    busy = np.zeros(pp)
+    for r in timeline:
+        busy[r["stage"]] += r["end_s"] - r["start_s"]
+    bubble = 1.0 - busy.sum() / (pp * step) if step > 0 else 0.0
+    return SimResult(step_time_s=step, bubble_fraction=float(bubble), stage_busy_s=busy,
+                     critical_path=critical, timeline=timeline)
+
+
+# ---------------------------------------------------------------------- recurrence twin
+def pipeline_recurrence(fwd, bwd, schedule: Schedule = "1f1b", virtual_stages: int = 1, p2p_s=0.0,
+                        order: Sequence[int] | None = None) -> SimResult:
+    """The same schedule by an event loop, without networkx (the DAG's independent twin).
+
+    Each device keeps a pointer into its operation list; an operation runs when its
+    dependencies have finished: start = max(device free, max(dep end + p2p if cross-device)).
+    Also the fast path the micro-batch order search uses. critical_path is left empty.
+    """
+    f, b, p2p = _validate(fwd, bwd, schedule, virtual_stages, p2p_s)
+    pp, v, m = f.shape
+    n_virtual = pp * v
+    dur = _durations(f, b)
+    orders = _orders(pp, m, v, order)
+    end: dict[Op, float] = {}
+    start: dict[Op, float] = {}
+    free = [0.0] * pp
+    ptr = [0] * pp
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(pp):
+            while ptr[s] < len(orders[s]):
+                op = orders[s][ptr[s]]
+                deps = _deps(op, n_virtual)
+                if any(d not in end for d in deps):
+                    break
+                t = free[s]
+                for d in deps:
+                    t = max(t, end[d] + (float(p2p[op[1]]) if d[2] % pp != s else 0.0))
+                start[op], end[op] = t, t + dur[op]
+                free[s] = end[op]
+                ptr[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError(f"schedule {schedule!r} with pp={pp}, v={v}, n_micro={m} deadlocks")
+    step = max(end.values()) if end else 0.0
+    timeline = [dict(stage=int(op[2] % pp), virtual_stage=int(op[2]), phase=op[0], micro_batch=int(op[1]),
+                     start_s=start[op], end_s=end[op]) for op in start]
+    timeline.sort(key=lambda r: (r["stage"], r["start_s"]))
+    return _result(step, timeline, pp, [])
+
+
+def best_order(fwd, bwd, schedule: Schedule = "1f1b", virtual_stages: int = 1, p2p_s=0.0,
+               max_exhaustive: int = 6) -> tuple[list[int], float]:
+    """The micro-batch order with the shortest simulated step.
+
+    Exhaustive over permutations for up to `max_exhaustive` micro-batches (720 runs), else
+    pairwise-swap hill climbing from the heaviest-first order. Returns (order, step_time_s);
+    the identity order is always a candidate, so the result is never worse than it.
+    """
+    f = _chunk_costs(fwd, "fwd", virtual_stages)
+    m = f.shape[2]
+
+    def run(perm):
+        return pipeline_recurrence(fwd, bwd, schedule, virtual_stages, p2p_s, perm).step_time_s
+
+    best = list(range(m))
+    best_t = run(best)
+    if m <= max_exhaustive:
+        for perm in itertools.permutations(range(m)):
+            t = run(perm)
+            if t < best_t - 1e-12:
+                best, best_t = list(perm), t
+        return best, best_t
+    total = np.asarray(fwd, dtype=np.float64).reshape(-1, m).sum(0) + np.asarray(bwd, dtype=np.float64).reshape(-1, m).sum(0)
+    cand = [int(x) for x in np.argsort(-total, kind="stable")]
+    cand_t = run(cand)
+    if cand_t < best_t:
+        best, best_t = cand, cand_t
+    improved = True
+    while improved:
+        improved = False
+        for i in range(m):
+            for j in range(i + 1, m):
+                trial = list(best)
+                trial[i], trial[j] = trial[j], trial[i]
+                t = run(trial)
+                if t < best_t - 1e-12:
+                    best, best_t, improved = trial, t, True
+    return best, best_t
+
+
+def compare_to_measured(sim: SimResult, measured_step_s: float, measured_stage_busy_s=None) -> dict:
+    """Hook for validating the simulator against the executor's measured timings.
+
+    Returns relative errors (predicted / measured - 1) of the step time and, if given, of each
+    stage's busy time. The pipeline executor records these per step; a calibration run feeds
+    them here.
+    """
+    if not measured_step_s > 0:
+        raise ValueError(f"measured_step_s must be > 0 seconds, got {measured_step_s!r}")
+    out = dict(step_rel_error=sim.step_time_s / measured_step_s - 1.0)
+    if measured_stage_busy_s is not None:
+        meas = np.asarray(measured_stage_busy_s, dtype=np.float64)
+        if meas.shape != sim.stage_busy_s.shape or np.any(meas <= 0):
+            raise ValueError(f"measured_stage_busy_s must be {sim.stage_busy_s.shape[0]} positive seconds, "
+                             f"got {measured_stage_busy_s!r}")
+        out["stage_rel_error"] = (sim.stage_busy_s / meas - 1.0).tolist()
+    return out
+
+
+# ---------------------------------------------------------------------- whole step
+@dataclass
+class StepResult:
+    """One training step: the slowest DP replica plus gradient sync. Seconds."""
+
+    step_time_s: float
+    replica_step_s: list
+    allreduce_s: float
+    pipelines: list
+    """SimResult per DP replica."""
+    mb_fwd_s: np.ndarray
+    """Per micro-batch: forward seconds of all layers on its slowest CP rank."""
+    mb_bwd_s: np.ndarray
+    imbalance_pp: float
+    """max / mean over the step's micro-batches of their stage time (max over CP ranks)."""
+    imbalance_cp: float
+    """Mean over micro-batches of max / mean of the CP rank loads."""
+    tokens: int
+    orders: list
+    """Per replica, the micro-batch order run (indices into the plan's micro-batches)."""
+
+
+def _phase_split(cost, lengths) -> float:
+    """Forward share of a micro-batch's fwd_bwd cost under the cost model."""
+    total = cost.micro_batch_cost(lengths, "fwd_bwd")
+    return cost.micro_batch_cost(lengths, "fwd") / total if total > 0 else 1.0 / 3.0
+
+
+def p2p_seconds(tokens, cost, parallel) -> np.ndarray:
+    """PP send time of one micro-batch's activations: tokens / (tp * cp) x hidden x 2 bytes
+    per rank (sequence parallel), over the inter-node network (stages sit on different nodes
+    whenever tp x cp fills a node) or NVLink. 0 when the cost model has no model/hardware meta."""
+    meta = getattr(cost, "meta", {}) or {}
+    if parallel.pp == 1 or "model" not in meta or "hardware" not in meta:
+        return np.zeros(len(np.atleast_1d(tokens)))
+    hidden = meta["model"]["hidden"]
+    hw = meta["hardware"]
+    intra = parallel.tp * parallel.cp * parallel.pp <= parallel.gpus_per_node
+    bw = (hw["nvlink_gbps"] if intra else hw["network_gbps"]) * 1e9
+    return np.asarray(tokens, dtype=np.float64) / (parallel.tp * parallel.cp) * hidden * 2.0 / bw
+
+
+def allreduce_seconds(cost, parallel) -> float:
+    """Ring all-reduce of one stage's bf16 gradients over dp replicas, fully exposed:
+    2 (dp-1)/dp x params / (pp tp) x 2 bytes / network bandwidth. 0 for dp = 1."""
+    meta = getattr(cost, "meta", {}) or {}
+    if parallel.dp == 1 or "model" not in meta or "hardware" not in meta:
+        return 0.0
+    from .specs import ModelSpec
+
+    model = ModelSpec(**{k: v for k, v in meta["model"].items()})
+    grads = model.n_params / (parallel.pp * parallel.tp) * 2.0
+    return 2.0 * (parallel.dp - 1) / parallel.dp * grads / (meta["hardware"]["network_gbps"] * 1e9)
+
+
+def simulate_step(plan, shards, cost, parallel, *, schedule: Schedule = "interleaved", virtual_stages: int = 2,
+                  p2p_s=None, allreduce_s: float | None = None, search_order: bool = False,
+                  use_dag: bool = True) -> StepResult:
+    """Simulate one training step of a PackPlan under a 4D layout.
+
+    Args:
+        plan: the step's PackPlan (dp x n_micro micro-batches, `replica_of` their replicas).
+        shards: one ShardPlan per micro-batch (its `.loads` are fwd_bwd seconds per CP rank),
+            or None: CP assumed perfectly balanced (the load is `plan.loads[j]`).
+        cost: the CostModel the plan was made with (seconds for all layers of one replica).
+        parallel: ParallelSpec; pp stages per replica (layers split evenly).
+        schedule, virtual_stages: pipeline schedule ("interleaved" with v = 2 by default;
+            v = 1 or pp = 1 falls back to "1f1b").
+        p2p_s: PP send seconds per micro-batch (default from `p2p_seconds`).
+        allreduce_s: DP gradient sync seconds (default from `allreduce_seconds`).
+        search_order: pick each replica's micro-batch order by simulation (`best_order`).
+        use_dag: networkx DAG (with critical path) or the recurrence twin (faster).
+
+    A micro-batch's forward and backward split its fwd_bwd load by the cost model's own
+    fwd / fwd_bwd ratio for that micro-batch (ShardPlan loads are fwd_bwd only).
+    """
+    pp = parallel.pp
+    n_mb = len(plan.micro_batches)
+    if shards is not None and len(shards) != n_mb:
+        raise ValueError(f"shards must hold one ShardPlan per micro-batch ({n_mb}), got {len(shards)}")
+    if plan.dp != parallel.dp:
+        raise ValueError(f"plan has dp={plan.dp} replicas but parallel.dp={parallel.dp}")
+    total = np.empty(n_mb)
+    cp_imb = np.ones(n_mb)
+    fwd_share = np.empty(n_mb)
+    for j in range(n_mb):
+        lengths = plan.lengths[plan.micro_batches[j]]
+        fwd_share[j] = _phase_split(cost, lengths)
+        if shards is None:
+            total[j] = cost.micro_batch_cost(lengths, "fwd_bwd")
+        else:
+            loads = np.asarray(shards[j].loads, dtype=np.float64)
+            total[j] = float(loads.max())
+            cp_imb[j] = float(loads.max() / loads.mean()) if loads.mean() > 0 else 1.0
+    mb_fwd, mb_bwd = total * fwd_share, total * (1.0 - fwd_share)
+    if p2p_s is None:
+        p2p_all = p2p_seconds(plan.tokens, cost, parallel)
+    else:
+        p2p_all = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (n_mb,))
+    if allreduce_s is None:
+        allreduce_s = allreduce_seconds(cost, parallel)
+    v = virtual_stages if (schedule == "interleaved" and pp > 1) else 1
+    sched = "interleaved" if v > 1 else "1f1b"
+    sim = simulate_pipeline if use_dag else pipeline_recurrence
+    pipelines, replica_times, orders = [], [], []
+    for r in range(plan.dp):
+        idx = plan.replica_micro_batches(r)
+        f = np.tile(mb_fwd[idx] / pp, (pp, 1))
+        b = np.tile(mb_bwd[idx] / pp, (pp, 1))
+        order = None
+        if search_order and len(idx) > 1:
+            order, _ = best_order(f, b, sched, v, p2p_all[idx])
+        res = sim(f, b, sched, v, p2p_all[idx], order)
+        pipelines.append(res)
+        replica_times.append(res.step_time_s)
+        orders.append([idx[k] for k in (order or range(len(idx)))])
+    from .plan import imbalance
+
+    return StepResult(step_time_s=float(max(replica_times)) + float(allreduce_s), replica_step_s=replica_times,
+                      allreduce_s=float(allreduce_s), pipelines=pipelines, mb_fwd_s=mb_fwd, mb_bwd_s=mb_bwd,
+                      imbalance_pp=imbalance(total), imbalance_cp=float(cp_imb.mean()),
+                      tokens=int(plan.tokens.sum()), orders=orders)
