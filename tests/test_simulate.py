@@ -1,0 +1,229 @@
+"""Simulator: closed forms, monotonicity, DAG vs recurrence vs a naive reference written here,
+interleaved with v = 1 equals 1F1B, and simulate_step's composition of CP, PP and DP."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import wlb_opt as wlb
+from wlb_opt.simulate import (best_order, compare_to_measured, pipeline_recurrence, simulate_pipeline,
+                              simulate_step, stage_order)
+
+
+def naive_1f1b(fwd, bwd, p2p=0.0):
+    """Textbook 1F1B by fixed-point iteration on start times (no shared code with the module).
+
+    Stage s runs F0..F_{w-1} (w = p-s-1), then F_{w+i}, B_i, then the rest of the backwards.
+    Times are relaxed until nothing changes: start = max(previous op end, input end + p2p).
+    """
+    p, m = fwd.shape
+    seqs = []
+    for s in range(p):
+        w = min(p - s - 1, m)
+        seq = [("F", i) for i in range(w)]
+        for i in range(m - w):
+            seq += [("F", w + i), ("B", i)]
+        seq += [("B", i) for i in range(m - w, m)]
+        seqs.append(seq)
+    end = {}
+    for _ in range(4 * p * m + 4):
+        changed = False
+        for s in range(p):
+            t = 0.0
+            for ph, i in seqs[s]:
+                if ph == "F":
+                    ready = end.get((s - 1, "F", i), 0.0) + p2p if s > 0 else 0.0
+                    d = fwd[s, i]
+                else:
+                    ready = end.get((s + 1, "B", i), 0.0) + p2p if s < p - 1 else end.get((s, "F", i), 0.0)
+                    d = bwd[s, i]
+                t = max(t, ready) + d
+                if end.get((s, ph, i)) != t:
+                    end[(s, ph, i)] = t
+                    changed = True
+        if not changed:
+            break
+    return max(end.values())
+
+
+@pytest.mark.parametrize("p, m, f, b", [(1, 1, 1.0, 2.0), (4, 4, 1.0, 2.0), (4, 8, 0.5, 1.0), (8, 3, 2.0, 3.0)])
+def test_identical_micro_batches_match_closed_form(p, m, f, b):
+    fwd, bwd = np.full((p, m), f), np.full((p, m), b)
+    res = simulate_pipeline(fwd, bwd, "1f1b")
+    assert res.step_time_s == pytest.approx((m + p - 1) * (f + b))
+    assert res.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert np.allclose(res.stage_busy_s, m * (f + b))
+
+
+def test_interleaved_closed_form_and_bubble_shrinks():
+    p, m, v = 4, 8, 2
+    fwd, bwd = np.full((p, m), 1.0), np.full((p, m), 2.0)
+    res = simulate_pipeline(fwd, bwd, "interleaved", v)
+    # Narayanan et al. 2021: bubble (p-1)/v chunks of (f+b)/v... step = (m + (p-1)/v)(f+b)
+    assert res.step_time_s == pytest.approx((m + (p - 1) / v) * 3.0)
+    assert res.bubble_fraction < simulate_pipeline(fwd, bwd, "1f1b").bubble_fraction
+
+
+@settings(max_examples=40)
+@given(p=st.integers(1, 5), m=st.integers(1, 7), seed=st.integers(0, 10**6), p2p=st.floats(0, 0.3))
+def test_dag_recurrence_and_naive_reference_agree_on_1f1b(p, m, seed, p2p):
+    rng = np.random.default_rng(seed)
+    fwd, bwd = rng.random((p, m)) + 0.01, rng.random((p, m)) + 0.01
+    dag = simulate_pipeline(fwd, bwd, "1f1b", 1, p2p)
+    rec = pipeline_recurrence(fwd, bwd, "1f1b", 1, p2p)
+    assert dag.step_time_s == pytest.approx(rec.step_time_s, rel=1e-12)
+    assert dag.step_time_s == pytest.approx(naive_1f1b(fwd, bwd, p2p), rel=1e-12)
+    assert np.allclose(dag.stage_busy_s, fwd.sum(1) + bwd.sum(1))
+
+
+@settings(max_examples=30)
+@given(p=st.integers(1, 4), groups=st.integers(1, 3), v=st.integers(1, 3), seed=st.integers(0, 10**6))
+def test_dag_and_recurrence_agree_on_interleaved(p, groups, v, seed):
+    rng = np.random.default_rng(seed)
+    m = p * groups
+    fwd, bwd = rng.random((p, v, m)), rng.random((p, v, m))
+    p2p = rng.random(m) * 0.1
+    sched = "interleaved" if v > 1 else "1f1b"
+    dag = simulate_pipeline(fwd, bwd, sched, v, p2p)
+    rec = pipeline_recurrence(fwd, bwd, sched, v, p2p)
+    assert dag.step_time_s == pytest.approx(rec.step_time_s, rel=1e-12)
+    starts = {(r["phase"], r["micro_batch"], r["virtual_stage"]): r["start_s"] for r in rec.timeline}
+    for r in dag.timeline:
+        assert r["start_s"] == pytest.approx(starts[(r["phase"], r["micro_batch"], r["virtual_stage"])])
+
+
+def test_critical_path_is_a_chain_that_sums_to_the_step():
+    rng = np.random.default_rng(3)
+    fwd, bwd = rng.random((4, 8)), rng.random((4, 8))
+    res = simulate_pipeline(fwd, bwd, "interleaved", 2, 0.05)
+    ends = {(r["phase"], r["micro_batch"], r["virtual_stage"]): (r["start_s"], r["end_s"]) for r in res.timeline}
+    path = res.critical_path
+    assert ends[path[0]][0] == pytest.approx(0.0)
+    assert ends[path[-1]][1] == pytest.approx(res.step_time_s)
+    for a, b in zip(path, path[1:]):
+        assert ends[b][0] >= ends[a][1] - 1e-12  # b starts after a ends (gap = p2p at most)
+        assert ends[b][0] <= ends[a][1] + 0.05 + 1e-12
+
+
+@settings(max_examples=30)
+@given(p=st.integers(1, 4), m=st.integers(1, 6), seed=st.integers(0, 10**6), extra=st.floats(0.0, 2.0),
+       interleaved=st.booleans())
+def test_a_heavier_micro_batch_never_shortens_the_step(p, m, seed, extra, interleaved):
+    rng = np.random.default_rng(seed)
+    v = 2 if interleaved else 1
+    if interleaved:
+        m = p * max(1, m // p)
+    sched = "interleaved" if interleaved else "1f1b"
+    fwd, bwd = rng.random((p, m)), rng.random((p, m))
+    base = simulate_pipeline(fwd, bwd, sched, v, 0.01).step_time_s
+    j = int(rng.integers(m))
+    f2, b2 = fwd.copy(), bwd.copy()
+    f2[:, j] += extra / 3
+    b2[:, j] += 2 * extra / 3
+    assert simulate_pipeline(f2, b2, sched, v, 0.01).step_time_s >= base - 1e-12
+
+
+@settings(max_examples=20)
+@given(p=st.integers(1, 5), m=st.integers(1, 8), seed=st.integers(0, 10**6))
+def test_interleaved_with_one_chunk_equals_1f1b(p, m, seed):
+    rng = np.random.default_rng(seed)
+    fwd, bwd = rng.random((p, m)), rng.random((p, m))
+    a = simulate_pipeline(fwd, bwd, "interleaved", 1, 0.02)
+    b = simulate_pipeline(fwd, bwd, "1f1b", 1, 0.02)
+    assert a.step_time_s == pytest.approx(b.step_time_s, rel=1e-12)
+    assert [stage_order(s, p, m, 1) for s in range(p)] == [stage_order(s, p, m) for s in range(p)]
+
+
+def test_every_stage_runs_every_operation_once():
+    for p, m, v in [(4, 4, 2), (2, 6, 3), (3, 3, 1)]:
+        ops = [op for s in range(p) for op in stage_order(s, p, m, v)]
+        assert len(ops) == len(set(ops)) == 2 * p * m * v
+        assert all(vs % p == s for s in range(p) for _, _, vs in stage_order(s, p, m, v))
+
+
+def test_best_order_is_never_worse_and_can_help():
+    rng = np.random.default_rng(0)
+    p, m = 4, 5
+    fwd = np.tile(rng.random(m) * [1, 1, 1, 1, 6], (p, 1))
+    bwd = 2 * fwd
+    order, t = best_order(fwd, bwd, "1f1b")
+    assert sorted(order) == list(range(m))
+    base = simulate_pipeline(fwd, bwd, "1f1b").step_time_s
+    assert t <= base + 1e-12
+    assert simulate_pipeline(fwd, bwd, "1f1b", order=order).step_time_s == pytest.approx(t)
+    assert t < base  # a heavy last micro-batch is worse than a heavy first one under 1F1B
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(schedule="gpipe"), "schedule"),
+    (dict(schedule="1f1b", virtual_stages=2), "interleaved"),
+    (dict(schedule="interleaved", virtual_stages=0), "virtual_stages"),
+    (dict(schedule="interleaved", virtual_stages=2, fwd=np.ones((4, 3))), "multiple"),
+    (dict(p2p_s=[0.1, 0.2, 0.3]), "p2p_s"),
+    (dict(fwd=-np.ones((2, 2))), "fwd"),
+    (dict(order=[0, 0]), "permutation"),
+])
+def test_bad_input_raises_value_error(kwargs, match):
+    args = dict(fwd=np.ones((2, 2)), bwd=None, schedule="1f1b", virtual_stages=1, p2p_s=0.0)
+    args.update(kwargs)
+    if args["bwd"] is None:
+        args["bwd"] = np.ones_like(args["fwd"])
+    with pytest.raises(ValueError, match=match):
+        simulate_pipeline(**args)
+
+
+def test_compare_to_measured_hook():
+    res = simulate_pipeline(np.ones((2, 2)), np.ones((2, 2)))
+    out = compare_to_measured(res, res.step_time_s * 2, res.stage_busy_s)
+    assert out["step_rel_error"] == pytest.approx(-0.5)
+    assert out["stage_rel_error"] == pytest.approx([0.0, 0.0])
+    with pytest.raises(ValueError, match="measured_step_s"):
+        compare_to_measured(res, 0.0)
+
+
+# ---------------------------------------------------------------- simulate_step
+@pytest.fixture(scope="module")
+def cost7b():
+    return wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=2),
+                                  wlb.HardwareSpec.preset("h100"))
+
+
+class _Shard:
+    def __init__(self, loads):
+        self.loads = np.asarray(loads, dtype=np.float64)
+
+
+def test_simulate_step_composes_cp_pp_dp(cost7b):
+    parallel = wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=2)
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(100, 20000, 60)
+    plan = wlb.solve_pack(lengths, 4, 131072, cost7b, "wlb", dp=2)
+    no_cp = simulate_step(plan, None, cost7b, parallel)
+    # A CP imbalance on one micro-batch (max rank 1.5x its mean) can only slow the step down.
+    shards = [_Shard([load, load]) for load in plan.loads]
+    shards[0] = _Shard([1.5 * plan.loads[0], 0.5 * plan.loads[0]])
+    with_cp = simulate_step(plan, shards, cost7b, parallel)
+    assert with_cp.step_time_s >= no_cp.step_time_s
+    assert with_cp.imbalance_cp == pytest.approx((1.5 + 7 * 1.0) / 8)
+    assert no_cp.imbalance_pp == pytest.approx(plan.imbalance)
+    assert no_cp.step_time_s == pytest.approx(max(no_cp.replica_step_s) + no_cp.allreduce_s)
+    assert no_cp.allreduce_s > 0 and len(no_cp.pipelines) == 2
+    # fwd + bwd of each micro-batch add up to its load, split by the model's own phase ratio
+    assert np.allclose(no_cp.mb_fwd_s + no_cp.mb_bwd_s, plan.loads)
+    j = 1
+    share = cost7b.micro_batch_cost(plan.lengths[plan.micro_batches[j]], "fwd") / plan.loads[j]
+    assert no_cp.mb_fwd_s[j] == pytest.approx(share * plan.loads[j])
+    # the recurrence path and the order search agree or improve
+    fast = simulate_step(plan, None, cost7b, parallel, use_dag=False)
+    assert fast.step_time_s == pytest.approx(no_cp.step_time_s)
+    searched = simulate_step(plan, None, cost7b, parallel, search_order=True)
+    assert searched.step_time_s <= no_cp.step_time_s + 1e-12
+    assert sorted(sum(searched.orders, [])) == list(range(8))
+
+
+def test_simulate_step_checks_its_input(cost7b):
+    plan = wlb.solve_pack([1000, 2000, 3000], 4, 131072, cost7b, "wlb", dp=2)
+    with pytest.raises(ValueError, match="dp"):
+        simulate_step(plan, None, cost7b, wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=1))
+    with pytest.raises(ValueError, match="shards"):
+        simulate_step(plan, [_Shard([1.0, 1.0])], cost7b, wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=2))
