@@ -4,6 +4,8 @@
   document-masked attention call, reduce-scatter of dK/dV in rank-major order).
 - `gather_packed`: the differentiable rank-major all-gather + order restore it uses.
 - `check_same_plan`: ranks compare `plan.digest()` before executing a step.
+- `make_mesh`, `train_step`: CP x DP groups and one training step of a PackPlan with the
+  loss normalised over the whole global batch; `TinyLM`, a small model for tests/examples.
 
 The executor never re-plans: it executes the plans it is given.
 """
@@ -14,6 +16,11 @@ from .._optional import require
 require("torch", "wlb_opt.executor")
 
 from .cp_attention import context_parallel_attention, gather_packed, packed_order_index  # noqa: E402
+from .mesh import Mesh, make_mesh  # noqa: E402
+from .model import TinyLM  # noqa: E402
 from .plumbing import check_same_plan, local_inputs  # noqa: E402
+from .train import pack_tokens, packed_labels, packed_positions, target_tokens, train_step  # noqa: E402
 
-__all__ = ["check_same_plan", "context_parallel_attention", "gather_packed", "local_inputs", "packed_order_index"]
+__all__ = ["Mesh", "TinyLM", "check_same_plan", "context_parallel_attention", "gather_packed", "local_inputs",
+           "make_mesh", "pack_tokens", "packed_labels", "packed_order_index", "packed_positions", "target_tokens",
+           "train_step"]

@@ -1,0 +1,72 @@
+"""A small Llama-style decoder whose attention is pluggable, for tests and examples.
+
+Everything but attention is per token, so a CP rank can run the model on its own tokens in
+any order as long as RoPE uses each token's position inside its document and attention is
+`context_parallel_attention` (or, on one process, `doc_attention` over the whole micro-batch).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding of x [T, H, D] at integer positions [T] (rotate-half convention)."""
+    d = x.shape[-1]
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
+    ang = positions.to(torch.float64)[:, None] * inv[None, :]
+    cos, sin = ang.cos().to(x.dtype)[:, None, :], ang.sin().to(x.dtype)[:, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, ffn: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.wq = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, dim, bias=False)
+        self.w1 = nn.Linear(dim, ffn, bias=False)
+        self.w3 = nn.Linear(dim, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        T = x.shape[0]
+        h = self.norm1(x)
+        q = rope(self.wq(h).view(T, self.heads, self.head_dim), positions)
+        k = rope(self.wk(h).view(T, self.kv_heads, self.head_dim), positions)
+        v = self.wv(h).view(T, self.kv_heads, self.head_dim)
+        x = x + self.wo(attend(q, k, v).reshape(T, -1))
+        h = self.norm2(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class TinyLM(nn.Module):
+    """Token ids [T] + positions [T] + an attention callable -> logits [T, vocab]."""
+
+    def __init__(self, vocab: int = 256, dim: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                 ffn: int = 176):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, ffn) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    @classmethod
+    def from_spec(cls, spec) -> "TinyLM":
+        return cls(vocab=spec.vocab, dim=spec.hidden, layers=spec.layers, heads=spec.heads,
+                   kv_heads=spec.kv_heads, ffn=spec.ffn)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, positions, attend)
+        return self.head(self.norm(x))
