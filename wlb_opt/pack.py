@@ -7,6 +7,7 @@ loads are recomputed from the cost model, never taken from the solver. Methods:
 - "original": Plain-4D, data order, fixed-length sequences, documents cut at boundaries.
 - "fixed":    Fixed-4D, greedy fixed-length packing balanced on modelled cost.
 - "wlb":      WLB-LLM Algorithm 1, variable length up to max_tokens.
+- "wlb_ls":   Algorithm 1 plus a deterministic move/swap local search (wlb_opt.solvers.local_search).
 - "cpsat", "milp": exact models (`wlb-opt[exact]`), see wlb_opt.solvers.cpsat / .milp.
 
 More methods can be added with `register_method`. The stateful streaming packer with
@@ -33,6 +34,7 @@ PACK_METHODS: dict[str, Callable[[PackProblem], PackResult] | str] = {
     "wlb": wlb_greedy,
     "cpsat": "wlb_opt.solvers.cpsat:solve",
     "milp": "wlb_opt.solvers.milp:solve",
+    "wlb_ls": "wlb_opt.solvers.local_search:wlb_local_search",
 }
 # Methods that keep documents whole in fixed-length micro-batches balance tokens too.
 _BALANCE_REPLICAS = {"original": False, "fixed": False}

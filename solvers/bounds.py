@@ -1,0 +1,134 @@
+"""Lower bounds on the largest micro-batch cost, and the token-capacity check.
+
+Every exact model and benchmark measures a plan against these bounds, so they must never
+exceed the optimum. They use only sorting and sums, no solver:
+
+- mean load: the bins together carry every item, so the largest carries at least the mean;
+- largest item: it sits in some bin;
+- pigeonhole pairs: among the m+1 largest items two share a bin, so some bin carries at least
+  the m-th plus the (m+1)-th largest (items sorted descending, m bins); more generally some bin
+  carries k+1 of the k*m+1 largest, hence at least the k+1 smallest of them (k = 1, 2, ...);
+- with deferral allowed (`min_placed_weight`): a plan that places P tokens places at least
+  the weight of the cheapest P tokens, counted fractionally by cost per token, so
+  `placed_load_bound` = that weight / m.
+
+Each bin also pays `bin_const` (the per-micro-batch constant), added to every bound.
+`check_capacity` raises the ValueError the exact models use for infeasible instances: a
+document longer than `max_tokens`, or more tokens than `n_bins * max_tokens`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _as_weights(weights) -> np.ndarray:
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or (w.size and (not np.all(np.isfinite(w)) or w.min() < 0)):
+        raise ValueError(f"weights must be a 1-D array of finite numbers >= 0, got {weights!r}")
+    return w
+
+
+def _check_bins(n_bins) -> int:
+    if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or n_bins < 1:
+        raise ValueError(f"n_bins must be an integer >= 1, got {n_bins!r}")
+    return int(n_bins)
+
+
+def mean_bound(weights, n_bins: int) -> float:
+    """Total weight / n_bins."""
+    return float(_as_weights(weights).sum() / _check_bins(n_bins))
+
+
+def largest_item_bound(weights) -> float:
+    w = _as_weights(weights)
+    return float(w.max()) if w.size else 0.0
+
+
+def pigeonhole_bound(weights, n_bins: int) -> float:
+    """max over k >= 1 of the sum of sorted_desc[k*m - k : k*m + 1] (the k+1 smallest of the
+    k*m+1 largest items); k = 1 is the classical m-th + (m+1)-th largest."""
+    w = np.sort(_as_weights(weights))[::-1]
+    m = _check_bins(n_bins)
+    best = 0.0
+    csum = np.concatenate([[0.0], np.cumsum(w)])
+    k = 1
+    while k * m + 1 <= len(w):
+        hi, lo = k * m + 1, k * m - k  # positions [lo, hi) of the sorted list: k+1 items
+        best = max(best, float(csum[hi] - csum[lo]))
+        k += 1
+    return best
+
+
+def makespan_lower_bound(weights, n_bins: int, bin_const: float = 0.0) -> float:
+    """The largest of the bounds above (all items placed), plus the per-bin constant."""
+    w = _as_weights(weights)
+    m = _check_bins(n_bins)
+    return max(mean_bound(w, m), largest_item_bound(w), pigeonhole_bound(w, m)) + float(bin_const)
+
+
+def integer_makespan_lower_bound(weights_int: np.ndarray, n_bins: int) -> int:
+    """The same bounds on integer weights, rounded up (the makespan is an integer there)."""
+    w = np.asarray(weights_int, dtype=np.int64)
+    m = _check_bins(n_bins)
+    if w.size == 0:
+        return 0
+    mean = -(-int(w.sum()) // m)
+    ws = np.sort(w)[::-1]
+    csum = np.concatenate([[0], np.cumsum(ws)])
+    pig = 0
+    k = 1
+    while k * m + 1 <= len(ws):
+        pig = max(pig, int(csum[k * m + 1] - csum[k * m - k]))
+        k += 1
+    return max(mean, int(ws[0]), pig)
+
+
+def min_placed_weight(lengths, weights, tokens: int) -> float:
+    """Least total weight of items holding `tokens` tokens, items taken fractionally in order
+    of weight per token (a lower bound for any integral choice)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    w = _as_weights(weights)
+    if tokens <= 0 or lengths.size == 0:
+        return 0.0
+    rate = w / np.maximum(lengths, 1)
+    order = np.argsort(rate, kind="stable")
+    cum_tok = np.cumsum(lengths[order])
+    cum_w = np.cumsum(w[order])
+    j = int(np.searchsorted(cum_tok, tokens))  # first prefix that reaches `tokens`
+    if j >= len(order):
+        return float(cum_w[-1])
+    before_tok = int(cum_tok[j - 1]) if j else 0
+    before_w = float(cum_w[j - 1]) if j else 0.0
+    return before_w + (tokens - before_tok) * float(rate[order[j]])
+
+
+def placed_load_bound(lengths, weights, n_bins: int, placed_tokens: int, bin_const: float = 0.0) -> float:
+    """Lower bound on the largest load of any plan that places at least `placed_tokens`."""
+    return min_placed_weight(lengths, weights, placed_tokens) / _check_bins(n_bins) + float(bin_const)
+
+
+def max_placeable_tokens(lengths, n_bins: int, max_tokens: int) -> int:
+    """Upper bound on the tokens any plan can place: min(total, n_bins * max_tokens), counting
+    only items that fit a bin at all."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    fits = lengths[lengths <= max_tokens]
+    return int(min(int(fits.sum()), _check_bins(n_bins) * int(max_tokens)))
+
+
+def check_capacity(lengths, n_bins: int, max_tokens: int, ids=None) -> None:
+    """Raise ValueError when not every item can be placed: one longer than `max_tokens`
+    (named by id and position), or more tokens than `n_bins * max_tokens` (the excess)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n_bins = _check_bins(n_bins)
+    if lengths.size == 0:
+        return
+    if lengths.max() > max_tokens:
+        i = int(np.argmax(lengths))
+        name = f"document {int(ids[i])} (position {i})" if ids is not None else f"document at position {i}"
+        raise ValueError(f"{name} has {int(lengths[i])} tokens > max_tokens={max_tokens}; cut it to the window "
+                         "with wlb_opt.split_documents, or pass allow_defer=True")
+    total = int(lengths.sum())
+    capacity = n_bins * int(max_tokens)
+    if total > capacity:
+        raise ValueError(f"{total} tokens do not fit in {n_bins} micro-batches x {max_tokens} = {capacity} tokens "
+                         f"({total - capacity} tokens over); pass allow_defer=True to defer the excess")

@@ -1,0 +1,165 @@
+"""`wlb_ls`: Algorithm 1 followed by a deterministic local search on the largest load.
+
+WLB-LLM's Algorithm 1 (`greedy.wlb_greedy`) is a one-pass list scheduler; it stays a few
+percent above the lower bound when the last, small documents cannot even out the bins, or
+when its fewest-tokens fallback puts a document on a heavy bin. This method keeps the same
+input and output and the same millisecond budget, and adds:
+
+1. a second start, cost-LPT with the token cap (`greedy.fixed_greedy` on the same problem),
+   and keeps the better of the two, lexicographically (placed tokens, then largest load);
+2. placement of deferred items into bins with room (the least-loaded such bin), heaviest first;
+3. a descent on the heaviest bin h: the best single move of an item of h to any bin with
+   room, else the best swap of an item of h with an item of a lighter bin (lightest bins
+   first; partners found by binary search on the weight that would halve the difference),
+   accepted only when it lowers max(load_h, load_b) strictly. The sorted vector of loads then
+   decreases lexicographically, so the descent ends; `max_iter` caps it.
+
+Deterministic: no randomness, no clock; ties go to the lowest index. Carried items stay
+placed (moves keep every item in some bin).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .greedy import fixed_greedy, wlb_greedy
+from .problem import PackProblem, PackResult
+
+_NEIGHBOURS = 3  # swap partners tried on each side of the ideal weight in a sorted bin
+
+
+def _key(problem: PackProblem, bins, deferred) -> tuple:
+    placed = int(problem.lengths.sum() - problem.lengths[np.asarray(deferred, dtype=np.int64)].sum())
+    loads = problem.loads(bins)
+    return (-placed, float(loads.max()) if len(loads) else 0.0)
+
+
+class _State:
+    """Bins as item lists with cached loads and tokens (weights without bin_const)."""
+
+    def __init__(self, problem: PackProblem, bins, deferred):
+        self.w = problem.weights
+        self.L = problem.lengths
+        self.cap = int(problem.max_tokens)
+        self.where = np.full(problem.n_items, -1, dtype=np.int64)
+        for b, items in enumerate(bins):
+            self.where[np.asarray(items, dtype=np.int64)] = b
+        self.members = [list(map(int, items)) for items in bins]
+        self.loads = np.array([self.w[m].sum() if m else 0.0 for m in self.members], dtype=np.float64)
+        self.toks = np.array([int(self.L[m].sum()) if m else 0 for m in self.members], dtype=np.int64)
+        self.deferred = [int(i) for i in deferred]
+
+    def move(self, i: int, src: int, dst: int) -> None:
+        self.members[src].remove(i)
+        self.members[dst].append(i)
+        self.loads[src] -= self.w[i]
+        self.loads[dst] += self.w[i]
+        self.toks[src] -= self.L[i]
+        self.toks[dst] += self.L[i]
+        self.where[i] = dst
+
+    def place_deferred(self) -> None:
+        keep = []
+        for i in sorted(self.deferred, key=lambda j: (-self.w[j], j)):
+            room = self.toks + self.L[i] <= self.cap
+            if not room.any():
+                keep.append(i)
+                continue
+            b = int(np.argmin(np.where(room, self.loads, np.inf)))
+            self.members[b].append(i)
+            self.loads[b] += self.w[i]
+            self.toks[b] += self.L[i]
+            self.where[i] = b
+        self.deferred = sorted(keep)
+
+    def best_move(self, h: int):
+        """Best move of one item of h to another bin: (new pair max, item, dst) or None."""
+        items = np.asarray(self.members[h], dtype=np.int64)
+        if items.size == 0:
+            return None
+        wi = self.w[items][:, None]
+        fits = self.toks[None, :] + self.L[items][:, None] <= self.cap
+        fits[:, h] = False
+        pair = np.maximum(self.loads[h] - wi, self.loads[None, :] + wi)
+        pair = np.where(fits, pair, np.inf)
+        k = int(np.argmin(pair))
+        r, b = divmod(k, pair.shape[1])
+        if not np.isfinite(pair[r, b]):
+            return None
+        return float(pair[r, b]), int(items[r]), int(b)
+
+    def best_swap(self, h: int, b: int):
+        """Best swap of i in h with j in b (w_i > w_j): (new pair max, i, j) or None."""
+        hi = np.asarray(self.members[h], dtype=np.int64)
+        bj = np.asarray(self.members[b], dtype=np.int64)
+        if hi.size == 0 or bj.size == 0:
+            return None
+        diff = self.loads[h] - self.loads[b]
+        order = np.argsort(self.w[bj], kind="stable")
+        bj = bj[order]
+        wb = self.w[bj]
+        # The pair max is smallest when w_i - w_j = diff / 2; look at the neighbours of that.
+        pos = np.searchsorted(wb, self.w[hi] - diff / 2.0)
+        offs = np.arange(-_NEIGHBOURS, _NEIGHBOURS)
+        cand = np.clip(pos[:, None] + offs[None, :], 0, len(bj) - 1)
+        i_idx = np.repeat(hi, cand.shape[1])
+        j_idx = bj[cand.ravel()]
+        delta = self.w[i_idx] - self.w[j_idx]
+        ok = (delta > 0) & (self.toks[h] - self.L[i_idx] + self.L[j_idx] <= self.cap) \
+            & (self.toks[b] - self.L[j_idx] + self.L[i_idx] <= self.cap)
+        pair = np.where(ok, np.maximum(self.loads[h] - delta, self.loads[b] + delta), np.inf)
+        k = int(np.argmin(pair))
+        if not np.isfinite(pair[k]):
+            return None
+        return float(pair[k]), int(i_idx[k]), int(j_idx[k])
+
+
+def improve(problem: PackProblem, bins, deferred, max_iter: int | None = None) -> PackResult:
+    """Local search from a given solution; returns a solution at least as good."""
+    st = _State(problem, bins, deferred)
+    if st.deferred:
+        st.place_deferred()
+    m = problem.n_bins
+    max_iter = max_iter if max_iter is not None else 20 * m + 200
+    iters = moves = swaps = 0
+    while iters < max_iter and m > 1:
+        iters += 1
+        h = int(np.argmax(st.loads))
+        top = st.loads[h]
+        tol = 1e-12 * max(top, 1e-300)
+        mv = st.best_move(h)
+        if mv is not None and mv[0] < top - tol:
+            st.move(mv[1], h, mv[2])
+            moves += 1
+            continue
+        done = False
+        for b in np.argsort(st.loads, kind="stable").tolist():
+            if b == h or st.loads[b] >= top - tol:
+                continue
+            sw = st.best_swap(h, b)
+            if sw is not None and sw[0] < top - tol:
+                st.move(sw[1], h, b)
+                st.move(sw[2], b, h)
+                swaps += 1
+                done = True
+                break
+        if not done:
+            break
+    out_bins = [np.asarray(sorted(mb), dtype=np.int64) for mb in st.members]
+    return PackResult(bins=out_bins, deferred=np.asarray(st.deferred, dtype=np.int64),
+                      extra=dict(ls_iterations=iters, ls_moves=moves, ls_swaps=swaps))
+
+
+def wlb_local_search(problem: PackProblem) -> PackResult:
+    """`wlb_ls`: the better of Algorithm 1 and capped LPT, then `improve`.
+
+    Options (PackProblem.options): `max_iter` (descent steps, default 20 * bins + 200).
+    """
+    starts = [("wlb", wlb_greedy(problem)), ("lpt", fixed_greedy(problem))]
+    name, best = min(starts, key=lambda s: _key(problem, s[1].bins, s[1].deferred))
+    max_iter = problem.options.get("max_iter")
+    if max_iter is not None and (isinstance(max_iter, bool) or not isinstance(max_iter, (int, np.integer))
+                                 or max_iter < 0):
+        raise ValueError(f"max_iter must be an integer >= 0, got {max_iter!r}")
+    result = improve(problem, best.bins, best.deferred, max_iter)
+    result.extra["start"] = name
+    return result
