@@ -265,3 +265,229 @@ def _merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((a, b))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# CP level: ShardPlan (which tokens of one micro-batch each context-parallel rank holds)
+# ---------------------------------------------------------------------------------------------
+SHARD_FORMAT_VERSION = 1
+CHUNK_COLUMNS = ("rank", "doc", "start", "length")
+
+
+def merge_chunks(lengths, doc, start, length, rank) -> np.ndarray:
+    """Canonical chunk table: rows (rank, doc, start, length) sorted by rank, then packed
+    position, empty rows dropped, and contiguous rows of one document on one rank merged
+    (rank CP-1 holds chunks CP-1 and CP of a document back to back: one segment, not two).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    doc, start, length, rank = (np.asarray(x, dtype=np.int64) for x in (doc, start, length, rank))
+    keep = length > 0
+    doc, start, length, rank = doc[keep], start[keep], length[keep], rank[keep]
+    doc_start = np.cumsum(lengths) - lengths
+    order = np.lexsort((doc_start[doc] + start, rank))
+    doc, start, length, rank = doc[order], start[order], length[order], rank[order]
+    if len(doc) > 1:
+        joins = (rank[1:] == rank[:-1]) & (doc[1:] == doc[:-1]) & (start[1:] == start[:-1] + length[:-1])
+        if joins.any():
+            first = np.flatnonzero(np.concatenate([[True], ~joins]))
+            length = np.add.reduceat(length, first)
+            doc, start, rank = doc[first], start[first], rank[first]
+    return np.stack([rank, doc, start, length], axis=1) if len(doc) else np.zeros((0, 4), np.int64)
+
+
+def shard_layout(lengths, offsets, cp: int, chunks: np.ndarray):
+    """(rank_indices, segments, positions) of a canonical chunk table (see `merge_chunks`).
+
+    Rank r's local order is packed order restricted to its tokens. Its segment for chunk
+    (doc, start, length) is (q_start, length, doc_start, start + length): the queries see the
+    document's prefix up to their own end, aligned bottom-right.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    rank, doc, start, length = (chunks[:, j] for j in range(4))
+    doc_start = np.cumsum(lengths) - lengths
+    tok_before = np.cumsum(length) - length  # tokens before each row in rank-major order
+    bounds = np.searchsorted(rank, np.arange(cp + 1))
+    total = int(length.sum())
+    rank_tok_start = np.append(tok_before, total)[bounds]
+    q_start = tok_before - rank_tok_start[:-1][rank] if len(rank) else tok_before
+    seg = np.stack([q_start, length, doc_start[doc], start + length], axis=1).astype(np.int32)
+    ar = np.arange(total, dtype=np.int64)
+    gidx = np.repeat(doc_start[doc] + start - tok_before, length) + ar
+    pos = np.repeat(offsets[doc] + start - tok_before, length) + ar
+    rank_indices = [gidx[rank_tok_start[r]:rank_tok_start[r + 1]] for r in range(cp)]
+    positions = [pos[rank_tok_start[r]:rank_tok_start[r + 1]] for r in range(cp)]
+    segments = [seg[bounds[r]:bounds[r + 1]] for r in range(cp)]
+    return rank_indices, segments, positions
+
+
+@dataclass
+class ShardPlan:
+    """CP sharding of one packed micro-batch (built by `wlb_opt.solve_shard`).
+
+    - `rank_indices[r]`: int64 token positions (in the packed micro-batch) owned by CP rank r,
+      in rank r's local order (packed order restricted to its tokens). Concatenated over r
+      they give the rank-major layout of an all-gather; `permutation()` returns it.
+    - `segments[r]`: int32 (S, 4) rows (q_start, q_len, k_start, k_len): local query rows
+      [q_start, q_start + q_len) attend to packed K/V rows [k_start, k_start + k_len),
+      causal, bottom-right aligned (DESIGN.md, "The segment table"). Empty shards give none.
+    - `positions[r]`: each local token's position inside its document plus the piece offset.
+    - `loads[r]`: rank r's modelled seconds (same units as `CostModel.micro_batch_cost`):
+      sum of attention_latency over its segments + the linear work of its tokens + the
+      per-document constant once per segment + the per-micro-batch constant (every rank
+      launches every layer's kernels). `imbalance` = max / mean of loads.
+    - `strategy`: the strategy actually taken ("per_seq", "per_doc", "hybrid" or "cpsat");
+      `requested`: the one asked for ("adaptive" may take "per_seq" or "per_doc").
+    - `chunks`: the compact description every other field is derived from: int64 rows
+      (rank, doc, start, length), tokens [start, start + length) of document `doc`.
+    """
+
+    cp: int
+    strategy: str
+    lengths: np.ndarray
+    offsets: np.ndarray
+    chunks: np.ndarray
+    rank_indices: list
+    segments: list
+    positions: list
+    loads: np.ndarray
+    tokens: np.ndarray
+    requested: str = ""
+    info: SolveInfo = field(default_factory=lambda: SolveInfo(method="unknown"))
+
+    @property
+    def imbalance(self) -> float:
+        return imbalance(self.loads)
+
+    @property
+    def max_load(self) -> float:
+        """Predicted time of the micro-batch under CP (ranks are synchronous): max of loads."""
+        return float(np.max(self.loads)) if len(self.loads) else 0.0
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def _check_rank(self, rank: int) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.cp:
+            raise ValueError(f"rank must be an integer in [0, {self.cp}), got {rank!r}")
+        return int(rank)
+
+    def permutation(self) -> np.ndarray:
+        """Packed position of each row of the rank-major all-gather (concatenated rank_indices).
+
+        To restore packed order after an all-gather: ``packed[perm] = gathered``.
+        """
+        return np.concatenate(self.rank_indices) if self.rank_indices else np.zeros(0, np.int64)
+
+    def short_segment_share(self, tile: int = 128) -> float:
+        """Share of segments (all ranks) with fewer query rows than one kernel tile."""
+        q = np.concatenate([s[:, 1] for s in self.segments]) if self.segments else np.zeros(0)
+        return float(np.mean(q < tile)) if len(q) else 0.0
+
+    # ------------------------------------------------------------- adapters
+    def position_ids(self, rank: int, as_torch: bool = False, device=None):
+        """RoPE position ids of rank `rank`'s local tokens (int64; a torch tensor if asked)."""
+        pos = self.positions[self._check_rank(rank)]
+        return _to_torch(pos, device) if as_torch or device is not None else pos
+
+    def varlen_args(self, rank: int, as_torch: bool = False, device=None) -> list[dict]:
+        """Arguments for FlashAttention's varlen API (``flash_attn_varlen_func``), one dict per call.
+
+        The varlen API takes one packed K tensor whose sequences may not overlap, but two
+        segments of one rank may read the same document prefix (chunks r and 2CP-1-r both
+        attend to the start of the document). So the segments are split into calls: call j
+        holds the j-th segment of every document on this rank (at most two calls under
+        per_seq, per_doc and hybrid). Each dict has:
+
+        - ``q_index``: local query rows of the call, ``k_index``: packed K/V rows;
+        - ``cu_seqlens_q``, ``cu_seqlens_k`` (int32), ``max_seqlen_q``, ``max_seqlen_k`` (int).
+
+        Usage (FlashAttention >= 2.1 aligns ``causal=True`` bottom-right, as the segments need)::
+
+            for a in shard.varlen_args(rank, device="cuda"):
+                out[a["q_index"]] = flash_attn_varlen_func(
+                    q[a["q_index"]], k_full[a["k_index"]], v_full[a["k_index"]],
+                    a["cu_seqlens_q"], a["cu_seqlens_k"], a["max_seqlen_q"], a["max_seqlen_k"],
+                    causal=True)
+        """
+        seg = self.segments[self._check_rank(rank)].astype(np.int64)
+        calls = []
+        if len(seg) == 0:
+            return calls
+        k_start = seg[:, 2]
+        # j-th segment of the same document (same k_start) on this rank -> call j
+        order = np.lexsort((seg[:, 0], k_start))
+        same = np.concatenate([[False], k_start[order][1:] == k_start[order][:-1]])
+        nth = np.zeros(len(seg), np.int64)
+        run = 0
+        for pos, s in enumerate(same.tolist()):
+            run = run + 1 if s else 0
+            nth[order[pos]] = run
+        for j in range(int(nth.max()) + 1):
+            rows = seg[np.sort(np.flatnonzero(nth == j), kind="stable")]
+            rows = rows[np.argsort(rows[:, 0], kind="stable")]
+            q_len, k_len = rows[:, 1], rows[:, 3]
+            q_index = _ranges(rows[:, 0], q_len)
+            k_index = _ranges(rows[:, 2], k_len)
+            args = dict(q_index=q_index, k_index=k_index,
+                        cu_seqlens_q=np.concatenate([[0], np.cumsum(q_len)]).astype(np.int32),
+                        cu_seqlens_k=np.concatenate([[0], np.cumsum(k_len)]).astype(np.int32),
+                        max_seqlen_q=int(q_len.max()), max_seqlen_k=int(k_len.max()))
+            if as_torch or device is not None:
+                for key in ("q_index", "k_index", "cu_seqlens_q", "cu_seqlens_k"):
+                    args[key] = _to_torch(args[key], device)
+            calls.append(args)
+        return calls
+
+    def cu_seqlens(self, rank: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(cu_seqlens_q, cu_seqlens_k) per varlen call of rank `rank` (see `varlen_args`)."""
+        return [(a["cu_seqlens_q"], a["cu_seqlens_k"]) for a in self.varlen_args(rank)]
+
+    # ------------------------------------------------------------- serialisation
+    def to_dict(self) -> dict:
+        return {
+            "format_version": SHARD_FORMAT_VERSION,
+            "cp": self.cp, "strategy": self.strategy, "requested": self.requested,
+            "lengths": self.lengths.tolist(), "offsets": self.offsets.tolist(),
+            "chunks": self.chunks.tolist(), "loads": self.loads.tolist(), "info": self.info.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ShardPlan":
+        if d.get("format_version") != SHARD_FORMAT_VERSION:
+            raise ValueError(f"ShardPlan format_version {d.get('format_version')!r} is not supported; "
+                             f"expected {SHARD_FORMAT_VERSION}")
+        lengths = np.asarray(d["lengths"], dtype=np.int64)
+        offsets = np.asarray(d["offsets"], dtype=np.int64)
+        chunks = np.asarray(d["chunks"], dtype=np.int64).reshape(-1, 4)
+        cp = int(d["cp"])
+        rank_indices, segments, positions = shard_layout(lengths, offsets, cp, chunks)
+        return cls(cp=cp, strategy=d["strategy"], lengths=lengths, offsets=offsets, chunks=chunks,
+                   rank_indices=rank_indices, segments=segments, positions=positions,
+                   loads=np.asarray(d["loads"], dtype=np.float64),
+                   tokens=np.array([len(x) for x in rank_indices], dtype=np.int64),
+                   requested=d.get("requested", ""), info=SolveInfo.from_dict(d["info"]))
+
+    def digest(self) -> str:
+        """SHA-256 of (cp, lengths, offsets, chunks): equal on every rank that holds this plan."""
+        h = hashlib.sha256()
+        h.update(str(self.cp).encode())
+        for arr in (self.lengths, self.offsets, self.chunks):
+            h.update(b"|")
+            h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
+        return h.hexdigest()
+
+
+def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + n) for each (s, n)."""
+    lens = np.asarray(lens, dtype=np.int64)
+    before = np.cumsum(lens) - lens
+    return np.repeat(np.asarray(starts, dtype=np.int64) - before, lens) + np.arange(int(lens.sum()), dtype=np.int64)
+
+
+def _to_torch(arr: np.ndarray, device=None):
+    from ._optional import require
+
+    torch = require("torch", "ShardPlan torch adapters")
+    return torch.as_tensor(np.ascontiguousarray(arr), device=device)

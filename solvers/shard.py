@@ -1,0 +1,244 @@
+"""Context-parallel sharding on plain arrays: chunk tables and the hybrid decision.
+
+A *chunk table* says which tokens of a packed micro-batch each CP rank holds. It is four
+int64 arrays of equal length (doc, start, length, rank): tokens [start, start + length) of
+document `doc` (positions inside the document, 0-based) belong to rank `rank`. The facade
+(`wlb_opt.shard`) turns a chunk table into rank indices, segment tables, RoPE positions and
+loads; this module only decides the table. No cost model and no torch here: costs come in
+as arrays.
+
+- `per_seq_chunks`: Llama 3 head-tail. The packed sequence of T tokens is cut into 2*CP
+  contiguous chunks; rank r takes chunks r and 2*CP-1-r. Totals that do not divide by 2*CP
+  are handled without padding: every chunk gets floor(T / 2CP) tokens, and the R = T mod 2CP
+  extra tokens go one each to the head chunks 0, 1, ..., CP-1 first, then to the tail chunks
+  2CP-1, 2CP-2, ..., CP. Rank r therefore gets +1 if r < R and another +1 if r < R - CP, so
+  rank token counts differ by at most one.
+- `per_doc_chunk_sizes` / `per_doc_chunks`: paper §4.1 and DESIGN.md. Each document is cut
+  into 2*CP contiguous chunks of floor(d / 2CP) tokens; the d mod 2CP remainder tokens add
+  one each to the chunk indices chosen by one round-robin pointer that runs on across the
+  documents (pointer p, chunks p, p+1, ... mod 2CP; then p advances by the remainder).
+  Rank r takes chunks r and 2*CP-1-r of every document.
+- `hybrid_assign`: beyond the paper (§4.3 names it as future work). Each document is either
+  cut per document (its cut cost is a fixed row of per-rank costs) or placed whole on one
+  rank. See its docstring for the heuristic.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["per_seq_chunks", "per_doc_chunk_sizes", "per_doc_chunks", "head_tail_rank", "hybrid_assign",
+           "HybridResult"]
+
+
+def head_tail_rank(cp: int) -> np.ndarray:
+    """Rank of each of the 2*CP chunks: chunk k goes to rank k for k < CP, else 2CP-1-k."""
+    k = np.arange(2 * cp, dtype=np.int64)
+    return np.where(k < cp, k, 2 * cp - 1 - k)
+
+
+def per_seq_chunks(lengths: np.ndarray, cp: int) -> tuple[np.ndarray, ...]:
+    """Head-tail chunks of the whole packed sequence, cut at document boundaries.
+
+    Returns (doc, start, length, rank); a chunk that spans documents becomes one row per
+    document it touches.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    n2 = 2 * cp
+    base, rem = divmod(total, n2)
+    k = np.arange(n2, dtype=np.int64)
+    rank = head_tail_rank(cp)
+    extra = (k < cp) & (rank < rem)
+    extra |= (k >= cp) & (rank < rem - cp)
+    chunk_ends = np.cumsum(base + extra.astype(np.int64))
+    doc_ends = np.cumsum(lengths)
+    cuts = np.union1d(chunk_ends, doc_ends)
+    cuts = cuts[cuts > 0]
+    piece_start = np.concatenate([[0], cuts[:-1]]).astype(np.int64)
+    piece_len = cuts - piece_start
+    doc = np.searchsorted(doc_ends, piece_start, side="right")
+    chunk = np.searchsorted(chunk_ends, piece_start, side="right")
+    start = piece_start - (doc_ends[doc] - lengths[doc])
+    return doc.astype(np.int64), start.astype(np.int64), piece_len.astype(np.int64), rank[chunk]
+
+
+def per_doc_chunk_sizes(lengths: np.ndarray, cp: int, pointer: int = 0) -> np.ndarray:
+    """[n, 2*CP] chunk sizes of every document under the round-robin remainder rule.
+
+    The pointer starts at `pointer` and runs on across documents in packed order.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n2 = 2 * cp
+    base, rem = np.divmod(lengths, n2)
+    first = (pointer + np.cumsum(rem) - rem) % n2  # pointer when document i starts
+    k = np.arange(n2, dtype=np.int64)
+    extra = (k[None, :] - first[:, None]) % n2 < rem[:, None]
+    return base[:, None] + extra.astype(np.int64)
+
+
+def _chunks_of(sizes: np.ndarray, docs: np.ndarray, cp: int) -> tuple[np.ndarray, ...]:
+    """Chunk table rows of the given documents cut into 2*CP chunks of `sizes` (rows of docs)."""
+    n2 = 2 * cp
+    starts = np.cumsum(sizes, axis=1) - sizes
+    doc = np.repeat(docs.astype(np.int64), n2)
+    rank = np.tile(head_tail_rank(cp), len(docs))
+    start, length = starts.reshape(-1), sizes.reshape(-1)
+    keep = length > 0
+    return doc[keep], start[keep], length[keep], rank[keep]
+
+
+def per_doc_chunks(lengths: np.ndarray, cp: int) -> tuple[np.ndarray, ...]:
+    """Per-document head-tail chunks (doc, start, length, rank); empty chunks are dropped."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    sizes = per_doc_chunk_sizes(lengths, cp)
+    return _chunks_of(sizes, np.arange(len(lengths)), cp)
+
+
+def hybrid_chunks(lengths: np.ndarray, cp: int, cut: np.ndarray, whole_rank: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Chunk table of a hybrid decision: cut documents per document, the rest whole.
+
+    Cut documents use the chunk sizes `per_doc_chunk_sizes` gives them with the pointer
+    running over *all* documents, so a document's chunks do not depend on which other
+    documents are cut (hybrid with every document cut is exactly per_doc).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    cut = np.asarray(cut, dtype=bool)
+    sizes = per_doc_chunk_sizes(lengths, cp)
+    docs_cut = np.flatnonzero(cut)
+    d1, s1, l1, r1 = _chunks_of(sizes[docs_cut], docs_cut, cp)
+    docs_whole = np.flatnonzero(~cut)
+    return (np.concatenate([d1, docs_whole]), np.concatenate([s1, np.zeros(len(docs_whole), np.int64)]),
+            np.concatenate([l1, lengths[docs_whole]]),
+            np.concatenate([r1, np.asarray(whole_rank, dtype=np.int64)[docs_whole]]))
+
+
+class HybridResult:
+    """Decision of `hybrid_assign`: cut[i] (bool) and whole_rank[i] (-1 where cut)."""
+
+    __slots__ = ("cut", "whole_rank", "makespan", "evaluated")
+
+    def __init__(self, cut, whole_rank, makespan, evaluated):
+        self.cut = cut
+        self.whole_rank = whole_rank
+        self.makespan = makespan
+        self.evaluated = evaluated
+
+
+def _lpt(items, whole_cost, lengths, loads, toks, token_cap, cut_cost, cut_tok):
+    """Place `items` (heaviest first) whole on the least-loaded rank whose tokens stay within
+    `token_cap`; an item that fits nowhere is cut instead. Mutates loads/toks (lists)."""
+    cp = len(loads)
+    ranks = range(cp)
+    assign = {}
+    cut_extra = []
+    for i in items:
+        w, d = whole_cost[i], lengths[i]
+        best, best_load = -1, float("inf")
+        for r in ranks:
+            if loads[r] < best_load and toks[r] + d <= token_cap:
+                best, best_load = r, loads[r]
+        if best < 0:
+            cut_extra.append(i)
+            row, trow = cut_cost[i], cut_tok[i]
+            for r in ranks:
+                loads[r] += row[r]
+                toks[r] += trow[r]
+        else:
+            assign[i] = best
+            loads[best] += w
+            toks[best] += d
+    return assign, cut_extra
+
+
+def _improve(assign, whole_cost, lengths, loads, toks, token_cap, max_moves=64):
+    """Move single whole documents off the most-loaded rank while that lowers the maximum."""
+    cp = len(loads)
+    by_rank = [[] for _ in range(cp)]
+    for i, r in assign.items():
+        by_rank[r].append(i)
+    for _ in range(max_moves):
+        hi = max(range(cp), key=loads.__getitem__)
+        lo = min(range(cp), key=loads.__getitem__)
+        gap = loads[hi] - loads[lo]
+        if gap <= 0:
+            break
+        # the largest document that fits into half the gap moves the maximum down the most
+        best, best_w = -1, 0.0
+        for i in by_rank[hi]:
+            w = whole_cost[i]
+            if best_w < w < gap and toks[lo] + lengths[i] <= token_cap:
+                best, best_w = i, w
+        if best < 0:
+            break
+        new_max = max(loads[hi] - best_w, loads[lo] + best_w)
+        if new_max >= loads[hi]:
+            break
+        by_rank[hi].remove(best)
+        by_rank[lo].append(best)
+        assign[best] = lo
+        loads[hi] -= best_w
+        loads[lo] += best_w
+        toks[hi] -= lengths[best]
+        toks[lo] += lengths[best]
+    return assign
+
+
+def hybrid_assign(whole_cost: np.ndarray, cut_cost: np.ndarray, lengths: np.ndarray, cut_tokens: np.ndarray,
+                  token_cap: float, patience: int = 3) -> HybridResult:
+    """Choose, per document, "cut per document" or "whole on one rank", minimising the
+    largest rank load (seconds), with every rank holding at most `token_cap` tokens.
+
+    Args:
+        whole_cost: [n] load a document adds to the rank it is placed on whole.
+        cut_cost: [n, cp] load a cut document adds to each rank.
+        lengths: [n] tokens; cut_tokens: [n, cp] tokens a cut document adds to each rank.
+
+    Heuristic: documents are ranked by whole cost. For k in a small window, the k heaviest
+    are cut (their per-rank rows add up) and the rest go whole by longest-processing-time
+    (least-loaded rank that keeps the token cap; a document that fits nowhere is cut too),
+    followed by a few single-document moves off the most-loaded rank. The window starts
+    just below k0 = the number of documents whose whole cost exceeds the mean rank load
+    (such a document alone would make its rank the slowest) and stops after `patience`
+    values of k that do not improve the best makespan. O(n log n + window * n * cp).
+    """
+    whole_cost = np.asarray(whole_cost, dtype=np.float64)
+    cut_cost = np.asarray(cut_cost, dtype=np.float64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    cut_tokens = np.asarray(cut_tokens, dtype=np.int64)
+    n, cp = cut_cost.shape
+    if n == 0:
+        return HybridResult(np.zeros(0, bool), np.zeros(0, np.int64), 0.0, 0)
+    order = np.argsort(-whole_cost, kind="stable")
+    cum_load = np.vstack([np.zeros(cp), np.cumsum(cut_cost[order], axis=0)])
+    cum_tok = np.vstack([np.zeros(cp, np.int64), np.cumsum(cut_tokens[order], axis=0)])
+    mean_load = (whole_cost.sum()) / cp
+    k0 = int(np.count_nonzero(whole_cost > mean_load))
+    wc, ln = whole_cost.tolist(), lengths.tolist()
+    cc, ct = cut_cost.tolist(), cut_tokens.tolist()
+    order_l = order.tolist()
+
+    best = None
+    stale, evaluated = 0, 0
+    for k in range(max(0, k0 - 1), n + 1):
+        loads = cum_load[k].tolist()
+        toks = cum_tok[k].tolist()
+        assign, cut_extra = _lpt(order_l[k:], wc, ln, loads, toks, token_cap, cc, ct)
+        assign = _improve(assign, wc, ln, loads, toks, token_cap)
+        evaluated += 1
+        makespan = max(loads)
+        if best is None or makespan < best[0] * (1 - 1e-12):
+            best = (makespan, k, assign, cut_extra)
+            stale = 0
+        else:
+            stale += 1
+            if stale >= patience:
+                break
+    makespan, k, assign, cut_extra = best
+    cut = np.zeros(n, dtype=bool)
+    cut[order[:k]] = True
+    cut[np.asarray(cut_extra, dtype=np.int64)] = True
+    whole_rank = np.full(n, -1, dtype=np.int64)
+    if assign:
+        idx = np.fromiter(assign.keys(), dtype=np.int64, count=len(assign))
+        whole_rank[idx] = np.fromiter(assign.values(), dtype=np.int64, count=len(assign))
+    return HybridResult(cut, whole_rank, float(makespan), evaluated)

@@ -1,0 +1,220 @@
+"""`solve_shard()`: which tokens of one packed micro-batch each context-parallel rank holds.
+
+Paper §4. Context parallelism with an all-gather of K/V (Llama 3 style) gives every rank a
+share of the queries; ranks are synchronous, so the micro-batch takes as long as its slowest
+rank. Strategies (all padding-free; the chunk rules are in `wlb_opt.solvers.shard`):
+
+- "per_seq":  head-tail over the whole packed sequence (Llama 3, Plain-4D's CP).
+- "per_doc":  head-tail inside every document, remainders round-robin (§4.1).
+- "adaptive": per micro-batch, the one of per_seq / per_doc with the lower predicted
+              max-rank time (§4.3; the prediction takes the max over ranks).
+- "hybrid":   beyond the paper: per document, cut it (per_doc) or place it whole on one
+              rank (`solvers.shard.hybrid_assign`); never predicts worse than "adaptive",
+              because the best of {hybrid decision, per_doc, per_seq} is returned.
+- "cpsat":    the exact version of hybrid's decision (OR-Tools CP-SAT, <= 48 documents),
+              the quality reference for "hybrid".
+
+Token bound of hybrid and cpsat: every rank holds at most ceil((1 + token_skew) * T / CP)
+tokens (T tokens in the micro-batch; default token_skew = 1/16), so activation memory and
+all-gather buffers stay within 6.25% of an even split. per_seq and per_doc differ by at most
+one token between ranks.
+
+Loads (seconds, units of `CostModel.micro_batch_cost`): rank r's load is the sum of
+`cost.attention_latency(q_len, k_len)` over its segments (tile-padded, shape-dependent
+efficiency), plus the linear work of its tokens, plus `doc_const` once per segment, plus
+`mb_const`. The cost model's linear coefficient is per token of a micro-batch spread over
+the CP group it was built for (`CostModel.analytic` divides by tp x cp), so rank r's linear
+time is `cost.linear_cost(cp_cost * tokens_r)` with cp_cost the model's own CP degree
+(`cost.meta["parallel"]["cp"]`, or `cp` when the model does not say).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from .cost import CostModel, default_cost
+from .docs import validate_ids, validate_lengths
+from .plan import ShardPlan, SolveInfo, merge_chunks, shard_layout
+from .solvers.shard import hybrid_assign, hybrid_chunks, per_doc_chunk_sizes, per_doc_chunks, per_seq_chunks
+
+SHARD_STRATEGIES: tuple[str, ...] = ("per_seq", "per_doc", "adaptive", "hybrid", "cpsat")
+CPSAT_MAX_DOCS = 48
+DEFAULT_TOKEN_SKEW = 1.0 / 16
+
+__all__ = ["solve_shard", "SHARD_STRATEGIES", "CPSAT_MAX_DOCS", "ShardCosts", "varlen_args", "position_ids",
+           "cu_seqlens"]
+
+
+class ShardCosts:
+    """Per-segment and per-rank costs of chunk tables under one cost model and CP degree."""
+
+    def __init__(self, cost: CostModel, cp: int):
+        self.cost = cost
+        self.cp = cp
+        cp_cost = (cost.meta or {}).get("parallel", {}).get("cp", cp) if isinstance(cost.meta, dict) else cp
+        self.token_s = float(cost.linear_cost(1.0)) * float(cp_cost)  # seconds per token on one rank
+        self.doc_const = float(cost.coef["fwd"]["doc_const"] + cost.coef["bwd"]["doc_const"])
+        self.mb_const = float(cost.mb_const())
+
+    def segment_cost(self, q_len: np.ndarray, k_len: np.ndarray) -> np.ndarray:
+        """Seconds a segment adds to its rank: attention + linear work of its queries + doc_const."""
+        q_len = np.asarray(q_len, dtype=np.int64)
+        if len(q_len) == 0:
+            return np.zeros(0)
+        att = np.asarray(self.cost.attention_latency(q_len, np.asarray(k_len, dtype=np.int64)), dtype=np.float64)
+        return att + self.token_s * q_len + self.doc_const
+
+    def loads(self, chunks: np.ndarray) -> np.ndarray:
+        """Per-rank load of a canonical chunk table (rows rank, doc, start, length)."""
+        rank, length = chunks[:, 0], chunks[:, 3]
+        seg = self.segment_cost(length, chunks[:, 2] + length)
+        return np.bincount(rank, weights=seg, minlength=self.cp)[: self.cp] + self.mb_const
+
+
+def _validate(lengths, cp, strategy, offsets):
+    if isinstance(cp, bool) or not isinstance(cp, (int, np.integer)) or cp < 1:
+        raise ValueError(f"cp must be an integer >= 1, got {cp!r}")
+    if strategy not in SHARD_STRATEGIES:
+        raise ValueError(f"unknown shard strategy {strategy!r}; valid: {list(SHARD_STRATEGIES)}")
+    lengths = validate_lengths(lengths)
+    if offsets is None:
+        offsets = np.zeros(len(lengths), np.int64)
+    else:
+        offsets = validate_ids(offsets, len(lengths), "offsets")
+        if np.any(offsets < 0):
+            raise ValueError(f"offsets must be >= 0 (start of each piece inside its document), got "
+                             f"{int(offsets[np.argmax(offsets < 0)])}")
+    return lengths, int(cp), offsets
+
+
+def solve_shard(
+    lengths,
+    cp: int,
+    strategy: str = "per_doc",
+    cost: CostModel | None = None,
+    offsets=None,
+    *,
+    token_skew: float = DEFAULT_TOKEN_SKEW,
+    time_limit: float = 10.0,
+    workers: int = 1,
+    seed: int = 0,
+) -> ShardPlan:
+    """Shard one packed micro-batch over `cp` context-parallel ranks.
+
+    Args:
+        lengths: token counts of the micro-batch's documents (pieces), in packed order.
+        cp: context-parallel degree (>= 1).
+        strategy: one of SHARD_STRATEGIES (see the module docstring).
+        cost: the cost model of the loads (default: `default_cost()`).
+        offsets: start of each piece inside its document (for RoPE positions; default 0).
+        token_skew: hybrid / cpsat token bound, ranks hold <= ceil((1 + token_skew) T / cp).
+        time_limit, workers, seed: CP-SAT only (one worker is deterministic).
+
+    Returns a ShardPlan; `plan.strategy` is the strategy actually taken.
+    """
+    t0 = time.perf_counter()
+    lengths, cp, offsets = _validate(lengths, cp, strategy, offsets)
+    if not (isinstance(token_skew, (int, float)) and token_skew >= 0):
+        raise ValueError(f"token_skew must be a number >= 0 (or math.inf), got {token_skew!r}")
+    if strategy == "cpsat" and len(lengths) > CPSAT_MAX_DOCS:
+        raise ValueError(f"strategy 'cpsat' handles at most {CPSAT_MAX_DOCS} documents (its size cap), got "
+                         f"{len(lengths)}; use strategy='hybrid' for larger micro-batches")
+    cost = cost if cost is not None else default_cost()
+    costs = ShardCosts(cost, cp)
+    total = int(lengths.sum())
+    token_cap = math.ceil((1.0 + token_skew) * total / cp) if math.isfinite(token_skew) else math.inf
+    extra: dict = {}
+    status = "heuristic"
+
+    def candidate(name, table):
+        chunks = merge_chunks(lengths, *table)
+        return name, chunks, costs.loads(chunks)
+
+    if strategy == "per_seq":
+        chosen = candidate("per_seq", per_seq_chunks(lengths, cp))
+    elif strategy == "per_doc":
+        chosen = candidate("per_doc", per_doc_chunks(lengths, cp))
+    else:
+        doc_cand = candidate("per_doc", per_doc_chunks(lengths, cp))
+        seq_cand = candidate("per_seq", per_seq_chunks(lengths, cp))
+        # ties go to per_doc (token counts balanced per document, fewer cross-document chunks)
+        cands = [doc_cand, seq_cand]
+        if strategy in ("hybrid", "cpsat"):
+            whole_cost, cut_cost, cut_tokens = _decision_costs(lengths, cp, costs, doc_cand[1])
+            if strategy == "hybrid":
+                res = hybrid_assign(whole_cost, cut_cost, lengths, cut_tokens, token_cap)
+                cut, whole_rank = res.cut, res.whole_rank
+                extra.update(evaluated=res.evaluated)
+            else:
+                from .solvers.shard_cpsat import solve_cut_or_whole
+
+                hint = hybrid_assign(whole_cost, cut_cost, lengths, cut_tokens, token_cap)
+                res = solve_cut_or_whole(whole_cost, cut_cost, lengths, cut_tokens, token_cap,
+                                         mb_const=costs.mb_const, hint=(hint.cut, hint.whole_rank),
+                                         time_limit=time_limit, workers=workers, seed=seed)
+                cut, whole_rank = res["cut"], res["whole_rank"]
+                status = res["status"]
+                extra.update({k: res[k] for k in ("objective", "bound", "scale", "build_s", "solve_s")})
+            mixed = candidate(strategy, hybrid_chunks(lengths, cp, cut, whole_rank))
+            n_cut = int(np.count_nonzero(cut))
+            extra.update(cut_documents=n_cut, whole_documents=len(lengths) - n_cut)
+            if strategy == "cpsat":
+                cands = [mixed]  # the exact reference reports its own decision, not a fallback
+            elif n_cut == len(lengths):
+                cands = [doc_cand, seq_cand]  # identical to per_doc: report it as such
+            else:
+                cands = [mixed, doc_cand, seq_cand]
+            mixed_tokens = np.bincount(mixed[1][:, 0], weights=mixed[1][:, 3], minlength=cp)
+            if mixed_tokens.max(initial=0) > token_cap:  # pragma: no cover - the solvers enforce it
+                raise RuntimeError(f"{strategy} broke its token bound {token_cap}: {mixed_tokens.tolist()}")
+        chosen = min(cands, key=lambda c: float(np.max(c[2])))
+        extra.update(predicted_max={c[0]: float(np.max(c[2])) for c in cands})
+
+    name, chunks, loads = chosen
+    rank_indices, segments, positions = shard_layout(lengths, offsets, cp, chunks)
+    tokens = np.bincount(chunks[:, 0], weights=chunks[:, 3], minlength=cp)[:cp].astype(np.int64)
+    info = SolveInfo(method=strategy, status=status, objective=float(np.max(loads)),
+                     wall_s=time.perf_counter() - t0, extra=extra)
+    if "bound" in extra and extra["bound"] is not None:
+        info.bound = extra["bound"]
+        info.gap = max(0.0, (info.objective - info.bound) / info.objective) if info.objective > 0 else 0.0
+    return ShardPlan(cp=cp, strategy=name, lengths=lengths, offsets=offsets, chunks=chunks,
+                     rank_indices=rank_indices, segments=segments, positions=positions, loads=loads,
+                     tokens=tokens, requested=strategy, info=info)
+
+
+def _decision_costs(lengths: np.ndarray, cp: int, costs: ShardCosts, per_doc_chunks_table: np.ndarray):
+    """whole_cost[i] (document whole on one rank), cut_cost[i, r] and cut_tokens[i, r]
+    (document cut per document; rows of the canonical per_doc chunk table summed by rank)."""
+    n = len(lengths)
+    whole_cost = costs.segment_cost(lengths, lengths)
+    rank, doc, start, length = (per_doc_chunks_table[:, j] for j in range(4))
+    seg = costs.segment_cost(length, start + length)
+    key = doc * cp + rank
+    cut_cost = np.bincount(key, weights=seg, minlength=n * cp).reshape(n, cp)
+    cut_tokens = np.bincount(key, weights=length, minlength=n * cp).reshape(n, cp).astype(np.int64)
+    return whole_cost, cut_cost, cut_tokens
+
+
+# ------------------------------------------------------------------ adapters (functional form)
+def varlen_args(shard: ShardPlan, rank: int, as_torch: bool = False, device=None) -> list[dict]:
+    """FlashAttention varlen arguments of one rank; see `ShardPlan.varlen_args`."""
+    return shard.varlen_args(rank, as_torch=as_torch, device=device)
+
+
+def cu_seqlens(shard: ShardPlan, rank: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(cu_seqlens_q, cu_seqlens_k) per varlen call; see `ShardPlan.cu_seqlens`."""
+    return shard.cu_seqlens(rank)
+
+
+def position_ids(shard: ShardPlan, rank: int, as_torch: bool = False, device=None):
+    """RoPE position ids of one rank's tokens; see `ShardPlan.position_ids`."""
+    return shard.position_ids(rank, as_torch=as_torch, device=device)
+
+
+def per_doc_sizes(lengths, cp: int) -> np.ndarray:
+    """[n, 2*CP] per-document chunk sizes under DESIGN.md's round-robin remainder rule."""
+    lengths, cp, _ = _validate(lengths, cp, "per_doc", None)
+    return per_doc_chunk_sizes(lengths, cp)
