@@ -1,0 +1,475 @@
+"""`wlb-opt bench e2e`: simulated end-to-end step time of paper Table 1's eight configurations.
+
+For every configuration (model, window, TP, CP, PP, DP) the same stream of global batches
+(dp x pp sequences of `window` tokens each, paper §7.1) is planned by four methods and each
+step is simulated (`wlb_opt.simulate.simulate_step`, interleaved 1F1B with 2 chunks per stage):
+
+- plain: Plain-4D. Data-order fixed-length packing ("original"), per-sequence CP.
+- fixed: Fixed-4D. Fixed-length greedy on cost ("fixed"), and the better of static per-seq
+  and per-doc CP over the run (paper §7.2 reports the better one too).
+- wlb:   WLB-LLM. `WLBPacker` (Algorithm 1, two outlier queues, max_delay 8, S_max = 1.25 x
+         window), adaptive CP per micro-batch.
+- best:  everything else this library has, on top of the wlb packer's stream: the improved
+         packing heuristic (re-packs each step's placed documents, kept only if its largest
+         load is lower), hybrid CP (never predicted worse than adaptive), micro-batches
+         dealt to DP replicas by the simulated step, and the micro-batch order the simulator
+         finds fastest.
+
+Throughput is tokens placed / simulated seconds over all steps (the wlb packer's drain
+steps included, so no queued outlier escapes the bill); speedup is a throughput ratio.
+`--quick` runs all 8 x 4 with few steps; the full run adds the 7B-128K breakdown and the 7B
+context sweep. Paper figures (§7.3) are printed beside ours.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .._optional import progress
+from ..cost import CostModel
+from ..docs import load_lengths
+from ..pack import PACK_METHODS, solve_pack
+from ..plan import PackPlan
+from ..simulate import simulate_step
+from ..specs import HardwareSpec, ModelSpec, ParallelSpec
+from .data import DEFAULT_SEED, global_batches
+
+METHODS = ("plain", "fixed", "wlb", "best")
+PAPER = dict(avg=1.23, avg_64k=1.15, avg_128k=1.30, b7_128k=1.33, b7_160k=1.40,
+             breakdown={"per_doc_cp": 1.02, "adaptive_cp": 1.05, "pp_packing": 1.28, "all": 1.33})
+SCHEDULE, VIRTUAL_STAGES = "interleaved", 2
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    context: int
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.model.upper()}-{self.context // 1024}K"
+
+    @property
+    def parallel(self) -> ParallelSpec:
+        return ParallelSpec(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp)
+
+
+# Paper Table 1 (§7.1).
+CONFIGS = (
+    Config("550m", 65536, 2, 2, 4, 2), Config("550m", 131072, 2, 4, 4, 1),
+    Config("7b", 65536, 4, 2, 4, 1), Config("7b", 131072, 8, 2, 4, 1),
+    Config("30b", 65536, 8, 2, 4, 1), Config("30b", 131072, 8, 4, 4, 1),
+    Config("70b", 65536, 16, 4, 4, 1), Config("70b", 131072, 16, 4, 4, 1),
+)
+SWEEP_CONTEXTS = (32768, 65536, 98304, 131072, 163840)
+
+
+# ---------------------------------------------------------------------- CP loads
+def shard_loads(lengths, offsets, cp: int, strategy: str, cost: CostModel) -> np.ndarray:
+    """Per-CP-rank fwd_bwd seconds of one micro-batch under a sharding strategy."""
+    from ..shard import solve_shard
+
+    if len(lengths) == 0:
+        return np.full(cp, cost.micro_batch_cost([]))
+    return np.asarray(solve_shard(lengths, cp, strategy, cost, offsets=offsets).loads, dtype=np.float64)
+
+
+class _Loads:
+    """What simulate_step reads from a ShardPlan."""
+
+    def __init__(self, loads):
+        self.loads = loads
+
+
+def _shards(plan: PackPlan, cfg: Config, cost: CostModel, strategies: tuple[str, ...]) -> list:
+    """Per micro-batch, the rank loads of the strategy with the smallest max over ranks."""
+    out = []
+    for mb in plan.micro_batches:
+        lengths, offsets = plan.lengths[mb], plan.offsets[mb]
+        if cfg.cp == 1:
+            out.append(_Loads(np.array([cost.micro_batch_cost(lengths)])))
+            continue
+        cands = [shard_loads(lengths, offsets, cfg.cp, s, cost) for s in strategies]
+        out.append(_Loads(min(cands, key=lambda x: float(x.max()))))
+    return out
+
+
+# ---------------------------------------------------------------------- packing streams
+def _fixed_length_plans(batches, cfg: Config, cost: CostModel, method: str) -> list[PackPlan]:
+    """Plain-4D / Fixed-4D: one plan per batch, deferred pieces carried to the next one."""
+    plans = []
+    carry = (np.zeros(0, np.int64),) * 3
+    for lengths, ids, offsets in batches:
+        L = np.concatenate([carry[0], lengths])
+        I = np.concatenate([carry[1], ids])
+        O = np.concatenate([carry[2], offsets])
+        plan = solve_pack(L, cfg.pp, cfg.context, cost, method, ids=I, offsets=O, dp=cfg.dp,
+                          carried=len(carry[0]))
+        d = plan.deferred
+        carry = (plan.lengths[d], plan.doc_ids[d], plan.offsets[d])
+        plans.append(plan)
+    return plans
+
+
+def _wlb_plans(batches, cfg: Config, cost: CostModel, seed: int) -> tuple[list[PackPlan], dict]:
+    from ..packer import WLBPacker
+
+    packer = WLBPacker(cfg.pp, int(1.25 * cfg.context), cost, dp=cfg.dp, thresholds="auto", n_queues=2,
+                       max_delay=8, seed=seed)
+    plans = [packer.pack(lengths, ids, offsets=offsets) for lengths, ids, offsets in batches]
+    plans += packer.drain()
+    return plans, packer.stats()
+
+
+def _improved_method() -> str | None:
+    """The library's improved packing heuristic, if one is registered."""
+    for name in ("wlb_ls",):
+        if name in PACK_METHODS:
+            return name
+    return None
+
+
+def _repack(plan: PackPlan, cfg: Config, cost: CostModel, method: str | None) -> PackPlan:
+    """Re-pack the documents `plan` placed with the improved heuristic; keep the better plan.
+
+    Only placed pieces are re-packed, so the packer's queues and carry stay valid. The new
+    plan covers those pieces only (deferred ones are the packer's business)."""
+    if method is None or not plan.micro_batches:
+        return plan
+    placed = np.concatenate(plan.micro_batches)
+    new = solve_pack(plan.lengths[placed], cfg.pp, plan.max_tokens, cost, method, ids=plan.doc_ids[placed],
+                     offsets=plan.offsets[placed], dp=cfg.dp)
+    if len(new.deferred) or new.loads.max() >= plan.loads.max():
+        return plan
+    return new
+
+
+def _deal_by_simulation(plan: PackPlan, shards, cfg: Config, cost: CostModel) -> PackPlan:
+    """DP refinement: try swapping micro-batches between replicas while the simulated step
+    (recurrence, no order search) gets shorter."""
+    if cfg.dp == 1:
+        return plan
+    best = simulate_step(plan, shards, cost, cfg.parallel, use_dag=False).step_time_s
+    n = len(plan.micro_batches)
+    improved = True
+    while improved:
+        improved = False
+        for a in range(n):
+            for b in range(a + 1, n):
+                if plan.replica_of[a] == plan.replica_of[b]:
+                    continue
+                plan.replica_of[[a, b]] = plan.replica_of[[b, a]]
+                t = simulate_step(plan, shards, cost, cfg.parallel, use_dag=False).step_time_s
+                if t < best - 1e-12:
+                    best, improved = t, True
+                else:
+                    plan.replica_of[[a, b]] = plan.replica_of[[b, a]]
+    return plan
+
+
+# ---------------------------------------------------------------------- evaluation
+def _summarise(cfg: Config, method: str, results, extra: dict | None = None) -> dict:
+    times = np.array([r.step_time_s for r in results])
+    tokens = np.array([r.tokens for r in results])
+    row = dict(model=cfg.model, context=cfg.context, config=cfg.label, tp=cfg.tp, cp=cfg.cp, pp=cfg.pp,
+               dp=cfg.dp, method=method, steps=len(results), step_time_s=float(times.mean()),
+               tokens_per_s=float(tokens.sum() / times.sum()),
+               imbalance_pp=float(np.mean([r.imbalance_pp for r in results])),
+               imbalance_cp=float(np.mean([r.imbalance_cp for r in results])),
+               bubble_fraction=float(np.mean([np.mean([p.bubble_fraction for p in r.pipelines]) for r in results])))
+    row.update(extra or {})
+    return row
+
+
+def _simulate(plans, cfg, cost, strategies, *, search_order=False, refine_dp=False, improve=None):
+    results = []
+    for plan in plans:
+        plan = _repack(plan, cfg, cost, improve) if improve else plan
+        shards = _shards(plan, cfg, cost, strategies)
+        if refine_dp:
+            plan = _deal_by_simulation(plan, shards, cfg, cost)
+        results.append(simulate_step(plan, shards, cost, cfg.parallel, schedule=SCHEDULE,
+                                     virtual_stages=VIRTUAL_STAGES, search_order=search_order, use_dag=True))
+    return results
+
+
+def run_config(cfg: Config, batches, hardware: str = "h100", methods=METHODS, seed: int = 0,
+               cost: CostModel | None = None, tick=None) -> tuple[list[dict], dict]:
+    """All methods on one configuration. Returns (rows, {method: (plans, results)})."""
+    cost = cost or CostModel.analytic(ModelSpec.preset(cfg.model), cfg.parallel, HardwareSpec.preset(hardware))
+    rows, detail = [], {}
+    wlb_plans = stats = None
+    for method in methods:
+        extra = {}
+        if method == "plain":
+            plans = _fixed_length_plans(batches, cfg, cost, "original")
+            results = _simulate(plans, cfg, cost, ("per_seq",))
+            extra["cp_strategy"] = "per_seq"
+        elif method == "fixed":
+            plans = _fixed_length_plans(batches, cfg, cost, "fixed")
+            options = {s: _simulate(plans, cfg, cost, (s,)) for s in ("per_seq", "per_doc")}
+            best_s = min(options, key=lambda s: sum(r.step_time_s for r in options[s]) /
+                         max(1, sum(r.tokens for r in options[s])))
+            results = options[best_s]
+            extra["cp_strategy"] = best_s
+        elif method in ("wlb", "best"):
+            if wlb_plans is None:
+                wlb_plans, stats = _wlb_plans(batches, cfg, cost, seed)
+            plans = wlb_plans
+            extra.update(delay_per_token=stats["delay_per_token"], thresholds=stats["thresholds"])
+            if method == "wlb":
+                results = _simulate(plans, cfg, cost, ("adaptive",))
+                extra["cp_strategy"] = "adaptive"
+            else:
+                improve = _improved_method()
+                plans = [PackPlan.from_dict(p.to_dict()) for p in plans]  # refine copies, not wlb's
+                results = _simulate(plans, cfg, cost, ("hybrid",), search_order=True,
+                                    refine_dp=True, improve=improve)
+                extra.update(cp_strategy="hybrid", pack=improve or "wlb",
+                             extras="order search" + (", dp refinement" if cfg.dp > 1 else ""))
+        else:
+            raise ValueError(f"unknown e2e method {method!r}; valid: {METHODS}")
+        rows.append(_summarise(cfg, method, results, extra))
+        detail[method] = (plans, results)
+        if tick:
+            tick()
+    base = next((r["tokens_per_s"] for r in rows if r["method"] == "plain"), None)
+    for r in rows:
+        r["speedup_vs_plain"] = r["tokens_per_s"] / base if base else None
+    return rows, detail
+
+
+def make_batches(cfg: Config, steps: int, dist: str, seed: int, lengths=None):
+    """`steps` global batches of dp x pp x window tokens: from `lengths` (a user's file, in a
+    seeded random order, repeated as needed) or sampled from the distribution `dist`."""
+    tokens = cfg.dp * cfg.pp * cfg.context
+    stream = None
+    if lengths is not None:
+        rng = np.random.default_rng(seed)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        reps = -(-(tokens * steps + cfg.context) // int(lengths.sum()))
+        stream = np.concatenate([rng.permutation(lengths) for _ in range(max(1, reps))])
+    return global_batches(dist, cfg.context, tokens, steps, seed=DEFAULT_SEED + seed, lengths=stream)
+
+
+# ---------------------------------------------------------------------- breakdown and sweep
+def breakdown(steps: int, dist: str, seed: int, lengths=None, hardware: str = "h100") -> list[dict]:
+    """7B-128K: per-doc CP alone, adaptive CP alone, PP packing alone, all together."""
+    cfg = CONFIGS[3]
+    cost = CostModel.analytic(ModelSpec.preset(cfg.model), cfg.parallel, HardwareSpec.preset(hardware))
+    batches = make_batches(cfg, steps, dist, seed, lengths)
+    plain = _fixed_length_plans(batches, cfg, cost, "original")
+    wlb_plans, _ = _wlb_plans(batches, cfg, cost, seed)
+    cases = {"plain": (plain, "per_seq"), "per_doc_cp": (plain, "per_doc"), "adaptive_cp": (plain, "adaptive"),
+             "pp_packing": (wlb_plans, "per_seq"), "all": (wlb_plans, "adaptive")}
+    rows = [_summarise(cfg, name, _simulate(plans, cfg, cost, (s,))) for name, (plans, s) in cases.items()]
+    for r in rows:
+        r["speedup_vs_plain"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+        r["paper"] = PAPER["breakdown"].get(r["method"])
+    return rows
+
+
+def sweep(steps: int, dist: str, seed: int, lengths=None, hardware: str = "h100") -> list[dict]:
+    """7B, (8, 2, 4, 1), windows 32K..160K: plain, wlb, best."""
+    rows = []
+    for ctx in SWEEP_CONTEXTS:
+        cfg = Config("7b", ctx, 8, 2, 4, 1)
+        r, _ = run_config(cfg, make_batches(cfg, steps, dist, seed, lengths), hardware, ("plain", "wlb", "best"),
+                          seed)
+        rows.extend(r)
+    return rows
+
+
+# ---------------------------------------------------------------------- output
+def print_table(rows: list[dict]) -> None:
+    print(f"{'config':>9} {'(tp,cp,pp,dp)':>13} {'method':>6} {'step s':>7} {'tok/s':>9} {'speedup':>7} "
+          f"{'PP imb':>6} {'CP imb':>6} {'bubble':>6}  CP")
+    for r in rows:
+        print(f"{r['config']:>9} {str((r['tp'], r['cp'], r['pp'], r['dp'])):>13} {r['method']:>6} "
+              f"{r['step_time_s']:>7.3f} {r['tokens_per_s']:>9.0f} {r['speedup_vs_plain']:>6.2f}x "
+              f"{r['imbalance_pp']:>6.3f} {r['imbalance_cp']:>6.3f} {r['bubble_fraction']:>6.1%}  "
+              f"{r.get('cp_strategy', '')}")
+
+
+def paper_comparison(rows: list[dict]) -> list[str]:
+    def avg(method, ctx=None):
+        xs = [r["speedup_vs_plain"] for r in rows if r["method"] == method and (ctx is None or r["context"] == ctx)]
+        return float(np.mean(xs)) if xs else float("nan")
+
+    b7 = [r for r in rows if r["config"] == "7B-128K"]
+    get = lambda m: next((r["speedup_vs_plain"] for r in b7 if r["method"] == m), float("nan"))  # noqa: E731
+    return [
+        f"wlb over plain, average of 8: ours {avg('wlb'):.2f}x (paper 1.23x); best {avg('best'):.2f}x; "
+        f"fixed {avg('fixed'):.2f}x (paper ~1.03x)",
+        f"  64K: ours {avg('wlb', 65536):.2f}x (paper 1.15x)   128K: ours {avg('wlb', 131072):.2f}x (paper 1.30x)",
+        f"7B-128K: wlb {get('wlb'):.2f}x (paper 1.33x), best {get('best'):.2f}x",
+    ]
+
+
+def plot_speedups(rows: list[dict], path: Path, title: str) -> None:
+    from .._optional import require
+
+    matplotlib = require("matplotlib", "the e2e plots")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    colours = {"plain": "#9e9e9e", "fixed": "#64b5f6", "wlb": "#ef6c00", "best": "#2e7d32"}
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    width = 0.8 / len(methods)
+    x = np.arange(len(configs))
+    for k, m in enumerate(methods):
+        ys = [next(r["speedup_vs_plain"] for r in rows if r["config"] == c and r["method"] == m) for c in configs]
+        bars = ax.bar(x + (k - (len(methods) - 1) / 2) * width, ys, width, label=m, color=colours.get(m))
+        if m in ("wlb", "best"):
+            ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(x, configs)
+    ax.set_ylabel("throughput speedup over Plain-4D (x)")
+    ax.set_xlabel("model - context window (paper Table 1 layouts)")
+    lo = min(r["speedup_vs_plain"] for r in rows)
+    ax.set_ylim(min(0.9, lo - 0.05), max(r["speedup_vs_plain"] for r in rows) * 1.1)
+    ax.set_title(title)
+    ax.legend(ncol=len(methods), loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_gantt(panels: list[tuple[str, object]], path: Path, title: str) -> None:
+    """panels: (label, StepResult); one row per stage, replica 0's pipeline."""
+    from .._optional import require
+
+    matplotlib = require("matplotlib", "the e2e plots")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cmap = plt.get_cmap("tab10")
+    t_max = max(res.step_time_s for _, res in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 1.0 + 1.1 * len(panels) * 2), sharex=True)
+    axes = np.atleast_1d(axes)
+    for ax, (label, res) in zip(axes, panels):
+        sim = res.pipelines[0]
+        pp = len(sim.stage_busy_s)
+        order = res.orders[0]
+        for r in sim.timeline:
+            mb = order[r["micro_batch"]]
+            colour = cmap(mb % 10)
+            hatch = "" if r["phase"] == "F" else "//"
+            ax.barh(r["stage"], r["end_s"] - r["start_s"], left=r["start_s"], height=0.8, color=colour,
+                    alpha=0.55 if r["phase"] == "F" else 0.9, hatch=hatch, edgecolor="black", linewidth=0.4)
+            if r["end_s"] - r["start_s"] > 0.025 * t_max:
+                ax.text((r["start_s"] + r["end_s"]) / 2, r["stage"], f"{r['phase']}{mb}", ha="center",
+                        va="center", fontsize=7)
+        ax.set_yticks(range(pp), [f"stage {s}" for s in range(pp)])
+        ax.invert_yaxis()
+        ax.axvline(res.step_time_s, color="red", lw=1)
+        ax.set_title(f"{label}: step {res.step_time_s:.2f} s, bubble {np.mean(sim.bubble_fraction):.0%}, "
+                     f"PP imbalance {res.imbalance_pp:.2f}", fontsize=9, loc="left")
+    axes[-1].set_xlabel("time (s); F = forward (light), B = backward (hatched); label = micro-batch")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _gantt_step(detail: dict) -> int:
+    """The step where plain is slowest relative to its mean: where balance matters."""
+    res = detail["plain"][1]
+    return int(np.argmax([r.step_time_s for r in res[: len(detail["wlb"][1])]]))
+
+
+# ---------------------------------------------------------------------- main
+def run(steps: int, dist: str = "default", seed: int = 0, lengths=None, hardware: str = "h100",
+        configs=CONFIGS, show_progress: bool = True):
+    """The 8 x 4 table. Returns (rows, gantt_panels)."""
+    rows, gantt = [], None
+    bar = progress(range(len(configs) * len(METHODS)), desc="e2e", enable=show_progress)
+    it = iter(bar)
+    for cfg in configs:
+        r, detail = run_config(cfg, make_batches(cfg, steps, dist, seed, lengths), hardware, METHODS, seed,
+                               tick=lambda: next(it, None))
+        rows.extend(r)
+        if cfg.label == "7B-128K":
+            k = _gantt_step(detail)
+            gantt = [("Plain-4D", detail["plain"][1][k]), ("WLB-LLM", detail["wlb"][1][k])]
+    if hasattr(bar, "close"):
+        bar.close()
+    return rows, gantt
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="wlb-opt bench e2e", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="8 configurations x 4 methods, few steps (< 2 min)")
+    p.add_argument("--steps", type=int, default=None, help="global batches per configuration (default 16 quick, 120 full)")
+    p.add_argument("--lengths", metavar="FILE", help="document lengths (.npy/.txt/.jsonl) instead of the default distribution")
+    p.add_argument("--dist", default="default", help="built-in distribution: default, light, real (default: default)")
+    p.add_argument("--hardware", default="h100", help="HardwareSpec preset (default h100)")
+    p.add_argument("--configs", default=None, help="comma-separated labels to run, e.g. 7B-128K (default: all 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/e2e", help="folder for e2e.json and the PNGs")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    steps = args.steps or (16 if args.quick else 120)
+    if steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {steps}")
+    lengths = load_lengths(args.lengths) if args.lengths else None
+    configs = CONFIGS
+    if args.configs:
+        wanted = [c.strip().upper() for c in args.configs.split(",")]
+        known = {c.label: c for c in CONFIGS}
+        bad = [w for w in wanted if w not in known]
+        if bad:
+            raise ValueError(f"unknown --configs {bad}; valid: {sorted(known)}")
+        configs = tuple(known[w] for w in wanted)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    source = args.lengths or f"distribution '{args.dist}'"
+    print(f"e2e: {len(configs)} configurations x {len(METHODS)} methods, {steps} global batches each, {source}, "
+          f"{SCHEDULE} 1F1B (v={VIRTUAL_STAGES}), {args.hardware}")
+    t0 = time.perf_counter()
+    rows, gantt = run(steps, args.dist, args.seed, lengths, args.hardware, configs, not args.no_progress)
+    print_table(rows)
+    for line in paper_comparison(rows):
+        print(line)
+    payload = dict(rows=rows, steps=steps, source=source, schedule=SCHEDULE, virtual_stages=VIRTUAL_STAGES,
+                   hardware=args.hardware, paper=PAPER)
+    if not args.quick:
+        print("\nbreakdown at 7B-128K (speedup over plain; paper in brackets)")
+        bd = breakdown(steps, args.dist, args.seed, lengths, args.hardware)
+        for r in bd:
+            paper = f"[{r['paper']:.2f}x]" if r["paper"] else ""
+            print(f"  {r['method']:>12}: {r['speedup_vs_plain']:.2f}x {paper}  PP imb {r['imbalance_pp']:.3f}  "
+                  f"CP imb {r['imbalance_cp']:.3f}")
+        print("\ncontext sweep, 7B (8,2,4,1) (paper: 1.40x at 160K)")
+        sw = sweep(max(8, steps // 2), args.dist, args.seed, lengths, args.hardware)
+        for ctx in SWEEP_CONTEXTS:
+            part = {r["method"]: r for r in sw if r["context"] == ctx}
+            print(f"  {ctx // 1024:>4}K: wlb {part['wlb']['speedup_vs_plain']:.2f}x  best "
+                  f"{part['best']['speedup_vs_plain']:.2f}x")
+        payload.update(breakdown=bd, sweep=sw)
+    (out / "e2e.json").write_text(json.dumps(rows, indent=2))
+    (out / "e2e_meta.json").write_text(json.dumps(payload, indent=2))
+    pngs = []
+    try:
+        plot_speedups(rows, out / "speedup.png", f"Simulated speedup over Plain-4D ({source}, {steps} steps)")
+        pngs.append(out / "speedup.png")
+        if gantt:
+            plot_gantt(gantt, out / "gantt_7b_128k.png",
+                       "One 7B-128K step (TP8 CP2 PP4, interleaved 1F1B v=2), replica 0")
+            pngs.append(out / "gantt_7b_128k.png")
+    except ImportError as exc:
+        print(f"(no PNGs: {exc})")
+    print(f"wrote {out / 'e2e.json'} (rows), {out / 'e2e_meta.json'}" + "".join(f", {p}" for p in pngs))
+    print(f"e2e wall time {time.perf_counter() - t0:.1f} s")
+    return 0
