@@ -9,8 +9,11 @@ then packs the carried documents first and the rest longest-first. What the pape
 open is settled here:
 
 - `max_delay=K`: a queue whose head has waited K steps is released even if it holds fewer
-  than dp x n_micro documents, and documents at their deadline (released or carried) are
-  placed before anything else. With `max_delay=None` the packer is paper-faithful.
+  than dp x n_micro documents (topped up with the heads of the nearest other queues, so each
+  micro-batch still gets one outlier), and documents at their deadline (released or carried)
+  are placed before anything else, longest first. No document waits in a queue more than K
+  steps; it is placed more than K steps late only if the due documents of a step exceed its
+  capacity (`stats()["late_pieces"]`). With `max_delay=None` the packer is paper-faithful.
 - overload: documents that do not fit are carried to the next step; once the carry exceeds
   `max_backlog_tokens` (default two steps' capacity) `pack` raises a ValueError and leaves
   the state as it was before the call.
@@ -210,7 +213,8 @@ class WLBPacker:
         self._next_auto_id = 0
         self._calibration: dict | None = None
         self._imb: list[float] = []
-        self._acc = dict(pieces=0, tokens=0, delay_sum=0, delay_token_sum=0, delayed_tokens=0, delay_max=0)
+        self._acc = dict(pieces=0, tokens=0, delay_sum=0, delay_token_sum=0, delayed_tokens=0, delay_max=0,
+                         queue_wait_max=0, late_pieces=0)
 
     @property
     def step(self) -> int:
@@ -326,7 +330,8 @@ class WLBPacker:
             plan.replica_of = deal_by_1f1b(plan.loads, self.dp, self.n_micro, self.pp)
         plan.step = step
         plan.info.extra.update(arrival_step=p_arr.tolist(), released=len(released), carried_in=len(carry),
-                               thresholds=list(self.thresholds))
+                               thresholds=list(self.thresholds),
+                               queue_wait_max=max((step - e[3] for e in released), default=0))
         new_carry = [pending[i] for i in plan.deferred.tolist()]
         return plan, new_carry, len(released)
 
@@ -349,6 +354,9 @@ class WLBPacker:
             a["delay_token_sum"] += int((delay * toks).sum())
             a["delayed_tokens"] += int(toks[delay > 0].sum())
             a["delay_max"] = max(a["delay_max"], int(delay.max()))
+            if self.max_delay is not None:
+                a["late_pieces"] += int(np.sum(delay > self.max_delay))
+        self._acc["queue_wait_max"] = max(self._acc["queue_wait_max"], int(plan.info.extra["queue_wait_max"]))
         self._imb.append(float(plan.imbalance))
 
     def pack(self, lengths, ids=None, offsets=None) -> PackPlan:
@@ -398,6 +406,10 @@ class WLBPacker:
 
         Delays count placed pieces (a piece is a document or a window-sized part of one);
         undelayed pieces count as 0. Imbalance is max/mean of each plan's loads.
+        `queue_wait_max` (steps from arrival to release from a queue) never exceeds
+        max_delay; `late_pieces` counts pieces placed later than max_delay, which happens
+        only when the pieces at their deadline do not fit in one step (a burst beyond
+        capacity: they are placed first, but a full step defers them).
         """
         a = self._acc
         imb = np.asarray(self._imb, dtype=np.float64)
@@ -405,7 +417,7 @@ class WLBPacker:
         return dict(
             steps=self._step, placed_pieces=a["pieces"], placed_tokens=a["tokens"],
             delay_mean_per_doc=a["delay_sum"] / a["pieces"] if a["pieces"] else 0.0,
-            delay_max=a["delay_max"],
+            delay_max=a["delay_max"], queue_wait_max=a["queue_wait_max"], late_pieces=a["late_pieces"],
             delay_per_token=a["delay_token_sum"] / a["tokens"] if a["tokens"] else 0.0,
             delayed_token_share=a["delayed_tokens"] / a["tokens"] if a["tokens"] else 0.0,
             imbalance_mean=float(imb.mean()) if imb.size else 1.0, imbalance_p50=pct(50),
