@@ -2,6 +2,7 @@
 
     wlb-opt demo                      the main job (see wlb_opt.bench.demo)
     wlb-opt pack --dist default --n-micro 4 --max-tokens 163840 --method wlb
+    wlb-opt profile --model tiny --out cost.json
     wlb-opt bench NAME [args]         runs wlb_opt.bench.<NAME>.main(args); NAME may use '-'
 
 Benchmarks are discovered by module name, so adding bench/<name>.py with a
@@ -114,9 +115,10 @@ def _bench(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: wlb-opt {demo,pack,bench} [options]\n\n"
+    usage = ("usage: wlb-opt {demo,pack,profile,bench} [options]\n\n"
              "  demo    the main job: pack and simulate the default workload, print tables, write PNGs\n"
              "  pack    pack one global batch with a chosen method and print the micro-batches\n"
+             "  profile measure one transformer block on this device and fit a CostModel (JSON)\n"
              "  bench   run a benchmark: " + ", ".join(_bench_names()))
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
@@ -126,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         return _pack(rest)
     if cmd == "bench":
         return _bench(rest)
+    if cmd == "profile":
+        from .profile import main as profile_main
+
+        return int(profile_main(rest) or 0)
     if cmd == "demo":
         from .bench import demo
 
