@@ -1,0 +1,245 @@
+"""`wlb-opt bench table2`: paper Table 2 (packing balance and overhead, 7B-128K), reproduced.
+
+Setup (paper §7.4): the 7B model with (tp, cp, pp, dp) = (8, 2, 4, 1) on H100, window 131072,
+N = 4 micro-batches per step, variable-length S_max = 1.25 x window. One stream of global
+batches (N x window tokens each, `bench.data.global_batches`) feeds every row:
+
+- original:            data order, fixed-length sequences ("original"), deferred pieces carried.
+- fixed greedy k:      pool k global batches (plus the carry), pack k x N fixed-length
+                       micro-batches together ("fixed"), emit N per step in bin order.
+- fixed exact k:       the same pools solved by CP-SAT (`method="cpsat", allow_defer=True`)
+                       under `--exact-time-limit` seconds, on the first `--exact-steps` steps;
+                       "pending" if the exact solver is not available.
+- WLB 1/2/3 queues:    `WLBPacker`, paper-faithful (max_delay=None), hand thresholds evenly
+                       spaced above half the window: [W/2], [W/2, 3W/4], [W/2, 2W/3, 5W/6]
+                       (the paper's §2 split: documents under half the window are the bulk).
+- WLB calibrated:      `WLBPacker.calibrate` (2 queues) on a held-out sample of 16 global
+                       batches (another seed), max_delay=8.
+- WLB auto:            thresholds="auto" (calibrated on the first global batch), max_delay=8.
+
+Imbalance of a step = max / mean of the modelled forward time of its N micro-batches
+(`cost.micro_batch_cost(..., phase="fwd")`, the paper's Max x N / Total); the table shows the
+mean over steps (and p90). WLB rows measure the streaming steps; their delays (iterations per
+token, token-weighted, undelayed tokens count 0) include the final drain. ms/batch is the
+median wall time of planning one global batch (a pool's time / k for pooled rows; WLB rows
+include queueing; calibration is reported apart).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .._optional import progress
+from ..cli import add_cost_args, cost_from_args
+from ..docs import load_lengths
+from ..pack import solve_pack
+from ..packer import WLBPacker, per_step_imbalance
+from ..plan import imbalance
+from .data import DEFAULT_SEED, global_batches
+
+PAPER = {
+    "original": (1.44, 0),
+    "fixed greedy k=1": (1.41, 4), "fixed greedy k=2": (1.22, 5), "fixed greedy k=4": (1.11, 5),
+    "fixed greedy k=8": (1.08, 5),
+    "fixed exact k=1": (1.40, 467), "fixed exact k=2": (1.18, 1488), "fixed exact k=4": (1.09, 25313),
+    "WLB 1 queue": (1.24, 8), "WLB 2 queues": (1.05, 20), "WLB 3 queues": (1.05, 23),
+}
+
+
+def _fwd_imbalances(plan, cost, bins_per_step: int) -> list[float]:
+    """Per emitted step (consecutive groups of bins_per_step bins): forward-load imbalance."""
+    loads = np.array([cost.micro_batch_cost(plan.lengths[mb], "fwd") for mb in plan.micro_batches])
+    return [imbalance(loads[s:s + bins_per_step]) for s in range(0, len(loads), bins_per_step)]
+
+
+def pooled_rows(batches, cost, bins_per_step: int, window: int, method: str, k: int, show: bool,
+                **solve_kw) -> dict:
+    """Fixed-length packing of k pooled global batches at a time (k = 1: one batch per step)."""
+    carry = (np.zeros(0, np.int64),) * 3
+    imbs, times = [], []
+    n_pools = len(batches) // k
+    for p in progress(range(n_pools), desc=f"{method} k={k}", enable=show):
+        group = batches[p * k:(p + 1) * k]
+        L = np.concatenate([carry[0]] + [b[0] for b in group])
+        ids = np.concatenate([carry[1]] + [b[1] for b in group])
+        off = np.concatenate([carry[2]] + [b[2] for b in group])
+        t0 = time.perf_counter()
+        plan = solve_pack(L, k * bins_per_step, window, cost, method, ids=ids, offsets=off,
+                          carried=len(carry[0]), **solve_kw)
+        times.append((time.perf_counter() - t0) / k)
+        imbs += _fwd_imbalances(plan, cost, bins_per_step)
+        d = plan.deferred
+        carry = (plan.lengths[d], plan.doc_ids[d], plan.offsets[d])
+    return dict(steps=len(imbs), imbalance=float(np.mean(imbs)), imbalance_p90=float(np.percentile(imbs, 90)),
+                ms_per_batch=1e3 * float(np.median(times)), delay_per_token=None, carried_tokens_end=int(carry[0].sum()))
+
+
+def wlb_row(batches, cost, n_micro: int, dp: int, max_tokens: int, thresholds, max_delay, seed: int,
+            show: bool, label: str, calibration_sample=None) -> dict:
+    packer = WLBPacker(n_micro, max_tokens, cost, dp=dp, thresholds=thresholds, max_delay=max_delay, seed=seed)
+    calib_s = None
+    if calibration_sample is not None:
+        t0 = time.perf_counter()
+        packer.calibrate(calibration_sample, tokens_per_batch=int(packer.capacity_tokens / 1.25))
+        calib_s = time.perf_counter() - t0
+    imbs, times = [], []
+    for lengths, ids, offsets in progress(batches, desc=label, enable=show):
+        t0 = time.perf_counter()
+        plan = packer.pack(lengths, ids, offsets)
+        times.append(time.perf_counter() - t0)
+        imbs.append(per_step_imbalance(plan, cost, "fwd"))
+    if thresholds == "auto":
+        calib_s = packer.calibration["seconds"] if packer.calibration else None
+        times = times[1:]  # the first step ran the calibration (reported apart)
+    streamed = packer.stats()
+    packer.drain()
+    s = packer.stats()
+    return dict(steps=len(imbs), imbalance=float(np.mean(imbs)), imbalance_p90=float(np.percentile(imbs, 90)),
+                ms_per_batch=1e3 * float(np.median(times)), delay_per_token=s["delay_per_token"],
+                delay_mean_per_doc=s["delay_mean_per_doc"], delay_max=s["delay_max"],
+                delayed_token_share=s["delayed_token_share"], late_pieces=s["late_pieces"],
+                thresholds=packer.thresholds, max_delay=max_delay, calibration_s=calib_s,
+                drain_steps=s["steps"] - streamed["steps"])
+
+
+def _exact_available() -> str | None:
+    """None if the exact solver runs, else why not."""
+    try:
+        solve_pack([1, 2, 3], 2, 4, cost=None, method="cpsat", allow_defer=True, time_limit=1.0)
+    except ImportError as exc:
+        return f"pending ({exc})"
+    except ValueError as exc:
+        if "not available" in str(exc):
+            return "pending"
+        raise
+    return None
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'method':<22} {'steps':>5} {'imbalance':>9} {'p90':>6} {'delay/tok':>9} {'ms/batch':>9}   "
+          f"{'paper imb':>9} {'paper ms':>8}")
+    for r in rows:
+        pi, pm = PAPER.get(r["row"], (None, None))
+        if r.get("pending"):
+            print(f"{r['row']:<22} {r['pending']:>5}")
+            continue
+        print(f"{r['row']:<22} {r['steps']:>5} {r['imbalance']:>9.3f} {r['imbalance_p90']:>6.3f} "
+              f"{_fmt(r.get('delay_per_token'), '9.3f'):>9} {r['ms_per_batch']:>9.2f}   "
+              f"{_fmt(pi, '9.2f'):>9} {_fmt(pm, '8d'):>8}")
+
+
+def plot(rows: list[dict], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    done = [r for r in rows if not r.get("pending")]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    y = np.arange(len(done))
+    ax.barh(y, [r["imbalance"] - 1 for r in done], left=1, color=["C0" if "WLB" in r["row"] else "C7" for r in done])
+    for i, r in enumerate(done):
+        if r["row"] in PAPER:
+            ax.plot(PAPER[r["row"]][0], i, "kx")
+        if r.get("delay_per_token") is not None:
+            ax.text(r["imbalance"] + 0.005, i, f"delay {r['delay_per_token']:.2f}", va="center", fontsize=8)
+    ax.set_yticks(y, [r["row"] for r in done])
+    ax.invert_yaxis()
+    ax.set_xlabel("mean PP imbalance (max x N / total of forward time); x = paper")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="wlb-opt bench table2", description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--lengths", metavar="FILE", help="document lengths in stream order (.npy, .txt, .jsonl)")
+    src.add_argument("--dist", default="default", help="length distribution: default, light, real (default: default)")
+    p.add_argument("--steps", type=int, default=200, help="global batches (default 200)")
+    p.add_argument("--exact-steps", type=int, default=8, help="steps for the exact rows (default 8)")
+    p.add_argument("--exact-time-limit", type=float, default=10.0, help="seconds per exact solve (default 10)")
+    p.add_argument("--quick", action="store_true", help="40 steps, 4 exact steps of 2 s")
+    p.add_argument("--window", type=int, default=131072)
+    p.add_argument("--n-micro", type=int, default=4)
+    p.add_argument("--max-delay", type=int, default=8, help="max_delay of the calibrated / auto rows")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", default="results/table2", help="folder for table2.json and table2.png")
+    add_cost_args(p)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.exact_steps, args.exact_time_limit = 40, 4, 2.0
+    cost = cost_from_args(args)
+    W, N, dp = args.window, args.n_micro, args.dp
+    bins = dp * N
+    max_tokens = int(1.25 * W)
+    tokens_per_batch = bins * W
+    if args.lengths:
+        stream = load_lengths(args.lengths)
+        steps = min(args.steps, int(stream.sum() // tokens_per_batch))
+        if steps < 1:
+            print(f"wlb-opt bench table2: {args.lengths} holds fewer tokens than one global batch ({tokens_per_batch})")
+            return 2
+        batches = global_batches("default", W, tokens_per_batch, steps, lengths=stream)
+        source = args.lengths
+        sample_batches = batches[:16]  # a user file: calibrate on its first 16 batches
+    else:
+        batches = global_batches(args.dist, W, tokens_per_batch, args.steps, seed=DEFAULT_SEED + args.seed)
+        source = f"dist={args.dist}"
+        sample_batches = global_batches(args.dist, W, tokens_per_batch, 16, seed=DEFAULT_SEED + args.seed + 1)
+    sample = np.concatenate([b[0] for b in sample_batches])
+    show = not args.no_progress
+    print(f"Table 2: {len(batches)} global batches ({source}), {N} micro-batches x dp {dp}, window {W}, "
+          f"var-len max_tokens {max_tokens}; imbalance over forward time")
+
+    rows = []
+    r = pooled_rows(batches, cost, bins, W, "original", 1, show)
+    rows.append(dict(row="original", **r))
+    for k in (1, 2, 4, 8):
+        rows.append(dict(row=f"fixed greedy k={k}", **pooled_rows(batches, cost, bins, W, "fixed", k, show)))
+    why = _exact_available()
+    for k in (1, 2, 4):
+        name = f"fixed exact k={k}"
+        if why:
+            rows.append(dict(row=name, pending=why))
+            continue
+        ex = batches[:max(k, args.exact_steps // k * k)]
+        rows.append(dict(row=name, **pooled_rows(ex, cost, bins, W, "cpsat", k, show, allow_defer=True,
+                                                  time_limit=args.exact_time_limit, seed=args.seed)))
+    hand = {1: [W // 2], 2: [W // 2, 3 * W // 4], 3: [W // 2, 2 * W // 3, 5 * W // 6]}
+    for nq, th in hand.items():
+        name = f"WLB {nq} queue" + ("s" if nq > 1 else "")
+        rows.append(dict(row=name, **wlb_row(batches, cost, N, dp, max_tokens, th, None, args.seed, show, name)))
+    rows.append(dict(row="WLB calibrated", **wlb_row(batches, cost, N, dp, max_tokens, "auto", args.max_delay,
+                                                     args.seed, show, "WLB calibrated", calibration_sample=sample)))
+    rows.append(dict(row="WLB auto", **wlb_row(batches, cost, N, dp, max_tokens, "auto", args.max_delay,
+                                               args.seed, show, "WLB auto")))
+    print_table(rows)
+    for r in rows:
+        if r["row"].startswith("WLB") and not r.get("pending"):
+            print(f"  {r['row']}: thresholds {r['thresholds']}, max_delay {r['max_delay']}, delay per doc "
+                  f"{r['delay_mean_per_doc']:.3f}, max {r['delay_max']}, delayed tokens {r['delayed_token_share']:.1%}"
+                  + (f", calibration {r['calibration_s']:.2f} s" if r.get("calibration_s") else ""))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(source=source, steps=len(batches), window=W, n_micro=N, dp=dp, max_tokens=max_tokens,
+                exact_steps=args.exact_steps, exact_time_limit=args.exact_time_limit, cost=cost.meta, paper=PAPER)
+    (out / "table2.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2, default=str))
+    msg = f"wrote {out / 'table2.json'}"
+    if plot(rows, out / "table2.png", f"Table 2 ({source}, {len(batches)} steps)"):
+        msg += f" and {out / 'table2.png'}"
+    print(msg)
+    return 0
