@@ -1,31 +1,37 @@
-"""`wlb-opt demo`: the main job on the embedded default workload.
+"""`wlb-opt demo`: the main job. The quick end-to-end benchmark on the embedded default workload.
 
-Packs one global batch of the default distribution (7B, 128K window, N = 4) with the
-paper's three methods and prints the table. (The simulator work grows this into the
-end-to-end benchmark.)
+Runs `wlb-opt bench e2e --quick`: paper Table 1's eight configurations (550M to 70B, 64K and
+128K windows) x four methods (Plain-4D, Fixed-4D, WLB-LLM, and the best this library has),
+each step planned by the real packer and CP sharding and timed by the pipeline simulator.
+Prints the table and the paper's figures beside ours, and says where the PNGs are.
 """
 from __future__ import annotations
 
 import argparse
 
-from ..cost import CostModel
-from ..pack import solve_pack
-from ..specs import HardwareSpec, ModelSpec, ParallelSpec
-from .data import global_batch
+from . import e2e
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt demo", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="results/demo", help="folder for e2e.json and the PNGs (default results/demo)")
+    p.add_argument("--steps", type=int, default=None, help="global batches per configuration (default 16)")
+    p.add_argument("--lengths", metavar="FILE", help="your document lengths (.npy/.txt/.jsonl) instead of the default")
+    p.add_argument("--configs", default=None, help="subset of configurations, e.g. 7B-128K (default: all 8)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    window, n_micro = 131072, 4
-    cost = CostModel.analytic(ModelSpec.preset("7b"), ParallelSpec(tp=8, cp=2, pp=4), HardwareSpec.preset("h100"))
-    lengths, ids, offsets = global_batch("default", window, n_micro * window, seed=args.seed)
-    print(f"one global batch: {len(lengths)} documents, {int(lengths.sum())} tokens (7B, window {window}, N={n_micro})")
-    print(f"{'method':>9} {'max_tokens':>10} {'imbalance':>9} {'deferred tok':>12}  micro-batch ms")
-    for method in ("original", "fixed", "wlb"):
-        max_tokens = int(1.25 * window) if method == "wlb" else window
-        plan = solve_pack(lengths, n_micro, max_tokens, cost, method, ids=ids, offsets=offsets)
-        ms = " ".join(f"{1e3 * x:7.1f}" for x in plan.loads)
-        print(f"{method:>9} {max_tokens:>10} {plan.imbalance:>9.3f} {plan.deferred_tokens:>12}  {ms}")
-    return 0
+    print("wlb-opt demo: simulated training steps of paper Table 1's configurations on the default document-length "
+          "distribution\n(cost model: analytic, H100; see README 'What the simulator models').")
+    forward = ["--quick", "--out", args.out, "--seed", str(args.seed)]
+    for flag, value in (("--steps", args.steps), ("--lengths", args.lengths), ("--configs", args.configs)):
+        if value is not None:
+            forward += [flag, str(value)]
+    if args.no_progress:
+        forward.append("--no-progress")
+    rc = e2e.main(forward)
+    if rc == 0:
+        print(f"\nPictures: {args.out}/speedup.png (speedup per configuration) and {args.out}/gantt_*.png "
+              "(one step, Plain-4D above WLB-LLM).\nFull run with the 7B-128K breakdown and the context sweep: "
+              "wlb-opt bench e2e --out results/e2e")
+    return rc

@@ -37,7 +37,8 @@ from ..pack import PACK_METHODS, solve_pack
 from ..plan import PackPlan
 from ..simulate import simulate_step
 from ..specs import HardwareSpec, ModelSpec, ParallelSpec
-from .data import DEFAULT_SEED, global_batches
+from ..docs import split_documents
+from .data import DEFAULT_SEED, document_stream, global_batches
 
 METHODS = ("plain", "fixed", "wlb", "best")
 PAPER = dict(avg=1.23, avg_64k=1.15, avg_128k=1.30, b7_128k=1.33, b7_160k=1.40,
@@ -120,14 +121,30 @@ def _fixed_length_plans(batches, cfg: Config, cost: CostModel, method: str) -> l
     return plans
 
 
-def _wlb_plans(batches, cfg: Config, cost: CostModel, seed: int) -> tuple[list[PackPlan], dict]:
+def calibration_sample(cfg: Config, dist: str, seed: int, lengths=None, batches: int = 16) -> np.ndarray:
+    """Pieces of an independent draw (other seed) of `batches` global batches from the same
+    source: the "small sample of training documents" the paper tunes its thresholds on (§3.2)."""
+    tokens = batches * cfg.dp * cfg.pp * cfg.context
+    rng_seed = DEFAULT_SEED + 10_000 + seed
+    if lengths is not None:
+        rng = np.random.default_rng(rng_seed)
+        draw = rng.choice(np.asarray(lengths, dtype=np.int64), size=max(16, int(tokens / np.mean(lengths)) + 16))
+    else:
+        draw = document_stream(tokens, dist, rng_seed)
+    return split_documents(draw, cfg.context)[0]
+
+
+def _wlb_plans(batches, cfg: Config, cost: CostModel, seed: int, sample=None) -> tuple[list[PackPlan], dict]:
     from ..packer import WLBPacker
 
     packer = WLBPacker(cfg.pp, int(1.25 * cfg.context), cost, dp=cfg.dp, thresholds="auto", n_queues=2,
                        max_delay=8, seed=seed)
+    if sample is not None:
+        packer.calibrate(sample, tokens_per_batch=cfg.dp * cfg.pp * cfg.context)
     plans = [packer.pack(lengths, ids, offsets=offsets) for lengths, ids, offsets in batches]
+    stats = packer.stats()  # before the drain: the steady stream's delay
     plans += packer.drain()
-    return plans, packer.stats()
+    return plans, stats
 
 
 def _improved_method() -> str | None:
@@ -177,11 +194,16 @@ def _deal_by_simulation(plan: PackPlan, shards, cfg: Config, cost: CostModel) ->
 
 
 # ---------------------------------------------------------------------- evaluation
-def _summarise(cfg: Config, method: str, results, extra: dict | None = None) -> dict:
+def _summarise(cfg: Config, method: str, results, extra: dict | None = None, steady: int | None = None) -> dict:
+    """Throughput over every step (drain steps included); imbalances and bubbles over the first
+    `steady` steps: the end-of-data drain of a short benchmark stream (a step or two emptying
+    the outlier queues, paid once per training run) would otherwise dominate the means."""
     times = np.array([r.step_time_s for r in results])
     tokens = np.array([r.tokens for r in results])
+    all_results, results = results, results[:steady] if steady else results
     row = dict(model=cfg.model, context=cfg.context, config=cfg.label, tp=cfg.tp, cp=cfg.cp, pp=cfg.pp,
-               dp=cfg.dp, method=method, steps=len(results), step_time_s=float(times.mean()),
+               dp=cfg.dp, method=method, steps=len(all_results), drain_steps=len(all_results) - len(results),
+               step_time_s=float(times.mean()),
                tokens_per_s=float(tokens.sum() / times.sum()),
                imbalance_pp=float(np.mean([r.imbalance_pp for r in results])),
                imbalance_cp=float(np.mean([r.imbalance_cp for r in results])),
@@ -203,7 +225,7 @@ def _simulate(plans, cfg, cost, strategies, *, search_order=False, refine_dp=Fal
 
 
 def run_config(cfg: Config, batches, hardware: str = "h100", methods=METHODS, seed: int = 0,
-               cost: CostModel | None = None, tick=None) -> tuple[list[dict], dict]:
+               cost: CostModel | None = None, tick=None, sample=None) -> tuple[list[dict], dict]:
     """All methods on one configuration. Returns (rows, {method: (plans, results)})."""
     cost = cost or CostModel.analytic(ModelSpec.preset(cfg.model), cfg.parallel, HardwareSpec.preset(hardware))
     rows, detail = [], {}
@@ -223,7 +245,7 @@ def run_config(cfg: Config, batches, hardware: str = "h100", methods=METHODS, se
             extra["cp_strategy"] = best_s
         elif method in ("wlb", "best"):
             if wlb_plans is None:
-                wlb_plans, stats = _wlb_plans(batches, cfg, cost, seed)
+                wlb_plans, stats = _wlb_plans(batches, cfg, cost, seed, sample)
             plans = wlb_plans
             extra.update(delay_per_token=stats["delay_per_token"], thresholds=stats["thresholds"])
             if method == "wlb":
@@ -238,7 +260,7 @@ def run_config(cfg: Config, batches, hardware: str = "h100", methods=METHODS, se
                              extras="order search" + (", dp refinement" if cfg.dp > 1 else ""))
         else:
             raise ValueError(f"unknown e2e method {method!r}; valid: {METHODS}")
-        rows.append(_summarise(cfg, method, results, extra))
+        rows.append(_summarise(cfg, method, results, extra, steady=len(batches)))
         detail[method] = (plans, results)
         if tick:
             tick()
@@ -268,10 +290,11 @@ def breakdown(steps: int, dist: str, seed: int, lengths=None, hardware: str = "h
     cost = CostModel.analytic(ModelSpec.preset(cfg.model), cfg.parallel, HardwareSpec.preset(hardware))
     batches = make_batches(cfg, steps, dist, seed, lengths)
     plain = _fixed_length_plans(batches, cfg, cost, "original")
-    wlb_plans, _ = _wlb_plans(batches, cfg, cost, seed)
+    wlb_plans, _ = _wlb_plans(batches, cfg, cost, seed, calibration_sample(cfg, dist, seed, lengths))
     cases = {"plain": (plain, "per_seq"), "per_doc_cp": (plain, "per_doc"), "adaptive_cp": (plain, "adaptive"),
              "pp_packing": (wlb_plans, "per_seq"), "all": (wlb_plans, "adaptive")}
-    rows = [_summarise(cfg, name, _simulate(plans, cfg, cost, (s,))) for name, (plans, s) in cases.items()]
+    rows = [_summarise(cfg, name, _simulate(plans, cfg, cost, (s,)), steady=len(batches))
+            for name, (plans, s) in cases.items()]
     for r in rows:
         r["speedup_vs_plain"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
         r["paper"] = PAPER["breakdown"].get(r["method"])
@@ -284,7 +307,7 @@ def sweep(steps: int, dist: str, seed: int, lengths=None, hardware: str = "h100"
     for ctx in SWEEP_CONTEXTS:
         cfg = Config("7b", ctx, 8, 2, 4, 1)
         r, _ = run_config(cfg, make_batches(cfg, steps, dist, seed, lengths), hardware, ("plain", "wlb", "best"),
-                          seed)
+                          seed, sample=calibration_sample(cfg, dist, seed, lengths))
         rows.extend(r)
     return rows
 
@@ -384,9 +407,50 @@ def plot_gantt(panels: list[tuple[str, object]], path: Path, title: str) -> None
 
 
 def _gantt_step(detail: dict) -> int:
-    """The step where plain is slowest relative to its mean: where balance matters."""
-    res = detail["plain"][1]
-    return int(np.argmax([r.step_time_s for r in res[: len(detail["wlb"][1])]]))
+    """A typical step, not a cherry-picked one: the step whose plain / wlb step-time ratio is
+    the median ratio of the run."""
+    plain, wlb = detail["plain"][1], detail["wlb"][1]
+    n = min(len(plain), len(wlb))
+    ratios = np.array([plain[k].step_time_s / wlb[k].step_time_s for k in range(n)])
+    return int(np.argmin(np.abs(ratios - np.median(ratios))))
+
+
+def parse_configs(text: str | None) -> tuple[Config, ...]:
+    """Comma-separated Table 1 labels ("7B-128K") or custom "MODEL-CTXK@tp,cp,pp,dp"."""
+    if not text:
+        return CONFIGS
+    known = {c.label: c for c in CONFIGS}
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()) if "@" not in text else _split_custom(text):
+        label, _, layout = item.partition("@")
+        label = label.strip().upper()
+        if not layout:
+            if label not in known:
+                raise ValueError(f"unknown configuration {label!r}; valid: {sorted(known)} or MODEL-CTXK@tp,cp,pp,dp")
+            out.append(known[label])
+            continue
+        try:
+            model, ctx = label.rsplit("-", 1)
+            context = int(ctx.rstrip("K")) * 1024
+            tp, cp, pp, dp = (int(x) for x in layout.split(","))
+        except ValueError:
+            raise ValueError(f"bad configuration {item!r}; expected e.g. 7B-128K or TINY-4K@1,2,2,1") from None
+        ModelSpec.preset(model.lower())  # validates the model name
+        out.append(Config(model.lower(), context, tp, cp, pp, dp))
+    return tuple(out)
+
+
+def _split_custom(text: str) -> list[str]:
+    """Split "A@1,2,2,1,B,C@1,1,2,2" into items: a layout takes the four numbers after '@'."""
+    parts, items, k = text.split(","), [], 0
+    while k < len(parts):
+        if "@" in parts[k]:
+            items.append(",".join(parts[k:k + 4]))
+            k += 4
+        else:
+            items.append(parts[k])
+            k += 1
+    return items
 
 
 # ---------------------------------------------------------------------- main
@@ -398,11 +462,11 @@ def run(steps: int, dist: str = "default", seed: int = 0, lengths=None, hardware
     it = iter(bar)
     for cfg in configs:
         r, detail = run_config(cfg, make_batches(cfg, steps, dist, seed, lengths), hardware, METHODS, seed,
-                               tick=lambda: next(it, None))
+                               tick=lambda: next(it, None), sample=calibration_sample(cfg, dist, seed, lengths))
         rows.extend(r)
-        if cfg.label == "7B-128K":
+        if cfg.label == "7B-128K" or gantt is None or gantt[0] != "7B-128K":
             k = _gantt_step(detail)
-            gantt = [("Plain-4D", detail["plain"][1][k]), ("WLB-LLM", detail["wlb"][1][k])]
+            gantt = (cfg.label, k, [("Plain-4D", detail["plain"][1][k]), ("WLB-LLM", detail["wlb"][1][k])])
     if hasattr(bar, "close"):
         bar.close()
     return rows, gantt
@@ -415,23 +479,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", metavar="FILE", help="document lengths (.npy/.txt/.jsonl) instead of the default distribution")
     p.add_argument("--dist", default="default", help="built-in distribution: default, light, real (default: default)")
     p.add_argument("--hardware", default="h100", help="HardwareSpec preset (default h100)")
-    p.add_argument("--configs", default=None, help="comma-separated labels to run, e.g. 7B-128K (default: all 8)")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated Table 1 labels, e.g. 7B-128K, or custom MODEL-CTXK@tp,cp,pp,dp (default: all 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/e2e", help="folder for e2e.json and the PNGs")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    steps = args.steps or (16 if args.quick else 120)
+    steps = args.steps if args.steps is not None else (16 if args.quick else 120)
     if steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {steps}")
-    lengths = load_lengths(args.lengths) if args.lengths else None
-    configs = CONFIGS
-    if args.configs:
-        wanted = [c.strip().upper() for c in args.configs.split(",")]
-        known = {c.label: c for c in CONFIGS}
-        bad = [w for w in wanted if w not in known]
-        if bad:
-            raise ValueError(f"unknown --configs {bad}; valid: {sorted(known)}")
-        configs = tuple(known[w] for w in wanted)
+        p.error(f"--steps must be >= 1, got {steps}")
+    try:
+        lengths = load_lengths(args.lengths) if args.lengths else None
+        configs = parse_configs(args.configs)
+    except ValueError as exc:
+        p.error(str(exc))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     source = args.lengths or f"distribution '{args.dist}'"
@@ -465,9 +526,12 @@ def main(argv: list[str] | None = None) -> int:
         plot_speedups(rows, out / "speedup.png", f"Simulated speedup over Plain-4D ({source}, {steps} steps)")
         pngs.append(out / "speedup.png")
         if gantt:
-            plot_gantt(gantt, out / "gantt_7b_128k.png",
-                       "One 7B-128K step (TP8 CP2 PP4, interleaved 1F1B v=2), replica 0")
-            pngs.append(out / "gantt_7b_128k.png")
+            label, k, panels = gantt
+            cfg = next(c for c in configs if c.label == label)
+            name = f"gantt_{label.lower().replace('-', '_')}.png"
+            plot_gantt(panels, out / name, f"One {label} step (TP{cfg.tp} CP{cfg.cp} PP{cfg.pp} DP{cfg.dp}, "
+                       f"interleaved 1F1B v={VIRTUAL_STAGES}): step {k}, the median plain/wlb ratio; replica 0")
+            pngs.append(out / name)
     except ImportError as exc:
         print(f"(no PNGs: {exc})")
     print(f"wrote {out / 'e2e.json'} (rows), {out / 'e2e_meta.json'}" + "".join(f", {p}" for p in pngs))

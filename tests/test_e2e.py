@@ -1,0 +1,86 @@
+"""`wlb-opt bench e2e` and `wlb-opt demo` on tiny configurations: the JSON rows, the PNGs, the
+configuration parser, and that the methods are simulated on the plans they claim."""
+import json
+
+import numpy as np
+import pytest
+
+import wlb_opt as wlb
+from wlb_opt.bench import demo, e2e
+
+REQUIRED = {"model", "context", "method", "step_time_s", "tokens_per_s", "speedup_vs_plain", "imbalance_pp",
+            "imbalance_cp"}
+
+
+def test_e2e_command_on_a_tiny_configuration_writes_rows_and_pngs(tmp_path):
+    rc = e2e.main(["--quick", "--configs", "TINY-4K@1,2,2,1", "--steps", "3", "--out", str(tmp_path),
+                   "--no-progress"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "e2e.json").read_text())
+    assert isinstance(rows, list) and len(rows) == 4
+    assert [r["method"] for r in rows] == ["plain", "fixed", "wlb", "best"]
+    for r in rows:
+        assert REQUIRED <= set(r)
+        assert r["model"] == "tiny" and r["context"] == 4096
+        assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0
+        assert r["imbalance_pp"] >= 1.0 and r["imbalance_cp"] >= 1.0
+    assert rows[0]["speedup_vs_plain"] == pytest.approx(1.0)
+    for r in rows[1:]:
+        assert r["speedup_vs_plain"] == pytest.approx(r["tokens_per_s"] / rows[0]["tokens_per_s"])
+    assert (tmp_path / "speedup.png").stat().st_size > 1000
+    assert (tmp_path / "gantt_tiny_4k.png").stat().st_size > 1000
+    meta = json.loads((tmp_path / "e2e_meta.json").read_text())
+    assert meta["paper"]["b7_128k"] == 1.33 and meta["steps"] == 3
+
+
+def test_run_config_simulates_the_plans_it_reports():
+    cfg = e2e.Config("tiny", 4096, 1, 2, 2, 2)
+    batches = e2e.make_batches(cfg, 3, "default", 0)
+    rows, detail = e2e.run_config(cfg, batches, methods=("plain", "wlb"))
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), cfg.parallel, wlb.HardwareSpec.preset("h100"))
+    plans, results = detail["plain"]
+    assert len(plans) == len(results) == 3
+    for plan, res in zip(plans, results):
+        wlb.check_pack(plan, plan.lengths, cfg.context, ids=plan.doc_ids, offsets=plan.offsets)
+        assert res.tokens == plan.placed_tokens
+        assert len(res.pipelines) == cfg.dp
+    # throughput is tokens over simulated seconds of every step, drain steps included
+    wplans, wres = detail["wlb"]
+    row = next(r for r in rows if r["method"] == "wlb")
+    assert row["steps"] == len(wres) >= 3
+    assert row["tokens_per_s"] == pytest.approx(sum(r.tokens for r in wres) / sum(r.step_time_s for r in wres))
+    # every document of the stream is trained on exactly once by the end (queues drained)
+    stream_tokens = sum(int(b[0].sum()) for b in batches)
+    assert sum(r.tokens for r in wres) == stream_tokens
+    assert all(p.max_tokens == int(1.25 * cfg.context) for p in wplans)
+    assert cost.micro_batch_cost([]) > 0
+
+
+def test_parse_configs():
+    assert e2e.parse_configs(None) == e2e.CONFIGS
+    assert len(e2e.CONFIGS) == 8
+    assert e2e.parse_configs("7b-128k") == (e2e.Config("7b", 131072, 8, 2, 4, 1),)
+    got = e2e.parse_configs("TINY-4K@1,2,2,1,7B-64K")
+    assert got == (e2e.Config("tiny", 4096, 1, 2, 2, 1), e2e.Config("7b", 65536, 4, 2, 4, 1))
+    with pytest.raises(ValueError, match="unknown configuration"):
+        e2e.parse_configs("9B-1K")
+    with pytest.raises(ValueError, match="ModelSpec preset"):
+        e2e.parse_configs("NOPE-4K@1,1,1,1")
+
+
+def test_make_batches_from_a_length_file_covers_the_requested_tokens():
+    cfg = e2e.Config("tiny", 4096, 1, 1, 2, 1)
+    lengths = np.array([100, 3000, 9000, 50])
+    batches = e2e.make_batches(cfg, 4, "default", 0, lengths)
+    assert len(batches) == 4
+    for pieces, ids, offsets in batches:
+        assert pieces.max() <= cfg.context
+        assert pieces.sum() >= cfg.pp * cfg.context * 0.5
+
+
+def test_demo_runs_quick_e2e_and_names_the_pngs(tmp_path, capsys):
+    rc = demo.main(["--configs", "TINY-4K@1,2,2,1", "--steps", "2", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "speedup" in out and str(tmp_path / "speedup.png") in out
+    assert (tmp_path / "e2e.json").exists()
