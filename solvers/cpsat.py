@@ -154,7 +154,7 @@ def solve(problem: PackProblem) -> PackResult:
             got = int(p.lengths[cand >= 0].sum())
             if got > placed_target or assign is None:
                 assign, placed_target = cand, got
-        extra["phase1_bound_tokens"] = int(solver.best_objective_bound) if status in (
+        extra["phase1_bound_tokens"] = min(data.placeable, int(solver.best_objective_bound)) if status in (
             cp_model.OPTIMAL, cp_model.FEASIBLE) else data.placeable
         model.model.clear_objective()
         placed_proven = status == cp_model.OPTIMAL
@@ -181,8 +181,9 @@ def solve(problem: PackProblem) -> PackResult:
     if assign is not None:
         model.hint(assign, w_int)
     build_s += time.perf_counter() - t1
-    if assign is not None and lb_int >= ub_int:
-        status_name, bound_int, sol = "optimal", ub_int, assign
+    if assign is not None and lb_int >= ub_int - opts.gap_limit * ub_int:
+        # The start is within gap_limit of the lower bound: nothing left to prove.
+        status_name, bound_int, sol = "optimal", lb_int, assign
         extra["phase2"] = "start meets the lower bound"
     else:
         solver, status, dt = model.solve(budget, opts, p.seed)
@@ -203,6 +204,7 @@ def solve(problem: PackProblem) -> PackResult:
         extra["kept_start"] = True
 
     bound = max(bound_int / scale + p.bin_const, data.lower_bound(placed_target))
+    bound = min(bound, float(p.loads(bins).max()) if m else bound)  # float round-off only
     status = {"optimal": "optimal", "feasible": "feasible"}.get(status_name, status_name)
     if opts.allow_defer and not placed_proven:
         status += " (placed tokens not proven maximal)"

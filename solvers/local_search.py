@@ -7,7 +7,9 @@ input and output and the same millisecond budget, and adds:
 
 1. a second start, cost-LPT with the token cap (`greedy.fixed_greedy` on the same problem),
    and keeps the better of the two, lexicographically (placed tokens, then largest load);
-2. placement of deferred items into bins with room (the least-loaded such bin), heaviest first;
+2. placement of deferred items into bins with room (the least-loaded such bin), heaviest first,
+   then a fill pass for tight caps (fixed-length packing): swap a placed item for a longer
+   deferred one that still fits, largest token gain first, so fewer tokens are deferred;
 3. a descent on the heaviest bin h: the best single move of an item of h to any bin with
    room, else the best swap of an item of h with an item of a lighter bin (lightest bins
    first; partners found by binary search on the weight that would halve the difference),
@@ -15,7 +17,7 @@ input and output and the same millisecond budget, and adds:
    decreases lexicographically, so the descent ends; `max_iter` caps it.
 
 Deterministic: no randomness, no clock; ties go to the lowest index. Carried items stay
-placed (moves keep every item in some bin).
+placed (moves keep every item in some bin; the fill pass never swaps a carried item out).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class _State:
         self.w = problem.weights
         self.L = problem.lengths
         self.cap = int(problem.max_tokens)
+        self.carried = int(problem.carried)
         self.where = np.full(problem.n_items, -1, dtype=np.int64)
         for b, items in enumerate(bins):
             self.where[np.asarray(items, dtype=np.int64)] = b
@@ -70,6 +73,45 @@ class _State:
             self.toks[b] += self.L[i]
             self.where[i] = b
         self.deferred = sorted(keep)
+
+    def fill(self, max_steps: int) -> int:
+        """Raise placed tokens: swap a placed item i for a longer deferred j that still fits
+        (or insert j into the slack), the largest gain first. Returns the number of swaps."""
+        steps = 0
+        while self.deferred and steps < max_steps:
+            dl = np.asarray(self.deferred, dtype=np.int64)
+            order = np.argsort(self.L[dl], kind="stable")
+            dl, dlen = dl[order], self.L[dl[order]]
+            best = (0, -1, -1, -1)  # gain, bin, item out (-1: insert), item in
+            for b in range(len(self.members)):
+                slack = self.cap - int(self.toks[b])
+                if slack <= 0 and not self.members[b]:
+                    continue
+                out = np.asarray([-1] + [i for i in self.members[b] if i >= self.carried], dtype=np.int64)
+                out_len = np.where(out >= 0, self.L[np.maximum(out, 0)], 0)
+                pos = np.searchsorted(dlen, out_len + slack, side="right") - 1  # longest that fits
+                ok = pos >= 0
+                gain = np.where(ok, dlen[np.maximum(pos, 0)] - out_len, 0)
+                k = int(np.argmax(gain))
+                if gain[k] > best[0]:
+                    best = (int(gain[k]), b, int(out[k]), int(dl[pos[k]]))
+            if best[0] <= 0:
+                break
+            _, b, i, j = best
+            if i >= 0:
+                self.members[b].remove(i)
+                self.loads[b] -= self.w[i]
+                self.toks[b] -= self.L[i]
+                self.where[i] = -1
+                self.deferred.append(i)
+            self.deferred.remove(j)
+            self.members[b].append(j)
+            self.loads[b] += self.w[j]
+            self.toks[b] += self.L[j]
+            self.where[j] = b
+            steps += 1
+        self.deferred.sort()
+        return steps
 
     def best_move(self, h: int):
         """Best move of one item of h to another bin: (new pair max, item, dst) or None."""
@@ -116,10 +158,12 @@ class _State:
 def improve(problem: PackProblem, bins, deferred, max_iter: int | None = None) -> PackResult:
     """Local search from a given solution; returns a solution at least as good."""
     st = _State(problem, bins, deferred)
-    if st.deferred:
-        st.place_deferred()
     m = problem.n_bins
     max_iter = max_iter if max_iter is not None else 20 * m + 200
+    fills = 0
+    if st.deferred:
+        st.place_deferred()
+        fills = st.fill(max_iter)
     iters = moves = swaps = 0
     while iters < max_iter and m > 1:
         iters += 1
@@ -146,7 +190,7 @@ def improve(problem: PackProblem, bins, deferred, max_iter: int | None = None) -
             break
     out_bins = [np.asarray(sorted(mb), dtype=np.int64) for mb in st.members]
     return PackResult(bins=out_bins, deferred=np.asarray(st.deferred, dtype=np.int64),
-                      extra=dict(ls_iterations=iters, ls_moves=moves, ls_swaps=swaps))
+                      extra=dict(ls_iterations=iters, ls_moves=moves, ls_swaps=swaps, ls_fills=fills))
 
 
 def wlb_local_search(problem: PackProblem) -> PackResult:

@@ -1,0 +1,271 @@
+"""Exact packing models (CP-SAT, PuLP with CBC and HiGHS) against brute-force enumeration of
+set partitions, plus the lexicographic allow_defer model, hints, wlb_ls, and bad input.
+
+Small instances only (<= 8 documents, <= 3 micro-batches); time limits of a few seconds that
+these instances never reach; one deterministic worker."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import wlb_opt as wlb
+from wlb_opt.solvers.problem import PackProblem
+
+pytest.importorskip("ortools")
+pytest.importorskip("pulp")
+pytest.importorskip("highspy")
+
+EXACT = [("cpsat", None), ("milp", "cbc"), ("milp", "highs")]
+REL_TOL = 1e-5  # CP-SAT floors costs to 1e-7 of the largest bin per item; MILP tolerances ~1e-6
+
+
+def unit_cost(attn=1e-3, linear=1e-2, doc_const=0.0, mb_const=0.0):
+    zero = dict(attn=attn, linear=linear, comm=0.0, doc_const=doc_const, mb_const=mb_const)
+    return wlb.CostModel(coef={"fwd": dict(zero), "bwd": dict(zero, attn=0.0, linear=0.0, doc_const=0.0, mb_const=0.0)},
+                         attn_flops_per_pair=1.0)
+
+
+# ------------------------------------------------------------------ brute force (the slow twin)
+def set_partitions(items: list[int], max_blocks: int):
+    """All partitions of `items` into at most `max_blocks` non-empty blocks."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in set_partitions(rest, max_blocks):
+        for k in range(len(part)):
+            yield part[:k] + [[first] + part[k]] + part[k + 1:]
+        if len(part) < max_blocks:
+            yield [[first]] + part
+
+
+def brute_force(lengths, weights, n_bins, max_tokens, bin_const=0.0, allow_defer=False, carried=0):
+    """Lexicographic optimum (max placed tokens, then min largest load) by enumeration.
+    Returns (placed_tokens, largest_load) or None when nothing places every document."""
+    n = len(lengths)
+    best = None
+    subsets = range(1 << n) if allow_defer else [(1 << n) - 1]
+    for mask in subsets:
+        placed = [i for i in range(n) if mask >> i & 1]
+        if any(i not in placed for i in range(carried)):
+            continue
+        tokens = int(sum(lengths[i] for i in placed))
+        if best is not None and tokens < best[0]:
+            continue
+        for part in set_partitions(placed, n_bins):
+            if any(sum(lengths[i] for i in blk) > max_tokens for blk in part):
+                continue
+            load = max([sum(weights[i] for i in blk) for blk in part] + [0.0]) + bin_const
+            if best is None or (tokens, -load) > (best[0], -best[1]):
+                best = (tokens, load)
+    return best
+
+
+def test_set_partitions_count_bell_numbers():
+    assert [sum(1 for _ in set_partitions(list(range(n)), n)) for n in range(7)] == [1, 1, 2, 5, 15, 52, 203]
+    assert sum(1 for _ in set_partitions(list(range(5)), 2)) == 16  # S(5,1) + S(5,2)
+
+
+# ------------------------------------------------------------------ exact == brute force
+instances = st.tuples(
+    st.lists(st.integers(1, 40), min_size=1, max_size=8),
+    st.integers(1, 3),
+    st.floats(0.8, 1.6),
+)
+
+
+def _cap(lengths, n_micro, slack):
+    return max(int(max(lengths)), int(np.ceil(slack * sum(lengths) / n_micro)))
+
+
+@settings(max_examples=25)
+@given(inst=instances, mb_const=st.sampled_from([0.0, 0.5]))
+def test_exact_methods_reach_the_brute_force_optimum(inst, mb_const):
+    lengths, n_micro, slack = inst
+    lengths = np.array(lengths, dtype=np.int64)
+    cap = _cap(lengths, n_micro, slack)
+    cost = unit_cost(mb_const=mb_const)
+    weights = cost.doc_cost(lengths)
+    opt = brute_force(lengths.tolist(), weights.tolist(), n_micro, cap, cost.mb_const())
+    for method, backend in EXACT:
+        if lengths.sum() > n_micro * cap or opt is None:
+            with pytest.raises(ValueError):
+                wlb.solve_pack(lengths, n_micro, cap, cost, method, backend=backend, time_limit=5, deterministic=True)
+            continue
+        plan = wlb.solve_pack(lengths, n_micro, cap, cost, method, backend=backend, time_limit=5, deterministic=True)
+        wlb.check_pack(plan, lengths, cap, cost=cost)
+        info = plan.info
+        assert len(plan.deferred) == 0
+        assert info.objective == pytest.approx(opt[1], rel=REL_TOL), (method, backend, info)
+        assert info.bound <= info.objective
+        assert info.bound <= opt[1] * (1 + 1e-9)
+        assert info.status.startswith("optimal"), info.status
+        assert info.scale is not None and info.scale > 0
+
+
+@settings(max_examples=20)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=7), n_micro=st.integers(1, 3),
+       slack=st.floats(0.4, 1.0), carried=st.integers(0, 2))
+def test_allow_defer_is_lexicographic(lengths, n_micro, slack, carried):
+    lengths = np.array(lengths, dtype=np.int64)
+    carried = min(carried, len(lengths))
+    cap = max(int(max(lengths)), int(slack * sum(lengths) / n_micro))
+    if lengths[:carried].sum() > n_micro * cap:
+        carried = 0
+    cost = unit_cost()
+    weights = cost.doc_cost(lengths)
+    opt = brute_force(lengths.tolist(), weights.tolist(), n_micro, cap, allow_defer=True, carried=carried)
+    if opt is None:  # the carried documents alone do not fit in any packing
+        return
+    for method, backend in EXACT:
+        plan = wlb.solve_pack(lengths, n_micro, cap, cost, method, backend=backend, carried=carried,
+                              time_limit=5, deterministic=True, allow_defer=True)
+        wlb.check_pack(plan, lengths, cap, cost=cost)
+        assert plan.placed_tokens == opt[0], (method, backend, plan.info)
+        assert plan.info.objective == pytest.approx(opt[1], rel=REL_TOL), (method, backend, plan.info)
+        assert plan.info.bound <= plan.info.objective
+        assert not np.isin(plan.deferred, np.arange(carried)).any()
+
+
+def test_zero_slack_fixed_length_places_the_most_tokens():
+    # window 10, two sequences: the greedy heuristics leave a gap; 7+3 and 6+4 fill both.
+    lengths = np.array([7, 6, 4, 3, 5])
+    cost = unit_cost()
+    for method, backend in EXACT:
+        plan = wlb.solve_pack(lengths, 2, 10, cost, method, backend=backend, allow_defer=True,
+                              time_limit=5, deterministic=True)
+        assert plan.placed_tokens == 20 and plan.lengths[plan.deferred].tolist() == [5]
+        assert sorted(plan.tokens.tolist()) == [10, 10]
+
+
+def test_no_placing_heuristic_beats_a_proven_optimum():
+    rng = np.random.default_rng(3)
+    cost = unit_cost(mb_const=0.1)
+    for _ in range(12):
+        lengths = rng.integers(1, 60, size=rng.integers(6, 11))
+        n_micro = int(rng.integers(2, 4))
+        cap = int(1.3 * lengths.sum() / n_micro) + int(lengths.max())
+        exact = wlb.solve_pack(lengths, n_micro, cap, cost, "cpsat", time_limit=5, deterministic=True)
+        assert exact.info.status == "optimal"
+        for method in ("wlb", "wlb_ls", "fixed"):
+            plan = wlb.solve_pack(lengths, n_micro, cap, cost, method)
+            if len(plan.deferred) == 0:
+                assert plan.info.objective >= exact.info.objective * (1 - REL_TOL)
+
+
+# ------------------------------------------------------------------ hints and determinism
+@settings(max_examples=15)
+@given(lengths=st.lists(st.integers(1, 50), min_size=2, max_size=30), n_micro=st.integers(2, 4),
+       seed=st.integers(0, 1000))
+def test_cpsat_is_never_worse_than_a_feasible_hint(lengths, n_micro, seed):
+    lengths = np.array(lengths, dtype=np.int64)
+    cap = int(lengths.sum())  # any assignment is feasible
+    rng = np.random.default_rng(seed)
+    assign = rng.integers(0, n_micro, size=len(lengths))
+    hint = [np.flatnonzero(assign == b) for b in range(n_micro)]
+    cost = unit_cost()
+    hint_obj = max(cost.micro_batch_cost(lengths[h]) if len(h) else cost.mb_const() for h in hint)
+    plan = wlb.solve_pack(lengths, n_micro, cap, cost, "cpsat", hint=hint, time_limit=0.05, deterministic=True)
+    wlb.check_pack(plan, lengths, cap, cost=cost)
+    assert plan.info.objective <= hint_obj
+    assert plan.info.extra["start"] == "hint"
+
+
+def test_deterministic_mode_repeats_itself():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(50, 3000, size=60)
+    cost = wlb.default_cost() if hasattr(wlb, "default_cost") else unit_cost()
+    plans = [wlb.solve_pack(lengths, 4, 60000, cost, "cpsat", time_limit=0.5, deterministic=True, seed=1)
+             for _ in range(2)]
+    assert plans[0].digest() == plans[1].digest()
+
+
+@settings(max_examples=30)
+@given(lengths=st.lists(st.integers(1, 400), min_size=0, max_size=80), n_micro=st.integers(1, 6),
+       slack=st.floats(0.5, 2.0), carried_frac=st.floats(0, 1))
+def test_wlb_ls_is_feasible_and_never_worse_than_algorithm1(lengths, n_micro, slack, carried_frac):
+    lengths = np.array(lengths, dtype=np.int64)
+    cap = max(int(lengths.max()) if len(lengths) else 1, int(slack * lengths.sum() / n_micro) if len(lengths) else 1)
+    carried = int(carried_frac * len(lengths))
+    cost = unit_cost(mb_const=0.01)
+    base = wlb.solve_pack(lengths, n_micro, cap, cost, "wlb", carried=carried)
+    plan = wlb.solve_pack(lengths, n_micro, cap, cost, "wlb_ls", carried=carried)
+    wlb.check_pack(plan, lengths, cap, cost=cost)
+    assert plan.placed_tokens >= base.placed_tokens
+    if plan.placed_tokens == base.placed_tokens:
+        assert plan.info.objective <= base.info.objective * (1 + 1e-12)
+    again = wlb.solve_pack(lengths, n_micro, cap, cost, "wlb_ls", carried=carried)
+    assert again.digest() == plan.digest()
+
+
+# ------------------------------------------------------------------ bad input
+def test_infeasible_instances_name_the_document_or_the_excess():
+    cost = unit_cost()
+    with pytest.raises(ValueError, match="document 7 .*11 tokens > max_tokens=10"):
+        wlb.solve_pack([3, 11], 2, 10, cost, "cpsat", ids=[5, 7])
+    with pytest.raises(ValueError, match="5 tokens over"):
+        wlb.solve_pack([9, 8, 8], 2, 10, cost, "cpsat")
+    with pytest.raises(ValueError, match="5 tokens over"):
+        wlb.solve_pack([9, 8, 8], 2, 10, cost, "milp", backend="highs")
+    # the solver functions check on their own too (called without the facade)
+    from wlb_opt.solvers import cpsat
+
+    problem = PackProblem(lengths=np.array([3, 11]), weights=np.array([1.0, 2.0]), n_bins=2, max_tokens=10)
+    with pytest.raises(ValueError, match="position 1.*11 tokens"):
+        cpsat.solve(problem)
+    deferred = cpsat.solve(PackProblem(lengths=np.array([3, 11]), weights=np.array([1.0, 2.0]), n_bins=2,
+                                       max_tokens=10, options=dict(allow_defer=True, deterministic=True)))
+    assert deferred.deferred.tolist() == [1]
+    plan = wlb.solve_pack([9, 8, 8], 2, 10, cost, "cpsat", allow_defer=True, deterministic=True)
+    assert plan.deferred_tokens == 8
+
+
+def test_bad_options_and_backends():
+    cost = unit_cost()
+    with pytest.raises(ValueError, match="time_limit"):
+        wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", time_limit=0)
+    with pytest.raises(ValueError, match="time_limit"):
+        wlb.solve_pack([3, 4], 2, 10, cost, "milp", time_limit=-1.0)
+    with pytest.raises(ValueError, match="backend.*valid: \\['cbc', 'highs'\\]"):
+        wlb.solve_pack([3, 4], 2, 10, cost, "milp", backend="gurobi")
+    with pytest.raises(ValueError, match="unknown options \\['alow_defer'\\]"):
+        wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", alow_defer=True)
+    with pytest.raises(ValueError, match="gap_limit"):
+        wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", gap_limit=2.0)
+    with pytest.raises(ValueError, match="hint leaves positions \\[1\\]"):
+        wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", hint=[[0], []])
+    with pytest.raises(ValueError, match="more than once"):
+        wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", hint=[[0, 1], [1]])
+    with pytest.raises(ValueError, match="max_iter"):
+        wlb.solve_pack([3, 4], 2, 10, cost, "wlb_ls", max_iter=-1)
+
+
+@pytest.mark.parametrize("module, method, backend", [("ortools.sat.python.cp_model", "cpsat", None),
+                                                     ("pulp", "milp", "cbc"), ("highspy", "milp", "highs")])
+def test_missing_backend_names_the_extra(monkeypatch, module, method, backend):
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
+    with pytest.raises(ImportError, match=r"wlb-opt\[exact\]"):
+        wlb.solve_pack([3, 4], 2, 10, unit_cost(), method, backend=backend)
+
+
+def test_ortools_and_highspy_load_in_one_process():
+    # OR-Tools bundles its own HiGHS; some highspy versions clash with it (KERNELS_SOLVERS.md
+    # 2.4). Both orders, in a fresh interpreter, each solving a model.
+    code = """
+import {first}, {second}
+from ortools.sat.python import cp_model
+import highspy
+m = cp_model.CpModel(); x = m.new_int_var(0, 5, "x"); m.maximize(x)
+s = cp_model.CpSolver(); assert s.solve(m) == cp_model.OPTIMAL and s.value(x) == 5
+h = highspy.Highs(); h.setOptionValue("output_flag", False)
+h.addVar(0, 4); h.changeColCost(0, -1.0); h.changeColIntegrality(0, highspy.HighsVarType.kInteger); h.run()
+assert abs(h.getInfo().objective_function_value + 4) < 1e-9
+print("ok")
+"""
+    for first, second in (("ortools", "highspy"), ("highspy", "ortools")):
+        out = subprocess.run([sys.executable, "-c", code.format(first=first, second=second)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr
