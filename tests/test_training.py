@@ -81,28 +81,41 @@ def reference(plan):
     return loss_sum, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank, world, port, cp, dp):
+LAYOUTS = {2: [(2, 1, 1), (1, 2, 1)], 4: [(2, 2, 1), (1, 2, 2), (2, 1, 2)]}  # (cp, pp, dp) per world size
+
+
+def _worker(rank, world, port):
     import wlb_opt.executor as ex
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=90))
+                            timeout=datetime.timedelta(seconds=120))
     try:
-        mesh = ex.make_mesh(cp=cp, dp=dp)
-        plan, cost = make_plan(dp)
-        model = make_model()
-        loss = ex.train_step(model, plan, make_shards(plan, cost, cp), doc_tokens, mesh=mesh, backend="torch")
-        ref_loss, ref_grads = reference(plan)
-        assert abs(loss - ref_loss) < 1e-10, (loss, ref_loss)
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, ref_grads[name], msg=lambda m: f"rank {rank} {name}: {m}")
+        for cp, pp, dp in LAYOUTS[world]:
+            mesh = ex.make_mesh(cp=cp, dp=dp, pp=pp)
+            plan, cost = make_plan(dp)
+            model = make_model()
+            names = {id(p): n for n, p in model.named_parameters()}
+            stage = ex.split_stages(model, pp)[mesh.pp_rank]
+            record = ex.StageOutputs()
+            loss = ex.train_step(stage, plan, make_shards(plan, cost, cp), doc_tokens, mesh=mesh, backend="torch",
+                                 record=record)
+            ref_loss, ref_grads = reference(plan)
+            where = f"rank {rank} (cp={cp}, pp={pp}, dp={dp})"
+            assert abs(loss - ref_loss) < 1e-10, (where, loss, ref_loss)
+            n_mb = len([j for j in plan.replica_micro_batches(mesh.dp_rank) if len(plan.micro_batches[j])])
+            assert len(record.ops) == 2 * n_mb
+            for p in stage.parameters():
+                name = names[id(p)]
+                torch.testing.assert_close(p.grad, ref_grads[name], msg=lambda m: f"{where} {name}: {m}")
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("cp, dp", [(2, 1), (1, 2), (2, 2)])
-def test_distributed_step_equals_single_process(cp, dp):
-    pytest.importorskip("wlb_opt.shard")
-    mp.spawn(_worker, args=(cp * dp, free_port(), cp, dp), nprocs=cp * dp, join=True)
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_step_equals_single_process(world):
+    """CP, PP (variable-length 1F1B) and DP, alone and combined, against one process."""
+    mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)
 
 
 def test_loss_is_normalised_over_the_global_batch_not_per_micro_batch():

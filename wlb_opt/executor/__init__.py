@@ -4,8 +4,9 @@
   document-masked attention call, reduce-scatter of dK/dV in rank-major order).
 - `gather_packed`: the differentiable rank-major all-gather + order restore it uses.
 - `check_same_plan`: ranks compare `plan.digest()` before executing a step.
-- `make_mesh`, `train_step`: CP x DP groups and one training step of a PackPlan with the
-  loss normalised over the whole global batch; `TinyLM`, a small model for tests/examples.
+- `make_mesh`, `train_step`: CP x PP x DP groups and one training step of a PackPlan (1F1B
+  variable-length pipeline, CP attention, DP gradient sums) with the loss normalised over the
+  whole global batch; `TinyLM` and `split_stages`, a small model for tests and examples.
 
 The executor never re-plans: it executes the plans it is given.
 """
@@ -17,10 +18,10 @@ require("torch", "wlb_opt.executor")
 
 from .cp_attention import context_parallel_attention, gather_packed, packed_order_index  # noqa: E402
 from .mesh import Mesh, make_mesh  # noqa: E402
-from .model import TinyLM  # noqa: E402
+from .model import Stage, TinyLM, split_stages  # noqa: E402
 from .plumbing import check_same_plan, local_inputs  # noqa: E402
-from .train import pack_tokens, packed_labels, packed_positions, target_tokens, train_step  # noqa: E402
+from .train import StageOutputs, pack_tokens, packed_labels, packed_positions, target_tokens, train_step  # noqa: E402
 
-__all__ = ["Mesh", "TinyLM", "check_same_plan", "context_parallel_attention", "gather_packed", "local_inputs",
+__all__ = ["Mesh", "Stage", "StageOutputs", "TinyLM", "split_stages", "check_same_plan", "context_parallel_attention", "gather_packed", "local_inputs",
            "make_mesh", "pack_tokens", "packed_labels", "packed_order_index", "packed_positions", "target_tokens",
            "train_step"]

@@ -70,3 +70,36 @@ class TinyLM(nn.Module):
         for block in self.blocks:
             x = block(x, positions, attend)
         return self.head(self.norm(x))
+
+
+class Stage(nn.Module):
+    """A contiguous slice of a TinyLM for one pipeline stage (shares the model's parameters).
+
+    The first stage embeds token ids, the last applies the final norm and LM head; the others
+    map hidden states to hidden states. `hidden` is the activation width sent between stages.
+    """
+
+    def __init__(self, model: TinyLM, stage: int, pp: int):
+        super().__init__()
+        n = len(model.blocks)
+        if not 1 <= pp <= n or not 0 <= stage < pp:
+            raise ValueError(f"cannot split {n} blocks into pp={pp} stages (stage {stage})")
+        bounds = [round(i * n / pp) for i in range(pp + 1)]
+        self.hidden = model.embed.embedding_dim
+        self.embed = model.embed if stage == 0 else None
+        self.blocks = nn.ModuleList(model.blocks[bounds[stage]:bounds[stage + 1]])
+        last = stage == pp - 1
+        self.norm = model.norm if last else None
+        self.head = model.head if last else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x, positions, attend)
+        return self.head(self.norm(x)) if self.head is not None else x
+
+
+def split_stages(model: TinyLM, pp: int) -> list[Stage]:
+    """The pp pipeline stages of `model` (layers split evenly, as the cost model assumes)."""
+    return [Stage(model, s, pp) for s in range(pp)]

@@ -7,10 +7,12 @@ the global count, never per micro-batch, keeps variable-length micro-batches fro
 re-weighting tokens (DESIGN.md). Gradients and the loss are then summed over all CP and DP
 ranks, which gives exactly the single-process gradient of the global mean loss.
 
-The pipeline dimension is not executed here (see wlb_opt.simulate for its timing model).
+With a pipeline (mesh.pp > 1) each rank holds one stage (`split_stages`) and runs the
+1F1B order; see `train_step`.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
@@ -57,16 +59,34 @@ def pack_tokens(plan, j: int, doc_tokens: Callable[[int], torch.Tensor]) -> torc
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
+class StageOutputs:
+    """Per-step record of what a rank ran: (phase, micro-batch, seconds) per operation."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[str, int, float]] = []
+
+    def busy_s(self) -> float:
+        return float(sum(t for _, _, t in self.ops))
+
+
 def train_step(model: torch.nn.Module, plan, shards: list, doc_tokens: Callable[[int], torch.Tensor],
-               mesh: Mesh | None = None, backend: str = "auto", check_plan: bool = True) -> float:
+               mesh: Mesh | None = None, backend: str = "auto", check_plan: bool = True,
+               record: StageOutputs | None = None) -> float:
     """Forward and backward of one global batch; returns the global mean token loss.
 
-    `shards[j]` is the ShardPlan of micro-batch j (cp ranks = mesh.cp). Gradients are left
-    in `param.grad`, summed over all ranks; call the optimiser afterwards.
+    `model` is this rank's pipeline stage (the whole model when pp = 1; see
+    `split_stages`). `shards[j]` is the ShardPlan of micro-batch j (cp ranks = mesh.cp).
+    Micro-batches of this rank's DP replica run in the 1F1B order of
+    `wlb_opt.simulate.stage_order`; activations and their gradients go between stages with
+    point-to-point sends whose sizes come from the plan (variable-length pipeline: every
+    rank knows every micro-batch's length, so no shape handshake is needed). Gradients are
+    summed over the ranks that hold the same stage, and left in `param.grad`.
     """
-    cp_rank = mesh.cp_rank if mesh else 0
-    dp_rank = mesh.dp_rank if mesh else 0
-    cp_group = mesh.cp_group if mesh else None
+    from ..simulate import stage_order
+
+    cp, pp = (mesh.cp, mesh.pp) if mesh else (1, 1)
+    cp_rank, pp_rank, dp_rank = (mesh.cp_rank, mesh.pp_rank, mesh.dp_rank) if mesh else (0, 0, 0)
+    first, last = pp_rank == 0, pp_rank == pp - 1
     if mesh and plan.dp != mesh.dp:
         raise ValueError(f"plan has dp={plan.dp} replicas but the mesh has dp={mesh.dp}")
     if check_plan:
@@ -74,33 +94,73 @@ def train_step(model: torch.nn.Module, plan, shards: list, doc_tokens: Callable[
     total = target_tokens(plan)
     if total == 0:
         raise ValueError("the global batch has no target tokens (every piece has length 1)")
-    device = next(model.parameters()).device
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for j in plan.replica_micro_batches(dp_rank):
-        if len(plan.micro_batches[j]) == 0:
-            continue
+    param = next(model.parameters())
+    device, act_dtype = param.device, param.dtype
+    hidden = getattr(model, "hidden", None)
+    if pp > 1 and hidden is None:
+        raise ValueError("pipeline stages need a `hidden` attribute (activation width); use split_stages")
+
+    mbs = [j for j in plan.replica_micro_batches(dp_rank) if len(plan.micro_batches[j])]
+    for j in mbs:
+        if len(shards[j].rank_indices) != cp:
+            raise ValueError(f"shard of micro-batch {j} has {len(shards[j].rank_indices)} CP ranks, mesh has {cp}")
+
+    def local(j: int):
         lengths = plan.lengths[plan.micro_batches[j]]
-        offsets = plan.offsets[plan.micro_batches[j]]
-        shard = shards[j]
-        if len(shard.rank_indices) != (mesh.cp if mesh else 1):
-            raise ValueError(f"shard of micro-batch {j} has {len(shard.rank_indices)} CP ranks, mesh has {mesh.cp if mesh else 1}")
+        idx = torch.from_numpy(np.asarray(shards[j].rank_indices[cp_rank], dtype=np.int64)).to(device)
         tokens = pack_tokens(plan, j, doc_tokens).to(device)
-        labels = packed_labels(tokens, lengths)
-        positions = torch.from_numpy(packed_positions(lengths, offsets)).to(device)
-        idx = torch.from_numpy(np.asarray(shard.rank_indices[cp_rank], dtype=np.int64)).to(device)
+        positions = torch.from_numpy(packed_positions(lengths, plan.offsets[plan.micro_batches[j]])).to(device)
+        return idx, tokens[idx], positions[idx], packed_labels(tokens, lengths)[idx]
 
-        def attend(q, k, v, shard=shard):
-            return context_parallel_attention(q, k, v, shard, group=cp_group, backend=backend)
+    inputs: dict[int, torch.Tensor] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    sends: list = []
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for phase, k, _ in stage_order(pp_rank, pp, len(mbs)):
+        j = mbs[k]
+        t0 = time.perf_counter()
+        if phase == "F":
+            idx, tok, pos, lab = local(j)
+            if first:
+                x = tok
+            else:
+                x = torch.empty(len(idx), hidden, dtype=act_dtype, device=device)
+                if len(idx):
+                    dist.recv(x, src=mesh.prev_stage_rank)
+                x.requires_grad_()
 
-        logits = model(tokens[idx], positions[idx], attend)
-        loss = F.cross_entropy(logits.float() if logits.dtype == torch.float16 else logits, labels[idx],
-                               ignore_index=IGNORE, reduction="sum") / total
-        loss.backward()
-        loss_sum += loss.detach().to(torch.float64)
+            def attend(q, k_, v, shard=shards[j]):
+                return context_parallel_attention(q, k_, v, shard, group=mesh.cp_group if mesh else None,
+                                                  backend=backend)
+
+            out = model(x, pos, attend)
+            if last:
+                loss = F.cross_entropy(out.float() if out.dtype == torch.float16 else out, lab,
+                                       ignore_index=IGNORE, reduction="sum") / total
+                loss_sum += loss.detach().to(torch.float64)
+                out = loss
+            elif len(idx):
+                sends.append(dist.isend(out.detach().contiguous(), dst=mesh.next_stage_rank))
+            inputs[j], outputs[j] = x, out
+        else:
+            out, x = outputs.pop(j), inputs.pop(j)
+            if last:
+                out.backward()
+            else:
+                grad = torch.zeros_like(out)
+                if out.shape[0]:
+                    dist.recv(grad, src=mesh.next_stage_rank)
+                torch.autograd.backward(out, grad)
+            if not first and x.shape[0]:
+                sends.append(dist.isend(x.grad.contiguous(), dst=mesh.prev_stage_rank))
+        if record is not None:
+            record.ops.append((phase, j, time.perf_counter() - t0))
+    for handle in sends:
+        handle.wait()
     if mesh is not None and dist.is_initialized():
         for p in model.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-        dist.all_reduce(loss_sum)
+            dist.all_reduce(p.grad, group=mesh.stage_group if mesh.stage_group is not None else None)
+        dist.all_reduce(loss_sum)  # only last-stage ranks hold a share of the loss
     return float(loss_sum)

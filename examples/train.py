@@ -1,7 +1,8 @@
-"""Train a tiny model with wlb-opt plans under CP x DP on CPU (gloo) or GPU (nccl).
+"""Train a tiny model with wlb-opt plans under CP x PP x DP on CPU (gloo) or GPU (nccl).
 
-    torchrun --standalone --nproc_per_node 2 examples/train_cp_dp.py --cp 2 --dp 1 --steps 5
-    torchrun --standalone --nproc_per_node 4 examples/train_cp_dp.py --cp 2 --dp 2
+    torchrun --standalone --nproc_per_node 2 examples/train.py --cp 2 --steps 5
+    torchrun --standalone --nproc_per_node 4 examples/train.py --cp 2 --pp 2
+    torchrun --standalone --nproc_per_node 4 examples/train.py --cp 2 --dp 2
 
 Every rank runs the same deterministic planner (WLBPacker: variable-length packing with
 outlier delay) on the same document stream, checks that all ranks hold the same plan, shards
@@ -27,6 +28,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cp", type=int, default=2)
     p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--n-micro", type=int, default=2)
     p.add_argument("--window", type=int, default=256)
@@ -38,16 +40,17 @@ def main() -> None:
     dist.init_process_group(backend)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    mesh = ex.make_mesh(cp=args.cp, dp=args.dp)
+    mesh = ex.make_mesh(cp=args.cp, dp=args.dp, pp=args.pp)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     spec = wlb.ModelSpec.preset("tiny")
-    cost = wlb.CostModel.analytic(spec, wlb.ParallelSpec(cp=args.cp, dp=args.dp), wlb.HardwareSpec.preset("cpu"))
+    cost = wlb.CostModel.analytic(spec, wlb.ParallelSpec(cp=args.cp, pp=args.pp, dp=args.dp), wlb.HardwareSpec.preset("cpu"))
     packer = wlb.WLBPacker(n_micro=args.n_micro, max_tokens=int(1.25 * args.window), cost=cost, dp=args.dp,
                            thresholds=[args.window // 2], n_queues=1, max_delay=4, seed=0)
     torch.manual_seed(0)
     model = ex.TinyLM.from_spec(spec).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    stage = ex.split_stages(model, args.pp)[mesh.pp_rank]  # this rank's pipeline stage
+    opt = torch.optim.AdamW(stage.parameters(), lr=args.lr)
 
     # A synthetic stream scaled down to this window (documents cut to the window, so every
     # document is one piece); a document's tokens depend on its id only.
@@ -63,11 +66,11 @@ def main() -> None:
         stop = cursor + int(np.searchsorted(np.cumsum(lengths[cursor:]), per_batch))
         plan = packer.pack(lengths[cursor:stop], np.arange(cursor, stop))
         cursor = stop
-        shards = [wlb.solve_shard(plan.lengths[mb], args.cp, args.strategy, cost) if len(mb) else None
+        shards = [wlb.solve_shard(plan.lengths[mb], args.cp, args.strategy, cost, offsets=plan.offsets[mb]) if len(mb) else None
                   for mb in plan.micro_batches]
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = ex.train_step(model, plan, shards, doc_tokens, mesh=mesh)
+        loss = ex.train_step(stage, plan, shards, doc_tokens, mesh=mesh)
         opt.step()
         if dist.get_rank() == 0:
             print(f"step {step}: loss {loss:.4f}, {len(plan.micro_batches)} micro-batches, "
