@@ -48,15 +48,15 @@ import numpy as np
 
 from .cost import CostModel, default_cost
 from .docs import validate_ids, validate_lengths
-from .pack import solve_pack
+from .pack import get_method, solve_pack
 from .plan import PackPlan, imbalance
 
 STATE_VERSION = 1
 _CONFIG_FIELDS = ("n_micro", "max_tokens", "dp", "n_queues", "max_delay", "seed", "max_backlog_tokens", "pp",
-                  "cost_fingerprint")
+                  "method", "cost_fingerprint")
 # Calibration: candidate thresholds are the lengths whose modelled cost is these fractions of a
 # micro-batch's fair share of a global batch (cost-based, so they follow the model and layout).
-_CALIBRATION_FRACTIONS = (0.15, 0.25, 0.35, 0.5, 0.65, 0.8, 1.0)
+_CALIBRATION_FRACTIONS = (0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 
 
 # ------------------------------------------------------------------ DP refinement (1F1B closed form)
@@ -164,11 +164,14 @@ class WLBPacker:
         pp: pipeline stages for the DP refinement's 1F1B model (default: the cost model's
             ParallelSpec.pp, else 1).
         delay_budget: calibration's limit on delay per token, in steps (default 0.5, paper §3.2).
+        method: the `solve_pack` method that packs each step: "wlb" (Algorithm 1, default)
+            or any deterministic heuristic that honours `carried` (e.g. "wlb_ls").
     """
 
     def __init__(self, n_micro: int, max_tokens: int, cost: CostModel | None = None, dp: int = 1,
                  thresholds="auto", n_queues: int | None = None, max_delay: int | None = 8, seed: int = 0,
-                 *, max_backlog_tokens: int | None = None, pp: int | None = None, delay_budget: float = 0.5):
+                 *, max_backlog_tokens: int | None = None, pp: int | None = None, delay_budget: float = 0.5,
+                 method: str = "wlb"):
         self.n_micro = _check_int("n_micro", n_micro, 1)
         self.max_tokens = _check_int("max_tokens", max_tokens, 1)
         self.dp = _check_int("dp", dp, 1)
@@ -188,6 +191,10 @@ class WLBPacker:
         if not (isinstance(delay_budget, (int, float)) and delay_budget >= 0 and math.isfinite(delay_budget)):
             raise ValueError(f"delay_budget must be a finite number of steps >= 0, got {delay_budget!r}")
         self.delay_budget = float(delay_budget)
+        if not isinstance(method, str):
+            raise ValueError(f"method must be a solve_pack method name, got {method!r}")
+        get_method(method)  # ValueError naming the valid methods
+        self.method = method
         if isinstance(thresholds, str):
             if thresholds != "auto":
                 raise ValueError(f"thresholds must be 'auto' or an increasing list of positive lengths, got {thresholds!r}")
@@ -228,7 +235,7 @@ class WLBPacker:
     def _config(self) -> dict:
         return dict(n_micro=self.n_micro, max_tokens=self.max_tokens, dp=self.dp, n_queues=self.n_queues,
                     max_delay=self.max_delay, seed=self.seed, max_backlog_tokens=self.max_backlog_tokens,
-                    pp=self.pp, cost_fingerprint=self._fingerprint)
+                    pp=self.pp, method=self.method, cost_fingerprint=self._fingerprint)
 
     def queued_ids(self) -> np.ndarray:
         """Ids of the pieces held in outlier queues (neither placed nor deferred), queue by
@@ -324,7 +331,7 @@ class WLBPacker:
             p_ids, p_off, p_len, p_arr = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]
         else:
             p_ids = p_off = p_len = p_arr = np.zeros(0, dtype=np.int64)
-        plan = solve_pack(p_len, self.n_micro, self.max_tokens, self.cost, "wlb", ids=p_ids, offsets=p_off,
+        plan = solve_pack(p_len, self.n_micro, self.max_tokens, self.cost, self.method, ids=p_ids, offsets=p_off,
                           dp=self.dp, carried=len(first), seed=self.seed)
         if self.dp > 1:
             plan.replica_of = deal_by_1f1b(plan.loads, self.dp, self.n_micro, self.pp)
@@ -483,7 +490,8 @@ class WLBPacker:
         results = []
         for cand in combinations(grid, n_q):
             trial = WLBPacker(self.n_micro, self.max_tokens, self.cost, self.dp, list(cand), max_delay=self.max_delay,
-                              seed=self.seed, max_backlog_tokens=self.max_backlog_tokens, pp=self.pp)
+                              seed=self.seed, max_backlog_tokens=self.max_backlog_tokens, pp=self.pp,
+                              method=self.method)
             try:
                 imbs = [trial.pack(b).imbalance for b in batches]
             except ValueError:
