@@ -94,7 +94,8 @@ class _Model:
         if opts.deterministic:
             prm.num_workers = 1
             prm.max_deterministic_time = float(time_limit)
-            prm.max_time_in_seconds = 4.0 * float(time_limit) + 1.0  # safety net only
+            # Safety net only: a wall-clock stop would make the result depend on machine load.
+            prm.max_time_in_seconds = max(60.0, 20.0 * float(time_limit))
         else:
             prm.num_workers = opts.workers()
             prm.max_time_in_seconds = float(time_limit)
