@@ -140,7 +140,7 @@ def _wlb_plans(batches, cfg: Config, cost: CostModel, seed: int, sample=None) ->
     packer = WLBPacker(cfg.pp, int(1.25 * cfg.context), cost, dp=cfg.dp, thresholds="auto", n_queues=2,
                        max_delay=8, seed=seed)
     if sample is not None:
-        packer.calibrate(sample, tokens_per_batch=cfg.dp * cfg.pp * cfg.context)
+        packer.calibrate(sample, tokens_per_batch=cfg.dp * cfg.pp * cfg.context, n_batches=16)
     plans = [packer.pack(lengths, ids, offsets=offsets) for lengths, ids, offsets in batches]
     stats = packer.stats()  # before the drain: the steady stream's delay
     plans += packer.drain()
@@ -172,10 +172,10 @@ def _repack(plan: PackPlan, cfg: Config, cost: CostModel, method: str | None) ->
 
 def _deal_by_simulation(plan: PackPlan, shards, cfg: Config, cost: CostModel) -> PackPlan:
     """DP refinement: try swapping micro-batches between replicas while the simulated step
-    (recurrence, no order search) gets shorter."""
+    (no order search) gets shorter."""
     if cfg.dp == 1:
         return plan
-    best = simulate_step(plan, shards, cost, cfg.parallel, use_dag=False).step_time_s
+    best = simulate_step(plan, shards, cost, cfg.parallel).step_time_s
     n = len(plan.micro_batches)
     improved = True
     while improved:
@@ -185,7 +185,7 @@ def _deal_by_simulation(plan: PackPlan, shards, cfg: Config, cost: CostModel) ->
                 if plan.replica_of[a] == plan.replica_of[b]:
                     continue
                 plan.replica_of[[a, b]] = plan.replica_of[[b, a]]
-                t = simulate_step(plan, shards, cost, cfg.parallel, use_dag=False).step_time_s
+                t = simulate_step(plan, shards, cost, cfg.parallel).step_time_s
                 if t < best - 1e-12:
                     best, improved = t, True
                 else:

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import wlb_opt as wlb
-from wlb_opt.simulate import (best_order, compare_to_measured, pipeline_recurrence, simulate_pipeline,
-                              simulate_step, stage_order)
+from wlb_opt.simulate import (best_order, build_dag, compare_to_measured, pipeline_recurrence, pipeline_step_time,
+                              simulate_pipeline, simulate_step, stage_order)
 
 
 def naive_1f1b(fwd, bwd, p2p=0.0):
@@ -87,9 +87,24 @@ def test_dag_and_recurrence_agree_on_interleaved(p, groups, v, seed):
     dag = simulate_pipeline(fwd, bwd, sched, v, p2p)
     rec = pipeline_recurrence(fwd, bwd, sched, v, p2p)
     assert dag.step_time_s == pytest.approx(rec.step_time_s, rel=1e-12)
+    assert pipeline_step_time(fwd, bwd, sched, v, p2p) == pytest.approx(dag.step_time_s, rel=1e-12)
     starts = {(r["phase"], r["micro_batch"], r["virtual_stage"]): r["start_s"] for r in rec.timeline}
     for r in dag.timeline:
         assert r["start_s"] == pytest.approx(starts[(r["phase"], r["micro_batch"], r["virtual_stage"])])
+
+
+def test_networkx_longest_path_of_build_dag_is_the_step_time():
+    import networkx as nx
+
+    rng = np.random.default_rng(7)
+    for p, m, v, order in [(4, 4, 2, [2, 0, 3, 1]), (3, 5, 1, None), (2, 4, 3, [3, 2, 1, 0])]:
+        fwd, bwd = rng.random((p, m)), rng.random((p, m))
+        p2p = rng.random(m) * 0.1
+        sched = "interleaved" if v > 1 else "1f1b"
+        g = build_dag(fwd, bwd, sched, v, p2p, order)
+        res = simulate_pipeline(fwd, bwd, sched, v, p2p, order)
+        assert nx.dag_longest_path_length(g, weight="weight") == pytest.approx(res.step_time_s, rel=1e-12)
+        assert pipeline_recurrence(fwd, bwd, sched, v, p2p, order).step_time_s == pytest.approx(res.step_time_s)
 
 
 def test_critical_path_is_a_chain_that_sums_to_the_step():

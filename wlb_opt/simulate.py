@@ -31,6 +31,7 @@ making the first and last stages heavier, optimizer step time.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
@@ -202,9 +203,88 @@ def build_dag(fwd, bwd, schedule: Schedule = "1f1b", virtual_stages: int = 1, p2
     return g
 
 
+class _Structure:
+    """The schedule's DAG for one (pp, n_micro, v), built once with networkx and cached.
+
+    Holds the operations in a topological order of the networkx DiGraph and, per operation,
+    its predecessors (index, whether the edge is a cross-device data edge that pays p2p).
+    Durations enter only when a step is evaluated, so one structure serves every step and
+    every micro-batch order (running micro-batch perm[k] in slot k = permuting the costs).
+    """
+
+    def __init__(self, pp: int, m: int, v: int):
+        import networkx as nx
+
+        g = nx.DiGraph()
+        n_virtual = pp * v
+        ops = [(ph, mb, vs) for vs in range(n_virtual) for mb in range(m) for ph in ("F", "B")]
+        g.add_nodes_from(ops)
+        for seq in _orders(pp, m, v, None):
+            g.add_edges_from(zip(seq, seq[1:]), cross=False)
+        for op in ops:
+            for dep in _deps(op, n_virtual):
+                cross = dep[2] % pp != op[2] % pp
+                if g.has_edge(dep, op):
+                    cross = cross or g.edges[dep, op]["cross"]
+                g.add_edge(dep, op, cross=cross)
+        if not nx.is_directed_acyclic_graph(g):
+            raise ValueError(f"the schedule with pp={pp}, v={v}, n_micro={m} has a dependency cycle")
+        self.graph = g
+        self.ops = list(nx.topological_sort(g))
+        index = {op: i for i, op in enumerate(self.ops)}
+        self.preds = [[(index[u], g.edges[u, op]["cross"]) for u in g.predecessors(op)] for op in self.ops]
+        self.pp, self.m, self.v = pp, m, v
+        self.is_fwd = np.array([op[0] == "F" for op in self.ops])
+        self.stage = np.array([op[2] % pp for op in self.ops], dtype=np.int64)
+        self.chunk = np.array([op[2] // pp for op in self.ops], dtype=np.int64)
+        self.slot = np.array([op[1] for op in self.ops], dtype=np.int64)
+
+    def durations(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.where(self.is_fwd, f[self.stage, self.chunk, self.slot], b[self.stage, self.chunk, self.slot])
+
+    def longest_path(self, dur: np.ndarray, p2p: np.ndarray, want_path: bool = False):
+        """Earliest start of every operation = longest path to it (durations + p2p on
+        cross-device data edges). Returns (step_time, starts, critical path indices)."""
+        d = dur.tolist()
+        comm = p2p[self.slot].tolist()
+        start = [0.0] * len(d)
+        end = [0.0] * len(d)
+        arg = [-1] * len(d)
+        for i, preds in enumerate(self.preds):
+            t, a = 0.0, -1
+            for j, cross in preds:
+                tj = end[j] + (comm[i] if cross else 0.0)
+                if tj > t:
+                    t, a = tj, j
+            start[i], end[i], arg[i] = t, t + d[i], a
+        last = int(np.argmax(end)) if end else 0
+        path = []
+        if want_path and end:
+            k = last
+            while k >= 0:
+                path.append(k)
+                k = arg[k]
+            path.reverse()
+        return (end[last] if end else 0.0), start, path
+
+
+@functools.lru_cache(maxsize=128)
+def _structure(pp: int, m: int, v: int) -> _Structure:
+    return _Structure(pp, m, v)
+
+
+def _permute(f, b, p2p, order, m):
+    if order is None:
+        return f, b, p2p, np.arange(m)
+    perm = np.asarray([int(x) for x in order], dtype=np.int64)
+    if sorted(perm.tolist()) != list(range(m)):
+        raise ValueError(f"order must be a permutation of range({m}), got {list(order)!r}")
+    return f[:, :, perm], b[:, :, perm], p2p[perm], perm
+
+
 def simulate_pipeline(fwd, bwd, schedule: Schedule = "1f1b", virtual_stages: int = 1, p2p_s=0.0,
                       order: Sequence[int] | None = None) -> SimResult:
-    """Step time of one pipeline replica.
+    """Step time of one pipeline replica: the longest path of the schedule's DAG.
 
     Args:
         fwd, bwd: seconds per operation, shape [stages, micro_batches] (a virtual stage of the
@@ -216,25 +296,30 @@ def simulate_pipeline(fwd, bwd, schedule: Schedule = "1f1b", virtual_stages: int
         order: optional permutation: schedule slot k runs micro-batch order[k].
 
     Returns SimResult(step_time_s, bubble_fraction, stage_busy_s, critical_path, timeline).
+    The DAG structure is built with networkx once per (stages, micro_batches, v) and cached;
+    `build_dag` returns the same DAG with weights for users who want networkx itself.
     """
-    import networkx as nx
-
-    g = build_dag(fwd, bwd, schedule, virtual_stages, p2p_s, order)
-    f = _chunk_costs(fwd, "fwd", virtual_stages)
-    pp = f.shape[0]
-    start: dict = {}
-    for node in nx.topological_sort(g):
-        start[node] = max((start[u] + g.edges[u, node]["weight"] for u in g.predecessors(node)), default=0.0)
-    path = nx.dag_longest_path(g, weight="weight")
-    step = float(nx.dag_longest_path_length(g, weight="weight"))
-    # dag_longest_path_length and the forward pass are the same quantity computed twice.
-    if not np.isclose(step, start["end"], rtol=1e-9, atol=1e-12):  # pragma: no cover - a networkx bug
-        raise RuntimeError(f"longest path {step} != forward pass {start['end']}")
-    timeline = [dict(stage=int(op[2] % pp), virtual_stage=int(op[2]), phase=op[0], micro_batch=int(op[1]),
-                     start_s=start[op], end_s=start[op] + g.nodes[op]["duration"])
-                for op in g.nodes if op != "end"]
+    f, b, p2p = _validate(fwd, bwd, schedule, virtual_stages, p2p_s)
+    pp, v, m = f.shape
+    f, b, p2p, perm = _permute(f, b, p2p, order, m)
+    st = _structure(pp, m, v)
+    dur = st.durations(f, b)
+    step, start, path = st.longest_path(dur, p2p, want_path=True)
+    relabel = lambda op: (op[0], int(perm[op[1]]), op[2])  # noqa: E731  slot -> micro-batch
+    timeline = [dict(stage=int(op[2] % pp), virtual_stage=int(op[2]), phase=op[0], micro_batch=int(perm[op[1]]),
+                     start_s=start[i], end_s=start[i] + float(dur[i])) for i, op in enumerate(st.ops)]
     timeline.sort(key=lambda r: (r["stage"], r["start_s"]))
-    return _result(step, timeline, pp, [op for op in path if op != "end"])
+    return _result(float(step), timeline, pp, [relabel(st.ops[i]) for i in path])
+
+
+def pipeline_step_time(fwd, bwd, schedule: Schedule = "1f1b", virtual_stages: int = 1, p2p_s=0.0,
+                       order: Sequence[int] | None = None) -> float:
+    """simulate_pipeline's step time only (no timeline): the fast path of the order search."""
+    f, b, p2p = _validate(fwd, bwd, schedule, virtual_stages, p2p_s)
+    pp, v, m = f.shape
+    f, b, p2p, _ = _permute(f, b, p2p, order, m)
+    st = _structure(pp, m, v)
+    return float(st.longest_path(st.durations(f, b), p2p)[0])
 
 
 def _result(step: float, timeline: list, pp: int, critical: list) -> SimResult:
@@ -302,7 +387,7 @@ def best_order(fwd, bwd, schedule: Schedule = "1f1b", virtual_stages: int = 1, p
     m = f.shape[2]
 
     def run(perm):
-        return pipeline_recurrence(fwd, bwd, schedule, virtual_stages, p2p_s, perm).step_time_s
+        return pipeline_step_time(fwd, bwd, schedule, virtual_stages, p2p_s, perm)
 
     best = list(range(m))
     best_t = run(best)
