@@ -94,7 +94,7 @@ def wlb_row(batches, cost, n_micro: int, dp: int, max_tokens: int, thresholds, m
         imbs.append(per_step_imbalance(plan, cost, "fwd"))
     if thresholds == "auto":
         calib_s = packer.calibration["seconds"] if packer.calibration else None
-        times = times[1:]  # the first step ran the calibration (reported apart)
+        times = times[1:] or times  # the first step ran the calibration (reported apart)
     streamed = packer.stats()
     packer.drain()
     s = packer.stats()
@@ -209,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     r = pooled_rows(batches, cost, bins, W, "original", 1, show)
     rows.append(dict(row="original", **r))
     for k in (1, 2, 4, 8):
+        if len(batches) < k:
+            rows.append(dict(row=f"fixed greedy k={k}", pending="skip"))
+            continue
         rows.append(dict(row=f"fixed greedy k={k}", **pooled_rows(batches, cost, bins, W, "fixed", k, show)))
     why = _exact_available()
     for k in (1, 2, 4):
@@ -217,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(dict(row=name, pending=why))
             continue
         ex = batches[:max(k, args.exact_steps // k * k)]
+        if len(ex) < k:
+            rows.append(dict(row=name, pending="skip"))
+            continue
         rows.append(dict(row=name, **pooled_rows(ex, cost, bins, W, "cpsat", k, show, allow_defer=True,
                                                   time_limit=args.exact_time_limit, seed=args.seed)))
     hand = {1: [W // 2], 2: [W // 2, 3 * W // 4], 3: [W // 2, 2 * W // 3, 5 * W // 6]}

@@ -304,3 +304,21 @@ def test_bad_state_dict():
     fresh = wlb.WLBPacker(2, 100, COST, thresholds=[50], max_delay=4)
     fresh.load_state_dict(json.loads(json.dumps(state)))
     assert fresh.queued_ids().tolist() == [1] and fresh.step == 1
+
+
+def test_bad_method_names_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown packing method 'nope'"):
+        wlb.WLBPacker(2, 100, COST, method="nope")
+
+
+def test_table2_bench_runs_small(tmp_path, capsys):
+    from wlb_opt.bench import table2
+
+    rc = table2.main(["--steps", "3", "--exact-steps", "1", "--exact-time-limit", "0.5", "--no-progress",
+                      "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "table2.json").read_text())
+    names = [r["row"] for r in data["rows"]]
+    assert names[:2] == ["original", "fixed greedy k=1"] and "WLB 2 queues" in names and "WLB auto" in names
+    assert all(r.get("pending") or r["imbalance"] >= 1.0 for r in data["rows"])
+    assert "paper imb" in capsys.readouterr().out
