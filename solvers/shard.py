@@ -24,6 +24,8 @@ as arrays.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 __all__ = ["per_seq_chunks", "per_doc_chunk_sizes", "per_doc_chunks", "head_tail_rank", "hybrid_assign",
@@ -44,6 +46,8 @@ def per_seq_chunks(lengths: np.ndarray, cp: int) -> tuple[np.ndarray, ...]:
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     total = int(lengths.sum())
+    if total == 0:
+        return tuple(np.zeros(0, np.int64) for _ in range(4))
     n2 = 2 * cp
     base, rem = divmod(total, n2)
     k = np.arange(n2, dtype=np.int64)
@@ -126,7 +130,8 @@ class HybridResult:
 
 def _lpt(items, whole_cost, lengths, loads, toks, token_cap, cut_cost, cut_tok):
     """Place `items` (heaviest first) whole on the least-loaded rank whose tokens stay within
-    `token_cap`; an item that fits nowhere is cut instead. Mutates loads/toks (lists)."""
+    `token_cap`; an item that fits nowhere is cut instead, and if its cut does not fit
+    either, return (None, None). Mutates loads/toks (lists)."""
     cp = len(loads)
     ranks = range(cp)
     assign = {}
@@ -138,8 +143,10 @@ def _lpt(items, whole_cost, lengths, loads, toks, token_cap, cut_cost, cut_tok):
             if loads[r] < best_load and toks[r] + d <= token_cap:
                 best, best_load = r, loads[r]
         if best < 0:
-            cut_extra.append(i)
             row, trow = cut_cost[i], cut_tok[i]
+            if any(toks[r] + trow[r] > token_cap for r in ranks):
+                return None, None  # neither whole nor cut fits: this k is infeasible
+            cut_extra.append(i)
             for r in ranks:
                 loads[r] += row[r]
                 toks[r] += trow[r]
@@ -199,7 +206,10 @@ def hybrid_assign(whole_cost: np.ndarray, cut_cost: np.ndarray, lengths: np.ndar
     followed by a few single-document moves off the most-loaded rank. The window starts
     just below k0 = the number of documents whose whole cost exceeds the mean rank load
     (such a document alone would make its rank the slowest) and stops after `patience`
-    values of k that do not improve the best makespan. O(n log n + window * n * cp).
+    values of k that do not improve the best makespan. A k whose documents cannot all be
+    placed within `token_cap` is skipped; if none fits, every document is cut, which is
+    per_doc (ranks within one token of T / cp, so any cap >= ceil(T / cp) holds).
+    O(n log n + window * n * cp).
     """
     whole_cost = np.asarray(whole_cost, dtype=np.float64)
     cut_cost = np.asarray(cut_cost, dtype=np.float64)
@@ -220,12 +230,19 @@ def hybrid_assign(whole_cost: np.ndarray, cut_cost: np.ndarray, lengths: np.ndar
     best = None
     stale, evaluated = 0, 0
     for k in range(max(0, k0 - 1), n + 1):
-        loads = cum_load[k].tolist()
-        toks = cum_tok[k].tolist()
-        assign, cut_extra = _lpt(order_l[k:], wc, ln, loads, toks, token_cap, cc, ct)
-        assign = _improve(assign, wc, ln, loads, toks, token_cap)
         evaluated += 1
-        makespan = max(loads)
+        toks = cum_tok[k].tolist()
+        assign = None
+        if max(toks) <= token_cap:  # else the cut documents' remainders alone break the bound
+            loads = cum_load[k].tolist()
+            assign, cut_extra = _lpt(order_l[k:], wc, ln, loads, toks, token_cap, cc, ct)
+        if assign is None:
+            makespan = math.inf  # infeasible k
+        else:
+            assign = _improve(assign, wc, ln, loads, toks, token_cap)
+            makespan = max(loads)
+        if best is None and assign is None:
+            continue
         if best is None or makespan < best[0] * (1 - 1e-12):
             best = (makespan, k, assign, cut_extra)
             stale = 0
@@ -233,6 +250,9 @@ def hybrid_assign(whole_cost: np.ndarray, cut_cost: np.ndarray, lengths: np.ndar
             stale += 1
             if stale >= patience:
                 break
+    if best is None:  # every document cut is per_doc, within one token of an even split
+        return HybridResult(np.ones(n, dtype=bool), np.full(n, -1, dtype=np.int64),
+                            float(cum_load[n].max()), evaluated)
     makespan, k, assign, cut_extra = best
     cut = np.zeros(n, dtype=bool)
     cut[order[:k]] = True
