@@ -336,3 +336,24 @@ def test_checker_catches_broken_shards():
     swapped.positions[0] = swapped.positions[0][::-1].copy()
     with pytest.raises(AssertionError):
         check_shard(swapped, lengths, 2)
+
+
+def test_cut_or_whole_bound_holds_and_bench_smoke(tmp_path):
+    from wlb_opt.shard import cut_or_whole_lower_bound
+
+    rng = np.random.default_rng(11)
+    for cp in (2, 4):
+        cost = analytic(cp)
+        lengths = np.maximum(1, np.round(rng.lognormal(np.log(900), 1.3, 50))).astype(np.int64)
+        bound = cut_or_whole_lower_bound(lengths, cp, cost)
+        assert bound <= wlb.solve_shard(lengths, cp, "hybrid", cost).max_load * (1 + 1e-12)
+        assert bound <= wlb.solve_shard(lengths, cp, "per_doc", cost).max_load * (1 + 1e-12)
+    from wlb_opt.cli import main
+
+    assert main(["bench", "shard", "--steps", "1", "--cps", "2", "--repeats", "2", "--cpsat-instances", "0",
+                 "--no-progress", "--out", str(tmp_path)]) == 0
+    import json
+
+    out = json.loads((tmp_path / "shard.json").read_text())
+    assert {r["strategy"] for r in out["summary"]} == {"per_seq", "per_doc", "adaptive", "hybrid"}
+    assert "placeholder" in out["note"]

@@ -218,3 +218,16 @@ def per_doc_sizes(lengths, cp: int) -> np.ndarray:
     """[n, 2*CP] per-document chunk sizes under DESIGN.md's round-robin remainder rule."""
     lengths, cp, _ = _validate(lengths, cp, "per_doc", None)
     return per_doc_chunk_sizes(lengths, cp)
+
+
+def cut_or_whole_lower_bound(lengths, cp: int, cost: CostModel | None = None) -> float:
+    """A lower bound (seconds) on the max-rank load of every cut-or-whole plan (hybrid, cpsat).
+
+    Each document costs at least min(whole cost, sum over ranks of its cut cost) in total, and
+    the slowest rank carries at least the mean: sum_i min(...) / cp + mb_const.
+    """
+    lengths, cp, _ = _validate(lengths, cp, "hybrid", None)
+    costs = ShardCosts(cost if cost is not None else default_cost(), cp)
+    chunks = merge_chunks(lengths, *per_doc_chunks(lengths, cp))
+    whole_cost, cut_cost, _ = _decision_costs(lengths, cp, costs, chunks)
+    return float(np.minimum(whole_cost, cut_cost.sum(axis=1)).sum() / cp + costs.mb_const)
