@@ -194,7 +194,8 @@ def _deal_by_simulation(plan: PackPlan, shards, cfg: Config, cost: CostModel) ->
 
 
 # ---------------------------------------------------------------------- evaluation
-def _summarise(cfg: Config, method: str, results, extra: dict | None = None, steady: int | None = None) -> dict:
+def _summarise(cfg: Config, method: str, results, extra: dict | None = None, steady: int | None = None,
+               plans=None) -> dict:
     """Throughput over every step (drain steps included); imbalances and bubbles over the first
     `steady` steps: the end-of-data drain of a short benchmark stream (a step or two emptying
     the outlier queues, paid once per training run) would otherwise dominate the means."""
@@ -208,6 +209,8 @@ def _summarise(cfg: Config, method: str, results, extra: dict | None = None, ste
                imbalance_pp=float(np.mean([r.imbalance_pp for r in results])),
                imbalance_cp=float(np.mean([r.imbalance_cp for r in results])),
                bubble_fraction=float(np.mean([np.mean([p.bubble_fraction for p in r.pipelines]) for r in results])))
+    if plans is not None:  # the packer's own view: max / mean of plan.loads (CP assumed even)
+        row["imbalance_pp_plan"] = float(np.mean([p.imbalance for p in plans[: len(results)]]))
     row.update(extra or {})
     return row
 
@@ -260,7 +263,8 @@ def run_config(cfg: Config, batches, hardware: str = "h100", methods=METHODS, se
                              extras="order search" + (", dp refinement" if cfg.dp > 1 else ""))
         else:
             raise ValueError(f"unknown e2e method {method!r}; valid: {METHODS}")
-        rows.append(_summarise(cfg, method, results, extra, steady=len(batches)))
+        rows.append(_summarise(cfg, method, results, extra, steady=len(batches),
+                               plans=None if method == "best" else plans))
         detail[method] = (plans, results)
         if tick:
             tick()
@@ -293,7 +297,7 @@ def breakdown(steps: int, dist: str, seed: int, lengths=None, hardware: str = "h
     wlb_plans, _ = _wlb_plans(batches, cfg, cost, seed, calibration_sample(cfg, dist, seed, lengths))
     cases = {"plain": (plain, "per_seq"), "per_doc_cp": (plain, "per_doc"), "adaptive_cp": (plain, "adaptive"),
              "pp_packing": (wlb_plans, "per_seq"), "all": (wlb_plans, "adaptive")}
-    rows = [_summarise(cfg, name, _simulate(plans, cfg, cost, (s,)), steady=len(batches))
+    rows = [_summarise(cfg, name, _simulate(plans, cfg, cost, (s,)), steady=len(batches), plans=plans)
             for name, (plans, s) in cases.items()]
     for r in rows:
         r["speedup_vs_plain"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
