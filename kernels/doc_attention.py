@@ -9,10 +9,10 @@ graph break; ``torch.library.opcheck`` checks the registration in the tests.
 
 ``backend="torch"`` runs reference.py's per-segment path instead (plain torch autograd).
 """
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: torch.library infers the custom ops' schemas
+# from real annotation objects (string annotations need a newer torch to be understood).
 import math
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import torch
 
@@ -59,7 +59,7 @@ def _(q, k, v, segments, softmax_scale):
 
 @torch.library.custom_op("wlb_opt::doc_attention_bwd", mutates_args=())
 def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            lse: torch.Tensor, dlse: torch.Tensor | None, segments: torch.Tensor,
+            lse: torch.Tensor, dlse: Optional[torch.Tensor], segments: torch.Tensor,
             softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the split Triton backward; ``dlse`` is the gradient of lse, or None."""
     dout_, q_, k_, v_, out_ = _interpreter_upcast(dout, q, k, v, out)

@@ -191,28 +191,32 @@ def _dkdv_block(
     stride_qt, stride_qh, stride_dot, stride_doh, n_q, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Add one block of query rows [r, r + BLOCK_M) of one query head to dK, dV of a key tile."""
+    """Add one block of query rows [r, r + BLOCK_M) of one query head to dK, dV of a key tile.
+
+    Works on transposed scores ([BLOCK_N keys, BLOCK_M rows], as the Triton tutorial does), so
+    every product has the key tile as its M side and no register tensor is transposed.
+    """
     rows = r + tl.arange(0, BLOCK_M)
     row_ok = rows < q_end
-    r64 = rows.to(tl.int64)[:, None]
+    r64 = rows.to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + r64 * stride_qt + head * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + r64 * stride_dot + head * stride_doh + dims[None, :], mask=row_ok[:, None], other=0.0)
+    q_t = tl.load(Q + r64[None, :] * stride_qt + head * stride_qh + dims[:, None], mask=row_ok[None, :], other=0.0)
+    do = tl.load(DO + r64[:, None] * stride_dot + head * stride_doh + dims[None, :], mask=row_ok[:, None], other=0.0)
     lse_ptrs = head.to(tl.int64) * n_q + rows
     lse2 = tl.load(LSE + lse_ptrs, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + lse_ptrs, mask=row_ok, other=0.0)
-    p = tl.exp2(_scores(q, k_tile, qk_scale, PRECISION) - lse2[:, None])
+    p_t = tl.exp2(tl.dot(k_tile, q_t, input_precision=PRECISION) * qk_scale - lse2[None, :])
     if MASKED:
         visible = (
-            (cols[None, :] >= k_start) & (cols[None, :] < k_stop)
-            & (cols[None, :] <= rows[:, None] + off) & row_ok[:, None]
+            (cols[:, None] >= k_start) & (cols[:, None] < k_stop)
+            & (cols[:, None] <= rows[None, :] + off) & row_ok[None, :]
         )
-        p = tl.where(visible, p, 0.0)
+        p_t = tl.where(visible, p_t, 0.0)
     # Unmasked blocks: rows past q_end load q = dO = delta = 0, so they add exactly zero.
-    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-    dp = tl.dot(do, tl.trans(v_tile), input_precision=PRECISION)
-    ds = p * (dp - delta[:, None])
-    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+    dp_t = tl.dot(v_tile, tl.trans(do), input_precision=PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)
     return dk, dv
 
 
