@@ -91,10 +91,13 @@ class _Methods:
         self.dout = torch.randn_like(q)
         self.doc_attention, self.backend = doc_attention, backend
         group = q.shape[1] // k.shape[1]
-        # SDPA: [1, H, L, D] views per document; K/V expanded once, outside the timing.
-        self.k_exp = k.detach().repeat_interleave(group, dim=1).requires_grad_()
-        self.v_exp = v.detach().repeat_interleave(group, dim=1).requires_grad_()
-        self.bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+        # SDPA: one [1, H, L, D] leaf per document (K/V expanded for GQA), built outside the
+        # timing, so that neither slicing nor gradient accumulation is charged to it.
+        bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+        per_doc = lambda t, g: [t.detach()[a:b].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)  # noqa: E731
+                                .contiguous().requires_grad_() for a, b in zip(bounds[:-1], bounds[1:])]
+        self.sdpa_q, self.sdpa_k, self.sdpa_v = per_doc(q, 1), per_doc(k, group), per_doc(v, group)
+        self.sdpa_dout = [t.detach() for t in per_doc(self.dout, 1)]
         self.flex = None
         if use_flex:
             self.flex = _flex_setup(q, k, v, lengths)
@@ -109,16 +112,11 @@ class _Methods:
         import torch
         import torch.nn.functional as F
 
-        outs = []
-        for a, b in zip(self.bounds[:-1], self.bounds[1:]):
-            qd = self.q[a:b].transpose(0, 1).unsqueeze(0)
-            kd = self.k_exp[a:b].transpose(0, 1).unsqueeze(0)
-            vd = self.v_exp[a:b].transpose(0, 1).unsqueeze(0)
-            outs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)[0].transpose(0, 1))
-        out = torch.cat(outs)
+        outs = [F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+                for qd, kd, vd in zip(self.sdpa_q, self.sdpa_k, self.sdpa_v)]
         if backward:
-            out.backward(self.dout)
-        return out
+            torch.autograd.backward(outs, self.sdpa_dout)
+        return outs
 
     def flex_run(self, backward: bool):
         fn, qf, kf, vf, block_mask = self.flex
@@ -128,7 +126,7 @@ class _Methods:
         return out
 
     def zero_grads(self):
-        for t in (self.q, self.k, self.v, self.k_exp, self.v_exp):
+        for t in [self.q, self.k, self.v] + self.sdpa_q + self.sdpa_k + self.sdpa_v:
             t.grad = None
         if self.flex is not None:
             for t in self.flex[1:4]:
@@ -152,7 +150,10 @@ def _flex_setup(q, k, v, lengths):
         return (doc_id[q_idx] == doc_id[kv_idx]) & (q_idx >= kv_idx)
 
     n = q.shape[0]
-    block_mask = create_block_mask(document_causal, None, None, n, n, device=q.device)
+    try:  # _compile=True builds the block mask without materialising the dense n x n mask
+        block_mask = create_block_mask(document_causal, None, None, n, n, device=q.device, _compile=True)
+    except TypeError:
+        block_mask = create_block_mask(document_causal, None, None, n, n, device=q.device)
     qf, kf, vf = (t.detach().transpose(0, 1).unsqueeze(0).contiguous().requires_grad_() for t in (q, k, v))
     return _FLEX_FN, qf, kf, vf, block_mask
 
