@@ -60,7 +60,12 @@ def pack_tokens(plan, j: int, doc_tokens: Callable[[int], torch.Tensor]) -> torc
 
 
 class StageOutputs:
-    """Per-step record of what a rank ran: (phase, micro-batch, seconds) per operation."""
+    """Per-step record of what a rank ran: (phase, micro-batch, seconds) per operation.
+
+    Seconds count compute only (from after the receive of the op's input to the end of the
+    op, its send included), so they are the per-operation durations `simulate_pipeline`
+    takes; time spent waiting for a neighbour stage is bubble, which the simulator predicts.
+    """
 
     def __init__(self) -> None:
         self.ops: list[tuple[str, int, float]] = []
@@ -118,7 +123,6 @@ def train_step(model: torch.nn.Module, plan, shards: list, doc_tokens: Callable[
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for phase, k, _ in stage_order(pp_rank, pp, len(mbs)):
         j = mbs[k]
-        t0 = time.perf_counter()
         if phase == "F":
             idx, tok, pos, lab = local(j)
             if first:
@@ -128,6 +132,7 @@ def train_step(model: torch.nn.Module, plan, shards: list, doc_tokens: Callable[
                 if len(idx):
                     dist.recv(x, src=mesh.prev_stage_rank)
                 x.requires_grad_()
+            t0 = time.perf_counter()  # compute time only: waiting for the previous stage is bubble
 
             def attend(q, k_, v, shard=shards[j]):
                 return context_parallel_attention(q, k_, v, shard, group=mesh.cp_group if mesh else None,
@@ -145,11 +150,13 @@ def train_step(model: torch.nn.Module, plan, shards: list, doc_tokens: Callable[
         else:
             out, x = outputs.pop(j), inputs.pop(j)
             if last:
+                t0 = time.perf_counter()
                 out.backward()
             else:
                 grad = torch.zeros_like(out)
                 if out.shape[0]:
                     dist.recv(grad, src=mesh.next_stage_rank)
+                t0 = time.perf_counter()
                 torch.autograd.backward(out, grad)
             if not first and x.shape[0]:
                 sends.append(dist.isend(x.grad.contiguous(), dst=mesh.prev_stage_rank))

@@ -1,0 +1,147 @@
+"""`wlb-opt bench validate-sim`: the simulator against a real pipeline run.
+
+Spawns `--pp` gloo processes on this machine, each holding one stage of a small Llama-style
+model, and runs real training steps of packed micro-batches through the executor's
+variable-length 1F1B pipeline (`wlb_opt.executor.train_step`). Every rank records the compute
+time of each of its forward and backward operations (`StageOutputs`). Rank 0 then feeds those
+per-operation times to `simulate_pipeline(schedule="1f1b")` and compares the predicted step
+time and per-stage busy time with the measured ones (`simulate.compare_to_measured`).
+
+This checks the simulator's schedule and dependency model (bubbles, warm-up, 1F1B order) on
+real execution, independently of the cost model. On a shared CPU the processes also compete
+for cores, which the simulator does not model; the report says how far apart they are.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, args: dict, out_file: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import wlb_opt as wlb
+    import wlb_opt.executor as ex
+
+    from .data import global_batches
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        mesh = ex.make_mesh(cp=1, dp=1, pp=world)
+        torch.manual_seed(0)
+        model = ex.TinyLM(vocab=512, dim=args["dim"], layers=args["layers"], heads=8, kv_heads=4,
+                          ffn=2 * args["dim"])
+        stage = ex.split_stages(model, world)[mesh.pp_rank]
+        window, n_micro = args["window"], args["n_micro"]
+        spec = wlb.ModelSpec(hidden=args["dim"], layers=args["layers"], heads=8, kv_heads=4, ffn=2 * args["dim"],
+                             vocab=512)
+        cost = wlb.CostModel.analytic(spec, wlb.ParallelSpec(pp=world), wlb.HardwareSpec.preset("cpu"))
+        scale = 131072 // window
+        records = []
+        for step, (lengths, ids, offsets) in enumerate(global_batches("default", 131072, n_micro * 131072,
+                                                                      args["steps"] + 1, seed=args["seed"])):
+            small = np.maximum(1, lengths // scale)
+            max_tokens = window if args["method"] == "original" else int(1.25 * window)
+            small = np.minimum(small, max_tokens)
+            plan = wlb.solve_pack(small, n_micro, max_tokens, cost, args["method"], ids=np.arange(len(small)))
+            shards = [wlb.solve_shard(plan.lengths[mb], 1, "per_seq", cost) if len(mb) else None
+                      for mb in plan.micro_batches]
+
+            def doc_tokens(i: int, small=small) -> torch.Tensor:
+                g = torch.Generator().manual_seed(i)
+                return torch.randint(0, 512, (int(small[i]),), generator=g)
+
+            rec = ex.StageOutputs()
+            dist.barrier()
+            t0 = time.perf_counter()
+            ex.train_step(stage, plan, shards, doc_tokens, mesh=mesh, backend="torch", record=rec,
+                          check_plan=False)
+            wall = time.perf_counter() - t0
+            stage.zero_grad(set_to_none=True)
+            if step == 0:
+                continue  # warm-up
+            records.append(dict(step=step, wall=wall, ops=rec.ops,
+                                micro_batches=[j for j in range(len(plan.micro_batches))
+                                               if len(plan.micro_batches[j])],
+                                tokens=plan.tokens.tolist()))
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, records)
+        if rank == 0:
+            Path(out_file).write_text(json.dumps(gathered))
+    finally:
+        dist.destroy_process_group()
+
+
+def analyse(gathered: list, pp: int) -> list[dict]:
+    """Per step: simulated step time from measured op durations vs the measured wall time."""
+    from ..simulate import compare_to_measured, simulate_pipeline
+
+    rows = []
+    for s in range(len(gathered[0])):
+        mbs = gathered[0][s]["micro_batches"]
+        col = {j: c for c, j in enumerate(mbs)}
+        fwd = np.zeros((pp, len(mbs)))
+        bwd = np.zeros((pp, len(mbs)))
+        for stage in range(pp):
+            for phase, j, secs in gathered[stage][s]["ops"]:
+                (fwd if phase == "F" else bwd)[stage, col[j]] = secs
+        sim = simulate_pipeline(fwd, bwd, schedule="1f1b")
+        measured = max(gathered[stage][s]["wall"] for stage in range(pp))
+        busy = fwd.sum(axis=1) + bwd.sum(axis=1)
+        err = compare_to_measured(sim, measured, busy)
+        rows.append(dict(step=gathered[0][s]["step"], measured_s=measured, simulated_s=sim.step_time_s,
+                         rel_error=err["step_rel_error"], bubble_fraction=sim.bubble_fraction,
+                         tokens=gathered[0][s]["tokens"]))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="wlb-opt bench validate-sim", description=__doc__.splitlines()[0])
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages = processes (default 2)")
+    p.add_argument("--n-micro", type=int, default=4)
+    p.add_argument("--window", type=int, default=2048, help="tokens per micro-batch (default 2048)")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--method", default="original", help="packing method (default original: unequal micro-batches)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/validate_sim")
+    args = p.parse_args(argv)
+    if args.layers < args.pp:
+        print(f"--layers ({args.layers}) must be >= --pp ({args.pp})")
+        return 2
+    import torch.multiprocessing as mp
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = out / "validate_sim_raw.json"
+    cfg = dict(dim=args.dim, layers=args.layers, window=args.window, n_micro=args.n_micro, steps=args.steps,
+               method=args.method, seed=args.seed)
+    mp.spawn(_worker, args=(args.pp, _free_port(), cfg, str(raw)), nprocs=args.pp, join=True)
+    rows = analyse(json.loads(raw.read_text()), args.pp)
+    print(f"pp={args.pp}, {args.n_micro} micro-batches of <= {args.window} tokens ({args.method}), "
+          f"dim {args.dim}, {args.layers} layers, gloo on this machine")
+    print(f"{'step':>4} {'measured s':>10} {'simulated s':>11} {'error':>7} {'bubble':>7}  tokens per micro-batch")
+    for r in rows:
+        print(f"{r['step']:>4} {r['measured_s']:>10.3f} {r['simulated_s']:>11.3f} {r['rel_error']:>+7.1%} "
+              f"{r['bubble_fraction']:>7.1%}  {r['tokens']}")
+    errs = np.array([r["rel_error"] for r in rows])
+    print(f"median |error| {np.median(np.abs(errs)):.1%}")
+    (out / "validate_sim.json").write_text(json.dumps(dict(config=cfg, pp=args.pp, rows=rows), indent=2))
+    print(f"wrote {out / 'validate_sim.json'}")
+    return 0
