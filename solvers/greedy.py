@@ -65,27 +65,32 @@ def _group(order: np.ndarray, placed_bin: np.ndarray, n_bins: int) -> PackResult
 
 
 def fixed_greedy(problem: PackProblem) -> PackResult:
-    """Longest-processing-time on cost, with a token cap: heaviest first to the least-loaded
-    bin that has room; items that fit nowhere are deferred."""
-    n = problem.n_bins
-    cap = problem.max_tokens
-    order = placement_order(problem, problem.weights)
-    loads = np.zeros(n)
-    toks = np.zeros(n, dtype=np.int64)
-    members: list[list[int]] = [[] for _ in range(n)]
-    deferred: list[int] = []
-    for i in order.tolist():
-        d = problem.lengths[i]
-        room = toks + d <= cap
-        if not room.any():
-            deferred.append(i)
-            continue
-        b = int(np.argmin(np.where(room, loads, np.inf)))
-        loads[b] += problem.weights[i]
-        toks[b] += d
-        members[b].append(i)
-    return PackResult(bins=[np.asarray(m, dtype=np.int64) for m in members],
-                      deferred=np.asarray(deferred, dtype=np.int64))
+    """Longest-processing-time on cost, with a token cap: carried items first, then heaviest
+    first, each to the least-loaded bin that has room; items that fit nowhere are deferred.
+
+    A heap of (load, bin) gives O(n log m): bins without room for the current item are popped,
+    then pushed back. Ties go to the lowest bin index.
+    """
+    n_bins, cap = problem.n_bins, int(problem.max_tokens)
+    lengths = problem.lengths.tolist()
+    weights = problem.weights.tolist()
+    order = placement_order(problem, problem.weights).tolist()
+    toks = [0] * n_bins
+    placed_bin = [-1] * len(order)
+    heap = [(0.0, b) for b in range(n_bins)]
+    for k, i in enumerate(order):
+        d = lengths[i]
+        skipped = []
+        while heap and toks[heap[0][1]] + d > cap:
+            skipped.append(heapq.heappop(heap))
+        if heap:
+            load, b = heap[0]
+            toks[b] += d
+            placed_bin[k] = b
+            heapq.heapreplace(heap, (load + weights[i], b))
+        for item in skipped:
+            heapq.heappush(heap, item)
+    return _group(np.asarray(order, dtype=np.int64), np.asarray(placed_bin, dtype=np.int64), n_bins)
 
 
 def original_sequential(problem: PackProblem) -> PackResult:

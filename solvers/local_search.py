@@ -5,7 +5,7 @@ percent above the lower bound when the last, small documents cannot even out the
 when its fewest-tokens fallback puts a document on a heavy bin. This method keeps the same
 input and output and the same millisecond budget, and adds:
 
-1. a second start, cost-LPT with the token cap (`capped_lpt`, the rule of `greedy.fixed_greedy`),
+1. a second start, cost-LPT with the token cap (`greedy.fixed_greedy`, the Fixed-4D rule),
    and keeps the better of the two, lexicographically (placed tokens, then largest load);
 2. placement of deferred items into bins with room (the least-loaded such bin), heaviest first,
    then a fill pass for tight caps (fixed-length packing): swap a placed item for a longer
@@ -21,11 +21,10 @@ placed (moves keep every item in some bin; the fill pass never swaps a carried i
 """
 from __future__ import annotations
 
-import heapq
 
 import numpy as np
 
-from .greedy import wlb_greedy
+from .greedy import fixed_greedy, wlb_greedy
 from .problem import PackProblem, PackResult
 
 _NEIGHBOURS = 3  # swap partners tried on each side of the ideal weight in a sorted bin
@@ -157,39 +156,6 @@ class _State:
         return float(pair[k]), int(i_idx[k]), int(j_idx[k])
 
 
-def capped_lpt(problem: PackProblem) -> PackResult:
-    """Cost-LPT with the token cap: carried items first, then heaviest first, each to the
-    least-loaded bin that has room, else deferred. The same rule as `greedy.fixed_greedy`,
-    with a heap (bins without room are popped, then pushed back) so it costs O(n log m)."""
-    n_bins, cap = problem.n_bins, int(problem.max_tokens)
-    lengths = problem.lengths.tolist()
-    weights = problem.weights.tolist()
-    k = problem.carried
-    order = list(range(k)) + (k + np.argsort(-problem.weights[k:], kind="stable")).tolist()
-    loads = [0.0] * n_bins
-    toks = [0] * n_bins
-    members: list[list[int]] = [[] for _ in range(n_bins)]
-    deferred = []
-    heap = [(0.0, b) for b in range(n_bins)]
-    for i in order:
-        d = lengths[i]
-        skipped = []
-        while heap and toks[heap[0][1]] + d > cap:
-            skipped.append(heapq.heappop(heap))
-        if heap:
-            load, b = heap[0]
-            loads[b] = load + weights[i]
-            toks[b] += d
-            members[b].append(i)
-            heapq.heapreplace(heap, (loads[b], b))
-        else:
-            deferred.append(i)
-        for item in skipped:
-            heapq.heappush(heap, item)
-    return PackResult(bins=[np.asarray(m, dtype=np.int64) for m in members],
-                      deferred=np.asarray(sorted(deferred), dtype=np.int64))
-
-
 def improve(problem: PackProblem, bins, deferred, max_iter: int | None = None) -> PackResult:
     """Local search from a given solution; returns a solution at least as good."""
     st = _State(problem, bins, deferred)
@@ -233,7 +199,7 @@ def wlb_local_search(problem: PackProblem) -> PackResult:
 
     Options (PackProblem.options): `max_iter` (descent steps, default 20 * bins + 200).
     """
-    starts = [("wlb", wlb_greedy(problem)), ("lpt", capped_lpt(problem))]
+    starts = [("wlb", wlb_greedy(problem)), ("lpt", fixed_greedy(problem))]
     name, best = min(starts, key=lambda s: _key(problem, s[1].bins, s[1].deferred))
     max_iter = problem.options.get("max_iter")
     if max_iter is not None and (isinstance(max_iter, bool) or not isinstance(max_iter, (int, np.integer))
