@@ -111,7 +111,7 @@ class PackPlan:
     def placed_ids(self) -> np.ndarray:
         if not self.micro_batches:
             return np.empty(0, np.int64)
-        return self.doc_ids[np.concatenate(self.micro_batches)] if self.micro_batches else np.empty(0, np.int64)
+        return self.doc_ids[np.concatenate(self.micro_batches)]
 
     # ------------------------------------------------------------- serialisation
     def to_dict(self) -> dict:
