@@ -137,10 +137,10 @@ def calibration_sample(cfg: Config, dist: str, seed: int, lengths=None, batches:
 def _wlb_plans(batches, cfg: Config, cost: CostModel, seed: int, sample=None) -> tuple[list[PackPlan], dict]:
     from ..packer import WLBPacker
 
-    packer = WLBPacker(cfg.pp, int(1.25 * cfg.context), cost, dp=cfg.dp, thresholds="auto", n_queues=2,
-                       max_delay=8, seed=seed)
+    packer = WLBPacker(cfg.pp, int(1.25 * cfg.context), cost, dp=cfg.dp, thresholds="auto", n_queues=3,
+                       max_delay=8, seed=seed, release="balance", delay_budget=0.75)
     if sample is not None:
-        packer.calibrate(sample, tokens_per_batch=cfg.dp * cfg.pp * cfg.context, n_batches=16)
+        packer.calibrate(sample, tokens_per_batch=cfg.dp * cfg.pp * cfg.context, n_batches=32)
     plans = [packer.pack(lengths, ids, offsets=offsets) for lengths, ids, offsets in batches]
     stats = packer.stats()  # before the drain: the steady stream's delay
     plans += packer.drain()

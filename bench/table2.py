@@ -13,9 +13,12 @@ batches (N x window tokens each, `bench.data.global_batches`) feeds every row:
 - WLB 1/2/3 queues:    `WLBPacker`, paper-faithful (max_delay=None), hand thresholds evenly
                        spaced above half the window: [W/2], [W/2, 3W/4], [W/2, 2W/3, 5W/6]
                        (the paper's §2 split: documents under half the window are the bulk).
+- WLB 2 queues, balance: the 2-queue hand thresholds, max_delay=None, release="balance"
+                       (outliers the step can balance leave early; beyond the paper).
 - WLB calibrated:      `WLBPacker.calibrate` (2 queues) on a held-out sample of 16 global
-                       batches (another seed), max_delay=8.
-- WLB auto:            thresholds="auto" (calibrated on the first global batch), max_delay=8.
+                       batches (another seed), max_delay=8, release="balance".
+- WLB auto:            thresholds="auto" (calibrated on the first global batch), max_delay=8,
+                       release="balance".
 
 Imbalance of a step = max / mean of the modelled forward time of its N micro-batches
 (`cost.micro_batch_cost(..., phase="fwd")`, the paper's Max x N / Total); the table shows the
@@ -79,8 +82,9 @@ def pooled_rows(batches, cost, bins_per_step: int, window: int, method: str, k: 
 
 
 def wlb_row(batches, cost, n_micro: int, dp: int, max_tokens: int, thresholds, max_delay, seed: int,
-            show: bool, label: str, calibration_sample=None) -> dict:
-    packer = WLBPacker(n_micro, max_tokens, cost, dp=dp, thresholds=thresholds, max_delay=max_delay, seed=seed)
+            show: bool, label: str, calibration_sample=None, release: str = "paper") -> dict:
+    packer = WLBPacker(n_micro, max_tokens, cost, dp=dp, thresholds=thresholds, max_delay=max_delay, seed=seed,
+                       release=release)
     calib_s = None
     if calibration_sample is not None:
         t0 = time.perf_counter()
@@ -102,7 +106,7 @@ def wlb_row(batches, cost, n_micro: int, dp: int, max_tokens: int, thresholds, m
                 ms_per_batch=1e3 * float(np.median(times)), delay_per_token=s["delay_per_token"],
                 delay_mean_per_doc=s["delay_mean_per_doc"], delay_max=s["delay_max"],
                 delayed_token_share=s["delayed_token_share"], late_pieces=s["late_pieces"],
-                thresholds=packer.thresholds, max_delay=max_delay, calibration_s=calib_s,
+                thresholds=packer.thresholds, max_delay=max_delay, release=release, calibration_s=calib_s,
                 drain_steps=s["steps"] - streamed["steps"])
 
 
@@ -229,15 +233,19 @@ def main(argv: list[str] | None = None) -> int:
     for nq, th in hand.items():
         name = f"WLB {nq} queue" + ("s" if nq > 1 else "")
         rows.append(dict(row=name, **wlb_row(batches, cost, N, dp, max_tokens, th, None, args.seed, show, name)))
+    name = "WLB 2 queues, balance"  # the paper's 2-queue thresholds [W/2, 3W/4], release="balance"
+    rows.append(dict(row=name, **wlb_row(batches, cost, N, dp, max_tokens, hand[2], None, args.seed, show, name,
+                                         release="balance")))
     rows.append(dict(row="WLB calibrated", **wlb_row(batches, cost, N, dp, max_tokens, "auto", args.max_delay,
-                                                     args.seed, show, "WLB calibrated", calibration_sample=sample)))
+                                                     args.seed, show, "WLB calibrated", calibration_sample=sample,
+                                                     release="balance")))
     rows.append(dict(row="WLB auto", **wlb_row(batches, cost, N, dp, max_tokens, "auto", args.max_delay,
-                                               args.seed, show, "WLB auto")))
+                                               args.seed, show, "WLB auto", release="balance")))
     print_table(rows)
     for r in rows:
         if r["row"].startswith("WLB") and not r.get("pending"):
             print(f"  {r['row']}: thresholds {r['thresholds']}, max_delay {r['max_delay']}, delay per doc "
-                  f"{r['delay_mean_per_doc']:.3f}, max {r['delay_max']}, delayed tokens {r['delayed_token_share']:.1%}"
+                  f"{r['delay_mean_per_doc']:.3f}, max {r['delay_max']}, release {r['release']}, delayed tokens {r['delayed_token_share']:.1%}"
                   + (f", calibration {r['calibration_s']:.2f} s" if r.get("calibration_s") else ""))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

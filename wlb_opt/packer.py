@@ -14,13 +14,21 @@ open is settled here:
   are placed before anything else, longest first. No document waits in a queue more than K
   steps; it is placed more than K steps late only if the due documents of a step exceed its
   capacity (`stats()["late_pieces"]`). With `max_delay=None` the packer is paper-faithful.
+- `release="balance"` (beyond the paper, opt-in): after the paper's releases, a step also
+  takes held outliers early (FIFO heads of a queue, a whole queue, or a queue topped up to
+  one outlier per micro-batch from the nearest levels) whenever the packed step's predicted
+  imbalance stays within max(`balance_tolerance`, its imbalance without them) and no more
+  tokens are deferred. An outlier that the step's short documents can balance then waits
+  for nothing. `release="paper"` (default) keeps the paper's rule.
 - overload: documents that do not fit are carried to the next step; once the carry exceeds
   `max_backlog_tokens` (default two steps' capacity) `pack` raises a ValueError and leaves
   the state as it was before the call.
 - `drain()`: at the end of the data, emits plans until queues and carry are empty.
-- `calibrate(sample)`: chooses the thresholds by running this packer on a bootstrap stream
-  resampled from the sample (the paper chose them by hand, offline); `thresholds="auto"`
-  calibrates on the first global batch.
+- `calibrate(sample)`: chooses the thresholds by running this packer (same release policy)
+  on a bootstrap stream resampled from the sample (the paper chose them by hand, offline);
+  candidates come from the cost model (fractions of a micro-batch's fair share) and from
+  the data (quantiles of the sample's outlier lengths); `thresholds="auto"` calibrates on
+  the first global batch.
 - DP refinement: the dp x n_micro micro-batches are dealt to replicas by the modelled 1F1B
   time of each replica, not by the sum of loads. The model is a closed form (no simulator):
   with pp equal stages, a replica whose micro-batches cost c_j (forward + backward, all
@@ -51,12 +59,14 @@ from .docs import validate_ids, validate_lengths
 from .pack import get_method, solve_pack
 from .plan import PackPlan, imbalance
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+RELEASE_POLICIES = ("paper", "balance")
 _CONFIG_FIELDS = ("n_micro", "max_tokens", "dp", "n_queues", "max_delay", "seed", "max_backlog_tokens", "pp",
-                  "method", "cost_fingerprint")
+                  "method", "release", "balance_tolerance", "cost_fingerprint")
 # Calibration: candidate thresholds are the lengths whose modelled cost is these fractions of a
 # micro-batch's fair share of a global batch (cost-based, so they follow the model and layout).
 _CALIBRATION_FRACTIONS = (0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+_CALIBRATION_QUANTILES = (0.25, 0.5, 0.75)
 
 
 # ------------------------------------------------------------------ DP refinement (1F1B closed form)
@@ -166,12 +176,17 @@ class WLBPacker:
         delay_budget: calibration's limit on delay per token, in steps (default 0.5, paper §3.2).
         method: the `solve_pack` method that packs each step: "wlb" (Algorithm 1, default)
             or any deterministic heuristic that honours `carried` (e.g. "wlb_ls").
+        release: "paper" (default: a queue leaves only when full, or at max_delay) or
+            "balance" (beyond the paper: also take held outliers, FIFO heads, into a step
+            whenever the step's predicted imbalance stays within `balance_tolerance`).
+        balance_tolerance: the predicted max / mean load a "balance" step may reach by
+            taking outliers early (>= 1.0; default 1.02). `calibrate` may choose it.
     """
 
     def __init__(self, n_micro: int, max_tokens: int, cost: CostModel | None = None, dp: int = 1,
                  thresholds="auto", n_queues: int | None = None, max_delay: int | None = 8, seed: int = 0,
                  *, max_backlog_tokens: int | None = None, pp: int | None = None, delay_budget: float = 0.5,
-                 method: str = "wlb"):
+                 method: str = "wlb", release: str = "paper", balance_tolerance: float = 1.02):
         self.n_micro = _check_int("n_micro", n_micro, 1)
         self.max_tokens = _check_int("max_tokens", max_tokens, 1)
         self.dp = _check_int("dp", dp, 1)
@@ -195,6 +210,14 @@ class WLBPacker:
             raise ValueError(f"method must be a solve_pack method name, got {method!r}")
         get_method(method)  # ValueError naming the valid methods
         self.method = method
+        if release not in RELEASE_POLICIES:
+            raise ValueError(f"release must be one of {RELEASE_POLICIES}, got {release!r}")
+        self.release = release
+        if not (isinstance(balance_tolerance, (int, float)) and not isinstance(balance_tolerance, bool)
+                and math.isfinite(balance_tolerance) and balance_tolerance >= 1.0):
+            raise ValueError(f"balance_tolerance must be a finite imbalance >= 1.0 (max / mean), "
+                             f"got {balance_tolerance!r}")
+        self.balance_tolerance = float(balance_tolerance)
         if isinstance(thresholds, str):
             if thresholds != "auto":
                 raise ValueError(f"thresholds must be 'auto' or an increasing list of positive lengths, got {thresholds!r}")
@@ -235,7 +258,8 @@ class WLBPacker:
     def _config(self) -> dict:
         return dict(n_micro=self.n_micro, max_tokens=self.max_tokens, dp=self.dp, n_queues=self.n_queues,
                     max_delay=self.max_delay, seed=self.seed, max_backlog_tokens=self.max_backlog_tokens,
-                    pp=self.pp, method=self.method, cost_fingerprint=self._fingerprint)
+                    pp=self.pp, method=self.method, release=self.release,
+                    balance_tolerance=self.balance_tolerance, cost_fingerprint=self._fingerprint)
 
     def queued_ids(self) -> np.ndarray:
         """Ids of the pieces held in outlier queues (neither placed nor deferred), queue by
@@ -325,6 +349,23 @@ class WLBPacker:
             rest = [e for e in released if (e[0], e[1]) not in due_keys] + fresh
         else:
             first, rest = list(carry), released + fresh
+        pending, plan, p_arr = self._solve(first, rest)
+        n_early = 0
+        if self.release == "balance" and not release_all and any(queues):
+            pending, plan, p_arr, early = self._release_early(first, rest, queues, pending, plan, p_arr)
+            released.extend(early)
+            n_early = len(early)
+        if self.dp > 1:
+            plan.replica_of = deal_by_1f1b(plan.loads, self.dp, self.n_micro, self.pp)
+        plan.step = step
+        plan.info.extra.update(arrival_step=p_arr.tolist(), released=len(released), released_early=n_early,
+                               carried_in=len(carry), thresholds=list(self.thresholds),
+                               queue_wait_max=max((step - e[3] for e in released), default=0))
+        new_carry = [pending[i] for i in plan.deferred.tolist()]
+        return plan, new_carry, len(released)
+
+    def _solve(self, first: list, rest: list):
+        """Pack `first` (placed first) then `rest`; returns (pending, plan, arrival steps)."""
         pending = first + rest
         if pending:
             arr = np.array(pending, dtype=np.int64)
@@ -333,14 +374,70 @@ class WLBPacker:
             p_ids = p_off = p_len = p_arr = np.zeros(0, dtype=np.int64)
         plan = solve_pack(p_len, self.n_micro, self.max_tokens, self.cost, self.method, ids=p_ids, offsets=p_off,
                           dp=self.dp, carried=len(first), seed=self.seed)
-        if self.dp > 1:
-            plan.replica_of = deal_by_1f1b(plan.loads, self.dp, self.n_micro, self.pp)
-        plan.step = step
-        plan.info.extra.update(arrival_step=p_arr.tolist(), released=len(released), carried_in=len(carry),
-                               thresholds=list(self.thresholds),
-                               queue_wait_max=max((step - e[3] for e in released), default=0))
-        new_carry = [pending[i] for i in plan.deferred.tolist()]
-        return plan, new_carry, len(released)
+        return pending, plan, p_arr
+
+    @staticmethod
+    def _deferred_tokens(plan: PackPlan) -> int:
+        return int(plan.lengths[plan.deferred].sum()) if len(plan.deferred) else 0
+
+    def _early_candidates(self, queues: list[deque]) -> list[list[tuple[int, int]]]:
+        """FIFO-respecting groups of held outliers a step may take early, as [(queue, count)]:
+        the head of each queue, each whole queue, and each queue topped up to one outlier per
+        micro-batch with the heads of the nearest levels (the most alike documents held)."""
+        need = self.dp * self.n_micro
+        out: list[list[tuple[int, int]]] = []
+        for qi, q in enumerate(queues):
+            if not q:
+                continue
+            out.append([(qi, 1)])
+            if 1 < len(q) <= need:
+                out.append([(qi, len(q))])
+            if len(q) < need:
+                group, room = [(qi, len(q))], need - len(q)
+                for k in sorted(range(len(queues)), key=lambda k: (abs(k - qi), k)):
+                    if k != qi and queues[k] and room:
+                        take = min(room, len(queues[k]))
+                        group.append((k, take))
+                        room -= take
+                if len(group) > 1:
+                    out.append(group)
+        seen, uniq = set(), []
+        for g in out:
+            key = tuple(sorted(g))
+            if key not in seen:
+                seen.add(key)
+                uniq.append(g)
+        return uniq
+
+    def _release_early(self, first, rest, queues, pending, plan, p_arr):
+        """release="balance": take held outliers (queue heads, FIFO) into this step while the
+        step's predicted imbalance (max / mean of the packed loads) stays within
+        max(balance_tolerance, the imbalance without them) and nothing more is deferred.
+        Among admissible groups the one with the lowest imbalance wins (ties: more tokens,
+        lower queue). Repeats until no group is admissible."""
+        early: list[list[int]] = []
+        base_def = self._deferred_tokens(plan)
+        for _ in range(self.dp * self.n_micro + len(queues)):
+            limit = max(self.balance_tolerance, plan.imbalance) + 1e-12
+            best = None
+            for group in self._early_candidates(queues):
+                entries = [queues[qi][j] for qi, k in group for j in range(k)]
+                t_pending, t_plan, t_arr = self._solve(first, rest + early + entries)
+                tokens = sum(e[2] for e in entries)
+                if t_plan.imbalance > limit or self._deferred_tokens(t_plan) > base_def:
+                    continue
+                key = (t_plan.imbalance, -tokens, sorted(group))
+                if best is None or key < best[0]:
+                    best = (key, group, entries, t_pending, t_plan, t_arr)
+            if best is None:
+                break
+            _, group, entries, pending, plan, p_arr = best
+            base_def = self._deferred_tokens(plan)
+            for qi, k in group:
+                for _ in range(k):
+                    queues[qi].popleft()
+            early.extend(entries)
+        return pending, plan, p_arr, early
 
     def _commit(self, plan: PackPlan, queues, carry) -> None:
         self._queues, self._carry = queues, carry
@@ -437,19 +534,34 @@ class WLBPacker:
 
     # ------------------------------------------------------------------ calibration
     def candidate_thresholds(self, sample, tokens_per_batch: int) -> list[int]:
-        """Lengths whose modelled cost is a fraction (_CALIBRATION_FRACTIONS) of one
-        micro-batch's fair share of a global batch of `tokens_per_batch` sample tokens."""
+        """Candidate thresholds, from the cost model and from the data:
+
+        - lengths whose modelled cost is a fraction (_CALIBRATION_FRACTIONS) of one
+          micro-batch's fair share of a global batch of `tokens_per_batch` sample tokens;
+        - quantiles (_CALIBRATION_QUANTILES) of the sample's outlier lengths (pieces costing
+          at least the smallest fraction), so that levels split the outliers actually seen.
+
+        Candidates within 5% of a shorter one are merged (the shorter is kept)."""
         sample = np.asarray(sample, dtype=np.int64)
         per_token = float(self.cost.doc_cost(sample).sum() / sample.sum())
         fair = tokens_per_batch * per_token / (self.dp * self.n_micro)
         grid = np.arange(1, self.max_tokens + 1, dtype=np.int64)
         cum = self.cost.doc_cost(grid)
-        out = []
+        raw = []
         for f in _CALIBRATION_FRACTIONS:
             k = int(np.searchsorted(cum, f * fair))
             if k < self.max_tokens:
-                out.append(int(grid[k]))
-        return sorted(set(out))
+                raw.append(int(grid[k]))
+        if raw:
+            outliers = np.sort(sample[sample >= raw[0]])
+            if len(outliers) >= 2:
+                for q in _CALIBRATION_QUANTILES:
+                    raw.append(int(outliers[min(len(outliers) - 1, int(q * len(outliers)))]))
+        out: list[int] = []
+        for v in sorted(set(raw)):
+            if not out or v > 1.05 * out[-1]:
+                out.append(v)
+        return out
 
     def calibrate(self, sample_lengths, tokens_per_batch: int | None = None, n_batches: int = 32) -> list[int]:
         """Choose n_queues thresholds by running this packer on a bootstrap stream.
@@ -491,7 +603,7 @@ class WLBPacker:
         for cand in combinations(grid, n_q):
             trial = WLBPacker(self.n_micro, self.max_tokens, self.cost, self.dp, list(cand), max_delay=self.max_delay,
                               seed=self.seed, max_backlog_tokens=self.max_backlog_tokens, pp=self.pp,
-                              method=self.method)
+                              method=self.method, release=self.release, balance_tolerance=self.balance_tolerance)
             try:
                 imbs = [trial.pack(b).imbalance for b in batches]
             except ValueError:
