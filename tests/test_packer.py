@@ -50,15 +50,16 @@ def check_plan(plan, max_tokens):
 
 @settings(max_examples=12)
 @given(seed=st.integers(0, 2**31), n_micro=st.integers(1, 4), dp=st.integers(1, 2),
-       max_delay=st.sampled_from([None, 1, 3]), n_queues=st.integers(0, 3))
-def test_long_stream_places_every_id_exactly_once(seed, n_micro, dp, max_delay, n_queues):
+       max_delay=st.sampled_from([None, 1, 3]), n_queues=st.integers(0, 3),
+       release=st.sampled_from(["paper", "balance"]))
+def test_long_stream_places_every_id_exactly_once(seed, n_micro, dp, max_delay, n_queues, release):
     rng = np.random.default_rng(seed)
     cap = 100
     thresholds = [34, 60, 85][:n_queues]
     # ~ 0.8 of capacity per step on average, so the backlog stays bounded
     batches = stream(rng, 200, mean_docs=int(0.8 * dp * n_micro * cap / 25) + 1, cap=cap)
     packer = wlb.WLBPacker(n_micro, cap, COST, dp=dp, thresholds=thresholds, max_delay=max_delay,
-                           max_backlog_tokens=10**9)
+                           max_backlog_tokens=10**9, release=release)
     plans, tail = run(packer, batches)
     for plan in plans + tail:
         check_plan(plan, cap)
@@ -171,11 +172,13 @@ def test_drain_empties_everything_in_few_plans():
 
 
 @settings(max_examples=6)
-@given(seed=st.integers(0, 2**31), cut=st.integers(0, 59), max_delay=st.sampled_from([None, 2]))
-def test_checkpoint_at_any_step_resumes_to_identical_plans(seed, cut, max_delay):
+@given(seed=st.integers(0, 2**31), cut=st.integers(0, 59), max_delay=st.sampled_from([None, 2]),
+       release=st.sampled_from(["paper", "balance"]))
+def test_checkpoint_at_any_step_resumes_to_identical_plans(seed, cut, max_delay, release):
     rng = np.random.default_rng(seed)
     batches = stream(rng, 60, cap=100)
-    kw = dict(thresholds="auto", n_queues=2, max_delay=max_delay, seed=3, max_backlog_tokens=10**9, dp=2)
+    kw = dict(thresholds="auto", n_queues=2, max_delay=max_delay, seed=3, max_backlog_tokens=10**9, dp=2,
+              release=release)
     ref = wlb.WLBPacker(2, 100, COST, **kw)
     ref_plans, ref_tail = run(ref, batches)
     first = wlb.WLBPacker(2, 100, COST, **kw)
@@ -263,6 +266,8 @@ def test_auto_ids_and_piece_offsets():
     (dict(max_delay=0), "max_delay"),
     (dict(n_micro=0), "n_micro"),
     (dict(delay_budget=-1), "delay_budget"),
+    (dict(release="eager"), "release"),
+    (dict(balance_tolerance=0.9), "balance_tolerance"),
 ])
 def test_bad_configuration(kwargs, match):
     args = dict(n_micro=2, max_tokens=100, cost=COST)
@@ -322,3 +327,52 @@ def test_table2_bench_runs_small(tmp_path, capsys):
     assert names[:2] == ["original", "fixed greedy k=1"] and "WLB 2 queues" in names and "WLB auto" in names
     assert all(r.get("pending") or r["imbalance"] >= 1.0 for r in data["rows"])
     assert "paper imb" in capsys.readouterr().out
+
+
+def test_balance_release_takes_an_outlier_the_step_can_balance():
+    # attention-only cost (length^2): a 52-token outlier costs 2704.
+    cost = unit_cost(attn=1.0, linear=0.0)
+    paper = wlb.WLBPacker(4, 400, cost, thresholds=[50], max_delay=None)
+    bal = wlb.WLBPacker(4, 400, cost, thresholds=[50], max_delay=None, release="balance", balance_tolerance=1.05)
+    for p in (paper, bal):  # 80 x 5 tokens (2000 in all) cannot balance it: it waits in both
+        p.pack([52] + [5] * 80, list(range(81)))
+        assert p.queued_ids().tolist() == [0]
+    # 81 x 10 tokens (8100) fill the other three micro-batches to 2700: now it can go
+    plan = bal.pack([10] * 81, list(range(100, 181)))
+    assert bal.queued_ids().tolist() == [] and 0 in plan.placed_ids().tolist()
+    assert plan.info.extra["released_early"] == 1 and plan.imbalance <= 1.05
+    wlb.check_pack(plan, plan.lengths, 400, ids=plan.doc_ids, offsets=plan.offsets, cost=cost)
+    paper.pack([10] * 81, list(range(100, 181)))
+    assert paper.queued_ids().tolist() == [0]  # paper: waits for 3 more outliers
+
+
+def test_balance_release_keeps_fifo_within_a_queue():
+    cost = unit_cost(attn=1.0, linear=0.0)
+    packer = wlb.WLBPacker(2, 300, cost, thresholds=[50], max_delay=None, release="balance", balance_tolerance=1.5)
+    order = []
+    next_id = 0
+    for step in range(20):
+        lengths = [60 + step % 3, 5, 5] if step % 2 == 0 else [5] * (2 + 30 * (step % 4 == 1))
+        ids = list(range(next_id, next_id + len(lengths)))
+        next_id += len(lengths)
+        before = packer.queued_ids().tolist() + [i for i, n in zip(ids, lengths) if n >= 50]
+        packer.pack(lengths, ids)
+        after = packer.queued_ids().tolist()
+        assert before[len(before) - len(after):] == after  # released ones are always the oldest
+        order += before[:len(before) - len(after)]
+    assert order == sorted(order)
+
+
+def test_calibration_candidates_come_from_cost_and_data():
+    rng = np.random.default_rng(0)
+    sample = np.concatenate([rng.integers(1, 10, 400), rng.integers(40, 100, 40)])
+    packer = wlb.WLBPacker(4, 100, unit_cost(attn=1e-3, linear=1e-3), thresholds="auto", n_queues=2,
+                           release="balance")
+    grid = packer.candidate_thresholds(sample, 320)
+    assert grid == sorted(grid) and all(b > 1.05 * a for a, b in zip(grid, grid[1:]))
+    outliers = np.sort(sample[sample >= grid[0]])
+    assert int(outliers[len(outliers) // 2]) in grid or any(abs(g - outliers[len(outliers) // 2]) <= 0.05 * g
+                                                           for g in grid)
+    chosen = packer.calibrate(sample, n_batches=8)
+    assert len(chosen) == 2 and set(chosen) <= set(grid)
+    assert packer.state_dict()["config"]["release"] == "balance"

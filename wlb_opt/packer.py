@@ -359,7 +359,7 @@ class WLBPacker:
             plan.replica_of = deal_by_1f1b(plan.loads, self.dp, self.n_micro, self.pp)
         plan.step = step
         plan.info.extra.update(arrival_step=p_arr.tolist(), released=len(released), released_early=n_early,
-                               carried_in=len(carry), thresholds=list(self.thresholds),
+                               carried_in=len(carry), thresholds=list(self.thresholds or []),
                                queue_wait_max=max((step - e[3] for e in released), default=0))
         new_carry = [pending[i] for i in plan.deferred.tolist()]
         return plan, new_carry, len(released)
@@ -475,8 +475,8 @@ class WLBPacker:
         """
         t0 = time.perf_counter()
         lengths, ids, offsets = self._validate_batch(lengths, ids, offsets)
-        if self._auto and self.thresholds is None:
-            self.calibrate(lengths)
+        if self._auto and self.thresholds is None and len(lengths):
+            self.calibrate(lengths)  # on the first non-empty global batch
         step = self._step
         entries = [list(e) for e in zip(ids.tolist(), offsets.tolist(), lengths.tolist(), [step] * len(lengths))]
         queues = [deque(q) for q in self._queues]
@@ -574,7 +574,7 @@ class WLBPacker:
         delay), else the least delay. Resets the stream; call before the first `pack`.
         Returns the thresholds (also recorded in `state_dict()`).
         """
-        if self._step:
+        if self._step and (self._acc["pieces"] or self._held or self.thresholds is not None):
             raise ValueError(f"calibrate must be called before the first step; this packer is at step {self._step}")
         sample = validate_lengths(sample_lengths, "sample_lengths")
         if not len(sample):
