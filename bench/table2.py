@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rows.append(dict(row=name, **pooled_rows(ex, cost, bins, W, "cpsat", k, show, allow_defer=True,
                                                   time_limit=args.exact_time_limit, seed=args.seed)))
+    # Algorithm 1 on each global batch alone (solve_pack "wlb", variable length, no outlier queue)
+    rows.append(dict(row="WLB no queue", **pooled_rows(batches, cost, bins, max_tokens, "wlb", 1, show)))
     hand = {1: [W // 2], 2: [W // 2, 3 * W // 4], 3: [W // 2, 2 * W // 3, 5 * W // 6]}
     for nq, th in hand.items():
         name = f"WLB {nq} queue" + ("s" if nq > 1 else "")
