@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                                                args.seed, show, "WLB auto", release="balance")))
     print_table(rows)
     for r in rows:
-        if r["row"].startswith("WLB") and not r.get("pending"):
+        if "thresholds" in r:
             print(f"  {r['row']}: thresholds {r['thresholds']}, max_delay {r['max_delay']}, delay per doc "
                   f"{r['delay_mean_per_doc']:.3f}, max {r['delay_max']}, release {r['release']}, delayed tokens {r['delayed_token_share']:.1%}"
                   + (f", calibration {r['calibration_s']:.2f} s" if r.get("calibration_s") else ""))
