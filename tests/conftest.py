@@ -23,6 +23,13 @@ try:
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
         derandomize=True,
     )
+    # HYPOTHESIS_PROFILE=stress runs many more examples (derandomize off) for a local soak.
+    settings.register_profile(
+        "stress",
+        deadline=None,
+        max_examples=400,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 except ImportError:  # pragma: no cover
     pass
