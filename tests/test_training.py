@@ -90,6 +90,10 @@ def _worker(rank, world, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
+        # plan on rank 0 only (as with an exact solver), broadcast, and check every rank agrees
+        mine = make_plan(dp=1)[0] if rank == 0 else None
+        got = ex.broadcast_plan(mine, src=0)
+        assert ex.check_same_plan(got) == make_plan(dp=1)[0].digest()
         for cp, pp, dp in LAYOUTS[world]:
             mesh = ex.make_mesh(cp=cp, dp=dp, pp=pp)
             plan, cost = make_plan(dp)

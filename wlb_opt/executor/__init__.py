@@ -3,7 +3,8 @@
 - `context_parallel_attention`: CP attention over a ShardPlan (all-gather K/V, one
   document-masked attention call, reduce-scatter of dK/dV in rank-major order).
 - `gather_packed`: the differentiable rank-major all-gather + order restore it uses.
-- `check_same_plan`: ranks compare `plan.digest()` before executing a step.
+- `check_same_plan`: ranks compare `plan.digest()` before executing a step;
+  `broadcast_plan`: plan on one rank (e.g. an exact solver) and send the plan to the others.
 - `make_mesh`, `train_step`: CP x PP x DP groups and one training step of a PackPlan (1F1B
   variable-length pipeline, CP attention, DP gradient sums) with the loss normalised over the
   whole global batch; `TinyLM` and `split_stages`, a small model for tests and examples.
@@ -19,9 +20,10 @@ require("torch", "wlb_opt.executor")
 from .cp_attention import context_parallel_attention, gather_packed, packed_order_index  # noqa: E402
 from .mesh import Mesh, make_mesh  # noqa: E402
 from .model import Stage, TinyLM, split_stages  # noqa: E402
-from .plumbing import check_same_plan, local_inputs  # noqa: E402
+from .plumbing import broadcast_plan, check_same_plan, local_inputs  # noqa: E402
 from .train import StageOutputs, pack_tokens, packed_labels, packed_positions, target_tokens, train_step  # noqa: E402
 
-__all__ = ["Mesh", "Stage", "StageOutputs", "TinyLM", "split_stages", "check_same_plan", "context_parallel_attention", "gather_packed", "local_inputs",
-           "make_mesh", "pack_tokens", "packed_labels", "packed_order_index", "packed_positions", "target_tokens",
+__all__ = ["Mesh", "Stage", "StageOutputs", "TinyLM", "broadcast_plan", "check_same_plan",
+           "context_parallel_attention", "gather_packed", "local_inputs", "make_mesh", "pack_tokens",
+           "packed_labels", "packed_order_index", "packed_positions", "split_stages", "target_tokens",
            "train_step"]

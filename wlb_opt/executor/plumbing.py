@@ -23,6 +23,25 @@ def check_same_plan(plan, group=None) -> str:
     return digest
 
 
+def broadcast_plan(plan, src: int = 0, group=None):
+    """Plan on one rank, execute everywhere: rank `src` sends its PackPlan (or ShardPlan) to
+    every rank of `group`, which returns an equal plan (same digest). For planners that are
+    not deterministic across processes, e.g. an exact solver with a wall-clock limit."""
+    if not dist.is_available() or not dist.is_initialized():
+        return plan
+    payload = [plan.to_dict() if dist.get_rank() == src else None]
+    dist.broadcast_object_list(payload, src=src, group=group)
+    if dist.get_rank() == src:
+        return plan
+    return type(plan).from_dict(payload[0]) if plan is not None else _from_dict(payload[0])
+
+
+def _from_dict(d: dict):
+    from ..plan import PackPlan, ShardPlan
+
+    return ShardPlan.from_dict(d) if "chunks" in d else PackPlan.from_dict(d)
+
+
 def local_inputs(tokens: torch.Tensor, shard, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids, RoPE positions) of CP rank `rank` for one packed micro-batch.
 
