@@ -224,6 +224,9 @@ def solve(problem: PackProblem) -> PackResult:
     elif assign is not None:
         sol, status = assign, "feasible (start; no better plan found in time)"
     else:
+        if prob.status == pulp.LpStatusInfeasible:
+            raise ValueError(f"milp ({backend}) proved that no plan places every document in {m} micro-batches "
+                             f"of max_tokens={p.max_tokens} (infeasible); pass allow_defer=True to defer some")
         raise ValueError(f"milp ({backend}) found no plan that places every document within "
                          f"time_limit={p.time_limit} s; raise time_limit or pass allow_defer=True")
     bins, deferred = assignment_to_bins(sol, m)

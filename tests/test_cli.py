@@ -61,3 +61,11 @@ def test_pack_speed_benchmark_runs(tmp_path, capsys):
     rows = json.loads((tmp_path / "pack_speed.json").read_text())
     assert {r["method"] for r in rows} == {"wlb", "original", "fixed"}
     assert all(r["median_ms"] > 0 for r in rows)
+
+
+def test_pack_command_reports_bad_options_without_a_traceback(tmp_path, capsys):
+    assert main(["pack", "--lengths", str(tmp_path / "missing.txt"), "--method", "wlb"]) == 2
+    assert main(["pack", "--dist", "default", "--model", "13b"]) == 2
+    assert main(["pack", "--dist", "default", "--max-tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("wlb-opt pack: error:") == 3

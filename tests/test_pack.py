@@ -180,3 +180,24 @@ def test_load_lengths(tmp_path):
         wlb.load_lengths(tmp_path / "e.txt")
     with pytest.raises(ValueError, match="does not exist"):
         wlb.load_lengths(tmp_path / "missing.npy")
+
+
+def test_review_fixes_bad_input(tmp_path):
+    cost = unit_cost()
+    with pytest.raises(ValueError, match="offsets"):
+        wlb.solve_pack([5, 6], 2, 100, cost, offsets=[-3, 0])
+    with pytest.raises(ValueError, match="no option"):
+        wlb.solve_pack([5, 6], 2, 100, cost, "wlb", allow_defer=True)
+    assert wlb.solve_pack([5, 6], 2, 100, cost, time_limit=np.float32(1.0)).n_micro == 2
+    plan = wlb.solve_pack([5], 1, 100, cost, ids=[0])
+    with pytest.raises(PlanError, match="overlapping"):
+        wlb.check_pack(plan, [5, 5], 100, ids=[0, 0])
+    (tmp_path / "bad.jsonl").write_text('{"length": 3}\n{oops\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        wlb.load_lengths(tmp_path / "bad.jsonl")
+    (tmp_path / "num.jsonl").write_text("7\n")
+    with pytest.raises(ValueError, match="JSON object"):
+        wlb.load_lengths(tmp_path / "num.jsonl")
+    (tmp_path / "big.txt").write_text("1e30\n")
+    with pytest.raises(ValueError, match="2\\*\\*62"):
+        wlb.load_lengths(tmp_path / "big.txt")

@@ -376,3 +376,42 @@ def test_calibration_candidates_come_from_cost_and_data():
     chosen = packer.calibrate(sample, n_batches=8)
     assert len(chosen) == 2 and set(chosen) <= set(grid)
     assert packer.state_dict()["config"]["release"] == "balance"
+
+
+def test_review_fixes_original_rejected_and_overload_leaves_state_unchanged():
+    import json
+
+    import pytest
+
+    import wlb_opt as wlb
+
+    with pytest.raises(ValueError, match="original"):
+        wlb.WLBPacker(n_micro=1, max_tokens=10, thresholds=[], max_delay=None, method="original")
+    p = wlb.WLBPacker(n_micro=2, max_tokens=1000, max_backlog_tokens=0)  # thresholds="auto"
+    before = json.dumps(p.state_dict(), sort_keys=True)
+    with pytest.raises(ValueError, match="overload"):
+        p.pack([200] * 30)
+    assert json.dumps(p.state_dict(), sort_keys=True) == before
+
+
+def test_dp_dealing_balances_replicas_at_larger_dp():
+    import numpy as np
+
+    from wlb_opt.packer import deal_by_1f1b, one_f_one_b_time
+
+    rng = np.random.default_rng(3)
+    loads = rng.gamma(1.0, 1.0, 16 * 4)
+    replica_of = deal_by_1f1b(loads, dp=16, n_micro=4, pp=4)
+    assert np.bincount(replica_of).tolist() == [4] * 16
+    times = [one_f_one_b_time(loads[replica_of == r], 4) for r in range(16)]
+    naive = [one_f_one_b_time(loads[r * 4:(r + 1) * 4], 4) for r in range(16)]
+    assert max(times) <= max(naive)
+    # no single swap between two replicas lowers the largest replica time (local optimum)
+    worst = int(np.argmax(times))
+    for other in range(16):
+        for a in np.flatnonzero(replica_of == worst):
+            for b in np.flatnonzero(replica_of == other):
+                r2 = replica_of.copy()
+                r2[a], r2[b] = other, worst
+                t2 = [one_f_one_b_time(loads[r2 == r], 4) for r in (worst, other)]
+                assert max(t2) >= max(times) - 1e-9 or max(t2) >= max(t for r, t in enumerate(times) if r not in (worst, other)) - 1e-9

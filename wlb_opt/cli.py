@@ -75,13 +75,14 @@ def _pack(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_cost_args(p)
     args = p.parse_args(argv)
-    cost = cost_from_args(args)
-    max_tokens = args.max_tokens or int(1.25 * args.window)
-    if args.lengths:
-        lengths, ids, offsets = split_documents(load_lengths(args.lengths, field=args.field), args.window)
-    else:
-        lengths, ids, offsets = global_batch(args.dist, args.window, args.dp * args.n_micro * args.window, seed=args.seed)
     try:
+        cost = cost_from_args(args)
+        max_tokens = int(1.25 * args.window) if args.max_tokens is None else args.max_tokens
+        if args.lengths:
+            lengths, ids, offsets = split_documents(load_lengths(args.lengths, field=args.field), args.window)
+        else:
+            lengths, ids, offsets = global_batch(args.dist, args.window, args.dp * args.n_micro * args.window,
+                                                 seed=args.seed)
         plan = solve_pack(lengths, args.n_micro, max_tokens, cost, args.method, ids=ids, offsets=offsets,
                           dp=args.dp, time_limit=args.time_limit, seed=args.seed, backend=args.backend)
     except (ValueError, ImportError) as exc:

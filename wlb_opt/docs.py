@@ -73,7 +73,12 @@ def load_lengths(path, field: str = "length") -> np.ndarray:
         for lineno, line in enumerate(path.read_text().splitlines(), 1):
             if not line.strip():
                 continue
-            obj = json.loads(line)
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object with a {field!r} field, got {line.strip()[:40]!r}")
             if field not in obj:
                 raise ValueError(f"{path}:{lineno}: no field {field!r}; fields are {sorted(obj)}")
             value = obj[field]
@@ -85,4 +90,6 @@ def load_lengths(path, field: str = "length") -> np.ndarray:
             arr = np.asarray([float(x) for x in rows])
         except ValueError as exc:
             raise ValueError(f"{path}: expected one integer length per line ({exc})") from None
+    if arr.dtype.kind == "f" and np.any(np.abs(arr[np.isfinite(arr)]) > 2**62):
+        raise ValueError(f"lengths in {path.name} must be token counts below 2**62, got {float(np.nanmax(np.abs(arr)))!r}")
     return validate_lengths(arr, name=f"lengths in {path.name}")

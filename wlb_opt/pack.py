@@ -16,6 +16,7 @@ outlier queues is `WLBPacker` (wlb_opt.packer), re-exported here.
 from __future__ import annotations
 
 import importlib
+import numbers
 import time
 from typing import Callable
 
@@ -36,6 +37,8 @@ PACK_METHODS: dict[str, Callable[[PackProblem], PackResult] | str] = {
     "milp": "wlb_opt.solvers.milp:solve",
     "wlb_ls": "wlb_opt.solvers.local_search:wlb_local_search",
 }
+# Options each heuristic understands (exact methods validate their own option names).
+_OPTIONS: dict[str, set] = {"original": set(), "fixed": set(), "wlb": set(), "wlb_ls": {"max_iter"}}
 # Methods that keep documents whole in fixed-length micro-batches balance tokens too.
 _BALANCE_REPLICAS = {"original": False, "fixed": False}
 
@@ -113,11 +116,19 @@ def solve_pack(
     carried = _check_int("carried", carried, 0)
     if carried > len(lengths):
         raise ValueError(f"carried={carried} is out of range: only {len(lengths)} documents were given")
-    if not (isinstance(time_limit, (int, float)) and time_limit > 0):
+    if isinstance(time_limit, bool) or not (isinstance(time_limit, numbers.Real) and time_limit > 0):
         raise ValueError(f"time_limit must be > 0 seconds, got {time_limit!r}")
     solver = get_method(method)
     ids = validate_ids(ids, len(lengths))
     offsets = np.zeros(len(lengths), np.int64) if offsets is None else validate_ids(offsets, len(lengths), "offsets")
+    if len(offsets) and offsets.min() < 0:
+        i = int(np.argmin(offsets))
+        raise ValueError(f"offsets must be >= 0 (start of each piece inside its document), got {int(offsets[i])} "
+                         f"at position {i}")
+    allowed = _OPTIONS.get(method)
+    if allowed is not None and set(options) - allowed:
+        raise ValueError(f"method {method!r} takes no option(s) {sorted(set(options) - allowed)}; "
+                         f"valid: {sorted(allowed) or 'none'}")
     if len(lengths) and lengths.max() > max_tokens:
         i = int(np.argmax(lengths))
         raise ValueError(

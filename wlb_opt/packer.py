@@ -82,43 +82,82 @@ def one_f_one_b_time(costs, pp: int) -> float:
 def deal_by_1f1b(loads, dp: int, n_micro: int, pp: int, max_passes: int = 50) -> np.ndarray:
     """Give n_micro micro-batches to each of dp replicas, minimising the largest modelled 1F1B
     replica time (then the sum of replica times). Greedy heaviest-first start, then pairwise
-    swaps between replicas until none improves. Deterministic. Returns replica_of."""
+    swaps between replicas until none improves. Deterministic. Returns replica_of.
+
+    A replica's time needs only its sum and its largest load, so a candidate swap is priced
+    in O(1) from each replica's sum and two largest loads, and the largest time among the
+    other replicas from the three largest replica times.
+    """
     loads = np.asarray(loads, dtype=np.float64)
     n = len(loads)
     if dp == 1:
         return np.zeros(n, dtype=np.int64)
+    L = loads.tolist()
+    k = float(pp - 1)
     members: list[list[int]] = [[] for _ in range(dp)]
+    sums = [0.0] * dp
+    tops = [0.0] * dp  # largest load of each replica
 
-    def t(ms: list[int]) -> float:
-        return one_f_one_b_time(loads[ms], pp) if ms else 0.0
+    def time_of(total: float, top: float) -> float:
+        return (total + k * top) / pp
 
     for j in np.argsort(-loads, kind="stable").tolist():
         best, best_key = -1, None
         for r in range(dp):
             if len(members[r]) >= n_micro:
                 continue
-            key = (t(members[r] + [j]), r)
+            key = (time_of(sums[r] + L[j], max(tops[r], L[j])), r)
             if best_key is None or key < best_key:
                 best, best_key = r, key
         members[best].append(j)
-    times = [t(m) for m in members]
+        sums[best] += L[j]
+        tops[best] = max(tops[best], L[j])
+
+    def top_two(ms: list[int]) -> tuple[float, float, int]:
+        """(largest, second largest, position of the largest) of a replica's loads."""
+        first, second, pos = -1.0, -1.0, -1
+        for i, m in enumerate(ms):
+            v = L[m]
+            if v > first:
+                first, second, pos = v, first, i
+            elif v > second:
+                second = v
+        return first, second, pos
+
+    stats = [top_two(ms) for ms in members]
+    times = [time_of(sums[r], stats[r][0]) if members[r] else 0.0 for r in range(dp)]
+
+    def top_after_swap(r: int, i: int, incoming: float) -> float:
+        """Largest load of replica r once its i-th micro-batch is replaced by `incoming`."""
+        first, second, pos = stats[r]
+        rest = second if i == pos else first
+        return max(rest, incoming)
+
     for _ in range(max_passes):
         improved = False
         for ra in range(dp):
             for rb in range(ra + 1, dp):
+                # the other replicas' times do not change while ra and rb swap
+                others = max((times[r] for r in range(dp) if r != ra and r != rb), default=0.0)
+                old_max, old_sum = max(times), sum(times)
                 for ia in range(len(members[ra])):
                     for ib in range(len(members[rb])):
                         a, b = members[ra][ia], members[rb][ib]
-                        if loads[a] == loads[b]:
+                        la, lb = L[a], L[b]
+                        if la == lb:
                             continue
-                        new_a = members[ra][:ia] + [b] + members[ra][ia + 1:]
-                        new_b = members[rb][:ib] + [a] + members[rb][ib + 1:]
-                        ta, tb = t(new_a), t(new_b)
-                        new_times = list(times)
-                        new_times[ra], new_times[rb] = ta, tb
-                        if (max(new_times), sum(new_times)) < (max(times) - 1e-15, sum(times)) or (
-                                max(new_times) <= max(times) and sum(new_times) < sum(times) - 1e-15):
-                            members[ra], members[rb], times = new_a, new_b, new_times
+                        ta = time_of(sums[ra] - la + lb, top_after_swap(ra, ia, lb))
+                        tb = time_of(sums[rb] - lb + la, top_after_swap(rb, ib, la))
+                        new_max = max(others, ta, tb)
+                        new_sum = old_sum - times[ra] - times[rb] + ta + tb
+                        if (new_max, new_sum) < (old_max - 1e-15, old_sum) or (
+                                new_max <= old_max and new_sum < old_sum - 1e-15):
+                            members[ra][ia], members[rb][ib] = b, a
+                            sums[ra] += lb - la
+                            sums[rb] += la - lb
+                            stats[ra], stats[rb] = top_two(members[ra]), top_two(members[rb])
+                            times[ra], times[rb] = ta, tb
+                            old_max, old_sum = max(times), sum(times)
                             improved = True
         if not improved:
             break
@@ -209,6 +248,12 @@ class WLBPacker:
         if not isinstance(method, str):
             raise ValueError(f"method must be a solve_pack method name, got {method!r}")
         get_method(method)  # ValueError naming the valid methods
+        if method == "original":
+            # Plain-4D cuts documents at sequence boundaries; the packer tracks whole pieces
+            # (queues, carry, arrival steps), so it only runs methods that keep pieces whole.
+            raise ValueError("WLBPacker cannot run method='original' (it cuts documents at sequence "
+                             "boundaries); use solve_pack(..., method='original') per global batch, or a "
+                             "method that keeps pieces whole: 'wlb', 'wlb_ls', 'fixed', 'cpsat', 'milp'")
         self.method = method
         if release not in RELEASE_POLICIES:
             raise ValueError(f"release must be one of {RELEASE_POLICIES}, got {release!r}")
@@ -475,7 +520,9 @@ class WLBPacker:
         """
         t0 = time.perf_counter()
         lengths, ids, offsets = self._validate_batch(lengths, ids, offsets)
+        before = None
         if self._auto and self.thresholds is None and len(lengths):
+            before = (self.thresholds, self.n_queues, self._queues, self._calibration)
             self.calibrate(lengths)  # on the first non-empty global batch
         step = self._step
         entries = [list(e) for e in zip(ids.tolist(), offsets.tolist(), lengths.tolist(), [step] * len(lengths))]
@@ -483,6 +530,8 @@ class WLBPacker:
         plan, carry, _ = self._plan_step(entries, queues, list(self._carry), step, release_all=False)
         backlog = sum(e[2] for e in carry)
         if backlog > self.max_backlog_tokens:
+            if before is not None:  # leave the state exactly as it was, calibration included
+                self.thresholds, self.n_queues, self._queues, self._calibration = before
             raise ValueError(
                 f"overload at step {step}: {backlog} tokens would be carried, more than max_backlog_tokens="
                 f"{self.max_backlog_tokens}; the stream brings more tokens per step than {self.dp} x "

@@ -237,6 +237,9 @@ def check_pack(plan: PackPlan, lengths, max_tokens: int, ids=None, offsets=None,
     expected: dict[int, list[tuple[int, int]]] = {}
     for i, o, n in zip(ids.tolist(), offsets.tolist(), lengths.tolist()):
         expected.setdefault(i, []).append((o, o + n))
+    for i, want in expected.items():
+        if _merge(sorted(want)) == [(-1, -1)]:
+            raise PlanError(f"the input itself has overlapping pieces of document {i}: {sorted(want)}")
     got: dict[int, list[tuple[int, int]]] = {}
     for i, o, n in zip(plan.doc_ids.tolist(), plan.offsets.tolist(), plan.lengths.tolist()):
         got.setdefault(i, []).append((o, o + n))
