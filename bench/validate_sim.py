@@ -8,7 +8,12 @@ per-operation times to `simulate_pipeline(schedule="1f1b")` and compares the pre
 time and per-stage busy time with the measured ones (`simulate.compare_to_measured`).
 
 This checks the simulator's schedule and dependency model (bubbles, warm-up, 1F1B order) on
-real execution, independently of the cost model. On a shared CPU the processes also compete
+real execution, independently of the cost model. With `--predict` (the default) it also
+profiles one block of the same model here (`wlb_opt.profile.profile_block`, one thread, like
+each pipeline rank), and predicts every step from the plan alone: per-stage times =
+`cost.micro_batch_cost(lengths, phase) / pp`, then `simulate_pipeline`. That closes the loop
+profile -> cost model -> simulator -> measured step. The profile covers transformer blocks
+only (not the embedding, LM head and loss), and on a shared CPU the processes also compete
 for cores, which the simulator does not model; the report says how far apart they are.
 """
 from __future__ import annotations
@@ -78,6 +83,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out_file: str) -> None
             records.append(dict(step=step, wall=wall, ops=rec.ops,
                                 micro_batches=[j for j in range(len(plan.micro_batches))
                                                if len(plan.micro_batches[j])],
+                                lengths=[plan.lengths[mb].tolist() for mb in plan.micro_batches if len(mb)],
                                 tokens=plan.tokens.tolist()))
         gathered: list = [None] * world
         dist.all_gather_object(gathered, records)
@@ -87,8 +93,9 @@ def _worker(rank: int, world: int, port: int, args: dict, out_file: str) -> None
         dist.destroy_process_group()
 
 
-def analyse(gathered: list, pp: int) -> list[dict]:
-    """Per step: simulated step time from measured op durations vs the measured wall time."""
+def analyse(gathered: list, pp: int, cost=None) -> list[dict]:
+    """Per step: simulated step time from measured op durations vs the measured wall time;
+    with a cost model, also the step predicted from the plan's lengths alone."""
     from ..simulate import compare_to_measured, simulate_pipeline
 
     rows = []
@@ -104,9 +111,16 @@ def analyse(gathered: list, pp: int) -> list[dict]:
         measured = max(gathered[stage][s]["wall"] for stage in range(pp))
         busy = fwd.sum(axis=1) + bwd.sum(axis=1)
         err = compare_to_measured(sim, measured, busy)
-        rows.append(dict(step=gathered[0][s]["step"], measured_s=measured, simulated_s=sim.step_time_s,
-                         rel_error=err["step_rel_error"], bubble_fraction=sim.bubble_fraction,
-                         tokens=gathered[0][s]["tokens"]))
+        row = dict(step=gathered[0][s]["step"], measured_s=measured, simulated_s=sim.step_time_s,
+                   rel_error=err["step_rel_error"], bubble_fraction=sim.bubble_fraction,
+                   tokens=gathered[0][s]["tokens"])
+        if cost is not None:
+            lengths = gathered[0][s]["lengths"]
+            f = np.array([cost.micro_batch_cost(d, "fwd") / pp for d in lengths])
+            b = np.array([cost.micro_batch_cost(d, "bwd") / pp for d in lengths])
+            pred = simulate_pipeline(np.tile(f, (pp, 1)), np.tile(b, (pp, 1)), schedule="1f1b")
+            row.update(predicted_s=pred.step_time_s, predicted_rel_error=pred.step_time_s / measured - 1.0)
+        rows.append(row)
     return rows
 
 
@@ -120,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--method", default="original", help="packing method (default original: unequal micro-batches)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-predict", action="store_true",
+                   help="skip profiling a block here and predicting steps from the cost model")
     p.add_argument("--out", default="results/validate_sim")
     args = p.parse_args(argv)
     if args.layers < args.pp:
@@ -132,16 +148,35 @@ def main(argv: list[str] | None = None) -> int:
     raw = out / "validate_sim_raw.json"
     cfg = dict(dim=args.dim, layers=args.layers, window=args.window, n_micro=args.n_micro, steps=args.steps,
                method=args.method, seed=args.seed)
+    cost = None
+    if not args.no_predict:
+        import torch
+
+        import wlb_opt as wlb
+        from wlb_opt.profile import profile_block
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as each pipeline rank runs
+        spec = wlb.ModelSpec(hidden=args.dim, layers=args.layers, heads=8, kv_heads=4, ffn=2 * args.dim, vocab=512)
+        cost = profile_block(spec, window=args.window, n_samples=8, device="cpu", repeats=2, q_lens=(16, 64, 256),
+                             show_progress=False)
+        torch.set_num_threads(threads)
+        cost.save(out / "cost_profiled.json")
     mp.spawn(_worker, args=(args.pp, _free_port(), cfg, str(raw)), nprocs=args.pp, join=True)
-    rows = analyse(json.loads(raw.read_text()), args.pp)
+    rows = analyse(json.loads(raw.read_text()), args.pp, cost)
     print(f"pp={args.pp}, {args.n_micro} micro-batches of <= {args.window} tokens ({args.method}), "
           f"dim {args.dim}, {args.layers} layers, gloo on this machine")
-    print(f"{'step':>4} {'measured s':>10} {'simulated s':>11} {'error':>7} {'bubble':>7}  tokens per micro-batch")
+    print(f"{'step':>4} {'measured s':>10} {'sim(measured ops) s':>19} {'error':>7} {'bubble':>7} "
+          f"{'predicted s':>11} {'error':>7}  tokens per micro-batch")
     for r in rows:
-        print(f"{r['step']:>4} {r['measured_s']:>10.3f} {r['simulated_s']:>11.3f} {r['rel_error']:>+7.1%} "
-              f"{r['bubble_fraction']:>7.1%}  {r['tokens']}")
+        pred = (f"{r['predicted_s']:>11.3f} {r['predicted_rel_error']:>+7.1%}" if "predicted_s" in r
+                else f"{'-':>11} {'-':>7}")
+        print(f"{r['step']:>4} {r['measured_s']:>10.3f} {r['simulated_s']:>19.3f} {r['rel_error']:>+7.1%} "
+              f"{r['bubble_fraction']:>7.1%} {pred}  {r['tokens']}")
     errs = np.array([r["rel_error"] for r in rows])
-    print(f"median |error| {np.median(np.abs(errs)):.1%}")
+    print(f"median |error|: simulator on measured op times {np.median(np.abs(errs)):.1%}" + (
+        f"; profiled cost model + simulator {np.median(np.abs([r['predicted_rel_error'] for r in rows])):.1%}"
+        if cost is not None else ""))
     (out / "validate_sim.json").write_text(json.dumps(dict(config=cfg, pp=args.pp, rows=rows), indent=2))
     print(f"wrote {out / 'validate_sim.json'}")
     return 0

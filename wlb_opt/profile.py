@@ -130,17 +130,8 @@ def profile_block(model: ModelSpec, window: int = 4096, n_samples: int = 12, dev
     rng = np.random.default_rng(seed)
 
     samples = []
-    mixes = np.linspace(0.0, 1.0, n_samples)
-    for frac in progress(mixes, total=len(mixes), desc="profile micro-batches", enable=show_progress):
-        # a share `frac` of the tokens in one long document, the rest in short ones
-        long_len = max(1, int(frac * window))
-        rest = window - long_len
-        short = []
-        while rest > 0:
-            s = int(min(rest, rng.integers(8, max(9, window // 16))))
-            short.append(s)
-            rest -= s
-        lengths = np.array(([long_len] if frac > 0 else []) + short, dtype=np.int64)
+    for lengths in progress(_sample_mixes(window, n_samples, rng), total=n_samples, desc="profile micro-batches",
+                            enable=show_progress):
         seg = segments_from_lengths(lengths)
         T = int(lengths.sum())
         x = torch.randn(T, model.hidden, device=dev, dtype=dt, requires_grad=True)
@@ -150,9 +141,8 @@ def profile_block(model: ModelSpec, window: int = 4096, n_samples: int = 12, dev
         def attend(q, k, v, seg=seg):
             return doc_attention(q, k, v, seg)
 
-        def fwd():
-            with torch.no_grad():
-                block(x, pos, attend)
+        def fwd():  # with autograd on, as in training (saving activations costs time too)
+            block(x, pos, attend)
 
         def fwd_bwd():
             out = block(x, pos, attend)
@@ -167,6 +157,28 @@ def profile_block(model: ModelSpec, window: int = 4096, n_samples: int = 12, dev
     return fit_cost_model(samples, layers=model.layers, eff_q_len=eff_q, eff_scale=eff_s,
                           attn_flops_per_pair=flops,
                           meta=dict(model=model.to_dict(), device=str(dev), dtype=str(dt), window=window))
+
+
+def _sample_mixes(window: int, n_samples: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Micro-batches of `window` tokens whose document count and causal-pair count vary
+    independently (so the least-squares fit can tell the per-document, per-pair and
+    per-token terms apart): half are k equal documents with k from 1 to window / 8 on a
+    geometric grid, half hold one long document (a share of the window) plus short ones."""
+    n_equal = (n_samples + 1) // 2
+    out = []
+    for k in np.unique(np.geomspace(1, max(1, window // 8), n_equal).astype(int)):
+        d = np.full(k, window // k, dtype=np.int64)
+        d[: window - int(d.sum())] += 1
+        out.append(d)
+    for frac in np.linspace(0.2, 0.9, n_samples - len(out)):
+        long_len = max(1, int(frac * window))
+        rest, short = window - long_len, []
+        while rest > 0:
+            s = int(min(rest, rng.integers(4, max(5, window // 32))))
+            short.append(s)
+            rest -= s
+        out.append(np.array([long_len] + short, dtype=np.int64))
+    return out
 
 
 def _efficiency_table(model: ModelSpec, dev, dt, q_lens, repeats):
