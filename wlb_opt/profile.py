@@ -15,6 +15,7 @@ Two measurements, both with the real kernels (`wlb_opt.kernels.doc_attention`, b
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -153,10 +154,39 @@ def profile_block(model: ModelSpec, window: int = 4096, n_samples: int = 12, dev
         samples.append(Sample(lengths, f, max(fb - f, 1e-9)))
 
     eff_q, eff_s = _efficiency_table(model, dev, dt, q_lens, repeats)
+    head_fwd, head_bwd = _head_seconds_per_token(model, dev, dt, window, repeats)
     flops = 4.0 * model.hidden * model.layers
-    return fit_cost_model(samples, layers=model.layers, eff_q_len=eff_q, eff_scale=eff_s,
+    cost = fit_cost_model(samples, layers=model.layers, eff_q_len=eff_q, eff_scale=eff_s,
                           attn_flops_per_pair=flops,
-                          meta=dict(model=model.to_dict(), device=str(dev), dtype=str(dt), window=window))
+                          meta=dict(model=model.to_dict(), device=str(dev), dtype=str(dt), window=window,
+                                    head_s_per_token=dict(fwd=head_fwd, bwd=head_bwd)))
+    # The embedding, final norm, LM head and loss run once per token (not per layer): add them
+    # to the per-token term so micro_batch_cost covers the whole model, as the analytic one does.
+    coef = {ph: dict(cost.coef[ph]) for ph in ("fwd", "bwd")}
+    coef["fwd"]["linear"] += head_fwd
+    coef["bwd"]["linear"] += head_bwd
+    return dataclasses.replace(cost, coef=coef)
+
+
+def _head_seconds_per_token(model: ModelSpec, dev, dt, window: int, repeats: int) -> tuple[float, float]:
+    """Seconds per token of embedding + final norm + LM head + cross-entropy, fwd and bwd."""
+    torch = require("torch", "profiling")
+    embed = torch.nn.Embedding(model.vocab, model.hidden).to(dev, dt)
+    norm = torch.nn.RMSNorm(model.hidden).to(dev, dt)
+    head = torch.nn.Linear(model.hidden, model.vocab, bias=False).to(dev, dt)
+    tokens = torch.randint(0, model.vocab, (window,), device=dev)
+    labels = torch.randint(0, model.vocab, (window,), device=dev)
+
+    def fwd():
+        x = embed(tokens)
+        return torch.nn.functional.cross_entropy(head(norm(x)).float(), labels)
+
+    def fwd_bwd():
+        fwd().backward()
+
+    f = _time(fwd, dev, repeats)
+    fb = _time(fwd_bwd, dev, repeats)
+    return f / window, max(fb - f, 0.0) / window
 
 
 def _sample_mixes(window: int, n_samples: int, rng: np.random.Generator) -> list[np.ndarray]:
