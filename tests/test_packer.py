@@ -51,7 +51,7 @@ def check_plan(plan, max_tokens):
 @settings(max_examples=12)
 @given(seed=st.integers(0, 2**31), n_micro=st.integers(1, 4), dp=st.integers(1, 2),
        max_delay=st.sampled_from([None, 1, 3]), n_queues=st.integers(0, 3),
-       release=st.sampled_from(["paper", "balance"]))
+       release=st.sampled_from(["paper", "balance", "group"]))
 def test_long_stream_places_every_id_exactly_once(seed, n_micro, dp, max_delay, n_queues, release):
     rng = np.random.default_rng(seed)
     cap = 100
@@ -173,7 +173,7 @@ def test_drain_empties_everything_in_few_plans():
 
 @settings(max_examples=6)
 @given(seed=st.integers(0, 2**31), cut=st.integers(0, 59), max_delay=st.sampled_from([None, 2]),
-       release=st.sampled_from(["paper", "balance"]))
+       release=st.sampled_from(["paper", "balance", "group"]))
 def test_checkpoint_at_any_step_resumes_to_identical_plans(seed, cut, max_delay, release):
     rng = np.random.default_rng(seed)
     batches = stream(rng, 60, cap=100)
@@ -415,3 +415,57 @@ def test_dp_dealing_balances_replicas_at_larger_dp():
                 r2[a], r2[b] = other, worst
                 t2 = [one_f_one_b_time(loads[r2 == r], 4) for r in (worst, other)]
                 assert max(t2) >= max(times) - 1e-9 or max(t2) >= max(t for r, t in enumerate(times) if r not in (worst, other)) - 1e-9
+
+
+def test_group_release_lets_an_outlier_the_step_can_balance_leave_alone_at_arrival():
+    # attention-only cost (length^2): a 52-token outlier costs 2704, 81 x 10 tokens fill the
+    # other three micro-batches to 2700: a fair share, so it leaves alone in its own step.
+    cost = unit_cost(attn=1.0, linear=0.0)
+    paper = wlb.WLBPacker(4, 400, cost, thresholds=[50], max_delay=None)
+    grp = wlb.WLBPacker(4, 400, cost, thresholds=[50], max_delay=None, release="group", balance_tolerance=1.05)
+    plan = grp.pack([52] + [10] * 81, list(range(82)))
+    assert grp.queued_ids().tolist() == [] and 0 in plan.placed_ids().tolist()
+    assert plan.info.extra["released_early"] == 1 and plan.imbalance <= 1.05
+    assert plan.info.extra["arrival_step"][plan.doc_ids.tolist().index(0)] == 0 and plan.step == 0
+    wlb.check_pack(plan, plan.lengths, 400, ids=plan.doc_ids, offsets=plan.offsets, cost=cost)
+    paper.pack([52] + [10] * 81, list(range(82)))
+    assert paper.queued_ids().tolist() == [0]  # paper: waits for 3 more outliers
+    # too few short documents to balance it: it waits in the pool
+    grp.pack([52] + [5] * 20, list(range(100, 121)))
+    assert grp.queued_ids().tolist() == [100]
+
+
+def test_group_release_takes_similar_outliers_across_queue_levels():
+    # 4 outliers, two per level, arriving one per step with little else: none balances alone
+    # or in a pair, so the paper rule (a level needs 4) and the pool both hold them until the
+    # fourth arrives; then the pool sends the 4 similar ones together (one per micro-batch).
+    cost = unit_cost(attn=1.0, linear=0.0)
+    paper = wlb.WLBPacker(4, 200, cost, thresholds=[50, 70], max_delay=None)
+    grp = wlb.WLBPacker(4, 200, cost, thresholds=[50, 70], max_delay=None, release="group", balance_tolerance=1.1)
+    for step, n in enumerate([65, 72, 68, 71]):
+        ids = [100 * step + k for k in range(41)]
+        plan = grp.pack([n] + [2] * 40, ids)
+        paper.pack([n] + [2] * 40, ids)
+        if step < 3:
+            assert 100 * step in grp.queued_ids().tolist()
+    assert grp.queued_ids().tolist() == [] and plan.info.extra["released_early"] == 4
+    assert sorted(len(mb) and int(plan.lengths[mb].max()) for mb in plan.micro_batches) == [65, 68, 71, 72]
+    assert sorted(paper.queued_ids().tolist()) == [0, 100, 200, 300]
+
+
+def test_group_release_is_fifo_among_equal_outliers_and_honours_max_delay():
+    cost = unit_cost(attn=1.0, linear=0.0)
+    packer = wlb.WLBPacker(2, 300, cost, thresholds=[50], max_delay=3, release="group", balance_tolerance=1.3)
+    order, next_id = [], 0
+    for step in range(30):
+        lengths = [60, 5, 5] if step % 2 == 0 else [5] * (2 + 20 * (step % 4 == 1))
+        ids = list(range(next_id, next_id + len(lengths)))
+        next_id += len(lengths)
+        before = packer.queued_ids().tolist() + [i for i, n in zip(ids, lengths) if n >= 50]
+        plan = packer.pack(lengths, ids)
+        after = packer.queued_ids().tolist()
+        assert before[len(before) - len(after):] == after  # equal lengths: the oldest leave first
+        order += before[:len(before) - len(after)]
+        assert plan.info.extra["queue_wait_max"] <= 3
+    assert order == sorted(order) and order
+    assert packer.stats()["queue_wait_max"] <= 3

@@ -20,6 +20,14 @@ open is settled here:
   imbalance stays within max(`balance_tolerance`, its imbalance without them) and no more
   tokens are deferred. An outlier that the step's short documents can balance then waits
   for nothing. `release="paper"` (default) keeps the paper's rule.
+- `release="group"` (beyond the paper, opt-in): all held outliers form one pool (the queues
+  only store them). Each step the pool's pieces at max_delay leave; then, greedily, the step
+  takes groups of 1 to dp x n_micro held outliers adjacent in (length, arrival) order
+  (similar cost; FIFO among equal lengths) while its predicted imbalance stays within
+  max(`balance_tolerance`, its imbalance without them) and the short documents this pushes
+  to the next step are fewer tokens than the group brings. Long outliers then leave in
+  groups of similar ones from any level, a cheap one alone, at the cost of carrying some
+  short documents one step. Tolerance ~1.3 (fwd + bwd loads) suits the default stream.
 - overload: documents that do not fit are carried to the next step; once the carry exceeds
   `max_backlog_tokens` (default two steps' capacity) `pack` raises a ValueError and leaves
   the state as it was before the call.
@@ -60,7 +68,7 @@ from .pack import get_method, solve_pack
 from .plan import PackPlan, imbalance
 
 STATE_VERSION = 2
-RELEASE_POLICIES = ("paper", "balance")
+RELEASE_POLICIES = ("paper", "balance", "group")
 _CONFIG_FIELDS = ("n_micro", "max_tokens", "dp", "n_queues", "max_delay", "seed", "max_backlog_tokens", "pp",
                   "method", "release", "balance_tolerance", "cost_fingerprint")
 # Calibration: candidate thresholds are the lengths whose modelled cost is these fractions of a
@@ -217,8 +225,11 @@ class WLBPacker:
             or any deterministic heuristic that honours `carried` (e.g. "wlb_ls").
         release: "paper" (default: a queue leaves only when full, or at max_delay) or
             "balance" (beyond the paper: also take held outliers, FIFO heads, into a step
-            whenever the step's predicted imbalance stays within `balance_tolerance`).
-        balance_tolerance: the predicted max / mean load a "balance" step may reach by
+            whenever the step's predicted imbalance stays within `balance_tolerance`), or
+            "group" (beyond the paper: one pool of outliers; groups of similar ones, or a
+            single one, leave as soon as the step stays within `balance_tolerance`, even if
+            short documents move to the next step; see the module docstring).
+        balance_tolerance: the predicted max / mean load a "balance" or "group" step may reach by
             taking outliers early (>= 1.0; default 1.02). `calibrate` may choose it.
     """
 
@@ -366,6 +377,8 @@ class WLBPacker:
             q = self._queue_of(e[2])
             (queues[q].append(e) if q >= 0 else fresh.append(e))
         need = self.dp * self.n_micro
+        if self.release == "group" and not release_all:
+            return self._plan_group(fresh, queues, carry, step)
         released: list[list[int]] = []
         for qi, q in enumerate(queues):
             if release_all:
@@ -405,6 +418,76 @@ class WLBPacker:
         plan.step = step
         plan.info.extra.update(arrival_step=p_arr.tolist(), released=len(released), released_early=n_early,
                                carried_in=len(carry), thresholds=list(self.thresholds or []),
+                               queue_wait_max=max((step - e[3] for e in released), default=0))
+        new_carry = [pending[i] for i in plan.deferred.tolist()]
+        return plan, new_carry, len(released)
+
+    def _group_split(self, carry: list, released: list, fresh: list, step: int):
+        """(first, rest) for release="group": due pieces (carried or released) first, longest
+        first, then the other carried pieces; the released outliers and fresh documents after."""
+        if self.max_delay is None:
+            return list(carry), released + fresh
+        due = [e for e in carry + released if step - e[3] >= self.max_delay]
+        due.sort(key=lambda e: -e[2])
+        due_keys = {(e[0], e[1]) for e in due}
+        first = due + [e for e in carry if (e[0], e[1]) not in due_keys]
+        return first, [e for e in released if (e[0], e[1]) not in due_keys] + fresh
+
+    def _plan_group(self, fresh: list, queues: list[deque], carry: list, step: int):
+        """release="group" (beyond the paper, opt-in): all held outliers form one pool. The
+        pool's pieces at max_delay leave; then, greedily, the step takes a group of held
+        outliers adjacent in (length, arrival) order (1 to dp x n_micro of them: a single
+        outlier that short documents can balance, or several of similar cost) whenever the
+        packed step's predicted imbalance stays within max(balance_tolerance, the imbalance
+        without them) and no more tokens are deferred. Among admissible groups the one with
+        the most tokens wins (ties: lower imbalance, then the earliest arrival); repeats until
+        none is admissible. Mutates `queues`; returns (plan, new_carry, released_count)."""
+        need = self.dp * self.n_micro
+        pool = sorted((e for q in queues for e in q), key=lambda e: e[3])  # stable: FIFO among equals
+        if self.max_delay is not None:
+            released = [e for e in pool if step - e[3] >= self.max_delay]
+        else:
+            released = []
+        taken = {(e[0], e[1]) for e in released}
+        n_forced = len(released)
+        first, rest = self._group_split(carry, released, fresh, step)
+        pending, plan, p_arr = self._solve(first, rest)
+        base_def = self._deferred_tokens(plan)
+        while True:
+            remaining = sorted((e for e in pool if (e[0], e[1]) not in taken), key=lambda e: (e[2], e[3]))
+            if not remaining:
+                break
+            limit = max(self.balance_tolerance, plan.imbalance) + 1e-12
+            best = None
+            for k in range(1, min(need, len(remaining)) + 1):
+                for i in range(len(remaining) - k + 1):
+                    group = remaining[i:i + k]
+                    t_first, t_rest = self._group_split(carry, released + group, fresh, step)
+                    t_pending, t_plan, t_arr = self._solve(t_first, t_rest)
+                    tokens = sum(e[2] for e in group)
+                    t_def = self._deferred_tokens(t_plan)
+                    if (t_plan.imbalance > limit or t_def - base_def >= tokens
+                            or t_def > self.max_backlog_tokens // 2):
+                        continue
+                    key = (-tokens, t_plan.imbalance, min(e[3] for e in group), i)
+                    if best is None or key < best[0]:
+                        best = (key, group, t_pending, t_plan, t_arr)
+            if best is None:
+                break
+            _, group, pending, plan, p_arr = best
+            base_def = self._deferred_tokens(plan)
+            released = released + group
+            taken |= {(e[0], e[1]) for e in group}
+        for q in queues:  # keep each queue's FIFO order for what stays
+            kept = [e for e in q if (e[0], e[1]) not in taken]
+            q.clear()
+            q.extend(kept)
+        if self.dp > 1:
+            plan.replica_of = deal_by_1f1b(plan.loads, self.dp, self.n_micro, self.pp)
+        plan.step = step
+        plan.info.extra.update(arrival_step=p_arr.tolist(), released=len(released),
+                               released_early=len(released) - n_forced, carried_in=len(carry),
+                               thresholds=list(self.thresholds or []),
                                queue_wait_max=max((step - e[3] for e in released), default=0))
         new_carry = [pending[i] for i in plan.deferred.tolist()]
         return plan, new_carry, len(released)
