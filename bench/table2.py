@@ -15,6 +15,8 @@ batches (N x window tokens each, `bench.data.global_batches`) feeds every row:
                        (the paper's §2 split: documents under half the window are the bulk).
 - WLB 2 queues, balance: the 2-queue hand thresholds, max_delay=None, release="balance"
                        (outliers the step can balance leave early; beyond the paper).
+- WLB group:           thresholds [W/4, 9W/16] (one pool: only W/4 matters), max_delay=16,
+                       release="group", balance_tolerance=1.3 (chosen on other streams).
 - WLB calibrated:      `WLBPacker.calibrate` (2 queues) on a held-out sample of 16 global
                        batches (another seed), max_delay=8, release="balance".
 - WLB auto:            thresholds="auto" (calibrated on the first global batch), max_delay=8,
@@ -82,9 +84,11 @@ def pooled_rows(batches, cost, bins_per_step: int, window: int, method: str, k: 
 
 
 def wlb_row(batches, cost, n_micro: int, dp: int, max_tokens: int, thresholds, max_delay, seed: int,
-            show: bool, label: str, calibration_sample=None, release: str = "paper") -> dict:
+            show: bool, label: str, calibration_sample=None, release: str = "paper",
+            balance_tolerance: float | None = None) -> dict:
+    extra = {} if balance_tolerance is None else dict(balance_tolerance=balance_tolerance)
     packer = WLBPacker(n_micro, max_tokens, cost, dp=dp, thresholds=thresholds, max_delay=max_delay, seed=seed,
-                       release=release)
+                       release=release, **extra)
     calib_s = None
     if calibration_sample is not None:
         t0 = time.perf_counter()
@@ -238,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     name = "WLB 2 queues, balance"  # the paper's 2-queue thresholds [W/2, 3W/4], release="balance"
     rows.append(dict(row=name, **wlb_row(batches, cost, N, dp, max_tokens, hand[2], None, args.seed, show, name,
                                          release="balance")))
+    # release="group": one outlier pool (outliers from W/4), groups of similar outliers leave
+    # when the step stays within tolerance 1.3 of fwd+bwd load; chosen on streams seed+10..12
+    name = "WLB group"
+    rows.append(dict(row=name, **wlb_row(batches, cost, N, dp, max_tokens, [W // 4, 9 * W // 16], 16, args.seed,
+                                         show, name, release="group", balance_tolerance=1.3)))
     rows.append(dict(row="WLB calibrated", **wlb_row(batches, cost, N, dp, max_tokens, "auto", args.max_delay,
                                                      args.seed, show, "WLB calibrated", calibration_sample=sample,
                                                      release="balance")))
