@@ -69,3 +69,10 @@ def test_pack_command_reports_bad_options_without_a_traceback(tmp_path, capsys):
     assert main(["pack", "--dist", "default", "--max-tokens", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("wlb-opt pack: error:") == 3
+
+
+def test_parity_benchmark_runs(tmp_path, capsys):
+    assert main(["bench", "parity", "--seeds", "0", "--steps", "6", "--no-progress", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "parity.json").read_text())
+    assert set(data["summary"]) == {"paper", "group"}
+    assert all(0 <= v["delay_per_token"] and v["imbalance"] >= 1.0 for v in data["summary"].values())
