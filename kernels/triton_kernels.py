@@ -41,6 +41,14 @@ def _scores(q, k_tile, qk_scale, PRECISION: tl.constexpr):
     return tl.dot(q, tl.trans(k_tile), input_precision=PRECISION) * qk_scale
 
 
+@triton.jit
+def _row6(TABLE, i):
+    """The six int32 fields of row i of a host-built index table (rows of 6)."""
+    base = TABLE + i * 6
+    return (tl.load(base + 0), tl.load(base + 1), tl.load(base + 2), tl.load(base + 3), tl.load(base + 4),
+            tl.load(base + 5))
+
+
 @triton.jit(do_not_specialize=["n_q"])
 def _fwd_kernel(
     Q, K, V, O, LSE, TILES,
@@ -52,12 +60,7 @@ def _fwd_kernel(
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
-    q0 = tl.load(TILES + tile * 6 + 0)
-    q_end = tl.load(TILES + tile * 6 + 1)
-    off = tl.load(TILES + tile * 6 + 2)
-    k_start = tl.load(TILES + tile * 6 + 3)
-    full_end = tl.load(TILES + tile * 6 + 4)
-    k_end = tl.load(TILES + tile * 6 + 5)
+    q0, q_end, off, k_start, full_end, k_end = _row6(TILES, tile)
 
     rows = q0 + tl.arange(0, BLOCK_M)
     row_ok = rows < q_end
@@ -139,12 +142,7 @@ def _dq_kernel(
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
-    q0 = tl.load(TILES + tile * 6 + 0)
-    q_end = tl.load(TILES + tile * 6 + 1)
-    off = tl.load(TILES + tile * 6 + 2)
-    k_start = tl.load(TILES + tile * 6 + 3)
-    full_end = tl.load(TILES + tile * 6 + 4)
-    k_end = tl.load(TILES + tile * 6 + 5)
+    q0, q_end, off, k_start, full_end, k_end = _row6(TILES, tile)
 
     rows = q0 + tl.arange(0, BLOCK_M)
     row_ok = rows < q_end
@@ -245,12 +243,7 @@ def _dkdv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
     for e in range(e_lo, e_hi):
-        r0 = tl.load(ENTRIES + e * 6 + 0)
-        r_mid = tl.load(ENTRIES + e * 6 + 1)
-        q_end = tl.load(ENTRIES + e * 6 + 2)
-        k_start = tl.load(ENTRIES + e * 6 + 3)
-        k_stop = tl.load(ENTRIES + e * 6 + 4)
-        off = tl.load(ENTRIES + e * 6 + 5)
+        r0, r_mid, q_end, k_start, k_stop, off = _row6(ENTRIES, e)
         for g in range(GROUP):
             head = kv_head * GROUP + g
             for r in range(r0, r_mid, BLOCK_M):
