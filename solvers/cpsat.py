@@ -23,8 +23,7 @@ import numpy as np
 
 from .._optional import require
 from .bounds import integer_makespan_lower_bound, placed_load_bound
-from .exact_common import (ExactData, assignment_to_bins, bins_to_assignment, pick_better, prepare,
-                           start_is_complete)
+from .exact_common import ExactData, bins_to_assignment, plan_from_assignment, prepare, start_is_complete
 from .problem import PackProblem, PackResult
 
 SCALE_TARGET = 1e7
@@ -199,10 +198,7 @@ def solve(problem: PackProblem) -> PackResult:
         else:
             raise ValueError(f"cpsat found no plan that places every document within time_limit={p.time_limit} s "
                              f"({status_name}); raise time_limit or pass allow_defer=True")
-    bins, deferred = assignment_to_bins(sol, m)
-    bins, deferred, used_start = pick_better(data, bins, deferred)
-    if used_start:
-        extra["kept_start"] = True
+    bins, deferred = plan_from_assignment(data, sol, m, extra)
 
     bound = max(bound_int / scale + p.bin_const, data.lower_bound(placed_target))
     bound = min(bound, float(p.loads(bins).max()) if m else bound)  # float round-off only

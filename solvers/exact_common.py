@@ -217,6 +217,16 @@ def start_is_complete(data: ExactData) -> bool:
     return not data.mandatory[deferred].any() if deferred.size else True
 
 
+def plan_from_assignment(data: ExactData, assign: np.ndarray, m: int, extra: dict) -> tuple[list, np.ndarray]:
+    """A solver's assignment as (bins, deferred), or the start plan when it is better
+    (then extra["kept_start"] = True). Shared by the CP-SAT and MILP models."""
+    bins, deferred = assignment_to_bins(assign, m)
+    bins, deferred, used_start = pick_better(data, bins, deferred)
+    if used_start:
+        extra["kept_start"] = True
+    return bins, deferred
+
+
 def pick_better(data: ExactData, bins, deferred) -> tuple[list, np.ndarray, bool]:
     """The solver's plan, or the start when the start is lexicographically better (in float
     costs: scaling can make an integer optimum slightly worse). Returns (bins, deferred,

@@ -24,7 +24,7 @@ import warnings
 import numpy as np
 
 from .._optional import require
-from .exact_common import ExactData, assignment_to_bins, bins_to_assignment, pick_better, prepare, start_is_complete
+from .exact_common import ExactData, bins_to_assignment, plan_from_assignment, prepare, start_is_complete
 from .problem import PackProblem, PackResult
 
 BACKENDS = ("cbc", "highs")
@@ -229,10 +229,7 @@ def solve(problem: PackProblem) -> PackResult:
                              f"of max_tokens={p.max_tokens} (infeasible); pass allow_defer=True to defer some")
         raise ValueError(f"milp ({backend}) found no plan that places every document within "
                          f"time_limit={p.time_limit} s; raise time_limit or pass allow_defer=True")
-    bins, deferred = assignment_to_bins(sol, m)
-    bins, deferred, used_start = pick_better(data, bins, deferred)
-    if used_start:
-        extra["kept_start"] = True
+    bins, deferred = plan_from_assignment(data, sol, m, extra)
 
     bound = data.lower_bound(placed_target)
     if extra["phase2"] == "start meets the lower bound":
