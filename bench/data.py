@@ -1,104 +1,86 @@
-"""Document-length data for benchmarks: built-in distributions and a real length file.
+"""Bench-side data plumbing: streams of global batches fed through the planners, the
+calibration report of the length data, and the builder of the real length file.
 
-The stream model: documents arrive i.i.d. from a distribution; the data loader cuts
-consecutive global batches of `tokens_per_batch` tokens from the stream (a document belongs to
-the batch in which it starts), then documents longer than the window are cut into
-window-sized pieces (`wlb_opt.split_documents`), the same for every method.
+The distributions themselves (`sample_documents`, `document_stream`, `global_batches`, the
+"real" file) live in the core module `wlb_opt.data`, so the CLI and the examples use them
+without importing the benchmarks. What sits here needs the planners, which the core data
+module may not import:
 
-"default" (fixed here, never retuned):
-    body: lognormal with median 600 tokens and sigma 0.8 (short web pages, code files, turns);
-    tail: with probability 0.0015 a document is log-uniform on [65536, 163840] tokens
-          (books, long reports, repositories), cut to the window afterwards.
-    Calibration (run `python -m wlb_opt.bench.data` to reproduce): with the 7B model,
-    (tp, cp, pp, dp) = (8, 2, 4, 1) on H100 and window 131072, documents shorter than half
-    the window carry 83% of tokens (paper §2: more than 75%), and Plain-4D packing of N=4
-    sequences has a mean PP imbalance of 1.47 +- 0.02 over 300 steps (paper Table 2: 1.44).
-    Chosen by a scan over the tail probability in {0.0012, 0.0015, 0.0018, 0.0022} with the
-    body fixed (on other seeds); nothing else was tuned, and nothing is retuned later.
-"light": lognormal with median 2000 and sigma 0.6, no tail: a light-tailed control.
-"real":  lengths of text files found on the build machine (see `real_lengths`), sampled with
-         replacement.
+- `carried_plans`: one `solve_pack` per global batch (or pool of k batches), the deferred
+  pieces carried to the front of the next one (Table 2's pooled rows, e2e's Plain-4D and
+  Fixed-4D streams);
+- `run_packer`: a stream through a `WLBPacker`, then its drain (Table 2's WLB rows, parity,
+  e2e's WLB-LLM stream);
+- the maintainer commands
+
+    python -m wlb_opt.bench.data                 the two calibration targets of "default"
+    python -m wlb_opt.bench.data --make-real     rebuild wlb_opt/real_lengths.npy here
 """
 from __future__ import annotations
 
-import sys
+import argparse
+import json
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator, Sequence
 
 import numpy as np
 
+from .._optional import progress
+from ..cost import CostModel
+from ..data import DEFAULT_SEED, REAL_FILE, GlobalBatch, document_stream
 from ..docs import split_documents
+from ..pack import solve_pack
+from ..plan import PackPlan, imbalance
+from ..specs import HardwareSpec, ModelSpec, ParallelSpec
 
-DEFAULT_SEED = 20250301
-DEFAULT_PARAMS = dict(body_median=600.0, body_sigma=0.8, tail_prob=0.0015, tail_low=65536, tail_high=163840)
-LIGHT_PARAMS = dict(body_median=2000.0, body_sigma=0.6, tail_prob=0.0, tail_low=65536, tail_high=163840)
-REAL_FILE = Path(__file__).with_name("real_lengths.npy")
-
-
-def _mixture(rng: np.random.Generator, n: int, body_median: float, body_sigma: float, tail_prob: float,
-             tail_low: float, tail_high: float) -> np.ndarray:
-    body = np.exp(rng.normal(np.log(body_median), body_sigma, n))
-    tail = np.exp(rng.uniform(np.log(tail_low), np.log(tail_high), n))
-    lengths = np.where(rng.random(n) < tail_prob, tail, body)
-    return np.maximum(1, np.round(lengths)).astype(np.int64)
+CALIBRATION_TARGETS = dict(short_doc_token_share="> 0.75 (paper §2)", original_imbalance_mean="1.44 (paper Table 2)")
 
 
-def real_lengths() -> np.ndarray:
-    """The shipped real length file (token estimates of text files; see make_real_lengths)."""
-    if not REAL_FILE.exists():
-        raise FileNotFoundError(f"{REAL_FILE} is missing; rebuild it with `python -m wlb_opt.bench.data --make-real`")
-    return np.load(REAL_FILE).astype(np.int64)
+def carried_plans(batches: Sequence[GlobalBatch], n_micro: int, max_tokens: int, cost: CostModel | None,
+                  method: str, *, pool: int = 1, desc: str | None = None, show: bool = False,
+                  **solve_kw) -> Iterator[tuple[PackPlan, float]]:
+    """(plan, planning seconds) for each pool of `pool` consecutive global batches.
+
+    Each plan packs the pieces its plan before deferred (placed first: `carried`) and then the
+    pool's pieces, into `n_micro` micro-batches (`solve_kw` goes to `solve_pack`, e.g. `dp`).
+    Batches past the last whole pool are not planned."""
+    carry = (np.zeros(0, np.int64),) * 3
+    for p in progress(range(len(batches) // pool), desc=desc, enable=show):
+        group = batches[p * pool:(p + 1) * pool]
+        pieces, ids, offsets = (np.concatenate([carry[f]] + [b[f] for b in group]) for f in range(3))
+        t0 = time.perf_counter()
+        plan = solve_pack(pieces, n_micro, max_tokens, cost, method, ids=ids, offsets=offsets,
+                          carried=len(carry[0]), **solve_kw)
+        seconds = time.perf_counter() - t0
+        yield plan, seconds
+        d = plan.deferred
+        carry = (plan.lengths[d], plan.doc_ids[d], plan.offsets[d])
 
 
-def sample_documents(n: int, dist: str = "default", seed: int = DEFAULT_SEED) -> np.ndarray:
-    """`n` document lengths (tokens, uncut) from a named distribution."""
-    rng = np.random.default_rng(seed)
-    if dist == "default":
-        return _mixture(rng, n, **DEFAULT_PARAMS)
-    if dist == "light":
-        return _mixture(rng, n, **LIGHT_PARAMS)
-    if dist == "real":
-        return rng.choice(real_lengths(), size=n, replace=True)
-    raise ValueError(f"unknown length distribution {dist!r}; valid: {sorted(DISTRIBUTIONS)}")
+@dataclass(frozen=True)
+class PackerRun:
+    """What `run_packer` saw: the streamed plans (one per global batch) with their planning
+    seconds, the packer's stats before and after the drain, and the drain's plans."""
+
+    plans: list
+    seconds: list
+    streamed_stats: dict
+    drained: list
+    stats: dict
 
 
-DISTRIBUTIONS = {"default": DEFAULT_PARAMS, "light": LIGHT_PARAMS, "real": "bench/real_lengths.npy"}
-
-
-def document_stream(n_tokens: int, dist: str = "default", seed: int = DEFAULT_SEED) -> np.ndarray:
-    """Document lengths of a stream holding at least `n_tokens` tokens."""
-    out, total, chunk, k = [], 0, 4096, 0
-    while total < n_tokens:
-        part = sample_documents(chunk, dist, seed + 7919 * k) if k else sample_documents(chunk, dist, seed)
-        out.append(part)
-        total += int(part.sum())
-        k += 1
-    lengths = np.concatenate(out)
-    stop = int(np.searchsorted(np.cumsum(lengths), n_tokens)) + 1
-    return lengths[:stop]
-
-
-def global_batches(dist: str, window: int, tokens_per_batch: int, n_batches: int,
-                   seed: int = DEFAULT_SEED, lengths: np.ndarray | None = None):
-    """`n_batches` consecutive global batches cut from one stream.
-
-    Returns a list of (pieces, piece_ids, offsets): each batch holds the documents that start
-    within its `tokens_per_batch` tokens of the stream, cut to `window`. Ids are positions in
-    the stream, so they are unique across batches. `lengths` overrides the sampled stream.
-    """
-    if lengths is None:
-        lengths = document_stream(tokens_per_batch * n_batches, dist, seed)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    which = starts // tokens_per_batch
-    batches = []
-    for b in range(n_batches):
-        idx = np.flatnonzero(which == b)
-        batches.append(split_documents(lengths[idx], window, ids=idx))
-    return batches
-
-
-def global_batch(dist: str, window: int, tokens_per_batch: int, seed: int = DEFAULT_SEED):
-    """One global batch (pieces, piece_ids, offsets); see global_batches."""
-    return global_batches(dist, window, tokens_per_batch, 1, seed)[0]
+def run_packer(packer, batches: Sequence[GlobalBatch], *, desc: str | None = None, show: bool = False) -> PackerRun:
+    """Feed every global batch to `packer` (a WLBPacker), then drain it (nothing stays queued)."""
+    plans, seconds = [], []
+    for pieces, ids, offsets in progress(batches, desc=desc, enable=show):
+        t0 = time.perf_counter()
+        plans.append(packer.pack(pieces, ids, offsets))
+        seconds.append(time.perf_counter() - t0)
+    streamed = packer.stats()
+    drained = packer.drain()
+    return PackerRun(plans=plans, seconds=seconds, streamed_stats=streamed, drained=drained, stats=packer.stats())
 
 
 def make_real_lengths(roots=None, max_files: int = 60000, seed: int = 0) -> np.ndarray:
@@ -130,38 +112,46 @@ def make_real_lengths(roots=None, max_files: int = 60000, seed: int = 0) -> np.n
 
 
 def calibration_report(steps: int = 300, seed: int = 0) -> dict:
-    """The two calibration targets of the default distribution (see the module docstring)."""
-    from ..cost import CostModel
-    from ..pack import solve_pack
-    from ..specs import HardwareSpec, ModelSpec, ParallelSpec
+    """The two calibration targets of the default distribution (see `wlb_opt.data`):
+    the token share of documents under half the window, and the mean PP imbalance of
+    Plain-4D on consecutive sequences of the stream (7B, (8, 2, 4, 1), H100, N = 4)."""
 
     window, n_micro = 131072, 4
     cost = CostModel.analytic(ModelSpec.preset("7b"), ParallelSpec(tp=8, cp=2, pp=4, dp=1), HardwareSpec.preset("h100"))
     stream = document_stream(steps * n_micro * window + window, "default", DEFAULT_SEED + seed)
     pieces, ids, offsets = split_documents(stream, window)
     share = float(pieces[pieces < window // 2].sum() / pieces.sum())
-    imbalances, carry = [], 0
+    imbalances = []
     # Plain-4D on consecutive sequences of the token stream: feed everything, defer the rest.
-    plan_pieces, plan_ids, plan_off = pieces, ids, offsets
     for _ in range(steps):
-        take = int(np.searchsorted(np.cumsum(plan_pieces), n_micro * window)) + 1
-        plan = solve_pack(plan_pieces[:take], n_micro, window, cost, "original", ids=plan_ids[:take],
-                          offsets=plan_off[:take])
-        imbalances.append(float(np.array([cost.micro_batch_cost(plan.lengths[mb], "fwd")
-                                          for mb in plan.micro_batches]).max() /
-                                np.mean([cost.micro_batch_cost(plan.lengths[mb], "fwd") for mb in plan.micro_batches])))
+        take = int(np.searchsorted(np.cumsum(pieces), n_micro * window)) + 1
+        plan = solve_pack(pieces[:take], n_micro, window, cost, "original", ids=ids[:take], offsets=offsets[:take])
+        imbalances.append(imbalance([cost.micro_batch_cost(plan.lengths[mb], "fwd") for mb in plan.micro_batches]))
         d = plan.deferred
-        plan_pieces = np.concatenate([plan.lengths[d], plan_pieces[take:]])
-        plan_ids = np.concatenate([plan.doc_ids[d], plan_ids[take:]])
-        plan_off = np.concatenate([plan.offsets[d], plan_off[take:]])
+        pieces = np.concatenate([plan.lengths[d], pieces[take:]])
+        ids = np.concatenate([plan.doc_ids[d], ids[take:]])
+        offsets = np.concatenate([plan.offsets[d], offsets[take:]])
     return dict(short_doc_token_share=share, original_imbalance_mean=float(np.mean(imbalances)),
                 original_imbalance_sem=float(np.std(imbalances) / np.sqrt(steps)), steps=steps)
 
 
-if __name__ == "__main__":  # pragma: no cover
-    if "--make-real" in sys.argv:
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m wlb_opt.bench.data", description=__doc__.splitlines()[0])
+    p.add_argument("--make-real", action="store_true", help=f"rebuild {REAL_FILE} from this machine's text files")
+    p.add_argument("--steps", type=int, default=300, help="Plain-4D steps of the calibration report (default 300)")
+    p.add_argument("--seed", type=int, default=0, help="stream seed, an offset from DEFAULT_SEED (default 0)")
+    args = p.parse_args(argv)
+    if args.make_real:
         arr = make_real_lengths()
         np.save(REAL_FILE, arr)
         print(f"wrote {REAL_FILE}: {len(arr)} documents, median {int(np.median(arr))}, max {int(arr.max())}")
-    else:
-        print(calibration_report())
+        return 0
+    if args.steps < 1:
+        p.error(f"--steps must be >= 1, got {args.steps}")
+    report = calibration_report(args.steps, args.seed)
+    print(json.dumps(dict(report, targets=CALIBRATION_TARGETS), indent=2, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

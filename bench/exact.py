@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 
 from .._optional import progress
-from ..cli import add_cost_args, cost_from_args
+from ..cost_args import add_cost_args, cost_from_args
+from ..data import DEFAULT_SEED, DISTRIBUTIONS, document_stream, global_batches
 from ..pack import solve_pack
 from ..solvers.bounds import makespan_lower_bound
-from .data import DEFAULT_SEED, document_stream, global_batches
 
 DOCS = (64, 256, 1024, 4096)
 MICRO = (4, 8, 32)
@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt bench exact", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="64/256 documents x N=4/8, 2 instances, 3 s limit")
     p.add_argument("--lengths", metavar="FILE", help="document lengths (.npy, text, .jsonl) instead of --dists")
-    p.add_argument("--dists", default="default,light", help="length distributions (default: default,light)")
+    p.add_argument("--dists", default="default,light",
+                   help=f"comma-separated, of {','.join(sorted(DISTRIBUTIONS))} (default: default,light)")
     p.add_argument("--instances", type=int, default=None, help="batches per cell for heuristics (default 10; quick 2)")
     p.add_argument("--exact-instances", type=int, default=None, help="batches per cell for exact methods (default 1)")
     p.add_argument("--time-limit", type=float, default=None, help="seconds per exact solve (default 10; quick 3)")
@@ -182,10 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2, help="solver threads (the CI machine has 2 cores)")
     p.add_argument("--exact", default=",".join(EXACT), help=f"exact methods (of {','.join(EXACT)})")
     p.add_argument("--methods", default=",".join(HEURISTICS), help=f"heuristics (of {','.join(HEURISTICS)})")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="stream and solver seed (default 0)")
     p.add_argument("--out", default="results/exact", help="folder for exact.json and exact.png")
-    p.add_argument("--no-progress", action="store_true")
-    add_cost_args(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_cost_args(p, layout=("tp", "cp", "pp"))  # each instance is one replica: dp stays 1
     args = p.parse_args(argv)
     args.instances = args.instances or (2 if args.quick else 10)
     args.exact_instances = args.exact_instances if args.exact_instances is not None else 1
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in exact_methods:
         if m not in EXACT:
             p.error(f"unknown exact method {m!r}; valid: {', '.join(EXACT)}")
-    cost = cost_from_args(args)
+    cost = cost_from_args(args, parser=p)
 
     file_lengths = None
     if args.lengths:
@@ -210,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         dists = ["file"]
     else:
         dists = [d for d in args.dists.split(",") if d]
+        bad = [d for d in dists if d not in DISTRIBUTIONS]
+        if bad:
+            p.error(f"unknown distributions {bad}; valid: {', '.join(sorted(DISTRIBUTIONS))}")
     jobs = []
     for dist in dists:
         mean = _mean_length(dist, file_lengths)

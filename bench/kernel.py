@@ -2,10 +2,11 @@
 
     wlb-opt bench kernel --out results/kernel            # on a CUDA GPU (H100/H200: ~5 min)
     wlb-opt bench kernel --cpu-smoke --out /tmp/k         # tiny CPU run (tests use it)
+    wlb-opt bench kernel --schedule --out results/kernel_schedule   # launch-order model, CPU
 
 Cases (same tensors for every method, bf16, Hq=32, Hkv=8, head dim 128 by default):
   packed  micro-batches of 8K..128K tokens cut from the "default" length distribution
-          (wlb_opt.bench.data), one segment per document;
+          (wlb_opt.data), one segment per document;
   single  one causal document of 4K..128K tokens;
   scaling 32K tokens of equal documents of 512..32K tokens: time should follow sum(d^2).
 Methods: ours (Triton), SDPA called once per document (is_causal, K/V expanded for GQA),
@@ -28,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..data import document_stream
+
 _DEFAULT_PACKED = [8192, 16384, 32768, 65536, 131072]
 _DEFAULT_SINGLE = [4096, 16384, 65536, 131072]
 _DEFAULT_SCALING = [512, 2048, 8192, 32768]
@@ -35,15 +38,8 @@ _DEFAULT_SCALING = [512, 2048, 8192, 32768]
 
 def packed_lengths(n_tokens: int, seed: int, dist: str = "default") -> np.ndarray:
     """Document lengths filling exactly ``n_tokens``: a stream cut at the micro-batch end."""
-    try:
-        from .data import document_stream
-
-        stream = document_stream(n_tokens, dist, seed)
-    except ImportError:  # pragma: no cover - bench.data ships with the package
-        rng = np.random.default_rng(seed)
-        stream = np.maximum(1, np.round(np.exp(rng.normal(np.log(600), 0.8, n_tokens // 100 + 10))))
     out, left = [], n_tokens
-    for d in np.asarray(stream, dtype=np.int64):
+    for d in document_stream(n_tokens, dist, seed):
         if left <= 0:
             break
         out.append(int(min(d, left)))
@@ -287,25 +283,34 @@ def _print_table(rows):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--schedule" in argv:  # the CPU model of the launch order (bench/_kernel_schedule.py)
+        from . import _kernel_schedule
+
+        return _kernel_schedule.main([a for a in argv if a != "--schedule"])
     p = argparse.ArgumentParser(prog="wlb-opt bench kernel", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("results/kernel"), help="folder for kernel_bench.json")
     p.add_argument("--packed", type=int, nargs="*", default=_DEFAULT_PACKED, help="micro-batch sizes (tokens)")
     p.add_argument("--single", type=int, nargs="*", default=_DEFAULT_SINGLE, help="single-document lengths")
     p.add_argument("--scaling", type=int, nargs="*", default=_DEFAULT_SCALING, help="equal doc lengths")
-    p.add_argument("--scaling-tokens", type=int, default=32768)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-flex", action="store_true")
-    p.add_argument("--no-sdpa", action="store_true")
-    p.add_argument("--correctness-tokens", type=int, default=16384)
+    p.add_argument("--scaling-tokens", type=int, default=32768, help="tokens of each scaling case (default 32768)")
+    p.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
+    p.add_argument("--kv-heads", type=int, default=8, help="key/value heads, GQA (default 8)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="tensor dtype (default bf16)")
+    p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"],
+                   help="doc_attention backend (default auto)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per measurement (default 1)")
+    p.add_argument("--reps", type=int, default=3, help="timed runs per measurement (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="length and tensor seed (default 0)")
+    p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
+    p.add_argument("--no-sdpa", action="store_true", help="skip SDPA")
+    p.add_argument("--correctness-tokens", type=int, default=16384,
+                   help="tokens of the correctness micro-batch (default 16384)")
     p.add_argument("--budget-s", type=float, default=360.0, help="skip baselines after this many seconds")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (no GPU figures)")
+    p.add_argument("--schedule", action="store_true",
+                   help="instead: model the kernels' launch order on 132 SMs (CPU; see --schedule --help)")
     args = p.parse_args(argv)
 
     import torch

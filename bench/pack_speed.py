@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cli import add_cost_args, cost_from_args
-from ..pack import solve_pack
-from .data import global_batch
+from ..cost_args import add_cost_args, cost_from_args
+from ..data import DISTRIBUTIONS, global_batch
+from ..pack import PACK_METHODS, solve_pack
 
 
 def measure(lengths, ids, offsets, n_micro, max_tokens, cost, method, repeats) -> dict:
@@ -33,16 +33,21 @@ def measure(lengths, ids, offsets, n_micro, max_tokens, cost, method, repeats) -
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt bench pack-speed", description=__doc__.splitlines()[0])
-    p.add_argument("--dist", default="default", help="length distribution: default, light, real")
-    p.add_argument("--n-micro", type=int, default=32)
-    p.add_argument("--window", type=int, default=131072)
-    p.add_argument("--repeats", type=int, default=50)
-    p.add_argument("--methods", default="wlb,original,fixed")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="folder for pack_speed.json")
-    add_cost_args(p)
+    p.add_argument("--dist", default="default", choices=sorted(DISTRIBUTIONS),
+                   help="built-in length distribution (default: default)")
+    p.add_argument("--n-micro", type=int, default=32, help="micro-batches of the one global batch (default 32)")
+    p.add_argument("--window", type=int, default=131072, help="training context length (default 131072)")
+    p.add_argument("--repeats", type=int, default=50, help="timed runs per method (median reported; default 50)")
+    p.add_argument("--methods", default="wlb,original,fixed",
+                   help="comma-separated solve_pack methods (default wlb,original,fixed)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--out", default=None, help="folder for pack_speed.json (default: print only)")
+    add_cost_args(p, layout=("tp", "cp", "pp"))  # one replica: dp stays 1
     args = p.parse_args(argv)
-    cost = cost_from_args(args)
+    bad = [m for m in args.methods.split(",") if m not in PACK_METHODS]
+    if bad:
+        p.error(f"unknown methods {bad}; valid: {', '.join(sorted(PACK_METHODS))}")
+    cost = cost_from_args(args, parser=p)
     lengths, ids, offsets = global_batch(args.dist, args.window, args.n_micro * args.window, seed=args.seed)
     rows = []
     print(f"{len(lengths)} documents, {int(lengths.sum())} tokens, {args.n_micro} micro-batches, "

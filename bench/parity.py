@@ -2,7 +2,7 @@
 
 Table 2 runs one 200-step stream; a single stream holds only ~100 outliers, so one stream's
 imbalance and delay are noisy. This runs each setting on `--seeds` independent streams of
-the same distribution (the global batches of `wlb_opt.bench.data.global_batches`, seed
+the same distribution (the global batches of `wlb_opt.data.global_batches`, seed
 DEFAULT_SEED + s) and reports per-stream and mean PP imbalance (max/mean forward time per
 step) and delay per token (after `drain()`), against the paper-parity target of <= 1.05 at
 <= 0.5 iterations of delay per token.
@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 
 from .._optional import progress
-from ..cli import add_cost_args, cost_from_args
+from ..cost_args import add_cost_args, cost_from_args
+from ..data import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from ..packer import WLBPacker, per_step_imbalance
-from .data import DEFAULT_SEED, global_batches
+from .data import run_packer
 
 
 def settings(window: int) -> dict[str, dict]:
@@ -37,34 +37,33 @@ def settings(window: int) -> dict[str, dict]:
 
 
 def run_stream(batches, cost, n_micro: int, max_tokens: int, **kw) -> dict:
-    packer = WLBPacker(n_micro, max_tokens, cost, **kw)
-    imbs, times = [], []
-    for lengths, ids, offsets in batches:
-        t0 = time.perf_counter()
-        plan = packer.pack(lengths, ids, offsets)
-        times.append(time.perf_counter() - t0)
-        imbs.append(per_step_imbalance(plan, cost, "fwd"))
-    packer.drain()
-    s = packer.stats()
-    return dict(imbalance=float(np.mean(imbs)), delay_per_token=float(s["delay_per_token"]),
-                ms_per_batch=1e3 * float(np.median(times)))
+    """One setting on one stream: mean forward imbalance while streaming, delay per token
+    after the drain, median planning milliseconds per global batch."""
+    run = run_packer(WLBPacker(n_micro, max_tokens, cost, **kw), batches)
+    return dict(imbalance=float(np.mean([per_step_imbalance(plan, cost, "fwd") for plan in run.plans])),
+                delay_per_token=float(run.stats["delay_per_token"]), ms_per_batch=1e3 * float(np.median(run.seconds)))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt bench parity", description=__doc__.splitlines()[0])
-    p.add_argument("--dist", default="default", help="length distribution: default, light, real")
-    p.add_argument("--seeds", default="0,1,2,3,4,5,6", help="stream seeds (offsets from DEFAULT_SEED)")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--window", type=int, default=131072)
-    p.add_argument("--n-micro", type=int, default=4)
-    p.add_argument("--settings", default="paper,group")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--out", default="results/parity")
-    add_cost_args(p)
+    p.add_argument("--dist", default="default", choices=sorted(DISTRIBUTIONS),
+                   help="built-in length distribution (default: default)")
+    p.add_argument("--seeds", default="0,1,2,3,4,5,6",
+                   help="comma-separated stream seeds, offsets from DEFAULT_SEED (default 0,...,6)")
+    p.add_argument("--steps", type=int, default=200, help="global batches per stream (default 200)")
+    p.add_argument("--window", type=int, default=131072, help="training context length (default 131072)")
+    p.add_argument("--n-micro", type=int, default=4, help="micro-batches per step (default 4)")
+    p.add_argument("--settings", default="paper,group", help="comma-separated settings (default paper,group)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--out", default="results/parity", help="folder for parity.json (default results/parity)")
+    add_cost_args(p, layout=("tp", "cp", "pp"))  # one replica: dp stays 1
     args = p.parse_args(argv)
-    cost = cost_from_args(args)
+    cost = cost_from_args(args, parser=p)
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        p.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     W, N = args.window, args.n_micro
-    seeds = [int(x) for x in args.seeds.split(",")]
     chosen = {k: v for k, v in settings(W).items() if k in args.settings.split(",")}
     if not chosen:
         print(f"wlb-opt bench parity: --settings must name some of {sorted(settings(W))}")

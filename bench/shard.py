@@ -27,12 +27,11 @@ from pathlib import Path
 import numpy as np
 
 from .._optional import progress
-from ..cli import add_cost_args, cost_from_args
-from ..docs import load_lengths
-from ..pack import solve_pack
-from ..shard import cut_or_whole_lower_bound, solve_shard
-from ..docs import split_documents
-from .data import DEFAULT_SEED, REAL_FILE, document_stream, global_batches, sample_documents
+from ..cost_args import add_cost_args, cost_from_args
+from ..data import DEFAULT_SEED, REAL_FILE, document_stream, global_batches, sample_documents
+from ..docs import load_lengths, split_documents
+from ..pack import PACK_METHODS, solve_pack
+from ..shard import SHARD_STRATEGIES, cut_or_whole_lower_bound, solve_shard
 
 NOTE = ("predictions of the cost model; its attention-efficiency table is a placeholder "
         "(paper Fig. 10 shape, not measured) until wlb_opt.profile measures it")
@@ -147,30 +146,41 @@ def cpsat_reference(cost, cp: int, n_inst: int, time_limit: float, window: int, 
                 optimal=sum(r["status"] == "optimal" for r in rows), rows=rows)
 
 
-def plot(summary: list[dict], path: Path, strategies) -> None:
+def plot(summary: list[dict], path: Path, strategies) -> bool:
+    """Bars of each strategy's predicted max-rank time against per_seq, the baseline (drawn
+    as the zero line, not as a series of zero-height bars). False without per_seq."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    shown = [s for s in strategies if s != "per_seq"]
+    if "per_seq" not in strategies or not shown:
+        return False
     sources = sorted({r["source"] for r in summary}, key=lambda s: s != "default")
     fig, axes = plt.subplots(1, len(sources), figsize=(5.5 * len(sources), 3.8), squeeze=False)
     for ax, source in zip(axes[0], sources):
         cps = sorted({r["cp"] for r in summary if r["source"] == source})
-        width = 0.8 / len(strategies)
-        for k, s in enumerate(strategies):
+        width = 0.8 / len(shown)
+        for k, s in enumerate(shown):
             ys = [next((100 * r["vs_per_seq"] for r in summary if r["source"] == source and r["cp"] == cp
                         and r["strategy"] == s), 0.0) for cp in cps]
-            ax.bar(np.arange(len(cps)) + (k - (len(strategies) - 1) / 2) * width, ys, width, label=s)
-        ax.axhline(0, color="black", lw=0.6)
+            ax.bar(np.arange(len(cps)) + (k - (len(shown) - 1) / 2) * width, ys, width, label=s, color=f"C{k + 1}")
+        ax.axhline(0, color="black", lw=0.8, label="per_seq (baseline)")
         ax.set_xticks(np.arange(len(cps)), [f"CP={c}" for c in cps])
         ax.set_ylabel("predicted max-rank time vs per_seq (%)")
         ax.set_title(f"{source} micro-batches")
-    axes[0][0].legend(fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)  # below the bars, not on them
     fig.suptitle("CP sharding (cost-model predictions; efficiency table is a placeholder)", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
+
+
+def _pct(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(100 * x, spec) + "%"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,31 +188,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", metavar="FILE", default=None,
                    help=f"real document lengths (.npy/.txt/.jsonl), used as the stream in file order "
                         f"(default {REAL_FILE.name})")
-    p.add_argument("--cps", default="2,4,8", help="CP degrees (default 2,4,8)")
+    p.add_argument("--cps", default="2,4,8", help="comma-separated CP degrees (default 2,4,8)")
     p.add_argument("--steps", type=int, default=16, help="global batches per source (default 16)")
     p.add_argument("--n-micro", type=int, default=4, help="micro-batches per global batch (default 4)")
-    p.add_argument("--window", type=int, default=131072)
-    p.add_argument("--pack-method", default="wlb", help="solve_pack method that forms the micro-batches (default "
-                                                        "wlb, max_tokens 1.25 x window; original/fixed use the window)")
-    p.add_argument("--strategies", default="per_seq,per_doc,adaptive,hybrid")
-    p.add_argument("--repeats", type=int, default=200, help="timing repeats (median reported)")
+    p.add_argument("--window", type=int, default=131072, help="training context length (default 131072)")
+    p.add_argument("--pack-method", default="wlb", choices=sorted(PACK_METHODS),
+                   help="solve_pack method that forms the micro-batches (default wlb, max_tokens 1.25 x window; "
+                        "original/fixed use the window)")
+    p.add_argument("--strategies", default="per_seq,per_doc,adaptive,hybrid",
+                   help=f"comma-separated, of {','.join(SHARD_STRATEGIES)} (default per_seq,per_doc,adaptive,hybrid)")
+    p.add_argument("--repeats", type=int, default=200, help="timing repeats (median reported; default 200)")
     p.add_argument("--cpsat-instances", type=int, default=6, help="48-document instances for hybrid vs cpsat "
-                                                                   "at CP=4 (0: skip)")
-    p.add_argument("--cpsat-time-limit", type=float, default=5.0)
-    p.add_argument("--seed", type=int, default=0)
+                                                                   "at CP=4 (0: skip; default 6)")
+    p.add_argument("--cpsat-time-limit", type=float, default=5.0, help="seconds per cpsat solve (default 5)")
+    p.add_argument("--seed", type=int, default=0, help="stream seed, an offset from DEFAULT_SEED (default 0)")
     p.add_argument("--out", default="results/shard", help="folder for shard.json and shard.png")
-    p.add_argument("--no-progress", action="store_true")
-    add_cost_args(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_cost_args(p, layout=("tp",))  # CP comes from --cps; one replica, so dp and pp do not matter
     args = p.parse_args(argv)
     strategies = args.strategies.split(",")
-    cps = [int(c) for c in args.cps.split(",")]
+    bad = [s for s in strategies if s not in SHARD_STRATEGIES]
+    if bad:
+        p.error(f"unknown strategies {bad}; valid: {', '.join(SHARD_STRATEGIES)}")
+    try:
+        cps = [int(c) for c in args.cps.split(",")]
+    except ValueError:
+        p.error(f"--cps must be comma-separated integers, got {args.cps!r}")
     show = not args.no_progress
     real = load_lengths(args.lengths) if args.lengths else load_lengths(REAL_FILE)
     real_name = Path(args.lengths).name if args.lengths else "real"
 
     rows, timings, ref = [], [], None
     for cp in cps:
-        cost = cost_from_args(argparse.Namespace(**{**vars(args), "cp": cp}))
+        cost = cost_from_args(args, parser=p, cp=cp)
         for source, stream in (("default", None), (real_name, real)):
             rows += shard_rows(micro_batches(source, cost, args, stream), cp, cost, strategies, source, show)
         timings += timing(cost, cp, strategies, args.repeats)
@@ -218,10 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in summary:
         taken = ", ".join(f"{k} {v:.0%}" for k, v in r["taken"].items())
         print(f"{r['source']:>8} {r['cp']:>3} {r['strategy']:>9} {r['imbalance']:>6.3f} {r['max_imbalance']:>6.3f} "
-              f"{r['max_ms']:>8.1f} {100 * r['vs_per_seq']:>+6.1f}% {100 * r['vs_best_static']:>+7.1f}% "
+              f"{r['max_ms']:>8.1f} {_pct(r['vs_per_seq'], '+6.1f'):>7} {_pct(r['vs_best_static'], '+7.1f'):>8} "
               f"{r['short_share']:>6.1%} {taken}")
     paper = {}
-    for r4 in [r for r in summary if r["cp"] == 4 and r["strategy"] == "adaptive"]:
+    statics = {"per_seq", "per_doc"} <= set(strategies)  # the paper's comparison needs both
+    for r4 in [r for r in summary if r["cp"] == 4 and r["strategy"] == "adaptive" and statics]:
         ms = {r["strategy"]: r["max_ms"] for r in summary if r["cp"] == 4 and r["source"] == r4["source"]}
         paper[r4["source"]] = dict(adaptive_vs_per_seq=1 - ms["adaptive"] / ms["per_seq"],
                                    adaptive_vs_per_doc=1 - ms["adaptive"] / ms["per_doc"],
@@ -252,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                                pack_method=args.pack_method, model=args.model, tp=args.tp, hardware=args.hardware, lengths=args.lengths))
     (out / "shard.json").write_text(json.dumps(payload, indent=2))
     try:
-        plot(summary, out / "shard.png", strategies)
-        print(f"wrote {out / 'shard.json'} and {out / 'shard.png'}")
+        drawn = plot(summary, out / "shard.png", strategies)
+        print(f"wrote {out / 'shard.json'}" + (f" and {out / 'shard.png'}" if drawn else " (no per_seq: no PNG)"))
     except ImportError:
         print(f"wrote {out / 'shard.json'} (matplotlib missing: no PNG)")
     return 0

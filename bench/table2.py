@@ -2,7 +2,7 @@
 
 Setup (paper §7.4): the 7B model with (tp, cp, pp, dp) = (8, 2, 4, 1) on H100, window 131072,
 N = 4 micro-batches per step, variable-length S_max = 1.25 x window. One stream of global
-batches (N x window tokens each, `bench.data.global_batches`) feeds every row:
+batches (N x window tokens each, `wlb_opt.data.global_batches`) feeds every row:
 
 - original:            data order, fixed-length sequences ("original"), deferred pieces carried.
 - fixed greedy k:      pool k global batches (plus the carry), pack k x N fixed-length
@@ -38,13 +38,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .._optional import progress
-from ..cli import add_cost_args, cost_from_args
+from ..cost_args import add_cost_args, cost_from_args
+from ..data import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from ..docs import load_lengths
 from ..pack import solve_pack
 from ..packer import WLBPacker, per_step_imbalance
 from ..plan import imbalance
-from .data import DEFAULT_SEED, global_batches
+from .data import carried_plans, run_packer
 
 PAPER = {
     "original": (1.44, 0),
@@ -64,23 +64,14 @@ def _fwd_imbalances(plan, cost, bins_per_step: int) -> list[float]:
 def pooled_rows(batches, cost, bins_per_step: int, window: int, method: str, k: int, show: bool,
                 **solve_kw) -> dict:
     """Fixed-length packing of k pooled global batches at a time (k = 1: one batch per step)."""
-    carry = (np.zeros(0, np.int64),) * 3
-    imbs, times = [], []
-    n_pools = len(batches) // k
-    for p in progress(range(n_pools), desc=f"{method} k={k}", enable=show):
-        group = batches[p * k:(p + 1) * k]
-        L = np.concatenate([carry[0]] + [b[0] for b in group])
-        ids = np.concatenate([carry[1]] + [b[1] for b in group])
-        off = np.concatenate([carry[2]] + [b[2] for b in group])
-        t0 = time.perf_counter()
-        plan = solve_pack(L, k * bins_per_step, window, cost, method, ids=ids, offsets=off,
-                          carried=len(carry[0]), **solve_kw)
-        times.append((time.perf_counter() - t0) / k)
+    imbs, times, end = [], [], 0
+    for plan, seconds in carried_plans(batches, k * bins_per_step, window, cost, method, pool=k,
+                                       desc=f"{method} k={k}", show=show, **solve_kw):
+        times.append(seconds / k)
         imbs += _fwd_imbalances(plan, cost, bins_per_step)
-        d = plan.deferred
-        carry = (plan.lengths[d], plan.doc_ids[d], plan.offsets[d])
+        end = plan.deferred_tokens
     return dict(steps=len(imbs), imbalance=float(np.mean(imbs)), imbalance_p90=float(np.percentile(imbs, 90)),
-                ms_per_batch=1e3 * float(np.median(times)), delay_per_token=None, carried_tokens_end=int(carry[0].sum()))
+                ms_per_batch=1e3 * float(np.median(times)), delay_per_token=None, carried_tokens_end=int(end))
 
 
 def wlb_row(batches, cost, n_micro: int, dp: int, max_tokens: int, thresholds, max_delay, seed: int,
@@ -94,24 +85,19 @@ def wlb_row(batches, cost, n_micro: int, dp: int, max_tokens: int, thresholds, m
         t0 = time.perf_counter()
         packer.calibrate(calibration_sample, tokens_per_batch=int(packer.capacity_tokens / 1.25))
         calib_s = time.perf_counter() - t0
-    imbs, times = [], []
-    for lengths, ids, offsets in progress(batches, desc=label, enable=show):
-        t0 = time.perf_counter()
-        plan = packer.pack(lengths, ids, offsets)
-        times.append(time.perf_counter() - t0)
-        imbs.append(per_step_imbalance(plan, cost, "fwd"))
+    run = run_packer(packer, batches, desc=label, show=show)
+    imbs = [per_step_imbalance(plan, cost, "fwd") for plan in run.plans]
+    times = run.seconds
     if thresholds == "auto":
         calib_s = packer.calibration["seconds"] if packer.calibration else None
         times = times[1:] or times  # the first step ran the calibration (reported apart)
-    streamed = packer.stats()
-    packer.drain()
-    s = packer.stats()
+    s = run.stats
     return dict(steps=len(imbs), imbalance=float(np.mean(imbs)), imbalance_p90=float(np.percentile(imbs, 90)),
                 ms_per_batch=1e3 * float(np.median(times)), delay_per_token=s["delay_per_token"],
                 delay_mean_per_doc=s["delay_mean_per_doc"], delay_max=s["delay_max"],
                 delayed_token_share=s["delayed_token_share"], late_pieces=s["late_pieces"],
                 thresholds=packer.thresholds, max_delay=max_delay, release=release, calibration_s=calib_s,
-                drain_steps=s["steps"] - streamed["steps"])
+                drain_steps=s["steps"] - run.streamed_stats["steps"])
 
 
 def _exact_available() -> str | None:
@@ -156,11 +142,17 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     y = np.arange(len(done))
     ax.barh(y, [r["imbalance"] - 1 for r in done], left=1, color=["C0" if "WLB" in r["row"] else "C7" for r in done])
+    right = 1.0
     for i, r in enumerate(done):
+        end = r["imbalance"]
         if r["row"] in PAPER:
             ax.plot(PAPER[r["row"]][0], i, "kx")
-        if r.get("delay_per_token") is not None:
-            ax.text(r["imbalance"] + 0.005, i, f"delay {r['delay_per_token']:.2f}", va="center", fontsize=8)
+            end = max(end, PAPER[r["row"]][0])
+        if r.get("delay_per_token") is not None:  # right of both the bar and the paper's x
+            ax.annotate(f"delay {r['delay_per_token']:.2f}", (end, i), xytext=(9, 0), textcoords="offset points",
+                        va="center", fontsize=8)
+        right = max(right, end)
+    ax.set_xlim(1.0, right + 0.12 * (right - 1.0) + 0.06)
     ax.set_yticks(y, [r["row"] for r in done])
     ax.invert_yaxis()
     ax.set_xlabel("mean PP imbalance (max x N / total of forward time); x = paper")
@@ -175,22 +167,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt bench table2", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--lengths", metavar="FILE", help="document lengths in stream order (.npy, .txt, .jsonl)")
-    src.add_argument("--dist", default="default", help="length distribution: default, light, real (default: default)")
+    src.add_argument("--dist", default="default", choices=sorted(DISTRIBUTIONS),
+                     help="built-in length distribution (default: default)")
     p.add_argument("--steps", type=int, default=200, help="global batches (default 200)")
     p.add_argument("--exact-steps", type=int, default=8, help="steps for the exact rows (default 8)")
     p.add_argument("--exact-time-limit", type=float, default=10.0, help="seconds per exact solve (default 10)")
     p.add_argument("--quick", action="store_true", help="40 steps, 4 exact steps of 2 s")
-    p.add_argument("--window", type=int, default=131072)
-    p.add_argument("--n-micro", type=int, default=4)
-    p.add_argument("--max-delay", type=int, default=8, help="max_delay of the calibrated / auto rows")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--window", type=int, default=131072, help="training context length (default 131072)")
+    p.add_argument("--n-micro", type=int, default=4, help="micro-batches per DP replica and step (default 4)")
+    p.add_argument("--max-delay", type=int, default=8, help="max_delay of the calibrated / auto rows (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="stream seed, an offset from DEFAULT_SEED (default 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--out", default="results/table2", help="folder for table2.json and table2.png")
     add_cost_args(p)
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.exact_steps, args.exact_time_limit = 40, 4, 2.0
-    cost = cost_from_args(args)
+    cost = cost_from_args(args, parser=p)  # the WLB rows: dp replicas of N micro-batches
+    pool_cost = cost_from_args(args, parser=p, dp=1)  # the pooled rows pack all dp x N bins as one replica
     W, N, dp = args.window, args.n_micro, args.dp
     bins = dp * N
     max_tokens = int(1.25 * W)
@@ -214,13 +208,13 @@ def main(argv: list[str] | None = None) -> int:
           f"var-len max_tokens {max_tokens}; imbalance over forward time")
 
     rows = []
-    r = pooled_rows(batches, cost, bins, W, "original", 1, show)
+    r = pooled_rows(batches, pool_cost, bins, W, "original", 1, show)
     rows.append(dict(row="original", **r))
     for k in (1, 2, 4, 8):
         if len(batches) < k:
             rows.append(dict(row=f"fixed greedy k={k}", pending="skip"))
             continue
-        rows.append(dict(row=f"fixed greedy k={k}", **pooled_rows(batches, cost, bins, W, "fixed", k, show)))
+        rows.append(dict(row=f"fixed greedy k={k}", **pooled_rows(batches, pool_cost, bins, W, "fixed", k, show)))
     why = _exact_available()
     for k in (1, 2, 4):
         name = f"fixed exact k={k}"
@@ -231,10 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         if len(ex) < k:
             rows.append(dict(row=name, pending="skip"))
             continue
-        rows.append(dict(row=name, **pooled_rows(ex, cost, bins, W, "cpsat", k, show, allow_defer=True,
-                                                  time_limit=args.exact_time_limit, seed=args.seed)))
+        rows.append(dict(row=name, **pooled_rows(ex, pool_cost, bins, W, "cpsat", k, show, allow_defer=True,
+                                                       time_limit=args.exact_time_limit, seed=args.seed)))
     # Algorithm 1 on each global batch alone (solve_pack "wlb", variable length, no outlier queue)
-    rows.append(dict(row="WLB no queue", **pooled_rows(batches, cost, bins, max_tokens, "wlb", 1, show)))
+    rows.append(dict(row="WLB no queue", **pooled_rows(batches, pool_cost, bins, max_tokens, "wlb", 1, show)))
     hand = {1: [W // 2], 2: [W // 2, 3 * W // 4], 3: [W // 2, 2 * W // 3, 5 * W // 6]}
     for nq, th in hand.items():
         name = f"WLB {nq} queue" + ("s" if nq > 1 else "")
@@ -261,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(source=source, steps=len(batches), window=W, n_micro=N, dp=dp, max_tokens=max_tokens,
-                exact_steps=args.exact_steps, exact_time_limit=args.exact_time_limit, cost=cost.meta, paper=PAPER)
+                exact_steps=args.exact_steps, exact_time_limit=args.exact_time_limit, cost=cost.to_dict(), paper=PAPER)
     (out / "table2.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2, default=str))
     msg = f"wrote {out / 'table2.json'}"
     if plot(rows, out / "table2.png", f"Table 2 ({source}, {len(batches)} steps)"):

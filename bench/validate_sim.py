@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..pack import PACK_METHODS
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -40,8 +42,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out_file: str) -> None
 
     import wlb_opt as wlb
     import wlb_opt.executor as ex
-
-    from .data import global_batches
+    from wlb_opt.data import global_batches
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -127,16 +128,17 @@ def analyse(gathered: list, pp: int, cost=None) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt bench validate-sim", description=__doc__.splitlines()[0])
     p.add_argument("--pp", type=int, default=2, help="pipeline stages = processes (default 2)")
-    p.add_argument("--n-micro", type=int, default=4)
+    p.add_argument("--n-micro", type=int, default=4, help="micro-batches per step (default 4)")
     p.add_argument("--window", type=int, default=2048, help="tokens per micro-batch (default 2048)")
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--method", default="original", help="packing method (default original: unequal micro-batches)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dim", type=int, default=256, help="model width (default 256)")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks, split over the stages (default 4)")
+    p.add_argument("--steps", type=int, default=4, help="measured steps after one warm-up step (default 4)")
+    p.add_argument("--method", default="original", choices=sorted(PACK_METHODS),
+                   help="packing method (default original: unequal micro-batches)")
+    p.add_argument("--seed", type=int, default=0, help="stream seed (default 0)")
     p.add_argument("--no-predict", action="store_true",
                    help="skip profiling a block here and predicting steps from the cost model")
-    p.add_argument("--out", default="results/validate_sim")
+    p.add_argument("--out", default="results/validate_sim", help="folder for validate_sim.json")
     args = p.parse_args(argv)
     if args.layers < args.pp:
         print(f"--layers ({args.layers}) must be >= --pp ({args.pp})")

@@ -23,22 +23,32 @@ SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376}  # bytes of shared memory pe
 _DTYPE = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 
 
-def _signature(fn, dtype: str, const: dict) -> dict[str, str]:
-    sig = {}
-    for name in fn.arg_names:
+_FP32_POINTERS = ("LSE", "DELTA", "DLSE", "DK", "DV", "DQ_ACC")  # fp32 whatever the input dtype
+
+
+def _signature(fn, dtype: str, const: dict) -> tuple[dict[str, str], dict]:
+    """(signature, attrs) as the JIT sees a launch from launch.py on a GPU: every pointer is
+    16-byte aligned (torch allocations; index parts are padded to 16 bytes) and every
+    specialised integer (the strides) is a multiple of 16, so both carry the
+    ``tt.divisibility = 16`` hint; lengths and head counts are ``do_not_specialize``."""
+    sig, attrs = {}, {}
+    for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
+        hinted = False
         if name in const:
             sig[name] = "constexpr"
         elif name in ("TILES", "KV_TILES", "ENTRIES"):
-            sig[name] = "*i32"
-        elif name in ("LSE", "DELTA", "DLSE"):
-            sig[name] = "*fp32"
+            sig[name], hinted = "*i32", True
+        elif name in _FP32_POINTERS:
+            sig[name], hinted = "*fp32", True
         elif name.isupper():
-            sig[name] = f"*{dtype}"
+            sig[name], hinted = f"*{dtype}", True
         elif name in ("qk_scale", "sm_scale"):
             sig[name] = "fp32"
         else:
-            sig[name] = "i32"
-    return sig
+            sig[name], hinted = "i32", not param.do_not_specialize
+        if hinted:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
 
 
 def _resource_usage(cubin: bytes) -> dict:
@@ -56,8 +66,22 @@ def _resource_usage(cubin: bytes) -> dict:
             "stack_bytes": int(fields.get("STACK", -1))}
 
 
-def check(arch: int = 90, head_dims=(16, 32, 64, 128), dtypes=("bf16", "fp16", "fp32"), group: int = 4) -> list[dict]:
-    """Compile fwd/dq/dkdv for every candidate config; one result dict per compile."""
+SM_SHARED = {90: 233472, 80: 167936, 89: 102400}  # shared memory per SM (bytes)
+SM_REGISTERS = 65536
+
+
+def programs_per_sm(shared_bytes: int, registers: int, num_warps: int, arch: int = 90) -> int:
+    """Programs one SM holds at once: limited by shared memory and by the register file
+    (registers per thread x 32 threads per warp; 1 KiB of shared memory is reserved per block)."""
+    by_shared = SM_SHARED.get(arch, 233472) // (shared_bytes + 1024)
+    by_regs = SM_REGISTERS // max(1, registers * 32 * num_warps) if registers > 0 else by_shared
+    return int(min(by_shared, by_regs, 32))
+
+
+def check(arch: int = 90, head_dims=(64, 128), dtypes=("bf16", "fp16"), group: int = 4) -> list[dict]:
+    """Compile fwd/dq/dkdv (and the atomic-dQ dK/dV of ``deterministic=False``) for every
+    candidate config, as the JIT specialises them; one result dict per compile, with
+    registers, spills (local memory) and shared memory."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter replaces the compiler")
     import triton
@@ -66,7 +90,8 @@ def check(arch: int = 90, head_dims=(16, 32, 64, 128), dtypes=("bf16", "fp16", "
     from . import launch
     from . import triton_kernels as tk
 
-    kernels = {"fwd": tk._fwd_kernel, "dq": tk._dq_kernel, "dkdv": tk._dkdv_kernel}
+    kernels = {"fwd": tk._fwd_kernel, "dq": tk._dq_kernel, "dkdv": tk._dkdv_kernel,
+               "dkdv_atomic": tk._dkdv_kernel}
     rows = []
     for dtype in dtypes:
         for d in head_dims:
@@ -74,16 +99,20 @@ def check(arch: int = 90, head_dims=(16, 32, 64, 128), dtypes=("bf16", "fp16", "
                 for cfg in launch._GPU_CONFIGS[name][d <= 64]:
                     const = dict(GROUP=group, HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                                  PRECISION="ieee" if dtype == "fp32" else "tf32")
+                    if fn is tk._dkdv_kernel:
+                        const["ATOMIC_DQ"] = name == "dkdv_atomic"
                     row = dict(kernel=name, dtype=dtype, head_dim=d, block_m=cfg.block_m,
                                block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
                     try:
-                        src = triton.compiler.ASTSource(fn=fn, signature=_signature(fn, _DTYPE[dtype], const),
-                                                        constexprs=const)
+                        sig, attrs = _signature(fn, _DTYPE[dtype], const)
+                        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
                         out = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
                         row["shared_bytes"] = int(out.metadata.shared)
                         row["fits"] = row["shared_bytes"] <= SHARED_LIMIT.get(arch, 232448)
                         row.update(_resource_usage(out.asm["cubin"]))
+                        row["programs_per_sm"] = programs_per_sm(row["shared_bytes"], row["registers"],
+                                                                 cfg.num_warps, arch)
                     except Exception as exc:  # noqa: BLE001 - reported, not raised
                         row["error"] = f"{type(exc).__name__}: {exc}"[:300]
                     rows.append(row)
@@ -94,8 +123,8 @@ def check(arch: int = 90, head_dims=(16, 32, 64, 128), dtypes=("bf16", "fp16", "
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", type=int, default=90)
-    p.add_argument("--head-dims", type=int, nargs="+", default=[16, 32, 64, 128])
-    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp16", "fp32"], choices=sorted(_DTYPE))
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=sorted(_DTYPE))
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
     rows = check(args.arch, tuple(args.head_dims), tuple(args.dtypes))

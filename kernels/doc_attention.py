@@ -1,6 +1,6 @@
 """Document-masked attention over a segment table: the public ``doc_attention`` function.
 
-Layering (../shared/STYLE.md): ``triton_kernels.py`` (jit kernels) -> ``launch.py``
+Layering (docs/architecture.md, "Kernels"): ``triton_kernels.py`` (jit kernels) -> ``launch.py``
 (launchers, config choice) -> the ``torch.library`` custom ops below, whose autograd
 formula is registered with ``register_autograd`` (the custom-op form of an
 ``autograd.Function``) -> :func:`doc_attention`. The custom ops carry fake (meta)
@@ -45,7 +45,7 @@ def _interpreter_upcast(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 @torch.library.custom_op("wlb_opt::doc_attention_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor,
-            softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+            softmax_scale: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [Tq, Hq, D], lse [Hq, Tq] fp32): Triton forward; ``segments`` is a CPU int tensor."""
     q_, k_, v_ = _interpreter_upcast(q, k, v)
     out, lse = _launch.forward(q_, k_, v_, _segments_np(segments, q, k), softmax_scale)
@@ -53,32 +53,33 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.T
 
 
 @_fwd_op.register_fake
-def _(q, k, v, segments, softmax_scale):
+def _(q, k, v, segments, softmax_scale, deterministic):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("wlb_opt::doc_attention_bwd", mutates_args=())
 def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor, dlse: Optional[torch.Tensor], segments: torch.Tensor,
-            softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) from the split Triton backward; ``dlse`` is the gradient of lse, or None."""
+            softmax_scale: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the Triton backward; ``dlse`` is the gradient of lse, or None."""
     dout_, q_, k_, v_, out_ = _interpreter_upcast(dout, q, k, v, out)
     dlse_ = dlse.contiguous() if dlse is not None else None
     dq, dk, dv = _launch.backward(dout_, q_, k_, v_, out_, lse.contiguous(), dlse_,
-                                  _segments_np(segments, q, k), softmax_scale)
+                                  _segments_np(segments, q, k), softmax_scale, deterministic)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, segments, softmax_scale):
+def _(dout, q, k, v, out, lse, dlse, segments, softmax_scale, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, segments, softmax_scale = inputs
+    q, k, v, segments, softmax_scale, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, segments)
     ctx.softmax_scale = softmax_scale
+    ctx.deterministic = deterministic
     ctx.set_materialize_grads(False)  # an unused lse must not cost a zero tensor and a pass
 
 
@@ -86,8 +87,8 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, segments = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, dlse, segments, ctx.softmax_scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, dlse, segments, ctx.softmax_scale, ctx.deterministic)
+    return dq, dk, dv, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -125,6 +126,7 @@ def doc_attention(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     backend: Literal["auto", "triton", "torch"] = "auto",
+    deterministic: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of query rows over key ranges given by a segment table.
 
@@ -148,6 +150,11 @@ def doc_attention(
             uncovered rows (FlashAttention's varlen layout); it is differentiable.
         backend: "auto" (Triton on CUDA, torch on CPU), "triton" (on CPU only under
             ``TRITON_INTERPRET=1``; head dims 16/32/64/128), or "torch" (per-segment torch).
+        deterministic: True (default): the Triton backward adds every gradient in a fixed
+            order (bitwise reproducible for a given kernel config; see launch.py for pinning
+            configs across ranks). False: dQ is accumulated with fp32 atomics inside the
+            dK/dV kernel (FlashAttention's five-matmul backward, about 30% fewer matmuls;
+            results vary in the last bits between runs). The torch backend ignores it.
 
     Returns:
         ``out [Tq, Hq, D]`` in q's dtype, zeros on rows no segment covers (whose gradients
@@ -175,7 +182,9 @@ def doc_attention(
     if not q.is_cuda and not _launch.interpreting():
         raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before "
                          "the kernels are first used (for CPU tensors); use backend='torch' on CPU")
-    out, lse = _fwd_op(q, k, v, _segments_tensor(segments), scale)
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
+    out, lse = _fwd_op(q, k, v, _segments_tensor(segments), scale, deterministic)
     return (out, lse) if return_lse else out
 
 

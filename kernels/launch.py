@@ -9,13 +9,27 @@ with ``WLB_KERNEL_AUTOTUNE=0`` the first config that compiles is used (pinned, a
 tests need). bf16 under the interpreter is computed in fp32: the interpreter's ``tl.dot``
 multiplies bf16 bit patterns.
 
-Indices for one segment table are uploaded to the device in one copy and cached (a few
-recent tables), so the backward pass of a step reuses the forward's upload.
+Indices for one segment table are uploaded to the device in one copy and cached, so the
+backward pass of a step reuses the forward's upload. The cache key is (BLAKE2b digest of the
+table's bytes, index kind, block_m, block_n, device); it holds the ``_INDEX_CACHE_SIZE``
+(16) most recently used tables (one index each; a CP rank's micro-batch needs one forward
+and one dK/dV index). Every part of an uploaded buffer starts on a 16-byte boundary, the
+alignment Triton specialises pointer arguments on, so a new table (a new length) never
+changes a kernel's specialisation key and never recompiles. On CUDA the host copy is
+pinned and the upload non-blocking, so it does not synchronise the stream.
+
+Pinning configs across ranks: the tuned choices are a dict keyed by (kernel, dtype, head
+dim, GQA group, query and key size buckets), see ``export_tuned``. CP ranks that must run
+identical kernels (bitwise-equal results) either set ``WLB_KERNEL_AUTOTUNE=0`` (first
+candidate everywhere), or tune on one rank, ``export_tuned()`` to JSON, and point every
+rank at the file with ``WLB_KERNEL_CONFIGS=path.json`` (or call ``load_tuned``); a pinned
+bucket is never re-tuned.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import os
 from collections import OrderedDict
@@ -26,6 +40,7 @@ import numpy as np
 import torch
 
 from . import segments as _seg
+from . import work_model as _work
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +79,10 @@ _GPU_CONFIGS: dict[str, dict[bool, list[BlockConfig]]] = {
                BlockConfig(64, 64, 4, 2)],
     },
 }
+# The atomic-dQ dK/dV kernel (deterministic=False) holds one more accumulator block: same
+# candidates, tuned apart; forced_configs(dkdv=...) pins both.
+_GPU_CONFIGS["dkdv_atomic"] = _GPU_CONFIGS["dkdv"]
+_BASE_KERNEL = {"dkdv_atomic": "dkdv"}
 _INTERPRET_CONFIG = BlockConfig(32, 32, 4, 1)
 _FORCED: dict[str, BlockConfig] = {}
 _TUNED: dict[tuple, BlockConfig] = {}
@@ -77,6 +96,44 @@ def interpreting() -> bool:
 
 def _autotune_enabled() -> bool:
     return not interpreting() and os.environ.get("WLB_KERNEL_AUTOTUNE", "1") not in ("", "0")
+
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_PINNED_FROM_ENV = False
+
+
+def _bucket(full_key: tuple) -> str:
+    """A device-independent text key: kernel/dtype/head_dim/group/q_bucket/k_bucket."""
+    kernel, _device, dtype, head_dim, group, q_bucket, k_bucket = full_key
+    return f"{kernel}/{_DTYPE_NAMES.get(dtype, str(dtype))}/{head_dim}/{group}/{q_bucket}/{k_bucket}"
+
+
+def export_tuned() -> dict[str, list[int]]:
+    """The configs chosen so far, as JSON-ready {bucket: [block_m, block_n, warps, stages]}."""
+    return {_bucket(k): [c.block_m, c.block_n, c.num_warps, c.num_stages] for k, c in _TUNED.items()}
+
+
+_PINNED: dict[str, BlockConfig] = {}
+
+
+def load_tuned(configs: dict | str | os.PathLike) -> None:
+    """Pin buckets to configs (a dict from `export_tuned`, or the path of its JSON file)."""
+    if not isinstance(configs, dict):
+        configs = json.loads(open(configs).read())
+    for bucket, cfg in configs.items():
+        if len(bucket.split("/")) != 6 or len(cfg) != 4:
+            raise ValueError(f"pinned config {bucket!r}: {cfg!r} is not 'kernel/dtype/head_dim/group/q/k': "
+                             "[block_m, block_n, num_warps, num_stages]")
+        _PINNED[bucket] = BlockConfig(*(int(x) for x in cfg))
+
+
+def _pinned(full_key: tuple) -> BlockConfig | None:
+    global _PINNED_FROM_ENV
+    if not _PINNED_FROM_ENV:
+        _PINNED_FROM_ENV = True
+        if os.environ.get("WLB_KERNEL_CONFIGS"):
+            load_tuned(os.environ["WLB_KERNEL_CONFIGS"])
+    return _PINNED.get(_bucket(full_key)) if _PINNED else None
 
 
 @contextlib.contextmanager
@@ -95,9 +152,13 @@ def forced_configs(**configs: BlockConfig | tuple[int, int]) -> Iterator[None]:
         _FORCED.update(saved)
 
 
+def _forced(kernel: str) -> BlockConfig | None:
+    return _FORCED.get(kernel) or _FORCED.get(_BASE_KERNEL.get(kernel, kernel))
+
+
 def _candidates(kernel: str, head_dim: int) -> list[BlockConfig]:
-    if kernel in _FORCED:
-        return [_FORCED[kernel]]
+    if _forced(kernel) is not None:
+        return [_forced(kernel)]
     if interpreting():
         return [_INTERPRET_CONFIG]
     return _GPU_CONFIGS[kernel][head_dim <= 64]
@@ -132,7 +193,10 @@ def run_tuned(kernel: str, key: tuple, head_dim: int, launch: Callable[[BlockCon
     """
     cands = _candidates(kernel, head_dim)
     full_key = (kernel,) + key
-    chosen = _TUNED.get(full_key) if kernel not in _FORCED else None
+    forced = _forced(kernel) is not None
+    chosen = None
+    if not forced:
+        chosen = _TUNED.get(full_key) or (None if interpreting() else _pinned(full_key))
     if chosen is not None:
         launch(chosen)
         return chosen
@@ -154,7 +218,7 @@ def run_tuned(kernel: str, key: tuple, head_dim: int, launch: Callable[[BlockCon
         raise RuntimeError(f"no {kernel} config fits this device: " + "; ".join(errors))
     if tune:
         launch(best)  # leave the best config's result in the outputs
-    if kernel not in _FORCED:
+    if not forced:
         _TUNED[full_key] = best
     return best
 
@@ -162,6 +226,25 @@ def run_tuned(kernel: str, key: tuple, head_dim: int, launch: Callable[[BlockCon
 def tune_key(q: torch.Tensor, k: torch.Tensor) -> tuple:
     return (str(q.device), q.dtype, q.shape[-1], q.shape[1] // k.shape[1],
             _pow2(q.shape[0]), _pow2(k.shape[0]))
+
+
+INDEX_ALIGN = 4  # int32 elements = 16 bytes: Triton specialises pointers on 16-byte alignment
+
+
+def pack_index(parts: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, int]]:
+    """One flat int32 buffer holding every part, each starting at a multiple of 16 bytes.
+
+    Returns (buffer, element offset of each part). The tail is padded too, so that no part
+    ends at the buffer's end (a masked load may form, though never use, a pointer past it).
+    """
+    offsets, pos = {}, 0
+    for name, arr in parts.items():
+        offsets[name] = pos
+        pos += -(-arr.size // INDEX_ALIGN) * INDEX_ALIGN
+    flat = np.zeros(pos + INDEX_ALIGN, dtype=np.int32)
+    for name, arr in parts.items():
+        flat[offsets[name]:offsets[name] + arr.size] = arr.reshape(-1)
+    return flat, offsets
 
 
 def device_index(seg: np.ndarray, kind: str, cfg: BlockConfig, device: torch.device) -> dict[str, torch.Tensor]:
@@ -177,16 +260,38 @@ def device_index(seg: np.ndarray, kind: str, cfg: BlockConfig, device: torch.dev
     else:
         tiles, entries = _seg.key_tiles(seg, cfg.block_m, cfg.block_n)
         parts = {"tiles": tiles, "entries": entries}
-    flat = np.concatenate([p.reshape(-1) for p in parts.values()] + [np.zeros(1, np.int32)])
-    buf = torch.from_numpy(flat).to(device, non_blocking=False)
-    out, pos = {}, 0
-    for name, arr in parts.items():
-        out[name] = buf[pos : pos + arr.size].view(arr.shape)
-        pos += arr.size
+    flat, offsets = pack_index(parts)
+    host = torch.from_numpy(flat)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()  # a pinned source lets the copy run asynchronously
+        buf = host.to(device, non_blocking=True)
+    else:
+        buf = host.to(device)
+    out = {name: buf[offsets[name]: offsets[name] + arr.size].view(arr.shape) for name, arr in parts.items()}
     _INDEX_CACHE[key] = out
     if len(_INDEX_CACHE) > _INDEX_CACHE_SIZE:
         _INDEX_CACHE.popitem(last=False)
     return out
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on H100/H200 SXM; 132 assumed off-GPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 132
+
+
+def dkdv_split(seg: np.ndarray, index: dict, cfg: BlockConfig, kv_heads: int, group: int, n_sm: int) -> int:
+    """Shares the dK/dV kernel splits a GQA group's query heads into for this table: the
+    smallest whose modelled launch (kernels/work_model.py, one program per SM) is within 5%
+    of the ideal. Computed once per (table, config, heads, SMs) and kept with the index."""
+    memo = index.setdefault("_split", {})
+    key = (kv_heads, group, n_sm)
+    if key not in memo:
+        work = _work.dkdv_work(seg, cfg.block_m, cfg.block_n)
+        memo[key] = _work.choose_dkdv_split(work, kv_heads, group, n_sm)
+    return memo[key]
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -208,10 +313,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: np.ndarray, 
 
     def launch(cfg: BlockConfig) -> None:
         tiles = device_index(seg, "fwd", cfg, q.device)["tiles"]
-        tk._fwd_kernel[(tiles.shape[0], hq)](
+        tk._fwd_kernel[(tiles.shape[0] * hq,)](
             q, k, v, out, lse, tiles,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), n_q, scale * tk.LOG2E,
+            out.stride(0), out.stride(1), n_q, hq, scale * tk.LOG2E,
             GROUP=group, HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             PRECISION=_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -221,16 +326,22 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: np.ndarray, 
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, dlse: torch.Tensor | None, seg: np.ndarray, scale: float
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (zeros outside every segment): split kernels, deterministic, no atomics."""
+             lse: torch.Tensor, dlse: torch.Tensor | None, seg: np.ndarray, scale: float,
+             deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (zeros outside every segment).
+
+    deterministic (default): a dQ kernel and a dK/dV kernel, no atomics, seven matmuls per
+    block pair, bitwise reproducible for one config. ``deterministic=False``: the dK/dV
+    kernel also adds dQ = dS K into an fp32 buffer with atomics (five matmuls, as
+    FlashAttention-2/3); the sum order of dQ then varies from run to run.
+    """
     from . import triton_kernels as tk
 
     n_q, hq, d = q.shape
     n_k, hkv, _ = k.shape
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq = torch.zeros_like(q)
     if len(seg) == 0 or n_q == 0:
-        return dq, dk, dv
+        return dq, torch.zeros_like(k), torch.zeros_like(v)
     group = hq // hkv
     key = tune_key(q, k)
     delta = torch.empty((hq, n_q), dtype=torch.float32, device=q.device)
@@ -241,31 +352,49 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         HEAD_DIM=d, BLOCK_M=block, HAS_DLSE=dlse is not None,
     )
     prec = _precision(q.dtype)
+    dq_acc = torch.zeros((n_q, hq, d), dtype=torch.float32, device=q.device) if not deterministic else delta
+    n_sm = sm_count(q.device)
+    partial: dict[str, torch.Tensor] = {}
 
     def launch_dq(cfg: BlockConfig) -> None:
         tiles = device_index(seg, "fwd", cfg, q.device)["tiles"]
-        tk._dq_kernel[(tiles.shape[0], hq)](
+        tk._dq_kernel[(tiles.shape[0] * hq,)](
             q, k, v, dout, dq, lse, delta, tiles,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
-            n_q, scale * tk.LOG2E, scale,
+            n_q, hq, scale * tk.LOG2E, scale,
             GROUP=group, HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             PRECISION=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     def launch_dkdv(cfg: BlockConfig) -> None:
         index = device_index(seg, "dkdv", cfg, q.device)
-        tk._dkdv_kernel[(index["tiles"].shape[0], hkv)](
-            q, k, v, dout, dk, dv, lse, delta, index["tiles"], index["entries"],
+        n_tiles = index["tiles"].shape[0]
+        split = dkdv_split(seg, index, cfg, hkv, group, n_sm)
+        dk_part = torch.zeros((split, n_k, hkv, d), dtype=torch.float32, device=q.device)
+        dv_part = torch.zeros_like(dk_part)
+        if not deterministic:
+            dq_acc.zero_()  # a tuning run must not add twice
+        tk._dkdv_kernel[(n_tiles * hkv * split,)](
+            q, k, v, dout, dk_part, dv_part, lse, delta, dq_acc, index["tiles"], index["entries"],
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            n_q, n_k, scale * tk.LOG2E, scale,
+            dout.stride(0), dout.stride(1), dq_acc.stride(0) if not deterministic else 0,
+            dq_acc.stride(1) if not deterministic else 0,
+            dk_part.stride(0), dk_part.stride(1), dk_part.stride(2),
+            n_q, n_k, hkv, split, group // split, scale * tk.LOG2E, scale,
             GROUP=group, HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            PRECISION=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PRECISION=prec, ATOMIC_DQ=not deterministic, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        partial["dk"], partial["dv"] = dk_part, dv_part
 
-    run_tuned("dq", key, d, launch_dq)
-    run_tuned("dkdv", key, d, launch_dkdv)
+    if deterministic:
+        run_tuned("dq", key, d, launch_dq)
+    run_tuned("dkdv" if deterministic else "dkdv_atomic", key, d, launch_dkdv)
+    # the head shares add up in a fixed order (a sum over a leading dim has no atomics)
+    dk = partial["dk"].sum(0).to(k.dtype)
+    dv = partial["dv"].sum(0).to(v.dtype)
+    if not deterministic:
+        dq = dq_acc.to(q.dtype)
     return dq, dk, dv
 
 

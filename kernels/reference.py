@@ -1,6 +1,6 @@
 """Torch implementations of document-masked attention over a segment table.
 
-Two slow, obviously-correct twins of the Triton kernel (../shared/STYLE.md: every fast path
+Two slow, obviously-correct twins of the Triton kernel (docs/architecture.md: every fast path
 has one):
 
 * :func:`attention_reference` builds the whole ``[Tq, Tk]`` boolean mask and runs dense

@@ -1,6 +1,6 @@
 """Segment tables on the host: validation, tile indices for the kernels, FLOP accounting.
 
-A segment table (../shared/DESIGN.md, "The segment table") is an int array of rows
+A segment table (docs/architecture.md, "The segment table") is an int array of rows
 ``(q_start, q_len, k_start, k_len)``: query rows ``[q_start, q_start + q_len)`` attend to key
 rows ``[k_start, k_start + k_len)``, causally aligned bottom-right, so query row ``i`` of the
 segment sees keys ``k_start .. k_start + k_len - q_len + i``. Everything here is numpy only

@@ -13,14 +13,19 @@ q_start``: query row r sees key j iff ``k_start <= j <= r + off`` (bottom-right 
                  x x x x x x x x x x x x x x . .
     q_end-1      x x x x x x x x x x x x x x x x      (all k_len keys)
 
-A forward/dQ program owns one (segment, query tile) and one query head. Its key loop runs
+A forward/dQ program owns one (segment, query tile) and one query head; programs form one
+flat list, heaviest tile first and, within a tile, the query heads side by side (so the
+heaviest work of every head starts first and a GQA group shares its K/V tiles in L2). Its key loop runs
 from k_start in two parts: tiles every row of the tile sees in full (no mask work), then the
 few tiles that straddle the diagonal (masked). A dK/dV program owns one aligned key tile and
-one KV head; it walks the transposed index (segments reading that tile), and for each the
-query rows in masked blocks near the diagonal, then unmasked blocks, summing over the query
-heads of its GQA group. Every output element is written by exactly one program, in a fixed
-order: deterministic, no atomics. Every load is masked to the rows of its own segment, so
-nothing is read out of bounds.
+one KV head (and, when a batch has too few key tiles for two waves of programs, one share
+of its GQA group's query heads); it walks the transposed index (segments reading that
+tile), and for each the query rows in masked blocks near the diagonal, then unmasked
+blocks, summing over its query heads. Every output element is written by exactly one
+program, in a fixed order, and the head shares are added in a fixed order: deterministic,
+no atomics. The opt-in ``deterministic=False`` path instead computes dQ inside the dK/dV
+kernel with fp32 atomics (FlashAttention's five matmuls instead of seven). Every load is
+masked to the rows of its own segment, so nothing is read out of bounds.
 
 Softmax runs in base 2 (scores are pre-multiplied by scale * log2(e)). The stored
 log-sum-exp is natural-log, ``[Hq, Tq]``, fp32, as FlashAttention's varlen API returns it.
@@ -49,16 +54,23 @@ def _row6(TABLE, i):
             tl.load(base + 5))
 
 
-@triton.jit(do_not_specialize=["n_q"])
+@triton.jit
+def _tile_and_head(n_heads):
+    """(tile, head) of this program in the flat work list: the head varies fastest, so the
+    heaviest tile runs first for every head and a GQA group's heads run side by side."""
+    pid = tl.program_id(0)
+    return pid // n_heads, pid % n_heads
+
+
+@triton.jit(do_not_specialize=["n_q", "n_heads"])
 def _fwd_kernel(
     Q, K, V, O, LSE, TILES,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    n_q, qk_scale,
+    n_q, n_heads, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
+    tile, head = _tile_and_head(n_heads)
     kv_head = head // GROUP
     q0, q_end, off, k_start, full_end, k_end = _row6(TILES, tile)
 
@@ -130,17 +142,16 @@ def _delta_kernel(
     tl.store(DELTA + lse_ptrs, delta, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["n_q"])
+@triton.jit(do_not_specialize=["n_q", "n_heads"])
 def _dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, TILES,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dqt, stride_dqh,
-    n_q, qk_scale, sm_scale,
+    n_q, n_heads, qk_scale, sm_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
+    tile, head = _tile_and_head(n_heads)
     kv_head = head // GROUP
     q0, q_end, off, k_start, full_end, k_end = _row6(TILES, tile)
 
@@ -185,14 +196,17 @@ def _dq_kernel(
 
 @triton.jit
 def _dkdv_block(
-    dk, dv, k_tile, v_tile, cols, Q, DO, LSE, DELTA, r, q_end, k_start, k_stop, off, head,
-    stride_qt, stride_qh, stride_dot, stride_doh, n_q, qk_scale,
+    dk, dv, k_tile, v_tile, cols, Q, DO, LSE, DELTA, DQ_ACC, r, q_end, k_start, k_stop, off, head,
+    stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh, n_q, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
 ):
-    """Add one block of query rows [r, r + BLOCK_M) of one query head to dK, dV of a key tile.
+    """Add one block of query rows [r, r + BLOCK_M) of one query head to dK, dV of a key tile
+    (and, with ATOMIC_DQ, its dQ contribution to the fp32 accumulator DQ_ACC).
 
     Works on transposed scores ([BLOCK_N keys, BLOCK_M rows], as the Triton tutorial does), so
-    every product has the key tile as its M side and no register tensor is transposed.
+    the four deterministic products have the key tile as their M side; the fifth (dQ = dS K,
+    FlashAttention's structure) transposes dS once and adds atomically.
     """
     rows = r + tl.arange(0, BLOCK_M)
     row_ok = rows < q_end
@@ -215,20 +229,32 @@ def _dkdv_block(
     dp_t = tl.dot(v_tile, tl.trans(do), input_precision=PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
     dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)
+    if ATOMIC_DQ:
+        dq = tl.dot(tl.trans(ds_t).to(k_tile.dtype), k_tile, input_precision=PRECISION) * sm_scale
+        dq_ptrs = DQ_ACC + r64[:, None] * stride_dqt + head * stride_dqh + dims[None, :]
+        tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None], sem="relaxed")
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["n_q", "n_k"])
+@triton.jit(do_not_specialize=["n_q", "n_k", "n_kv_heads", "n_split", "heads_per_split"])
 def _dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, KV_TILES, ENTRIES,
+    Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC, KV_TILES, ENTRIES,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    n_q, n_k, qk_scale, sm_scale,
+    stride_dot, stride_doh, stride_dqt, stride_dqh, stride_ds, stride_dt, stride_dh,
+    n_q, n_k, n_kv_heads, n_split, heads_per_split, qk_scale, sm_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    """One program: one key tile, one KV head, one share of the GQA group's query heads.
+
+    DK and DV are fp32 partial sums [n_split, Tk, Hkv, D]; the launcher adds the shares in a
+    fixed order (deterministic). Splitting the group keeps short batches at >= 2 waves.
+    """
+    pid = tl.program_id(0)
+    per_tile = n_kv_heads * n_split
+    tile = pid // per_tile
+    kv_head = (pid % per_tile) // n_split
+    split = pid % n_split
     k0 = tl.load(KV_TILES + tile * 3 + 0)
     e_lo = tl.load(KV_TILES + tile * 3 + 1)
     e_hi = tl.load(KV_TILES + tile * 3 + 2)
@@ -241,25 +267,26 @@ def _dkdv_kernel(
     v_tile = tl.load(V + c64 * stride_vt + kv_head * stride_vh + dims[None, :], mask=col_ok[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    g_lo = split * heads_per_split
 
     for e in range(e_lo, e_hi):
         r0, r_mid, q_end, k_start, k_stop, off = _row6(ENTRIES, e)
-        for g in range(GROUP):
+        for g in range(g_lo, g_lo + heads_per_split):
             head = kv_head * GROUP + g
             for r in range(r0, r_mid, BLOCK_M):
                 dk, dv = _dkdv_block(
-                    dk, dv, k_tile, v_tile, cols, Q, DO, LSE, DELTA, r, q_end, k_start, k_stop, off,
-                    head, stride_qt, stride_qh, stride_dot, stride_doh, n_q, qk_scale,
-                    HEAD_DIM, BLOCK_M, True, PRECISION,
+                    dk, dv, k_tile, v_tile, cols, Q, DO, LSE, DELTA, DQ_ACC, r, q_end, k_start, k_stop, off,
+                    head, stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh, n_q, qk_scale,
+                    sm_scale, HEAD_DIM, BLOCK_M, True, PRECISION, ATOMIC_DQ,
                 )
             for r in range(r_mid, q_end, BLOCK_M):
                 dk, dv = _dkdv_block(
-                    dk, dv, k_tile, v_tile, cols, Q, DO, LSE, DELTA, r, q_end, k_start, k_stop, off,
-                    head, stride_qt, stride_qh, stride_dot, stride_doh, n_q, qk_scale,
-                    HEAD_DIM, BLOCK_M, False, PRECISION,
+                    dk, dv, k_tile, v_tile, cols, Q, DO, LSE, DELTA, DQ_ACC, r, q_end, k_start, k_stop, off,
+                    head, stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh, n_q, qk_scale,
+                    sm_scale, HEAD_DIM, BLOCK_M, False, PRECISION, ATOMIC_DQ,
                 )
 
     dk = dk * sm_scale
-    tl.store(DK + c64 * stride_dkt + kv_head * stride_dkh + dims[None, :], dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(DV + c64 * stride_dvt + kv_head * stride_dvh + dims[None, :], dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
-
+    out = split.to(tl.int64) * stride_ds + c64 * stride_dt + kv_head * stride_dh + dims[None, :]
+    tl.store(DK + out, dk, mask=col_ok[:, None])
+    tl.store(DV + out, dv, mask=col_ok[:, None])

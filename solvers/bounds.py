@@ -44,19 +44,20 @@ def largest_item_bound(weights) -> float:
     return float(w.max()) if w.size else 0.0
 
 
+def _pigeonhole(desc: np.ndarray, m: int):
+    """max over k >= 1 of desc[k*m - k : k*m + 1].sum() for weights sorted descending (float
+    or integer, the result has their dtype); 0 when there are fewer than m + 1 items."""
+    csum = np.concatenate([np.zeros(1, dtype=desc.dtype), np.cumsum(desc)])
+    k = np.arange(1, (len(desc) - 1) // m + 1)  # every k with k*m + 1 <= len(desc)
+    if k.size == 0:
+        return desc.dtype.type(0)
+    return (csum[k * m + 1] - csum[k * m - k]).max()  # positions [k*m - k, k*m + 1): k+1 items
+
+
 def pigeonhole_bound(weights, n_bins: int) -> float:
     """max over k >= 1 of the sum of sorted_desc[k*m - k : k*m + 1] (the k+1 smallest of the
     k*m+1 largest items); k = 1 is the classical m-th + (m+1)-th largest."""
-    w = np.sort(_as_weights(weights))[::-1]
-    m = _check_bins(n_bins)
-    best = 0.0
-    csum = np.concatenate([[0.0], np.cumsum(w)])
-    k = 1
-    while k * m + 1 <= len(w):
-        hi, lo = k * m + 1, k * m - k  # positions [lo, hi) of the sorted list: k+1 items
-        best = max(best, float(csum[hi] - csum[lo]))
-        k += 1
-    return best
+    return float(_pigeonhole(np.sort(_as_weights(weights))[::-1], _check_bins(n_bins)))
 
 
 def makespan_lower_bound(weights, n_bins: int, bin_const: float = 0.0) -> float:
@@ -72,15 +73,9 @@ def integer_makespan_lower_bound(weights_int: np.ndarray, n_bins: int) -> int:
     m = _check_bins(n_bins)
     if w.size == 0:
         return 0
-    mean = -(-int(w.sum()) // m)
     ws = np.sort(w)[::-1]
-    csum = np.concatenate([[0], np.cumsum(ws)])
-    pig = 0
-    k = 1
-    while k * m + 1 <= len(ws):
-        pig = max(pig, int(csum[k * m + 1] - csum[k * m - k]))
-        k += 1
-    return max(mean, int(ws[0]), pig)
+    mean = -(-int(w.sum()) // m)
+    return max(mean, int(ws[0]), int(_pigeonhole(ws, m)))
 
 
 def min_placed_weight(lengths, weights, tokens: int) -> float:

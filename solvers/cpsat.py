@@ -12,6 +12,11 @@ Model (d-krupke/cpsat-primer order: data, variables, constraints, objective, sol
   placed tokens >= the phase-1 value and minimise T (phase 2);
 - the start plan (`wlb_ls`, or options["hint"]) is the solution hint of both phases.
 
+The phases themselves (time split, skipping phase 2 when the start meets the bound, the
+fallback to the start, the status words) are exact_common.solve_lex; this file supplies the
+CP-SAT model (`_Model`, a LexModel) and its bound: the solver's best objective bound / scale,
+never below the float bound of bounds.py.
+
 Options (PackProblem.options, see exact_common.ExactOptions): allow_defer, deterministic (one
 worker, `max_deterministic_time` = time_limit), hint, num_workers, gap_limit, phase1_share.
 """
@@ -23,7 +28,7 @@ import numpy as np
 
 from .._optional import require
 from .bounds import integer_makespan_lower_bound, placed_load_bound
-from .exact_common import ExactData, bins_to_assignment, plan_from_assignment, prepare, start_is_complete
+from .exact_common import ExactData, LexPlan, PhaseSolve, PlanSource, prepare, read_assignment, solve_lex, variable_rows
 from .problem import PackProblem, PackResult
 
 SCALE_TARGET = 1e7
@@ -31,30 +36,31 @@ SCALE_TARGET = 1e7
 
 
 class _Model:
-    """The CP-SAT model of one instance; built once, solved in one or two phases."""
+    """The CP-SAT model of one instance; built once, solved in one or two phases (LexModel)."""
 
-    def __init__(self, cp_model, data: ExactData, w_int: np.ndarray):
+    name = "cpsat"
+
+    def __init__(self, cp_model, data: ExactData, scale: float):
         p = data.problem
         self.cp_model = cp_model
         self.data = data
-        self.m = p.n_bins
+        self.scale = scale
+        self.w_int = np.floor(p.weights * scale).astype(np.int64)
         self.model = cp_model.CpModel()
         model = self.model
-        n, m, cap = p.n_items, p.n_bins, int(p.max_tokens)
+        m, cap = p.n_bins, int(p.max_tokens)
         lengths = p.lengths.tolist()
-        w = w_int.tolist()
+        w = self.w_int.tolist()
         # variables
-        self.x: list[list] = []
+        self.x = variable_rows(data, lambda i, b: model.new_bool_var(f"x{i}_{b}"))
+        # constraints
         per_bin_w: list[list] = [[] for _ in range(m)]
         per_bin_l: list[list] = [[] for _ in range(m)]
         per_bin_v: list[list] = [[] for _ in range(m)]
         placed_terms_v, placed_terms_c = [], []
-        for i in range(n):
-            if lengths[i] > cap:
-                self.x.append([])
+        for i, row in enumerate(self.x):
+            if not row:
                 continue
-            row = [model.new_bool_var(f"x{i}_{b}") for b in range(int(data.max_bin[i]) + 1)]
-            self.x.append(row)
             if data.mandatory[i]:
                 model.add_exactly_one(row)
             else:
@@ -70,25 +76,59 @@ class _Model:
         for b in range(m):
             model.add(cp_model.LinearExpr.weighted_sum(per_bin_v[b], per_bin_l[b]) <= cap)
             self.loads.append(cp_model.LinearExpr.weighted_sum(per_bin_v[b], per_bin_w[b]))
-        self.total_w = int(sum(w))
         self.T = None
 
-    def add_makespan(self, lb: int, ub: int) -> None:
+    # ---------------------------------------------------------------- LexModel
+    def maximize_placed(self, start: np.ndarray | None, time_limit: float) -> PhaseSolve:
+        self.model.maximize(self.placed)
+        if start is not None:
+            self._hint(start)
+        run = self._solve(time_limit)
+        self.model.clear_objective()
+        return run
+
+    def add_makespan(self, placed_tokens: int, start: np.ndarray | None) -> tuple[float, float]:
+        p, m, w_int = self.data.problem, self.data.problem.n_bins, self.w_int
+        if self.data.options.allow_defer:
+            self.model.add(self.placed >= placed_tokens)
+            # The bound on floored integer costs, computed on those integers (a float bound scaled
+            # up would not be valid for them).
+            lb = int(np.ceil(placed_load_bound(p.lengths, w_int.astype(np.float64), m, placed_tokens) - 1e-6))
+        else:
+            lb = integer_makespan_lower_bound(w_int, m)
+        ub = max(int(w_int[start == b].sum()) for b in range(m)) if start is not None else int(w_int.sum())
+        lb = max(0, min(lb, ub))
         self.T = self.model.new_int_var(lb, max(lb, ub), "T")
         for load in self.loads:
             self.model.add(self.T >= load)
+        self.model.minimize(self.T)
+        if start is not None:
+            self._hint(start)
+        return lb, ub
 
-    def hint(self, assign: np.ndarray, w_int: np.ndarray) -> None:
+    def minimize_makespan(self, start: np.ndarray | None, time_limit: float) -> PhaseSolve:
+        return self._solve(time_limit)
+
+    def bound(self, plan: LexPlan) -> tuple[float, str]:
+        # bound / scale is valid in seconds: flooring never overstates a cost.
+        bound_int = int(plan.phase2.bound) if plan.source is PlanSource.SOLVER else plan.lower
+        p = self.data.problem
+        return max(bound_int / self.scale + p.bin_const, self.data.lower_bound(plan.placed_tokens)), ""
+
+    # ---------------------------------------------------------------- helpers
+    def _hint(self, assign: np.ndarray) -> None:
         self.model.clear_hints()
         for i, row in enumerate(self.x):
             for b, v in enumerate(row):
                 self.model.add_hint(v, int(assign[i] == b))
         if self.T is not None:
-            loads = [int(w_int[assign == b].sum()) for b in range(self.m)]
+            loads = [int(self.w_int[assign == b].sum()) for b in range(self.data.problem.n_bins)]
             self.model.add_hint(self.T, max(loads) if loads else 0)
 
-    def solve(self, time_limit: float, opts, seed: int):
-        solver = self.cp_model.CpSolver()
+    def _solve(self, time_limit: float) -> PhaseSolve:
+        """Solve the model as it stands (objective and hint set by the phase)."""
+        cp_model, opts, seed = self.cp_model, self.data.options, self.data.problem.seed
+        solver = cp_model.CpSolver()
         prm = solver.parameters
         if opts.deterministic:
             prm.num_workers = 1
@@ -103,16 +143,12 @@ class _Model:
         prm.log_search_progress = False
         t0 = time.perf_counter()
         status = solver.solve(self.model)
-        return solver, status, time.perf_counter() - t0
-
-    def read(self, solver) -> np.ndarray:
-        assign = np.full(len(self.x), -1, dtype=np.int64)
-        for i, row in enumerate(self.x):
-            for b, v in enumerate(row):
-                if solver.boolean_value(v):
-                    assign[i] = b
-                    break
-        return assign
+        dt = time.perf_counter() - t0
+        found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+        return PhaseSolve(status=solver.status_name(status).lower(),
+                          assign=read_assignment(self.x, solver.boolean_value) if found else None,
+                          proven=status == cp_model.OPTIMAL, infeasible=status == cp_model.INFEASIBLE,
+                          bound=float(solver.best_objective_bound) if found else None, solve_s=dt)
 
 
 def solve(problem: PackProblem) -> PackResult:
@@ -120,90 +156,8 @@ def solve(problem: PackProblem) -> PackResult:
     cp_model = require("ortools.sat.python.cp_model", "method='cpsat'")
     t_build = time.perf_counter()
     data = prepare(problem)
-    p, opts = problem, data.options
-    n, m = p.n_items, p.n_bins
-    complete = start_is_complete(data)
-    start_assign = bins_to_assignment(data.start.bins, n)
-    start_w = p.loads(data.start.bins).max() - p.bin_const if m else 0.0
-    total_w = float(p.weights.sum())
-    ref = start_w if complete and start_w > 0 else total_w
+    ref = data.reference_cost()
     scale = SCALE_TARGET / ref if ref > 0 else 1.0
-    w_int = np.floor(p.weights * scale).astype(np.int64)
-    model = _Model(cp_model, data, w_int)
-    build_s = time.perf_counter() - t_build
-    solve_s = 0.0
-    extra: dict = {"start": data.start.status, "start_objective": data.start_key[1],
-                   "start_placed": -data.start_key[0], "num_workers": opts.workers()}
-
-    # Phase 1 (allow_defer): maximise placed tokens, unless the start already places the maximum.
-    placed_target = -data.start_key[0]
-    phase1_status = "not needed"
-    assign = start_assign if complete else None
-    budget = float(p.time_limit)
-    if opts.allow_defer and placed_target < data.placeable:
-        model.model.maximize(model.placed)
-        if assign is not None:
-            model.hint(assign, w_int)
-        limit1 = budget * opts.phase1_share
-        solver, status, dt = model.solve(limit1, opts, p.seed)
-        solve_s += dt
-        budget = max(budget - dt, 0.05 * float(p.time_limit))
-        phase1_status = solver.status_name(status).lower()
-        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            cand = model.read(solver)
-            got = int(p.lengths[cand >= 0].sum())
-            if got > placed_target or assign is None:
-                assign, placed_target = cand, got
-        extra["phase1_bound_tokens"] = min(data.placeable, int(solver.best_objective_bound)) if status in (
-            cp_model.OPTIMAL, cp_model.FEASIBLE) else data.placeable
-        model.model.clear_objective()
-        placed_proven = status == cp_model.OPTIMAL
-    else:
-        placed_proven = True
-    extra["phase1"] = phase1_status
-
-    # Phase 2: minimise the largest load among plans placing >= placed_target tokens.
-    t1 = time.perf_counter()
-    if opts.allow_defer:
-        model.model.add(model.placed >= placed_target)
-        # The bound on floored integer costs, computed on those integers (a float bound scaled
-        # up would not be valid for them).
-        lb_int = int(np.ceil(placed_load_bound(p.lengths, w_int.astype(np.float64), m, placed_target) - 1e-6))
-    else:
-        lb_int = integer_makespan_lower_bound(w_int, m)
-    if assign is not None:
-        ub_int = max(int(w_int[assign == b].sum()) for b in range(m))
-    else:
-        ub_int = int(w_int.sum())
-    lb_int = max(0, min(lb_int, ub_int))
-    model.add_makespan(lb_int, ub_int)
-    model.model.minimize(model.T)
-    if assign is not None:
-        model.hint(assign, w_int)
-    build_s += time.perf_counter() - t1
-    if assign is not None and lb_int >= ub_int - opts.gap_limit * ub_int:
-        # The start is within gap_limit of the lower bound: nothing left to prove.
-        status_name, bound_int, sol = "optimal", lb_int, assign
-        extra["phase2"] = "start meets the lower bound"
-    else:
-        solver, status, dt = model.solve(budget, opts, p.seed)
-        solve_s += dt
-        status_name = solver.status_name(status).lower()
-        extra["phase2"] = status_name
-        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            sol = model.read(solver)
-            bound_int = int(solver.best_objective_bound)
-        elif assign is not None:
-            sol, bound_int, status_name = assign, lb_int, "feasible (start; no better plan found in time)"
-        else:
-            raise ValueError(f"cpsat found no plan that places every document within time_limit={p.time_limit} s "
-                             f"({status_name}); raise time_limit or pass allow_defer=True")
-    bins, deferred = plan_from_assignment(data, sol, m, extra)
-
-    bound = max(bound_int / scale + p.bin_const, data.lower_bound(placed_target))
-    bound = min(bound, float(p.loads(bins).max()) if m else bound)  # float round-off only
-    status = {"optimal": "optimal", "feasible": "feasible"}.get(status_name, status_name)
-    if opts.allow_defer and not placed_proven:
-        status += " (placed tokens not proven maximal)"
-    return PackResult(bins=bins, deferred=deferred, status=status, bound=bound, scale=scale,
-                      build_s=build_s, solve_s=solve_s, extra=extra)
+    model = _Model(cp_model, data, scale)
+    return solve_lex(data, model, scale=scale, build_s=time.perf_counter() - t_build,
+                     extra={"num_workers": data.options.workers()})

@@ -12,22 +12,30 @@ This module fixes, for both models:
 - the symmetry breaking: items sorted by weight, descending (stable); the item of rank r may
   only use bins 0..r. Any plan can be relabelled to satisfy it (number bins in the order their
   first item appears), so no optimum is cut off; `canonical_bins` does that relabelling for
-  hints;
+  hints, `variable_rows` creates the 0/1 variables it allows;
 - the heuristic start (`wlb_ls`, or the user's `hint`), which bounds the makespan from above
   and is passed to the solver as a hint;
+- the two-phase driver `solve_lex`: phase 1 (allow_defer, unless the start already places
+  every placeable token) maximises placed tokens, phase 2 minimises the largest load among
+  plans placing at least that many, skipped when the start already meets the lower bound
+  (`PlanSource.START_MEETS_BOUND`). A solver supplies the model through `LexModel`;
 - the final choice: a solver result is kept only if it is lexicographically no worse than
   the hint in exact float arithmetic, so an exact method never returns worse than its start.
 """
 from __future__ import annotations
 
+import enum
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from .bounds import check_capacity, makespan_lower_bound, max_placeable_tokens, placed_load_bound
 from .local_search import wlb_local_search
-from .problem import PackProblem, PackResult
+from .problem import PackProblem, PackResult, assignment_to_bins, bins_to_assignment
 
 _KNOWN = {"allow_defer", "deterministic", "hint", "num_workers", "gap_limit", "phase1_share", "max_iter"}
 
@@ -102,13 +110,6 @@ def validate_hint(problem: PackProblem, bins, allow_defer: bool) -> np.ndarray:
     return deferred
 
 
-def lex_key(problem: PackProblem, bins, deferred) -> tuple[int, float]:
-    """(-placed tokens, largest load): smaller is better."""
-    placed = int(problem.lengths.sum()) - int(problem.lengths[np.asarray(deferred, dtype=np.int64)].sum())
-    loads = problem.loads(bins)
-    return -placed, float(loads.max()) if len(loads) else 0.0
-
-
 @dataclass
 class ExactData:
     """Everything a model builder needs, in the symmetry-breaking item order."""
@@ -124,6 +125,10 @@ class ExactData:
     start: PackResult
     """The heuristic (or user) start, relabelled to respect max_bin."""
     start_key: tuple[int, float]
+    """`PackProblem.lex_key` of the start: (-placed tokens, largest load)."""
+    start_assign: np.ndarray | None
+    """The start as a bin index per item (-1 = deferred), or None when it defers an item
+    that must be placed (then it is no plan of the model: neither hint nor fallback)."""
     placeable: int
     """Upper bound on placed tokens (all items when allow_defer is False)."""
 
@@ -134,6 +139,13 @@ class ExactData:
             return makespan_lower_bound(p.weights, p.n_bins, p.bin_const)
         tokens = self.placeable if placed_tokens is None else placed_tokens
         return placed_load_bound(p.lengths, p.weights, p.n_bins, tokens, p.bin_const)
+
+    def reference_cost(self) -> float:
+        """Seconds that the solver's cost unit is set from: the largest bin cost of the start
+        without bin_const, or the total weight when there is no usable start (or it is 0)."""
+        p = self.problem
+        start_w = float(p.loads(self.start.bins).max() - p.bin_const) if p.n_bins else 0.0
+        return start_w if self.start_assign is not None and start_w > 0 else float(p.weights.sum())
 
 
 def canonical_bins(bins, rank: np.ndarray, m: int) -> list[np.ndarray]:
@@ -175,8 +187,11 @@ def prepare(problem: PackProblem) -> ExactData:
         lengths = problem.lengths.copy()
         lengths[too_long] = 0
         placeable = max_placeable_tokens(lengths, m, problem.max_tokens)
+    deferred = np.asarray(start.deferred, dtype=np.int64)
+    complete = not mandatory[deferred].any() if deferred.size else True
     return ExactData(problem=problem, options=opts, order=order, max_bin=max_bin, mandatory=mandatory,
-                     start=start, start_key=lex_key(problem, start.bins, start.deferred), placeable=placeable)
+                     start=start, start_key=problem.lex_key(start.bins, start.deferred),
+                     start_assign=bins_to_assignment(start.bins, n) if complete else None, placeable=placeable)
 
 
 def _first_fit_start(problem: PackProblem) -> PackResult:
@@ -198,42 +213,194 @@ def _first_fit_start(problem: PackProblem) -> PackResult:
     return PackResult(bins=[np.asarray(b, dtype=np.int64) for b in bins], deferred=np.asarray(deferred, dtype=np.int64))
 
 
-def assignment_to_bins(assign: np.ndarray, m: int) -> tuple[list[np.ndarray], np.ndarray]:
-    """Bin index per item (-1 = deferred) -> (bins, deferred)."""
-    bins = [np.flatnonzero(assign == b).astype(np.int64) for b in range(m)]
-    return bins, np.flatnonzero(assign < 0).astype(np.int64)
 
 
-def bins_to_assignment(bins, n: int) -> np.ndarray:
-    assign = np.full(n, -1, dtype=np.int64)
-    for b, items in enumerate(bins):
-        assign[np.asarray(items, dtype=np.int64)] = b
-    return assign
-
-
-def start_is_complete(data: ExactData) -> bool:
-    """Whether the start places every item it must (when allow_defer is False: all)."""
-    deferred = np.asarray(data.start.deferred, dtype=np.int64)
-    return not data.mandatory[deferred].any() if deferred.size else True
-
-
-def plan_from_assignment(data: ExactData, assign: np.ndarray, m: int, extra: dict) -> tuple[list, np.ndarray]:
-    """A solver's assignment as (bins, deferred), or the start plan when it is better
-    (then extra["kept_start"] = True). Shared by the CP-SAT and MILP models."""
-    bins, deferred = assignment_to_bins(assign, m)
-    bins, deferred, used_start = pick_better(data, bins, deferred)
-    if used_start:
+def plan_from_assignment(data: ExactData, assign: np.ndarray, extra: dict) -> tuple[list, np.ndarray]:
+    """A solver's assignment as (bins, deferred), or the start plan when the start is
+    lexicographically better (in float costs: scaling can make an integer optimum slightly
+    worse); then extra["kept_start"] = True."""
+    bins, deferred = assignment_to_bins(assign, data.problem.n_bins)
+    if data.start_assign is not None and data.start_key < data.problem.lex_key(bins, deferred):
         extra["kept_start"] = True
+        return data.start.bins, np.asarray(data.start.deferred, dtype=np.int64)
     return bins, deferred
 
 
-def pick_better(data: ExactData, bins, deferred) -> tuple[list, np.ndarray, bool]:
-    """The solver's plan, or the start when the start is lexicographically better (in float
-    costs: scaling can make an integer optimum slightly worse). Returns (bins, deferred,
-    used_start)."""
-    if bins is None:
-        return data.start.bins, np.asarray(data.start.deferred, dtype=np.int64), True
-    key = lex_key(data.problem, bins, deferred)
-    if start_is_complete(data) and data.start_key < key:
-        return data.start.bins, np.asarray(data.start.deferred, dtype=np.int64), True
-    return bins, np.asarray(deferred, dtype=np.int64), False
+# ------------------------------------------------------------------ model variables
+Var = TypeVar("Var")
+
+
+def variable_rows(data: ExactData, new_var: Callable[[int, int], Var]) -> list[list[Var]]:
+    """Per item position i, the 0/1 variables x[i, b] = new_var(i, b) for the bins it may use,
+    0..max_bin[i] (the symmetry breaking); none for an item longer than max_tokens (it can
+    only be deferred, allow_defer only)."""
+    p = data.problem
+    cap = int(p.max_tokens)
+    return [[new_var(i, b) for b in range(int(data.max_bin[i]) + 1)] if int(p.lengths[i]) <= cap else []
+            for i in range(p.n_items)]
+
+
+def read_assignment(rows: list[list[Var]], chosen: Callable[[Var], bool]) -> np.ndarray:
+    """Bin index per item (-1 = deferred) from the variables of `variable_rows`: the first bin
+    whose variable the solver set (`chosen`)."""
+    assign = np.full(len(rows), -1, dtype=np.int64)
+    for i, row in enumerate(rows):
+        assign[i] = next((b for b, v in enumerate(row) if chosen(v)), -1)
+    return assign
+
+
+# ------------------------------------------------------------------ the two-phase driver
+class PlanSource(enum.Enum):
+    """Where the plan of phase 2 (smallest largest load) comes from. The values are the words
+    recorded in extra["phase2"] when the solver did not run."""
+
+    START_MEETS_BOUND = "start meets the lower bound"
+    """The start is within gap_limit of the lower bound: optimal, the solver is not run."""
+    SOLVER = "solver"
+    """The solver's best plan (proven optimal or not: LexPlan.status)."""
+    START_KEPT = "start kept"
+    """The solver found no plan in time; the start (a complete plan) is returned."""
+
+
+START_KEPT_STATUS = "feasible (start; no better plan found in time)"
+"""The status of a plan that is the start because the solver found none in time."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PhaseSolve:
+    """What one solver run of one phase found, in the solver's own terms."""
+
+    status: str
+    """The solver's status words, recorded as extra["phase1"] / extra["phase2"]."""
+    assign: np.ndarray | None
+    """Bin index per item (-1 = deferred) of the best plan found; None when it found none."""
+    proven: bool
+    """The plan is proven optimal for the phase's objective (within gap_limit)."""
+    infeasible: bool = False
+    """The solver proved that the phase has no plan at all."""
+    bound: float | None = None
+    """The solver's bound on the phase's objective, in its units (phase 1: at most this many
+    tokens; phase 2: a largest load of at least this), when it reports one."""
+    solve_s: float = 0.0
+    """Seconds inside the solver."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LexPlan:
+    """The driver's final plan, handed to `LexModel.bound` to find its lower bound."""
+
+    bins: list
+    deferred: np.ndarray
+    source: PlanSource
+    status: str
+    """"optimal", "feasible" or START_KEPT_STATUS; the solver appends where its bound is from."""
+    lower: float
+    """The phase-2 lower bound on the largest load, in solver units (`LexModel.add_makespan`)."""
+    phase2: PhaseSolve | None
+    """The phase-2 solver run; None when the start met the bound."""
+    placed_tokens: int
+    """The phase-2 plans place at least this many tokens (the phase-1 result)."""
+
+
+class LexModel(Protocol):
+    """The solver side of `solve_lex`: one exact model (CP-SAT, PuLP), built and solved in
+    solver units (integer or normalised costs, `scale` units per second)."""
+
+    name: str
+    """How error messages name the solver ("cpsat", "milp (cbc)")."""
+
+    def maximize_placed(self, start: np.ndarray | None, time_limit: float) -> PhaseSolve:
+        """Phase 1: build and solve the model that places the most tokens, from the hint
+        `start` (an assignment; None: no hint)."""
+        ...
+
+    def add_makespan(self, placed_tokens: int, start: np.ndarray | None) -> tuple[float, float]:
+        """Phase 2, build: minimise the largest load over plans placing >= placed_tokens (with
+        allow_defer), hint `start`. Returns (lower, upper) bounds on that objective in
+        solver units; upper is the load of `start` when there is one."""
+        ...
+
+    def minimize_makespan(self, start: np.ndarray | None, time_limit: float) -> PhaseSolve:
+        """Phase 2, solve the model of `add_makespan`."""
+        ...
+
+    def bound(self, plan: LexPlan) -> tuple[float, str]:
+        """A lower bound (seconds, with bin_const) on the largest load of any plan placing
+        plan.placed_tokens, and the words appended to the status to say where it comes from."""
+        ...
+
+
+def solve_lex(data: ExactData, model: LexModel, *, scale: float, build_s: float, extra: dict) -> PackResult:
+    """Run the two phases on `model` within data.problem.time_limit and return the plan.
+
+    Phase 1 (allow_defer, when the start places fewer than the placeable tokens) may use
+    phase1_share of the time; phase 2 the rest, at least 5% of time_limit. The start (when
+    complete) is the hint of both and the fallback when the solver finds nothing; a solver
+    plan that is worse than the start in float costs is replaced by it
+    (`plan_from_assignment`). `extra` holds the solver's own details; the driver adds the
+    start's, "phase1", "phase1_bound_tokens", "phase2" and "kept_start".
+    """
+    p, opts = data.problem, data.options
+    extra = {"start": data.start.status, "start_objective": data.start_key[1], "start_placed": -data.start_key[0],
+             **extra, "phase1": "not needed"}
+    solve_s = 0.0
+    budget = float(p.time_limit)
+    start = data.start_assign
+    placed_target = -data.start_key[0]
+    placed_proven = True
+
+    # Phase 1 (allow_defer): maximise placed tokens, unless the start already places the maximum.
+    if opts.allow_defer and placed_target < data.placeable:
+        t0 = time.perf_counter()
+        run = model.maximize_placed(start, budget * opts.phase1_share)
+        build_s += time.perf_counter() - t0 - run.solve_s
+        solve_s += run.solve_s
+        budget = max(budget - run.solve_s, 0.05 * float(p.time_limit))
+        extra["phase1"] = run.status
+        extra["phase1_bound_tokens"] = data.placeable if run.bound is None else min(data.placeable, int(run.bound))
+        placed_proven = run.proven
+        if run.assign is not None:
+            got = int(p.lengths[run.assign >= 0].sum())
+            if got > placed_target or start is None:
+                start, placed_target = run.assign, got
+
+    # Phase 2: minimise the largest load among plans placing >= placed_target tokens.
+    t0 = time.perf_counter()
+    lower, upper = model.add_makespan(placed_target, start)
+    build_s += time.perf_counter() - t0
+    run = None
+    if start is not None and upper - lower <= opts.gap_limit * upper:
+        # The start is within gap_limit of the lower bound: nothing left to prove (the primer:
+        # skip the solver).
+        source, sol, status = PlanSource.START_MEETS_BOUND, start, "optimal"
+        extra["phase2"] = source.value
+    else:
+        run = model.minimize_makespan(start, budget)
+        solve_s += run.solve_s
+        extra["phase2"] = run.status
+        if run.assign is not None:
+            source, sol, status = PlanSource.SOLVER, run.assign, "optimal" if run.proven else "feasible"
+        elif start is not None:
+            source, sol, status = PlanSource.START_KEPT, start, START_KEPT_STATUS
+        else:
+            raise _no_plan_error(model.name, run, p)
+    bins, deferred = plan_from_assignment(data, sol, extra)
+
+    bound, note = model.bound(LexPlan(bins=bins, deferred=deferred, source=source, status=status, lower=lower,
+                                      phase2=run, placed_tokens=placed_target))
+    status += note
+    if opts.allow_defer and not placed_proven:
+        status += " (placed tokens not proven maximal)"
+    # Solver tolerances (1e-6 on T >= load) and float round-off may put a bound a hair above
+    # the plan.
+    bound = min(bound, float(p.loads(bins).max()) if p.n_bins else bound)
+    return PackResult(bins=bins, deferred=deferred, status=status, bound=bound, scale=scale,
+                      build_s=build_s, solve_s=solve_s, extra=extra)
+
+
+def _no_plan_error(name: str, run: PhaseSolve, p: PackProblem) -> ValueError:
+    if run.infeasible:
+        return ValueError(f"{name} proved that no plan places every document in {p.n_bins} micro-batches of "
+                          f"max_tokens={p.max_tokens} (infeasible); pass allow_defer=True to defer some")
+    return ValueError(f"{name} found no plan that places every document within time_limit={p.time_limit} s "
+                      f"({run.status}); raise time_limit or pass allow_defer=True")

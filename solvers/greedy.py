@@ -6,7 +6,7 @@
   still has room (longest-processing-time with a token cap).
 - `wlb_greedy`: Algorithm 1 of WLB-LLM (§3.3): carried items first, then the rest
   longest-first; each to the least-loaded bin if it fits, else to the bin with the fewest
-  tokens if it fits there, else deferred. `<=` max_tokens (DESIGN.md).
+  tokens if it fits there, else deferred. `<=` max_tokens (docs/architecture.md, "Units").
 
 All are deterministic: ties go to the lowest bin index, sorts are stable.
 """
@@ -117,23 +117,3 @@ def original_sequential(problem: PackProblem) -> PackResult:
     bins = [np.flatnonzero(pbin == b) for b in range(problem.n_bins)]
     deferred = np.flatnonzero(pbin >= problem.n_bins)
     return PackResult(bins=bins, deferred=deferred, pieces=(src, plen, poff))
-
-
-def deal_to_replicas(loads: np.ndarray, dp: int, n_micro: int) -> np.ndarray:
-    """Give n_micro bins to each of dp replicas so that replica totals balance.
-
-    Heaviest bin first to the replica with the least total that still has a free slot.
-    Returns replica_of (int64, one entry per bin).
-    """
-    loads = np.asarray(loads, dtype=np.float64)
-    if dp == 1:
-        return np.zeros(len(loads), dtype=np.int64)
-    replica_of = np.empty(len(loads), dtype=np.int64)
-    totals = np.zeros(dp)
-    slots = np.full(dp, n_micro)
-    for j in np.argsort(-loads, kind="stable").tolist():
-        r = int(np.argmin(np.where(slots > 0, totals, np.inf)))
-        replica_of[j] = r
-        totals[r] += loads[j]
-        slots[r] -= 1
-    return replica_of

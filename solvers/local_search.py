@@ -21,7 +21,6 @@ placed (moves keep every item in some bin; the fill pass never swaps a carried i
 """
 from __future__ import annotations
 
-
 import numpy as np
 
 from .bounds import makespan_lower_bound
@@ -29,12 +28,6 @@ from .greedy import fixed_greedy, wlb_greedy
 from .problem import PackProblem, PackResult
 
 _NEIGHBOURS = 3  # swap partners tried on each side of the ideal weight in a sorted bin
-
-
-def _key(problem: PackProblem, bins, deferred) -> tuple:
-    placed = int(problem.lengths.sum() - problem.lengths[np.asarray(deferred, dtype=np.int64)].sum())
-    loads = problem.loads(bins)
-    return (-placed, float(loads.max()) if len(loads) else 0.0)
 
 
 class _State:
@@ -53,14 +46,21 @@ class _State:
         self.toks = np.array([int(self.L[m].sum()) if m else 0 for m in self.members], dtype=np.int64)
         self.deferred = [int(i) for i in deferred]
 
+    def _add(self, i: int, b: int) -> None:
+        self.members[b].append(i)
+        self.loads[b] += self.w[i]
+        self.toks[b] += self.L[i]
+        self.where[i] = b
+
+    def _remove(self, i: int, b: int) -> None:
+        self.members[b].remove(i)
+        self.loads[b] -= self.w[i]
+        self.toks[b] -= self.L[i]
+        self.where[i] = -1
+
     def move(self, i: int, src: int, dst: int) -> None:
-        self.members[src].remove(i)
-        self.members[dst].append(i)
-        self.loads[src] -= self.w[i]
-        self.loads[dst] += self.w[i]
-        self.toks[src] -= self.L[i]
-        self.toks[dst] += self.L[i]
-        self.where[i] = dst
+        self._remove(i, src)
+        self._add(i, dst)
 
     def place_deferred(self) -> None:
         keep = []
@@ -69,11 +69,7 @@ class _State:
             if not room.any():
                 keep.append(i)
                 continue
-            b = int(np.argmin(np.where(room, self.loads, np.inf)))
-            self.members[b].append(i)
-            self.loads[b] += self.w[i]
-            self.toks[b] += self.L[i]
-            self.where[i] = b
+            self._add(i, int(np.argmin(np.where(room, self.loads, np.inf))))
         self.deferred = sorted(keep)
 
     def fill(self, max_steps: int) -> int:
@@ -101,16 +97,10 @@ class _State:
                 break
             _, b, i, j = best
             if i >= 0:
-                self.members[b].remove(i)
-                self.loads[b] -= self.w[i]
-                self.toks[b] -= self.L[i]
-                self.where[i] = -1
+                self._remove(i, b)
                 self.deferred.append(i)
             self.deferred.remove(j)
-            self.members[b].append(j)
-            self.loads[b] += self.w[j]
-            self.toks[b] += self.L[j]
-            self.where[j] = b
+            self._add(j, b)
             steps += 1
         self.deferred.sort()
         return steps
@@ -214,7 +204,7 @@ def wlb_local_search(problem: PackProblem) -> PackResult:
             first.extra = dict(start="wlb", stopped="within 1e-4 of the lower bound")
             return first
     starts = [("wlb", first), ("lpt", fixed_greedy(problem))]
-    name, best = min(starts, key=lambda s: _key(problem, s[1].bins, s[1].deferred))
+    name, best = min(starts, key=lambda s: problem.lex_key(s[1].bins, s[1].deferred))
     result = improve(problem, best.bins, best.deferred, max_iter)
     result.extra["start"] = name
     return result

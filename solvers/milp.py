@@ -13,6 +13,9 @@ exposes none: when CBC proves optimality the bound is objective x (1 - gap_limit
 the bound is the one from `bounds.py`, and `status` says so. CBC's `status` is "Not Solved"
 when it stops on time with an incumbent; its `sol_status` (integer feasible) is read as well.
 The start is passed as a warm start to both (CBC: `warmStart`; HiGHS: `setSolution`).
+
+The phases (time split, skipping phase 2 when the start meets the bound, the fallback to the
+start) are exact_common.solve_lex; `_Phases` supplies the PuLP models, one per phase.
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ import warnings
 import numpy as np
 
 from .._optional import require
-from .exact_common import ExactData, bins_to_assignment, plan_from_assignment, prepare, start_is_complete
+from .exact_common import (ExactData, LexPlan, PhaseSolve, PlanSource, prepare, read_assignment, solve_lex,
+                           variable_rows)
 from .problem import PackProblem, PackResult
 
 BACKENDS = ("cbc", "highs")
@@ -75,6 +79,9 @@ def _solver(pulp, backend: str, time_limit: float, data: ExactData, warm: bool):
 
 
 class _Model:
+    """One phase's PuLP model: the 0/1 variables, one bin per item, the token caps; the phase
+    adds its objective."""
+
     def __init__(self, pulp, data: ExactData, wn: np.ndarray, sense):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # LpVariable(...) in PuLP 3.3
@@ -82,21 +89,17 @@ class _Model:
 
     def _build(self, pulp, data: ExactData, wn: np.ndarray, sense):
         p = data.problem
-        self.pulp, self.data = pulp, data
-        n, m, cap = p.n_items, p.n_bins, int(p.max_tokens)
+        m, cap = p.n_bins, int(p.max_tokens)
         self.prob = pulp.LpProblem("pack", sense)
         lengths = p.lengths.tolist()
         w = wn.tolist()
-        self.x: list[list] = []
+        self.x = variable_rows(data, lambda i, b: pulp.LpVariable(f"x{i}_{b}", cat="Binary"))
         per_bin_l: list[list] = [[] for _ in range(m)]
         per_bin_w: list[list] = [[] for _ in range(m)]
         placed = []
-        for i in range(n):
-            if lengths[i] > cap:
-                self.x.append([])
+        for i, row in enumerate(self.x):
+            if not row:
                 continue
-            row = [pulp.LpVariable(f"x{i}_{b}", cat="Binary") for b in range(int(data.max_bin[i]) + 1)]
-            self.x.append(row)
             one = pulp.LpAffineExpression([(v, 1) for v in row])
             self.prob += (one == 1) if data.mandatory[i] else (one <= 1), f"one_{i}"
             for b, v in enumerate(row):
@@ -116,13 +119,7 @@ class _Model:
                 v.setInitialValue(1 if assign[i] == b else 0)
 
     def read(self) -> np.ndarray:
-        assign = np.full(len(self.x), -1, dtype=np.int64)
-        for i, row in enumerate(self.x):
-            for b, v in enumerate(row):
-                if v.varValue is not None and v.varValue > 0.5:
-                    assign[i] = b
-                    break
-        return assign
+        return read_assignment(self.x, lambda v: v.varValue is not None and v.varValue > 0.5)
 
 
 def _cbc_available(pulp) -> bool:
@@ -131,18 +128,78 @@ def _cbc_available(pulp) -> bool:
         return bool(pulp.PULP_CBC_CMD().available())
 
 
-def _has_solution(pulp, prob) -> bool:
-    return prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+class _Phases:
+    """The LexModel of `solve_lex` for PuLP: a fresh `_Model` per phase, normalised costs
+    wn = weights * scale."""
 
+    def __init__(self, pulp, data: ExactData, backend: str, scale: float):
+        self.pulp, self.data, self.backend, self.scale = pulp, data, backend, scale
+        self.name = f"milp ({backend})"
+        self.wn = data.problem.weights * scale
+        self.model: _Model | None = None
 
-def _run(pulp, model: _Model, backend: str, time_limit: float, data: ExactData, warm: bool):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3.3 announces its 4.0 API
-        solver = _solver(pulp, backend, time_limit, data, warm)
-        t0 = time.perf_counter()
-        with _quiet_stdout():
-            model.prob.solve(solver)
-    return time.perf_counter() - t0
+    def maximize_placed(self, start: np.ndarray | None, time_limit: float) -> PhaseSolve:
+        pulp = self.pulp
+        model = _Model(pulp, self.data, self.wn, pulp.LpMaximize)
+        model.prob += model.placed
+        model.warm(start)
+        return self._solve(model, time_limit, start is not None)
+
+    def add_makespan(self, placed_tokens: int, start: np.ndarray | None) -> tuple[float, float]:
+        pulp, data, wn = self.pulp, self.data, self.wn
+        p = data.problem
+        model = self.model = _Model(pulp, data, wn, pulp.LpMinimize)
+        lb = max(0.0, (data.lower_bound(placed_tokens) - p.bin_const) * self.scale)
+        ub = max((float(wn[start == b].sum()) for b in range(p.n_bins)), default=0.0) if start is not None \
+            else float(wn.sum())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            T = pulp.LpVariable("T", lowBound=min(lb, ub) * (1 - 1e-9), upBound=ub * (1 + 1e-6) + 1e-12)
+        model.prob += T
+        for b, load in enumerate(model.loads):
+            model.prob += load - T <= 0, f"T_{b}"
+        if data.options.allow_defer:
+            model.prob += model.placed >= placed_tokens, "placed"
+        model.warm(start)
+        if start is not None:
+            T.setInitialValue(ub)
+        return lb, ub
+
+    def minimize_makespan(self, start: np.ndarray | None, time_limit: float) -> PhaseSolve:
+        return self._solve(self.model, time_limit, start is not None, dual_bound=self.backend == "highs")
+
+    def bound(self, plan: LexPlan) -> tuple[float, str]:
+        p = self.data.problem
+        bound = self.data.lower_bound(plan.placed_tokens)
+        if plan.source is PlanSource.START_MEETS_BOUND:
+            return bound, " (bound from bounds.py)"
+        if self.backend == "highs":
+            dual = plan.phase2.bound
+            if dual is not None and np.isfinite(dual):
+                return max(bound, dual / self.scale + p.bin_const), " (bound: HiGHS mip_dual_bound)"
+            return bound, ""
+        if plan.source is PlanSource.SOLVER and plan.phase2.proven:
+            obj = float(p.loads(plan.bins).max() - p.bin_const)
+            return max(bound, obj * (1.0 - self.data.options.gap_limit) * (1 - 1e-9) + p.bin_const), \
+                " (bound: CBC optimality within gap_limit)"
+        return bound, " (bound from bounds.py: CBC through PuLP exposes none)"
+
+    def _solve(self, model: _Model, time_limit: float, warm: bool, dual_bound: bool = False) -> PhaseSolve:
+        """Run the backend on `model`; `dual_bound`: read HiGHS's MIP dual bound (CBC through
+        PuLP reports none)."""
+        pulp, prob = self.pulp, model.prob
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3.3 announces its 4.0 API
+            solver = _solver(pulp, self.backend, time_limit, self.data, warm)
+            t0 = time.perf_counter()
+            with _quiet_stdout():
+                prob.solve(solver)
+            dt = time.perf_counter() - t0
+        found = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+        dual = prob.solverModel.getInfo().mip_dual_bound if dual_bound else None
+        return PhaseSolve(status=f"{pulp.LpStatus[prob.status]}/{pulp.LpSolution[prob.sol_status]}",
+                          assign=model.read() if found else None, proven=prob.sol_status == pulp.LpSolutionOptimal,
+                          infeasible=prob.status == pulp.LpStatusInfeasible, bound=dual, solve_s=dt)
 
 
 def solve(problem: PackProblem) -> PackResult:
@@ -158,96 +215,7 @@ def solve(problem: PackProblem) -> PackResult:
                           "install it with `pip install 'wlb-opt[exact]'` (or use backend='highs')")
     t_build = time.perf_counter()
     data = prepare(problem)
-    p, opts = problem, data.options
-    n, m = p.n_items, p.n_bins
-    complete = start_is_complete(data)
-    assign = bins_to_assignment(data.start.bins, n) if complete else None
-    start_w = float(p.loads(data.start.bins).max() - p.bin_const) if m else 0.0
-    ref = start_w if complete and start_w > 0 else float(p.weights.sum())
+    ref = data.reference_cost()
     scale = 1.0 / ref if ref > 0 else 1.0
-    wn = p.weights * scale
-    build_s = time.perf_counter() - t_build
-    solve_s = 0.0
-    extra: dict = {"backend": backend, "start": data.start.status, "start_objective": data.start_key[1],
-                   "start_placed": -data.start_key[0]}
-    budget = float(p.time_limit)
-
-    placed_target = -data.start_key[0]
-    placed_proven = True
-    if opts.allow_defer and placed_target < data.placeable:
-        t0 = time.perf_counter()
-        model = _Model(pulp, data, wn, pulp.LpMaximize)
-        model.prob += model.placed
-        model.warm(assign)
-        build_s += time.perf_counter() - t0
-        dt = _run(pulp, model, backend, budget * opts.phase1_share, data, assign is not None)
-        solve_s += dt
-        budget = max(budget - dt, 0.05 * float(p.time_limit))
-        extra["phase1"] = f"{pulp.LpStatus[model.prob.status]}/{pulp.LpSolution[model.prob.sol_status]}"
-        placed_proven = model.prob.sol_status == pulp.LpSolutionOptimal
-        if _has_solution(pulp, model.prob):
-            cand = model.read()
-            got = int(p.lengths[cand >= 0].sum())
-            if got > placed_target or assign is None:
-                assign, placed_target = cand, got
-
-    t0 = time.perf_counter()
-    model = _Model(pulp, data, wn, pulp.LpMinimize)
-    lb = max(0.0, (data.lower_bound(placed_target) - p.bin_const) * scale)
-    ub = max((float(wn[assign == b].sum()) for b in range(m)), default=0.0) if assign is not None else float(wn.sum())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        T = pulp.LpVariable("T", lowBound=min(lb, ub) * (1 - 1e-9), upBound=ub * (1 + 1e-6) + 1e-12)
-    model.prob += T
-    for b, load in enumerate(model.loads):
-        model.prob += load - T <= 0, f"T_{b}"
-    if opts.allow_defer:
-        model.prob += model.placed >= placed_target, "placed"
-    model.warm(assign)
-    if assign is not None:
-        T.setInitialValue(ub)
-    build_s += time.perf_counter() - t0
-    prob = model.prob
-    if assign is not None and ub - lb <= opts.gap_limit * ub:
-        # The start meets the lower bound: nothing to prove (the primer: skip the solver).
-        sol, status = assign, "optimal"
-        extra["phase2"] = "start meets the lower bound"
-    else:
-        dt = _run(pulp, model, backend, budget, data, assign is not None)
-        solve_s += dt
-        extra["phase2"] = f"{pulp.LpStatus[prob.status]}/{pulp.LpSolution[prob.sol_status]}"
-    if "phase2" in extra and extra["phase2"] == "start meets the lower bound":
-        pass
-    elif _has_solution(pulp, prob):
-        sol = model.read()
-        status = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "feasible"
-    elif assign is not None:
-        sol, status = assign, "feasible (start; no better plan found in time)"
-    else:
-        if prob.status == pulp.LpStatusInfeasible:
-            raise ValueError(f"milp ({backend}) proved that no plan places every document in {m} micro-batches "
-                             f"of max_tokens={p.max_tokens} (infeasible); pass allow_defer=True to defer some")
-        raise ValueError(f"milp ({backend}) found no plan that places every document within "
-                         f"time_limit={p.time_limit} s; raise time_limit or pass allow_defer=True")
-    bins, deferred = plan_from_assignment(data, sol, m, extra)
-
-    bound = data.lower_bound(placed_target)
-    if extra["phase2"] == "start meets the lower bound":
-        status += " (bound from bounds.py)"
-    elif backend == "highs":
-        dual = prob.solverModel.getInfo().mip_dual_bound
-        if dual is not None and np.isfinite(dual):
-            bound = max(bound, dual / scale + p.bin_const)
-            status += " (bound: HiGHS mip_dual_bound)"
-    elif status == "optimal":
-        obj = float(p.loads(bins).max() - p.bin_const)
-        bound = max(bound, obj * (1.0 - opts.gap_limit) * (1 - 1e-9) + p.bin_const)
-        status += " (bound: CBC optimality within gap_limit)"
-    else:
-        status += " (bound from bounds.py: CBC through PuLP exposes none)"
-    if opts.allow_defer and not placed_proven:
-        status += " (placed tokens not proven maximal)"
-    # Solver tolerances (1e-6 on T >= load) may put a dual bound a hair above the plan.
-    bound = min(bound, float(p.loads(bins).max()) if m else bound)
-    return PackResult(bins=bins, deferred=deferred, status=status, bound=bound, scale=scale,
-                      build_s=build_s, solve_s=solve_s, extra=extra)
+    return solve_lex(data, _Phases(pulp, data, backend, scale), scale=scale, build_s=time.perf_counter() - t_build,
+                     extra={"backend": backend})

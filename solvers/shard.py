@@ -1,8 +1,9 @@
 """Context-parallel sharding on plain arrays: chunk tables and the hybrid decision.
 
 A *chunk table* says which tokens of a packed micro-batch each CP rank holds. It is four
-int64 arrays of equal length (doc, start, length, rank): tokens [start, start + length) of
-document `doc` (positions inside the document, 0-based) belong to rank `rank`. The facade
+int64 arrays of equal length (rank, doc, start, length), the column order of
+`wlb_opt.plan.CHUNK_COLUMNS`: tokens [start, start + length) of document `doc` (positions
+inside the document, 0-based) belong to rank `rank`. The facade
 (`wlb_opt.shard`) turns a chunk table into rank indices, segment tables, RoPE positions and
 loads; this module only decides the table. No cost model and no torch here: costs come in
 as arrays.
@@ -13,7 +14,7 @@ as arrays.
   extra tokens go one each to the head chunks 0, 1, ..., CP-1 first, then to the tail chunks
   2CP-1, 2CP-2, ..., CP. Rank r therefore gets +1 if r < R and another +1 if r < R - CP, so
   rank token counts differ by at most one.
-- `per_doc_chunk_sizes` / `per_doc_chunks`: paper §4.1 and DESIGN.md. Each document is cut
+- `per_doc_chunk_sizes` / `per_doc_chunks`: paper §4.1 and docs/architecture.md ("Invariants"). Each document is cut
   into 2*CP contiguous chunks of floor(d / 2CP) tokens; the d mod 2CP remainder tokens add
   one each to the chunk indices chosen by one round-robin pointer that runs on across the
   documents (pointer p, chunks p, p+1, ... mod 2CP; then p advances by the remainder).
@@ -28,7 +29,7 @@ import math
 
 import numpy as np
 
-__all__ = ["per_seq_chunks", "per_doc_chunk_sizes", "per_doc_chunks", "head_tail_rank", "hybrid_assign",
+__all__ = ["per_seq_chunks", "per_doc_chunk_sizes", "per_doc_chunks", "head_tail_rank", "hybrid_assign", "decision_arrays",
            "HybridResult"]
 
 
@@ -41,7 +42,7 @@ def head_tail_rank(cp: int) -> np.ndarray:
 def per_seq_chunks(lengths: np.ndarray, cp: int) -> tuple[np.ndarray, ...]:
     """Head-tail chunks of the whole packed sequence, cut at document boundaries.
 
-    Returns (doc, start, length, rank); a chunk that spans documents becomes one row per
+    Returns (rank, doc, start, length); a chunk that spans documents becomes one row per
     document it touches.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -63,7 +64,7 @@ def per_seq_chunks(lengths: np.ndarray, cp: int) -> tuple[np.ndarray, ...]:
     doc = np.searchsorted(doc_ends, piece_start, side="right")
     chunk = np.searchsorted(chunk_ends, piece_start, side="right")
     start = piece_start - (doc_ends[doc] - lengths[doc])
-    return doc.astype(np.int64), start.astype(np.int64), piece_len.astype(np.int64), rank[chunk]
+    return rank[chunk], doc.astype(np.int64), start.astype(np.int64), piece_len.astype(np.int64)
 
 
 def per_doc_chunk_sizes(lengths: np.ndarray, cp: int, pointer: int = 0) -> np.ndarray:
@@ -88,11 +89,11 @@ def _chunks_of(sizes: np.ndarray, docs: np.ndarray, cp: int) -> tuple[np.ndarray
     rank = np.tile(head_tail_rank(cp), len(docs))
     start, length = starts.reshape(-1), sizes.reshape(-1)
     keep = length > 0
-    return doc[keep], start[keep], length[keep], rank[keep]
+    return rank[keep], doc[keep], start[keep], length[keep]
 
 
 def per_doc_chunks(lengths: np.ndarray, cp: int) -> tuple[np.ndarray, ...]:
-    """Per-document head-tail chunks (doc, start, length, rank); empty chunks are dropped."""
+    """Per-document head-tail chunks (rank, doc, start, length); empty chunks are dropped."""
     lengths = np.asarray(lengths, dtype=np.int64)
     sizes = per_doc_chunk_sizes(lengths, cp)
     return _chunks_of(sizes, np.arange(len(lengths)), cp)
@@ -109,11 +110,11 @@ def hybrid_chunks(lengths: np.ndarray, cp: int, cut: np.ndarray, whole_rank: np.
     cut = np.asarray(cut, dtype=bool)
     sizes = per_doc_chunk_sizes(lengths, cp)
     docs_cut = np.flatnonzero(cut)
-    d1, s1, l1, r1 = _chunks_of(sizes[docs_cut], docs_cut, cp)
+    r1, d1, s1, l1 = _chunks_of(sizes[docs_cut], docs_cut, cp)
     docs_whole = np.flatnonzero(~cut)
-    return (np.concatenate([d1, docs_whole]), np.concatenate([s1, np.zeros(len(docs_whole), np.int64)]),
-            np.concatenate([l1, lengths[docs_whole]]),
-            np.concatenate([r1, np.asarray(whole_rank, dtype=np.int64)[docs_whole]]))
+    return (np.concatenate([r1, np.asarray(whole_rank, dtype=np.int64)[docs_whole]]),
+            np.concatenate([d1, docs_whole]), np.concatenate([s1, np.zeros(len(docs_whole), np.int64)]),
+            np.concatenate([l1, lengths[docs_whole]]))
 
 
 class HybridResult:
@@ -190,6 +191,13 @@ def _improve(assign, whole_cost, lengths, loads, toks, token_cap, max_moves=64):
     return assign
 
 
+def decision_arrays(whole_cost, cut_cost, lengths, cut_tokens) -> tuple[np.ndarray, ...]:
+    """The inputs of a cut-or-whole decision as arrays: whole_cost [n] and cut_cost [n, cp]
+    (seconds), lengths [n] and cut_tokens [n, cp] (tokens)."""
+    return (np.asarray(whole_cost, dtype=np.float64), np.asarray(cut_cost, dtype=np.float64),
+            np.asarray(lengths, dtype=np.int64), np.asarray(cut_tokens, dtype=np.int64))
+
+
 def hybrid_assign(whole_cost: np.ndarray, cut_cost: np.ndarray, lengths: np.ndarray, cut_tokens: np.ndarray,
                   token_cap: float, patience: int = 3) -> HybridResult:
     """Choose, per document, "cut per document" or "whole on one rank", minimising the
@@ -211,10 +219,7 @@ def hybrid_assign(whole_cost: np.ndarray, cut_cost: np.ndarray, lengths: np.ndar
     per_doc (ranks within one token of T / cp, so any cap >= ceil(T / cp) holds).
     O(n log n + window * n * cp).
     """
-    whole_cost = np.asarray(whole_cost, dtype=np.float64)
-    cut_cost = np.asarray(cut_cost, dtype=np.float64)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    cut_tokens = np.asarray(cut_tokens, dtype=np.int64)
+    whole_cost, cut_cost, lengths, cut_tokens = decision_arrays(whole_cost, cut_cost, lengths, cut_tokens)
     n, cp = cut_cost.shape
     if n == 0:
         return HybridResult(np.zeros(0, bool), np.zeros(0, np.int64), 0.0, 0)

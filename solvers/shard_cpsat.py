@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from .._optional import require
+from .shard import decision_arrays
 
 SCALE_TARGET = 1e8
 
@@ -34,10 +35,7 @@ def solve_cut_or_whole(whole_cost, cut_cost, lengths, cut_tokens, token_cap, *, 
     cp_model = require("ortools.sat.python.cp_model", "strategy='cpsat'")
     # data
     t0 = time.perf_counter()
-    whole_cost = np.asarray(whole_cost, dtype=np.float64)
-    cut_cost = np.asarray(cut_cost, dtype=np.float64)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    cut_tokens = np.asarray(cut_tokens, dtype=np.int64)
+    whole_cost, cut_cost, lengths, cut_tokens = decision_arrays(whole_cost, cut_cost, lengths, cut_tokens)
     n, cp = cut_cost.shape
     if n == 0:
         return dict(cut=np.zeros(0, bool), whole_rank=np.zeros(0, np.int64), status="optimal",

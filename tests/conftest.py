@@ -35,6 +35,17 @@ except ImportError:  # pragma: no cover
     pass
 
 
+def unit_cost(attn=1.0, linear=0.0, doc_const=0.0, mb_const=0.0, *, backward=False, parallel=None):
+    """A CostModel with hand-computable weights: doc_cost(d) = attn * d(d+1)/2 + linear * d
+    + doc_const (forward; the backward is the same when `backward`, else zero), `parallel`
+    its layout (None: any layout). Import it with ``from conftest import unit_cost``."""
+    import wlb_opt as wlb
+
+    fwd = dict(attn=attn, linear=linear, comm=0.0, doc_const=doc_const, mb_const=mb_const)
+    bwd = dict(fwd) if backward else dict.fromkeys(fwd, 0.0)
+    return wlb.CostModel(coef={"fwd": fwd, "bwd": bwd}, attn_flops_per_pair=1.0, parallel=parallel)
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 for a spawned gloo process group."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -76,3 +76,51 @@ def test_parity_benchmark_runs(tmp_path, capsys):
     data = json.loads((tmp_path / "parity.json").read_text())
     assert set(data["summary"]) == {"paper", "group"}
     assert all(0 <= v["delay_per_token"] and v["imbalance"] >= 1.0 for v in data["summary"].values())
+
+
+def _imports_of(path) -> set[str]:
+    """Absolute names of the wlb_opt modules a source file imports (relative imports resolved)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    rel = path.relative_to(root)
+    pkg = {"solvers": "wlb_opt.solvers", "kernels": "wlb_opt.kernels", "bench": "wlb_opt.bench"}.get(
+        rel.parts[0], ".".join(rel.parts[:-1]))
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            out.add(mod)
+            out |= {f"{mod}.{a.name}" for a in node.names}
+    return {m for m in out if m.startswith("wlb_opt")}
+
+
+def test_imports_point_one_way():
+    # no module outside bench and cli imports wlb_opt.bench or wlb_opt.cli; bench never imports cli
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for folder in ("wlb_opt", "solvers", "kernels", "bench", "examples"):
+        for path in sorted((root / folder).rglob("*.py")):
+            mods = _imports_of(path)
+            if path.name == "cli.py" and folder == "wlb_opt":
+                continue
+            bad = {m for m in mods if m == "wlb_opt.cli" or m.startswith("wlb_opt.cli.")}
+            if folder != "bench":
+                bad |= {m for m in mods if m == "wlb_opt.bench" or m.startswith("wlb_opt.bench.")}
+            assert not bad, f"{path.relative_to(root)} imports {sorted(bad)}"
+    assert "wlb_opt.data" in _imports_of(root / "wlb_opt" / "cli.py")
+
+
+def test_benchmarks_are_discovered_by_name(capsys):
+    from wlb_opt.cli import _bench_names
+
+    names = _bench_names()
+    assert {"e2e", "table2", "parity", "pack-speed", "shard", "exact", "kernel", "validate-sim"} <= set(names)
+    assert "data" not in names and "demo" not in names
+    assert main(["bench", "--help"]) == 0
+    assert "pack-speed" in capsys.readouterr().out

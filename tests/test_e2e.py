@@ -84,3 +84,53 @@ def test_demo_runs_quick_e2e_and_names_the_pngs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "speedup" in out and str(tmp_path / "speedup.png") in out
     assert (tmp_path / "e2e.json").exists()
+
+
+def _deal_by_mutation(plan, shards, cfg, cost):
+    """The old in-place DP refinement loop (first improving swap in (a, b) order), on a copy."""
+    replica_of = np.array(plan.replica_of)
+
+    def step(r):
+        return wlb.simulate_step(plan.replace(replica_of=r.copy()), shards, cost, cfg.parallel).step_time_s
+
+    best, improved = step(replica_of), True
+    while improved:
+        improved = False
+        for a in range(len(replica_of)):
+            for b in range(a + 1, len(replica_of)):
+                if replica_of[a] == replica_of[b]:
+                    continue
+                replica_of[[a, b]] = replica_of[[b, a]]
+                t = step(replica_of)
+                if t < best - 1e-12:
+                    best, improved = t, True
+                else:
+                    replica_of[[a, b]] = replica_of[[b, a]]
+    return replica_of
+
+
+def test_dp_refinement_matches_the_old_loop_and_leaves_the_plan_alone():
+    cfg = e2e.Config("tiny", 4096, 1, 2, 2, 2)
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), cfg.parallel, wlb.HardwareSpec.preset("h100"))
+    plans = e2e._fixed_length_plans(e2e.make_batches(cfg, 4, "default", 5), cfg, cost, "original")
+    for plan in plans:
+        shards = e2e._shards(plan, cfg, cost, ("per_seq",))
+        before = plan.replica_of.copy()
+        new = e2e._deal_by_simulation(plan, shards, cfg, cost)
+        assert np.array_equal(plan.replica_of, before)  # plans are values: the input is not touched
+        assert np.array_equal(new.replica_of, _deal_by_mutation(plan, shards, cfg, cost))
+        assert np.bincount(new.replica_of, minlength=cfg.dp).tolist() == [cfg.pp] * cfg.dp
+
+
+def test_gantt_shows_each_methods_median_step_at_equal_tokens():
+    cfg = e2e.Config("tiny", 4096, 1, 2, 2, 1)
+    rows, detail = e2e.run_config(cfg, e2e.make_batches(cfg, 6, "default", 0), methods=("plain", "wlb"))
+    tokens = cfg.dp * cfg.pp * cfg.context
+    panels = e2e._gantt_panels(detail, tokens)
+    assert [label.split(",")[0] for label, _ in panels] == ["Plain-4D", "WLB-LLM"]
+    for (label, res), method in zip(panels, ("plain", "wlb")):
+        steady = detail[method][1][:6]
+        gap = min(abs(r.tokens - tokens) for r in steady)
+        assert abs(res.tokens - tokens) == gap  # the steps nearest to the global batch's tokens
+        near = sorted(r.step_time_s for r in steady if abs(r.tokens - tokens) == gap)
+        assert res.step_time_s == near[(len(near) - 1) // 2]  # their (lower) median

@@ -2,21 +2,26 @@
 set partitions, plus the lexicographic allow_defer model, hints, wlb_ls, and bad input.
 
 Small instances only (<= 8 documents, <= 3 micro-batches); time limits of a few seconds that
-these instances never reach; one deterministic worker."""
+these instances never reach; one deterministic worker.
+
+The solvers come with the `exact` extra (ortools, pulp, highspy): each test that runs one
+asks for it through a fixture (`exact_extra`, or `ortools` for CP-SAT alone) that skips it
+when the extra is missing; the rest (brute force, wlb_ls, input checks made before any
+solver is imported, the missing-extra message) run without it."""
+import functools
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from conftest import unit_cost as _unit_cost
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import wlb_opt as wlb
+from wlb_opt.solvers import exact_common
+from wlb_opt.solvers.exact_common import START_KEPT_STATUS, PhaseSolve, PlanSource
 from wlb_opt.solvers.problem import PackProblem
-
-pytest.importorskip("ortools")
-pytest.importorskip("pulp")
-pytest.importorskip("highspy")
 
 EXACT = [("cpsat", None), ("milp", "cbc"), ("milp", "highs")]
 # Generous: these instances solve in milliseconds; HiGHS and CBC limits are wall-clock, so a
@@ -24,11 +29,21 @@ EXACT = [("cpsat", None), ("milp", "cbc"), ("milp", "highs")]
 LIMIT = 60
 REL_TOL = 1e-5  # CP-SAT floors costs to 1e-7 of the largest bin per item; MILP tolerances ~1e-6
 
+# Forward cost only: 1e-3 per attention pair and 1e-2 per token (seconds-like magnitudes).
+unit_cost = functools.partial(_unit_cost, attn=1e-3, linear=1e-2)
 
-def unit_cost(attn=1e-3, linear=1e-2, doc_const=0.0, mb_const=0.0):
-    zero = dict(attn=attn, linear=linear, comm=0.0, doc_const=doc_const, mb_const=mb_const)
-    return wlb.CostModel(coef={"fwd": dict(zero), "bwd": dict(zero, attn=0.0, linear=0.0, doc_const=0.0, mb_const=0.0)},
-                         attn_flops_per_pair=1.0)
+
+@pytest.fixture(scope="module")
+def exact_extra():
+    """Skip the test unless the whole `exact` extra imports (CP-SAT, PuLP/CBC, HiGHS)."""
+    for name in ("ortools", "pulp", "highspy"):
+        pytest.importorskip(name)
+
+
+@pytest.fixture(scope="module")
+def ortools():
+    """Skip the test unless OR-Tools (CP-SAT) imports."""
+    pytest.importorskip("ortools")
 
 
 # ------------------------------------------------------------------ brute force (the slow twin)
@@ -84,6 +99,7 @@ def _cap(lengths, n_micro, slack):
     return max(int(max(lengths)), int(np.ceil(slack * sum(lengths) / n_micro)))
 
 
+@pytest.mark.usefixtures("exact_extra")
 @settings(max_examples=25)
 @given(inst=instances, mb_const=st.sampled_from([0.0, 0.5]))
 def test_exact_methods_reach_the_brute_force_optimum(inst, mb_const):
@@ -109,6 +125,7 @@ def test_exact_methods_reach_the_brute_force_optimum(inst, mb_const):
         assert info.scale is not None and info.scale > 0
 
 
+@pytest.mark.usefixtures("exact_extra")
 @settings(max_examples=20)
 @given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=7), n_micro=st.integers(1, 3),
        slack=st.floats(0.4, 1.0), carried=st.integers(0, 2))
@@ -133,6 +150,7 @@ def test_allow_defer_is_lexicographic(lengths, n_micro, slack, carried):
         assert not np.isin(plan.deferred, np.arange(carried)).any()
 
 
+@pytest.mark.usefixtures("exact_extra")
 def test_zero_slack_fixed_length_places_the_most_tokens():
     # window 10, two sequences: the greedy heuristics leave a gap; 7+3 and 6+4 fill both.
     lengths = np.array([7, 6, 4, 3, 5])
@@ -144,6 +162,7 @@ def test_zero_slack_fixed_length_places_the_most_tokens():
         assert sorted(plan.tokens.tolist()) == [10, 10]
 
 
+@pytest.mark.usefixtures("ortools")
 def test_no_placing_heuristic_beats_a_proven_optimum():
     rng = np.random.default_rng(3)
     cost = unit_cost(mb_const=0.1)
@@ -160,6 +179,7 @@ def test_no_placing_heuristic_beats_a_proven_optimum():
 
 
 # ------------------------------------------------------------------ hints and determinism
+@pytest.mark.usefixtures("ortools")
 @settings(max_examples=15)
 @given(lengths=st.lists(st.integers(1, 50), min_size=2, max_size=30), n_micro=st.integers(2, 4),
        seed=st.integers(0, 1000))
@@ -177,6 +197,7 @@ def test_cpsat_is_never_worse_than_a_feasible_hint(lengths, n_micro, seed):
     assert plan.info.extra["start"] == "hint"
 
 
+@pytest.mark.usefixtures("ortools")
 def test_deterministic_mode_repeats_itself():
     rng = np.random.default_rng(0)
     lengths = rng.integers(50, 3000, size=40)
@@ -186,6 +207,74 @@ def test_deterministic_mode_repeats_itself():
     plans = [wlb.solve_pack(lengths, 4, int(lengths.sum()), cost, "cpsat", time_limit=0.2, deterministic=True,
                             seed=1, hint=hint) for _ in range(2)]
     assert plans[0].digest() == plans[1].digest()
+
+
+# ------------------------------------------------------------------ the two-phase driver
+class _NoPlanModel:
+    """A LexModel whose solver never finds a plan, with a chosen phase-2 (lower, upper):
+    drives exact_common.solve_lex without any solver installed."""
+
+    name = "stub"
+
+    def __init__(self, lower: float, upper: float):
+        self.lower, self.upper = lower, upper
+        self.calls: list[str] = []
+        self.plan = None
+
+    def maximize_placed(self, start, time_limit):
+        self.calls.append("maximize_placed")
+        return PhaseSolve(status="unknown", assign=None, proven=False)
+
+    def add_makespan(self, placed_tokens, start):
+        self.calls.append("add_makespan")
+        return self.lower, self.upper
+
+    def minimize_makespan(self, start, time_limit):
+        self.calls.append("minimize_makespan")
+        return PhaseSolve(status="unknown", assign=None, proven=False)
+
+    def bound(self, plan):
+        self.plan = plan
+        return 0.0, " (stub bound)"
+
+
+def _driver_problem(**options):
+    lengths = np.array([5, 4, 3, 3])
+    return PackProblem(lengths=lengths, weights=lengths * 1.0, n_bins=2, max_tokens=8,
+                       options=dict(deterministic=True, **options))
+
+
+def test_driver_skips_phase_2_when_the_start_meets_the_bound():
+    data = exact_common.prepare(_driver_problem())
+    model = _NoPlanModel(lower=1.0, upper=1.0)
+    result = exact_common.solve_lex(data, model, scale=1.0, build_s=0.0, extra={})
+    assert model.calls == ["add_makespan"]  # no solver run at all
+    assert model.plan.source is PlanSource.START_MEETS_BOUND and model.plan.phase2 is None
+    assert result.status == "optimal (stub bound)"
+    assert result.extra["phase1"] == "not needed"
+    assert result.extra["phase2"] == "start meets the lower bound"
+    assert result.solve_s == 0.0
+    assert [b.tolist() for b in result.bins] == [b.tolist() for b in data.start.bins]
+
+
+def test_driver_keeps_the_start_when_the_solver_finds_nothing():
+    data = exact_common.prepare(_driver_problem(allow_defer=True))
+    data.placeable += 1  # pretend the start may not place the most tokens, so phase 1 runs
+    model = _NoPlanModel(lower=0.5, upper=1.0)
+    result = exact_common.solve_lex(data, model, scale=1.0, build_s=0.0, extra={})
+    assert model.calls == ["maximize_placed", "add_makespan", "minimize_makespan"]
+    assert model.plan.source is PlanSource.START_KEPT
+    assert model.plan.placed_tokens == -data.start_key[0]
+    assert result.status == START_KEPT_STATUS + " (stub bound) (placed tokens not proven maximal)"
+    assert result.extra["phase1"] == result.extra["phase2"] == "unknown"
+    assert result.extra["phase1_bound_tokens"] == data.placeable
+
+
+def test_driver_without_a_start_or_a_plan_raises():
+    data = exact_common.prepare(_driver_problem())
+    data.start_assign = None  # as when no heuristic places every document
+    with pytest.raises(ValueError, match=r"stub found no plan .*time_limit=10.0 s \(unknown\)"):
+        exact_common.solve_lex(data, _NoPlanModel(lower=0.5, upper=1.0), scale=1.0, build_s=0.0, extra={})
 
 
 @settings(max_examples=30)
@@ -207,6 +296,7 @@ def test_wlb_ls_is_feasible_and_never_worse_than_algorithm1(lengths, n_micro, sl
 
 
 # ------------------------------------------------------------------ bad input
+@pytest.mark.usefixtures("exact_extra")
 def test_infeasible_instances_name_the_document_or_the_excess():
     cost = unit_cost()
     with pytest.raises(ValueError, match="document 7 .*11 tokens > max_tokens=10"):
@@ -228,7 +318,8 @@ def test_infeasible_instances_name_the_document_or_the_excess():
     assert plan.deferred_tokens == 8
 
 
-def test_bad_options_and_backends():
+def test_bad_time_limit_backend_and_max_iter():
+    # checked before any solver is imported
     cost = unit_cost()
     with pytest.raises(ValueError, match="time_limit"):
         wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", time_limit=0)
@@ -236,6 +327,13 @@ def test_bad_options_and_backends():
         wlb.solve_pack([3, 4], 2, 10, cost, "milp", time_limit=-1.0)
     with pytest.raises(ValueError, match="backend.*valid: \\['cbc', 'highs'\\]"):
         wlb.solve_pack([3, 4], 2, 10, cost, "milp", backend="gurobi")
+    with pytest.raises(ValueError, match="max_iter"):
+        wlb.solve_pack([3, 4], 2, 10, cost, "wlb_ls", max_iter=-1)
+
+
+@pytest.mark.usefixtures("ortools")
+def test_bad_exact_options():
+    cost = unit_cost()
     with pytest.raises(ValueError, match="unknown options \\['alow_defer'\\]"):
         wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", alow_defer=True)
     with pytest.raises(ValueError, match="gap_limit"):
@@ -244,21 +342,22 @@ def test_bad_options_and_backends():
         wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", hint=[[0], []])
     with pytest.raises(ValueError, match="more than once"):
         wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", hint=[[0, 1], [1]])
-    with pytest.raises(ValueError, match="max_iter"):
-        wlb.solve_pack([3, 4], 2, 10, cost, "wlb_ls", max_iter=-1)
 
 
 @pytest.mark.parametrize("module, method, backend", [("ortools.sat.python.cp_model", "cpsat", None),
                                                      ("pulp", "milp", "cbc"), ("highspy", "milp", "highs")])
 def test_missing_backend_names_the_extra(monkeypatch, module, method, backend):
+    # Runs without the extra too: a missing module raises the same ImportError.
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
     with pytest.raises(ImportError, match=r"wlb-opt\[exact\]"):
         wlb.solve_pack([3, 4], 2, 10, unit_cost(), method, backend=backend)
 
 
 def test_ortools_and_highspy_load_in_one_process():
-    # OR-Tools bundles its own HiGHS; some highspy versions clash with it (KERNELS_SOLVERS.md
-    # 2.4). Both orders, in a fresh interpreter, each solving a model.
+    pytest.importorskip("ortools")
+    pytest.importorskip("highspy")
+    # OR-Tools bundles its own HiGHS; some highspy versions clash with it (the versions pinned
+    # in constraints-cpu.txt load together). Both orders, in a fresh interpreter, each solving.
     code = """
 import {first}, {second}
 from ortools.sat.python import cp_model

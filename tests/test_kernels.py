@@ -13,9 +13,11 @@ import importlib
 
 import numpy as np
 import pytest
-import torch
 
-from wlb_opt.kernels import attention_reference, doc_attention, segment_mask, segments_from_lengths
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from wlb_opt.kernels import attention_reference, doc_attention, segment_mask, segments_from_lengths  # noqa: E402
 from wlb_opt.kernels.launch import forced_configs
 
 da = importlib.import_module("wlb_opt.kernels.doc_attention")
@@ -38,10 +40,10 @@ def _max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return diff.masked_fill(both_inf, 0.0).max().item() if diff.numel() else 0.0
 
 
-def check_against_reference(q, k, v, segments, backend, check_lse=False, seed=1):
+def check_against_reference(q, k, v, segments, backend, check_lse=False, seed=1, deterministic=True):
     """Run doc_attention forward and backward and apply the error-ratio rule to all outputs."""
     gen = torch.Generator().manual_seed(seed)
-    out, lse = doc_attention(q, k, v, segments, return_lse=True, backend=backend)
+    out, lse = doc_attention(q, k, v, segments, return_lse=True, backend=backend, deterministic=deterministic)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0])
     dout = torch.randn(out.shape, generator=gen).to(q.dtype)
@@ -206,6 +208,58 @@ def test_backward_is_deterministic():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_atomic_dq_backward_matches_the_reference_and_the_deterministic_one(dtype):
+    seg = np.array([[0, 64, 0, 64], [64, 32, 32, 64], [96, 40, 96, 40]])  # overlapping K ranges
+    q, k, v = _qkv(136, 136, 4, 2, 16, dtype)
+    check_against_reference(q, k, v, seg, "triton", check_lse=True, deterministic=False)
+    grads = []
+    for det in (True, False):
+        out = doc_attention(q, k, v, seg, backend="triton", deterministic=det)
+        grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, **tol)
+    with pytest.raises(ValueError, match="deterministic"):
+        doc_attention(q, k, v, seg, backend="triton", deterministic="yes")
+
+
+@pytest.mark.parametrize("group", [2, 4])
+def test_dkdv_split_over_the_gqa_group_matches_the_reference(monkeypatch, group):
+    launch = importlib.import_module("wlb_opt.kernels.launch")
+    # a "GPU" of 64 SMs and a few key tiles: the model splits the group's heads into shares
+    monkeypatch.setattr(launch, "sm_count", lambda device: 64)
+    chosen = []
+    real = launch._work.choose_dkdv_split
+    monkeypatch.setattr(launch._work, "choose_dkdv_split", lambda *a, **k: chosen.append(real(*a, **k)) or chosen[-1])
+    seg = np.array([[0, 50, 0, 50], [50, 30, 20, 60]])
+    q, k, v = _qkv(80, 80, group, 1, 16, torch.float32, seed=group)
+    check_against_reference(q, k, v, seg, "triton")
+    assert chosen and chosen[-1] > 1
+
+
+def test_tuned_configs_export_and_pin_round_trip(tmp_path):
+    launch = importlib.import_module("wlb_opt.kernels.launch")
+    key = ("fwd", "cuda:0", torch.bfloat16, 128, 4, 16384, 16384)
+    saved = dict(launch._TUNED), dict(launch._PINNED)
+    try:
+        launch._TUNED[key] = launch.BlockConfig(128, 64, 8, 3)
+        exported = launch.export_tuned()
+        assert exported["fwd/bf16/128/4/16384/16384"] == [128, 64, 8, 3]
+        path = tmp_path / "configs.json"
+        import json
+
+        path.write_text(json.dumps(exported))
+        launch._TUNED.clear()
+        launch.load_tuned(path)
+        assert launch._pinned(key) == launch.BlockConfig(128, 64, 8, 3)
+        with pytest.raises(ValueError, match="block_m"):
+            launch.load_tuned({"fwd/bf16": [1, 2]})
+    finally:
+        launch._TUNED.clear(), launch._TUNED.update(saved[0])
+        launch._PINNED.clear(), launch._PINNED.update(saved[1])
+
+
 def test_auto_backend_is_torch_on_cpu(monkeypatch):
     seg = np.array([[0, 20, 0, 20]])
     q, k, v = _qkv(20, 20, 1, 1, 24, torch.float64)  # head dim 24, fp64: torch path only
@@ -228,11 +282,11 @@ def test_segment_mask_is_bottom_right():
 def test_opcheck_custom_ops():
     seg = torch.tensor([[0, 40, 0, 40], [40, 20, 20, 40]], dtype=torch.int32)
     q, k, v = _qkv(64, 64, 2, 1, 16, torch.float32)
-    torch.library.opcheck(da._fwd_op, (q, k, v, seg, 0.25))
-    out, lse = da._fwd_op(q, k, v, seg, 0.25)
+    torch.library.opcheck(da._fwd_op, (q, k, v, seg, 0.25, True))
+    out, lse = da._fwd_op(q, k, v, seg, 0.25, True)
     dout = torch.randn_like(out)
     for dlse in (None, torch.zeros_like(lse).normal_().masked_fill(torch.isinf(lse), 0)):
-        args = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), dlse, seg, 0.25)
+        args = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), dlse, seg, 0.25, True)
         torch.library.opcheck(da._bwd_op, args)
 
 

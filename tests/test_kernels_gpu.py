@@ -12,9 +12,11 @@ import os
 
 import numpy as np
 import pytest
-import torch
 
-from wlb_opt.kernels import attention_reference, doc_attention, segments_from_lengths
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from wlb_opt.kernels import attention_reference, doc_attention, segments_from_lengths  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,9 +46,9 @@ def _cp_segments(lengths, cp=2, rank=0):
     return np.array(rows), local, k_off
 
 
-def _check(q, k, v, seg, check_lse=False):
+def _check(q, k, v, seg, check_lse=False, deterministic=True):
     gen = torch.Generator(device="cuda").manual_seed(1)
-    out, lse = doc_attention(q, k, v, seg, return_lse=True, backend="triton")
+    out, lse = doc_attention(q, k, v, seg, return_lse=True, backend="triton", deterministic=deterministic)
     dout = torch.randn(out.shape, device="cuda", generator=gen).to(q.dtype)
     ref, lse_ref = attention_reference(q, k, v, seg, compute_dtype=torch.float32)
     low, _ = attention_reference(q, k, v, seg, compute_dtype=None)
@@ -81,6 +83,18 @@ def test_packed_documents(dtype, head_dim):
 def test_cp_shards_gqa(dtype):
     seg, n_q, n_k = _cp_segments([1000, 333, 2048, 5], cp=2, rank=1)
     _check(*_qkv(n_q, n_k, 8, 1, 128, dtype), seg)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_atomic_dq_backward(dtype):
+    seg, n_q, n_k = _cp_segments([1000, 333, 2048, 5], cp=2, rank=0)
+    _check(*_qkv(n_q, n_k, 8, 2, 128, dtype), seg, deterministic=False)
+
+
+def test_dkdv_split_on_few_key_tiles():
+    # one KV head, a group of 8 and ~30 key tiles: the model splits the group into shares
+    seg, n_q, n_k = _cp_segments([2000, 1800], cp=2, rank=1)
+    _check(*_qkv(n_q, n_k, 8, 1, 128, torch.bfloat16), seg)
 
 
 def test_deterministic_backward_and_zero_segments():
@@ -146,7 +160,7 @@ def test_offsets_past_int32():
 def test_opcheck_on_cuda():
     seg = torch.tensor([[0, 300, 0, 300], [300, 100, 200, 200]], dtype=torch.int32)
     q, k, v = _qkv(400, 400, 4, 2, 64, torch.float16)
-    torch.library.opcheck(da._fwd_op, (q, k, v, seg, 0.125))
+    torch.library.opcheck(da._fwd_op, (q, k, v, seg, 0.125, True))
 
 
 def test_torch_compile_inductor():

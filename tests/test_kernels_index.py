@@ -13,6 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+pytest.importorskip("torch")  # wlb_opt.kernels imports torch
+
 from wlb_opt.kernels import attention_flops, segment_mask, segments_from_lengths, validate_segments, visible_pairs
 from wlb_opt.kernels.segments import forward_tiles, key_tiles
 
@@ -139,3 +141,40 @@ def test_segments_from_lengths_and_flops_phase():
         segments_from_lengths([2, 0])
     with pytest.raises(ValueError, match="phase must be one of"):
         attention_flops([[0, 1, 0, 1]], 1, 16, phase="both")
+
+
+# --- index upload: alignment and the specialisation key -------------------------------------
+
+def test_every_index_part_starts_on_16_bytes():
+    from wlb_opt.kernels.launch import INDEX_ALIGN, pack_index
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        parts = {name: rng.integers(0, 9, size=(int(rng.integers(0, 40)), width)).astype(np.int32)
+                 for name, width in (("tiles", 3), ("entries", 6))}
+        flat, offsets = pack_index(parts)
+        for name, arr in parts.items():
+            assert offsets[name] * 4 % 16 == 0
+            np.testing.assert_array_equal(flat[offsets[name]:offsets[name] + arr.size], arr.reshape(-1))
+        assert len(flat) % INDEX_ALIGN == 0 and len(flat) > sum(a.size for a in parts.values())
+
+
+def test_new_lengths_keep_the_triton_specialisation_key():
+    """Tables with different tile counts ([1000]*3 -> 24 key tiles, [2500, 333] -> 23) give the
+    same key for every index pointer (Triton specialises pointers on 16-byte alignment)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from wlb_opt.kernels.launch import BlockConfig, device_index
+
+    cfg = BlockConfig(64, 128)
+    keys = set()
+    for lengths in ([1000, 1000, 1000], [2500, 333], [7], [129, 5, 3000, 17]):
+        seg = segments_from_lengths(lengths)
+        for kind in ("fwd", "dkdv"):
+            index = device_index(seg, kind, cfg, torch.device("cpu"))
+            for name, t in index.items():
+                keys.add((kind, name, native_specialize_impl(BaseBackend, t, False, True, True)))
+    assert {key for _, _, key in keys} == {("*i32", "D")}, sorted(keys)

@@ -5,22 +5,22 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import unit_cost
+
 import wlb_opt as wlb
-from wlb_opt.plan import PlanError
+from wlb_opt import PlanError
 
 HEURISTICS = ["original", "fixed", "wlb"]
 
 
-def unit_cost(attn=1.0, linear=0.0):
-    """A cost model with hand-computable weights: attn * d(d+1)/2 + linear * d."""
-    zero = dict(attn=attn, linear=linear, comm=0.0, doc_const=0.0, mb_const=0.0)
-    return wlb.CostModel(coef={"fwd": dict(zero), "bwd": dict(zero, attn=0.0, linear=0.0)}, attn_flops_per_pair=1.0)
+def analytic(dp=1):
+    return wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=dp),
+                                  wlb.HardwareSpec.preset("h100"))
 
 
 @pytest.fixture(scope="module")
 def cost():
-    return wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4),
-                                  wlb.HardwareSpec.preset("h100"))
+    return analytic()
 
 
 @given(
@@ -46,13 +46,13 @@ def test_every_heuristic_passes_the_checker(lengths, n_micro, dp, slack, method,
 def test_checker_catches_a_dropped_and_a_duplicated_document():
     plan = wlb.solve_pack([5, 3, 2], 2, 6, unit_cost(), "wlb")
     wlb.check_pack(plan, [5, 3, 2], 6)
-    broken = wlb.PackPlan.from_dict(plan.to_dict())
-    broken.micro_batches[0] = broken.micro_batches[0][:-1]
+    mbs = plan.micro_batches
+    broken = plan.replace(micro_batches=(mbs[0][:-1],) + mbs[1:])
     with pytest.raises(PlanError):
         wlb.check_pack(broken, [5, 3, 2], 6)
-    dup = wlb.PackPlan.from_dict(plan.to_dict())
-    dup.micro_batches[1] = np.concatenate([dup.micro_batches[1], dup.micro_batches[0][:1]])
-    dup.tokens[1] += dup.lengths[dup.micro_batches[0][0]]
+    tokens = plan.tokens.copy()
+    tokens[1] += plan.lengths[mbs[0][0]]
+    dup = plan.replace(micro_batches=(mbs[0], np.concatenate([mbs[1], mbs[0][:1]])), tokens=tokens)
     with pytest.raises(PlanError):
         wlb.check_pack(dup, [5, 3, 2], 100)
     with pytest.raises(PlanError, match="max_tokens"):
@@ -109,10 +109,11 @@ def test_fixed_balances_cost_within_fixed_length():
 
 
 @pytest.mark.parametrize("method", HEURISTICS)
-def test_dp_gives_n_micro_per_replica(method, cost):
+def test_dp_gives_n_micro_per_replica(method):
     rng = np.random.default_rng(0)
     lengths = rng.integers(100, 20000, 300)
-    plan = wlb.solve_pack(lengths, 4, 200_000, cost, method, dp=3)
+    cost = analytic(dp=3)
+    plan = wlb.solve_pack(lengths, 4, 200_000, cost, method)  # dp from the cost model
     assert len(plan.micro_batches) == 12
     assert np.bincount(plan.replica_of).tolist() == [4, 4, 4]
     wlb.check_pack(plan, lengths, 200_000, cost=cost)
@@ -142,16 +143,83 @@ def test_bad_input_is_a_clear_error(kwargs, match):
         wlb.solve_pack(args.pop("lengths"), args.pop("n_micro"), args.pop("max_tokens"), **args)
 
 
-def test_plan_json_round_trip_and_digest(cost):
+def test_layout_comes_from_the_cost_model_and_a_disagreeing_dp_raises():
+    cost = analytic(dp=2)
+    assert wlb.solve_pack([5, 6, 7], 2, 100, cost).dp == 2
+    assert wlb.solve_pack([5, 6, 7], 2, 100, cost, dp=2).dp == 2
+    with pytest.raises(ValueError, match=r"dp=3 disagrees.*dp=2"):
+        wlb.solve_pack([5, 6, 7], 2, 100, cost, dp=3)
+    # a model without a layout (the default one, or a hand-made one) accepts any dp
+    assert wlb.solve_pack([5, 6, 7], 2, 100, None, dp=3).dp == 3
+    assert wlb.solve_pack([5, 6, 7], 2, 100, unit_cost(), dp=3).dp == 3
+    assert wlb.solve_pack([5, 6, 7], 2, 100, unit_cost()).dp == 1
+
+
+def test_plans_are_frozen_and_their_digest_cannot_change():
+    import dataclasses
+
+    plan = wlb.solve_pack(np.arange(1, 40), 2, 400, analytic(dp=2), "wlb")
+    digest = plan.digest()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.replica_of = np.zeros(4, np.int64)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.info.status = "optimal"
+    for arr in (plan.doc_ids, plan.lengths, plan.offsets, plan.replica_of, plan.deferred, plan.loads,
+                plan.tokens, *plan.micro_batches):
+        with pytest.raises(ValueError, match="read-only"):
+            arr[0:1] = 0
+    with pytest.raises(TypeError):
+        plan.micro_batches[0] = plan.micro_batches[1]
+    with pytest.raises(TypeError):
+        plan.info.extra["x"] = 1
+    assert plan.digest() == digest
+    swapped = plan.replace(replica_of=plan.replica_of[::-1])
+    assert swapped.digest() != digest and plan.digest() == digest
+    # the plan copies what it is built from: changing the caller's arrays changes nothing
+    ids = np.arange(3, dtype=np.int64)
+    built = wlb.PackPlan(doc_ids=ids, lengths=[1, 2, 3], offsets=[0, 0, 0], micro_batches=[[0, 1, 2]],
+                         replica_of=[0], deferred=[], loads=[1.0], tokens=[6], n_micro=1)
+    before = built.digest()
+    ids[0] = 99
+    assert built.digest() == before and built.doc_ids[0] == 0
+
+
+def test_shard_plans_are_frozen():
+    import dataclasses
+
+    shard = wlb.solve_shard([30, 50, 7], 2, "per_doc")
+    digest = shard.digest()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        shard.strategy = "per_seq"
+    for arr in (shard.chunks, shard.loads, *shard.segments, *shard.rank_indices, *shard.positions):
+        with pytest.raises(ValueError, match="read-only"):
+            arr[0:1] = 0
+    assert shard.digest() == digest
+
+
+def test_plan_format_1_still_loads():
+    plan = wlb.solve_pack([5, 6, 7], 2, 100, unit_cost())
+    old = plan.to_dict()
+    old["format_version"] = 1
+    old.pop("arrival_step")
+    old["step"] = 4
+    old["info"]["extra"] = {"arrival_step": [1, 2, 3]}
+    back = wlb.PackPlan.from_dict(old)
+    assert back.arrival_step.tolist() == [1, 2, 3] and back.delays().tolist() == [3, 2, 1]
+    assert "arrival_step" not in back.info.extra and back.digest() == plan.digest()
+
+
+def test_plan_json_round_trip_and_digest():
     import json
 
+    cost = analytic(dp=2)
     lengths = np.random.default_rng(1).integers(1, 5000, 80)
-    plan = wlb.solve_pack(lengths, 4, 40000, cost, "wlb", dp=2)
+    plan = wlb.solve_pack(lengths, 4, 40000, cost, "wlb")
     back = wlb.PackPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert back.digest() == plan.digest()
     np.testing.assert_array_equal(back.loads, plan.loads)
     assert back.imbalance == plan.imbalance and back.info.method == "wlb"
-    other = wlb.solve_pack(lengths, 4, 40000, cost, "fixed", dp=2)
+    other = wlb.solve_pack(lengths, 4, 40000, cost, "fixed")
     assert other.digest() != plan.digest()
 
 
@@ -182,7 +250,7 @@ def test_load_lengths(tmp_path):
         wlb.load_lengths(tmp_path / "missing.npy")
 
 
-def test_review_fixes_bad_input(tmp_path):
+def test_bad_offsets_options_and_length_files(tmp_path):
     cost = unit_cost()
     with pytest.raises(ValueError, match="offsets"):
         wlb.solve_pack([5, 6], 2, 100, cost, offsets=[-3, 0])

@@ -10,13 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import wlb_opt as wlb
-from wlb_opt.packer import deal_by_1f1b, one_f_one_b_time
+from wlb_opt.solvers.deal import deal_to_replicas, one_f_one_b_time
 
 
-def unit_cost(attn=1e-6, linear=1e-3, pp=None):
+def unit_cost(attn=1e-6, linear=1e-3, parallel=None):
+    """Attention + linear cost only; `parallel`: the layout it is for (None: any layout)."""
     zero = dict(attn=attn, linear=linear, comm=0.0, doc_const=0.0, mb_const=0.0)
-    meta = {} if pp is None else {"parallel": {"pp": pp}}
-    return wlb.CostModel(coef={"fwd": dict(zero), "bwd": dict(zero)}, attn_flops_per_pair=1.0, meta=meta)
+    return wlb.CostModel(coef={"fwd": dict(zero), "bwd": dict(zero)}, attn_flops_per_pair=1.0, parallel=parallel)
 
 
 COST = unit_cost()
@@ -70,8 +70,8 @@ def test_long_stream_places_every_id_exactly_once(seed, n_micro, dp, max_delay, 
     assert [p.step for p in plans + tail] == list(range(len(plans) + len(tail)))
     s = packer.stats()
     assert s["placed_pieces"] == len(all_ids)
-    delays = [p.step - np.asarray(p.info.extra["arrival_step"])[np.concatenate(p.micro_batches)]
-              for p in plans + tail]
+    delays = [p.delays()[np.concatenate(p.micro_batches)] for p in plans + tail]
+    assert all(p.arrival_step is not None and len(p.arrival_step) == len(p.doc_ids) for p in plans + tail)
     assert s["delay_max"] == max(int(d.max()) for d in delays if d.size)
     if max_delay is not None:
         assert s["queue_wait_max"] <= max_delay
@@ -110,7 +110,7 @@ def test_queue_is_fifo_and_releases_exactly_dp_times_n_micro():
 def test_outliers_go_to_the_right_level():
     packer = wlb.WLBPacker(4, 200, COST, thresholds=[50, 100, 150], max_delay=None)
     packer.pack([49, 50, 99, 100, 149, 150, 200], [1, 2, 3, 4, 5, 6, 7])
-    levels = [[e[0] for e in q] for q in packer._queues]
+    levels = [[piece.id for piece in q] for q in packer._queues]
     assert levels == [[2, 3], [4, 5], [6, 7]]
     assert packer.queued_ids().tolist() == [2, 3, 4, 5, 6, 7]
 
@@ -131,9 +131,8 @@ def test_max_delay_is_honoured_with_a_queue_that_never_fills():
         lengths = [60] if step % 5 == 0 else []  # one outlier every 5 steps: never 4 at once
         lengths += [5] * 10
         plan = packer.pack(lengths, list(range(100 * step, 100 * step + len(lengths))))
-        arrival = np.asarray(plan.info.extra["arrival_step"])
         placed = np.concatenate(plan.micro_batches)
-        delays += (plan.step - arrival[placed]).tolist()
+        delays += (plan.step - plan.arrival_step[placed]).tolist()
     assert max(delays) == 3
     assert packer.stats()["delay_max"] == 3 and packer.stats()["late_pieces"] == 0
     paper = wlb.WLBPacker(4, 100, COST, thresholds=[50], max_delay=None)
@@ -195,7 +194,7 @@ def test_checkpoint_at_any_step_resumes_to_identical_plans(seed, cut, max_delay,
 def test_two_processes_with_the_same_seed_agree():
     code = (
         "import numpy as np, wlb_opt as wlb\n"
-        "from wlb_opt.bench.data import global_batches\n"
+        "from wlb_opt.data import global_batches\n"
         "cost = wlb.CostModel.analytic(wlb.ModelSpec.preset('7b'), wlb.ParallelSpec(tp=8, cp=2, pp=4), "
         "wlb.HardwareSpec.preset('h100'))\n"
         "p = wlb.WLBPacker(4, 163840, cost, thresholds='auto', seed=5)\n"
@@ -218,7 +217,7 @@ def test_calibration_is_deterministic_and_recorded():
 
 
 def test_delay_reduces_imbalance_on_the_default_distribution():
-    from wlb_opt.bench.data import global_batches
+    from wlb_opt.data import global_batches
     from wlb_opt.packer import per_step_imbalance
 
     cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4),
@@ -235,13 +234,14 @@ def test_dp_refinement_by_1f1b_time():
     # pp=4: replica time = (sum + 3 max) / 4. Loads 10, 9, 1, 1: sum-balancing pairs (10, 1), (9, 1)
     # -> max(4.75+7.5, ...) ; the closed form prefers putting the two heavy ones together.
     loads = np.array([10.0, 9.0, 1.0, 1.0])
-    r = deal_by_1f1b(loads, dp=2, n_micro=2, pp=4)
+    r = deal_to_replicas(loads, dp=2, n_micro=2, pp=4, max_passes=50)
     t = [one_f_one_b_time(loads[r == k], 4) for k in range(2)]
     brute = min(max(one_f_one_b_time(loads[list(a)], 4), one_f_one_b_time(loads[[i for i in range(4) if i not in a]], 4))
                 for a in [(0, 1), (0, 2), (0, 3)])
     assert max(t) == pytest.approx(brute)
     assert one_f_one_b_time([2.0, 1.0], 1) == 3.0 and one_f_one_b_time([2.0, 1.0], 4) == pytest.approx(2.25)
-    packer = wlb.WLBPacker(2, 100, unit_cost(pp=4), dp=2, thresholds=[])
+    packer = wlb.WLBPacker(2, 100, unit_cost(parallel=wlb.ParallelSpec(pp=4, dp=2)), thresholds=[])
+    assert (packer.dp, packer.pp) == (2, 4)  # both from the cost model's layout
     plan = packer.pack([90, 80, 5, 5, 5, 5], None)
     assert np.bincount(plan.replica_of).tolist() == [2, 2]
     check_plan(plan, 100)
@@ -397,11 +397,9 @@ def test_review_fixes_original_rejected_and_overload_leaves_state_unchanged():
 def test_dp_dealing_balances_replicas_at_larger_dp():
     import numpy as np
 
-    from wlb_opt.packer import deal_by_1f1b, one_f_one_b_time
-
     rng = np.random.default_rng(3)
     loads = rng.gamma(1.0, 1.0, 16 * 4)
-    replica_of = deal_by_1f1b(loads, dp=16, n_micro=4, pp=4)
+    replica_of = deal_to_replicas(loads, dp=16, n_micro=4, pp=4, max_passes=50)
     assert np.bincount(replica_of).tolist() == [4] * 16
     times = [one_f_one_b_time(loads[replica_of == r], 4) for r in range(16)]
     naive = [one_f_one_b_time(loads[r * 4:(r + 1) * 4], 4) for r in range(16)]
@@ -426,7 +424,7 @@ def test_group_release_lets_an_outlier_the_step_can_balance_leave_alone_at_arriv
     plan = grp.pack([52] + [10] * 81, list(range(82)))
     assert grp.queued_ids().tolist() == [] and 0 in plan.placed_ids().tolist()
     assert plan.info.extra["released_early"] == 1 and plan.imbalance <= 1.05
-    assert plan.info.extra["arrival_step"][plan.doc_ids.tolist().index(0)] == 0 and plan.step == 0
+    assert plan.arrival_step[plan.doc_ids.tolist().index(0)] == 0 and plan.step == 0
     wlb.check_pack(plan, plan.lengths, 400, ids=plan.doc_ids, offsets=plan.offsets, cost=cost)
     paper.pack([52] + [10] * 81, list(range(82)))
     assert paper.queued_ids().tolist() == [0]  # paper: waits for 3 more outliers
@@ -469,3 +467,72 @@ def test_group_release_is_fifo_among_equal_outliers_and_honours_max_delay():
         assert plan.info.extra["queue_wait_max"] <= 3
     assert order == sorted(order) and order
     assert packer.stats()["queue_wait_max"] <= 3
+
+
+def test_held_pieces_are_typed_records_and_the_state_keeps_lists_of_four():
+    from wlb_opt.packer import STATE_VERSION, HeldPiece
+
+    packer = wlb.WLBPacker(4, 100, COST, thresholds=[50], max_delay=None)  # the queue releases 4
+    packer.pack([60, 70, 5], [1, 2, 3], [0, 10, 0])
+    assert list(packer._queues[0]) == [HeldPiece(id=1, offset=0, length=60, arrival=0),
+                                       HeldPiece(id=2, offset=10, length=70, arrival=0)]
+    assert packer._queues[0][1].key == (2, 10)
+    state = packer.state_dict()
+    assert state["version"] == STATE_VERSION == 3
+    assert state["queues"] == [[[1, 0, 60, 0], [2, 10, 70, 0]]] and state["carry"] == []
+    resumed = wlb.WLBPacker(4, 100, COST, thresholds=[50], max_delay=None)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert list(resumed._queues[0]) == list(packer._queues[0])
+    assert all(isinstance(piece, HeldPiece) for piece in resumed._queues[0])
+
+
+def test_a_rejected_state_leaves_the_packer_unchanged():
+    packer = wlb.WLBPacker(2, 100, COST, thresholds="auto", n_queues=1, max_delay=4)
+    source = wlb.WLBPacker(2, 100, COST, thresholds="auto", n_queues=1, max_delay=4)
+    source.pack([60, 5, 7, 80], [1, 2, 3, 4])
+    state = dict(source.state_dict(), carry=[[1, 2]])
+    with pytest.raises(ValueError, match="malformed"):
+        packer.load_state_dict(state)
+    assert packer.thresholds is None and packer.step == 0 and len(packer.queued_ids()) == 0
+
+
+def test_dp_and_pp_come_from_the_cost_models_layout():
+    layout = wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=2)
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), layout, wlb.HardwareSpec.preset("h100"))
+    packer = wlb.WLBPacker(2, 16384, cost, thresholds=[])
+    assert (packer.dp, packer.pp, packer.capacity_tokens) == (2, 4, 2 * 2 * 16384)
+    assert wlb.WLBPacker(2, 16384, cost, 2, thresholds=[], pp=4).dp == 2  # agreeing values are fine
+    with pytest.raises(ValueError, match="dp=4 disagrees"):
+        wlb.WLBPacker(2, 16384, cost, 4, thresholds=[])
+    with pytest.raises(ValueError, match="pp=1 disagrees"):
+        wlb.WLBPacker(2, 16384, cost, thresholds=[], pp=1)
+    free = wlb.WLBPacker(2, 100, COST, 3, thresholds=[])  # no layout: any dp, pp 1
+    assert (free.dp, free.pp) == (3, 1)
+
+
+def test_plans_are_frozen_and_carry_their_arrival_steps():
+    packer = wlb.WLBPacker(2, 100, COST, dp=2, thresholds=[50], max_delay=2)
+    packer.pack([60, 5, 5], [1, 2, 3])
+    packer.pack([5], [4])
+    plan = packer.pack([5], [5])  # step 2: id 1 is due
+    assert plan.step == 2 and plan.arrival_step.dtype == np.int64
+    assert dict(zip(plan.doc_ids.tolist(), plan.arrival_step.tolist()))[1] == 0
+    assert "arrival_step" not in plan.info.extra and plan.info.extra["released"] == 1
+    assert plan.info.extra["queue_wait_max"] == 2
+    with pytest.raises(ValueError):
+        plan.arrival_step[0] = 7  # read-only
+    check_plan(plan, 100)
+
+
+def test_release_policies_are_strategy_objects():
+    from wlb_opt.packer import RELEASE_POLICIES
+    from wlb_opt.packer.release import (BalanceRelease, DrainRelease, GroupRelease, PaperRelease, ReleasePolicy,
+                                        make_release_policy)
+
+    assert RELEASE_POLICIES == ("paper", "balance", "group")
+    rules = dict(need=4, max_delay=None, balance_tolerance=1.1, max_backlog_tokens=100)
+    kinds = [type(make_release_policy(name, **rules)) for name in RELEASE_POLICIES]
+    assert kinds == [PaperRelease, BalanceRelease, GroupRelease]
+    assert all(issubclass(k, ReleasePolicy) for k in kinds + [DrainRelease])
+    packer = wlb.WLBPacker(2, 100, COST, thresholds=[50], release="group", balance_tolerance=1.1)
+    assert isinstance(packer._release, GroupRelease) and isinstance(packer._drain_release, DrainRelease)

@@ -45,5 +45,15 @@ def test_profile_tiny_block_on_cpu(tmp_path):
     c = cost.doc_cost(d)
     assert np.all(np.diff(c) >= 0) and np.all(c >= 0)
     assert len(cost.eff_scale) == 3 and max(cost.eff_scale) == pytest.approx(1.0)
+    assert cost.model == wlb.ModelSpec.preset("tiny") and cost.parallel is None  # typed, and no layout
     cost.save(tmp_path / "c.json")
     assert wlb.CostModel.load(tmp_path / "c.json").doc_cost(d).tolist() == c.tolist()
+
+
+def test_profile_prints_plain_numbers():
+    from wlb_opt.profile import efficiency_table
+
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"))
+    table = efficiency_table(cost)
+    assert all(type(q) is int and type(s) is float for q, s in table.items())
+    assert "np." not in str(table) and str(table).startswith("{1: 0.6")

@@ -28,7 +28,8 @@ def small_tile(cost: wlb.CostModel) -> wlb.CostModel:
     return dataclasses.replace(cost, tile=8, eff_q_len=(1, 16, 32), eff_scale=(0.5, 0.8, 1.0))
 
 
-COSTS = {"h100": analytic(4), "tile8": small_tile(analytic(4))}
+# Built for cp=4 but without a layout, so that one model serves every cp of the property tests.
+COSTS = {"h100": analytic(4).without_layout(), "tile8": small_tile(analytic(4)).without_layout()}
 
 
 # ------------------------------------------------------------------ the independent checker
@@ -81,7 +82,7 @@ def check_shard(shard, lengths, cp, offsets=None, cost=None):
     assert set(pairs) == expected, "reachable pairs differ from the document-causal mask"
     assert max(pairs.values(), default=1) == 1, "a pair is reached twice"
     if cost is not None:
-        cp_cost = cost.meta.get("parallel", {}).get("cp", cp)
+        cp_cost = cost.parallel.cp if cost.parallel is not None else cp
         for r in range(cp):
             seg = shard.segments[r].astype(np.int64)
             att = sum(cost.attention_latency(int(q), int(k)) for _, q, _, k in seg)
@@ -231,7 +232,7 @@ def test_short_documents_leave_empty_shards_without_segments():
     (dict(lengths=[3, 4], cp=True), "cp must be"),
     (dict(lengths=[3, 0], cp=2), "positive"),
     (dict(lengths=[3, -2], cp=2), "positive"),
-    (dict(lengths=[3, 4], cp=2, strategy="zigzag"), "valid: .*per_seq"),
+    (dict(lengths=[3, 4], cp=2, strategy="zigzag"), "one of .*per_seq"),
     (dict(lengths=[3, 4], cp=2, offsets=[0]), "offsets must be a 1-D sequence of the same size"),
     (dict(lengths=[3, 4], cp=2, offsets=[[0, 1]]), "offsets"),
     (dict(lengths=[3, 4], cp=2, offsets=[0, -1]), "offsets must be >= 0"),
@@ -245,6 +246,15 @@ def test_bad_input_raises_value_error(kwargs, match):
                         COSTS["h100"], **kwargs)
     with pytest.raises(ValueError, match="rank must be"):
         wlb.solve_shard([3, 4], 2, "per_doc").varlen_args(2)
+
+
+def test_cp_comes_from_the_cost_model_and_a_disagreeing_cp_raises():
+    cost = analytic(4)
+    assert wlb.solve_shard([30, 50], None, "per_doc", cost).cp == 4
+    assert wlb.solve_shard([30, 50], cost=cost).cp == 4
+    with pytest.raises(ValueError, match=r"cp=2 disagrees.*cp=4"):
+        wlb.solve_shard([30, 50], 2, "per_doc", cost)
+    assert wlb.solve_shard([30, 50], 2).cp == 2  # the default model has no layout
 
 
 def test_round_trip_digest_and_all_gather_permutation():
@@ -303,7 +313,7 @@ def test_adapters_reproduce_the_reference_attention(strategy):
                             token_skew=math.inf)
     assert sum(len(shard.varlen_args(r)) > 1 for r in range(cp)) or strategy != "per_doc"
     for r in range(cp):
-        idx = torch.as_tensor(shard.rank_indices[r])
+        idx = torch.tensor(shard.rank_indices[r])
         want = ref[idx]
         seg_out, _ = attention_reference(q[idx], k, v, shard.segments[r])
         torch.testing.assert_close(seg_out, want)
@@ -319,7 +329,7 @@ def test_adapters_reproduce_the_reference_attention(strategy):
         assert [tuple(map(len, c)) for c in shard.cu_seqlens(r)] == [
             (len(a["cu_seqlens_q"]), len(a["cu_seqlens_k"])) for a in calls]
         pos = shard.position_ids(r, as_torch=True)
-        assert pos.dtype == torch.int64 and torch.equal(pos, torch.as_tensor(shard.positions[r]))
+        assert pos.dtype == torch.int64 and torch.equal(pos, torch.tensor(shard.positions[r]))
 
 
 def test_checker_catches_broken_shards():
@@ -327,13 +337,12 @@ def test_checker_catches_broken_shards():
     shard = wlb.solve_shard(lengths, 2, "per_doc", COSTS["h100"])
     check_shard(shard, lengths, 2)
     for r, j, col, delta in [(0, 0, 3, -1), (1, 1, 2, 1), (0, 1, 1, -1)]:
-        broken = wlb.ShardPlan.from_dict(shard.to_dict())
-        broken.segments[r] = broken.segments[r].copy()
-        broken.segments[r][j, col] += delta
+        segments = [seg.copy() for seg in shard.segments]
+        segments[r][j, col] += delta
+        broken = dataclasses.replace(shard, segments=segments)
         with pytest.raises(AssertionError):
             check_shard(broken, lengths, 2)
-    swapped = wlb.ShardPlan.from_dict(shard.to_dict())
-    swapped.positions[0] = swapped.positions[0][::-1].copy()
+    swapped = dataclasses.replace(shard, positions=(shard.positions[0][::-1],) + shard.positions[1:])
     with pytest.raises(AssertionError):
         check_shard(swapped, lengths, 2)
 

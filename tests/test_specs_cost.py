@@ -132,3 +132,42 @@ def test_cost_json_round_trip(cost, tmp_path):
     data["format_version"] = 99
     with pytest.raises(ValueError, match="format_version"):
         wlb.CostModel.from_dict(data)
+
+
+def test_cost_model_carries_a_typed_layout(cost, tmp_path):
+    assert isinstance(cost.model, wlb.ModelSpec) and isinstance(cost.hardware, wlb.HardwareSpec)
+    assert cost.parallel == wlb.ParallelSpec(tp=8, cp=2, pp=4)
+    back = wlb.CostModel.load(_saved(cost, tmp_path))
+    assert back.parallel == cost.parallel and back.model == cost.model and back.hardware == cost.hardware
+    assert back == cost
+    assert cost.degree("pp") == 4 and cost.degree("pp", 4) == 4 and cost.degree("dp") == 1
+    with pytest.raises(ValueError, match=r"pp=2 disagrees with the cost model's layout \(pp=4"):
+        cost.degree("pp", 2)
+    with pytest.raises(ValueError, match="integer >= 1"):
+        cost.degree("dp", 0)
+    with pytest.raises(ValueError, match="one of"):
+        cost.degree("ep", 1)
+    free = cost.without_layout()
+    assert free.parallel is None and free.degree("pp", 7) == 7 and free.degree("pp") == 1
+    from wlb_opt.cost import default_cost
+
+    assert default_cost().parallel is None and default_cost().degree("cp", 8) == 8
+
+
+def test_cost_format_1_with_the_layout_in_meta_still_loads(cost, tmp_path):
+    old = cost.to_dict()
+    old["format_version"] = 1
+    old["meta"] = dict(old["meta"], model=old.pop("model"), parallel=old.pop("parallel"),
+                       hardware=old.pop("hardware"))
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(old))
+    back = wlb.CostModel.load(path)
+    assert back.parallel == cost.parallel and back.model == cost.model and back.hardware == cost.hardware
+    assert "parallel" not in back.meta
+    np.testing.assert_array_equal(back.doc_cost([7, 7000]), cost.doc_cost([7, 7000]))
+
+
+def _saved(cost, tmp_path):
+    path = tmp_path / "cost.json"
+    cost.save(path)
+    return path

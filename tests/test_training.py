@@ -35,11 +35,12 @@ def doc_tokens(doc_id: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (300,), generator=g)
 
 
-def make_plan(dp: int):
+def make_plan(dp: int, cp: int = 1, pp: int = 1):
     lengths = np.array([23, 5, 40, 2, 17, 9, 31, 1, 12, 6])
     pieces, ids, offsets = wlb.split_documents(lengths, window=32)
-    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), wlb.ParallelSpec(), wlb.HardwareSpec.preset("cpu"))
-    plan = wlb.solve_pack(pieces, 2, 96, cost, "wlb", ids=ids, offsets=offsets, dp=dp)
+    layout = wlb.ParallelSpec(cp=cp, pp=pp, dp=dp)
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), layout, wlb.HardwareSpec.preset("cpu"))
+    plan = wlb.solve_pack(pieces, 2, 96, cost, "wlb", ids=ids, offsets=offsets)  # the layout is the cost's
     assert len(plan.deferred) == 0
     return plan, cost
 
@@ -56,7 +57,7 @@ def make_shards(plan, cost, cp):
     for mb in plan.micro_batches:
         lengths = plan.lengths[mb]
         offsets = plan.offsets[mb]
-        out.append(wlb.solve_shard(lengths, cp, "per_doc", cost, offsets=offsets) if len(lengths) else None)
+        out.append(wlb.solve_shard(lengths, None, "per_doc", cost, offsets=offsets) if len(lengths) else None)
     return out
 
 
@@ -96,7 +97,7 @@ def _worker(rank, world, port):
         assert ex.check_same_plan(got) == make_plan(dp=1)[0].digest()
         for cp, pp, dp in LAYOUTS[world]:
             mesh = ex.make_mesh(cp=cp, dp=dp, pp=pp)
-            plan, cost = make_plan(dp)
+            plan, cost = make_plan(dp, cp, pp)
             model = make_model()
             names = {id(p): n for n, p in model.named_parameters()}
             stage = ex.split_stages(model, pp)[mesh.pp_rank]

@@ -20,43 +20,19 @@ import numpy as np
 
 
 def _bench_names() -> list[str]:
+    """Benchmark modules of `wlb_opt.bench`, by name ('_' shown as '-'), without importing them.
+
+    `data` holds the calibration command (`python -m wlb_opt.bench.data`) and `demo` is
+    `wlb-opt demo`; neither is a benchmark."""
     from . import bench
 
-    names = []
-    for m in pkgutil.iter_modules(bench.__path__):
-        if m.name.startswith("_") or m.name in {"data", "common", "demo"}:
-            continue
-        mod_spec = importlib.util.find_spec(f"wlb_opt.bench.{m.name}")
-        if mod_spec is not None:
-            names.append(m.name.replace("_", "-"))
-    return sorted(names)
-
-
-def add_cost_args(p: argparse.ArgumentParser, pp: int = 4, tp: int = 8, cp: int = 2) -> None:
-    """Options that build a CostModel (shared by pack and the benchmarks)."""
-    g = p.add_argument_group("cost model")
-    g.add_argument("--cost", metavar="JSON", help="a saved CostModel (overrides the options below)")
-    g.add_argument("--model", default="7b", help="ModelSpec preset: tiny, 550m, 7b, 30b, 70b (default 7b)")
-    g.add_argument("--hardware", default="h100", help="HardwareSpec preset: h100, h200, cpu (default h100)")
-    g.add_argument("--tp", type=int, default=tp)
-    g.add_argument("--cp", type=int, default=cp)
-    g.add_argument("--pp", type=int, default=pp)
-    g.add_argument("--dp", type=int, default=1)
-
-
-def cost_from_args(args):
-    from .cost import CostModel
-    from .specs import HardwareSpec, ModelSpec, ParallelSpec
-
-    if getattr(args, "cost", None):
-        return CostModel.load(args.cost)
-    return CostModel.analytic(ModelSpec.preset(args.model),
-                              ParallelSpec(tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp),
-                              HardwareSpec.preset(args.hardware))
+    return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(bench.__path__)
+                  if not m.name.startswith("_") and m.name not in {"data", "demo"})
 
 
 def _pack(argv: list[str]) -> int:
-    from .bench.data import DISTRIBUTIONS, global_batch
+    from .cost_args import add_cost_args, cost_from_args
+    from .data import DISTRIBUTIONS, global_batch
     from .docs import load_lengths, split_documents
     from .pack import PACK_METHODS, solve_pack
 
@@ -67,11 +43,11 @@ def _pack(argv: list[str]) -> int:
     p.add_argument("--n-micro", type=int, default=4, help="micro-batches per DP replica (default 4)")
     p.add_argument("--window", type=int, default=131072, help="training context length (default 131072)")
     p.add_argument("--max-tokens", type=int, default=None, help="token cap per micro-batch (default 1.25 x window)")
-    p.add_argument("--method", default="wlb", help=f"one of {sorted(PACK_METHODS)} (default wlb)")
+    p.add_argument("--method", default="wlb", choices=sorted(PACK_METHODS), help="packing method (default wlb)")
     p.add_argument("--field", default="length", help="field name for .jsonl files")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-limit", type=float, default=10.0)
-    p.add_argument("--backend", default=None, help="milp backend: cbc or highs")
+    p.add_argument("--seed", type=int, default=0, help="planner and sampling seed (default 0)")
+    p.add_argument("--time-limit", type=float, default=10.0, help="seconds for an exact method (default 10)")
+    p.add_argument("--backend", default=None, choices=["cbc", "highs"], help="milp backend (default cbc)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_cost_args(p)
     args = p.parse_args(argv)
@@ -85,7 +61,7 @@ def _pack(argv: list[str]) -> int:
                                                  seed=args.seed)
         plan = solve_pack(lengths, args.n_micro, max_tokens, cost, args.method, ids=ids, offsets=offsets,
                           dp=args.dp, time_limit=args.time_limit, seed=args.seed, backend=args.backend)
-    except (ValueError, ImportError) as exc:
+    except (ValueError, ImportError, OSError) as exc:
         print(f"wlb-opt pack: error: {exc}", file=sys.stderr)
         return 2
     if args.json:

@@ -21,18 +21,20 @@ table below is a documented placeholder read qualitatively off the paper's Fig. 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
+from ._validate import check_int, validate_lengths
 from .specs import HardwareSpec, ModelSpec, ParallelSpec
 
 Phase = Literal["fwd", "bwd", "fwd_bwd"]
 PHASES: tuple[str, ...] = ("fwd", "bwd", "fwd_bwd")
 TERMS: tuple[str, ...] = ("attn", "linear", "comm", "doc_const", "mb_const")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: typed model / parallel / hardware; 1 (meta dicts) still loads
+LAYOUT_DIMS: tuple[str, ...] = ("dp", "pp", "cp", "tp")
 
 # Attention efficiency by query-segment length, as a multiplier of HardwareSpec.attn_efficiency.
 # Placeholder from paper §4.3 / Fig. 10 (H100, FlashAttention, head dim 128): latency is flat
@@ -41,29 +43,6 @@ FORMAT_VERSION = 1
 DEFAULT_EFF_Q_LEN: tuple[int, ...] = (1, 256, 512, 1024, 4096)
 DEFAULT_EFF_SCALE: tuple[float, ...] = (0.60, 0.88, 0.95, 0.99, 1.0)
 EFFICIENCY_SOURCE = "placeholder: paper §4.3 / Fig. 10 shape (flat <=128 rows, jump at 256), not measured"
-
-
-def _validate_lengths(lengths) -> np.ndarray:
-    arr = np.asarray(lengths)
-    if arr.ndim == 0:
-        arr = arr.reshape(1)
-    if arr.ndim != 1:
-        raise ValueError(f"lengths must be a 1-D sequence of token counts, got shape {arr.shape}")
-    if arr.size == 0:
-        return arr.astype(np.int64)
-    if arr.dtype.kind == "f":
-        if not np.all(np.isfinite(arr)):
-            raise ValueError(f"lengths must be finite positive integers, got NaN/inf at index {int(np.argmin(np.isfinite(arr)))}")
-        if np.any(arr != np.round(arr)):
-            i = int(np.argmax(arr != np.round(arr)))
-            raise ValueError(f"lengths must be integers, got {arr[i]!r} at index {i}")
-    elif arr.dtype.kind not in "iu":
-        raise ValueError(f"lengths must be integers, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64)
-    if np.any(arr <= 0):
-        i = int(np.argmax(arr <= 0))
-        raise ValueError(f"lengths must be positive token counts, got {int(arr[i])} at index {i}")
-    return arr
 
 
 def validate_phase(phase: str) -> None:
@@ -77,6 +56,12 @@ class CostModel:
 
     `coef[phase][term]` is in seconds per causal pair (attn), per token (linear, comm),
     per document (doc_const) or per micro-batch (mb_const), for phase in ("fwd", "bwd").
+
+    `model`, `parallel` and `hardware` say what the coefficients were derived for. An
+    analytic model fills all three; a profiled one fills what it knows (the model, not the
+    layout). Planning, sharding and the simulator read the layout from `parallel`: a
+    `dp`, `pp` or `cp` argument that disagrees with it raises (see `degree`), and one left
+    out takes its value. A model without a layout accepts any degree.
     """
 
     coef: dict
@@ -91,8 +76,19 @@ class CostModel:
     eff_scale: tuple = DEFAULT_EFF_SCALE
     efficiency_source: str = EFFICIENCY_SOURCE
     meta: dict = field(default_factory=dict)
+    """Untyped provenance (kind, exposure factors, device, dtype, ...); never read by planning."""
+    model: ModelSpec | None = None
+    """The model the coefficients describe, where known."""
+    parallel: ParallelSpec | None = None
+    """The layout the coefficients were derived for; None: any layout is accepted."""
+    hardware: HardwareSpec | None = None
+    """The accelerator of an analytic model; None for a profiled one."""
 
     def __post_init__(self) -> None:
+        for name, kind in (("model", ModelSpec), ("parallel", ParallelSpec), ("hardware", HardwareSpec)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise ValueError(f"CostModel.{name} must be a {kind.__name__} or None, got {type(value).__name__}")
         for phase in ("fwd", "bwd"):
             if phase not in self.coef:
                 raise ValueError(f"CostModel.coef needs phases 'fwd' and 'bwd', got {sorted(self.coef)}")
@@ -168,12 +164,33 @@ class CostModel:
             "bwd": dict(attn=2.5 * attn_fwd, linear=2.0 * linear_fwd, comm=comm_fwd,
                         doc_const=2 * doc_const_fwd, mb_const=2 * mb_const_fwd),
         }
-        meta = dict(kind="analytic", model=model.to_dict(), parallel=parallel.to_dict(),
-                    hardware=hardware.to_dict(), tp_comm_exposed=tp_comm_exposed,
-                    cp_comm_exposed=cp_comm_exposed)
+        meta = dict(kind="analytic", tp_comm_exposed=tp_comm_exposed, cp_comm_exposed=cp_comm_exposed)
         return cls(coef=coef, attn_flops_per_pair=attn_flops_pair * parallel.cp,
                    attn_bwd_ratio=2.5, attn_peak_flops=peak * hardware.attn_efficiency,
-                   tile=tile, meta=meta)
+                   tile=tile, meta=meta, model=model, parallel=parallel, hardware=hardware)
+
+    # ------------------------------------------------------------------ layout
+    def degree(self, name: str, value=None) -> int:
+        """The `name` ("dp", "pp", "cp" or "tp") degree a caller should use.
+
+        None takes `parallel`'s value (1 without a layout); an explicit value must be an
+        integer >= 1 and, when the model has a layout, equal to it.
+        """
+        if name not in LAYOUT_DIMS:
+            raise ValueError(f"layout dimension must be one of {LAYOUT_DIMS}, got {name!r}")
+        mine = None if self.parallel is None else getattr(self.parallel, name)
+        if value is None:
+            return 1 if mine is None else mine
+        value = check_int(name, value, 1)
+        if mine is not None and value != mine:
+            raise ValueError(f"{name}={value} disagrees with the cost model's layout ({name}={mine} in "
+                             f"{self.parallel}); pass {name}=None to use the cost model's, or build the "
+                             f"cost model for {name}={value}")
+        return value
+
+    def without_layout(self) -> "CostModel":
+        """The same coefficients, accepting any layout (for models meant as per-device costs)."""
+        return replace(self, parallel=None)
 
     # ------------------------------------------------------------------ costs
     def _row(self, phase: str) -> np.ndarray:
@@ -182,13 +199,13 @@ class CostModel:
 
     def doc_cost(self, lengths, phase: Phase = "fwd_bwd") -> np.ndarray:
         """Seconds of each document (all layers, one replica); vectorised over `lengths`."""
-        d = _validate_lengths(lengths).astype(np.float64)
+        d = validate_lengths(lengths).astype(np.float64)
         attn, linear, comm, doc_const, _ = self._row(phase)
         return attn * (d * (d + 1.0) * 0.5) + (linear + comm) * d + doc_const
 
     def doc_cost_terms(self, lengths, phase: Phase = "fwd_bwd") -> dict[str, np.ndarray]:
         """The four terms of doc_cost separately (for breakdowns and plots)."""
-        d = _validate_lengths(lengths).astype(np.float64)
+        d = validate_lengths(lengths).astype(np.float64)
         attn, linear, comm, doc_const, _ = self._row(phase)
         return {"attn": attn * d * (d + 1.0) * 0.5, "linear": linear * d, "comm": comm * d,
                 "doc_const": np.full_like(d, doc_const)}
@@ -241,18 +258,33 @@ class CostModel:
 
     # ------------------------------------------------------------------ persistence
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["eff_q_len"] = list(self.eff_q_len)
-        d["eff_scale"] = list(self.eff_scale)
-        d["format_version"] = FORMAT_VERSION
-        return d
+        return dict(
+            format_version=FORMAT_VERSION, coef={p: dict(c) for p, c in self.coef.items()},
+            attn_flops_per_pair=self.attn_flops_per_pair, attn_bwd_ratio=self.attn_bwd_ratio,
+            attn_peak_flops=self.attn_peak_flops, tile=self.tile, eff_q_len=list(self.eff_q_len),
+            eff_scale=list(self.eff_scale), efficiency_source=self.efficiency_source, meta=dict(self.meta),
+            model=None if self.model is None else self.model.to_dict(),
+            parallel=None if self.parallel is None else self.parallel.to_dict(),
+            hardware=None if self.hardware is None else self.hardware.to_dict(),
+        )
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
+        """Inverse of `to_dict`; also reads format 1, whose layout sat in `meta` dicts."""
         d = dict(d)
         version = d.pop("format_version", None)
-        if version != FORMAT_VERSION:
-            raise ValueError(f"CostModel format_version {version!r} is not supported; expected {FORMAT_VERSION}")
+        if version not in (1, FORMAT_VERSION):
+            raise ValueError(f"CostModel format_version {version!r} is not supported; expected 1 or {FORMAT_VERSION}")
+        if version == 1:
+            meta = dict(d.get("meta") or {})
+            for name in ("model", "parallel", "hardware"):
+                if isinstance(meta.get(name), dict):
+                    d[name] = meta.pop(name)
+            d["meta"] = meta
+        specs = (("model", ModelSpec), ("parallel", ParallelSpec), ("hardware", HardwareSpec))
+        for name, kind in specs:
+            if d.get(name) is not None:
+                d[name] = kind(**d[name])
         d["eff_q_len"] = tuple(d["eff_q_len"])
         d["eff_scale"] = tuple(d["eff_scale"])
         return cls(**d)
@@ -275,5 +307,6 @@ class CostModel:
 
 
 def default_cost() -> CostModel:
-    """The cost model used when none is given: 7B, one GPU's worth of layout, H100."""
-    return CostModel.analytic(ModelSpec.preset("7b"), ParallelSpec(), HardwareSpec.preset("h100"))
+    """The cost model used when none is given: 7B on one H100 (no TP or CP split of the work),
+    without a layout, so that any dp, pp or cp is accepted."""
+    return CostModel.analytic(ModelSpec.preset("7b"), ParallelSpec(), HardwareSpec.preset("h100")).without_layout()

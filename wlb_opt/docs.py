@@ -11,26 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .cost import _validate_lengths
-
-
-def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
-    """Positive integer token counts as int64, or a ValueError naming the bad value."""
-    try:
-        return _validate_lengths(lengths)
-    except ValueError as exc:
-        raise ValueError(str(exc).replace("lengths", name, 1)) from None
-
-
-def validate_ids(ids, n: int, name: str = "ids") -> np.ndarray:
-    if ids is None:
-        return np.arange(n, dtype=np.int64)
-    arr = np.asarray(ids)
-    if arr.ndim != 1 or len(arr) != n:
-        raise ValueError(f"{name} must be a 1-D sequence of the same size as lengths ({n}), got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise ValueError(f"{name} must be integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64)
+from ._validate import check_int, validate_ids, validate_lengths
 
 
 def split_documents(lengths, window: int, ids=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -43,8 +24,7 @@ def split_documents(lengths, window: int, ids=None) -> tuple[np.ndarray, np.ndar
     >>> split_documents([5, 12], window=5)
     (array([5, 5, 5, 2]), array([0, 1, 1, 1]), array([ 0,  0,  5, 10]))
     """
-    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
-        raise ValueError(f"window must be an integer >= 1, got {window!r}")
+    window = check_int("window", window, 1)
     lengths = validate_lengths(lengths)
     ids = validate_ids(ids, len(lengths))
     n_pieces = -(-lengths // window)
@@ -90,6 +70,4 @@ def load_lengths(path, field: str = "length") -> np.ndarray:
             arr = np.asarray([float(x) for x in rows])
         except ValueError as exc:
             raise ValueError(f"{path}: expected one integer length per line ({exc})") from None
-    if arr.dtype.kind == "f" and np.any(np.abs(arr[np.isfinite(arr)]) > 2**62):
-        raise ValueError(f"lengths in {path.name} must be token counts below 2**62, got {float(np.nanmax(np.abs(arr)))!r}")
     return validate_lengths(arr, name=f"lengths in {path.name}")

@@ -11,22 +11,28 @@ loads are recomputed from the cost model, never taken from the solver. Methods:
 - "cpsat", "milp": exact models (`wlb-opt[exact]`), see wlb_opt.solvers.cpsat / .milp.
 
 More methods can be added with `register_method`. The stateful streaming packer with
-outlier queues is `WLBPacker` (wlb_opt.packer), re-exported here.
+outlier queues is `WLBPacker` (wlb_opt.packer), which calls this facade once per step.
+
+The layout: `dp` defaults to the cost model's (`cost.parallel.dp`); an explicit `dp` that
+disagrees with a cost model built for a layout raises. Micro-batches are dealt to DP
+replicas heaviest first onto the least-loaded replica (`wlb_opt.solvers.deal`).
 """
 from __future__ import annotations
 
 import importlib
-import numbers
 import time
-from typing import Callable
+from typing import Callable, Literal
 
 import numpy as np
 
+from ._validate import check_int, check_positive_real, validate_ids, validate_lengths, validate_offsets
 from .cost import CostModel, default_cost
-from .docs import validate_ids, validate_lengths
 from .plan import PackPlan, SolveInfo
-from .solvers.greedy import deal_to_replicas, fixed_greedy, original_sequential, wlb_greedy
+from .solvers.deal import deal_to_replicas
+from .solvers.greedy import fixed_greedy, original_sequential, wlb_greedy
 from .solvers.problem import PackProblem, PackResult
+
+PackMethod = Literal["original", "fixed", "wlb", "wlb_ls", "cpsat", "milp"]
 
 # name -> solver callable, or "module:function" resolved on first use (optional deps).
 PACK_METHODS: dict[str, Callable[[PackProblem], PackResult] | str] = {
@@ -68,22 +74,16 @@ def get_method(name: str) -> Callable[[PackProblem], PackResult]:
     return solver
 
 
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
-
-
 def solve_pack(
     lengths,
     n_micro: int,
     max_tokens: int,
     cost: CostModel | None = None,
-    method: str = "wlb",
+    method: PackMethod | str = "wlb",
     *,
     ids=None,
     offsets=None,
-    dp: int = 1,
+    dp: int | None = None,
     carried: int = 0,
     time_limit: float = 10.0,
     seed: int = 0,
@@ -101,7 +101,8 @@ def solve_pack(
         method: one of PACK_METHODS.
         ids: document ids (default 0..n-1); pieces of one document may share an id.
         offsets: start of each piece inside its document (default 0).
-        dp: data-parallel replicas; dp x n_micro micro-batches are packed jointly.
+        dp: data-parallel replicas; dp x n_micro micro-batches are packed jointly (None:
+            the cost model's `parallel.dp`, 1 without a layout; a disagreeing value raises).
         carried: the first `carried` documents come from an earlier step; placed first.
         time_limit, seed, backend: for exact methods ("milp" backend "cbc" | "highs").
         **options: method-specific (e.g. allow_defer=True for exact methods).
@@ -110,21 +111,19 @@ def solve_pack(
     """
     t0 = time.perf_counter()
     lengths = validate_lengths(lengths)
-    n_micro = _check_int("n_micro", n_micro, 1)
-    dp = _check_int("dp", dp, 1)
-    max_tokens = _check_int("max_tokens", max_tokens, 1)
-    carried = _check_int("carried", carried, 0)
+    n_micro = check_int("n_micro", n_micro, 1)
+    max_tokens = check_int("max_tokens", max_tokens, 1)
+    carried = check_int("carried", carried, 0)
     if carried > len(lengths):
         raise ValueError(f"carried={carried} is out of range: only {len(lengths)} documents were given")
-    if isinstance(time_limit, bool) or not (isinstance(time_limit, numbers.Real) and time_limit > 0):
-        raise ValueError(f"time_limit must be > 0 seconds, got {time_limit!r}")
+    time_limit = check_positive_real("time_limit", time_limit, "seconds", allow_inf=True)
     solver = get_method(method)
     ids = validate_ids(ids, len(lengths))
-    offsets = np.zeros(len(lengths), np.int64) if offsets is None else validate_ids(offsets, len(lengths), "offsets")
-    if len(offsets) and offsets.min() < 0:
-        i = int(np.argmin(offsets))
-        raise ValueError(f"offsets must be >= 0 (start of each piece inside its document), got {int(offsets[i])} "
-                         f"at position {i}")
+    offsets = validate_offsets(offsets, len(lengths))
+    if cost is not None and not isinstance(cost, CostModel):
+        raise ValueError(f"cost must be a wlb_opt.CostModel or None, got {type(cost).__name__}")
+    cost = cost if cost is not None else default_cost()
+    dp = cost.degree("dp", dp)
     allowed = _OPTIONS.get(method)
     if allowed is not None and set(options) - allowed:
         raise ValueError(f"method {method!r} takes no option(s) {sorted(set(options) - allowed)}; "
@@ -134,7 +133,6 @@ def solve_pack(
         raise ValueError(
             f"document {int(ids[i])} (position {i}) has {int(lengths[i])} tokens > max_tokens={max_tokens}; "
             "cut documents to the window first with wlb_opt.split_documents(lengths, window)")
-    cost = cost if cost is not None else default_cost()
 
     problem = PackProblem(
         lengths=lengths, weights=cost.doc_cost(lengths) if len(lengths) else np.zeros(0),
@@ -166,16 +164,6 @@ def solve_pack(
     info = SolveInfo(method=method, status=result.status, objective=objective, bound=bound, gap=gap,
                      scale=result.scale, build_s=result.build_s, solve_s=result.solve_s,
                      wall_s=time.perf_counter() - t0, extra=dict(result.extra))
-    return PackPlan(doc_ids=p_ids.astype(np.int64), lengths=p_len, offsets=p_off.astype(np.int64),
-                    micro_batches=bins, replica_of=replica_of,
-                    deferred=np.asarray(result.deferred, dtype=np.int64), loads=loads, tokens=tokens,
+    return PackPlan(doc_ids=p_ids, lengths=p_len, offsets=p_off, micro_batches=bins, replica_of=replica_of,
+                    deferred=result.deferred, loads=loads, tokens=tokens,
                     n_micro=n_micro, dp=dp, max_tokens=max_tokens, info=info)
-
-
-def __getattr__(name: str):
-    # WLBPacker lives in its own module (wlb_opt.packer); resolved lazily to avoid a cycle.
-    if name == "WLBPacker":
-        from .packer import WLBPacker
-
-        return WLBPacker
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,14 +7,26 @@ trusting any solver code: it only counts tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import numpy as np
 
-PLAN_FORMAT_VERSION = 1
+from ._validate import read_only
+
+PLAN_FORMAT_VERSION = 2  # 2: arrival_step is a field; 1 still loads (arrival in info.extra)
+
+
+def _freeze(obj, name: str, dtype) -> None:
+    object.__setattr__(obj, name, read_only(getattr(obj, name), dtype))
+
+
+def _frozen_tuple(arrays, dtype) -> tuple:
+    return tuple(read_only(a, dtype) for a in arrays)
 
 
 def imbalance(loads) -> float:
@@ -26,9 +38,13 @@ def imbalance(loads) -> float:
     return float(arr.max() / mean) if mean > 0 else 1.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class SolveInfo:
-    """How a plan was found. Times in seconds; objective and bound in cost seconds."""
+    """How a plan was found. Times in seconds; objective and bound in cost seconds.
+
+    Frozen: change a copy with ``dataclasses.replace(info, wall_s=...)``. `extra` is a
+    read-only mapping of method-specific details (JSON values).
+    """
 
     method: str
     status: str = "heuristic"
@@ -44,17 +60,22 @@ class SolveInfo:
     build_s: float = 0.0
     solve_s: float = 0.0
     wall_s: float = 0.0
-    extra: dict = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "extra", MappingProxyType(dict(self.extra)))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["extra"] = dict(self.extra)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "SolveInfo":
         return cls(**d)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PackPlan:
     """One step's packing. Positions index the plan's own arrays (doc_ids, lengths, offsets).
 
@@ -65,12 +86,18 @@ class PackPlan:
     - `deferred`: positions not placed this step (carried to the next).
     - `loads[j]`: modelled seconds of micro-batch j (cost.micro_batch_cost), `tokens[j]` its
       token count; `imbalance` = max / mean of loads.
+    - `step`: the training step the plan is for (set by `WLBPacker`), `arrival_step[i]`: the
+      step piece i arrived in (None: every piece arrived at `step`); its delay is
+      step - arrival_step[i].
+
+    Frozen: arrays are read-only and `micro_batches` is a tuple, so `digest()` cannot change
+    after the plan is built. Make a changed copy with `plan.replace(replica_of=...)`.
     """
 
     doc_ids: np.ndarray
     lengths: np.ndarray
     offsets: np.ndarray
-    micro_batches: list
+    micro_batches: tuple
     replica_of: np.ndarray
     deferred: np.ndarray
     loads: np.ndarray
@@ -80,10 +107,34 @@ class PackPlan:
     max_tokens: int = 0
     info: SolveInfo = field(default_factory=lambda: SolveInfo(method="unknown"))
     step: int | None = None
+    arrival_step: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("doc_ids", "lengths", "offsets", "replica_of", "deferred", "tokens"):
+            _freeze(self, name, np.int64)
+        _freeze(self, "loads", np.float64)
+        object.__setattr__(self, "micro_batches", _frozen_tuple(self.micro_batches, np.int64))
+        if self.arrival_step is not None:
+            _freeze(self, "arrival_step", np.int64)
+            if len(self.arrival_step) != len(self.doc_ids):
+                raise ValueError(f"arrival_step needs one entry per piece ({len(self.doc_ids)}), "
+                                 f"got {len(self.arrival_step)}")
+        if self.step is not None:
+            object.__setattr__(self, "step", int(self.step))
+
+    def replace(self, **changes) -> "PackPlan":
+        """A copy with `changes` applied (dataclasses.replace; the copy is frozen too)."""
+        return dataclasses.replace(self, **changes)
 
     @property
     def imbalance(self) -> float:
         return imbalance(self.loads)
+
+    def delays(self) -> np.ndarray:
+        """Steps each piece waited: step - arrival_step (zeros without arrival steps or step)."""
+        if self.arrival_step is None or self.step is None:
+            return np.zeros(len(self.doc_ids), np.int64)
+        return self.step - self.arrival_step
 
     @property
     def n_micro_batches(self) -> int:
@@ -129,20 +180,30 @@ class PackPlan:
             "dp": self.dp,
             "max_tokens": self.max_tokens,
             "step": self.step,
+            "arrival_step": None if self.arrival_step is None else self.arrival_step.tolist(),
             "info": self.info.to_dict(),
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> "PackPlan":
-        if d.get("format_version") != PLAN_FORMAT_VERSION:
-            raise ValueError(f"PackPlan format_version {d.get('format_version')!r} is not supported; expected {PLAN_FORMAT_VERSION}")
+        version = d.get("format_version")
+        if version not in (1, PLAN_FORMAT_VERSION):
+            raise ValueError(f"PackPlan format_version {version!r} is not supported; expected 1 or "
+                             f"{PLAN_FORMAT_VERSION}")
         i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+        info = dict(d["info"])
+        arrival = d.get("arrival_step")
+        if version == 1:  # format 1 kept the arrival steps in info.extra
+            extra = dict(info.get("extra") or {})
+            arrival = extra.pop("arrival_step", None)
+            info["extra"] = extra
         return cls(
             doc_ids=i64(d["doc_ids"]), lengths=i64(d["lengths"]), offsets=i64(d["offsets"]),
             micro_batches=[i64(mb) for mb in d["micro_batches"]], replica_of=i64(d["replica_of"]),
             deferred=i64(d["deferred"]), loads=np.asarray(d["loads"], dtype=np.float64),
             tokens=i64(d["tokens"]), n_micro=int(d["n_micro"]), dp=int(d["dp"]),
-            max_tokens=int(d["max_tokens"]), step=d.get("step"), info=SolveInfo.from_dict(d["info"]),
+            max_tokens=int(d["max_tokens"]), step=d.get("step"), info=SolveInfo.from_dict(info),
+            arrival_step=None if arrival is None else i64(arrival),
         )
 
     def to_json(self) -> str:
@@ -163,7 +224,7 @@ class PackPlan:
             h.update(b";")
         return h.hexdigest()
 
-    def summary_rows(self, cost=None) -> list[dict[str, Any]]:
+    def summary_rows(self) -> list[dict[str, Any]]:
         """One dict per micro-batch: replica, documents, tokens, modelled ms, share of the step."""
         total = float(self.loads.sum()) or 1.0
         rows = []
@@ -277,13 +338,13 @@ SHARD_FORMAT_VERSION = 1
 CHUNK_COLUMNS = ("rank", "doc", "start", "length")
 
 
-def merge_chunks(lengths, doc, start, length, rank) -> np.ndarray:
+def merge_chunks(lengths, rank, doc, start, length) -> np.ndarray:
     """Canonical chunk table: rows (rank, doc, start, length) sorted by rank, then packed
     position, empty rows dropped, and contiguous rows of one document on one rank merged
     (rank CP-1 holds chunks CP-1 and CP of a document back to back: one segment, not two).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    doc, start, length, rank = (np.asarray(x, dtype=np.int64) for x in (doc, start, length, rank))
+    rank, doc, start, length = (np.asarray(x, dtype=np.int64) for x in (rank, doc, start, length))
     keep = length > 0
     doc, start, length, rank = doc[keep], start[keep], length[keep], rank[keep]
     doc_start = np.cumsum(lengths) - lengths
@@ -324,7 +385,7 @@ def shard_layout(lengths, offsets, cp: int, chunks: np.ndarray):
     return rank_indices, segments, positions
 
 
-@dataclass
+@dataclass(frozen=True)
 class ShardPlan:
     """CP sharding of one packed micro-batch (built by `wlb_opt.solve_shard`).
 
@@ -333,7 +394,7 @@ class ShardPlan:
       they give the rank-major layout of an all-gather; `permutation()` returns it.
     - `segments[r]`: int32 (S, 4) rows (q_start, q_len, k_start, k_len): local query rows
       [q_start, q_start + q_len) attend to packed K/V rows [k_start, k_start + k_len),
-      causal, bottom-right aligned (DESIGN.md, "The segment table"). Empty shards give none.
+      causal, bottom-right aligned (docs/architecture.md, "The segment table"). Empty shards give none.
     - `positions[r]`: each local token's position inside its document plus the piece offset.
     - `loads[r]`: rank r's modelled seconds (same units as `CostModel.micro_batch_cost`):
       sum of attention_latency over its segments + the linear work of its tokens + the
@@ -342,7 +403,10 @@ class ShardPlan:
     - `strategy`: the strategy actually taken ("per_seq", "per_doc", "hybrid" or "cpsat");
       `requested`: the one asked for ("adaptive" may take "per_seq" or "per_doc").
     - `chunks`: the compact description every other field is derived from: int64 rows
-      (rank, doc, start, length), tokens [start, start + length) of document `doc`.
+      (rank, doc, start, length), tokens [start, start + length) of document `doc`
+      (`CHUNK_COLUMNS`; the chunk rules in `wlb_opt.solvers.shard` use the same order).
+
+    Frozen like PackPlan: arrays read-only, per-rank lists are tuples.
     """
 
     cp: int
@@ -350,13 +414,21 @@ class ShardPlan:
     lengths: np.ndarray
     offsets: np.ndarray
     chunks: np.ndarray
-    rank_indices: list
-    segments: list
-    positions: list
+    rank_indices: tuple
+    segments: tuple
+    positions: tuple
     loads: np.ndarray
     tokens: np.ndarray
     requested: str = ""
     info: SolveInfo = field(default_factory=lambda: SolveInfo(method="unknown"))
+
+    def __post_init__(self) -> None:
+        for name in ("lengths", "offsets", "chunks", "tokens"):
+            _freeze(self, name, np.int64)
+        _freeze(self, "loads", np.float64)
+        object.__setattr__(self, "rank_indices", _frozen_tuple(self.rank_indices, np.int64))
+        object.__setattr__(self, "positions", _frozen_tuple(self.positions, np.int64))
+        object.__setattr__(self, "segments", _frozen_tuple(self.segments, np.int32))
 
     @property
     def imbalance(self) -> float:
@@ -493,4 +565,4 @@ def _to_torch(arr: np.ndarray, device=None):
     from ._optional import require
 
     torch = require("torch", "ShardPlan torch adapters")
-    return torch.as_tensor(np.ascontiguousarray(arr), device=device)
+    return torch.tensor(arr, device=device)  # a copy: plan arrays are read-only

@@ -65,13 +65,14 @@ def _nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def fit_cost_model(samples: list[Sample], layers: int = 1, tile: int = 128,
                    eff_q_len=None, eff_scale=None, attn_flops_per_pair: float | None = None,
-                   meta: dict | None = None) -> CostModel:
+                   meta: dict | None = None, model: ModelSpec | None = None) -> CostModel:
     """Fit the four-term CostModel to measured micro-batches (times per `layers` x sample).
 
     Rows are weighted by 1 / time so that short micro-batches count as much as long ones
     (relative error). `attn_flops_per_pair` (FLOPs per causal pair over all layers on one
     rank) and the fitted attention coefficient give the attention throughput that
-    `attention_latency` divides by.
+    `attention_latency` divides by. `model` becomes `cost.model`; a fitted model has no
+    layout (`cost.parallel` is None: one device, any dp/pp/cp accepted).
     """
     if len(samples) < 4:
         raise ValueError(f"fit_cost_model needs at least 4 samples (one per coefficient), got {len(samples)}")
@@ -95,7 +96,7 @@ def fit_cost_model(samples: list[Sample], layers: int = 1, tile: int = 128,
         kwargs = dict(eff_q_len=tuple(int(x) for x in eff_q_len), eff_scale=tuple(float(x) for x in eff_scale),
                       efficiency_source="measured by wlb_opt.profile")
     return CostModel(coef=coef, attn_flops_per_pair=flops, attn_bwd_ratio=float(bwd_ratio), attn_peak_flops=peak,
-                     tile=tile, meta=dict(kind="profiled", **(meta or {})), **kwargs)
+                     tile=tile, meta=dict(kind="profiled", **(meta or {})), model=model, **kwargs)
 
 
 def _time(fn, device, repeats: int) -> float:
@@ -157,8 +158,8 @@ def profile_block(model: ModelSpec, window: int = 4096, n_samples: int = 12, dev
     head_fwd, head_bwd = _head_seconds_per_token(model, dev, dt, window, repeats)
     flops = 4.0 * model.hidden * model.layers
     cost = fit_cost_model(samples, layers=model.layers, eff_q_len=eff_q, eff_scale=eff_s,
-                          attn_flops_per_pair=flops,
-                          meta=dict(model=model.to_dict(), device=str(dev), dtype=str(dt), window=window,
+                          attn_flops_per_pair=flops, model=model,
+                          meta=dict(device=str(dev), dtype=str(dt), window=window,
                                     head_s_per_token=dict(fwd=head_fwd, bwd=head_bwd)))
     # The embedding, final norm, LM head and loss run once per token (not per layer): add them
     # to the per-token term so micro_batch_cost covers the whole model, as the analytic one does.
@@ -232,22 +233,28 @@ def _efficiency_table(model: ModelSpec, dev, dt, q_lens, repeats):
     return q_lens.tolist(), scale.tolist()
 
 
+def efficiency_table(cost: CostModel) -> dict[int, float]:
+    """{q_len: achieved-efficiency scale} of `cost` as plain ints and floats (3 decimals)."""
+    return {int(q): round(float(s), 3) for q, s in zip(cost.eff_q_len, cost.eff_scale)}
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="wlb-opt profile", description="Measure one block here and fit a CostModel.")
     p.add_argument("--model", default="tiny", help="ModelSpec preset (default tiny; use 7b on a GPU)")
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--samples", type=int, default=10)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None, help="float32, float16, bfloat16 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="cost.json")
+    p.add_argument("--window", type=int, default=512, help="tokens per measured micro-batch (default 512)")
+    p.add_argument("--samples", type=int, default=10, help="measured micro-batches, >= 4 (default 10)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="tensor dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement, median kept (default 3)")
+    p.add_argument("--out", default="cost.json", help="where to save the fitted CostModel (default cost.json)")
     args = p.parse_args(argv)
     cost = profile_block(ModelSpec.preset(args.model), window=args.window, n_samples=args.samples,
                          device=args.device, dtype=args.dtype, repeats=args.repeats)
     cost.save(args.out)
     print(cost.describe())
-    print("attention efficiency by q_len:", dict(zip(cost.eff_q_len, np.round(cost.eff_scale, 3))))
+    print("attention efficiency by q_len:", efficiency_table(cost))
     print(f"wrote {args.out}")
     return 0

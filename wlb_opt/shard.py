@@ -24,8 +24,9 @@ Loads (seconds, units of `CostModel.micro_batch_cost`): rank r's load is the sum
 efficiency), plus the linear work of its tokens, plus `doc_const` once per segment, plus
 `mb_const`. The cost model's linear coefficient is per token of a micro-batch spread over
 the CP group it was built for (`CostModel.analytic` divides by tp x cp), so rank r's linear
-time is `cost.linear_cost(cp_cost * tokens_r)` with cp_cost the model's own CP degree
-(`cost.meta["parallel"]["cp"]`, or `cp` when the model does not say).
+time is `cost.linear_cost(cp * tokens_r)`: `cp` is the cost model's own CP degree
+(`cost.parallel.cp`; a `cp` argument that disagrees with it raises), and a model without a
+layout is taken to describe the whole micro-batch.
 """
 from __future__ import annotations
 
@@ -34,17 +35,19 @@ import time
 
 import numpy as np
 
+from typing import Literal
+
+from ._validate import check_choice, validate_lengths, validate_offsets
 from .cost import CostModel, default_cost
-from .docs import validate_ids, validate_lengths
 from .plan import ShardPlan, SolveInfo, merge_chunks, shard_layout
 from .solvers.shard import hybrid_assign, hybrid_chunks, per_doc_chunk_sizes, per_doc_chunks, per_seq_chunks
 
+ShardStrategy = Literal["per_seq", "per_doc", "adaptive", "hybrid", "cpsat"]
 SHARD_STRATEGIES: tuple[str, ...] = ("per_seq", "per_doc", "adaptive", "hybrid", "cpsat")
 CPSAT_MAX_DOCS = 48
 DEFAULT_TOKEN_SKEW = 1.0 / 16
 
-__all__ = ["solve_shard", "SHARD_STRATEGIES", "CPSAT_MAX_DOCS", "ShardCosts", "varlen_args", "position_ids",
-           "cu_seqlens"]
+__all__ = ["solve_shard", "SHARD_STRATEGIES", "CPSAT_MAX_DOCS", "ShardCosts", "cut_or_whole_lower_bound"]
 
 
 class ShardCosts:
@@ -52,9 +55,8 @@ class ShardCosts:
 
     def __init__(self, cost: CostModel, cp: int):
         self.cost = cost
-        self.cp = cp
-        cp_cost = (cost.meta or {}).get("parallel", {}).get("cp", cp) if isinstance(cost.meta, dict) else cp
-        self.token_s = float(cost.linear_cost(1.0)) * float(cp_cost)  # seconds per token on one rank
+        self.cp = cost.degree("cp", cp)
+        self.token_s = float(cost.linear_cost(1.0)) * float(self.cp)  # seconds per token on one rank
         self.doc_const = float(cost.coef["fwd"]["doc_const"] + cost.coef["bwd"]["doc_const"])
         self.mb_const = float(cost.mb_const())
 
@@ -73,26 +75,21 @@ class ShardCosts:
         return np.bincount(rank, weights=seg, minlength=self.cp)[: self.cp] + self.mb_const
 
 
-def _validate(lengths, cp, strategy, offsets):
-    if isinstance(cp, bool) or not isinstance(cp, (int, np.integer)) or cp < 1:
-        raise ValueError(f"cp must be an integer >= 1, got {cp!r}")
-    if strategy not in SHARD_STRATEGIES:
-        raise ValueError(f"unknown shard strategy {strategy!r}; valid: {list(SHARD_STRATEGIES)}")
+def _validate(lengths, cp, strategy, offsets, cost):
+    """(lengths, cp, offsets, cost) checked; cp None takes the cost model's."""
+    if cost is not None and not isinstance(cost, CostModel):
+        raise ValueError(f"cost must be a wlb_opt.CostModel or None, got {type(cost).__name__}")
+    cost = cost if cost is not None else default_cost()
+    cp = cost.degree("cp", cp)
+    check_choice("strategy", strategy, SHARD_STRATEGIES)
     lengths = validate_lengths(lengths)
-    if offsets is None:
-        offsets = np.zeros(len(lengths), np.int64)
-    else:
-        offsets = validate_ids(offsets, len(lengths), "offsets")
-        if np.any(offsets < 0):
-            raise ValueError(f"offsets must be >= 0 (start of each piece inside its document), got "
-                             f"{int(offsets[np.argmax(offsets < 0)])}")
-    return lengths, int(cp), offsets
+    return lengths, cp, validate_offsets(offsets, len(lengths)), cost
 
 
 def solve_shard(
     lengths,
-    cp: int,
-    strategy: str = "per_doc",
+    cp: int | None = None,
+    strategy: ShardStrategy | str = "per_doc",
     cost: CostModel | None = None,
     offsets=None,
     *,
@@ -105,7 +102,8 @@ def solve_shard(
 
     Args:
         lengths: token counts of the micro-batch's documents (pieces), in packed order.
-        cp: context-parallel degree (>= 1).
+        cp: context-parallel degree (>= 1; None: the cost model's `parallel.cp`, 1 without a
+            layout; a value that disagrees with the cost model's layout raises).
         strategy: one of SHARD_STRATEGIES (see the module docstring).
         cost: the cost model of the loads (default: `default_cost()`).
         offsets: start of each piece inside its document (for RoPE positions; default 0).
@@ -115,13 +113,12 @@ def solve_shard(
     Returns a ShardPlan; `plan.strategy` is the strategy actually taken.
     """
     t0 = time.perf_counter()
-    lengths, cp, offsets = _validate(lengths, cp, strategy, offsets)
+    lengths, cp, offsets, cost = _validate(lengths, cp, strategy, offsets, cost)
     if not (isinstance(token_skew, (int, float)) and token_skew >= 0):
         raise ValueError(f"token_skew must be a number >= 0 (or math.inf), got {token_skew!r}")
     if strategy == "cpsat" and len(lengths) > CPSAT_MAX_DOCS:
         raise ValueError(f"strategy 'cpsat' handles at most {CPSAT_MAX_DOCS} documents (its size cap), got "
                          f"{len(lengths)}; use strategy='hybrid' for larger micro-batches")
-    cost = cost if cost is not None else default_cost()
     costs = ShardCosts(cost, cp)
     total = int(lengths.sum())
     token_cap = math.ceil((1.0 + token_skew) * total / cp) if math.isfinite(token_skew) else math.inf
@@ -175,11 +172,13 @@ def solve_shard(
     name, chunks, loads = chosen
     rank_indices, segments, positions = shard_layout(lengths, offsets, cp, chunks)
     tokens = np.bincount(chunks[:, 0], weights=chunks[:, 3], minlength=cp)[:cp].astype(np.int64)
-    info = SolveInfo(method=strategy, status=status, objective=float(np.max(loads)),
+    objective = float(np.max(loads))
+    bound = gap = None
+    if extra.get("bound") is not None:
+        bound = extra["bound"]
+        gap = max(0.0, (objective - bound) / objective) if objective > 0 else 0.0
+    info = SolveInfo(method=strategy, status=status, objective=objective, bound=bound, gap=gap,
                      wall_s=time.perf_counter() - t0, extra=extra)
-    if "bound" in extra and extra["bound"] is not None:
-        info.bound = extra["bound"]
-        info.gap = max(0.0, (info.objective - info.bound) / info.objective) if info.objective > 0 else 0.0
     return ShardPlan(cp=cp, strategy=name, lengths=lengths, offsets=offsets, chunks=chunks,
                      rank_indices=rank_indices, segments=segments, positions=positions, loads=loads,
                      tokens=tokens, requested=strategy, info=info)
@@ -198,25 +197,9 @@ def _decision_costs(lengths: np.ndarray, cp: int, costs: ShardCosts, per_doc_chu
     return whole_cost, cut_cost, cut_tokens
 
 
-# ------------------------------------------------------------------ adapters (functional form)
-def varlen_args(shard: ShardPlan, rank: int, as_torch: bool = False, device=None) -> list[dict]:
-    """FlashAttention varlen arguments of one rank; see `ShardPlan.varlen_args`."""
-    return shard.varlen_args(rank, as_torch=as_torch, device=device)
-
-
-def cu_seqlens(shard: ShardPlan, rank: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(cu_seqlens_q, cu_seqlens_k) per varlen call; see `ShardPlan.cu_seqlens`."""
-    return shard.cu_seqlens(rank)
-
-
-def position_ids(shard: ShardPlan, rank: int, as_torch: bool = False, device=None):
-    """RoPE position ids of one rank's tokens; see `ShardPlan.position_ids`."""
-    return shard.position_ids(rank, as_torch=as_torch, device=device)
-
-
 def per_doc_sizes(lengths, cp: int) -> np.ndarray:
-    """[n, 2*CP] per-document chunk sizes under DESIGN.md's round-robin remainder rule."""
-    lengths, cp, _ = _validate(lengths, cp, "per_doc", None)
+    """[n, 2*CP] per-document chunk sizes under the round-robin remainder rule (docs/architecture.md, "Invariants")."""
+    lengths, cp, _, _ = _validate(lengths, cp, "per_doc", None, None)
     return per_doc_chunk_sizes(lengths, cp)
 
 
@@ -226,8 +209,8 @@ def cut_or_whole_lower_bound(lengths, cp: int, cost: CostModel | None = None) ->
     Each document costs at least min(whole cost, sum over ranks of its cut cost) in total, and
     the slowest rank carries at least the mean: sum_i min(...) / cp + mb_const.
     """
-    lengths, cp, _ = _validate(lengths, cp, "hybrid", None)
-    costs = ShardCosts(cost if cost is not None else default_cost(), cp)
+    lengths, cp, _, cost = _validate(lengths, cp, "hybrid", None, cost)
+    costs = ShardCosts(cost, cp)
     chunks = merge_chunks(lengths, *per_doc_chunks(lengths, cp))
     whole_cost, cut_cost, _ = _decision_costs(lengths, cp, costs, chunks)
     return float(np.minimum(whole_cost, cut_cost.sum(axis=1)).sum() / cp + costs.mb_const)

@@ -34,15 +34,13 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Sequence
 
 import numpy as np
 
-Schedule = Literal["1f1b", "interleaved"]
-SCHEDULES = ("1f1b", "interleaved")
-
-# An operation: (phase "F" | "B", micro-batch, virtual stage). Device = virtual stage % pp.
-Op = tuple[str, int, int]
+from .plan import imbalance
+from .schedule import SCHEDULES, Op, Schedule, stage_order
+from .specs import ParallelSpec
 
 
 @dataclass
@@ -104,35 +102,6 @@ def _validate(fwd, bwd, schedule: str, virtual_stages: int, p2p_s):
     if p2p.shape != (m,) or not np.all(np.isfinite(p2p)) or np.any(p2p < 0):
         raise ValueError(f"p2p_s must be seconds >= 0, a scalar or one per micro-batch ({m}), got {p2p_s!r}")
     return f, b, p2p
-
-
-# ---------------------------------------------------------------------- schedules
-def stage_order(stage: int, pp: int, n_micro: int, virtual_stages: int = 1) -> list[Op]:
-    """The operations of physical stage `stage` in the order it runs them.
-
-    1F1B (PipeDream-flush): pp - stage - 1 warm-up forwards, then alternate one forward and
-    one backward, then the remaining backwards.
-    Interleaved (Megatron-LM, Narayanan et al. 2021): micro-batches go in groups of pp; within
-    a group all micro-batches run chunk 0, then chunk 1, ...; backwards run chunks in reverse.
-    Warm-up is 2 (pp - stage - 1) + (v - 1) pp forwards. With v = 1 Megatron runs the plain
-    1F1B schedule, and so does this function (the grouping is then the identity).
-    """
-    v = virtual_stages
-    fwd_seq, bwd_seq = [], []
-    for g in range(0, n_micro, pp):
-        group = range(g, min(g + pp, n_micro))
-        for c in range(v):
-            fwd_seq.extend(("F", mb, c * pp + stage) for mb in group)
-            bwd_seq.extend(("B", mb, (v - 1 - c) * pp + stage) for mb in group)
-    total = n_micro * v
-    warmup = (pp - stage - 1) if v == 1 else 2 * (pp - stage - 1) + (v - 1) * pp
-    warmup = min(warmup, total)
-    order = fwd_seq[:warmup]
-    for i in range(total - warmup):
-        order.append(fwd_seq[warmup + i])
-        order.append(bwd_seq[i])
-    order.extend(bwd_seq[total - warmup:])
-    return order
 
 
 def _deps(op: Op, n_virtual: int) -> list[Op]:
@@ -462,34 +431,41 @@ def _phase_split(cost, lengths) -> float:
     return cost.micro_batch_cost(lengths, "fwd") / total if total > 0 else 1.0 / 3.0
 
 
-def p2p_seconds(tokens, cost, parallel) -> np.ndarray:
+def p2p_seconds(tokens, cost, parallel: ParallelSpec) -> np.ndarray:
     """PP send time of one micro-batch's activations: tokens / (tp * cp) x hidden x 2 bytes
     per rank (sequence parallel), over the inter-node network (stages sit on different nodes
-    whenever tp x cp fills a node) or NVLink. 0 when the cost model has no model/hardware meta."""
-    meta = getattr(cost, "meta", {}) or {}
-    if parallel.pp == 1 or "model" not in meta or "hardware" not in meta:
+    whenever tp x cp fills a node) or NVLink. 0 when the cost model has no model or hardware."""
+    if parallel.pp == 1 or cost.model is None or cost.hardware is None:
         return np.zeros(len(np.atleast_1d(tokens)))
-    hidden = meta["model"]["hidden"]
-    hw = meta["hardware"]
+    hw = cost.hardware
     intra = parallel.tp * parallel.cp * parallel.pp <= parallel.gpus_per_node
-    bw = (hw["nvlink_gbps"] if intra else hw["network_gbps"]) * 1e9
-    return np.asarray(tokens, dtype=np.float64) / (parallel.tp * parallel.cp) * hidden * 2.0 / bw
+    bw = (hw.nvlink_gbps if intra else hw.network_gbps) * 1e9
+    return np.asarray(tokens, dtype=np.float64) / (parallel.tp * parallel.cp) * cost.model.hidden * 2.0 / bw
 
 
-def allreduce_seconds(cost, parallel) -> float:
+def allreduce_seconds(cost, parallel: ParallelSpec) -> float:
     """Ring all-reduce of one stage's bf16 gradients over dp replicas, fully exposed:
     2 (dp-1)/dp x params / (pp tp) x 2 bytes / network bandwidth. 0 for dp = 1."""
-    meta = getattr(cost, "meta", {}) or {}
-    if parallel.dp == 1 or "model" not in meta or "hardware" not in meta:
+    if parallel.dp == 1 or cost.model is None or cost.hardware is None:
         return 0.0
-    from .specs import ModelSpec
-
-    model = ModelSpec(**{k: v for k, v in meta["model"].items()})
-    grads = model.n_params / (parallel.pp * parallel.tp) * 2.0
-    return 2.0 * (parallel.dp - 1) / parallel.dp * grads / (meta["hardware"]["network_gbps"] * 1e9)
+    grads = cost.model.n_params / (parallel.pp * parallel.tp) * 2.0
+    return 2.0 * (parallel.dp - 1) / parallel.dp * grads / (cost.hardware.network_gbps * 1e9)
 
 
-def simulate_step(plan, shards, cost, parallel, *, schedule: Schedule = "interleaved", virtual_stages: int = 2,
+def step_layout(plan, cost, parallel: ParallelSpec | None = None) -> ParallelSpec:
+    """The layout a step runs under: `parallel`, else the cost model's, else pp = 1 and the
+    plan's dp. A `parallel` that disagrees with the cost model's layout raises."""
+    if parallel is None:
+        parallel = cost.parallel if cost.parallel is not None else ParallelSpec(dp=plan.dp)
+    elif not isinstance(parallel, ParallelSpec):
+        raise ValueError(f"parallel must be a ParallelSpec or None, got {type(parallel).__name__}")
+    elif cost.parallel is not None and parallel != cost.parallel:
+        raise ValueError(f"parallel={parallel} disagrees with the cost model's layout {cost.parallel}; "
+                         "pass parallel=None to use the cost model's")
+    return parallel
+
+
+def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, schedule: Schedule = "interleaved", virtual_stages: int = 2,
                   p2p_s=None, allreduce_s: float | None = None, search_order: bool = False,
                   use_dag: bool = True) -> StepResult:
     """Simulate one training step of a PackPlan under a 4D layout.
@@ -499,7 +475,8 @@ def simulate_step(plan, shards, cost, parallel, *, schedule: Schedule = "interle
         shards: one ShardPlan per micro-batch (its `.loads` are fwd_bwd seconds per CP rank),
             or None: CP assumed perfectly balanced (the load is `plan.loads[j]`).
         cost: the CostModel the plan was made with (seconds for all layers of one replica).
-        parallel: ParallelSpec; pp stages per replica (layers split evenly).
+        parallel: ParallelSpec; pp stages per replica (layers split evenly). None: the cost
+            model's layout (`cost.parallel`); one that disagrees with it raises.
         schedule, virtual_stages: pipeline schedule ("interleaved" with v = 2 by default;
             v = 1 or pp = 1 falls back to "1f1b").
         p2p_s: PP send seconds per micro-batch (default from `p2p_seconds`).
@@ -510,6 +487,7 @@ def simulate_step(plan, shards, cost, parallel, *, schedule: Schedule = "interle
     A micro-batch's forward and backward split its fwd_bwd load by the cost model's own
     fwd / fwd_bwd ratio for that micro-batch (ShardPlan loads are fwd_bwd only).
     """
+    parallel = step_layout(plan, cost, parallel)
     pp = parallel.pp
     n_mb = len(plan.micro_batches)
     if shards is not None and len(shards) != n_mb:
@@ -550,8 +528,6 @@ def simulate_step(plan, shards, cost, parallel, *, schedule: Schedule = "interle
         pipelines.append(res)
         replica_times.append(res.step_time_s)
         orders.append([idx[k] for k in (order or range(len(idx)))])
-    from .plan import imbalance
-
     return StepResult(step_time_s=float(max(replica_times)) + float(allreduce_s), replica_step_s=replica_times,
                       allreduce_s=float(allreduce_s), pipelines=pipelines, mb_fwd_s=mb_fwd, mb_bwd_s=mb_bwd,
                       imbalance_pp=imbalance(total), imbalance_cp=float(cp_imb.mean()),

@@ -9,7 +9,7 @@ and the gradient of the gather reduce-scatters it, so each rank receives the sum
 gradient of exactly its own tokens.
 
 The released WLB-LLM code reduce-scatters dK/dV while they are still in packed order, which
-hands gradients to the wrong ranks (PAPER.md §4.2); tests/test_executor.py compares this
+hands gradients to the wrong ranks (the released WLB-LLM code's dK/dV layout bug; docs/architecture.md, "Invariants"); tests/test_executor.py compares this
 path with a single-process reference, never with itself.
 
 Ranks may hold different token counts (per_doc differs by one, hybrid by more): only the

@@ -48,6 +48,6 @@ def local_inputs(tokens: torch.Tensor, shard, rank: int) -> tuple[torch.Tensor, 
     `tokens` is the micro-batch in packed order; the result is in shard.rank_indices[rank]
     order, the order context_parallel_attention expects for q, k and v.
     """
-    idx = torch.from_numpy(np.asarray(shard.rank_indices[rank], dtype=np.int64)).to(tokens.device)
-    pos = torch.from_numpy(np.asarray(shard.positions[rank], dtype=np.int64)).to(tokens.device)
+    idx = torch.tensor(shard.rank_indices[rank], dtype=torch.int64).to(tokens.device)
+    pos = torch.tensor(shard.positions[rank], dtype=torch.int64).to(tokens.device)
     return tokens.index_select(0, idx), pos

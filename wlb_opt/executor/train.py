@@ -4,7 +4,7 @@ For every micro-batch of its replica (plan.replica_of), a rank gathers its CP sh
 ids, RoPE positions and labels, runs the model with context_parallel_attention, and
 back-propagates `sum(token losses) / (target tokens of the whole global batch)`. Dividing by
 the global count, never per micro-batch, keeps variable-length micro-batches from
-re-weighting tokens (DESIGN.md). Gradients and the loss are then summed over all CP and DP
+re-weighting tokens (docs/architecture.md, "Invariants"). Gradients and the loss are then summed over all CP and DP
 ranks, which gives exactly the single-process gradient of the global mean loss.
 
 With a pipeline (mesh.pp > 1) each rank holds one stage (`split_stages`) and runs the
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..schedule import stage_order
 from .cp_attention import context_parallel_attention
 from .mesh import Mesh
 from .plumbing import check_same_plan
@@ -82,13 +83,11 @@ def train_step(model: torch.nn.Module, plan, shards: list, doc_tokens: Callable[
     `model` is this rank's pipeline stage (the whole model when pp = 1; see
     `split_stages`). `shards[j]` is the ShardPlan of micro-batch j (cp ranks = mesh.cp).
     Micro-batches of this rank's DP replica run in the 1F1B order of
-    `wlb_opt.simulate.stage_order`; activations and their gradients go between stages with
+    `wlb_opt.schedule.stage_order` (the simulator's too); activations and their gradients go between stages with
     point-to-point sends whose sizes come from the plan (variable-length pipeline: every
     rank knows every micro-batch's length, so no shape handshake is needed). Gradients are
     summed over the ranks that hold the same stage, and left in `param.grad`.
     """
-    from ..simulate import stage_order
-
     cp, pp = (mesh.cp, mesh.pp) if mesh else (1, 1)
     cp_rank, pp_rank, dp_rank = (mesh.cp_rank, mesh.pp_rank, mesh.dp_rank) if mesh else (0, 0, 0)
     first, last = pp_rank == 0, pp_rank == pp - 1
@@ -112,7 +111,7 @@ def train_step(model: torch.nn.Module, plan, shards: list, doc_tokens: Callable[
 
     def local(j: int):
         lengths = plan.lengths[plan.micro_batches[j]]
-        idx = torch.from_numpy(np.asarray(shards[j].rank_indices[cp_rank], dtype=np.int64)).to(device)
+        idx = torch.tensor(shards[j].rank_indices[cp_rank], dtype=torch.int64).to(device)
         tokens = pack_tokens(plan, j, doc_tokens).to(device)
         positions = torch.from_numpy(packed_positions(lengths, plan.offsets[plan.micro_batches[j]])).to(device)
         return idx, tokens[idx], positions[idx], packed_labels(tokens, lengths)[idx]

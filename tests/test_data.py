@@ -1,0 +1,130 @@
+"""Length data (`wlb_opt.data`), the shared cost-model options (`wlb_opt.cost_args`), and the
+bench-side stream helpers (`wlb_opt.bench.data`)."""
+import argparse
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import wlb_opt as wlb
+from wlb_opt import data
+from wlb_opt.cost_args import add_cost_args, cost_from_args, layout_from_args
+
+
+def test_core_data_module_imports_no_planner_or_benchmark():
+    code = ("import sys, wlb_opt.data as d; d.global_batch('default', 4096, 16384); "
+            "bad = [m for m in sys.modules if m.startswith(('wlb_opt.bench', 'wlb_opt.pack', 'wlb_opt.solvers', "
+            "'wlb_opt.cli', 'wlb_opt.shard', 'wlb_opt.simulate'))]; print(bad); sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_global_batches_cut_one_stream_into_consecutive_batches():
+    window, per_batch = 8192, 4 * 8192
+    batches = data.global_batches("default", window, per_batch, 5, seed=3)
+    assert len(batches) == 5
+    per_batch_ids = [set(np.unique(b[1]).tolist()) for b in batches]
+    assert sum(map(len, per_batch_ids)) == len(set().union(*per_batch_ids))  # a document is in one batch only
+    stream = data.document_stream(per_batch * 5, "default", 3)
+    for pieces, piece_ids, offsets in batches:
+        assert pieces.max() <= window and pieces.min() >= 1
+        # every document of the batch is there, cut into pieces that add up to it
+        for doc in np.unique(piece_ids):
+            assert pieces[piece_ids == doc].sum() == stream[doc]
+            assert offsets[piece_ids == doc][0] == 0
+    # the same seed gives the same batches
+    again = data.global_batch("default", window, per_batch, seed=3)
+    assert all(np.array_equal(a, b) for a, b in zip(again, batches[0]))
+
+
+def test_distributions_and_errors():
+    assert set(data.DISTRIBUTIONS) == {"default", "light", "real"}
+    assert data.sample_documents(100, "light", seed=1).min() >= 1
+    with pytest.raises(ValueError, match="unknown length distribution"):
+        data.sample_documents(10, "heavy")
+
+
+def test_real_distribution_reads_the_file_shipped_inside_the_package():
+    assert data.REAL_FILE.parent.name == "wlb_opt" and data.REAL_FILE.exists()
+    real = data.real_lengths()
+    assert real.dtype == np.int64 and len(real) > 1000
+    assert set(data.sample_documents(200, "real", seed=0)) <= set(real.tolist())
+
+
+def _parser(**kw) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="t")
+    add_cost_args(p, **kw)
+    return p
+
+
+def test_cost_args_build_the_cost_model_for_the_layout_packed():
+    p = _parser()
+    args = p.parse_args(["--model", "tiny", "--dp", "2"])
+    cost = cost_from_args(args)
+    assert cost.parallel == wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=2) and cost.model == wlb.ModelSpec.preset("tiny")
+    one = cost_from_args(args, dp=1)
+    assert one.parallel.dp == 1 and one.coef == cost.coef  # dp does not change the coefficients
+    assert layout_from_args(args, cp=4).cp == 4
+    with pytest.raises(ValueError, match="unknown layout degrees"):
+        cost_from_args(args, ep=2)
+
+
+def test_cost_args_can_hide_layout_degrees():
+    p = _parser(layout=("tp",))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--dp", "2"])
+    args = p.parse_args([])
+    assert (args.tp, args.cp, args.pp, args.dp) == (8, 2, 4, 1)
+
+
+def test_saved_cost_keeps_its_tp_and_cp_and_takes_the_commands_dp_and_pp(tmp_path):
+    saved = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), wlb.ParallelSpec(tp=2, cp=4, pp=2, dp=1))
+    saved.save(tmp_path / "c.json")
+    args = _parser().parse_args(["--cost", str(tmp_path / "c.json"), "--dp", "3", "--pp", "5"])
+    cost = cost_from_args(args)
+    assert (cost.parallel.tp, cost.parallel.cp, cost.parallel.pp, cost.parallel.dp) == (2, 4, 5, 3)
+    assert cost.coef == saved.coef
+    assert cost_from_args(args, cp=4).parallel.cp == 4
+    with pytest.raises(ValueError, match="disagrees"):
+        cost_from_args(args, cp=2)
+    # a model without a layout comes back as it is
+    saved.without_layout().save(tmp_path / "free.json")
+    free = cost_from_args(_parser().parse_args(["--cost", str(tmp_path / "free.json")]))
+    assert free.parallel is None
+
+
+def test_cost_args_report_bad_options_through_the_parser(tmp_path, capsys):
+    p = _parser()
+    with pytest.raises(SystemExit) as exc:
+        cost_from_args(p.parse_args(["--model", "13b"]), parser=p)
+    assert exc.value.code == 2 and "ModelSpec preset" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cost_from_args(p.parse_args(["--cost", str(tmp_path / "missing.json")]), parser=p)
+    with pytest.raises(ValueError):
+        cost_from_args(p.parse_args(["--hardware", "tpu"]))
+
+
+def test_carried_plans_place_every_token_once():
+    from wlb_opt.bench.data import carried_plans
+
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), wlb.ParallelSpec(pp=2))
+    batches = data.global_batches("default", 4096, 2 * 4096, 6, seed=1)
+    plans = [plan for plan, seconds in carried_plans(batches, 2, 4096, cost, "original", pool=2)]
+    assert len(plans) == 3
+    placed = sum(p.placed_tokens for p in plans) + plans[-1].deferred_tokens
+    assert placed == sum(int(b[0].sum()) for b in batches)
+
+
+def test_run_packer_streams_then_drains():
+    from wlb_opt.bench.data import run_packer
+
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), wlb.ParallelSpec(pp=2))
+    batches = data.global_batches("default", 4096, 2 * 4096, 5, seed=2)
+    run = run_packer(wlb.WLBPacker(2, 5120, cost, thresholds=[2048], max_delay=4), batches)
+    assert len(run.plans) == len(run.seconds) == 5
+    total = sum(p.placed_tokens for p in run.plans + run.drained)
+    assert total == sum(int(b[0].sum()) for b in batches)
+    assert run.stats["steps"] == run.streamed_stats["steps"] + len(run.drained)
+    json.dumps(run.stats, default=str)

@@ -1,0 +1,94 @@
+"""Input validation shared by every public entry point: lengths, ids, offsets, integers.
+
+Each message is written once here, names the argument and the offending value, and says
+what would be valid. Callers pass the argument's name so that a message reads as the user
+wrote the call (``sample_lengths must be ...``, ``offsets must be >= 0 ...``).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+
+def check_int(name: str, value, low: int = 0) -> int:
+    """`value` as an int if it is an integer >= `low` (bools are not integers here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def check_positive_real(name: str, value, unit: str = "", allow_inf: bool = False) -> float:
+    """`value` as a float if it is a real number > 0 (finite unless `allow_inf`)."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value)
+            or not value > 0 or (not allow_inf and math.isinf(value))):
+        what = "a number" if allow_inf else "a finite number"
+        raise ValueError(f"{name} must be {what} > 0{' ' + unit if unit else ''}, got {value!r}")
+    return float(value)
+
+
+def check_choice(name: str, value, choices) -> str:
+    """`value` if it is one of `choices`, else a ValueError listing them."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
+    """Positive integer token counts as a 1-D int64 array (a scalar becomes one length)."""
+    arr = np.asarray(lengths)
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D sequence of token counts, got shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype.kind == "f":
+        if not np.all(np.isfinite(arr)):
+            i = int(np.argmin(np.isfinite(arr)))
+            raise ValueError(f"{name} must be finite positive integers, got NaN/inf ({float(arr[i])}) at index {i}")
+        if np.any(arr != np.round(arr)):
+            i = int(np.argmax(arr != np.round(arr)))
+            raise ValueError(f"{name} must be integers, got {float(arr[i])} at index {i}")
+        if np.any(np.abs(arr) >= 2.0**62):
+            i = int(np.argmax(np.abs(arr) >= 2.0**62))
+            raise ValueError(f"{name} must be token counts below 2**62, got {float(arr[i])} at index {i}")
+    elif arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64)
+    if np.any(arr <= 0):
+        i = int(np.argmax(arr <= 0))
+        raise ValueError(f"{name} must be positive token counts, got {int(arr[i])} at index {i}")
+    return arr
+
+
+def validate_ids(ids, n: int, name: str = "ids") -> np.ndarray:
+    """Integer ids, one per length, as int64 (default 0..n-1)."""
+    if ids is None:
+        return np.arange(n, dtype=np.int64)
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or len(arr) != n:
+        raise ValueError(f"{name} must be a 1-D sequence of the same size as lengths ({n}), got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def validate_offsets(offsets, n: int, name: str = "offsets") -> np.ndarray:
+    """Start of each piece inside its document (>= 0), one per length, as int64 (default 0)."""
+    if offsets is None:
+        return np.zeros(n, np.int64)
+    arr = validate_ids(offsets, n, name)
+    if arr.size and arr.min() < 0:
+        i = int(np.argmin(arr))
+        raise ValueError(f"{name} must be >= 0 (start of each piece inside its document), got {int(arr[i])} "
+                         f"at position {i}")
+    return arr
+
+
+def read_only(arr, dtype=None) -> np.ndarray:
+    """A contiguous copy of `arr` (as `dtype`) that cannot be written to."""
+    out = np.array(arr, dtype=dtype, copy=True)
+    out.flags.writeable = False
+    return out

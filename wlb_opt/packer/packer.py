@@ -1,0 +1,377 @@
+"""`WLBPacker`: one global batch in, one PackPlan out, with the stream's state in between.
+
+This module owns a step: queue the fresh outliers, let the release policy (release.py)
+choose what leaves the queues, pack it (`_solve`: `solve_pack`, Algorithm 1 by default,
+carried pieces first), deal the micro-batches to DP replicas, and commit the new queues
+and carry. What the paper leaves open about a training job is settled here:
+
+- overload: pieces that do not fit are carried to the next step; once the carry exceeds
+  `max_backlog_tokens` (default two steps' capacity) `pack` raises a ValueError and leaves
+  the state as it was before the call (calibration included).
+- `drain()`: at the end of the data, emits plans until queues and carry are empty.
+- DP refinement: the dp x n_micro micro-batches are dealt to replicas by the modelled 1F1B
+  time of each replica, not by the sum of loads (`wlb_opt.solvers.deal.deal_to_replicas`).
+  The model is a closed form (no simulator): with pp equal stages, a replica whose
+  micro-batches cost c_j (forward + backward, all stages) runs for about
+  (sum_j c_j + (pp - 1) max_j c_j) / pp: the heaviest micro-batch crosses every stage once,
+  the others pass the first stage (paper §1.3 / §2.3); p2p ignored.
+- identity: a piece is (id, offset). Ids repeated within a batch, or equal to a piece the
+  packer still holds (queued or carried), raise ValueError. The packer does not remember
+  pieces it has already emitted, so re-sending an emitted id later is not detected.
+- delay of a piece = `plan.step` where it is placed - the step it arrived; every plan
+  records the arrival step of each of its pieces in `plan.arrival_step`.
+
+Plans are frozen: each step's plan is built once, from `solve_pack`'s, with `plan.replace`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from bisect import bisect_right
+from collections import deque
+from typing import Literal, Sequence
+
+import numpy as np
+
+from .._validate import check_choice, check_int, validate_ids, validate_lengths, validate_offsets
+from ..cost import CostModel, default_cost
+from ..pack import get_method, solve_pack
+from ..plan import PackPlan
+from ..solvers.deal import deal_to_replicas
+from .calibrate import calibrate_thresholds, candidate_thresholds
+from .release import RELEASE_POLICIES, DrainRelease, ReleaseName, ReleasePolicy, make_release_policy
+from .state import HeldPiece, check_thresholds, cost_fingerprint, decode_state, encode_state, held_keys
+from .stats import StreamStats
+
+PackerMethod = Literal["wlb", "wlb_ls", "fixed", "cpsat", "milp"]
+"""`solve_pack` methods that keep pieces whole (the packer tracks pieces across steps)."""
+
+# Rounds of 1F1B-priced pairwise swaps when dealing micro-batches to replicas.
+_DEAL_PASSES = 50
+
+
+class WLBPacker:
+    """Streaming WLB-LLM packer with multi-level outlier queues (paper §3.2, Algorithm 1;
+    see `wlb_opt.packer` for the rules).
+
+    Args:
+        n_micro: micro-batches per DP replica (N).
+        max_tokens: token cap of one micro-batch, inclusive (S_max).
+        cost: the cost model that weighs documents (default: `default_cost()`).
+        dp: data-parallel replicas; dp x n_micro micro-batches are packed jointly (None: the
+            cost model's `parallel.dp`, 1 without a layout; a disagreeing value raises).
+        thresholds: "auto" (calibrate on the first global batch), or increasing positive
+            lengths [L1, L2, ...], one queue each (an empty list disables the queues).
+        n_queues: number of queues for "auto" / `calibrate` (default 2); with explicit
+            thresholds it must be None or len(thresholds).
+        max_delay: the most steps a document may wait (>= 1), or None (paper-faithful: a
+            queue waits until it holds dp x n_micro documents).
+        seed: seeds the calibration's bootstrap stream (planning is otherwise deterministic).
+        max_backlog_tokens: carried tokens above which `pack` raises (default 2 x dp x
+            n_micro x max_tokens, two steps' capacity).
+        pp: pipeline stages for the DP refinement's 1F1B model (None: the cost model's
+            `parallel.pp`, 1 without a layout; a disagreeing value raises).
+        delay_budget: calibration's limit on delay per token, in steps (default 0.5, paper §3.2).
+        method: the `solve_pack` method that packs each step: "wlb" (Algorithm 1, default)
+            or any deterministic heuristic that honours `carried` (e.g. "wlb_ls").
+        release: "paper" (default: a queue leaves only when full, or at max_delay),
+            "balance" (beyond the paper: also take held outliers, FIFO heads, into a step
+            whenever the step's predicted imbalance stays within `balance_tolerance`), or
+            "group" (beyond the paper: one pool of outliers; groups of similar ones, or a
+            single one, leave as soon as the step stays within `balance_tolerance`, even if
+            short documents move to the next step). See `wlb_opt.packer.release`.
+        balance_tolerance: the predicted max / mean load a "balance" or "group" step may reach by
+            taking outliers early (>= 1.0; default 1.02). `calibrate` may choose it.
+    """
+
+    def __init__(self, n_micro: int, max_tokens: int, cost: CostModel | None = None, dp: int | None = None,
+                 thresholds: Sequence[int] | Literal["auto"] = "auto", n_queues: int | None = None,
+                 max_delay: int | None = 8, seed: int = 0, *, max_backlog_tokens: int | None = None,
+                 pp: int | None = None, delay_budget: float = 0.5, method: PackerMethod = "wlb",
+                 release: ReleaseName = "paper", balance_tolerance: float = 1.02):
+        self.n_micro = check_int("n_micro", n_micro, 1)
+        self.max_tokens = check_int("max_tokens", max_tokens, 1)
+        self.cost = cost if cost is not None else default_cost()
+        if not isinstance(self.cost, CostModel):
+            raise ValueError(f"cost must be a wlb_opt.CostModel, got {type(self.cost).__name__}")
+        self.dp = self.cost.degree("dp", dp)
+        self.max_delay = None if max_delay is None else check_int("max_delay", max_delay, 1)
+        self.seed = check_int("seed", seed, 0)
+        self.max_backlog_tokens = (2 * self.capacity_tokens if max_backlog_tokens is None
+                                   else check_int("max_backlog_tokens", max_backlog_tokens, 0))
+        self.pp = self.cost.degree("pp", pp)
+        if not (isinstance(delay_budget, (int, float)) and delay_budget >= 0 and math.isfinite(delay_budget)):
+            raise ValueError(f"delay_budget must be a finite number of steps >= 0, got {delay_budget!r}")
+        self.delay_budget = float(delay_budget)
+        self.method = self._check_method(method)
+        self.release = check_choice("release", release, RELEASE_POLICIES)
+        if not (isinstance(balance_tolerance, (int, float)) and not isinstance(balance_tolerance, bool)
+                and math.isfinite(balance_tolerance) and balance_tolerance >= 1.0):
+            raise ValueError(f"balance_tolerance must be a finite imbalance >= 1.0 (max / mean), "
+                             f"got {balance_tolerance!r}")
+        self.balance_tolerance = float(balance_tolerance)
+        if isinstance(thresholds, str):
+            if thresholds != "auto":
+                raise ValueError(f"thresholds must be 'auto' or an increasing list of positive lengths, "
+                                 f"got {thresholds!r}")
+            self.n_queues = 2 if n_queues is None else check_int("n_queues", n_queues, 1)
+            self.thresholds: list[int] | None = None
+        else:
+            self.thresholds = check_thresholds(thresholds)
+            if n_queues is not None and n_queues != len(self.thresholds):
+                raise ValueError(f"n_queues={n_queues!r} does not match the {len(self.thresholds)} thresholds "
+                                 f"{self.thresholds}; pass n_queues=None or {len(self.thresholds)}")
+            self.n_queues = len(self.thresholds)
+        self._auto = self.thresholds is None
+        self._fingerprint = cost_fingerprint(self.cost)
+        rules = dict(need=self.dp * self.n_micro, max_delay=self.max_delay, balance_tolerance=self.balance_tolerance,
+                     max_backlog_tokens=self.max_backlog_tokens)
+        self._release: ReleasePolicy = make_release_policy(self.release, **rules)
+        self._drain_release: ReleasePolicy = DrainRelease(**rules)
+        self._reset_stream()
+
+    @staticmethod
+    def _check_method(method) -> str:
+        if not isinstance(method, str):
+            raise ValueError(f"method must be a solve_pack method name, got {method!r}")
+        get_method(method)  # ValueError naming the valid methods
+        if method == "original":
+            # Plain-4D cuts documents at sequence boundaries; the packer tracks whole pieces
+            # (queues, carry, arrival steps), so it only runs methods that keep pieces whole.
+            raise ValueError("WLBPacker cannot run method='original' (it cuts documents at sequence "
+                             "boundaries); use solve_pack(..., method='original') per global batch, or a "
+                             "method that keeps pieces whole: 'wlb', 'wlb_ls', 'fixed', 'cpsat', 'milp'")
+        return method
+
+    # ------------------------------------------------------------------ state
+    def _reset_stream(self) -> None:
+        self._queues: list[deque[HeldPiece]] = [deque() for _ in range(self.n_queues)]
+        self._carry: list[HeldPiece] = []
+        self._held: set[tuple[int, int]] = set()
+        self._step = 0
+        self._next_auto_id = 0
+        self._calibration: dict | None = None
+        self._stats = StreamStats()
+
+    @property
+    def step(self) -> int:
+        """Index of the next plan `pack` or `drain` will emit."""
+        return self._step
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens one step can place: dp x n_micro x max_tokens."""
+        return self.dp * self.n_micro * self.max_tokens
+
+    def _config(self) -> dict:
+        return dict(n_micro=self.n_micro, max_tokens=self.max_tokens, dp=self.dp, n_queues=self.n_queues,
+                    max_delay=self.max_delay, seed=self.seed, max_backlog_tokens=self.max_backlog_tokens,
+                    pp=self.pp, method=self.method, release=self.release,
+                    balance_tolerance=self.balance_tolerance, cost_fingerprint=self._fingerprint)
+
+    def queued_ids(self) -> np.ndarray:
+        """Ids of the pieces held in outlier queues (neither placed nor deferred), queue by
+        queue, FIFO order inside each."""
+        return np.array([piece.id for q in self._queues for piece in q], dtype=np.int64)
+
+    def carried_ids(self) -> np.ndarray:
+        """Ids of the pieces deferred by the last plan (placed first in the next)."""
+        return np.array([piece.id for piece in self._carry], dtype=np.int64)
+
+    # ------------------------------------------------------------------ input
+    def _validate_batch(self, lengths, ids, offsets):
+        lengths = validate_lengths(lengths)
+        n = len(lengths)
+        if ids is None:
+            ids = np.arange(self._next_auto_id, self._next_auto_id + n, dtype=np.int64)
+        else:
+            ids = validate_ids(ids, n)
+        offsets = validate_offsets(offsets, n)
+        if n and lengths.max() > self.max_tokens:
+            i = int(np.argmax(lengths))
+            raise ValueError(f"document {int(ids[i])} (position {i}) has {int(lengths[i])} tokens > "
+                             f"max_tokens={self.max_tokens}; cut documents with wlb_opt.split_documents first")
+        if n > 1:
+            order = np.lexsort((offsets, ids))
+            same = (ids[order][1:] == ids[order][:-1]) & (offsets[order][1:] == offsets[order][:-1])
+            if same.any():
+                k = int(order[1:][np.argmax(same)])
+                hint = "" if np.any(offsets) else " (pieces of one document need distinct offsets)"
+                raise ValueError(f"ids: id {int(ids[k])} with offset {int(offsets[k])} is repeated within the "
+                                 f"batch (position {k}){hint}")
+        if self._held:
+            for k, key in enumerate(zip(ids.tolist(), offsets.tolist())):
+                if key in self._held:
+                    raise ValueError(f"ids: id {key[0]} (offset {key[1]}, position {k}) is already held by the "
+                                     "packer (queued or carried from an earlier step)")
+        return lengths, ids, offsets
+
+    # ------------------------------------------------------------------ one step
+    def _queue_of(self, length: int) -> int:
+        """Queue index for an outlier (the last threshold <= length), -1 for a regular document."""
+        return bisect_right(self.thresholds, length) - 1
+
+    def _plan_step(self, entries: list[HeldPiece], queues: list[deque], carry: list[HeldPiece], step: int,
+                   policy: ReleasePolicy, started: float) -> tuple[PackPlan, list[HeldPiece]]:
+        """Queue the outliers of `entries`, release by `policy`, pack, and deal to replicas.
+        Mutates only the given queues (copies); returns (plan, new carry). `started`
+        (perf_counter seconds) is when the step began, for `plan.info.wall_s`."""
+        fresh = []
+        for piece in entries:
+            level = self._queue_of(piece.length)
+            if level >= 0:
+                queues[level].append(piece)
+            else:
+                fresh.append(piece)
+        pending, plan, arrival, released, n_early = policy.plan_step(fresh, queues, carry, step, self._solve)
+        extra = {**plan.info.extra, "released": len(released), "released_early": n_early,
+                 "carried_in": len(carry), "thresholds": list(self.thresholds or []),
+                 "queue_wait_max": max((step - piece.arrival for piece in released), default=0)}
+        plan = plan.replace(
+            replica_of=deal_to_replicas(plan.loads, self.dp, self.n_micro, self.pp, max_passes=_DEAL_PASSES),
+            step=step, arrival_step=arrival,
+            info=dataclasses.replace(plan.info, extra=extra, wall_s=time.perf_counter() - started))
+        return plan, [pending[i] for i in plan.deferred.tolist()]
+
+    def _solve(self, first: list[HeldPiece], rest: list[HeldPiece]):
+        """Pack `first` (placed first) then `rest`; returns (pending, plan, arrival steps)."""
+        pending = first + rest
+        if pending:
+            ids, offsets, lengths, arrival = np.array(pending, dtype=np.int64).T
+        else:
+            ids = offsets = lengths = arrival = np.zeros(0, dtype=np.int64)
+        plan = solve_pack(lengths, self.n_micro, self.max_tokens, self.cost, self.method, ids=ids, offsets=offsets,
+                          dp=self.dp, carried=len(first), seed=self.seed)
+        return pending, plan, arrival
+
+    def _commit(self, plan: PackPlan, queues: list[deque], carry: list[HeldPiece]) -> None:
+        self._queues, self._carry = queues, carry
+        self._held = held_keys(queues, carry)
+        self._step += 1
+        self._stats.add(plan, self.max_delay, plan.info.extra["queue_wait_max"])
+
+    def pack(self, lengths, ids=None, offsets=None) -> PackPlan:
+        """Pack one global batch; returns the step's PackPlan.
+
+        `lengths` are pieces no longer than max_tokens (see `split_documents`), `ids` their
+        document ids (default: consecutive ids continuing across calls), `offsets` the start
+        of each piece in its document (default 0; needed when pieces share an id).
+        `plan.doc_ids` holds everything placed or deferred this step, including documents
+        released from queues and carried from earlier steps. Raises ValueError (state
+        unchanged) if the carried backlog exceeds `max_backlog_tokens`.
+        """
+        started = time.perf_counter()
+        lengths, ids, offsets = self._validate_batch(lengths, ids, offsets)
+        before = None
+        if self._auto and self.thresholds is None and len(lengths):
+            before = (self.thresholds, self.n_queues, self._queues, self._calibration)
+            self.calibrate(lengths)  # on the first non-empty global batch
+        step = self._step
+        entries = [HeldPiece(*piece) for piece in zip(ids.tolist(), offsets.tolist(), lengths.tolist(),
+                                                       [step] * len(lengths))]
+        queues = [deque(q) for q in self._queues]
+        plan, carry = self._plan_step(entries, queues, list(self._carry), step, self._release, started)
+        backlog = sum(piece.length for piece in carry)
+        if backlog > self.max_backlog_tokens:
+            if before is not None:  # leave the state exactly as it was, calibration included
+                self.thresholds, self.n_queues, self._queues, self._calibration = before
+            raise ValueError(
+                f"overload at step {step}: {backlog} tokens would be carried, more than max_backlog_tokens="
+                f"{self.max_backlog_tokens}; the stream brings more tokens per step than {self.dp} x "
+                f"{self.n_micro} micro-batches of max_tokens={self.max_tokens} can hold. Use a larger max_tokens "
+                "or fewer tokens per global batch (or raise max_backlog_tokens)")
+        if len(ids):
+            self._next_auto_id = max(self._next_auto_id, int(ids.max()) + 1)
+        self._commit(plan, queues, carry)
+        return plan
+
+    def drain(self) -> list[PackPlan]:
+        """End of data: release every queue and emit plans until nothing is held."""
+        plans = []
+        while self._carry or any(self._queues):
+            queues = [deque(q) for q in self._queues]
+            plan, carry = self._plan_step([], queues, list(self._carry), self._step, self._drain_release,
+                                          time.perf_counter())
+            self._commit(plan, queues, carry)
+            plans.append(plan)
+        return plans
+
+    # ------------------------------------------------------------------ statistics
+    def stats(self) -> dict:
+        """Delay and balance of the stream so far (steps emitted by pack and drain): placed
+        pieces and tokens, delay per piece and per token, `queue_wait_max`, `late_pieces`,
+        imbalance mean / p50 / p90 / max, what is still queued and carried, the thresholds.
+        See `wlb_opt.packer.stats` for the definitions."""
+        return self._stats.summary(steps=self._step, queues=self._queues, carry=self._carry,
+                                   thresholds=self.thresholds)
+
+    # ------------------------------------------------------------------ calibration
+    def candidate_thresholds(self, sample, tokens_per_batch: int) -> list[int]:
+        """Candidate thresholds for `sample` in global batches of `tokens_per_batch` tokens:
+        lengths at fractions of a micro-batch's fair share of modelled cost, and quantiles of
+        the sample's outlier lengths; candidates within 5% of a shorter one are merged (see
+        `wlb_opt.packer.calibrate`)."""
+        return candidate_thresholds(self.cost, sample, tokens_per_batch, self.dp * self.n_micro, self.max_tokens)
+
+    def calibrate(self, sample_lengths, tokens_per_batch: int | None = None, n_batches: int = 32) -> list[int]:
+        """Choose n_queues thresholds by running this packer on a bootstrap stream.
+
+        The stream is `n_batches` global batches of `tokens_per_batch` tokens (default: the
+        sample's tokens, capped at dp x n_micro x max_tokens / 1.25) resampled from the sample
+        with this packer's seed. Every increasing n_queues-subset of `candidate_thresholds` is
+        run (same max_delay, then drained); the choice minimises mean imbalance among
+        candidates whose delay per token is within `delay_budget` (ties within 0.002: less
+        delay), else the least delay. Resets the stream; call before the first `pack`.
+        Returns the thresholds (also recorded in `state_dict()`).
+        """
+        if self._step and (self._stats.totals["pieces"] or self._held or self.thresholds is not None):
+            raise ValueError(f"calibrate must be called before the first step; this packer is at step {self._step}")
+        record = calibrate_thresholds(self, sample_lengths, tokens_per_batch, n_batches)
+        if record is None:  # no queues: nothing to choose
+            self.thresholds = []
+            return []
+        self.thresholds = record["thresholds"]
+        self.n_queues = len(self.thresholds)
+        self._queues = [deque() for _ in range(self.n_queues)]
+        self._calibration = record
+        return list(self.thresholds)
+
+    def _trial(self, thresholds: list[int]) -> "WLBPacker":
+        """A fresh packer configured like this one, with explicit `thresholds` (calibration)."""
+        return WLBPacker(self.n_micro, self.max_tokens, self.cost, self.dp, thresholds, max_delay=self.max_delay,
+                         seed=self.seed, max_backlog_tokens=self.max_backlog_tokens, pp=self.pp,
+                         delay_budget=self.delay_budget, method=self.method, release=self.release,
+                         balance_tolerance=self.balance_tolerance)
+
+    @property
+    def calibration(self) -> dict | None:
+        """What `calibrate` measured (candidates with imbalance and delay), or None."""
+        return self._calibration
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict:
+        """JSON-serialisable state; `load_state_dict` on an equally configured packer resumes
+        the stream exactly. Does not hold ids already emitted (see `wlb_opt.packer.state`)."""
+        return encode_state(config=self._config(), auto=self._auto, thresholds=self.thresholds, step=self._step,
+                            next_auto_id=self._next_auto_id, queues=self._queues, carry=self._carry,
+                            calibration=self._calibration, stats=self._stats)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a `state_dict()`. Raises ValueError naming the field if the state comes from
+        another format version or a packer configured differently (the packer is then unchanged)."""
+        loaded = decode_state(state, config=self._config(), auto=self._auto, thresholds=self.thresholds,
+                              n_queues=self.n_queues)
+        self.thresholds = loaded.thresholds
+        if loaded.thresholds is not None:
+            self.n_queues = len(loaded.thresholds)
+        self._queues, self._carry = loaded.queues, loaded.carry
+        self._held = held_keys(loaded.queues, loaded.carry)
+        self._step, self._next_auto_id = loaded.step, loaded.next_auto_id
+        self._calibration = loaded.calibration
+        self._stats = loaded.stats
+
+    def __repr__(self) -> str:
+        return (f"WLBPacker(n_micro={self.n_micro}, max_tokens={self.max_tokens}, dp={self.dp}, "
+                f"thresholds={self.thresholds if self.thresholds is not None else 'auto'}, "
+                f"max_delay={self.max_delay}, step={self._step})")

@@ -1,0 +1,157 @@
+"""What a `WLBPacker` holds between steps, and its JSON form (`state_dict` / `load_state_dict`).
+
+A held piece (queued in an outlier queue, or carried to the next step) is a `HeldPiece`
+record. The JSON state writes each as a list of 4 ints [id, offset, length, arrival]. A state
+records a fingerprint of what planning reads from the cost model (its coefficients, kernel
+model and layout; not its labels or provenance), so a state saved under other costs is
+refused (`config.cost_fingerprint`). STATE_VERSION 3: states of version 2 (before the typed
+layout) fingerprinted the whole saved cost model, whose format has changed since, and are
+refused with a version error.
+
+`state_dict()` is JSON-serialisable and a packer built with the same configuration that
+loads it emits the same plans as the one that wrote it. The state does not remember the
+pieces already emitted, so an emitted id sent again later is not detected.
+
+This module checks a state against the loading packer's configuration and parses it into
+a `LoadedState` without touching the packer; the packer adopts it only when all of it is
+valid, so a rejected state leaves the packer as it was.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import deque
+from typing import NamedTuple
+
+import numpy as np
+
+from ..cost import CostModel
+from .stats import StreamStats
+
+STATE_VERSION = 3
+CONFIG_FIELDS = ("n_micro", "max_tokens", "dp", "n_queues", "max_delay", "seed", "max_backlog_tokens", "pp",
+                 "method", "release", "balance_tolerance", "cost_fingerprint")
+
+
+class HeldPiece(NamedTuple):
+    """A piece the packer holds: tokens [offset, offset + length) of document `id`, which
+    arrived in global batch `arrival` (a step index)."""
+
+    id: int
+    offset: int
+    length: int
+    arrival: int
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(id, offset): what identifies a piece; a batch may not repeat one the packer holds."""
+        return self.id, self.offset
+
+
+def held_keys(queues, carry) -> set[tuple[int, int]]:
+    """Identities of every piece in `queues` and `carry`."""
+    return {piece.key for q in queues for piece in q} | {piece.key for piece in carry}
+
+
+_PLANNING_FIELDS = ("coef", "attn_flops_per_pair", "attn_bwd_ratio", "attn_peak_flops", "tile", "eff_q_len",
+                    "eff_scale", "parallel")
+
+
+def cost_fingerprint(cost: CostModel) -> str:
+    """Short hash of what planning reads from the cost model (coefficients, kernel model,
+    layout), so that a state is not resumed under other costs."""
+    d = cost.to_dict()
+    return hashlib.sha256(json.dumps({k: d[k] for k in _PLANNING_FIELDS}, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_thresholds(thresholds) -> list[int]:
+    """Strictly increasing positive integer token counts, as ints."""
+    try:
+        values = [v for v in thresholds]
+    except TypeError:
+        raise ValueError(f"thresholds must be 'auto' or an increasing list of positive token counts, "
+                         f"got {thresholds!r}") from None
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer, float)) or v != int(v) or v <= 0:
+            raise ValueError(f"thresholds[{i}] must be a positive integer token count, got {v!r}")
+        out.append(int(v))
+    if any(b <= a for a, b in zip(out, out[1:])):
+        raise ValueError(f"thresholds must be strictly increasing, got {out}")
+    return out
+
+
+def _pieces_to_json(pieces) -> list[list[int]]:
+    return [list(piece) for piece in pieces]
+
+
+def encode_state(*, config: dict, auto: bool, thresholds: list[int] | None, step: int, next_auto_id: int,
+                 queues, carry, calibration: dict | None, stats: StreamStats) -> dict:
+    """The JSON state of a packer (see the module docstring)."""
+    return dict(
+        version=STATE_VERSION, config=config, auto=auto,
+        thresholds=None if thresholds is None else list(thresholds),
+        step=step, next_auto_id=next_auto_id,
+        queues=[_pieces_to_json(q) for q in queues], carry=_pieces_to_json(carry),
+        calibration=calibration, **stats.state(),
+    )
+
+
+class LoadedState(NamedTuple):
+    """A parsed state, ready for the packer to adopt."""
+
+    thresholds: list[int] | None
+    queues: list[deque]
+    carry: list[HeldPiece]
+    step: int
+    next_auto_id: int
+    calibration: dict | None
+    stats: StreamStats
+
+
+def _pieces_from_json(rows) -> list[list[int]]:
+    return [[int(x) for x in row] for row in rows]
+
+
+def decode_state(state, *, config: dict, auto: bool, thresholds: list[int] | None, n_queues: int) -> LoadedState:
+    """Check `state` against the loading packer and parse it.
+
+    `config`, `auto`, `thresholds` and `n_queues` describe the loading packer. Raises
+    ValueError naming the field if the state comes from another format version or a packer
+    configured differently, or if it is malformed.
+    """
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        got = state.get("version") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"state version {got!r} is not supported; expected {STATE_VERSION}")
+    theirs = state.get("config", {})
+    for name in CONFIG_FIELDS:
+        if name == "n_queues" and auto and thresholds is None:
+            continue  # an uncalibrated "auto" packer adopts the state's thresholds
+        if theirs.get(name) != config[name]:
+            raise ValueError(f"state_dict field config.{name}={theirs.get(name)!r} does not match this "
+                             f"packer's {name}={config[name]!r}; build the packer with the same configuration")
+    state_thresholds = state.get("thresholds")
+    if not auto and state_thresholds != thresholds:
+        raise ValueError(f"state_dict field thresholds={state_thresholds!r} does not match this packer's "
+                         f"thresholds={thresholds!r}")
+    if auto and state.get("auto") is False:
+        raise ValueError("state_dict field auto=False: the state has explicit thresholds "
+                         f"{state_thresholds!r}; build the packer with thresholds={state_thresholds!r}")
+    try:
+        loaded_thresholds = None if state_thresholds is None else check_thresholds(state_thresholds)
+        if loaded_thresholds is not None:
+            n_queues = len(loaded_thresholds)
+        queues = [_pieces_from_json(q) for q in state["queues"]]
+        carry = _pieces_from_json(state["carry"])
+        if len(queues) != n_queues or any(len(row) != 4 for q in queues for row in q) or any(
+                len(row) != 4 for row in carry):
+            raise ValueError("queues/carry have the wrong shape")
+        stats = StreamStats.from_state(state)
+        step, next_auto_id = int(state["step"]), int(state["next_auto_id"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"state_dict is malformed: {exc}") from None
+    return LoadedState(
+        thresholds=loaded_thresholds,
+        queues=[deque(HeldPiece(*row) for row in q) for q in queues],
+        carry=[HeldPiece(*row) for row in carry],
+        step=step, next_auto_id=next_auto_id, calibration=state.get("calibration"), stats=stats)
