@@ -9,8 +9,10 @@ do and list-schedules them (kernels/work_model.py) on 132 SMs x `--programs-per-
 
 - before: the 2-D grids of the previous kernels, (tiles, heads) launched tile-fastest (all
   of head 0 first), and dK/dV with one program per (key tile, KV head);
-- after: the flat work list (heaviest tile first, query heads side by side) and dK/dV split
-  over the GQA group's heads where the model says it pays (`choose_dkdv_split`).
+- after: the flat work list (heaviest tile first, query heads side by side), long query
+  tiles' key loops cut into chunks (split-K, `choose_forward_split`) and dK/dV split over
+  the GQA group's heads (`choose_dkdv_split`), each where the model says it pays, as the
+  launchers decide at run time.
 
 One JSON row per (window, cp, query heads, kernel) with `makespan_ratio` (after) and
 `makespan_ratio_before`, each the worst over the micro-batches and ranks, plus their means.
@@ -51,7 +53,8 @@ def _micro_batches(window: int, cp: int, n_batches: int, seed: int):
 
 
 def _ratios(seg: np.ndarray, kernel: str, hq: int, group: int, slots: int) -> tuple[float, float, int]:
-    """(after, before, dK/dV split) makespan / ideal of one rank's table."""
+    """(after, before, split) makespan / ideal of one rank's table; split: the dK/dV head
+    shares, or the forward/dQ split-K chunk size in key tiles (0: not split)."""
     block_m, block_n = BLOCKS[kernel]
     hkv = hq // group
     if kernel in ("fwd", "dq"):
@@ -59,9 +62,10 @@ def _ratios(seg: np.ndarray, kernel: str, hq: int, group: int, slots: int) -> tu
         if not len(work):
             return 1.0, 1.0, 1
         unit = work.max()
-        after = wm.makespan_ratio(wm.forward_order(work, hq, "flat"), slots, unit)[2]
+        max_blocks = wm.choose_forward_split(work, hq, slots)
+        after = wm.makespan_ratio(wm.forward_order(wm.split_work(work, max_blocks), hq, "flat"), slots, unit)[2]
         before = wm.makespan_ratio(wm.forward_order(work, hq, "head_major"), slots, unit)[2]
-        return after, before, 1
+        return after, before, 0 if max_blocks is None else int(max_blocks)
     work = wm.dkdv_work(seg, block_m, block_n)
     if not len(work):
         return 1.0, 1.0, 1
@@ -86,6 +90,7 @@ def run(windows=(16384, 131072), cps=(1, 2, 4, 8), heads=(4, 32), group: int = 4
                 for kernel in BLOCKS:
                     res = np.array([_ratios(seg, kernel, hq, group, slots) for seg in tables])
                     splits = sorted({int(s) for s in res[:, 2]})
+                    n_split_k = int(np.count_nonzero(res[:, 2])) if kernel != "dkdv" else 0
                     rows.append(dict(window=window, cp=cp, heads=hq, kv_heads=hq // group, kernel=kernel,
                                      block_m=BLOCKS[kernel][0], block_n=BLOCKS[kernel][1], tables=len(tables),
                                      sms=n_sm, programs_per_sm=programs_per_sm,
@@ -93,7 +98,8 @@ def run(windows=(16384, 131072), cps=(1, 2, 4, 8), heads=(4, 32), group: int = 4
                                      makespan_ratio_mean=float(res[:, 0].mean()),
                                      makespan_ratio_before=float(res[:, 1].max()),
                                      makespan_ratio_before_mean=float(res[:, 1].mean()),
-                                     dkdv_splits=splits if kernel == "dkdv" else None))
+                                     dkdv_splits=splits if kernel == "dkdv" else None,
+                                     split_k_tables=n_split_k if kernel != "dkdv" else None))
     return rows
 
 
@@ -107,10 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="length-stream seed")
     args = p.parse_args(argv)
     rows = run(n_sm=args.sms, programs_per_sm=args.programs_per_sm, n_batches=args.batches, seed=args.seed)
-    print(f"{'window':>7} {'cp':>3} {'heads':>5} {'kernel':>6} {'before':>7} {'after':>6} {'mean':>6}  splits")
+    print(f"{'window':>7} {'cp':>3} {'heads':>5} {'kernel':>6} {'before':>7} {'after':>6} {'mean':>6}  split")
     for r in rows:
+        split = f"heads in {r['dkdv_splits']} shares" if r["kernel"] == "dkdv" else \
+            f"split-K in {r['split_k_tables']}/{r['tables']} tables"
         print(f"{r['window']:>7} {r['cp']:>3} {r['heads']:>5} {r['kernel']:>6} {r['makespan_ratio_before']:>7.2f} "
-              f"{r['makespan_ratio']:>6.2f} {r['makespan_ratio_mean']:>6.2f}  {r['dkdv_splits'] or ''}")
+              f"{r['makespan_ratio']:>6.2f} {r['makespan_ratio_mean']:>6.2f}  {split}")
     worst = max(r["makespan_ratio"] for r in rows)
     print(f"worst makespan / ideal: {worst:.3f} (target <= {TARGET}); before: "
           f"{max(r['makespan_ratio_before'] for r in rows):.3f}")

@@ -247,16 +247,28 @@ def pack_index(parts: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, int]
     return flat, offsets
 
 
-def device_index(seg: np.ndarray, kind: str, cfg: BlockConfig, device: torch.device) -> dict[str, torch.Tensor]:
-    """Upload (and cache) the forward ("fwd") or transposed ("dkdv") index for a table."""
-    digest = hashlib.blake2b(np.ascontiguousarray(seg).tobytes(), digest_size=16).digest()
-    key = (digest, kind, cfg.block_m, cfg.block_n, str(device))
+def table_digest(seg: np.ndarray) -> bytes:
+    """BLAKE2b digest of a segment table's bytes: the cache key of everything built from it."""
+    return hashlib.blake2b(np.ascontiguousarray(seg).tobytes(), digest_size=16).digest()
+
+
+def device_index(seg: np.ndarray, kind: str, cfg: BlockConfig, device: torch.device,
+                 max_blocks: int | None = None) -> dict:
+    """Upload (and cache) the forward ("fwd", split-K at `max_blocks` key tiles) or the
+    transposed ("dkdv") index for a table. Returns its device tensors ("tiles", and for a
+    split forward index "targets") and host facts ("n_chunks")."""
+    key = (table_digest(seg), kind, cfg.block_m, cfg.block_n, max_blocks, str(device))
     hit = _INDEX_CACHE.get(key)
     if hit is not None:
         _INDEX_CACHE.move_to_end(key)
         return hit
+    info = {}
     if kind == "fwd":
-        parts = {"tiles": _seg.forward_tiles(seg, cfg.block_m, cfg.block_n)}
+        tiles, n_chunks, targets = _seg.forward_index(seg, cfg.block_m, cfg.block_n, max_blocks)
+        parts = {"tiles": tiles}
+        if len(targets):
+            parts["targets"] = targets.astype(np.int32)
+        info["n_chunks"] = n_chunks
     else:
         tiles, entries = _seg.key_tiles(seg, cfg.block_m, cfg.block_n)
         parts = {"tiles": tiles, "entries": entries}
@@ -268,10 +280,40 @@ def device_index(seg: np.ndarray, kind: str, cfg: BlockConfig, device: torch.dev
     else:
         buf = host.to(device)
     out = {name: buf[offsets[name]: offsets[name] + arr.size].view(arr.shape) for name, arr in parts.items()}
+    if "targets" in out:  # rows of the split tiles that exist, and where they go
+        targets = out["targets"].long()
+        out["split_pos"] = torch.nonzero(targets >= 0).flatten()
+        out["split_rows"] = targets[out["split_pos"]]
+    out.update(info)
     _INDEX_CACHE[key] = out
     if len(_INDEX_CACHE) > _INDEX_CACHE_SIZE:
         _INDEX_CACHE.popitem(last=False)
     return out
+
+
+_SPLIT_MEMO: OrderedDict[tuple, int | None] = OrderedDict()
+
+
+def forward_split(seg: np.ndarray, cfg: BlockConfig, heads: int, n_sm: int) -> int | None:
+    """`max_blocks` of the forward/dQ index for this table (kernels/work_model.py): None when
+    the unsplit launch is within 5% of the ideal on `n_sm` SMs. Memoised per table."""
+    key = (table_digest(seg), cfg.block_m, cfg.block_n, heads, n_sm)
+    if key not in _SPLIT_MEMO:
+        work = _work.forward_work(seg, cfg.block_m, cfg.block_n)
+        _SPLIT_MEMO[key] = _work.choose_forward_split(work, heads, n_sm)
+        if len(_SPLIT_MEMO) > 4 * _INDEX_CACHE_SIZE:
+            _SPLIT_MEMO.popitem(last=False)
+    return _SPLIT_MEMO[key]
+
+
+def _split_buffers(index: dict, block_m: int, heads: int, d: int, device, with_lse: bool):
+    """Zeroed fp32 partial outputs [slots, block_m, heads, d] (and lse at -inf) of a split index."""
+    if "targets" not in index:
+        return None, None
+    slots = index["targets"].numel() // block_m * index["n_chunks"]
+    part = torch.zeros((slots, block_m, heads, d), dtype=torch.float32, device=device)
+    lse = torch.full((slots, block_m, heads), float("-inf"), dtype=torch.float32, device=device) if with_lse else None
+    return part, lse
 
 
 def sm_count(device: torch.device) -> int:
@@ -310,18 +352,33 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: np.ndarray, 
     if len(seg) == 0 or n_q == 0:
         return out, lse
     group = hq // k.shape[1]
+    n_sm = sm_count(q.device)
+    state: dict = {}
 
     def launch(cfg: BlockConfig) -> None:
-        tiles = device_index(seg, "fwd", cfg, q.device)["tiles"]
+        index = device_index(seg, "fwd", cfg, q.device, forward_split(seg, cfg, hq, n_sm))
+        tiles = index["tiles"]
+        o_part, l_part = _split_buffers(index, cfg.block_m, hq, d, q.device, with_lse=True)
         tk._fwd_kernel[(tiles.shape[0] * hq,)](
-            q, k, v, out, lse, tiles,
+            q, k, v, out, lse, o_part if o_part is not None else lse, l_part if l_part is not None else lse, tiles,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), n_q, hq, scale * tk.LOG2E,
             GROUP=group, HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             PRECISION=_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        state.update(index=index, o_part=o_part, l_part=l_part, block_m=cfg.block_m)
 
     run_tuned("fwd", tune_key(q, k), d, launch)
+    if state["o_part"] is not None:  # combine the key chunks of split tiles, in chunk order
+        index, c = state["index"], state["index"]["n_chunks"]
+        o = state["o_part"].view(-1, c, state["block_m"], hq, d)
+        parts_lse = state["l_part"].view(-1, c, state["block_m"], hq)
+        total = torch.logsumexp(parts_lse, dim=1)
+        weight = torch.exp(parts_lse - total.unsqueeze(1)).nan_to_num(0.0)  # -inf - -inf: no keys
+        combined = (weight.unsqueeze(-1) * o).sum(1).reshape(-1, hq, d)
+        pos, rows = index["split_pos"], index["split_rows"]
+        out[rows] = combined[pos].to(out.dtype)
+        lse[:, rows] = total.reshape(-1, hq)[pos].T
     return out, lse
 
 
@@ -354,18 +411,21 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     prec = _precision(q.dtype)
     dq_acc = torch.zeros((n_q, hq, d), dtype=torch.float32, device=q.device) if not deterministic else delta
     n_sm = sm_count(q.device)
-    partial: dict[str, torch.Tensor] = {}
+    partial: dict = {}
 
     def launch_dq(cfg: BlockConfig) -> None:
-        tiles = device_index(seg, "fwd", cfg, q.device)["tiles"]
+        index = device_index(seg, "fwd", cfg, q.device, forward_split(seg, cfg, hq, n_sm))
+        tiles = index["tiles"]
+        dq_part, _ = _split_buffers(index, cfg.block_m, hq, d, q.device, with_lse=False)
         tk._dq_kernel[(tiles.shape[0] * hq,)](
-            q, k, v, dout, dq, lse, delta, tiles,
+            q, k, v, dout, dq, dq_part if dq_part is not None else delta, lse, delta, tiles,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
             n_q, hq, scale * tk.LOG2E, scale,
             GROUP=group, HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             PRECISION=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        partial.update(dq_index=index, dq_part=dq_part, dq_block_m=cfg.block_m)
 
     def launch_dkdv(cfg: BlockConfig) -> None:
         index = device_index(seg, "dkdv", cfg, q.device)
@@ -389,6 +449,10 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     if deterministic:
         run_tuned("dq", key, d, launch_dq)
+        if partial["dq_part"] is not None:  # key chunks of split tiles, added in chunk order
+            index = partial["dq_index"]
+            summed = partial["dq_part"].view(-1, index["n_chunks"], partial["dq_block_m"], hq, d).sum(1)
+            dq[index["split_rows"]] = summed.reshape(-1, hq, d)[index["split_pos"]].to(dq.dtype)
     run_tuned("dkdv" if deterministic else "dkdv_atomic", key, d, launch_dkdv)
     # the head shares add up in a fixed order (a sum over a leading dim has no atomics)
     dk = partial["dk"].sum(0).to(k.dtype)

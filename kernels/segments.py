@@ -126,17 +126,35 @@ def segments_from_lengths(lengths: Any) -> np.ndarray:
     return np.stack([starts, lengths, starts, lengths], axis=1)
 
 
-def forward_tiles(seg: np.ndarray, block_m: int, block_n: int) -> np.ndarray:
-    """Forward/dQ index: int32 rows (q0, q_end, off, k_start, full_end, k_end), one per
-    (segment, query tile of ``block_m`` rows).
+FORWARD_COLUMNS = ("q0", "q_end", "off", "k_lo", "full_end", "k_hi", "slot")
 
-    The program for a row visits keys [k_start, full_end) in unmasked tiles of ``block_n``
-    (every query row of the tile sees all of them) and [full_end, k_end) in masked tiles;
-    query row r sees key j iff ``k_start <= j <= r + off``. Rows are sorted by the number of
-    key tiles visited, largest first.
+
+def forward_tiles(seg: np.ndarray, block_m: int, block_n: int, max_blocks: int | None = None) -> np.ndarray:
+    """Forward/dQ index: int32 rows (q0, q_end, off, k_lo, full_end, k_hi, slot), one per
+    (segment, query tile of ``block_m`` rows[, key chunk]); see `forward_index`."""
+    return forward_index(seg, block_m, block_n, max_blocks)[0]
+
+
+def forward_index(seg: np.ndarray, block_m: int, block_n: int, max_blocks: int | None = None
+                  ) -> tuple[np.ndarray, int, np.ndarray]:
+    """(tiles, n_chunks, targets): the forward/dQ index and, for split tiles, where they go.
+
+    ``tiles``: int32 rows (q0, q_end, off, k_lo, full_end, k_hi, slot). The program for a
+    row visits keys [k_lo, full_end) in unmasked tiles of ``block_n`` (every query row of the
+    tile sees all of them) and [full_end, k_hi) in masked tiles; query row r sees key j iff
+    ``k_start <= j <= r + off``. Rows are sorted by the number of key tiles visited, largest
+    first.
+
+    ``max_blocks``: a query tile whose key loop is longer than that many key tiles is cut
+    into chunks of at most ``max_blocks`` tiles (split-K, as flash-decoding does), so that a
+    few long rows do not leave most SMs idle at the end of a launch. Chunk j of split tile t
+    has ``slot = t * n_chunks + j`` (``n_chunks``: the most chunks any tile needs) and writes
+    a partial result that `launch.py` combines; unsplit rows have ``slot = -1``.
+    ``targets[t * block_m + i]`` is the query row that row i of split tile t combines into
+    (-1 past the tile's end); empty without split tiles.
     """
     if len(seg) == 0:
-        return np.zeros((0, 6), dtype=np.int32)
+        return np.zeros((0, 7), dtype=np.int32), 1, np.zeros(0, np.int64)
     q_start, q_len, k_start, k_len = seg.T
     n_tiles = _cdiv(q_len, block_m)
     seg_of = np.repeat(np.arange(len(seg)), n_tiles)
@@ -149,8 +167,28 @@ def forward_tiles(seg: np.ndarray, block_m: int, block_n: int) -> np.ndarray:
     k_end = np.minimum(q0 + block_m, q_end) + off  # one past the last key any row sees
     full_end = ks + (q0 + off + 1 - ks) // block_n * block_n  # first row sees these whole
     work = _cdiv(k_end - ks, block_n)
+    rows = np.stack([q0, q_end, off, ks, full_end, k_end, np.full(len(q0), -1)], axis=1)
+    n_chunks, targets = 1, np.zeros(0, np.int64)
+    if max_blocks is not None and work.max() > max_blocks:
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+        long = work > max_blocks
+        chunks = _cdiv(work[long], max_blocks)
+        n_chunks = int(chunks.max())
+        per = _cdiv(work[long], chunks)  # key tiles per chunk, balanced inside a row
+        src = rows[long]
+        t = np.repeat(np.arange(len(src)), chunks)
+        j = np.arange(int(chunks.sum())) - np.repeat(np.cumsum(chunks) - chunks, chunks)
+        lo = src[t, 3] + j * per[t] * block_n
+        hi = np.minimum(lo + per[t] * block_n, src[t, 5])
+        split = np.stack([src[t, 0], src[t, 1], src[t, 2], lo, np.clip(src[t, 4], lo, hi), hi,
+                          t * n_chunks + j], axis=1)
+        rows = np.concatenate([rows[~long], split])
+        work = _cdiv(rows[:, 5] - rows[:, 3], block_n)
+        r = src[:, 0, None] + np.arange(block_m)[None, :]
+        targets = np.where(r < src[:, 1, None], r, -1).reshape(-1)
     order = np.argsort(-work, kind="stable")
-    return np.stack([q0, q_end, off, ks, full_end, k_end], axis=1)[order].astype(np.int32)
+    return rows[order].astype(np.int32), n_chunks, targets
 
 
 def key_tiles(seg: np.ndarray, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:

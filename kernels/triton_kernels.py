@@ -47,6 +47,14 @@ def _scores(q, k_tile, qk_scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _row7(TABLE, i):
+    """The seven int32 fields of row i of the forward/dQ index (rows of 7)."""
+    base = TABLE + i * 7
+    return (tl.load(base + 0), tl.load(base + 1), tl.load(base + 2), tl.load(base + 3), tl.load(base + 4),
+            tl.load(base + 5), tl.load(base + 6))
+
+
+@triton.jit
 def _row6(TABLE, i):
     """The six int32 fields of row i of a host-built index table (rows of 6)."""
     base = TABLE + i * 6
@@ -64,15 +72,18 @@ def _tile_and_head(n_heads):
 
 @triton.jit(do_not_specialize=["n_q", "n_heads"])
 def _fwd_kernel(
-    Q, K, V, O, LSE, TILES,
+    Q, K, V, O, LSE, O_PART, LSE_PART, TILES,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     n_q, n_heads, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    """One (query tile[, key chunk], head). A key chunk of a split tile (slot >= 0) writes its
+    normalised partial output and log-sum-exp to O_PART / LSE_PART ([slots, BLOCK_M, Hq, D]
+    and [slots, BLOCK_M, Hq], fp32); the launcher combines the chunks in a fixed order."""
     tile, head = _tile_and_head(n_heads)
     kv_head = head // GROUP
-    q0, q_end, off, k_start, full_end, k_end = _row6(TILES, tile)
+    q0, q_end, off, k_start, full_end, k_end, slot = _row7(TILES, tile)
 
     rows = q0 + tl.arange(0, BLOCK_M)
     row_ok = rows < q_end
@@ -106,18 +117,28 @@ def _fwd_kernel(
         s = _scores(q, k_tile, qk_scale, PRECISION)
         visible = (cols[None, :] <= rows[:, None] + off) & col_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row sees k_start in tile one
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # -inf only in a key chunk of a split tile whose keys a row does not reach yet (a
+        # whole tile always sees k_start): such a row keeps l = 0 and gets lse = -inf
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=PRECISION)
         m_i = m_new
 
-    acc = acc / l_i[:, None]
-    o_ptrs = O + rows.to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :]
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
-    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-    tl.store(LSE + head.to(tl.int64) * n_q + rows, lse, mask=row_ok)
+    seen = l_i > 0.0
+    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    if slot < 0:
+        o_ptrs = O + rows.to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE + head.to(tl.int64) * n_q + rows, lse, mask=row_ok)
+    else:
+        part_rows = slot.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        o_ptrs = O_PART + (part_rows[:, None] * n_heads + head) * HEAD_DIM + dims[None, :]
+        tl.store(o_ptrs, acc, mask=row_ok[:, None])
+        tl.store(LSE_PART + part_rows * n_heads + head, lse, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["n_q"])
@@ -144,7 +165,7 @@ def _delta_kernel(
 
 @triton.jit(do_not_specialize=["n_q", "n_heads"])
 def _dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, TILES,
+    Q, K, V, DO, DQ, DQ_PART, LSE, DELTA, TILES,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dqt, stride_dqh,
     n_q, n_heads, qk_scale, sm_scale,
@@ -153,7 +174,7 @@ def _dq_kernel(
 ):
     tile, head = _tile_and_head(n_heads)
     kv_head = head // GROUP
-    q0, q_end, off, k_start, full_end, k_end = _row6(TILES, tile)
+    q0, q_end, off, k_start, full_end, k_end, slot = _row7(TILES, tile)
 
     rows = q0 + tl.arange(0, BLOCK_M)
     row_ok = rows < q_end
@@ -191,7 +212,13 @@ def _dq_kernel(
         dq += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=PRECISION)
 
     dq = dq * sm_scale
-    tl.store(DQ + r64 * stride_dqt + head * stride_dqh + dims[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    if slot < 0:
+        tl.store(DQ + r64 * stride_dqt + head * stride_dqh + dims[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=row_ok[:, None])
+    else:  # a key chunk of a split tile: an fp32 partial sum, added by the launcher in order
+        part_rows = slot.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tl.store(DQ_PART + (part_rows[:, None] * n_heads + head) * HEAD_DIM + dims[None, :], dq,
+                 mask=row_ok[:, None])
 
 
 @triton.jit

@@ -110,3 +110,41 @@ def choose_dkdv_split(work: np.ndarray, kv_heads: int, group: int, slots: int, t
         if ratio < best_ratio - 1e-9:
             best, best_ratio = s, ratio
     return best
+
+
+def split_work(work: np.ndarray, max_blocks: int | None) -> np.ndarray:
+    """Forward items after cutting rows longer than `max_blocks` key tiles into balanced
+    chunks (the rule of `segments.forward_index`), heaviest first."""
+    work = np.asarray(work, dtype=np.int64)
+    if max_blocks is None or not len(work) or work.max() <= max_blocks:
+        return np.sort(work)[::-1]
+    long = work > max_blocks
+    chunks = _cdiv(work[long], max_blocks)
+    per = _cdiv(work[long], chunks)
+    t = np.repeat(np.arange(len(chunks)), chunks)
+    j = np.arange(int(chunks.sum())) - np.repeat(np.cumsum(chunks) - chunks, chunks)
+    pieces = np.minimum(per[t], work[long][t] - j * per[t])
+    return np.sort(np.concatenate([work[~long], pieces]))[::-1]
+
+
+def choose_forward_split(work: np.ndarray, heads: int, slots: int, target: float = 1.05) -> int | None:
+    """`max_blocks` for the forward/dQ index: None (no split) when the flat launch is within
+    `target` of the ideal; else the largest chunk size (a fraction 1/2, 1/4, 1/8, 1/16 of a
+    slot's fair share of the work) that is, else the best of them. The ideal keeps the
+    unsplit (tile, head) unit, so a split can reach a ratio below 1."""
+    work = np.asarray(work, dtype=np.int64)
+    if not len(work):
+        return None
+    unit = float(work.max())
+    if makespan_ratio(forward_order(work, heads, "flat"), slots, unit)[2] <= target:
+        return None
+    fair = float(work.sum()) * heads / slots
+    best, best_ratio = None, makespan_ratio(forward_order(work, heads, "flat"), slots, unit)[2]
+    for frac in (2, 4, 8, 16):
+        blocks = max(1, int(np.ceil(fair / frac)))
+        ratio = makespan_ratio(forward_order(split_work(work, blocks), heads, "flat"), slots, unit)[2]
+        if ratio <= target:
+            return blocks
+        if ratio < best_ratio - 1e-9:
+            best, best_ratio = blocks, ratio
+    return best

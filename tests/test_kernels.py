@@ -238,6 +238,22 @@ def test_dkdv_split_over_the_gqa_group_matches_the_reference(monkeypatch, group)
     assert chosen and chosen[-1] > 1
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_split_k_forward_and_dq_match_the_reference(monkeypatch, deterministic):
+    launch = importlib.import_module("wlb_opt.kernels.launch")
+    # a "GPU" of 3 SMs and one long document among short ones: the model cuts the long rows'
+    # key loops into chunks (split-K) whose partial results are combined on the host
+    monkeypatch.setattr(launch, "sm_count", lambda device: 3)
+    chosen = []
+    real = launch._work.choose_forward_split
+    monkeypatch.setattr(launch._work, "choose_forward_split", lambda *a, **k: chosen.append(real(*a, **k)) or chosen[-1])
+    seg = np.array([[0, 64, 0, 256], [64, 10, 256, 10]])  # a CP shard's long rows, and a short one
+    q, k, v = _qkv(74, 266, 2, 1, 16, torch.float32, seed=3)
+    launch._SPLIT_MEMO.clear()
+    check_against_reference(q, k, v, seg, "triton", check_lse=True, deterministic=deterministic)
+    assert chosen and chosen[0] is not None
+
+
 def test_tuned_configs_export_and_pin_round_trip(tmp_path):
     launch = importlib.import_module("wlb_opt.kernels.launch")
     key = ("fwd", "cuda:0", torch.bfloat16, 128, 4, 16384, 16384)

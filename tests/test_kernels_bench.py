@@ -34,3 +34,16 @@ def test_packed_lengths_fill_the_micro_batch():
     for n in (96, 8192, 131072):
         lengths = bench_kernel.packed_lengths(n, seed=3)
         assert lengths.sum() == n and lengths.min() >= 1
+
+
+def test_schedule_model_rows(tmp_path):
+    from wlb_opt.bench import _kernel_schedule as ks
+
+    rows = ks.run(windows=(16384,), cps=(1, 8), heads=(4,), n_batches=1)
+    assert {(r["cp"], r["kernel"]) for r in rows} == {(c, k) for c in (1, 8) for k in ("fwd", "dq", "dkdv")}
+    for r in rows:
+        assert r["makespan_ratio"] <= ks.TARGET and r["makespan_ratio"] <= r["makespan_ratio_before"] + 1e-9
+        assert r["programs_per_sm"] == 1 and r["sms"] == 132 and r["tables"] > 0
+    assert bench_kernel.main(["--schedule", "--out", str(tmp_path), "--batches", "1"]) == 0
+    saved = json.loads((tmp_path / "kernel_schedule.json").read_text())
+    assert {"makespan_ratio", "makespan_ratio_before"} <= set(saved["rows"][0])

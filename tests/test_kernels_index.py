@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 pytest.importorskip("torch")  # wlb_opt.kernels imports torch
 
 from wlb_opt.kernels import attention_flops, segment_mask, segments_from_lengths, validate_segments, visible_pairs
-from wlb_opt.kernels.segments import forward_tiles, key_tiles
+from wlb_opt.kernels.segments import forward_index, forward_tiles, key_tiles
 
 BLOCKS = st.sampled_from([16, 32, 64, 128])
 
@@ -44,13 +44,23 @@ def _mask(seg, n_q, n_k):
     return segment_mask(seg, n_q, n_k).numpy()
 
 
-def replay_forward(seg, n_q, n_k, block_m, block_n):
-    """Visit counts of the forward/dQ kernels' loops, asserting the unmasked-tile invariant."""
+def replay_forward(seg, n_q, n_k, block_m, block_n, max_blocks=None):
+    """Visit counts of the forward/dQ kernels' loops, asserting the unmasked-tile invariant.
+    With `max_blocks`, chunks of split tiles must add up to the whole tile and none may be
+    longer than `max_blocks` key tiles."""
     mask = _mask(seg, n_q, n_k)
     count = np.zeros((n_q, n_k), dtype=np.int64)
-    for q0, q_end, off, k_start, full_end, k_end in forward_tiles(seg, block_m, block_n).tolist():
+    tiles, n_chunks, targets = forward_index(seg, block_m, block_n, max_blocks)
+    slots = tiles[:, 6]
+    assert len(set(slots[slots >= 0].tolist())) == int((slots >= 0).sum()), "two chunks share a slot"
+    for q0, q_end, off, k_start, full_end, k_end, slot in tiles.tolist():
         rows = np.arange(q0, min(q0 + block_m, q_end))
-        assert rows.size and k_start <= rows[0] + off  # every row sees a key of the first tile
+        if slot < 0:
+            assert rows.size and k_start <= rows[0] + off  # every row sees a key of the first tile
+        else:
+            assert max_blocks is not None and -(-(k_end - k_start) // block_n) <= max_blocks
+            t = slot // n_chunks
+            np.testing.assert_array_equal(targets[t * block_m:t * block_m + len(rows)], rows)
         assert (full_end - k_start) % block_n == 0 and k_start <= full_end <= k_end <= n_k
         for start in range(k_start, full_end, block_n):
             cols = np.arange(start, start + block_n)
@@ -97,6 +107,14 @@ def test_forward_index_visits_every_visible_pair_once(table, block_m, block_n):
     np.testing.assert_array_equal(count, mask.astype(np.int64))
 
 
+@settings(max_examples=100)
+@given(segment_tables(), BLOCKS, BLOCKS, st.integers(1, 4))
+def test_split_forward_index_visits_every_visible_pair_once(table, block_m, block_n, max_blocks):
+    seg, n_q, n_k = table
+    count, mask = replay_forward(seg, n_q, n_k, block_m, block_n, max_blocks)
+    np.testing.assert_array_equal(count, mask.astype(np.int64))
+
+
 @settings(max_examples=150)
 @given(segment_tables(), BLOCKS, BLOCKS)
 def test_transposed_index_visits_every_visible_pair_once(table, block_m, block_n):
@@ -130,6 +148,7 @@ def test_valid_tables_pass_and_flops_count_visible_pairs(table):
 def test_forward_index_is_heaviest_first():
     seg = segments_from_lengths([10, 300, 40])
     tiles = forward_tiles(seg, 64, 64)
+    assert tiles.shape[1] == 7 and np.all(tiles[:, 6] == -1)  # no split without max_blocks
     work = -(-(tiles[:, 5] - tiles[:, 3]) // 64)
     assert np.all(np.diff(work) <= 0)
     assert tiles[0, 0] == 10 + 256  # the last query tile of the long document
@@ -173,8 +192,51 @@ def test_new_lengths_keep_the_triton_specialisation_key():
     keys = set()
     for lengths in ([1000, 1000, 1000], [2500, 333], [7], [129, 5, 3000, 17]):
         seg = segments_from_lengths(lengths)
-        for kind in ("fwd", "dkdv"):
-            index = device_index(seg, kind, cfg, torch.device("cpu"))
-            for name, t in index.items():
+        for kind, max_blocks in (("fwd", None), ("fwd", 3), ("dkdv", None)):
+            index = device_index(seg, kind, cfg, torch.device("cpu"), max_blocks)
+            for name in ("tiles", "entries", "targets"):
+                if name not in index:
+                    continue
+                t = index[name]
                 keys.add((kind, name, native_specialize_impl(BaseBackend, t, False, True, True)))
     assert {key for _, _, key in keys} == {("*i32", "D")}, sorted(keys)
+
+
+# --- the launch-order model (kernels/work_model.py) ---------------------------------------
+
+def test_list_schedule_by_hand():
+    from wlb_opt.kernels.work_model import list_schedule, makespan_ratio
+
+    assert list_schedule([5, 4, 3, 3, 2], 2) == 9.0  # 5+3 | 4+3+2 -> 8, 9
+    assert list_schedule([1, 1, 1], 4) == 1.0
+    span, ideal, ratio = makespan_ratio([8, 8, 8, 8], 3, 8)  # one slot runs two of them
+    assert (span, ratio) == (16.0, 16.0 / (32 / 3))
+
+
+@settings(max_examples=60)
+@given(segment_tables(), BLOCKS, BLOCKS, st.integers(1, 5))
+def test_model_items_are_the_kernels_index_rows(table, block_m, block_n, max_blocks):
+    """The model's split items are exactly the work of the split index the launcher uploads."""
+    from wlb_opt.kernels import work_model as wm
+
+    seg, _, _ = table
+    tiles = forward_tiles(seg, block_m, block_n, max_blocks).astype(np.int64)
+    work = -(-(tiles[:, 5] - tiles[:, 3]) // block_n)
+    modelled = wm.split_work(wm.forward_work(seg, block_m, block_n), max_blocks)
+    np.testing.assert_array_equal(np.sort(work)[::-1], modelled)
+    assert np.all(np.diff(work) <= 0)  # launched heaviest first
+
+
+def test_splits_are_chosen_only_where_they_pay():
+    from wlb_opt.kernels import work_model as wm
+
+    many = np.full(2000, 10)  # many equal rows: nothing to gain
+    assert wm.choose_forward_split(many, 4, 132) is None
+    few = np.full(140, 1000)  # just over one wave of heavy rows: split-K pays
+    blocks = wm.choose_forward_split(few, 1, 132)
+    assert blocks is not None and blocks < 1000
+    before = wm.makespan_ratio(wm.forward_order(few, 1, "flat"), 132, 1000)[2]
+    after = wm.makespan_ratio(wm.forward_order(wm.split_work(few, blocks), 1, "flat"), 132, 1000)[2]
+    assert before > 1.8 and after <= 1.05
+    assert wm.choose_dkdv_split(np.arange(128, 0, -1), 1, 4, 132) == 2  # causal, 128 key tiles, 1 KV head: 2 shares suffice
+    assert wm.choose_dkdv_split(np.full(5000, 50), 8, 4, 132) == 1
