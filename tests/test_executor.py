@@ -23,7 +23,7 @@ import wlb_opt as wlb  # noqa: E402
 from wlb_opt.kernels.reference import attention_reference  # noqa: E402
 from wlb_opt.kernels.segments import segments_from_lengths  # noqa: E402
 
-CASES = [[5, 17, 3, 9], [1, 1, 2, 40], [33], [7, 2, 11, 4, 1, 6]]
+CASES = [[5, 17, 3, 9], [1, 1, 2, 40], [33], [7, 2, 11, 4, 1, 6], [2, 1]]  # [2, 1]: empty ranks at cp=4
 
 
 @dataclass
@@ -90,15 +90,19 @@ def _worker(rank: int, world: int, port: int, strategies: list[str]) -> None:
                 shards[strategy] = wlb.solve_shard(lengths, world, strategy, cost)
             for name, shard in shards.items():
                 q, k, v, w = _tensors(int(sum(lengths)), seed=case)
-                idx = torch.from_numpy(np.asarray(shard.rank_indices[rank], dtype=np.int64))
-                ql, kl, vl = (x[idx].clone().requires_grad_() for x in (q, k, v))
-                out = context_parallel_attention(ql, kl, vl, shard, backend="torch")
-                (out * w[idx]).sum().backward()
-                msg = f"rank {rank}/{world}, case {lengths}, shard {name}"
-                torch.testing.assert_close(out, ref_out[idx], msg=lambda m: f"{msg}: out {m}")
-                torch.testing.assert_close(ql.grad, ref_dq[idx], msg=lambda m: f"{msg}: dq {m}")
-                torch.testing.assert_close(kl.grad, ref_dk[idx], msg=lambda m: f"{msg}: dk {m}")
-                torch.testing.assert_close(vl.grad, ref_dv[idx], msg=lambda m: f"{msg}: dv {m}")
+                idx = torch.tensor(shard.rank_indices[rank], dtype=torch.int64)
+                grads = {}
+                for regather in (False, True):  # keep the gathered K/V, or gather them again
+                    ql, kl, vl = (x[idx].clone().requires_grad_() for x in (q, k, v))
+                    out = context_parallel_attention(ql, kl, vl, shard, backend="torch", regather=regather)
+                    (out * w[idx]).sum().backward()
+                    msg = f"rank {rank}/{world}, case {lengths}, shard {name}, regather {regather}"
+                    torch.testing.assert_close(out, ref_out[idx], msg=lambda m: f"{msg}: out {m}")
+                    torch.testing.assert_close(ql.grad, ref_dq[idx], msg=lambda m: f"{msg}: dq {m}")
+                    torch.testing.assert_close(kl.grad, ref_dk[idx], msg=lambda m: f"{msg}: dk {m}")
+                    torch.testing.assert_close(vl.grad, ref_dv[idx], msg=lambda m: f"{msg}: dv {m}")
+                    grads[regather] = (ql.grad, kl.grad, vl.grad)
+                assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True])), msg
     finally:
         dist.destroy_process_group()
 

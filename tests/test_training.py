@@ -45,20 +45,41 @@ def make_plan(dp: int, cp: int = 1, pp: int = 1):
     return plan, cost
 
 
-def make_model():
+def make_model(dtype=torch.float64):
     from wlb_opt.executor import TinyLM
 
     torch.manual_seed(0)
-    return TinyLM(vocab=VOCAB, dim=32, layers=2, heads=4, kv_heads=2, ffn=48).double()
+    return TinyLM(vocab=VOCAB, dim=32, layers=4, heads=4, kv_heads=2, ffn=48).to(dtype)
 
 
-def make_shards(plan, cost, cp):
+def make_shards(plan, cost, cp, strategy="per_doc"):
     out = []
     for mb in plan.micro_batches:
         lengths = plan.lengths[mb]
         offsets = plan.offsets[mb]
-        out.append(wlb.solve_shard(lengths, None, "per_doc", cost, offsets=offsets) if len(lengths) else None)
+        out.append(wlb.solve_shard(lengths, None, strategy, cost, offsets=offsets, token_skew=1.0)
+                   if len(lengths) else None)
     return out
+
+
+def sparse_plan(pp: int):
+    """Three documents over 2 x pp micro-batch slots: some slots stay empty."""
+    layout = wlb.ParallelSpec(pp=pp)
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), layout, wlb.HardwareSpec.preset("cpu"))
+    plan = wlb.solve_pack(np.array([30, 7, 1]), 2 * pp, 64, cost, "wlb", ids=np.array([3, 4, 5]))
+    assert sum(len(mb) == 0 for mb in plan.micro_batches) >= 1
+    return plan, cost
+
+
+def in_flight(rank: int, pp: int, n_micro: int, v: int) -> int:
+    """Most micro-batch chunks a rank holds between their forward and backward."""
+    from wlb_opt.schedule import stage_order
+
+    live = peak = 0
+    for phase, _, _ in stage_order(rank, pp, n_micro, v):
+        live += 1 if phase == "F" else -1
+        peak = max(peak, live)
+    return peak
 
 
 def reference(plan):
@@ -82,7 +103,12 @@ def reference(plan):
     return loss_sum, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-LAYOUTS = {2: [(2, 1, 1), (1, 2, 1)], 4: [(2, 2, 1), (1, 2, 2), (2, 1, 2)]}  # (cp, pp, dp) per world size
+# (cp, pp, dp, virtual stages, CP strategy, plan) per world size; hybrid gives ranks unequal
+# token counts, "sparse" a plan with empty micro-batch slots
+LAYOUTS = {2: [(2, 1, 1, 1, "per_doc", "dense"), (1, 2, 1, 1, "per_doc", "dense"), (1, 2, 1, 2, "per_doc", "dense"),
+               (1, 2, 1, 1, "per_doc", "sparse")],
+           4: [(2, 2, 1, 1, "hybrid", "dense"), (1, 2, 2, 1, "per_doc", "dense"), (2, 1, 2, 1, "per_doc", "dense"),
+               (2, 2, 1, 2, "hybrid", "dense"), (1, 2, 2, 2, "per_doc", "dense")]}
 
 
 def _worker(rank, world, port):
@@ -95,23 +121,44 @@ def _worker(rank, world, port):
         mine = make_plan(dp=1)[0] if rank == 0 else None
         got = ex.broadcast_plan(mine, src=0)
         assert ex.check_same_plan(got) == make_plan(dp=1)[0].digest()
-        for cp, pp, dp in LAYOUTS[world]:
+        from wlb_opt.schedule import p2p_schedule
+
+        for cp, pp, dp, v, strategy, kind in LAYOUTS[world]:
             mesh = ex.make_mesh(cp=cp, dp=dp, pp=pp)
-            plan, cost = make_plan(dp, cp, pp)
+            plan, cost = make_plan(dp, cp, pp) if kind == "dense" else sparse_plan(pp)
             model = make_model()
             names = {id(p): n for n, p in model.named_parameters()}
-            stage = ex.split_stages(model, pp)[mesh.pp_rank]
+            chunks = ex.split_stages(model, pp, v)[mesh.pp_rank::pp]
             record = ex.StageOutputs()
-            loss = ex.train_step(stage, plan, make_shards(plan, cost, cp), doc_tokens, mesh=mesh, backend="torch",
-                                 record=record)
+            loss = ex.train_step(chunks, plan, make_shards(plan, cost, cp, strategy), doc_tokens, mesh=mesh,
+                                 backend="torch", record=record)
             ref_loss, ref_grads = reference(plan)
-            where = f"rank {rank} (cp={cp}, pp={pp}, dp={dp})"
+            where = f"rank {rank} (cp={cp}, pp={pp}, dp={dp}, v={v}, {strategy}, {kind})"
             assert abs(loss - ref_loss) < 1e-10, (where, loss, ref_loss)
-            n_mb = len([j for j in plan.replica_micro_batches(mesh.dp_rank) if len(plan.micro_batches[j])])
-            assert len(record.ops) == 2 * n_mb
-            for p in stage.parameters():
-                name = names[id(p)]
-                torch.testing.assert_close(p.grad, ref_grads[name], msg=lambda m: f"{where} {name}: {m}")
+            n_micro = plan.n_micro
+            assert len(record.ops) == 2 * n_micro * v  # every slot, empty ones too
+            # what the executor issued is exactly the schedule, and boundary tensors die early
+            assert record.groups == p2p_schedule(pp, n_micro, v)[mesh.pp_rank], where
+            limit = in_flight(mesh.pp_rank, pp, n_micro, v) + 1
+            assert max(record.peak_live.values()) <= limit, (where, record.peak_live, limit)
+            for chunk in chunks:
+                for p in chunk.parameters():
+                    name = names[id(p)]
+                    torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-8, atol=1e-10,
+                                               msg=lambda m: f"{where} {name}: {m}")
+            dist.barrier()
+        if world == 2:  # a two-stage pipeline under CPU autocast carries bf16 activations
+            mesh = ex.make_mesh(cp=1, dp=1, pp=2)
+            plan, cost = make_plan(1, 1, 2)
+            model = make_model(torch.float32)
+            stage = ex.split_stages(model, 2)[mesh.pp_rank]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                assert ex.activation_dtype(next(stage.parameters())) == torch.bfloat16
+                loss = ex.train_step(stage, plan, make_shards(plan, cost, 1), doc_tokens, mesh=mesh,
+                                     backend="torch")
+            ref_loss, _ = reference(plan)
+            assert abs(loss - ref_loss) < 0.05 * abs(ref_loss), (loss, ref_loss)
+            assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in stage.parameters())
             dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -121,6 +168,14 @@ def _worker(rank, world, port):
 def test_distributed_step_equals_single_process(world):
     """CP, PP (variable-length 1F1B) and DP, alone and combined, against one process."""
     mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)
+
+
+def test_a_stage_that_sends_the_wrong_dtype_is_a_clear_error():
+    from wlb_opt.executor.train import check_boundary_dtype
+
+    check_boundary_dtype(torch.zeros(2, dtype=torch.bfloat16), torch.bfloat16, "fwd", 0)
+    with pytest.raises(ValueError, match="dtype torch.float32 but the pipeline carries torch.bfloat16"):
+        check_boundary_dtype(torch.zeros(2), torch.bfloat16, "fwd", 1)
 
 
 def test_loss_is_normalised_over_the_global_batch_not_per_micro_batch():

@@ -6,7 +6,8 @@ executor (`wlb_opt.executor.train`) run the same schedule. An operation is a tup
 """
 from __future__ import annotations
 
-from typing import Literal
+import functools
+from typing import Literal, NamedTuple
 
 Schedule = Literal["1f1b", "interleaved"]
 SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved")
@@ -41,3 +42,176 @@ def stage_order(stage: int, pp: int, n_micro: int, virtual_stages: int = 1) -> l
         order.append(bwd_seq[i])
     order.extend(bwd_seq[total - warmup:])
     return order
+
+
+# ---------------------------------------------------------------------- point-to-point
+class P2POp(NamedTuple):
+    """One pipeline send or receive of a step: `kind` "send" | "recv", `peer` the other
+    pipeline rank, `direction` "fwd" (activations) | "bwd" (their gradients), `micro` the
+    micro-batch slot 0..n_micro-1 of the replica, `chunk` the issuing rank's local model
+    chunk 0..v-1 (the chunk that produces a send, or consumes a receive)."""
+
+    kind: str
+    peer: int
+    direction: str
+    micro: int
+    chunk: int
+
+
+def message_key(op: P2POp, rank: int, pp: int) -> tuple[str, int, int]:
+    """(direction, micro, virtual stage of the producer): the same for a send and the receive
+    that matches it."""
+    vs = op.chunk * pp + rank
+    if op.kind == "send":
+        return op.direction, op.micro, vs
+    return op.direction, op.micro, vs - 1 if op.direction == "fwd" else vs + 1
+
+
+def check_pipeline_shape(pp: int, n_micro: int, virtual_stages: int) -> None:
+    """ValueError unless (pp, n_micro, virtual_stages) is a schedule this library can run."""
+    for name, value in (("pp", pp), ("n_micro", n_micro), ("virtual_stages", virtual_stages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "n_micro" else 1):
+            raise ValueError(f"{name} must be an integer >= {0 if name == 'n_micro' else 1}, got {value!r}")
+    if virtual_stages > 1 and pp < 2:
+        raise ValueError(f"virtual_stages={virtual_stages} needs pp >= 2 (chunks of one rank would send to "
+                         "themselves); use virtual_stages=1")
+    if virtual_stages > 1 and n_micro % pp:
+        raise ValueError(f"the interleaved schedule needs n_micro to be a multiple of pp={pp}, got "
+                         f"n_micro={n_micro}; use virtual_stages=1 or pack a multiple of pp micro-batches")
+
+
+def _needs(op: Op, pp: int, n_virtual: int) -> list[tuple[str, str, int]]:
+    """Receives compute op `op` needs first: (direction, "recv", peer device)."""
+    phase, _, vs = op
+    if phase == "F" and vs > 0:
+        return [("fwd", "recv", (vs - 1) % pp)]
+    if phase == "B" and vs < n_virtual - 1:
+        return [("bwd", "recv", (vs + 1) % pp)]
+    return []
+
+
+def _makes(op: Op, pp: int, n_virtual: int) -> list[tuple[str, str, int]]:
+    """Sends compute op `op` produces: (direction, "send", peer device)."""
+    phase, _, vs = op
+    if phase == "F" and vs < n_virtual - 1:
+        return [("fwd", "send", (vs + 1) % pp)]
+    if phase == "B" and vs > 0:
+        return [("bwd", "send", (vs - 1) % pp)]
+    return []
+
+
+def _initial_plan(rank: int, pp: int, n_micro: int, virtual_stages: int) -> list[tuple[list[P2POp], Op | None]]:
+    """(group, op) pairs before any receive is moved: the group before op i holds the sends op
+    i-1 produced and the receives op i needs (Megatron's send_forward_recv_backward pairing)."""
+    n_virtual = pp * virtual_stages
+    plan, pending = [], []
+    for op in stage_order(rank, pp, n_micro, virtual_stages):
+        _, micro, vs = op
+        needs = [P2POp(kind, peer, d, micro, vs // pp) for d, kind, peer in _needs(op, pp, n_virtual)]
+        plan.append((pending + needs, op))
+        pending = [P2POp(kind, peer, d, micro, vs // pp) for d, kind, peer in _makes(op, pp, n_virtual)]
+    plan.append((pending, None))
+    return plan
+
+
+@functools.lru_cache(maxsize=256)
+def _plans(pp: int, n_micro: int, virtual_stages: int) -> tuple:
+    """Every rank's (group, op) pairs, made deadlock-free under rendezvous semantics.
+
+    Starting from `_initial_plan`, the ranks are run jointly: a rank posts its current group
+    and moves on when all of it has met its counterparts. When no rank can move, a send is
+    waiting for a receive its peer has planned for later; that receive is moved into the
+    peer's current group (its buffer is allocated earlier; nothing else changes). Receives can
+    always move earlier, because every shape is known from the plan; sends cannot (they carry
+    what an op computed). The result is a fixed, deterministic function of (pp, n_micro,
+    virtual_stages), so every rank derives the same schedule. Inside a group, sends are in
+    message order and receives in their sender's issue order, so both ends of every pair of
+    ranks see their messages in the same order (NCCL matches point-to-point in issue order).
+    """
+    check_pipeline_shape(pp, n_micro, virtual_stages)
+    plans = [[[list(g), op] for g, op in _initial_plan(r, pp, n_micro, virtual_stages)] for r in range(pp)]
+    current, done = [0] * pp, [set() for _ in range(pp)]
+
+    def group(r):
+        return plans[r][current[r]][0] if current[r] < len(plans[r]) else None
+
+    def match(r, i, op):
+        peer_group = group(op.peer)
+        if peer_group is None:
+            return None
+        key = message_key(op, r, pp)
+        for j, other in enumerate(peer_group):
+            if other.peer == r and other.kind != op.kind and j not in done[op.peer] and \
+                    message_key(other, op.peer, pp) == key:
+                return j
+        return None
+
+    while any(current[r] < len(plans[r]) for r in range(pp)):
+        progress = False
+        for r in range(pp):
+            g = group(r)
+            for i, op in enumerate(g or []):
+                if i in done[r]:
+                    continue
+                j = match(r, i, op)
+                if j is not None:
+                    done[r].add(i)
+                    done[op.peer].add(j)
+                    progress = True
+        for r in range(pp):
+            g = group(r)
+            if g is not None and len(done[r]) == len(g):
+                current[r] += 1
+                done[r] = set()
+                progress = True
+        if progress:
+            continue
+        moved = False
+        for r in range(pp):  # a stuck send: bring its receive forward on the peer
+            for i, op in enumerate(group(r) or []):
+                if op.kind != "send" or i in done[r]:
+                    continue
+                key = message_key(op, r, pp)
+                for later in range(current[op.peer] + 1, len(plans[op.peer])):
+                    ops = plans[op.peer][later][0]
+                    hit = [o for o in ops if o.kind == "recv" and o.peer == r and message_key(o, op.peer, pp) == key]
+                    if hit:
+                        ops.remove(hit[0])
+                        plans[op.peer][current[op.peer]][0].append(hit[0])
+                        moved = True
+                        break
+                if moved:
+                    break
+            if moved:
+                break
+        if not moved:
+            stuck = {r: group(r) for r in range(pp) if group(r) is not None}
+            raise RuntimeError(f"pipeline schedule ({pp}, {n_micro}, {virtual_stages}) cannot progress: {stuck}")
+    order: dict[tuple, tuple[int, int]] = {}  # message key -> (sender's group index, position)
+    # final in-group order: sends by message key, receives by their sender's issue order
+    for r in range(pp):
+        for gi, (g, _) in enumerate(plans[r]):
+            sends = sorted((o for o in g if o.kind == "send"), key=lambda o: message_key(o, r, pp))
+            for pos, o in enumerate(sends):
+                order[message_key(o, r, pp)] = (gi, pos)
+    for r in range(pp):
+        for g, _ in plans[r]:
+            g.sort(key=lambda o: (0, message_key(o, r, pp), 0) if o.kind == "send"
+                   else (1, order[message_key(o, r, pp)], o.peer))
+    return tuple(tuple((tuple(g), op) for g, op in plans[r]) for r in range(pp))
+
+
+def step_plan(rank: int, pp: int, n_micro: int, virtual_stages: int = 1) -> list[tuple[list[P2POp], Op | None]]:
+    """Rank `rank`'s step as (group, compute op) pairs: the group is posted and waited on just
+    before the op; the last pair has op None (the sends of the last op). See `_plans`."""
+    return [(list(g), op) for g, op in _plans(pp, n_micro, virtual_stages)[rank]]
+
+
+def p2p_schedule(pp: int, n_micro: int, virtual_stages: int = 1) -> list[list[list[P2POp]]]:
+    """For each pipeline rank, the ordered communication groups it issues in one step (rank ->
+    groups -> ops). A group is issued whole (`batch_isend_irecv`) and waited on whole before
+    the next; the executor issues exactly these. Deadlock-free under rendezvous semantics (no
+    buffering), and every send meets exactly one receive, in the same order on both ends of
+    each pair of ranks (tests/test_schedule.py replays every shape)."""
+    check_pipeline_shape(pp, n_micro, virtual_stages)
+    return [[list(g) for g, _ in _plans(pp, n_micro, virtual_stages)[r] if g] for r in range(pp)]

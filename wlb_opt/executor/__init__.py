@@ -5,9 +5,10 @@
 - `gather_packed`: the differentiable rank-major all-gather + order restore it uses.
 - `check_same_plan`: ranks compare `plan.digest()` before executing a step;
   `broadcast_plan`: plan on one rank (e.g. an exact solver) and send the plan to the others.
-- `make_mesh`, `train_step`: CP x PP x DP groups and one training step of a PackPlan (1F1B
-  variable-length pipeline, CP attention, DP gradient sums) with the loss normalised over the
-  whole global batch; `TinyLM` and `split_stages`, a small model for tests and examples.
+- `make_mesh`, `train_step`: CP x PP x DP groups and one training step of a PackPlan
+  (variable-length 1F1B or interleaved pipeline issuing `p2p_schedule`'s groups, CP
+  attention, DP gradient sums) with the loss normalised over the whole global batch;
+  `TinyLM` and `split_stages`, a small model for tests and examples.
 
 The executor never re-plans: it executes the plans it is given.
 """
@@ -17,13 +18,15 @@ from .._optional import require
 
 require("torch", "wlb_opt.executor")
 
-from .cp_attention import context_parallel_attention, gather_packed, packed_order_index  # noqa: E402
+from ..schedule import P2POp, p2p_schedule  # noqa: E402
+from .cp_attention import CPContext, context_parallel_attention, cp_context, gather_packed, packed_order_index  # noqa: E402
 from .mesh import Mesh, make_mesh  # noqa: E402
 from .model import Stage, TinyLM, split_stages  # noqa: E402
 from .plumbing import broadcast_plan, check_same_plan, local_inputs  # noqa: E402
-from .train import StageOutputs, pack_tokens, packed_labels, packed_positions, target_tokens, train_step  # noqa: E402
+from .train import (StageOutputs, activation_dtype, pack_tokens, packed_labels, packed_positions,  # noqa: E402
+                    target_tokens, train_step)
 
-__all__ = ["Mesh", "Stage", "StageOutputs", "TinyLM", "broadcast_plan", "check_same_plan",
-           "context_parallel_attention", "gather_packed", "local_inputs", "make_mesh", "pack_tokens",
-           "packed_labels", "packed_order_index", "packed_positions", "split_stages", "target_tokens",
-           "train_step"]
+__all__ = ["CPContext", "Mesh", "P2POp", "Stage", "StageOutputs", "TinyLM", "activation_dtype", "broadcast_plan",
+           "check_same_plan", "context_parallel_attention", "cp_context", "gather_packed", "local_inputs",
+           "make_mesh", "p2p_schedule", "pack_tokens", "packed_labels", "packed_order_index", "packed_positions",
+           "split_stages", "target_tokens", "train_step"]

@@ -1,22 +1,37 @@
 """Context-parallel attention over a ShardPlan: all-gather K/V, attend, reduce-scatter dK/dV.
 
 Llama-3-style CP (paper §4.2): each CP rank holds the tokens `shard.rank_indices[rank]` of
-one packed micro-batch. Forward all-gathers K and V (one collective, K and V side by side),
-restores the micro-batch's packed order from the rank-major gather, and runs one
-document-masked attention call over `shard.segments[rank]`. Backward is autograd through
-the same steps: the gradient of the order restore scatters dK/dV back to rank-major order,
-and the gradient of the gather reduce-scatters it, so each rank receives the summed
-gradient of exactly its own tokens.
+one packed micro-batch. Forward all-gathers K and V (one `all_gather_into_tensor`, K and V
+side by side in one padded buffer), restores the micro-batch's packed order with one
+permutation copy, and runs one document-masked attention call over `shard.segments[rank]`
+(K and V are strided views of the gathered buffer; the kernel takes strides). Backward
+scatters dK/dV back to the rank-major layout and reduce-scatters them, so each rank receives
+the summed gradient of exactly its own tokens.
 
 The released WLB-LLM code reduce-scatters dK/dV while they are still in packed order, which
-hands gradients to the wrong ranks (the released WLB-LLM code's dK/dV layout bug; docs/architecture.md, "Invariants"); tests/test_executor.py compares this
-path with a single-process reference, never with itself.
+hands gradients to the wrong ranks (docs/architecture.md, "Invariants"); tests/test_executor.py
+compares this path with a single-process reference, never with itself.
 
-Ranks may hold different token counts (per_doc differs by one, hybrid by more): only the
-communication buffers are padded to the largest count, never the attention.
+Hot path: everything that depends only on the ShardPlan (the packed-order permutation into
+the padded gather buffer, token counts, the segment table) is built once per plan and
+device, validated then, uploaded pinned and non-blocking, and reused by every layer
+(`cp_context`). Ranks may hold different token counts (per_doc differs by one, hybrid by
+more): only the communication buffers are padded to the largest count, never the attention.
+
+`regather=True` (the default on GPU) does not keep the gathered K/V for backward: backward
+gathers them again from the local K/V, as TransformerEngine does, trading one all-gather per
+layer for cp x the local K/V of activation memory. Both give identical gradients.
+
+Overlap: the next layer's K/V depend on this layer's output, so the all-gather can only
+overlap work of its own layer that does not need K/V (the Q projection and its RoPE) and the
+dK/dV reduce-scatter the backward of the layer below; this needs the model to hand over K/V
+before computing Q, which `context_parallel_attention`'s one-call interface does not allow.
+It is not built; the collectives run on the compute stream.
 """
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -30,57 +45,165 @@ def _rank_and_world(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-class _GatherRankMajor(torch.autograd.Function):
-    """All-gather variable-size row blocks in rank order; backward is a reduce-scatter."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, counts: tuple[int, ...], rank: int, group: Any) -> torch.Tensor:
-        width = max(counts)
-        buf = x.new_zeros((width,) + tuple(x.shape[1:]))
-        buf[: x.shape[0]] = x
-        parts = [torch.empty_like(buf) for _ in counts]
-        dist.all_gather(parts, buf, group=group)
-        ctx.counts, ctx.rank, ctx.group = counts, rank, group
-        return torch.cat([p[:c] for p, c in zip(parts, counts)])
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        counts, rank, group = ctx.counts, ctx.rank, ctx.group
-        width = max(counts)
-        padded = grad.new_zeros((len(counts), width) + tuple(grad.shape[1:]))
-        for r, chunk in enumerate(torch.split(grad, list(counts))):
-            padded[r, : chunk.shape[0]] = chunk
-        if dist.get_backend(group) == "nccl":
-            out = grad.new_empty((width,) + tuple(grad.shape[1:]))
-            dist.reduce_scatter_tensor(out, padded.reshape((-1,) + tuple(grad.shape[1:])), group=group)
-        else:  # gloo has no reduce-scatter: all-reduce, keep this rank's block (same result)
-            dist.all_reduce(padded, group=group)
-            out = padded[rank]
-        return out[: counts[rank]], None, None, None
-
-
 def packed_order_index(shard, device: torch.device | str = "cpu") -> torch.Tensor:
     """Index that maps the rank-major gather (rank 0's tokens, rank 1's, ...) to packed order."""
     rank_major = np.concatenate([np.asarray(ix, dtype=np.int64) for ix in shard.rank_indices])
     if len(rank_major) and not np.array_equal(np.sort(rank_major), np.arange(len(rank_major))):
         raise ValueError("shard.rank_indices must partition the micro-batch's token positions 0..T-1")
-    return torch.from_numpy(np.argsort(rank_major, kind="stable")).to(device)
+    return _upload(np.argsort(rank_major, kind="stable"), device)
+
+
+def _upload(arr: np.ndarray, device) -> torch.Tensor:
+    host = torch.from_numpy(np.ascontiguousarray(arr))
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+class CPContext:
+    """What every layer's CP attention needs from one ShardPlan, built once on one device.
+
+    - `counts[r]`: tokens of rank r; `width`: the largest (the padded row count per rank);
+    - `gather_index[t]`: row of packed position t in the padded rank-major gather buffer
+      (rank r's i-th token sits at row r * width + i), on the device;
+    - `segments`: this rank's segment table as a CPU int32 tensor (validated once).
+    """
+
+    def __init__(self, shard, rank: int, world: int, device: torch.device):
+        counts = tuple(int(len(ix)) for ix in shard.rank_indices)
+        if len(counts) != world:
+            raise ValueError(f"shard plan has {len(counts)} CP ranks but the process group has {world}")
+        rank_major = np.concatenate([np.asarray(ix, dtype=np.int64) for ix in shard.rank_indices])
+        if len(rank_major) and not np.array_equal(np.sort(rank_major), np.arange(len(rank_major))):
+            raise ValueError("shard.rank_indices must partition the micro-batch's token positions 0..T-1")
+        self.rank, self.world, self.counts = rank, world, counts
+        self.width = max(counts) if counts else 0
+        padded_row = np.repeat(np.arange(world, dtype=np.int64) * self.width, counts) + (
+            np.arange(len(rank_major), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts))
+        gather_index = np.empty(len(rank_major), dtype=np.int64)
+        gather_index[rank_major] = padded_row
+        self.gather_index = _upload(gather_index, device)
+        self.segments = torch.from_numpy(np.ascontiguousarray(shard.segments[rank], dtype=np.int32))
+
+
+_CONTEXTS: OrderedDict[tuple, tuple[Any, CPContext]] = OrderedDict()
+_CONTEXT_CACHE_SIZE = 64
+
+
+def cp_context(shard, group=None, device: torch.device | str = "cpu") -> CPContext:
+    """The CPContext of `shard` on `device` for `group`, built on first use and then reused
+    (a small cache keyed by the plan object; ShardPlans are frozen, so it cannot go stale)."""
+    rank, world = _rank_and_world(group)
+    key = (id(shard), id(group), str(torch.device(device)))
+    hit = _CONTEXTS.get(key)
+    if hit is not None and hit[0]() is shard:
+        _CONTEXTS.move_to_end(key)
+        return hit[1]
+    ctx = CPContext(shard, rank, world, torch.device(device))
+    _CONTEXTS[key] = (weakref.ref(shard), ctx)
+    if len(_CONTEXTS) > _CONTEXT_CACHE_SIZE:
+        _CONTEXTS.popitem(last=False)
+    return ctx
+
+
+_NO_REDUCE_SCATTER: set[int] = set()
+
+
+def _gather(x: torch.Tensor, cpx: CPContext, group) -> torch.Tensor:
+    """This rank's rows -> the whole micro-batch in packed order (no autograd)."""
+    if cpx.world == 1:
+        return x.index_select(0, cpx.gather_index)
+    buf = x.new_zeros((cpx.width,) + tuple(x.shape[1:]))
+    buf[: x.shape[0]] = x
+    full = x.new_empty((cpx.world * cpx.width,) + tuple(x.shape[1:]))
+    dist.all_gather_into_tensor(full, buf, group=group)
+    return full.index_select(0, cpx.gather_index)
+
+
+def _scatter_reduce(grad: torch.Tensor, cpx: CPContext, group) -> torch.Tensor:
+    """Packed-order gradient of the gathered rows -> the summed gradient of this rank's rows."""
+    padded = grad.new_zeros((cpx.world * cpx.width,) + tuple(grad.shape[1:]))
+    padded.index_copy_(0, cpx.gather_index, grad)
+    if cpx.world == 1:
+        return padded[: cpx.counts[0]]
+    if id(group) not in _NO_REDUCE_SCATTER:
+        out = grad.new_empty((cpx.width,) + tuple(grad.shape[1:]))
+        try:
+            dist.reduce_scatter_tensor(out, padded, group=group)
+            return out[: cpx.counts[cpx.rank]]
+        except (RuntimeError, NotImplementedError):  # a backend without reduce-scatter
+            _NO_REDUCE_SCATTER.add(id(group))
+    dist.all_reduce(padded, group=group)
+    return padded[cpx.rank * cpx.width: cpx.rank * cpx.width + cpx.counts[cpx.rank]]
+
+
+class _GatherPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cpx, group):
+        ctx.cpx, ctx.group = cpx, group
+        return _gather(x, cpx, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _scatter_reduce(grad.contiguous(), ctx.cpx, ctx.group), None, None
 
 
 def gather_packed(x: torch.Tensor, shard, group=None) -> torch.Tensor:
     """This rank's rows `x` -> the whole micro-batch in packed order (differentiable)."""
-    rank, world = _rank_and_world(group)
-    counts = tuple(int(len(ix)) for ix in shard.rank_indices)
-    if len(counts) != world:
-        raise ValueError(f"shard plan has {len(counts)} CP ranks but the process group has {world}")
-    if x.shape[0] != counts[rank]:
-        raise ValueError(f"rank {rank} holds {counts[rank]} tokens in the shard plan, got a tensor of {x.shape[0]} rows")
-    full = x if world == 1 else _GatherRankMajor.apply(x, counts, rank, group)
-    return full.index_select(0, packed_order_index(shard, x.device))
+    cpx = cp_context(shard, group, x.device)
+    if x.shape[0] != cpx.counts[cpx.rank]:
+        raise ValueError(f"rank {cpx.rank} holds {cpx.counts[cpx.rank]} tokens in the shard plan, got a tensor of "
+                         f"{x.shape[0]} rows")
+    return _GatherPacked.apply(x, cpx, group)
+
+
+def _attention_forward(q, k_full, v_full, cpx, scale, backend, deterministic):
+    from ..kernels import doc_attention as _da
+    from ..kernels.reference import attention_per_segment
+
+    if backend == "torch":
+        with torch.no_grad():
+            return attention_per_segment(q, k_full, v_full, cpx.segments.numpy(), scale)
+    return _da._fwd_op(q, k_full, v_full, cpx.segments, scale, deterministic)
+
+
+def _attention_backward(dout, q, k_full, v_full, out, lse, cpx, scale, backend, deterministic):
+    from ..kernels import doc_attention as _da
+    from ..kernels.reference import attention_per_segment
+
+    if backend == "torch":  # recompute the per-segment path under autograd
+        with torch.enable_grad():
+            qd, kd, vd = (t.detach().requires_grad_() for t in (q, k_full, v_full))
+            o, _ = attention_per_segment(qd, kd, vd, cpx.segments.numpy(), scale)
+            return torch.autograd.grad(o, (qd, kd, vd), dout)
+    return _da._bwd_op(dout, q, k_full, v_full, out, lse, None, cpx.segments, scale, deterministic)
+
+
+class _CPAttention(torch.autograd.Function):
+    """Gather K/V, attend; backward: (re-gather,) attention backward, reduce-scatter dK/dV."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cpx, group, scale, backend, deterministic, regather):
+        kv = _gather(torch.stack([k, v], dim=1), cpx, group)  # [T, 2, Hkv, D] in packed order
+        out, lse = _attention_forward(q, kv[:, 0], kv[:, 1], cpx, scale, backend, deterministic)
+        ctx.cpx, ctx.group, ctx.scale, ctx.backend = cpx, group, scale, backend
+        ctx.deterministic, ctx.regather = deterministic, regather
+        ctx.save_for_backward(q, k, v, out, lse, *(() if regather else (kv,)))
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *kept = ctx.saved_tensors
+        kv = kept[0] if kept else _gather(torch.stack([k, v], dim=1), ctx.cpx, ctx.group)
+        dq, dk_full, dv_full = _attention_backward(dout.contiguous(), q, kv[:, 0], kv[:, 1], out, lse, ctx.cpx,
+                                                   ctx.scale, ctx.backend, ctx.deterministic)
+        dkv = _scatter_reduce(torch.stack([dk_full, dv_full], dim=1), ctx.cpx, ctx.group)
+        return dq, dkv[:, 0], dkv[:, 1], None, None, None, None, None, None
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard, group=None,
-                               softmax_scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+                               softmax_scale: float | None = None, backend: str = "auto",
+                               regather: bool | None = None, deterministic: bool = True) -> torch.Tensor:
     """Document-masked causal attention of this CP rank's queries over the whole micro-batch.
 
     Args:
@@ -88,18 +211,27 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         k, v: ``[Tq, Hkv, D]`` this rank's keys and values, same rows.
         shard: a ShardPlan (rank_indices, segments) made for this micro-batch and CP size.
         group: the CP process group (None: the default group; no group initialised: cp=1).
-        softmax_scale, backend: passed to `wlb_opt.kernels.doc_attention`.
+        softmax_scale: defaults to 1 / sqrt(D).
+        backend: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch".
+        regather: re-gather K/V in backward instead of saving them (default: True on GPU).
+        deterministic: the Triton backward's mode (see `wlb_opt.kernels.doc_attention`).
 
     Returns ``[Tq, Hq, D]``: attention output for this rank's queries.
     """
-    from ..kernels import doc_attention
+    import math
 
-    rank, _ = _rank_and_world(group)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k hold different token counts: {q.shape[0]} vs {k.shape[0]}")
-    kv = gather_packed(torch.cat([k, v], dim=-1), shard, group)  # one collective for K and V
-    k_full, v_full = kv.split(k.shape[-1], dim=-1)
-    return doc_attention(q, k_full.contiguous(), v_full.contiguous(), shard.segments[rank],
-                         softmax_scale=softmax_scale, backend=backend)
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be one of ['auto', 'triton', 'torch'], got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if q.is_cuda else "torch"
+    cpx = cp_context(shard, group, q.device)
+    if q.shape[0] != cpx.counts[cpx.rank]:
+        raise ValueError(f"rank {cpx.rank} holds {cpx.counts[cpx.rank]} tokens in the shard plan, got q with "
+                         f"{q.shape[0]} rows")
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    regather = q.is_cuda if regather is None else bool(regather)
+    return _CPAttention.apply(q, k, v, cpx, group, scale, backend, deterministic, regather)

@@ -73,22 +73,25 @@ class TinyLM(nn.Module):
 
 
 class Stage(nn.Module):
-    """A contiguous slice of a TinyLM for one pipeline stage (shares the model's parameters).
+    """A contiguous slice of a TinyLM for one (virtual) pipeline stage, sharing its parameters.
 
     The first stage embeds token ids, the last applies the final norm and LM head; the others
     map hidden states to hidden states. `hidden` is the activation width sent between stages.
+    Under autocast a stage hands on its hidden states in the autocast dtype (what the
+    pipeline carries; see `wlb_opt.executor.train.activation_dtype`).
     """
 
-    def __init__(self, model: TinyLM, stage: int, pp: int):
+    def __init__(self, model: TinyLM, stage: int, n_stages: int):
         super().__init__()
         n = len(model.blocks)
-        if not 1 <= pp <= n or not 0 <= stage < pp:
-            raise ValueError(f"cannot split {n} blocks into pp={pp} stages (stage {stage})")
-        bounds = [round(i * n / pp) for i in range(pp + 1)]
+        if not 1 <= n_stages <= n or not 0 <= stage < n_stages:
+            raise ValueError(f"cannot split {n} blocks into {n_stages} stages (stage {stage}); "
+                             f"pp x virtual_stages must be between 1 and the number of blocks")
+        bounds = [round(i * n / n_stages) for i in range(n_stages + 1)]
         self.hidden = model.embed.embedding_dim
         self.embed = model.embed if stage == 0 else None
         self.blocks = nn.ModuleList(model.blocks[bounds[stage]:bounds[stage + 1]])
-        last = stage == pp - 1
+        last = stage == n_stages - 1
         self.norm = model.norm if last else None
         self.head = model.head if last else None
 
@@ -97,9 +100,17 @@ class Stage(nn.Module):
             x = self.embed(x)
         for block in self.blocks:
             x = block(x, positions, attend)
-        return self.head(self.norm(x)) if self.head is not None else x
+        if self.head is not None:
+            return self.head(self.norm(x))
+        kind = x.device.type
+        return x.to(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else x
 
 
-def split_stages(model: TinyLM, pp: int) -> list[Stage]:
-    """The pp pipeline stages of `model` (layers split evenly, as the cost model assumes)."""
-    return [Stage(model, s, pp) for s in range(pp)]
+def split_stages(model: TinyLM, pp: int, virtual_stages: int = 1) -> list[Stage]:
+    """The pp x virtual_stages stages of `model` in pipeline order (layers split evenly, as the
+    cost model assumes). Pipeline rank r holds stages r, r + pp, r + 2 pp, ...:
+    ``split_stages(model, pp, v)[r::pp]`` (for v = 1, stage r alone)."""
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
+    n = pp * virtual_stages
+    return [Stage(model, s, n) for s in range(n)]

@@ -7,8 +7,13 @@ the global count, never per micro-batch, keeps variable-length micro-batches fro
 re-weighting tokens (docs/architecture.md, "Invariants"). Gradients and the loss are then summed over all CP and DP
 ranks, which gives exactly the single-process gradient of the global mean loss.
 
-With a pipeline (mesh.pp > 1) each rank holds one stage (`split_stages`) and runs the
-1F1B order; see `train_step`.
+With a pipeline (mesh.pp > 1) each rank holds v model chunks (`split_stages(model, pp, v)`;
+v = 1 is plain 1F1B, v > 1 Megatron's interleaved 1F1B) and runs the simulator's order
+(`wlb_opt.schedule.stage_order`). Point-to-point traffic follows `p2p_schedule` exactly:
+groups of sends and receives posted together (`batch_isend_irecv`) and waited on together,
+an order that is deadlock-free without any buffering (NCCL's rendezvous), with every
+shape known from the plan (no shape handshake). Every micro-batch slot is scheduled, an
+empty one with zero-row tensors, so what runs is always `p2p_schedule(pp, n_micro, v)`.
 """
 from __future__ import annotations
 
@@ -20,7 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..schedule import stage_order
+import weakref
+
+from ..schedule import P2POp, message_key, step_plan
 from .cp_attention import context_parallel_attention
 from .mesh import Mesh
 from .plumbing import check_same_plan
@@ -61,36 +68,114 @@ def pack_tokens(plan, j: int, doc_tokens: Callable[[int], torch.Tensor]) -> torc
 
 
 class StageOutputs:
-    """Per-step record of what a rank ran: (phase, micro-batch, seconds) per operation.
+    """Per-step record of what a rank ran.
 
-    Seconds count compute only (from after the receive of the op's input to the end of the
-    op, its send included), so they are the per-operation durations `simulate_pipeline`
-    takes; time spent waiting for a neighbour stage is bubble, which the simulator predicts.
+    - `ops`: (phase, micro-batch, virtual stage, seconds) per compute operation. Seconds count
+      compute only (after the op's inputs arrived, to the end of the op), so they are the
+      per-operation durations `simulate_pipeline` takes; waiting for a neighbour is bubble.
+      On a GPU they come from CUDA events (read at the end of the step), not host clocks.
+    - `groups`: the point-to-point groups the rank issued, in order (lists of `P2POp`).
+    - `peak_live`: the most boundary tensors (received or still to be sent) alive at once,
+      per direction ("fwd" activations, "bwd" gradients), counted with weak references.
     """
 
     def __init__(self) -> None:
-        self.ops: list[tuple[str, int, float]] = []
+        self.ops: list[tuple[str, int, int, float]] = []
+        self.groups: list[list[P2POp]] = []
+        self.peak_live: dict[str, int] = {"fwd": 0, "bwd": 0}
 
     def busy_s(self) -> float:
-        return float(sum(t for _, _, t in self.ops))
+        return float(sum(op[-1] for op in self.ops))
 
 
-def train_step(model: torch.nn.Module, plan, shards: list, doc_tokens: Callable[[int], torch.Tensor],
+class _Timer:
+    """Compute-time spans: CUDA events on a GPU (resolved once at the end), else perf_counter."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list = []
+
+    def start(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, started) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.spans.append((started, end))
+        else:
+            self.spans.append(time.perf_counter() - started)
+
+    def seconds(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in self.spans]
+        return list(self.spans)
+
+
+class _Boundary:
+    """Weak references to the boundary tensors of a step, to count how many are alive."""
+
+    def __init__(self) -> None:
+        self.refs: dict[str, list] = {"fwd": [], "bwd": []}
+
+    def add(self, direction: str, t: torch.Tensor) -> None:
+        self.refs[direction].append(weakref.ref(t))
+
+    def alive(self) -> dict[str, int]:
+        for d in self.refs:
+            self.refs[d] = [r for r in self.refs[d] if r() is not None]
+        return {d: len(r) for d, r in self.refs.items()}
+
+
+def activation_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype of what a stage sends and receives: the autocast dtype when autocast is on for
+    the parameters' device type, else the parameters' dtype."""
+    kind = param.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return param.dtype
+
+
+def check_boundary_dtype(t: torch.Tensor, expected: torch.dtype, direction: str, stage: int) -> None:
+    """ValueError unless a tensor a stage sends has the dtype the pipeline carries."""
+    if t.dtype != expected:
+        raise ValueError(f"virtual stage {stage} produced a {direction} tensor of dtype {t.dtype} but the pipeline "
+                         f"carries {expected} (the autocast dtype when autocast is on, else the parameters'); "
+                         "cast the stage's output, or run every stage under the same autocast")
+
+
+def _chunks(model) -> list[torch.nn.Module]:
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not chunks or not all(isinstance(c, torch.nn.Module) for c in chunks):
+        raise ValueError("model must be a torch.nn.Module or a list of this rank's v model chunks "
+                         "(split_stages(model, pp, virtual_stages)[pp_rank::pp])")
+    return chunks
+
+
+def train_step(model, plan, shards: list, doc_tokens: Callable[[int], torch.Tensor],
                mesh: Mesh | None = None, backend: str = "auto", check_plan: bool = True,
-               record: StageOutputs | None = None) -> float:
+               record: StageOutputs | None = None, regather_kv: bool | None = None) -> float:
     """Forward and backward of one global batch; returns the global mean token loss.
 
-    `model` is this rank's pipeline stage (the whole model when pp = 1; see
-    `split_stages`). `shards[j]` is the ShardPlan of micro-batch j (cp ranks = mesh.cp).
-    Micro-batches of this rank's DP replica run in the 1F1B order of
-    `wlb_opt.schedule.stage_order` (the simulator's too); activations and their gradients go between stages with
-    point-to-point sends whose sizes come from the plan (variable-length pipeline: every
-    rank knows every micro-batch's length, so no shape handshake is needed). Gradients are
-    summed over the ranks that hold the same stage, and left in `param.grad`.
+    `model` is this rank's pipeline stage, or its v chunks for the interleaved schedule
+    (`split_stages(model, pp, v)[pp_rank::pp]`; the whole model when pp = 1). `shards[j]` is
+    the ShardPlan of micro-batch j (cp ranks = mesh.cp; None for an empty micro-batch).
+    Micro-batches of this rank's DP replica run in the order of `wlb_opt.schedule.stage_order`
+    (the simulator's); activations and their gradients go between stages in the groups of
+    `p2p_schedule`, sized from the plan. A send's tensor is released as soon as its group
+    completes. Gradients are summed over the ranks that hold the same stage, and left in
+    `param.grad`. `regather_kv`: see `context_parallel_attention` (default: on for GPUs).
     """
+    chunks = _chunks(model)
+    v = len(chunks)
     cp, pp = (mesh.cp, mesh.pp) if mesh else (1, 1)
     cp_rank, pp_rank, dp_rank = (mesh.cp_rank, mesh.pp_rank, mesh.dp_rank) if mesh else (0, 0, 0)
-    first, last = pp_rank == 0, pp_rank == pp - 1
+    n_virtual = pp * v
     if mesh and plan.dp != mesh.dp:
         raise ValueError(f"plan has dp={plan.dp} replicas but the mesh has dp={mesh.dp}")
     if check_plan:
@@ -98,16 +183,20 @@ def train_step(model: torch.nn.Module, plan, shards: list, doc_tokens: Callable[
     total = target_tokens(plan)
     if total == 0:
         raise ValueError("the global batch has no target tokens (every piece has length 1)")
-    param = next(model.parameters())
-    device, act_dtype = param.device, param.dtype
-    hidden = getattr(model, "hidden", None)
-    if pp > 1 and hidden is None:
+    param = next(chunks[0].parameters())
+    device, act_dtype = param.device, activation_dtype(param)
+    hidden = getattr(chunks[0], "hidden", None)
+    if n_virtual > 1 and hidden is None:
         raise ValueError("pipeline stages need a `hidden` attribute (activation width); use split_stages")
 
-    mbs = [j for j in plan.replica_micro_batches(dp_rank) if len(plan.micro_batches[j])]
+    mbs = plan.replica_micro_batches(dp_rank)  # every slot, empty ones too
     for j in mbs:
-        if len(shards[j].rank_indices) != cp:
-            raise ValueError(f"shard of micro-batch {j} has {len(shards[j].rank_indices)} CP ranks, mesh has {cp}")
+        if len(plan.micro_batches[j]) and (shards[j] is None or len(shards[j].rank_indices) != cp):
+            got = None if shards[j] is None else len(shards[j].rank_indices)
+            raise ValueError(f"shard of micro-batch {j} has {got} CP ranks, mesh has {cp}")
+
+    def rows(j: int) -> int:
+        return len(shards[j].rank_indices[cp_rank]) if len(plan.micro_batches[j]) else 0
 
     def local(j: int):
         lengths = plan.lengths[plan.micro_batches[j]]
@@ -116,57 +205,98 @@ def train_step(model: torch.nn.Module, plan, shards: list, doc_tokens: Callable[
         positions = torch.from_numpy(packed_positions(lengths, plan.offsets[plan.micro_batches[j]])).to(device)
         return idx, tokens[idx], positions[idx], packed_labels(tokens, lengths)[idx]
 
-    inputs: dict[int, torch.Tensor] = {}
-    outputs: dict[int, torch.Tensor] = {}
-    sends: list = []
+    def peer_rank(p: int) -> int:
+        return mesh.global_rank(dp_rank, p, cp_rank)
+
+    timer = _Timer(device)
+    boundary = _Boundary()
+    inbox: dict[tuple, torch.Tensor] = {}
+    outbox: dict[tuple, torch.Tensor] = {}
+    saved: dict[tuple[int, int], tuple] = {}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for phase, k, _ in stage_order(pp_rank, pp, len(mbs)):
-        j = mbs[k]
-        if phase == "F":
-            idx, tok, pos, lab = local(j)
-            if first:
-                x = tok
+    timed: list[tuple[str, int, int]] = []
+
+    def post(group: list[P2POp]) -> None:
+        if not group:
+            return
+        ops = []
+        for op in group:
+            key = message_key(op, pp_rank, pp)
+            if op.kind == "send":
+                t = outbox.pop(key)
+                ops.append(dist.P2POp(dist.isend, t, peer_rank(op.peer)))
             else:
-                x = torch.empty(len(idx), hidden, dtype=act_dtype, device=device)
-                if len(idx):
-                    dist.recv(x, src=mesh.prev_stage_rank)
-                x.requires_grad_()
-            t0 = time.perf_counter()  # compute time only: waiting for the previous stage is bubble
+                t = torch.empty(rows(mbs[op.micro]), hidden, dtype=act_dtype, device=device)
+                boundary.add(op.direction, t)
+                inbox[key] = t
+                ops.append(dist.P2POp(dist.irecv, t, peer_rank(op.peer)))
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        del ops, t  # the sends' tensors are free once their group completed
+        if record is not None:
+            record.groups.append(list(group))
+            live = boundary.alive()
+            for d in live:
+                record.peak_live[d] = max(record.peak_live[d], live[d])
 
-            def attend(q, k_, v, shard=shards[j]):
-                return context_parallel_attention(q, k_, v, shard, group=mesh.cp_group if mesh else None,
-                                                  backend=backend)
+    def send_later(direction: str, k: int, vs: int, t: torch.Tensor) -> None:
+        check_boundary_dtype(t, act_dtype, direction, vs)
+        t = t.detach().contiguous()
+        boundary.add(direction, t)
+        outbox[(direction, k, vs)] = t
 
-            out = model(x, pos, attend)
+    for group, op in step_plan(pp_rank, pp, len(mbs), v):
+        post(group)
+        if op is None:
+            break
+        phase, k, vs = op
+        j, chunk = mbs[k], chunks[vs // pp]
+        first, last = vs == 0, vs == n_virtual - 1
+        started = timer.start()
+        if not len(plan.micro_batches[j]):  # an empty slot: zero-row tensors through the pipeline
+            if phase == "F" and not first:
+                inbox.pop(("fwd", k, vs - 1))
+            if phase == "B" and not last:
+                inbox.pop(("bwd", k, vs + 1))
+            if (phase == "F" and not last) or (phase == "B" and not first):
+                send_later("fwd" if phase == "F" else "bwd", k, vs,
+                           torch.zeros(0, hidden, dtype=act_dtype, device=device))
+        elif phase == "F":
+            idx, tok, pos, lab = local(j)
+            x = tok if first else inbox.pop(("fwd", k, vs - 1)).requires_grad_()
+
+            def attend(q, k_, v_, shard=shards[j]):
+                return context_parallel_attention(q, k_, v_, shard, group=mesh.cp_group if mesh else None,
+                                                  backend=backend, regather=regather_kv)
+
+            out = chunk(x, pos, attend)
             if last:
-                loss = F.cross_entropy(out.float() if out.dtype == torch.float16 else out, lab,
-                                       ignore_index=IGNORE, reduction="sum") / total
-                loss_sum += loss.detach().to(torch.float64)
-                out = loss
-            elif len(idx):
-                sends.append(dist.isend(out.detach().contiguous(), dst=mesh.next_stage_rank))
-            inputs[j], outputs[j] = x, out
+                out = F.cross_entropy(out.float() if out.dtype != torch.float64 else out, lab,
+                                      ignore_index=IGNORE, reduction="sum") / total
+                loss_sum += out.detach().to(torch.float64)
+            else:
+                send_later("fwd", k, vs, out)
+            saved[(k, vs)] = (x, out)
         else:
-            out, x = outputs.pop(j), inputs.pop(j)
+            x, out = saved.pop((k, vs))
             if last:
-                t0 = time.perf_counter()
                 out.backward()
             else:
-                grad = torch.zeros_like(out)
-                if out.shape[0]:
-                    dist.recv(grad, src=mesh.next_stage_rank)
-                t0 = time.perf_counter()
-                torch.autograd.backward(out, grad)
-            if not first and x.shape[0]:
-                sends.append(dist.isend(x.grad.contiguous(), dst=mesh.prev_stage_rank))
-        if record is not None:
-            record.ops.append((phase, j, time.perf_counter() - t0))
-    for handle in sends:
-        handle.wait()
+                torch.autograd.backward(out, inbox.pop(("bwd", k, vs + 1)))
+            if not first:
+                send_later("bwd", k, vs, x.grad)
+            del x, out
+        timer.stop(started)
+        timed.append((phase, j, vs))
+    if inbox or outbox or saved:  # pragma: no cover - the schedule guarantees it
+        raise RuntimeError(f"pipeline step left messages behind: {sorted(inbox)} {sorted(outbox)} {sorted(saved)}")
+    if record is not None:
+        record.ops.extend((phase, j, vs, secs) for (phase, j, vs), secs in zip(timed, timer.seconds()))
     if mesh is not None and dist.is_initialized():
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=mesh.stage_group if mesh.stage_group is not None else None)
+        for chunk in chunks:
+            for p in chunk.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=mesh.stage_group if mesh.stage_group is not None else None)
         dist.all_reduce(loss_sum)  # only last-stage ranks hold a share of the loss
     return float(loss_sum)

@@ -1,0 +1,123 @@
+"""Pipeline schedules: the compute order and the point-to-point groups of `p2p_schedule`.
+
+The replay below is written here, independently of wlb_opt.schedule: it runs every rank's
+groups under rendezvous semantics (no buffering at all, as NCCL behaves once a message
+outgrows its internal buffers) and checks that nothing deadlocks, that every send meets
+exactly one receive of the same message, and that between every ordered pair of ranks the
+messages are received in the order they are sent (NCCL matches in issue order).
+"""
+from __future__ import annotations
+
+import pytest
+
+from wlb_opt.schedule import P2POp, p2p_schedule, stage_order
+
+SHAPES = [(pp, n, v) for pp in range(2, 9) for n in range(1, 17) for v in (1, 2, 4)]
+
+
+def _message(op: P2POp, rank: int, pp: int) -> tuple:
+    """(direction, micro, producing virtual stage): equal for a send and its receive."""
+    vs = op.chunk * pp + rank  # virtual stage of the issuing rank's chunk
+    if op.kind == "send":
+        return op.direction, op.micro, vs
+    return op.direction, op.micro, vs - 1 if op.direction == "fwd" else vs + 1
+
+
+def rendezvous(schedule, pp: int) -> int:
+    """Run the schedule; return the number of rounds, or raise AssertionError."""
+    pos = [0] * pp
+    pending = [set(range(len(g[0]))) if g else set() for g in schedule]
+    rounds = 0
+    while any(pos[r] < len(schedule[r]) for r in range(pp)):
+        rounds += 1
+        moved = False
+        for r in range(pp):
+            if pos[r] >= len(schedule[r]):
+                continue
+            mine = schedule[r][pos[r]]
+            for i in sorted(pending[r]):
+                op = mine[i]
+                peer = op.peer
+                if pos[peer] >= len(schedule[peer]):
+                    continue
+                theirs = schedule[peer][pos[peer]]
+                for j in sorted(pending[peer]):
+                    other = theirs[j]
+                    if other.peer == r and {other.kind, op.kind} == {"send", "recv"} and \
+                            _message(other, peer, pp) == _message(op, r, pp):
+                        pending[r].discard(i)
+                        pending[peer].discard(j)
+                        moved = True
+                        break
+        for r in range(pp):
+            if pos[r] < len(schedule[r]) and not pending[r]:
+                pos[r] += 1
+                pending[r] = set(range(len(schedule[r][pos[r]]))) if pos[r] < len(schedule[r]) else set()
+                moved = True
+        assert moved, f"deadlock at groups {pos}: {[schedule[r][pos[r]] for r in range(pp) if pos[r] < len(schedule[r])]}"
+    return rounds
+
+
+def _pairs(schedule, pp: int, kind: str) -> dict:
+    seen: dict = {}
+    for r, groups in enumerate(schedule):
+        for group in groups:
+            for op in group:
+                if op.kind == kind:
+                    pair = (r, op.peer) if kind == "send" else (op.peer, r)
+                    seen.setdefault(pair, []).append(_message(op, r, pp))
+    return seen
+
+
+@pytest.mark.parametrize("pp, n_micro, v", SHAPES)
+def test_every_schedule_runs_under_rendezvous_semantics(pp, n_micro, v):
+    if v > 1 and n_micro % pp:
+        with pytest.raises(ValueError, match="multiple of pp"):
+            p2p_schedule(pp, n_micro, v)
+        return
+    schedule = p2p_schedule(pp, n_micro, v)
+    assert len(schedule) == pp
+    rendezvous(schedule, pp)
+    sends, recvs = _pairs(schedule, pp, "send"), _pairs(schedule, pp, "recv")
+    assert sends == recvs, "a send without its receive, or a pair of ranks out of order"
+    # exactly the messages the compute order needs: one activation and one gradient per
+    # (micro-batch, virtual stage boundary)
+    messages = [m for ms in sends.values() for m in ms]
+    assert len(messages) == len(set(messages)) == 2 * n_micro * (pp * v - 1)
+    for r, groups in enumerate(schedule):
+        for group in groups:
+            for op in group:
+                assert op.kind in ("send", "recv") and op.direction in ("fwd", "bwd")
+                assert 0 <= op.peer < pp and op.peer != r and 0 <= op.micro < n_micro and 0 <= op.chunk < v
+
+
+def test_schedules_match_the_compute_order_of_the_simulator():
+    # every op of stage_order that needs an input has its receive in a group posted before it
+    pp, n, v = 4, 8, 2
+    for r in range(pp):
+        received = set()
+        from wlb_opt.schedule import step_plan
+
+        for group, op in step_plan(r, pp, n, v):
+            received |= {_message(o, r, pp) for o in group if o.kind == "recv"}
+            if op is None:
+                continue
+            phase, micro, vs = op
+            if phase == "F" and vs > 0:
+                assert ("fwd", micro, vs - 1) in received
+            if phase == "B" and vs < pp * v - 1:
+                assert ("bwd", micro, vs + 1) in received
+        assert [op for _, op in step_plan(r, pp, n, v) if op is not None] == stage_order(r, pp, n, v)
+
+
+@pytest.mark.parametrize("args, match", [((1, 4, 2), "needs pp >= 2"), ((2, 3, 2), "multiple of pp"),
+                                         ((0, 4, 1), "pp must be"), ((2, -1, 1), "n_micro must be"),
+                                         ((2, 4, 0), "virtual_stages must be")])
+def test_bad_shapes_are_clear_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        p2p_schedule(*args)
+
+
+def test_single_stage_has_no_traffic():
+    assert p2p_schedule(1, 5) == [[]]
+    assert p2p_schedule(2, 0) == [[], []]
