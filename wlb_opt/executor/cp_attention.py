@@ -175,7 +175,10 @@ def _attention_backward(dout, q, k_full, v_full, out, lse, cpx, scale, backend, 
         with torch.enable_grad():
             qd, kd, vd = (t.detach().requires_grad_() for t in (q, k_full, v_full))
             o, _ = attention_per_segment(qd, kd, vd, cpx.segments.numpy(), scale)
-            return torch.autograd.grad(o, (qd, kd, vd), dout)
+            if not o.requires_grad:  # no segment on this rank (zero rows): nothing flows back
+                return torch.zeros_like(q), torch.zeros_like(k_full), torch.zeros_like(v_full)
+            grads = torch.autograd.grad(o, (qd, kd, vd), dout, allow_unused=True)
+            return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (qd, kd, vd)))
     return _da._bwd_op(dout, q, k_full, v_full, out, lse, None, cpx.segments, scale, deterministic)
 
 
