@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node 2 examples/train.py --cp 2 --steps 5
     torchrun --standalone --nproc_per_node 4 examples/train.py --cp 2 --pp 2
     torchrun --standalone --nproc_per_node 4 examples/train.py --cp 2 --dp 2
+    torchrun --standalone --nproc_per_node 2 examples/train.py --cp 1 --pp 2 --virtual-stages 2 --check-reference
 
 Every rank runs the same deterministic planner (WLBPacker: variable-length packing with
 outlier delay) on the same document stream, checks that all ranks hold the same plan, shards
@@ -10,11 +11,15 @@ each micro-batch for CP (solve_shard, adaptive), and runs one training step whos
 normalised over the whole global batch. Documents are synthetic token sequences, with
 lengths from the built-in "default" distribution (`wlb_opt.data`) scaled to the window.
 The layout is built once (a ParallelSpec inside the cost model); the packer and the sharding
-read their degrees from `cost.parallel`.
+read their degrees from `cost.parallel`. `--virtual-stages v` runs the interleaved 1F1B
+schedule with v model chunks per rank. `--check-reference` trains in fp64 with SGD and then
+reruns the same model, documents and steps in one process; its last line is
+`reference check: max abs diff <x>` (losses and parameters), and it exits non-zero above 1e-4.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -38,7 +43,13 @@ def main() -> None:
     p.add_argument("--window", type=int, default=256, help="training context length in tokens (default 256)")
     p.add_argument("--strategy", default="adaptive", choices=[s for s in SHARD_STRATEGIES if s != "cpsat"],
                    help="CP sharding strategy of solve_shard (default adaptive)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3; AdamW, or SGD with "
+                   "--check-reference)")
+    p.add_argument("--virtual-stages", type=int, default=1,
+                   help="model chunks per pipeline rank (default 1: 1F1B; > 1: interleaved 1F1B, needs "
+                        "--n-micro a multiple of --pp)")
+    p.add_argument("--check-reference", action="store_true",
+                   help="fp64 + SGD, then compare with a single-process rerun of the same steps (rank 0)")
     args = p.parse_args()
     layout = wlb.ParallelSpec(cp=args.cp, pp=args.pp, dp=args.dp)  # the one place the layout is built
 
@@ -49,14 +60,18 @@ def main() -> None:
     mesh = ex.make_mesh(cp=layout.cp, dp=layout.dp, pp=layout.pp)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    spec = wlb.ModelSpec.preset("tiny")
+    tiny = wlb.ModelSpec.preset("tiny")  # 2 blocks; more when the pipeline has more (virtual) stages
+    spec = dataclasses.replace(tiny, layers=max(tiny.layers, layout.pp * args.virtual_stages))
     cost = wlb.CostModel.analytic(spec, layout, wlb.HardwareSpec.preset("cpu"))
     packer = wlb.WLBPacker(n_micro=args.n_micro, max_tokens=int(1.25 * args.window), cost=cost,
                            thresholds=[args.window // 2], n_queues=1, max_delay=4, seed=0)  # dp: cost.parallel
+    dtype = torch.float64 if args.check_reference else torch.float32
     torch.manual_seed(0)
-    model = ex.TinyLM.from_spec(spec).to(device)
-    stage = ex.split_stages(model, layout.pp)[mesh.pp_rank]  # this rank's pipeline stage
-    opt = torch.optim.AdamW(stage.parameters(), lr=args.lr)
+    model = ex.TinyLM.from_spec(spec).to(device, dtype)
+    # this rank's model chunks: virtual stages pp_rank, pp_rank + pp, ... of the pipeline
+    chunks = ex.split_stages(model, layout.pp, args.virtual_stages)[mesh.pp_rank::layout.pp]
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    opt = torch.optim.SGD(params, lr=args.lr) if args.check_reference else torch.optim.AdamW(params, lr=args.lr)
 
     # A synthetic stream scaled down to this window (documents cut to the window, so every
     # document is one piece); a document's tokens depend on its id only.
@@ -68,6 +83,7 @@ def main() -> None:
         return torch.randint(0, spec.vocab, (int(lengths[doc_id]),), generator=g)
 
     cursor, per_batch = 0, layout.dp * args.n_micro * args.window
+    plans, losses = [], []
     for step in range(args.steps):
         stop = cursor + int(np.searchsorted(np.cumsum(lengths[cursor:]), per_batch))
         plan = packer.pack(lengths[cursor:stop], np.arange(cursor, stop))
@@ -76,13 +92,61 @@ def main() -> None:
                   if len(mb) else None for mb in plan.micro_batches]
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = ex.train_step(stage, plan, shards, doc_tokens, mesh=mesh)
+        loss = ex.train_step(chunks, plan, shards, doc_tokens, mesh=mesh)
         opt.step()
+        plans.append(plan)
+        losses.append(loss)
         if dist.get_rank() == 0:
             print(f"step {step}: loss {loss:.4f}, {len(plan.micro_batches)} micro-batches, "
                   f"tokens {plan.tokens.tolist()}, PP imbalance {plan.imbalance:.3f}, "
                   f"queued {len(packer.queued_ids())}, {time.perf_counter() - t0:.2f} s")
+    failed = False
+    if args.check_reference:
+        # every parameter of this rank's chunks, by name; rank 0 merges all ranks' shares
+        names = {id(p): n for n, p in model.named_parameters()}
+        mine = {names[id(p)]: p.detach().cpu() for p in params}
+        shares: list = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, mine)
+        if dist.get_rank() == 0:
+            trained = {k: v for share in shares for k, v in share.items()}
+            diff = reference_check(spec, plans, losses, trained, doc_tokens, args.lr)
+            print(f"reference check: max abs diff {diff:.3e}")
+            failed = diff > 1e-4
     dist.destroy_process_group()
+    if failed:
+        raise SystemExit(1)
+
+
+def reference_check(spec, plans, losses, trained: dict, doc_tokens, lr: float) -> float:
+    """Rerun the same steps in one process (fp64, SGD, whole micro-batches, no parallelism) and
+    return the largest absolute difference over the per-step losses and the final parameters."""
+    from wlb_opt.kernels import doc_attention
+    from wlb_opt.kernels.segments import segments_from_lengths
+
+    torch.manual_seed(0)
+    model = ex.TinyLM.from_spec(spec).to(torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    worst = 0.0
+    for plan, dist_loss in zip(plans, losses):
+        opt.zero_grad(set_to_none=True)
+        total, loss_sum = ex.target_tokens(plan), 0.0
+        for j, mb in enumerate(plan.micro_batches):
+            if not len(mb):
+                continue
+            lengths = plan.lengths[mb]
+            tokens = ex.pack_tokens(plan, j, doc_tokens)
+            seg = segments_from_lengths(lengths)
+            logits = model(tokens, torch.from_numpy(ex.packed_positions(lengths, plan.offsets[mb])),
+                           lambda q, k, v, seg=seg: doc_attention(q, k, v, seg, backend="torch"))
+            loss = torch.nn.functional.cross_entropy(logits, ex.packed_labels(tokens, lengths), ignore_index=-100,
+                                                     reduction="sum") / total
+            loss.backward()
+            loss_sum += float(loss.detach())
+        opt.step()
+        worst = max(worst, abs(loss_sum - dist_loss))
+    for name, p in model.named_parameters():
+        worst = max(worst, float((p.detach() - trained[name].to(torch.float64)).abs().max()))
+    return worst
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ graph break; ``torch.library.opcheck`` checks the registration in the tests.
 # No ``from __future__ import annotations`` here: torch.library infers the custom ops' schemas
 # from real annotation objects (string annotations need a newer torch to be understood).
 import math
+import weakref
 from typing import Any, Literal, Optional
 
 import torch
@@ -31,9 +32,22 @@ _INT32_MAX = 2**31 - 1
 
 # --- custom ops (the Triton backend) ------------------------------------------------------
 
+_VALIDATED: dict[int, tuple] = {}  # id(segments tensor) -> (tensor version, n_q, n_k, table)
+
+
 def _segments_np(segments: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-    # Validated here, on concrete values, so that traced (torch.compile) calls check too.
-    return validate_segments(segments, q.shape[0], k.shape[0])
+    # Validated here, on concrete values, so that traced (torch.compile) calls check too. The
+    # same table tensor (CP attention passes one per micro-batch to every layer) is validated
+    # once: a hit needs the same object, unmodified (its version counter), and the same sizes.
+    key = id(segments)
+    hit = _VALIDATED.get(key)
+    if hit is not None and hit[0] == segments._version and hit[1:3] == (q.shape[0], k.shape[0]):
+        return hit[3]
+    seg = validate_segments(segments, q.shape[0], k.shape[0])
+    if key not in _VALIDATED:
+        weakref.finalize(segments, _VALIDATED.pop, key, None)
+    _VALIDATED[key] = (segments._version, q.shape[0], k.shape[0], seg)
+    return seg
 
 
 def _interpreter_upcast(*tensors: torch.Tensor) -> list[torch.Tensor]:

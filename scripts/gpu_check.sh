@@ -13,9 +13,10 @@
 # missing); a stage whose prerequisite is missing is skipped and says so.
 #
 # Budget on one H100/H200 (8 minutes, cold compiles included): tests 3 min, kernel
-# benchmark 2.5 min, profile 1.5 min (stage timeouts; each stage keeps its partial JSON).
-# Writes under OUT_DIR: env.txt, tests.log, tests.xml (JUnit), bench.log,
-# kernel/kernel_bench.json, profile.log, cost_7b.json, summary.json (rc per stage).
+# benchmark 2.5 min, profile 1.5 min, CP hot path 0.5 min (stage timeouts; each stage keeps
+# its partial JSON). Writes under OUT_DIR: env.txt, tests.log, tests.xml (JUnit), bench.log,
+# kernel/kernel_bench.json, profile.log, cost_7b.json, cp_path.log, cp_path/cp_path.json,
+# summary.json (rc per stage; 99 = skipped).
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SMOKE=0
@@ -132,11 +133,30 @@ else
   echo "== profile: skipped (needs torch)"
 fi
 
-echo "{\"mode\": \"$([ "$SMOKE" = 1 ] && echo cpu-smoke || echo gpu)\", \"missing\": \"${PREREQ}\", \"tests_rc\": $tests_rc, \"bench_rc\": $bench_rc, \"profile_rc\": $profile_rc}" \
+# ---------------------------------------------------------------- 4. CP hot path
+cp_rc=99
+if has torch && { [ "$SMOKE" = 1 ] || has CUDA; }; then
+  echo "== CP attention hot path (host index path; one-rank group, per-layer device time)"
+  start=$(date +%s)
+  if [ "$SMOKE" = 1 ]; then
+    args=(--device cpu --tokens 4096 --repeats 3 --full --full-tokens 256 --head-dim 16)
+  else
+    args=(--device cuda --full --full-tokens 32768 131072)
+  fi
+  WLB_KERNEL_AUTOTUNE=0 timeout 45 "$PY" -m wlb_opt.bench.cp_path "${args[@]}" --out "$OUT_DIR/cp_path" \
+    > "$OUT_DIR/cp_path.log" 2>&1
+  cp_rc=$?
+  tail -n 6 "$OUT_DIR/cp_path.log"
+  stage_rc cp_path "$cp_rc" $(( $(date +%s) - start ))
+else
+  echo "== CP hot path: skipped (needs torch$([ "$SMOKE" = 0 ] && echo ", CUDA"))"
+fi
+
+echo "{\"mode\": \"$([ "$SMOKE" = 1 ] && echo cpu-smoke || echo gpu)\", \"missing\": \"${PREREQ}\", \"tests_rc\": $tests_rc, \"bench_rc\": $bench_rc, \"profile_rc\": $profile_rc, \"cp_path_rc\": $cp_rc}" \
   > "$OUT_DIR/summary.json"
 cat "$OUT_DIR/summary.json"
 # 99 = skipped; any stage that ran must pass
-for rc in "$tests_rc" "$bench_rc" "$profile_rc"; do
+for rc in "$tests_rc" "$bench_rc" "$profile_rc" "$cp_rc"; do
   if [ "$rc" != 0 ] && [ "$rc" != 99 ]; then exit 1; fi
 done
 [ -z "$PREREQ" ] || [ "$SMOKE" = 1 ]

@@ -30,12 +30,16 @@ def test_cpu_smoke_runs_every_stage_from_the_repo_root(tmp_path):
                          text=True, timeout=300, env=_env(PYTHON=sys.executable))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary == {"mode": "cpu-smoke", "missing": "", "tests_rc": 0, "bench_rc": 0, "profile_rc": 0}
+    assert summary == {"mode": "cpu-smoke", "missing": "", "tests_rc": 0, "bench_rc": 0, "profile_rc": 0,
+                       "cp_path_rc": 0}
     env_txt = (out / "env.txt").read_text()
     # the package came from the script's mirror of the installed layout, not ROOT/wlb_opt
     assert "wlb_opt from" in env_txt and f"from {ROOT}/wlb_opt/" not in env_txt, env_txt
     assert json.loads((out / "kernel" / "kernel_bench.json").read_text())["correctness"]["passed"]
     assert (out / "cost_tiny.json").exists() and (out / "tests.xml").exists()
+    cp_path = json.loads((out / "cp_path" / "cp_path.json").read_text())
+    assert {"before_ms", "after_first_layer_ms", "after_later_layers_ms"} <= set(cp_path["host"][0])
+    assert cp_path["full"][0]["backend"] == "gloo"
 
 
 def test_missing_prerequisites_are_named_and_their_stages_skipped(tmp_path):
@@ -50,4 +54,4 @@ def test_missing_prerequisites_are_named_and_their_stages_skipped(tmp_path):
     assert "tests: skipped" in res.stdout and "profile: skipped" in res.stdout
     assert res.returncode != 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["tests_rc"] == summary["bench_rc"] == summary["profile_rc"] == 99
+    assert summary["tests_rc"] == summary["bench_rc"] == summary["profile_rc"] == summary["cp_path_rc"] == 99

@@ -6,13 +6,15 @@ from wlb_opt.bench.validate_sim import analyse
 
 def test_analyse_reproduces_the_1f1b_closed_form():
     # pp = 2, two identical micro-batches: f = 1, b = 2 -> (m + p - 1)(f + b) = 9 seconds
-    ops = [("F", 0, 1.0), ("F", 1, 1.0), ("B", 0, 2.0), ("B", 1, 2.0)]
-    gathered = [[dict(step=1, wall=9.0, ops=ops, micro_batches=[0, 1], tokens=[4, 4])] for _ in range(2)]
+    def ops(stage):  # (phase, micro-batch, virtual stage, seconds)
+        return [("F", 0, stage, 1.0), ("F", 1, stage, 1.0), ("B", 0, stage, 2.0), ("B", 1, stage, 2.0)]
+
+    gathered = [[dict(step=1, wall=9.0, ops=ops(s), micro_batches=[0, 1], tokens=[4, 4])] for s in range(2)]
     (row,) = analyse(gathered, pp=2)
     assert row["simulated_s"] == pytest.approx(9.0)
     assert row["rel_error"] == pytest.approx(0.0)
     # a heavier micro-batch on stage 1 lengthens the simulated step; the measured wall is kept
-    gathered[1][0]["ops"] = [("F", 0, 3.0), ("B", 0, 2.0), ("F", 1, 1.0), ("B", 1, 2.0)]
+    gathered[1][0]["ops"] = [("F", 0, 1, 3.0), ("B", 0, 1, 2.0), ("F", 1, 1, 1.0), ("B", 1, 1, 2.0)]
     (row,) = analyse(gathered, pp=2)
     assert row["simulated_s"] > 9.0 and row["measured_s"] == 9.0
 
@@ -23,9 +25,30 @@ def test_analyse_predicts_from_the_cost_model():
     zero = dict(attn=0.0, linear=0.0, comm=0.0, doc_const=0.0, mb_const=0.0)
     # fwd 1 s and bwd 2 s per token over all layers; pp = 2 -> 0.5 / 1.0 s per stage for 1-token micro-batches
     cost = wlb.CostModel(coef={"fwd": dict(zero, linear=1.0), "bwd": dict(zero, linear=2.0)}, attn_flops_per_pair=1.0)
-    ops = [("F", 0, 0.5), ("F", 1, 0.5), ("B", 0, 1.0), ("B", 1, 1.0)]
-    rec = dict(step=1, wall=4.5, ops=ops, micro_batches=[0, 1], lengths=[[1], [1]], tokens=[1, 1])
-    (row,) = analyse([[rec], [dict(rec)]], pp=2, cost=cost)
+    def rec(stage):
+        ops = [("F", 0, stage, 0.5), ("F", 1, stage, 0.5), ("B", 0, stage, 1.0), ("B", 1, stage, 1.0)]
+        return dict(step=1, wall=4.5, ops=ops, micro_batches=[0, 1], lengths=[[1], [1]], tokens=[1, 1])
+
+    (row,) = analyse([[rec(0)], [rec(1)]], pp=2, cost=cost)
     # (m + p - 1)(f + b) = 3 x 1.5 = 4.5 s
     assert row["predicted_s"] == pytest.approx(4.5)
     assert row["predicted_rel_error"] == pytest.approx(0.0)
+
+
+def test_analyse_interleaved_places_ops_by_virtual_stage():
+    """v = 2: rank r runs virtual stages r and r + pp; the simulated step of the measured
+    ops equals the independent recurrence on the same [pp, v, m] durations."""
+    import numpy as np
+
+    from wlb_opt.simulate import pipeline_recurrence
+
+    pp, v, m = 2, 2, 2
+    f = np.arange(1, pp * v * m + 1, dtype=float).reshape(pp, v, m) / 10
+    b = 2 * f
+    gathered = []
+    for r in range(pp):
+        ops = [(ph, j, c * pp + r, (f if ph == "F" else b)[r, c, j]) for ph in "FB" for c in range(v) for j in range(m)]
+        gathered.append([dict(step=1, wall=1.0, ops=ops, micro_batches=list(range(m)), tokens=[1] * m)])
+    (row,) = analyse(gathered, pp=pp, virtual_stages=v)
+    want = pipeline_recurrence(f, b, "interleaved", v).step_time_s
+    assert row["virtual_stages"] == 2 and row["simulated_s"] == pytest.approx(want)

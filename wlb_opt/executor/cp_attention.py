@@ -83,18 +83,21 @@ class CPContext:
         gather_index = np.empty(len(rank_major), dtype=np.int64)
         gather_index[rank_major] = padded_row
         self.gather_index = _upload(gather_index, device)
-        self.segments = torch.from_numpy(np.ascontiguousarray(shard.segments[rank], dtype=np.int32))
+        self.segments = torch.from_numpy(np.array(shard.segments[rank], dtype=np.int32))
 
 
 _CONTEXTS: OrderedDict[tuple, tuple[Any, CPContext]] = OrderedDict()
 _CONTEXT_CACHE_SIZE = 64
 
 
-def cp_context(shard, group=None, device: torch.device | str = "cpu") -> CPContext:
+def cp_context(shard, group=None, device: torch.device | str = "cpu", *, rank: int | None = None,
+               world: int | None = None) -> CPContext:
     """The CPContext of `shard` on `device` for `group`, built on first use and then reused
-    (a small cache keyed by the plan object; ShardPlans are frozen, so it cannot go stale)."""
-    rank, world = _rank_and_world(group)
-    key = (id(shard), id(group), str(torch.device(device)))
+    (a small cache keyed by the plan object; ShardPlans are frozen, so it cannot go stale).
+    `rank` and `world` override the group's (benchmarks and tools without a process group)."""
+    if rank is None or world is None:
+        rank, world = _rank_and_world(group)
+    key = (id(shard), id(group), str(torch.device(device)), rank, world)
     hit = _CONTEXTS.get(key)
     if hit is not None and hit[0]() is shard:
         _CONTEXTS.move_to_end(key)
