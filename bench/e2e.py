@@ -381,25 +381,31 @@ def plot_gantt(panels: list[tuple[str, object]], path: Path, title: str) -> None
     plt.close(fig)
 
 
-def _gantt_panels(detail: dict, tokens: int) -> list:
-    """Each method's median steady step at equal tokens: (label, StepResult) per method.
-
-    Among a method's steady steps (one per global batch; wlb's drain steps come after) that
-    place `tokens` tokens (the global batch; or, if none does, those nearest to it), the one
-    of median step time (lower median; ties by step index). Plain-4D places a full batch every
-    step; WLB-LLM places fewer on steps that hold outliers back and more on steps that release
-    them, so comparing at equal tokens compares the same work. The slowest steps (outliers
-    released) show in the throughput figures, not here."""
-    out = []
+def gantt_step(detail: dict, tokens: int, tolerance: float = 0.10) -> int:
+    """The one steady step every method's panel shows: among the steps at which WLB-LLM places
+    the global batch's `tokens` within `tolerance` (Plain-4D places a full batch every step;
+    if no WLB step is that close, those nearest to it), the one at which every method's
+    throughput is closest to its own throughput over the whole run (the sum of relative
+    deviations; ties: the earlier step). A representative step at (near) equal tokens, not
+    the fastest or the slowest of either method."""
     steady = len(detail["plain"][1])
-    for label, method in (("Plain-4D", "plain"), ("WLB-LLM", "wlb")):
-        res = detail[method][1][:steady]
-        gap = [abs(r.tokens - tokens) for r in res]
-        near = sorted((i for i in range(steady) if gap[i] == min(gap)), key=lambda i: (res[i].step_time_s, i))
-        k = near[(len(near) - 1) // 2]
-        which = f"median of its {len(near)} steps" if len(near) > 1 else "its only step"
-        out.append((f"{label}, step {k} ({which} placing {res[k].tokens / 1e3:.0f}K tokens)", res[k]))
-    return out
+    methods = ("plain", "wlb")
+    rate = {m: sum(r.tokens for r in detail[m][1]) / sum(r.step_time_s for r in detail[m][1]) for m in methods}
+    res = detail["wlb"][1][:steady]
+    gap = [abs(r.tokens - tokens) / tokens for r in res]
+    near = [i for i in range(steady) if gap[i] <= tolerance] or [i for i in range(steady) if gap[i] == min(gap)]
+
+    def deviation(i: int) -> float:
+        return sum(abs(detail[m][1][i].tokens / detail[m][1][i].step_time_s / rate[m] - 1.0) for m in methods)
+
+    return min(near, key=lambda i: (deviation(i), i))
+
+
+def _gantt_panels(detail: dict, tokens: int) -> list:
+    """(label, StepResult) per method, all at the step `gantt_step` chooses."""
+    k = gantt_step(detail, tokens)
+    return [(f"{label}, step {k} ({detail[method][1][k].tokens / 1e3:.0f}K tokens)", detail[method][1][k])
+            for label, method in (("Plain-4D", "plain"), ("WLB-LLM", "wlb"))]
 
 
 def parse_configs(text: str | None) -> tuple[Config, ...]:
@@ -517,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
             label, panels = gantt
             cfg = next(c for c in configs if c.label == label)
             name = f"gantt_{label.lower().replace('-', '_')}.png"
-            plot_gantt(panels, out / name, f"{label}: each method's median step at equal tokens "
+            plot_gantt(panels, out / name, f"{label}: one representative step at near-equal tokens "
                        f"({cfg.dp * cfg.pp * cfg.context / 1e3:.0f}K per step; TP{cfg.tp} CP{cfg.cp} PP{cfg.pp} "
                        f"DP{cfg.dp}, interleaved 1F1B v={VIRTUAL_STAGES}), replica 0")
             pngs.append(out / name)

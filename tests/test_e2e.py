@@ -1,5 +1,6 @@
 """`wlb-opt bench e2e` and `wlb-opt demo` on tiny configurations: the JSON rows, the PNGs, the
 configuration parser, and that the methods are simulated on the plans they claim."""
+import importlib.util
 import json
 
 import numpy as np
@@ -27,8 +28,9 @@ def test_e2e_command_on_a_tiny_configuration_writes_rows_and_pngs(tmp_path):
     assert rows[0]["speedup_vs_plain"] == pytest.approx(1.0)
     for r in rows[1:]:
         assert r["speedup_vs_plain"] == pytest.approx(r["tokens_per_s"] / rows[0]["tokens_per_s"])
-    assert (tmp_path / "speedup.png").stat().st_size > 1000
-    assert (tmp_path / "gantt_tiny_4k.png").stat().st_size > 1000
+    if importlib.util.find_spec("matplotlib") is not None:  # the plot extra draws the pictures
+        assert (tmp_path / "speedup.png").stat().st_size > 1000
+        assert (tmp_path / "gantt_tiny_4k.png").stat().st_size > 1000
     meta = json.loads((tmp_path / "e2e_meta.json").read_text())
     assert meta["paper"]["b7_128k"] == 1.33 and meta["steps"] == 3
 
@@ -122,15 +124,22 @@ def test_dp_refinement_matches_the_old_loop_and_leaves_the_plan_alone():
         assert np.bincount(new.replica_of, minlength=cfg.dp).tolist() == [cfg.pp] * cfg.dp
 
 
-def test_gantt_shows_each_methods_median_step_at_equal_tokens():
+def test_gantt_shows_one_representative_step_at_equal_tokens():
     cfg = e2e.Config("tiny", 4096, 1, 2, 2, 1)
     rows, detail = e2e.run_config(cfg, e2e.make_batches(cfg, 6, "default", 0), methods=("plain", "wlb"))
     tokens = cfg.dp * cfg.pp * cfg.context
     panels = e2e._gantt_panels(detail, tokens)
     assert [label.split(",")[0] for label, _ in panels] == ["Plain-4D", "WLB-LLM"]
-    for (label, res), method in zip(panels, ("plain", "wlb")):
-        steady = detail[method][1][:6]
-        gap = min(abs(r.tokens - tokens) for r in steady)
-        assert abs(res.tokens - tokens) == gap  # the steps nearest to the global batch's tokens
-        near = sorted(r.step_time_s for r in steady if abs(r.tokens - tokens) == gap)
-        assert res.step_time_s == near[(len(near) - 1) // 2]  # their (lower) median
+    k = e2e.gantt_step(detail, tokens)
+    assert panels[0][1] is detail["plain"][1][k] and panels[1][1] is detail["wlb"][1][k]  # the same step
+    wlb_steps = detail["wlb"][1][:6]
+    close = [i for i, r in enumerate(wlb_steps) if abs(r.tokens - tokens) <= 0.10 * tokens]
+    if close:
+        assert k in close
+
+    def deviation(i):
+        return sum(abs(detail[m][1][i].tokens / detail[m][1][i].step_time_s
+                       / (sum(r.tokens for r in detail[m][1]) / sum(r.step_time_s for r in detail[m][1])) - 1)
+                   for m in ("plain", "wlb"))
+
+    assert all(deviation(k) <= deviation(i) for i in (close or [k]))

@@ -33,6 +33,7 @@ _EXPORTS = {
     "simulate_pipeline": "simulate",
     "simulate_step": "simulate",
     "SimResult": "simulate",
+    "simulate_rendezvous": "rendezvous",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
