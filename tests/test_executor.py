@@ -103,6 +103,15 @@ def _worker(rank: int, world: int, port: int, strategies: list[str]) -> None:
                     torch.testing.assert_close(vl.grad, ref_dv[idx], msg=lambda m: f"{msg}: dv {m}")
                     grads[regather] = (ql.grad, kl.grad, vl.grad)
                 assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True])), msg
+                # the K/V all-gather started early (asynchronous) gives the same result bitwise
+                from wlb_opt.executor import prefetch_kv
+
+                ql, kl, vl = (x[idx].clone().requires_grad_() for x in (q, k, v))
+                pending = prefetch_kv(kl, vl, shard)
+                out = context_parallel_attention(ql, kl, vl, shard, backend="torch", prefetched=pending)
+                (out * w[idx]).sum().backward()
+                torch.testing.assert_close(out, ref_out[idx], msg=lambda m: f"{msg}, prefetched: out {m}")
+                assert all(torch.equal(a, b) for a, b in zip(grads[False], (ql.grad, kl.grad, vl.grad))), msg
     finally:
         dist.destroy_process_group()
 

@@ -23,10 +23,13 @@ gathers them again from the local K/V, as TransformerEngine does, trading one al
 layer for cp x the local K/V of activation memory. Both give identical gradients.
 
 Overlap: the next layer's K/V depend on this layer's output, so the all-gather can only
-overlap work of its own layer that does not need K/V (the Q projection and its RoPE) and the
-dK/dV reduce-scatter the backward of the layer below; this needs the model to hand over K/V
-before computing Q, which `context_parallel_attention`'s one-call interface does not allow.
-It is not built; the collectives run on the compute stream.
+overlap work of its own layer that does not need K/V: the Q projection and its RoPE. A model
+that computes K and V first calls `prefetch_kv(k, v, shard, group)` (an asynchronous
+`all_gather_into_tensor`: NCCL's own stream on a GPU, gloo's worker thread on CPU), computes
+Q, and passes the pending gather to `context_parallel_attention(..., prefetched=...)`
+(`TinyLM`'s blocks do, through the executor's attention callable). The dK/dV reduce-scatter
+feeds the K/V projections' backward directly, so it could only overlap the backward of the
+Q projection; that is not done (it runs when autograd reaches it).
 """
 from __future__ import annotations
 
@@ -112,15 +115,47 @@ def cp_context(shard, group=None, device: torch.device | str = "cpu", *, rank: i
 _NO_REDUCE_SCATTER: set[int] = set()
 
 
-def _gather(x: torch.Tensor, cpx: CPContext, group) -> torch.Tensor:
-    """This rank's rows -> the whole micro-batch in packed order (no autograd)."""
+def _start_gather(x: torch.Tensor, cpx: CPContext, group, async_op: bool):
+    """(padded rank-major buffer, work handle or None) of the all-gather of this rank's rows."""
     if cpx.world == 1:
-        return x.index_select(0, cpx.gather_index)
+        return x, None
     buf = x.new_zeros((cpx.width,) + tuple(x.shape[1:]))
     buf[: x.shape[0]] = x
     full = x.new_empty((cpx.world * cpx.width,) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(full, buf, group=group)
+    work = dist.all_gather_into_tensor(full, buf, group=group, async_op=async_op)
+    return full, work
+
+
+def _gather(x: torch.Tensor, cpx: CPContext, group) -> torch.Tensor:
+    """This rank's rows -> the whole micro-batch in packed order (no autograd)."""
+    full, _ = _start_gather(x, cpx, group, async_op=False)
     return full.index_select(0, cpx.gather_index)
+
+
+class PendingKV:
+    """An all-gather of K and V in flight (from `prefetch_kv`); `result()` waits for it once and
+    returns the gathered K/V in packed order, [T, 2, Hkv, D]."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, shard, group):
+        self.cpx = cp_context(shard, group, k.device)
+        self.shard, self.group = shard, group
+        self._full, self._work = _start_gather(torch.stack([k.detach(), v.detach()], dim=1), self.cpx, group,
+                                               async_op=True)
+        self._kv = None
+
+    def result(self) -> torch.Tensor:
+        if self._kv is None:
+            if self._work is not None:
+                self._work.wait()
+            self._kv = self._full.index_select(0, self.cpx.gather_index)
+            self._full = self._work = None
+        return self._kv
+
+
+def prefetch_kv(k: torch.Tensor, v: torch.Tensor, shard, group=None) -> PendingKV:
+    """Start the K/V all-gather of `context_parallel_attention` now, so that it overlaps the
+    work that follows (the Q projection); pass the result as ``prefetched=``."""
+    return PendingKV(k, v, shard, group)
 
 
 def _scatter_reduce(grad: torch.Tensor, cpx: CPContext, group) -> torch.Tensor:
@@ -189,8 +224,11 @@ class _CPAttention(torch.autograd.Function):
     """Gather K/V, attend; backward: (re-gather,) attention backward, reduce-scatter dK/dV."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cpx, group, scale, backend, deterministic, regather):
-        kv = _gather(torch.stack([k, v], dim=1), cpx, group)  # [T, 2, Hkv, D] in packed order
+    def forward(ctx, q, k, v, cpx, group, scale, backend, deterministic, regather, prefetched):
+        if prefetched is not None:  # started earlier, overlapping the Q projection
+            kv = prefetched.result()
+        else:
+            kv = _gather(torch.stack([k, v], dim=1), cpx, group)  # [T, 2, Hkv, D] in packed order
         out, lse = _attention_forward(q, kv[:, 0], kv[:, 1], cpx, scale, backend, deterministic)
         ctx.cpx, ctx.group, ctx.scale, ctx.backend = cpx, group, scale, backend
         ctx.deterministic, ctx.regather = deterministic, regather
@@ -204,12 +242,13 @@ class _CPAttention(torch.autograd.Function):
         dq, dk_full, dv_full = _attention_backward(dout.contiguous(), q, kv[:, 0], kv[:, 1], out, lse, ctx.cpx,
                                                    ctx.scale, ctx.backend, ctx.deterministic)
         dkv = _scatter_reduce(torch.stack([dk_full, dv_full], dim=1), ctx.cpx, ctx.group)
-        return dq, dkv[:, 0], dkv[:, 1], None, None, None, None, None, None
+        return dq, dkv[:, 0], dkv[:, 1], None, None, None, None, None, None, None
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard, group=None,
                                softmax_scale: float | None = None, backend: str = "auto",
-                               regather: bool | None = None, deterministic: bool = True) -> torch.Tensor:
+                               regather: bool | None = None, deterministic: bool = True,
+                               prefetched: PendingKV | None = None) -> torch.Tensor:
     """Document-masked causal attention of this CP rank's queries over the whole micro-batch.
 
     Args:
@@ -221,6 +260,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         backend: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch".
         regather: re-gather K/V in backward instead of saving them (default: True on GPU).
         deterministic: the Triton backward's mode (see `wlb_opt.kernels.doc_attention`).
+        prefetched: the `prefetch_kv(k, v, shard, group)` of these k and v, already in flight.
 
     Returns ``[Tq, Hq, D]``: attention output for this rank's queries.
     """
@@ -240,4 +280,6 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                          f"{q.shape[0]} rows")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     regather = q.is_cuda if regather is None else bool(regather)
-    return _CPAttention.apply(q, k, v, cpx, group, scale, backend, deterministic, regather)
+    if prefetched is not None and (prefetched.shard is not shard or prefetched.group is not group):
+        raise ValueError("prefetched= comes from prefetch_kv of another shard plan or group")
+    return _CPAttention.apply(q, k, v, cpx, group, scale, backend, deterministic, regather, prefetched)

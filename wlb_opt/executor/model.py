@@ -41,10 +41,15 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         T = x.shape[0]
         h = self.norm1(x)
-        q = rope(self.wq(h).view(T, self.heads, self.head_dim), positions)
+        # K and V first: an attention with `prefetch` (CP) starts their all-gather, which then
+        # runs while Q is projected and rotated
         k = rope(self.wk(h).view(T, self.kv_heads, self.head_dim), positions)
         v = self.wv(h).view(T, self.kv_heads, self.head_dim)
-        x = x + self.wo(attend(q, k, v).reshape(T, -1))
+        prefetch = getattr(attend, "prefetch", None)
+        pending = prefetch(k, v) if prefetch is not None else None
+        q = rope(self.wq(h).view(T, self.heads, self.head_dim), positions)
+        out = attend(q, k, v, prefetched=pending) if pending is not None else attend(q, k, v)
+        x = x + self.wo(out.reshape(T, -1))
         h = self.norm2(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import weakref
 
 from ..schedule import P2POp, message_key, step_plan
-from .cp_attention import context_parallel_attention
+from .cp_attention import context_parallel_attention, prefetch_kv
 from .mesh import Mesh
 from .plumbing import check_same_plan
 
@@ -141,6 +141,24 @@ def activation_dtype(param: torch.Tensor) -> torch.dtype:
     return param.dtype
 
 
+class CPAttend:
+    """The attention callable a stage gets for one micro-batch: `attend(q, k, v)` is CP
+    attention over the micro-batch's ShardPlan; `attend.prefetch(k, v)` (when enabled) starts
+    its K/V all-gather early (see `prefetch_kv`)."""
+
+    def __init__(self, shard, group, backend: str, regather: bool | None, prefetch: bool = True):
+        self.shard, self.group, self.backend, self.regather = shard, group, backend, regather
+        if not prefetch:
+            self.prefetch = None  # models look the method up with getattr(attend, "prefetch", None)
+
+    def prefetch(self, k, v):
+        return prefetch_kv(k, v, self.shard, self.group)
+
+    def __call__(self, q, k, v, prefetched=None):
+        return context_parallel_attention(q, k, v, self.shard, group=self.group, backend=self.backend,
+                                          regather=self.regather, prefetched=prefetched)
+
+
 def check_boundary_dtype(t: torch.Tensor, expected: torch.dtype, direction: str, stage: int) -> None:
     """ValueError unless a tensor a stage sends has the dtype the pipeline carries."""
     if t.dtype != expected:
@@ -159,7 +177,8 @@ def _chunks(model) -> list[torch.nn.Module]:
 
 def train_step(model, plan, shards: list, doc_tokens: Callable[[int], torch.Tensor],
                mesh: Mesh | None = None, backend: str = "auto", check_plan: bool = True,
-               record: StageOutputs | None = None, regather_kv: bool | None = None) -> float:
+               record: StageOutputs | None = None, regather_kv: bool | None = None,
+               prefetch: bool = True) -> float:
     """Forward and backward of one global batch; returns the global mean token loss.
 
     `model` is this rank's pipeline stage, or its v chunks for the interleaved schedule
@@ -170,6 +189,7 @@ def train_step(model, plan, shards: list, doc_tokens: Callable[[int], torch.Tens
     `p2p_schedule`, sized from the plan. A send's tensor is released as soon as its group
     completes. Gradients are summed over the ranks that hold the same stage, and left in
     `param.grad`. `regather_kv`: see `context_parallel_attention` (default: on for GPUs).
+    `prefetch`: let models that support it start the K/V all-gather before the Q projection.
     """
     chunks = _chunks(model)
     v = len(chunks)
@@ -265,10 +285,7 @@ def train_step(model, plan, shards: list, doc_tokens: Callable[[int], torch.Tens
             idx, tok, pos, lab = local(j)
             x = tok if first else inbox.pop(("fwd", k, vs - 1)).requires_grad_()
 
-            def attend(q, k_, v_, shard=shards[j]):
-                return context_parallel_attention(q, k_, v_, shard, group=mesh.cp_group if mesh else None,
-                                                  backend=backend, regather=regather_kv)
-
+            attend = CPAttend(shards[j], mesh.cp_group if mesh else None, backend, regather_kv, prefetch)
             out = chunk(x, pos, attend)
             if last:
                 out = F.cross_entropy(out.float() if out.dtype != torch.float64 else out, lab,
