@@ -147,6 +147,34 @@ def _worker(rank, world, port):
                     torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-8, atol=1e-10,
                                                msg=lambda m: f"{where} {name}: {m}")
             dist.barrier()
+        if world == 4:  # a user's own 2-D DeviceMesh with torchtitan-style names, and bad meshes
+            from torch.distributed.device_mesh import init_device_mesh
+
+            with pytest.raises(ValueError, match="not divisible by pp x cp x tp = 3"):
+                ex.make_mesh(pp=3)
+            with pytest.raises(ValueError, match="must equal the world size 4"):
+                ex.make_mesh(dp=2, cp=4)
+            user = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
+            with pytest.raises(ValueError, match="each must be one of"):
+                ex.Mesh.from_device_mesh(user)
+            with pytest.raises(ValueError, match="does not have"):
+                ex.Mesh.from_device_mesh(user, names={"fsdp": "dp"})
+            mesh = ex.Mesh.from_device_mesh(user, names={"dp_shard": "dp"})
+            assert (mesh.dp, mesh.pp, mesh.cp, mesh.tp) == (2, 1, 2, 1) and mesh.device_mesh is user
+            plan, cost = make_plan(2, 2, 1)
+            model = make_model()
+            names = {id(p): n for n, p in model.named_parameters()}
+            loss = ex.train_step(model, plan, make_shards(plan, cost, 2), doc_tokens, mesh=mesh, backend="torch")
+            ref_loss, ref_grads = reference(plan)
+            assert abs(loss - ref_loss) < 1e-10
+            for p in model.parameters():
+                torch.testing.assert_close(p.grad, ref_grads[names[id(p)]], rtol=1e-8, atol=1e-10)
+            mesh = ex.make_mesh(cp=2, tp=2)  # the tp dimension exists; TP inside a stage is refused for now
+            assert mesh.device_mesh.mesh_dim_names == ("dp", "pp", "cp", "tp") and mesh.tp == 2
+            assert mesh.global_rank(0, 0, 1, 1) == 3 and mesh.rank == rank
+            with pytest.raises(ValueError, match="tensor parallelism"):
+                ex.train_step(model, make_plan(1, 2, 1)[0], [], doc_tokens, mesh=mesh, backend="torch")
+            dist.barrier()
         if world == 2:  # a two-stage pipeline under CPU autocast carries bf16 activations
             mesh = ex.make_mesh(cp=1, dp=1, pp=2)
             plan, cost = make_plan(1, 1, 2)

@@ -43,6 +43,8 @@ import torch.distributed as dist
 
 
 def _rank_and_world(group) -> tuple[int, int]:
+    if isinstance(group, str) and group == "self":  # mesh.SELF_GROUP: a dimension of size 1
+        return 0, 1
     if not dist.is_available() or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)

@@ -1,8 +1,15 @@
-"""Process groups for the CP x PP x DP part of the layout (TP is inside a rank's module).
+"""The DP x PP x CP x TP layout of the ranks, on PyTorch's own DeviceMesh.
 
-Ranks are laid out DP-major, then PP, then CP: global rank = (dp_rank * pp + pp_rank) * cp +
-cp_rank, so a CP group is a block of consecutive ranks (one node when cp <= GPUs per node),
-as in paper §7.1, and pipeline neighbours are cp ranks apart.
+`make_mesh(dp=, pp=, cp=, tp=)` builds a `torch.distributed.device_mesh.DeviceMesh` with the
+dimension names ("dp", "pp", "cp", "tp") and wraps it in a `Mesh`, which takes every process
+group from it. Ranks are laid out row-major over those dimensions, TP innermost, then CP:
+
+    global rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
+
+so a TP group, then a CP group, is a block of consecutive ranks (one node when tp x cp fits
+in it, as in paper §7.1), and pipeline neighbours are cp x tp ranks apart. A user who already
+has a DeviceMesh (torchtitan, FSDP2) hands it over with `Mesh.from_device_mesh`, in any
+dimension order and with a mapping of their names onto ours; missing dimensions have size 1.
 """
 from __future__ import annotations
 
@@ -11,9 +18,21 @@ from typing import Any
 
 import torch.distributed as dist
 
+DIMS: tuple[str, ...] = ("dp", "pp", "cp", "tp")
+SELF_GROUP = "self"
+"""The group of a dimension of size 1 that the DeviceMesh does not have: no communication."""
+
 
 @dataclass(frozen=True)
 class Mesh:
+    """This rank's place in the layout, and the process groups it communicates over.
+
+    `cp_group`, `dp_group`, `tp_group`: this rank's groups along CP, DP and TP (`SELF_GROUP`
+    for a dimension of size 1 that the DeviceMesh does not have); `stage_group`: every rank
+    that holds the same pipeline stage and TP shard (all DP replicas and CP ranks: where the
+    gradients of one parameter shard are summed). `device_mesh`: the DeviceMesh (None for a
+    mesh built by hand)."""
+
     cp: int
     dp: int
     cp_rank: int
@@ -23,14 +42,22 @@ class Mesh:
     pp: int = 1
     pp_rank: int = 0
     stage_group: Any = None
-    """All ranks that hold the same pipeline stage (every DP replica and CP rank): gradient sums."""
+    tp: int = 1
+    tp_rank: int = 0
+    tp_group: Any = None
+    device_mesh: Any = None
+    ranks: Any = None
+    """Global rank of every coordinate, as nested lists indexed [dp][pp][cp][tp]."""
 
     @property
     def rank(self) -> int:
         return self.global_rank(self.dp_rank, self.pp_rank, self.cp_rank)
 
-    def global_rank(self, dp_rank: int, pp_rank: int, cp_rank: int) -> int:
-        return (dp_rank * self.pp + pp_rank) * self.cp + cp_rank
+    def global_rank(self, dp_rank: int, pp_rank: int, cp_rank: int, tp_rank: int | None = None) -> int:
+        tp_rank = self.tp_rank if tp_rank is None else tp_rank
+        if self.ranks is not None:
+            return int(self.ranks[dp_rank][pp_rank][cp_rank][tp_rank])
+        return ((dp_rank * self.pp + pp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
     @property
     def next_stage_rank(self) -> int | None:
@@ -48,35 +75,76 @@ class Mesh:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
+    @classmethod
+    def from_device_mesh(cls, device_mesh, names: dict[str, str] | None = None) -> "Mesh":
+        """Our Mesh over a user's DeviceMesh with any subset of the dimensions dp, pp, cp, tp,
+        in any order. `names` maps the user's dimension names onto ours (e.g.
+        ``{"dp_shard": "dp"}``); dimensions it does not have are of size 1. Checks the names
+        before any collective; a ValueError names what is wrong."""
+        own = tuple(device_mesh.mesh_dim_names or ())
+        if len(own) != device_mesh.ndim:
+            raise ValueError("the DeviceMesh needs mesh_dim_names (init_device_mesh(..., mesh_dim_names=...))")
+        names = dict(names or {})
+        unknown_keys = set(names) - set(own)
+        if unknown_keys:
+            raise ValueError(f"names maps dimensions {sorted(unknown_keys)} that the DeviceMesh does not have; "
+                             f"its dimensions are {list(own)}")
+        ours = [names.get(n, n) for n in own]
+        bad = [n for n in ours if n not in DIMS]
+        if bad or len(set(ours)) != len(ours):
+            raise ValueError(f"DeviceMesh dimensions {list(own)} map to {ours}; each must be one of {list(DIMS)} once "
+                             "(pass names={'your_name': 'dp'|'pp'|'cp'|'tp'})")
+        index = {d: ours.index(d) for d in ours}
+        size = {d: (device_mesh.size(index[d]) if d in index else 1) for d in DIMS}
+        coord = device_mesh.get_coordinate()
+        if coord is None:
+            raise ValueError("this rank is not part of the DeviceMesh")
+        local = {d: (coord[index[d]] if d in index else 0) for d in DIMS}
+        group = {d: (device_mesh.get_group(own[index[d]]) if d in index else SELF_GROUP) for d in DIMS}
+        mesh = device_mesh.mesh.permute(*[index[d] for d in DIMS if d in index])
+        shape = [size[d] for d in DIMS]
+        ranks = mesh.reshape(shape).tolist()
+        stage_dims = [own[index[d]] for d in ("dp", "cp") if d in index and size[d] > 1]
+        if not stage_dims:
+            stage_group = SELF_GROUP
+        elif len(stage_dims) == 1:
+            stage_group = device_mesh.get_group(stage_dims[0])
+        else:
+            stage_group = device_mesh[tuple(stage_dims)]._flatten("_".join(stage_dims)).get_group()
+        return cls(cp=size["cp"], dp=size["dp"], cp_rank=local["cp"], dp_rank=local["dp"], cp_group=group["cp"],
+                   dp_group=group["dp"], pp=size["pp"], pp_rank=local["pp"], stage_group=stage_group, tp=size["tp"],
+                   tp_rank=local["tp"], tp_group=group["tp"], device_mesh=device_mesh, ranks=ranks)
 
-def make_mesh(cp: int, dp: int, pp: int = 1) -> Mesh:
-    """Create the CP, DP and per-stage groups on an initialised default group of cp*pp*dp ranks.
 
-    Every rank must call this (new_group is collective, and every rank creates every group)."""
+def _check_degree(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"make_mesh: {name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def make_mesh(*, dp: int | None = None, pp: int = 1, cp: int = 1, tp: int = 1, device_type: str | None = None) -> Mesh:
+    """A DeviceMesh named ("dp", "pp", "cp", "tp") over the initialised default group, as a Mesh.
+
+    Every rank must call it (creating the groups is collective). `dp=None` takes the world
+    size / (pp x cp x tp); `device_type` defaults to "cuda" when the default group is NCCL,
+    else "cpu". The groups the mesh creates inherit the default group's backend and timeout.
+    The sizes are checked before any collective."""
     if not dist.is_initialized():
         raise ValueError("make_mesh needs torch.distributed initialised (init_process_group)")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    for name, value in (("cp", cp), ("dp", dp), ("pp", pp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"make_mesh: {name} must be an integer >= 1, got {value!r}")
-    if cp * dp * pp != world:
-        raise ValueError(f"cp x pp x dp must equal the world size {world}, got cp={cp}, pp={pp}, dp={dp}")
-    cp_rank, pp_rank, dp_rank = rank % cp, (rank // cp) % pp, rank // (cp * pp)
-    at = lambda d, p, c: (d * pp + p) * cp + c  # noqa: E731
-    cp_group = dp_group = stage_group = None
-    for d in range(dp):
-        for p in range(pp):
-            g = dist.new_group([at(d, p, c) for c in range(cp)])
-            if (d, p) == (dp_rank, pp_rank):
-                cp_group = g
-    for p in range(pp):
-        for c in range(cp):
-            g = dist.new_group([at(d, p, c) for d in range(dp)])
-            if (p, c) == (pp_rank, cp_rank):
-                dp_group = g
-    for p in range(pp):
-        g = dist.new_group([at(d, p, c) for d in range(dp) for c in range(cp)])
-        if p == pp_rank:
-            stage_group = g
-    return Mesh(cp=cp, dp=dp, cp_rank=cp_rank, dp_rank=dp_rank, cp_group=cp_group, dp_group=dp_group,
-                pp=pp, pp_rank=pp_rank, stage_group=stage_group)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    pp, cp, tp = (_check_degree(n, v) for n, v in (("pp", pp), ("cp", cp), ("tp", tp)))
+    if dp is None:
+        if world % (pp * cp * tp):
+            raise ValueError(f"make_mesh: the world size {world} is not divisible by pp x cp x tp = {pp * cp * tp} "
+                             f"(pp={pp}, cp={cp}, tp={tp})")
+        dp = world // (pp * cp * tp)
+    dp = _check_degree("dp", dp)
+    if dp * pp * cp * tp != world:
+        raise ValueError(f"make_mesh: dp x pp x cp x tp must equal the world size {world}, got dp={dp}, pp={pp}, "
+                         f"cp={cp}, tp={tp}")
+    if device_type is None:
+        device_type = "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
+    device_mesh = init_device_mesh(device_type, (dp, pp, cp, tp), mesh_dim_names=DIMS)
+    return Mesh.from_device_mesh(device_mesh)

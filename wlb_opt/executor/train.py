@@ -29,7 +29,7 @@ import weakref
 
 from ..schedule import P2POp, message_key, step_plan
 from .cp_attention import context_parallel_attention, prefetch_kv
-from .mesh import Mesh
+from .mesh import SELF_GROUP, Mesh
 from .plumbing import check_same_plan
 
 IGNORE = -100
@@ -159,6 +159,32 @@ class CPAttend:
                                           regather=self.regather, prefetched=prefetched)
 
 
+def _all_reduce_flat(tensors: list[torch.Tensor], group, bucket_bytes: int = 32 << 20) -> None:
+    """Sum `tensors` over `group` in place, one collective per flat bucket of at most
+    `bucket_bytes` (tensors of one dtype and device share a bucket), not one per tensor."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+
+    def flush():
+        if bucket:
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
+            bucket.clear()
+
+    for t in tensors:
+        if bucket and (t.dtype != bucket[0].dtype or t.device != bucket[0].device
+                       or size + t.numel() * t.element_size() > bucket_bytes):
+            flush()
+            size = 0
+        bucket.append(t)
+        size += t.numel() * t.element_size()
+    flush()
+
+
 def check_boundary_dtype(t: torch.Tensor, expected: torch.dtype, direction: str, stage: int) -> None:
     """ValueError unless a tensor a stage sends has the dtype the pipeline carries."""
     if t.dtype != expected:
@@ -198,6 +224,9 @@ def train_step(model, plan, shards: list, doc_tokens: Callable[[int], torch.Tens
     n_virtual = pp * v
     if mesh and plan.dp != mesh.dp:
         raise ValueError(f"plan has dp={plan.dp} replicas but the mesh has dp={mesh.dp}")
+    if mesh and mesh.tp > 1:
+        raise ValueError(f"the mesh has tp={mesh.tp}: tensor parallelism inside a stage is not built yet; "
+                         "use a mesh with tp=1")
     if check_plan:
         check_same_plan(plan)
     total = target_tokens(plan)
@@ -310,10 +339,13 @@ def train_step(model, plan, shards: list, doc_tokens: Callable[[int], torch.Tens
     if record is not None:
         record.ops.extend((phase, j, vs, secs) for (phase, j, vs), secs in zip(timed, timer.seconds()))
     if mesh is not None and dist.is_initialized():
+        grads = []
         for chunk in chunks:
             for p in chunk.parameters():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=mesh.stage_group if mesh.stage_group is not None else None)
+                grads.append(p.grad)
+        if mesh.stage_group != SELF_GROUP:
+            _all_reduce_flat(grads, mesh.stage_group)
         dist.all_reduce(loss_sum)  # only last-stage ranks hold a share of the loss
     return float(loss_sum)
