@@ -92,7 +92,8 @@ def main() -> None:
                   if len(mb) else None for mb in plan.micro_batches]
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = ex.train_step(chunks, plan, shards, doc_tokens, mesh=mesh)
+        loss = ex.train_step(chunks, plan, shards, doc_tokens, mesh=mesh,
+                             backend="torch" if args.check_reference else "auto")  # fp64 runs on torch
         opt.step()
         plans.append(plan)
         losses.append(loss)

@@ -23,7 +23,7 @@ SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376}  # bytes of shared memory pe
 _DTYPE = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 
 
-_FP32_POINTERS = ("LSE", "DELTA", "DLSE", "DK", "DV", "DQ_ACC")  # fp32 whatever the input dtype
+_FP32_POINTERS = ("LSE", "DELTA", "DLSE", "DK", "DV", "DQ_ACC", "O_PART", "LSE_PART", "DQ_PART")  # fp32 whatever the input dtype
 
 
 def _signature(fn, dtype: str, const: dict) -> tuple[dict[str, str], dict]:

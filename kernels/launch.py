@@ -272,6 +272,9 @@ def device_index(seg: np.ndarray, kind: str, cfg: BlockConfig, device: torch.dev
     else:
         tiles, entries = _seg.key_tiles(seg, cfg.block_m, cfg.block_n)
         parts = {"tiles": tiles, "entries": entries}
+    if "targets" in parts:  # rows of the split tiles that exist, and where they go (host side: no sync)
+        pos = np.flatnonzero(parts["targets"] >= 0)
+        parts["split_pos"], parts["split_rows"] = pos.astype(np.int32), parts["targets"][pos].astype(np.int32)
     flat, offsets = pack_index(parts)
     host = torch.from_numpy(flat)
     if torch.device(device).type == "cuda":
@@ -280,10 +283,9 @@ def device_index(seg: np.ndarray, kind: str, cfg: BlockConfig, device: torch.dev
     else:
         buf = host.to(device)
     out = {name: buf[offsets[name]: offsets[name] + arr.size].view(arr.shape) for name, arr in parts.items()}
-    if "targets" in out:  # rows of the split tiles that exist, and where they go
-        targets = out["targets"].long()
-        out["split_pos"] = torch.nonzero(targets >= 0).flatten()
-        out["split_rows"] = targets[out["split_pos"]]
+    for name in ("split_pos", "split_rows"):  # index tensors for the host-side combine
+        if name in out:
+            out[name] = out[name].long()
     out.update(info)
     _INDEX_CACHE[key] = out
     if len(_INDEX_CACHE) > _INDEX_CACHE_SIZE:

@@ -49,7 +49,7 @@ cd "$OUT_DIR" || exit 2
 PREREQ="$("$PY" - "$SMOKE" <<'EOF'
 import importlib.util, sys
 smoke = sys.argv[1] == "1"
-missing = [m for m in ("numpy", "torch", "triton", "pytest", "networkx") if importlib.util.find_spec(m) is None]
+missing = [m for m in ("numpy", "torch", "triton", "pytest") if importlib.util.find_spec(m) is None]
 cuda = False
 if "torch" not in missing:
     import torch
@@ -80,11 +80,11 @@ if has torch && has triton && has pytest && { [ "$SMOKE" = 1 ] || has CUDA; }; t
   start=$(date +%s)
   if [ "$SMOKE" = 1 ]; then
     # the GPU tier is collected (and skips without CUDA); the alignment checks run
-    timeout 150 "$PY" -m pytest -q -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
+    timeout -s INT -k 10 150 "$PY" -m pytest -q -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
       "$REPO/tests/test_kernels_gpu.py" "$REPO/tests/test_kernels_index.py" -k "gpu or specialisation or 16_bytes" \
       --junitxml="$OUT_DIR/tests.xml" > "$OUT_DIR/tests.log" 2>&1
   else
-    WLB_KERNEL_AUTOTUNE=0 timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider --rootdir "$REPO" \
+    WLB_KERNEL_AUTOTUNE=0 timeout -s INT -k 10 170 "$PY" -m pytest -q -m gpu -p no:cacheprovider --rootdir "$REPO" \
       -c "$REPO/pyproject.toml" "$REPO/tests/test_kernels_gpu.py" --junitxml="$OUT_DIR/tests.xml" \
       > "$OUT_DIR/tests.log" 2>&1
   fi

@@ -99,14 +99,14 @@ def reference(plan):
         loss = torch.nn.functional.cross_entropy(logits, packed_labels(tokens, lengths), ignore_index=-100,
                                                  reduction="sum") / total
         loss.backward()
-        loss_sum += float(loss)
+        loss_sum += float(loss.detach())
     return loss_sum, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 # (cp, pp, dp, virtual stages, CP strategy, plan) per world size; hybrid gives ranks unequal
 # token counts, "sparse" a plan with empty micro-batch slots
 LAYOUTS = {2: [(2, 1, 1, 1, "per_doc", "dense"), (1, 2, 1, 1, "per_doc", "dense"), (1, 2, 1, 2, "per_doc", "dense"),
-               (1, 2, 1, 1, "per_doc", "sparse")],
+               (1, 2, 1, 1, "per_doc", "sparse"), (1, 2, 1, 2, "per_doc", "sparse")],
            4: [(2, 2, 1, 1, "hybrid", "dense"), (1, 2, 2, 1, "per_doc", "dense"), (2, 1, 2, 1, "per_doc", "dense"),
                (2, 2, 1, 2, "hybrid", "dense"), (1, 2, 2, 2, "per_doc", "dense")]}
 
@@ -130,16 +130,38 @@ def _worker(rank, world, port):
             names = {id(p): n for n, p in model.named_parameters()}
             chunks = ex.split_stages(model, pp, v)[mesh.pp_rank::pp]
             record = ex.StageOutputs()
-            loss = ex.train_step(chunks, plan, make_shards(plan, cost, cp, strategy), doc_tokens, mesh=mesh,
-                                 backend="torch", record=record)
+            shards = make_shards(plan, cost, cp, strategy)
+            issued = []  # what really went to torch.distributed, group by group
+            real = dist.batch_isend_irecv
+
+            def spy(ops, real=real, issued=issued):
+                issued.append([(o.op.__name__.lstrip("i"), o.peer, tuple(o.tensor.shape), o.tensor.dtype) for o in ops])
+                return real(ops)
+
+            dist.batch_isend_irecv = spy
+            try:
+                loss = ex.train_step(chunks, plan, shards, doc_tokens, mesh=mesh, backend="torch", record=record)
+            finally:
+                dist.batch_isend_irecv = real
             ref_loss, ref_grads = reference(plan)
             where = f"rank {rank} (cp={cp}, pp={pp}, dp={dp}, v={v}, {strategy}, {kind})"
             assert abs(loss - ref_loss) < 1e-10, (where, loss, ref_loss)
             n_micro = plan.n_micro
             assert len(record.ops) == 2 * n_micro * v  # every slot, empty ones too
             # what the executor issued is exactly the schedule, and boundary tensors die early
-            assert record.groups == p2p_schedule(pp, n_micro, v)[mesh.pp_rank], where
-            limit = in_flight(mesh.pp_rank, pp, n_micro, v) + 1
+            schedule = p2p_schedule(pp, n_micro, v)[mesh.pp_rank]
+            peers = {mesh.global_rank(mesh.dp_rank, p, mesh.cp_rank): p for p in range(pp)}
+            mbs = plan.replica_micro_batches(mesh.dp_rank)
+            assert len(issued) == len(schedule), where
+            for got, want in zip(issued, schedule):
+                assert [(kind, peers[peer]) for kind, peer, _, _ in got] == [(o.kind, o.peer) for o in want], where
+                for (_, _, shape, dtype), o in zip(got, want):
+                    j = mbs[o.micro]
+                    local = len(shards[j].rank_indices[mesh.cp_rank]) if len(plan.micro_batches[j]) else 0
+                    assert shape == (local, 32) and dtype == torch.float64, (where, o, shape)
+            # sampled while a group's sends and its new receive buffers coexist: the inputs of the
+            # micro-batches in flight, the output of the last one (being sent) and the next receive
+            limit = in_flight(mesh.pp_rank, pp, n_micro, v) + 2
             assert max(record.peak_live.values()) <= limit, (where, record.peak_live, limit)
             for chunk in chunks:
                 for p in chunk.parameters():
@@ -235,3 +257,65 @@ def test_example_matches_its_single_process_reference():
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     last = [ln for ln in res.stdout.splitlines() if ln.strip()][-1]
     assert last.startswith("reference check: max abs diff ") and float(last.split()[-1]) <= 1e-4, last
+
+
+def test_chunked_cross_entropy_equals_the_full_loss_and_its_gradients():
+    from wlb_opt.executor.train import chunked_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, dtype=torch.float64, generator=g).requires_grad_()
+    head = torch.nn.Linear(16, 50, bias=False).double()
+    labels = torch.randint(0, 50, (37,), generator=g)
+    labels[5:21] = -100  # a masked run: chunks of only masked tokens add nothing
+    full = torch.nn.functional.cross_entropy(head(hidden), labels, ignore_index=-100, reduction="sum")
+    want = torch.autograd.grad(full, (hidden, head.weight))
+    for chunk in (1, 4, 8, 16, 37, 100):
+        got_loss = chunked_cross_entropy(hidden, labels, head, chunk)
+        got = torch.autograd.grad(got_loss, (hidden, head.weight))
+        torch.testing.assert_close(got_loss, full, rtol=1e-12, atol=1e-12)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert float(chunked_cross_entropy(hidden, torch.full((37,), -100), head, 8).detach()) == 0.0
+    with pytest.raises(ValueError, match="loss_chunk"):
+        chunked_cross_entropy(hidden, labels, head, 0)
+
+
+def test_train_step_takes_the_users_loss_and_the_models_softmax_scale():
+    """One process: a custom summed loss replaces the default, and an attention scale the
+    model passes reaches CP attention (checked against the same model and scale by hand)."""
+    import wlb_opt.executor as ex
+
+    plan, cost = make_plan(1)
+    shards = make_shards(plan, cost, 1)
+    seen = []
+
+    def loss_fn(hidden, labels, head):
+        seen.append(hidden.shape[0])
+        return torch.nn.functional.cross_entropy(head(hidden), labels, ignore_index=-100, reduction="sum")
+
+    model = make_model()
+    loss = ex.train_step(model, plan, shards, doc_tokens, backend="torch", loss_fn=loss_fn, check_plan=False)
+    ref_loss, _ = reference(plan)
+    assert abs(loss - ref_loss) < 1e-12 and len(seen) == sum(len(mb) > 0 for mb in plan.micro_batches)
+
+    class Scaled(torch.nn.Module):  # a one-block stage whose attention uses its own scale
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.hidden, self.head = base, base.hidden, base.head
+
+        def forward(self, x, pos, attend):
+            return self.base(x, pos, lambda q, k, v, **kw: attend(q, k, v, softmax_scale=0.05))
+
+    stage = Scaled(ex.split_stages(make_model(), 1)[0])
+    loss = ex.train_step(stage, plan, shards, doc_tokens, backend="torch", check_plan=False)
+    by_hand, total = 0.0, ex.target_tokens(plan)
+    model = make_model()
+    for j, mb in enumerate(plan.micro_batches):
+        lengths = plan.lengths[mb]
+        tokens = ex.pack_tokens(plan, j, doc_tokens)
+        seg = segments_from_lengths(lengths)
+        logits = model(tokens, torch.from_numpy(ex.packed_positions(lengths, plan.offsets[mb])),
+                       lambda q, k, v: doc_attention(q, k, v, seg, softmax_scale=0.05, backend="torch"))
+        by_hand += float(torch.nn.functional.cross_entropy(logits.detach(), ex.packed_labels(tokens, lengths),
+                                                           ignore_index=-100, reduction="sum")) / total
+    assert abs(loss - by_hand) < 1e-12 and abs(loss - ref_loss) > 1e-6

@@ -171,7 +171,9 @@ def _scatter_reduce(grad: torch.Tensor, cpx: CPContext, group) -> torch.Tensor:
         try:
             dist.reduce_scatter_tensor(out, padded, group=group)
             return out[: cpx.counts[cpx.rank]]
-        except (RuntimeError, NotImplementedError):  # a backend without reduce-scatter
+        except (RuntimeError, NotImplementedError) as exc:  # a backend without reduce-scatter
+            if "support" not in str(exc).lower() and not isinstance(exc, NotImplementedError):
+                raise
             _NO_REDUCE_SCATTER.add(id(group))
     dist.all_reduce(padded, group=group)
     return padded[cpx.rank * cpx.width: cpx.rank * cpx.width + cpx.counts[cpx.rank]]
@@ -204,6 +206,9 @@ def _attention_forward(q, k_full, v_full, cpx, scale, backend, deterministic):
     if backend == "torch":
         with torch.no_grad():
             return attention_per_segment(q, k_full, v_full, cpx.segments.numpy(), scale)
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or q.shape[-1] not in _da.TRITON_HEAD_DIMS:
+        raise ValueError(f"the Triton backend takes fp16/bf16/fp32 and head dims {_da.TRITON_HEAD_DIMS}, got "
+                         f"{q.dtype} and head dim {q.shape[-1]}; use backend='torch'")
     return _da._fwd_op(q, k_full, v_full, cpx.segments, scale, deterministic)
 
 

@@ -80,8 +80,10 @@ class TinyLM(nn.Module):
 class Stage(nn.Module):
     """A contiguous slice of a TinyLM for one (virtual) pipeline stage, sharing its parameters.
 
-    The first stage embeds token ids, the last applies the final norm and LM head; the others
-    map hidden states to hidden states. `hidden` is the activation width sent between stages.
+    The first stage embeds token ids; the last applies the final norm and returns hidden
+    states, and exposes the output projection as `head` (the loss applies it, in chunks, so
+    the full logits never exist at once); the others map hidden states to hidden states.
+    `hidden` is the activation width sent between stages.
     Under autocast a stage hands on its hidden states in the autocast dtype (what the
     pipeline carries; see `wlb_opt.executor.train.activation_dtype`).
     """
@@ -106,7 +108,7 @@ class Stage(nn.Module):
         for block in self.blocks:
             x = block(x, positions, attend)
         if self.head is not None:
-            return self.head(self.norm(x))
+            return self.norm(x)
         kind = x.device.type
         return x.to(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else x
 

@@ -154,9 +154,10 @@ class CPAttend:
     def prefetch(self, k, v):
         return prefetch_kv(k, v, self.shard, self.group)
 
-    def __call__(self, q, k, v, prefetched=None):
+    def __call__(self, q, k, v, prefetched=None, softmax_scale: float | None = None, deterministic: bool = True):
         return context_parallel_attention(q, k, v, self.shard, group=self.group, backend=self.backend,
-                                          regather=self.regather, prefetched=prefetched)
+                                          regather=self.regather, prefetched=prefetched,
+                                          softmax_scale=softmax_scale, deterministic=deterministic)
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group, bucket_bytes: int = 32 << 20) -> None:
@@ -193,7 +194,43 @@ def check_boundary_dtype(t: torch.Tensor, expected: torch.dtype, direction: str,
                          "cast the stage's output, or run every stage under the same autocast")
 
 
+DEFAULT_LOSS_CHUNK = 8192
+"""Tokens of logits the default loss materialises at once (fp32: 8192 x a 128K vocabulary is
+4 GiB; the full 128K-token micro-batch would be 64 GiB)."""
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module,
+                          chunk: int = DEFAULT_LOSS_CHUNK) -> torch.Tensor:
+    """Summed next-token cross-entropy of `head(hidden)` against `labels` (-100: no target),
+    `chunk` tokens of logits at a time, in fp32 (fp64 stays fp64). Each chunk's logits are
+    recomputed in backward (activation checkpointing) instead of being kept, so at most one
+    chunk of logits exists at any time, forward or backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"loss_chunk must be an integer >= 1 (tokens), got {chunk!r}")
+
+    def piece(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = head(h)
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        return F.cross_entropy(logits, y, ignore_index=IGNORE, reduction="sum")
+
+    # start from the graph (zero rows still back-propagate, so CP peers meet in backward)
+    total = 0.0 * hidden.sum().to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+    for start in range(0, hidden.shape[0], chunk):
+        h, y = hidden[start: start + chunk], labels[start: start + chunk]
+        if not bool((y != IGNORE).any()):
+            total = total + 0.0 * h.sum()  # keep the graph connected; adds nothing
+            continue
+        total = total + (checkpoint(piece, h, y, use_reentrant=False) if torch.is_grad_enabled() else piece(h, y))
+    return total
+
+
 def _chunks(model) -> list[torch.nn.Module]:
+    from .model import TinyLM, split_stages
+
+    if isinstance(model, TinyLM):  # the whole model as one stage: hidden states + its head
+        model = split_stages(model, 1)
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if not chunks or not all(isinstance(c, torch.nn.Module) for c in chunks):
         raise ValueError("model must be a torch.nn.Module or a list of this rank's v model chunks "
@@ -204,7 +241,8 @@ def _chunks(model) -> list[torch.nn.Module]:
 def train_step(model, plan, shards: list, doc_tokens: Callable[[int], torch.Tensor],
                mesh: Mesh | None = None, backend: str = "auto", check_plan: bool = True,
                record: StageOutputs | None = None, regather_kv: bool | None = None,
-               prefetch: bool = True) -> float:
+               prefetch: bool = True, loss_fn: Callable | None = None,
+               loss_chunk: int = DEFAULT_LOSS_CHUNK) -> float:
     """Forward and backward of one global batch; returns the global mean token loss.
 
     `model` is this rank's pipeline stage, or its v chunks for the interleaved schedule
@@ -216,6 +254,11 @@ def train_step(model, plan, shards: list, doc_tokens: Callable[[int], torch.Tens
     completes. Gradients are summed over the ranks that hold the same stage, and left in
     `param.grad`. `regather_kv`: see `context_parallel_attention` (default: on for GPUs).
     `prefetch`: let models that support it start the K/V all-gather before the Q projection.
+
+    The last stage returns hidden states and exposes its output projection as `stage.head`.
+    The loss of a micro-batch is `loss_fn(hidden, labels, head)` (a summed loss; labels are
+    -100 where a token has no target), by default `chunked_cross_entropy` with `loss_chunk`
+    tokens of logits at a time; it is divided by the target tokens of the whole global batch.
     """
     chunks = _chunks(model)
     v = len(chunks)
@@ -279,17 +322,20 @@ def train_step(model, plan, shards: list, doc_tokens: Callable[[int], torch.Tens
                 boundary.add(op.direction, t)
                 inbox[key] = t
                 ops.append(dist.P2POp(dist.irecv, t, peer_rank(op.peer)))
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-        del ops, t  # the sends' tensors are free once their group completed
-        if record is not None:
+        if record is not None:  # the peak: this group's sends and its new receive buffers coexist
             record.groups.append(list(group))
             live = boundary.alive()
             for d in live:
                 record.peak_live[d] = max(record.peak_live[d], live[d])
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        del ops, t  # the sends' tensors are free once their group completed
 
     def send_later(direction: str, k: int, vs: int, t: torch.Tensor) -> None:
         check_boundary_dtype(t, act_dtype, direction, vs)
+        if t.shape[0] != rows(mbs[k]):  # a short send would leave an NCCL receive waiting forever
+            raise ValueError(f"virtual stage {vs} produced a {direction} tensor of {t.shape[0]} rows for micro-batch "
+                             f"{mbs[k]}, but this CP rank holds {rows(mbs[k])} of its tokens")
         t = t.detach().contiguous()
         boundary.add(direction, t)
         outbox[(direction, k, vs)] = t
@@ -317,8 +363,14 @@ def train_step(model, plan, shards: list, doc_tokens: Callable[[int], torch.Tens
             attend = CPAttend(shards[j], mesh.cp_group if mesh else None, backend, regather_kv, prefetch)
             out = chunk(x, pos, attend)
             if last:
-                out = F.cross_entropy(out.float() if out.dtype != torch.float64 else out, lab,
-                                      ignore_index=IGNORE, reduction="sum") / total
+                head = getattr(chunk, "head", None)
+                if head is None:
+                    raise ValueError("the last pipeline stage must return hidden states and expose its output "
+                                     "projection as `.head` (split_stages does)")
+                if loss_fn is None:
+                    out = chunked_cross_entropy(out, lab, head, loss_chunk) / total
+                else:
+                    out = loss_fn(out, lab, head) / total
                 loss_sum += out.detach().to(torch.float64)
             else:
                 send_later("fwd", k, vs, out)
