@@ -142,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="micro-batch sizes of --full (default: 32768 on CUDA, 2048 on CPU)")
     p.add_argument("--head-dim", type=int, default=None, help="--full head dim (default 128 on CUDA, 32 on CPU)")
     args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
     result = dict(host=host_rows(tuple(args.tokens), device=args.device, repeats=args.repeats))
+    (args.out / "cp_path.json").write_text(json.dumps(result, indent=1))  # kept if --full times out
     print(f"{'tokens':>7} {'docs':>5} {'before ms':>10} {'after, 1st':>11} {'after, later':>13} {'speedup':>8}")
     for r in result["host"]:
         print(f"{r['tokens']:>7} {r['documents']:>5} {r['before_ms']:>10.3f} {r['after_first_layer_ms']:>11.3f} "
@@ -154,7 +156,6 @@ def main(argv: list[str] | None = None) -> int:
         for r in result["full"]:
             print(f"full path, {r['tokens']} tokens on {r['device']} ({r['backend']}, {r['dtype']}): "
                   f"{r['ms_per_layer']:.3f} ms per layer (fwd+bwd), host {r['host_ms_per_layer']:.3f} ms")
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cp_path.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out / 'cp_path.json'}")
     return 0

@@ -169,6 +169,28 @@ def _worker(rank, world, port):
                     torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-8, atol=1e-10,
                                                msg=lambda m: f"{where} {name}: {m}")
             dist.barrier()
+        # tensor parallelism inside a stage (DTensor), alone and with CP or PP: (cp, pp, dp, tp)
+        for cp, pp, dp, tp in {2: [(1, 1, 1, 2)], 4: [(2, 1, 1, 2), (1, 2, 1, 2)]}[world]:
+            mesh = ex.make_mesh(cp=cp, pp=pp, dp=dp, tp=tp)
+            plan, cost = make_plan(dp, cp, pp)
+            model = make_model()
+            chunks = ex.split_stages(model, pp)[mesh.pp_rank::pp]
+            for chunk in chunks:
+                ex.apply_tensor_parallel(chunk, mesh.device_mesh["tp"])
+            names = {id(p): n for n, p in model.named_parameters()}
+            loss = ex.train_step(chunks, plan, make_shards(plan, cost, cp), doc_tokens, mesh=mesh, backend="torch")
+            ref_loss, ref_grads = reference(plan)
+            where = f"rank {rank} (cp={cp}, pp={pp}, dp={dp}, tp={tp})"
+            assert abs(loss - ref_loss) < 1e-10, (where, loss, ref_loss)
+            sharded = 0
+            for chunk in chunks:
+                for p in chunk.parameters():
+                    grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                    sharded += hasattr(p, "full_tensor")
+                    torch.testing.assert_close(grad, ref_grads[names[id(p)]], rtol=1e-8, atol=1e-10,
+                                               msg=lambda m: f"{where} {names[id(p)]}: {m}")
+            assert sharded > 0, where  # the projections really are DTensors
+            dist.barrier()
         if world == 4:  # a user's own 2-D DeviceMesh with torchtitan-style names, and bad meshes
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -191,11 +213,9 @@ def _worker(rank, world, port):
             assert abs(loss - ref_loss) < 1e-10
             for p in model.parameters():
                 torch.testing.assert_close(p.grad, ref_grads[names[id(p)]], rtol=1e-8, atol=1e-10)
-            mesh = ex.make_mesh(cp=2, tp=2)  # the tp dimension exists; TP inside a stage is refused for now
+            mesh = ex.make_mesh(cp=2, tp=2)
             assert mesh.device_mesh.mesh_dim_names == ("dp", "pp", "cp", "tp") and mesh.tp == 2
             assert mesh.global_rank(0, 0, 1, 1) == 3 and mesh.rank == rank
-            with pytest.raises(ValueError, match="tensor parallelism"):
-                ex.train_step(model, make_plan(1, 2, 1)[0], [], doc_tokens, mesh=mesh, backend="torch")
             dist.barrier()
         if world == 2:  # a two-stage pipeline under CPU autocast carries bf16 activations
             mesh = ex.make_mesh(cp=1, dp=1, pp=2)

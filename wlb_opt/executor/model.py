@@ -43,11 +43,12 @@ class Block(nn.Module):
         h = self.norm1(x)
         # K and V first: an attention with `prefetch` (CP) starts their all-gather, which then
         # runs while Q is projected and rotated
-        k = rope(self.wk(h).view(T, self.kv_heads, self.head_dim), positions)
-        v = self.wv(h).view(T, self.kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism a rank computes only its share of the heads
+        k = rope(self.wk(h).view(T, -1, self.head_dim), positions)
+        v = self.wv(h).view(T, -1, self.head_dim)
         prefetch = getattr(attend, "prefetch", None)
         pending = prefetch(k, v) if prefetch is not None else None
-        q = rope(self.wq(h).view(T, self.heads, self.head_dim), positions)
+        q = rope(self.wq(h).view(T, -1, self.head_dim), positions)
         out = attend(q, k, v, prefetched=pending) if pending is not None else attend(q, k, v)
         x = x + self.wo(out.reshape(T, -1))
         h = self.norm2(x)

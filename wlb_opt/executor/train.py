@@ -30,6 +30,7 @@ import weakref
 from ..schedule import P2POp, message_key, step_plan
 from .cp_attention import context_parallel_attention, prefetch_kv
 from .mesh import SELF_GROUP, Mesh
+from .tp import local_tensor
 from .plumbing import check_same_plan
 
 IGNORE = -100
@@ -168,21 +169,22 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group, bucket_bytes: int = 32 
 
     def flush():
         if bucket:
-            flat = torch.cat([t.reshape(-1) for t in bucket])
+            flat = torch.cat([local_tensor(t).reshape(-1) for t in bucket])
             dist.all_reduce(flat, group=group)
             offset = 0
             for t in bucket:
-                t.copy_(flat[offset: offset + t.numel()].view_as(t))
-                offset += t.numel()
+                lt = local_tensor(t)
+                lt.copy_(flat[offset: offset + lt.numel()].view_as(lt))
+                offset += lt.numel()
             bucket.clear()
 
     for t in tensors:
-        if bucket and (t.dtype != bucket[0].dtype or t.device != bucket[0].device
-                       or size + t.numel() * t.element_size() > bucket_bytes):
+        n_bytes = local_tensor(t).numel() * t.element_size()
+        if bucket and (t.dtype != bucket[0].dtype or t.device != bucket[0].device or size + n_bytes > bucket_bytes):
             flush()
             size = 0
         bucket.append(t)
-        size += t.numel() * t.element_size()
+        size += n_bytes
     flush()
 
 
@@ -267,9 +269,6 @@ def train_step(model, plan, shards: list, doc_tokens: Callable[[int], torch.Tens
     n_virtual = pp * v
     if mesh and plan.dp != mesh.dp:
         raise ValueError(f"plan has dp={plan.dp} replicas but the mesh has dp={mesh.dp}")
-    if mesh and mesh.tp > 1:
-        raise ValueError(f"the mesh has tp={mesh.tp}: tensor parallelism inside a stage is not built yet; "
-                         "use a mesh with tp=1")
     if check_plan:
         check_same_plan(plan)
     total = target_tokens(plan)
@@ -395,9 +394,10 @@ def train_step(model, plan, shards: list, doc_tokens: Callable[[int], torch.Tens
         for chunk in chunks:
             for p in chunk.parameters():
                 if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                    p.grad = torch.zeros_like(p)  # a DTensor parameter gets a DTensor zero
                 grads.append(p.grad)
         if mesh.stage_group != SELF_GROUP:
             _all_reduce_flat(grads, mesh.stage_group)
-        dist.all_reduce(loss_sum)  # only last-stage ranks hold a share of the loss
+        dist.all_reduce(loss_sum)  # only last-stage ranks hold a share of the loss ...
+        loss_sum /= mesh.tp  # ... and every TP rank of a stage holds the same one
     return float(loss_sum)
