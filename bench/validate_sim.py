@@ -94,7 +94,7 @@ def _run(ex, wlb, dist, torch, mesh, model, cost, batches, scale, args, v: int) 
         rec = ex.StageOutputs()
         dist.barrier()
         t0 = time.perf_counter()
-        ex.train_step(chunks, plan, shards, doc_tokens, mesh=mesh, backend="torch", record=rec,
+        ex.train_step(chunks, plan, shards, data=doc_tokens, mesh=mesh, backend="torch", record=rec,
                       check_plan=False)
         wall = time.perf_counter() - t0
         for chunk in chunks:

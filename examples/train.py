@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1); dp x pp x cp x tp = world size")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree inside a stage (default 1)")
+    p.add_argument("--fsdp", action="store_true", help="shard parameters with FSDP2 over dp x cp (not with --tp)")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     p.add_argument("--n-micro", type=int, default=2, help="micro-batches per DP replica and step (default 2)")
     p.add_argument("--window", type=int, default=256, help="training context length in tokens (default 256)")
@@ -54,6 +55,8 @@ def main() -> None:
     p.add_argument("--check-reference", action="store_true",
                    help="fp64 + SGD, then compare with a single-process rerun of the same steps (rank 0)")
     args = p.parse_args()
+    if args.fsdp and args.tp > 1:
+        p.error("--fsdp with --tp > 1 is not supported yet (2-D FSDP2 + TP)")
     layout = wlb.ParallelSpec(tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp)  # the one place the layout is built
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -76,6 +79,9 @@ def main() -> None:
     if layout.tp > 1:  # column/row-parallel projections over the mesh's tp dimension (DTensor)
         for chunk in chunks:
             ex.apply_tensor_parallel(chunk, mesh.device_mesh["tp"])
+    if args.fsdp:  # FSDP2: parameters sharded over dp x cp, gradients reduce-scattered once a step
+        for chunk in chunks:
+            ex.apply_fsdp(chunk, mesh)
     params = [p for chunk in chunks for p in chunk.parameters()]
     opt = torch.optim.SGD(params, lr=args.lr) if args.check_reference else torch.optim.AdamW(params, lr=args.lr)
 
@@ -98,7 +104,7 @@ def main() -> None:
                   if len(mb) else None for mb in plan.micro_batches]
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = ex.train_step(chunks, plan, shards, doc_tokens, mesh=mesh,
+        loss = ex.train_step(chunks, plan, shards, data=doc_tokens, mesh=mesh,
                              backend="torch" if args.check_reference else "auto")  # fp64 runs on torch
         opt.step()
         plans.append(plan)

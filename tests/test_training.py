@@ -140,7 +140,7 @@ def _worker(rank, world, port):
 
             dist.batch_isend_irecv = spy
             try:
-                loss = ex.train_step(chunks, plan, shards, doc_tokens, mesh=mesh, backend="torch", record=record)
+                loss = ex.train_step(chunks, plan, shards, data=doc_tokens, mesh=mesh, backend="torch", record=record)
             finally:
                 dist.batch_isend_irecv = real
             ref_loss, ref_grads = reference(plan)
@@ -178,7 +178,7 @@ def _worker(rank, world, port):
             for chunk in chunks:
                 ex.apply_tensor_parallel(chunk, mesh.device_mesh["tp"])
             names = {id(p): n for n, p in model.named_parameters()}
-            loss = ex.train_step(chunks, plan, make_shards(plan, cost, cp), doc_tokens, mesh=mesh, backend="torch")
+            loss = ex.train_step(chunks, plan, make_shards(plan, cost, cp), data=doc_tokens, mesh=mesh, backend="torch")
             ref_loss, ref_grads = reference(plan)
             where = f"rank {rank} (cp={cp}, pp={pp}, dp={dp}, tp={tp})"
             assert abs(loss - ref_loss) < 1e-10, (where, loss, ref_loss)
@@ -190,6 +190,32 @@ def _worker(rank, world, port):
                     torch.testing.assert_close(grad, ref_grads[names[id(p)]], rtol=1e-8, atol=1e-10,
                                                msg=lambda m: f"{where} {names[id(p)]}: {m}")
             assert sharded > 0, where  # the projections really are DTensors
+            dist.barrier()
+        # sharded data parallelism with FSDP2 (over dp x cp), alone and with a pipeline: (cp, pp, dp)
+        for cp, pp, dp in {2: [(1, 1, 2)], 4: [(1, 2, 2), (2, 1, 2)]}[world]:
+            mesh = ex.make_mesh(cp=cp, pp=pp, dp=dp)
+            plan, cost = make_plan(dp, cp, pp)
+            model = make_model()
+            names = {id(p): n for n, p in model.named_parameters()}
+            chunks = ex.split_stages(model, pp)[mesh.pp_rank::pp]
+            for chunk in chunks:
+                ex.apply_fsdp(chunk, mesh)
+            loss = ex.train_step(chunks, plan, make_shards(plan, cost, cp), data=doc_tokens, mesh=mesh, backend="torch")
+            ref_loss, ref_grads = reference(plan)
+            where = f"rank {rank} FSDP2 (cp={cp}, pp={pp}, dp={dp})"
+            assert abs(loss - ref_loss) < 1e-10, (where, loss, ref_loss)
+            for chunk in chunks:
+                for name, p in chunk.named_parameters():
+                    assert hasattr(p, "full_tensor"), where  # FSDP2 shards every parameter
+            full = {}
+            for chunk in chunks:
+                for p in chunk.parameters():
+                    full[id(p)] = p.grad.full_tensor()
+            by_name = {n: p for n, p in model.named_parameters()}
+            for n, p in by_name.items():
+                if id(p) in full:
+                    torch.testing.assert_close(full[id(p)], ref_grads[n], rtol=1e-8, atol=1e-10,
+                                               msg=lambda m: f"{where} {n}: {m}")
             dist.barrier()
         if world == 4:  # a user's own 2-D DeviceMesh with torchtitan-style names, and bad meshes
             from torch.distributed.device_mesh import init_device_mesh
@@ -208,7 +234,7 @@ def _worker(rank, world, port):
             plan, cost = make_plan(2, 2, 1)
             model = make_model()
             names = {id(p): n for n, p in model.named_parameters()}
-            loss = ex.train_step(model, plan, make_shards(plan, cost, 2), doc_tokens, mesh=mesh, backend="torch")
+            loss = ex.train_step(model, plan, make_shards(plan, cost, 2), data=doc_tokens, mesh=mesh, backend="torch")
             ref_loss, ref_grads = reference(plan)
             assert abs(loss - ref_loss) < 1e-10
             for p in model.parameters():
@@ -224,7 +250,7 @@ def _worker(rank, world, port):
             stage = ex.split_stages(model, 2)[mesh.pp_rank]
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 assert ex.activation_dtype(next(stage.parameters())) == torch.bfloat16
-                loss = ex.train_step(stage, plan, make_shards(plan, cost, 1), doc_tokens, mesh=mesh,
+                loss = ex.train_step(stage, plan, make_shards(plan, cost, 1), data=doc_tokens, mesh=mesh,
                                      backend="torch")
             ref_loss, _ = reference(plan)
             assert abs(loss - ref_loss) < 0.05 * abs(ref_loss), (loss, ref_loss)
@@ -314,7 +340,7 @@ def test_train_step_takes_the_users_loss_and_the_models_softmax_scale():
         return torch.nn.functional.cross_entropy(head(hidden), labels, ignore_index=-100, reduction="sum")
 
     model = make_model()
-    loss = ex.train_step(model, plan, shards, doc_tokens, backend="torch", loss_fn=loss_fn, check_plan=False)
+    loss = ex.train_step(model, plan, shards, data=doc_tokens, backend="torch", loss_fn=loss_fn, check_plan=False)
     ref_loss, _ = reference(plan)
     assert abs(loss - ref_loss) < 1e-12 and len(seen) == sum(len(mb) > 0 for mb in plan.micro_batches)
 
@@ -327,7 +353,7 @@ def test_train_step_takes_the_users_loss_and_the_models_softmax_scale():
             return self.base(x, pos, lambda q, k, v, **kw: attend(q, k, v, softmax_scale=0.05))
 
     stage = Scaled(ex.split_stages(make_model(), 1)[0])
-    loss = ex.train_step(stage, plan, shards, doc_tokens, backend="torch", check_plan=False)
+    loss = ex.train_step(stage, plan, shards, data=doc_tokens, backend="torch", check_plan=False)
     by_hand, total = 0.0, ex.target_tokens(plan)
     model = make_model()
     for j, mb in enumerate(plan.micro_batches):

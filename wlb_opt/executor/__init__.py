@@ -24,11 +24,12 @@ from .cp_attention import (CPContext, PendingKV, context_parallel_attention, cp_
 from .mesh import Mesh, make_mesh  # noqa: E402
 from .model import Stage, TinyLM, split_stages  # noqa: E402
 from .plumbing import broadcast_plan, check_same_plan, local_inputs  # noqa: E402
+from .fsdp import apply_fsdp, fsdp_mesh  # noqa: E402
 from .tp import apply_tensor_parallel, tp_plan  # noqa: E402
 from .train import (StageOutputs, activation_dtype, pack_tokens, packed_labels, packed_positions,  # noqa: E402
                     target_tokens, train_step)
 
-__all__ = ["CPContext", "Mesh", "PendingKV", "P2POp", "Stage", "StageOutputs", "TinyLM", "activation_dtype", "apply_tensor_parallel", "broadcast_plan",
-           "check_same_plan", "context_parallel_attention", "cp_context", "gather_packed", "local_inputs",
+__all__ = ["CPContext", "Mesh", "PendingKV", "P2POp", "Stage", "StageOutputs", "TinyLM", "activation_dtype", "apply_fsdp", "apply_tensor_parallel", "broadcast_plan",
+           "check_same_plan", "context_parallel_attention", "cp_context", "fsdp_mesh", "gather_packed", "local_inputs",
            "make_mesh", "p2p_schedule", "pack_tokens", "packed_labels", "packed_order_index", "packed_positions", "prefetch_kv",
            "split_stages", "target_tokens", "tp_plan", "train_step"]

@@ -30,6 +30,7 @@ import weakref
 from ..schedule import P2POp, message_key, step_plan
 from .cp_attention import context_parallel_attention, prefetch_kv
 from .mesh import SELF_GROUP, Mesh
+from .fsdp import is_fsdp
 from .tp import local_tensor
 from .plumbing import check_same_plan
 
@@ -240,14 +241,16 @@ def _chunks(model) -> list[torch.nn.Module]:
     return chunks
 
 
-def train_step(model, plan, shards: list, doc_tokens: Callable[[int], torch.Tensor],
-               mesh: Mesh | None = None, backend: str = "auto", check_plan: bool = True,
-               record: StageOutputs | None = None, regather_kv: bool | None = None,
-               prefetch: bool = True, loss_fn: Callable | None = None,
-               loss_chunk: int = DEFAULT_LOSS_CHUNK) -> float:
+def train_step(stages, plan, shards: list, *, data: Callable[[int], torch.Tensor], mesh: Mesh | None = None,
+               loss_fn: Callable | None = None, loss_chunk: int = DEFAULT_LOSS_CHUNK, reduce_grads: bool = True,
+               regather_kv: bool | None = None, step: int | None = None, backend: str = "auto",
+               check_plan: bool = True, record: StageOutputs | None = None, prefetch: bool = True) -> float:
     """Forward and backward of one global batch; returns the global mean token loss.
 
-    `model` is this rank's pipeline stage, or its v chunks for the interleaved schedule
+    `data(id)` returns a whole document's token ids (a 1-D integer tensor); `step` is the
+    step index, used in error messages.
+
+    `stages` is this rank's pipeline stage, or its v chunks for the interleaved schedule
     (`split_stages(model, pp, v)[pp_rank::pp]`; the whole model when pp = 1). `shards[j]` is
     the ShardPlan of micro-batch j (cp ranks = mesh.cp; None for an empty micro-batch).
     Micro-batches of this rank's DP replica run in the order of `wlb_opt.schedule.stage_order`
@@ -261,19 +264,27 @@ def train_step(model, plan, shards: list, doc_tokens: Callable[[int], torch.Tens
     The loss of a micro-batch is `loss_fn(hidden, labels, head)` (a summed loss; labels are
     -100 where a token has no target), by default `chunked_cross_entropy` with `loss_chunk`
     tokens of logits at a time; it is divided by the target tokens of the whole global batch.
+
+    Gradients: chunks sharded with FSDP2 (`apply_fsdp`) reduce-scatter their own over dp x cp,
+    once, after their last micro-batch's backward; the others are summed here over the ranks
+    that hold the same stage (flat buckets). `reduce_grads=False` leaves every gradient local
+    (for a user's own DDP or FSDP wrapper).
     """
+    model = stages
+    doc_tokens = data
+    where = "" if step is None else f"step {step}: "
     chunks = _chunks(model)
     v = len(chunks)
     cp, pp = (mesh.cp, mesh.pp) if mesh else (1, 1)
     cp_rank, pp_rank, dp_rank = (mesh.cp_rank, mesh.pp_rank, mesh.dp_rank) if mesh else (0, 0, 0)
     n_virtual = pp * v
     if mesh and plan.dp != mesh.dp:
-        raise ValueError(f"plan has dp={plan.dp} replicas but the mesh has dp={mesh.dp}")
+        raise ValueError(f"{where}plan has dp={plan.dp} replicas but the mesh has dp={mesh.dp}")
     if check_plan:
         check_same_plan(plan)
     total = target_tokens(plan)
     if total == 0:
-        raise ValueError("the global batch has no target tokens (every piece has length 1)")
+        raise ValueError(f"{where}the global batch has no target tokens (every piece has length 1)")
     param = next(chunks[0].parameters())
     device, act_dtype = param.device, activation_dtype(param)
     hidden = getattr(chunks[0], "hidden", None)
@@ -284,7 +295,7 @@ def train_step(model, plan, shards: list, doc_tokens: Callable[[int], torch.Tens
     for j in mbs:
         if len(plan.micro_batches[j]) and (shards[j] is None or len(shards[j].rank_indices) != cp):
             got = None if shards[j] is None else len(shards[j].rank_indices)
-            raise ValueError(f"shard of micro-batch {j} has {got} CP ranks, mesh has {cp}")
+            raise ValueError(f"{where}shard of micro-batch {j} has {got} CP ranks, mesh has {cp}")
 
     def rows(j: int) -> int:
         return len(shards[j].rank_indices[cp_rank]) if len(plan.micro_batches[j]) else 0
@@ -339,7 +350,15 @@ def train_step(model, plan, shards: list, doc_tokens: Callable[[int], torch.Tens
         boundary.add(direction, t)
         outbox[(direction, k, vs)] = t
 
-    for group, op in step_plan(pp_rank, pp, len(mbs), v):
+    plan_ops = step_plan(pp_rank, pp, len(mbs), v)
+    fsdp_chunks = [c for c in range(v) if is_fsdp(chunks[c])]
+    last_backward = {}  # chunk -> its last backward op that runs (non-empty): FSDP2 syncs there
+    for i, (_, op) in enumerate(plan_ops):
+        if op is not None and op[0] == "B" and len(plan.micro_batches[mbs[op[1]]]):
+            last_backward[op[2] // pp] = i
+    for c in fsdp_chunks:
+        chunks[c].set_requires_gradient_sync(False)
+    for i, (group, op) in enumerate(plan_ops):
         post(group)
         if op is None:
             break
@@ -375,6 +394,8 @@ def train_step(model, plan, shards: list, doc_tokens: Callable[[int], torch.Tens
                 send_later("fwd", k, vs, out)
             saved[(k, vs)] = (x, out)
         else:
+            if vs // pp in fsdp_chunks and last_backward.get(vs // pp) == i:
+                chunk.set_requires_gradient_sync(True)  # this backward reduce-scatters the step's gradients
             x, out = saved.pop((k, vs))
             if last:
                 out.backward()
@@ -391,7 +412,9 @@ def train_step(model, plan, shards: list, doc_tokens: Callable[[int], torch.Tens
         record.ops.extend((phase, j, vs, secs) for (phase, j, vs), secs in zip(timed, timer.seconds()))
     if mesh is not None and dist.is_initialized():
         grads = []
-        for chunk in chunks:
+        for c, chunk in enumerate(chunks):
+            if not reduce_grads or c in fsdp_chunks:
+                continue
             for p in chunk.parameters():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)  # a DTensor parameter gets a DTensor zero

@@ -1,0 +1,51 @@
+"""Sharded data parallelism for pipeline stages through PyTorch's FSDP2 (`fully_shard`).
+
+`apply_fsdp(stage, mesh)` shards a stage's parameters over the flattened dp x cp dimensions of
+the mesh, as torchtitan does: every rank of those dimensions holds the same stage, and its
+gradients are the sum over all of them (the loss is already normalised by the global batch's
+target tokens, so FSDP's usual division by the group size is turned off). With a pipeline,
+`train_step` lets a chunk's gradients reduce-scatter only after its last micro-batch's
+backward (`set_requires_gradient_sync`), so each step pays one reduce-scatter per chunk.
+Parameters are gathered before each forward and freed after it (`reshard_after_forward`,
+default True: least memory; False keeps them between a chunk's forward and backward, one
+all-gather per micro-batch fewer, at the cost of the full chunk's weights).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def fsdp_mesh(mesh):
+    """The 1-D DeviceMesh FSDP2 shards over: dp and cp flattened (or the one that exists)."""
+    dm = mesh.device_mesh
+    if dm is None:
+        raise ValueError("apply_fsdp needs a Mesh built on a DeviceMesh (make_mesh or Mesh.from_device_mesh)")
+    dims = [d for d in ("dp", "cp") if d in (dm.mesh_dim_names or ())]
+    if not dims:
+        raise ValueError(f"the DeviceMesh has neither a dp nor a cp dimension: {dm.mesh_dim_names}")
+    if len(dims) == 1:
+        return dm[dims[0]]
+    return dm[tuple(dims)]._flatten("dp_cp")
+
+
+def apply_fsdp(stage: torch.nn.Module, mesh, reshard_after_forward: bool = True) -> torch.nn.Module:
+    """`fully_shard` the stage over `fsdp_mesh(mesh)`, summing (not averaging) gradients.
+
+    Each block and the output head are their own FSDP units (gathered only while they run:
+    the loss applies the head outside the stage's forward, in chunks), then the stage."""
+    from torch.distributed.fsdp import fully_shard
+
+    shard_mesh = fsdp_mesh(mesh)
+    units = list(getattr(stage, "blocks", []))
+    if getattr(stage, "head", None) is not None:
+        units.append(stage.head)
+    for unit in units + [stage]:
+        fully_shard(unit, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
+        unit.set_gradient_divide_factor(1.0)
+    return stage
+
+
+def is_fsdp(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
