@@ -52,9 +52,13 @@ def main() -> None:
     p.add_argument("--virtual-stages", type=int, default=1,
                    help="model chunks per pipeline rank (default 1: 1F1B; > 1: interleaved 1F1B, needs "
                         "--n-micro a multiple of --pp)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp64"],
+                   help="parameter dtype (default fp32; --check-reference runs fp64 and refuses bf16)")
     p.add_argument("--check-reference", action="store_true",
                    help="fp64 + SGD, then compare with a single-process rerun of the same steps (rank 0)")
     args = p.parse_args()
+    if args.check_reference and args.dtype == "bf16":
+        p.error("--check-reference compares in fp64; bf16 is refused there (drop --dtype bf16)")
     if args.fsdp and args.tp > 1:
         p.error("--fsdp with --tp > 1 is not supported yet (2-D FSDP2 + TP)")
     layout = wlb.ParallelSpec(tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp)  # the one place the layout is built
@@ -71,7 +75,8 @@ def main() -> None:
     cost = wlb.CostModel.analytic(spec, layout, wlb.HardwareSpec.preset("cpu"))
     packer = wlb.WLBPacker(n_micro=args.n_micro, max_tokens=int(1.25 * args.window), cost=cost,
                            thresholds=[args.window // 2], n_queues=1, max_delay=4, seed=0)  # dp: cost.parallel
-    dtype = torch.float64 if args.check_reference else torch.float32
+    dtype = torch.float64 if args.check_reference else {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                                         "fp64": torch.float64}[args.dtype]
     torch.manual_seed(0)
     model = ex.TinyLM.from_spec(spec).to(device, dtype)
     # this rank's model chunks: virtual stages pp_rank, pp_rank + pp, ... of the pipeline

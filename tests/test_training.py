@@ -82,11 +82,22 @@ def in_flight(rank: int, pp: int, n_micro: int, v: int) -> int:
     return peak
 
 
-def reference(plan):
+def masked_doc(doc_id: int):
+    """A document with a loss mask: its first 7 tokens (a "prompt") are not targets."""
+    tokens = doc_tokens(doc_id)
+    mask = torch.ones(len(tokens), dtype=torch.bool)
+    mask[:7] = False
+    return tokens, mask
+
+
+def reference(plan, masked: bool = False):
     from wlb_opt.executor import pack_tokens, packed_labels, packed_positions, target_tokens
 
     model = make_model()
     total = target_tokens(plan)
+    if masked:  # labels by hand: a target only where the next token's mask is True
+        total = sum(int(((plan.offsets[i] + np.arange(1, plan.lengths[i])) >= 7).sum())
+                    for mb in plan.micro_batches for i in mb)
     loss_sum = 0.0
     for j, mb in enumerate(plan.micro_batches):
         if len(mb) == 0:
@@ -96,8 +107,12 @@ def reference(plan):
         seg = segments_from_lengths(lengths)
         logits = model(tokens, torch.from_numpy(wlb.executor.packed_positions(lengths, plan.offsets[mb])),
                        lambda q, k, v: doc_attention(q, k, v, seg, backend="torch"))
-        loss = torch.nn.functional.cross_entropy(logits, packed_labels(tokens, lengths), ignore_index=-100,
-                                                 reduction="sum") / total
+        labels = packed_labels(tokens, lengths)
+        if masked:
+            within = np.concatenate([plan.offsets[i] + np.arange(plan.lengths[i]) for i in mb])
+            nxt = torch.from_numpy(np.concatenate([within[1:], [0]]) >= 7)
+            labels = labels.masked_fill(~nxt, -100)
+        loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum") / total
         loss.backward()
         loss_sum += float(loss.detach())
     return loss_sum, {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -234,8 +249,9 @@ def _worker(rank, world, port):
             plan, cost = make_plan(2, 2, 1)
             model = make_model()
             names = {id(p): n for n, p in model.named_parameters()}
-            loss = ex.train_step(model, plan, make_shards(plan, cost, 2), data=doc_tokens, mesh=mesh, backend="torch")
-            ref_loss, ref_grads = reference(plan)
+            # documents with a loss mask: the count of targets is an all-reduce of local counts
+            loss = ex.train_step(model, plan, make_shards(plan, cost, 2), data=masked_doc, mesh=mesh, backend="torch")
+            ref_loss, ref_grads = reference(plan, masked=True)
             assert abs(loss - ref_loss) < 1e-10
             for p in model.parameters():
                 torch.testing.assert_close(p.grad, ref_grads[names[id(p)]], rtol=1e-8, atol=1e-10)

@@ -62,11 +62,41 @@ def target_tokens(plan) -> int:
     return int((plan.lengths[placed] - 1).sum())
 
 
+def _document(data, doc_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(token ids, loss mask or None) of a document: `data(id)` returns the token ids, or a
+    pair (token ids, loss mask), the mask True where a token is a training target."""
+    got = data(doc_id)
+    if isinstance(got, (tuple, list)):
+        tokens, mask = got
+        mask = torch.as_tensor(mask, dtype=torch.bool)
+        if mask.shape != tokens.shape:
+            raise ValueError(f"document {doc_id}: loss mask of shape {tuple(mask.shape)} for {tuple(tokens.shape)} tokens")
+        return tokens, mask
+    return got, None
+
+
 def pack_tokens(plan, j: int, doc_tokens: Callable[[int], torch.Tensor]) -> torch.Tensor:
     """Token ids of micro-batch j in packed order; doc_tokens(id) returns a whole document."""
-    parts = [doc_tokens(int(plan.doc_ids[i]))[int(plan.offsets[i]): int(plan.offsets[i] + plan.lengths[i])]
-             for i in plan.micro_batches[j]]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    return pack_micro_batch(plan, j, doc_tokens)[0]
+
+
+def pack_micro_batch(plan, j: int, data) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, next-token labels) of micro-batch j in packed order. Labels are -100 at the
+    last token of every piece and wherever the next token is not a target (its loss mask,
+    when `data` gives one, is False)."""
+    tokens, masks = [], []
+    for i in plan.micro_batches[j]:
+        doc, mask = _document(data, int(plan.doc_ids[i]))
+        lo, hi = int(plan.offsets[i]), int(plan.offsets[i] + plan.lengths[i])
+        tokens.append(doc[lo:hi])
+        masks.append(mask[lo:hi] if mask is not None else torch.ones(hi - lo, dtype=torch.bool))
+    if not tokens:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    tokens_t, mask_t = torch.cat(tokens), torch.cat(masks)
+    lengths = plan.lengths[plan.micro_batches[j]]
+    labels = packed_labels(tokens_t, lengths)
+    target_is_real = torch.cat([mask_t[1:], torch.zeros(1, dtype=torch.bool)])
+    return tokens_t, labels.masked_fill(~target_is_real, IGNORE)
 
 
 class StageOutputs:
@@ -282,9 +312,6 @@ def train_step(stages, plan, shards: list, *, data: Callable[[int], torch.Tensor
         raise ValueError(f"{where}plan has dp={plan.dp} replicas but the mesh has dp={mesh.dp}")
     if check_plan:
         check_same_plan(plan)
-    total = target_tokens(plan)
-    if total == 0:
-        raise ValueError(f"{where}the global batch has no target tokens (every piece has length 1)")
     param = next(chunks[0].parameters())
     device, act_dtype = param.device, activation_dtype(param)
     hidden = getattr(chunks[0], "hidden", None)
@@ -300,12 +327,29 @@ def train_step(stages, plan, shards: list, *, data: Callable[[int], torch.Tensor
     def rows(j: int) -> int:
         return len(shards[j].rank_indices[cp_rank]) if len(plan.micro_batches[j]) else 0
 
+    inputs_of: dict[int, tuple] = {}
+
     def local(j: int):
-        lengths = plan.lengths[plan.micro_batches[j]]
-        idx = torch.tensor(shards[j].rank_indices[cp_rank], dtype=torch.int64).to(device)
-        tokens = pack_tokens(plan, j, doc_tokens).to(device)
-        positions = torch.from_numpy(packed_positions(lengths, plan.offsets[plan.micro_batches[j]])).to(device)
-        return idx, tokens[idx], positions[idx], packed_labels(tokens, lengths)[idx]
+        if j not in inputs_of:
+            lengths = plan.lengths[plan.micro_batches[j]]
+            idx = torch.tensor(shards[j].rank_indices[cp_rank], dtype=torch.int64)
+            tokens, labels = pack_micro_batch(plan, j, doc_tokens)
+            positions = torch.from_numpy(packed_positions(lengths, plan.offsets[plan.micro_batches[j]]))
+            inputs_of[j] = tuple(t.to(device) for t in (idx, tokens[idx], positions[idx], labels[idx]))
+        return inputs_of[j]
+
+    # The loss is divided by the target tokens of the whole global batch: each last-stage
+    # rank (TP rank 0) counts its own micro-batches' targets (labels are -100 elsewhere, loss
+    # masks included), and one all-reduce sums the counts.
+    holds_loss = pp_rank == pp - 1 and (mesh is None or mesh.tp_rank == 0)
+    count = sum(int((local(j)[3] != IGNORE).sum()) for j in mbs if len(plan.micro_batches[j])) if holds_loss else 0
+    total_t = torch.tensor(float(count), dtype=torch.float64, device=device)
+    if mesh is not None and dist.is_initialized():
+        dist.all_reduce(total_t)
+    total = float(total_t)
+    if total == 0:
+        raise ValueError(f"{where}the global batch has no target tokens (every piece has length 1, or every "
+                         "target is masked)")
 
     def peer_rank(p: int) -> int:
         return mesh.global_rank(dp_rank, p, cp_rank)
