@@ -381,3 +381,12 @@ def test_train_step_takes_the_users_loss_and_the_models_softmax_scale():
         by_hand += float(torch.nn.functional.cross_entropy(logits.detach(), ex.packed_labels(tokens, lengths),
                                                            ignore_index=-100, reduction="sum")) / total
     assert abs(loss - by_hand) < 1e-12 and abs(loss - ref_loss) > 1e-6
+
+
+def test_loss_memory_bench_runs_small(tmp_path):
+    from wlb_opt.bench import loss_memory
+
+    assert loss_memory.main(["--tokens", "64", "--dim", "8", "--vocab", "100", "--out", str(tmp_path)]) == 0
+    rows = __import__("json").loads((tmp_path / "loss_memory.json").read_text())
+    assert [r["method"] for r in rows] == ["full logits", "chunked", "chunked", "chunked"]
+    assert all(r["peak_mb"] > 0 for r in rows)
