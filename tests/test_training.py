@@ -255,7 +255,9 @@ def _worker(rank, world, port):
             assert abs(loss - ref_loss) < 1e-10
             for p in model.parameters():
                 torch.testing.assert_close(p.grad, ref_grads[names[id(p)]], rtol=1e-8, atol=1e-10)
-            mesh = ex.make_mesh(cp=2, tp=2)
+            with pytest.raises(ValueError, match="timeout"):
+                ex.make_mesh(cp=2, tp=2, timeout=-1)
+            mesh = ex.make_mesh(cp=2, tp=2, timeout=datetime.timedelta(seconds=90))
             assert mesh.device_mesh.mesh_dim_names == ("dp", "pp", "cp", "tp") and mesh.tp == 2
             assert mesh.global_rank(0, 0, 1, 1) == 3 and mesh.rank == rank
             dist.barrier()

@@ -13,6 +13,7 @@ dimension order and with a mapping of their names onto ours; missing dimensions 
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,13 +123,33 @@ def _check_degree(name: str, value) -> int:
     return value
 
 
-def make_mesh(*, dp: int | None = None, pp: int = 1, cp: int = 1, tp: int = 1, device_type: str | None = None) -> Mesh:
+def _timeout_options(timeout):
+    """backend_override for init_device_mesh that gives every group `timeout` (a timedelta or seconds)."""
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"make_mesh: timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+    backend = str(dist.get_backend()).lower()
+    if "nccl" in backend:
+        options = dist.ProcessGroupNCCL.Options()
+        name = "nccl"
+    elif "gloo" in backend:
+        options = dist.ProcessGroupGloo._Options()
+        name = "gloo"
+    else:
+        raise ValueError(f"make_mesh: timeout is supported for gloo and nccl groups, the default group is {backend!r}")
+    options._timeout = datetime.timedelta(seconds=float(seconds))
+    return {dim: (name, options) for dim in DIMS}
+
+
+def make_mesh(*, dp: int | None = None, pp: int = 1, cp: int = 1, tp: int = 1, device_type: str | None = None,
+              timeout: datetime.timedelta | float | None = None) -> Mesh:
     """A DeviceMesh named ("dp", "pp", "cp", "tp") over the initialised default group, as a Mesh.
 
     Every rank must call it (creating the groups is collective). `dp=None` takes the world
     size / (pp x cp x tp); `device_type` defaults to "cuda" when the default group is NCCL,
-    else "cpu". The groups the mesh creates inherit the default group's backend and timeout.
-    The sizes are checked before any collective."""
+    else "cpu". The groups the mesh creates use the default group's backend, and `timeout`
+    (a timedelta or seconds; default: the default group's). The sizes are checked before any
+    collective."""
     if not dist.is_initialized():
         raise ValueError("make_mesh needs torch.distributed initialised (init_process_group)")
     from torch.distributed.device_mesh import init_device_mesh
@@ -146,5 +167,6 @@ def make_mesh(*, dp: int | None = None, pp: int = 1, cp: int = 1, tp: int = 1, d
                          f"cp={cp}, tp={tp}")
     if device_type is None:
         device_type = "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
-    device_mesh = init_device_mesh(device_type, (dp, pp, cp, tp), mesh_dim_names=DIMS)
+    override = _timeout_options(timeout) if timeout is not None else None
+    device_mesh = init_device_mesh(device_type, (dp, pp, cp, tp), mesh_dim_names=DIMS, backend_override=override)
     return Mesh.from_device_mesh(device_mesh)
