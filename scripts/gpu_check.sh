@@ -103,7 +103,7 @@ if has torch && has triton && { [ "$SMOKE" = 1 ] || has CUDA; }; then
   if [ "$SMOKE" = 1 ]; then
     timeout 120 "$PY" -m wlb_opt.bench.kernel --cpu-smoke --out "$OUT_DIR/kernel" > "$OUT_DIR/bench.log" 2>&1
   else
-    timeout 150 "$PY" -m wlb_opt.bench.kernel --out "$OUT_DIR/kernel" --budget-s 110 > "$OUT_DIR/bench.log" 2>&1
+    timeout -s INT -k 5 135 "$PY" -m wlb_opt.bench.kernel --out "$OUT_DIR/kernel" --budget-s 100 > "$OUT_DIR/bench.log" 2>&1
   fi
   bench_rc=$?
   tail -n 25 "$OUT_DIR/bench.log"
@@ -122,7 +122,7 @@ if has torch; then
     limit=60
   else
     args=(--model 7b --window 16384 --samples 8 --out "$OUT_DIR/cost_7b.json")
-    limit=90
+    limit=80
   fi
   timeout "$limit" "$PY" -c "import sys; from wlb_opt.profile import main; sys.exit(main(sys.argv[1:]))" \
     "${args[@]}" > "$OUT_DIR/profile.log" 2>&1
