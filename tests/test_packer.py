@@ -9,14 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import unit_cost as _unit_cost
+
 import wlb_opt as wlb
 from wlb_opt.solvers.deal import deal_to_replicas, one_f_one_b_time
 
 
 def unit_cost(attn=1e-6, linear=1e-3, parallel=None):
-    """Attention + linear cost only; `parallel`: the layout it is for (None: any layout)."""
-    zero = dict(attn=attn, linear=linear, comm=0.0, doc_const=0.0, mb_const=0.0)
-    return wlb.CostModel(coef={"fwd": dict(zero), "bwd": dict(zero)}, attn_flops_per_pair=1.0, parallel=parallel)
+    """Attention + linear cost, the backward equal to the forward (conftest's helper)."""
+    return _unit_cost(attn, linear, backward=True, parallel=parallel)
 
 
 COST = unit_cost()
@@ -378,7 +379,7 @@ def test_calibration_candidates_come_from_cost_and_data():
     assert packer.state_dict()["config"]["release"] == "balance"
 
 
-def test_review_fixes_original_rejected_and_overload_leaves_state_unchanged():
+def test_original_is_rejected_and_an_overload_leaves_the_state_unchanged():
     import json
 
     import pytest

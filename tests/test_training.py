@@ -232,6 +232,21 @@ def _worker(rank, world, port):
                     torch.testing.assert_close(full[id(p)], ref_grads[n], rtol=1e-8, atol=1e-10,
                                                msg=lambda m: f"{where} {n}: {m}")
             dist.barrier()
+        if world == 2:  # reduce_grads=False: gradients stay local for the user's own wrapper
+            mesh = ex.make_mesh(dp=2)
+            plan, cost = make_plan(2)
+            model = make_model()
+            ex.train_step(model, plan, make_shards(plan, cost, 1), data=doc_tokens, mesh=mesh, backend="torch",
+                          reduce_grads=False)
+            _, ref_grads = reference(plan)
+            differs = False
+            for n, p in model.named_parameters():
+                local = p.grad.clone()
+                dist.all_reduce(p.grad)  # what a DDP-style wrapper would do
+                differs |= not torch.allclose(local, ref_grads[n])
+                torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-8, atol=1e-10)
+            assert differs  # each replica held only its own share before the user's reduction
+            dist.barrier()
         if world == 4:  # a user's own 2-D DeviceMesh with torchtitan-style names, and bad meshes
             from torch.distributed.device_mesh import init_device_mesh
 
