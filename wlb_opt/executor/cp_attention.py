@@ -128,6 +128,32 @@ def _start_gather(x: torch.Tensor, cpx: CPContext, group, async_op: bool):
     return full, work
 
 
+def _pack_kv(k: torch.Tensor, v: torch.Tensor, rows: int) -> torch.Tensor:
+    """K and V side by side in one [rows, 2, Hkv, D] buffer (zero-padded past this rank's
+    tokens): the one copy of each that the collective needs."""
+    buf = k.new_zeros((rows, 2) + tuple(k.shape[1:])) if rows > k.shape[0] else k.new_empty((rows, 2) + tuple(k.shape[1:]))
+    buf[: k.shape[0], 0] = k
+    buf[: v.shape[0], 1] = v
+    return buf
+
+
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, cpx: CPContext, group, async_op: bool = False):
+    """(padded rank-major [world * width, 2, Hkv, D] buffer, work or None) of the K/V all-gather."""
+    if cpx.world == 1:
+        return _pack_kv(k, v, k.shape[0]), None
+    buf = _pack_kv(k, v, cpx.width)
+    full = k.new_empty((cpx.world * cpx.width, 2) + tuple(k.shape[1:]))
+    return full, dist.all_gather_into_tensor(full, buf, group=group, async_op=async_op)
+
+
+def _scatter_reduce_kv(dk: torch.Tensor, dv: torch.Tensor, cpx: CPContext, group) -> torch.Tensor:
+    """Packed-order dK, dV -> the summed [rows, 2, Hkv, D] gradient of this rank's K and V rows."""
+    padded = dk.new_zeros((cpx.world * cpx.width, 2) + tuple(dk.shape[1:]))
+    padded[:, 0].index_copy_(0, cpx.gather_index, dk)
+    padded[:, 1].index_copy_(0, cpx.gather_index, dv)
+    return _reduce_scatter_padded(padded, cpx, group)
+
+
 def _gather(x: torch.Tensor, cpx: CPContext, group) -> torch.Tensor:
     """This rank's rows -> the whole micro-batch in packed order (no autograd)."""
     full, _ = _start_gather(x, cpx, group, async_op=False)
@@ -141,8 +167,7 @@ class PendingKV:
     def __init__(self, k: torch.Tensor, v: torch.Tensor, shard, group):
         self.cpx = cp_context(shard, group, k.device)
         self.shard, self.group = shard, group
-        self._full, self._work = _start_gather(torch.stack([k.detach(), v.detach()], dim=1), self.cpx, group,
-                                               async_op=True)
+        self._full, self._work = _gather_kv(k.detach(), v.detach(), self.cpx, group, async_op=True)
         self._kv = None
 
     def result(self) -> torch.Tensor:
@@ -164,6 +189,12 @@ def _scatter_reduce(grad: torch.Tensor, cpx: CPContext, group) -> torch.Tensor:
     """Packed-order gradient of the gathered rows -> the summed gradient of this rank's rows."""
     padded = grad.new_zeros((cpx.world * cpx.width,) + tuple(grad.shape[1:]))
     padded.index_copy_(0, cpx.gather_index, grad)
+    return _reduce_scatter_padded(padded, cpx, group)
+
+
+def _reduce_scatter_padded(padded: torch.Tensor, cpx: CPContext, group) -> torch.Tensor:
+    """Sum the padded rank-major buffer over the group; this rank's rows of the sum."""
+    grad = padded
     if cpx.world == 1:
         return padded[: cpx.counts[0]]
     if id(group) not in _NO_REDUCE_SCATTER:
@@ -234,8 +265,8 @@ class _CPAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cpx, group, scale, backend, deterministic, regather, prefetched):
         if prefetched is not None:  # started earlier, overlapping the Q projection
             kv = prefetched.result()
-        else:
-            kv = _gather(torch.stack([k, v], dim=1), cpx, group)  # [T, 2, Hkv, D] in packed order
+        else:  # [T, 2, Hkv, D] in packed order: one pack, the collective, one permutation copy
+            kv = _gather_kv(k, v, cpx, group)[0].index_select(0, cpx.gather_index)
         out, lse = _attention_forward(q, kv[:, 0], kv[:, 1], cpx, scale, backend, deterministic)
         ctx.cpx, ctx.group, ctx.scale, ctx.backend = cpx, group, scale, backend
         ctx.deterministic, ctx.regather = deterministic, regather
@@ -245,10 +276,10 @@ class _CPAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *kept = ctx.saved_tensors
-        kv = kept[0] if kept else _gather(torch.stack([k, v], dim=1), ctx.cpx, ctx.group)
+        kv = kept[0] if kept else _gather_kv(k, v, ctx.cpx, ctx.group)[0].index_select(0, ctx.cpx.gather_index)
         dq, dk_full, dv_full = _attention_backward(dout.contiguous(), q, kv[:, 0], kv[:, 1], out, lse, ctx.cpx,
                                                    ctx.scale, ctx.backend, ctx.deterministic)
-        dkv = _scatter_reduce(torch.stack([dk_full, dv_full], dim=1), ctx.cpx, ctx.group)
+        dkv = _scatter_reduce_kv(dk_full, dv_full, ctx.cpx, ctx.group)
         return dq, dkv[:, 0], dkv[:, 1], None, None, None, None, None, None, None
 
 
