@@ -457,8 +457,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             dq[index["split_rows"]] = summed.reshape(-1, hq, d)[index["split_pos"]].to(dq.dtype)
     run_tuned("dkdv" if deterministic else "dkdv_atomic", key, d, launch_dkdv)
     # the head shares add up in a fixed order (a sum over a leading dim has no atomics)
-    dk = partial["dk"].sum(0).to(k.dtype)
-    dv = partial["dv"].sum(0).to(v.dtype)
+    dk, dv = partial["dk"], partial["dv"]
+    dk = (dk[0] if dk.shape[0] == 1 else dk.sum(0)).to(k.dtype)  # one share: no sum, one conversion
+    dv = (dv[0] if dv.shape[0] == 1 else dv.sum(0)).to(v.dtype)
     if not deterministic:
         dq = dq_acc.to(q.dtype)
     return dq, dk, dv
