@@ -64,9 +64,11 @@ def main() -> None:
     layout = wlb.ParallelSpec(tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp)  # the one place the layout is built
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # the device first: NCCL point-to-point needs it set
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, device_id=torch.device("cuda", torch.cuda.current_device()))
+    else:
+        dist.init_process_group(backend)
     mesh = ex.make_mesh(dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
