@@ -232,6 +232,25 @@ def _worker(rank, world, port):
                     torch.testing.assert_close(full[id(p)], ref_grads[n], rtol=1e-8, atol=1e-10,
                                                msg=lambda m: f"{where} {n}: {m}")
             dist.barrier()
+        if world == 2:  # FSDP2 with a small loss chunk and an empty micro-batch slot on one replica
+            mesh = ex.make_mesh(dp=2)
+            layout = wlb.ParallelSpec(dp=2)
+            cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), layout, wlb.HardwareSpec.preset("cpu"))
+            plan = wlb.solve_pack(np.array([30, 7, 1]), 2, 64, cost, "wlb", ids=np.array([3, 4, 5]))
+            assert any(len(plan.micro_batches[j]) == 0 for j in plan.replica_micro_batches(0)) or \
+                any(len(plan.micro_batches[j]) == 0 for j in plan.replica_micro_batches(1))
+            for loss_chunk in (7, 8192):
+                model = make_model()
+                stage = ex.split_stages(model, 1)[0]
+                ex.apply_fsdp(stage, mesh)
+                names = {id(p): n for n, p in model.named_parameters()}  # FSDP2's DTensor parameters
+                loss = ex.train_step(stage, plan, make_shards(plan, cost, 1), data=doc_tokens, mesh=mesh,
+                                     backend="torch", loss_chunk=loss_chunk)
+                ref_loss, ref_grads = reference(plan)
+                assert abs(loss - ref_loss) < 1e-10, (loss_chunk, loss, ref_loss)
+                for p in stage.parameters():
+                    torch.testing.assert_close(p.grad.full_tensor(), ref_grads[names[id(p)]], rtol=1e-8, atol=1e-10)
+            dist.barrier()
         if world == 2:  # reduce_grads=False: gradients stay local for the user's own wrapper
             mesh = ex.make_mesh(dp=2)
             plan, cost = make_plan(2)
@@ -259,6 +278,25 @@ def _worker(rank, world, port):
                 ex.Mesh.from_device_mesh(user)
             with pytest.raises(ValueError, match="does not have"):
                 ex.Mesh.from_device_mesh(user, names={"fsdp": "dp"})
+            # another dimension order, mapped names, FSDP2 over the mapped dims
+            flipped = init_device_mesh("cpu", (2, 2), mesh_dim_names=("context", "batch"))
+            fmesh = ex.Mesh.from_device_mesh(flipped, names={"context": "cp", "batch": "dp"})
+            assert (fmesh.dp, fmesh.cp) == (2, 2) and fmesh.rank == rank
+            assert fmesh.global_rank(fmesh.dp_rank, 0, fmesh.cp_rank) == rank
+            assert ex.fsdp_mesh(fmesh).size() == 4
+            plan, cost = make_plan(2, 2, 1)
+            model = make_model()
+            stage = ex.split_stages(model, 1)[0]
+            ex.apply_fsdp(stage, fmesh)
+            names = {id(p): n for n, p in model.named_parameters()}
+            loss = ex.train_step(stage, plan, make_shards(plan, cost, 2), data=doc_tokens, mesh=fmesh, backend="torch")
+            ref_loss, ref_grads = reference(plan)
+            assert abs(loss - ref_loss) < 1e-10
+            for p in stage.parameters():
+                torch.testing.assert_close(p.grad.full_tensor(), ref_grads[names[id(p)]], rtol=1e-8, atol=1e-10)
+            titan = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+            tmesh = ex.Mesh.from_device_mesh(titan, names={"dp_replicate": "dp", "dp_shard": "dp"})
+            assert (tmesh.dp, tmesh.cp) == (4, 1) and tmesh.dp_rank == rank
             mesh = ex.Mesh.from_device_mesh(user, names={"dp_shard": "dp"})
             assert (mesh.dp, mesh.pp, mesh.cp, mesh.tp) == (2, 1, 2, 1) and mesh.device_mesh is user
             plan, cost = make_plan(2, 2, 1)

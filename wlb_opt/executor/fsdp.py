@@ -16,32 +16,35 @@ import torch
 
 
 def fsdp_mesh(mesh):
-    """The 1-D DeviceMesh FSDP2 shards over: dp and cp flattened (or the one that exists)."""
+    """The 1-D DeviceMesh FSDP2 shards over: the dims that are our dp and cp, flattened in the
+    DeviceMesh's own order (a user's names mapped, e.g. torchtitan's dp_replicate/dp_shard)."""
     dm = mesh.device_mesh
     if dm is None:
         raise ValueError("apply_fsdp needs a Mesh built on a DeviceMesh (make_mesh or Mesh.from_device_mesh)")
-    dims = [d for d in ("dp", "cp") if d in (dm.mesh_dim_names or ())]
+    dims = [n for n in (dm.mesh_dim_names or ()) if mesh.dim_names.get(n, n) in ("dp", "cp")]
     if not dims:
         raise ValueError(f"the DeviceMesh has neither a dp nor a cp dimension: {dm.mesh_dim_names}")
     if len(dims) == 1:
         return dm[dims[0]]
-    return dm[tuple(dims)]._flatten("dp_cp")
+    return dm[tuple(dims)]._flatten("_".join(dims))
 
 
 def apply_fsdp(stage: torch.nn.Module, mesh, reshard_after_forward: bool = True) -> torch.nn.Module:
     """`fully_shard` the stage over `fsdp_mesh(mesh)`, summing (not averaging) gradients.
 
-    Each block and the output head are their own FSDP units (gathered only while they run:
-    the loss applies the head outside the stage's forward, in chunks), then the stage."""
+    Each block is its own FSDP unit (gathered while it runs; `reshard_after_forward` applies
+    to them). The stage itself is the root unit holding the rest (embeddings, final norm, LM
+    head); it stays gathered between its forward and its backward, because the loss applies
+    the head after the stage's forward, in chunks whose number differs between ranks: no
+    collective may depend on it."""
     from torch.distributed.fsdp import fully_shard
 
     shard_mesh = fsdp_mesh(mesh)
-    units = list(getattr(stage, "blocks", []))
-    if getattr(stage, "head", None) is not None:
-        units.append(stage.head)
-    for unit in units + [stage]:
-        fully_shard(unit, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
-        unit.set_gradient_divide_factor(1.0)
+    for block in getattr(stage, "blocks", []):
+        fully_shard(block, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
+        block.set_gradient_divide_factor(1.0)
+    fully_shard(stage, mesh=shard_mesh, reshard_after_forward=False)
+    stage.set_gradient_divide_factor(1.0)
     return stage
 
 

@@ -14,7 +14,7 @@ dimension order and with a mapping of their names onto ours; missing dimensions 
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -49,6 +49,8 @@ class Mesh:
     device_mesh: Any = None
     ranks: Any = None
     """Global rank of every coordinate, as nested lists indexed [dp][pp][cp][tp]."""
+    dim_names: dict = field(default_factory=dict)
+    """The DeviceMesh's dimension names -> ours ("dp", "pp", "cp", "tp")."""
 
     @property
     def rank(self) -> int:
@@ -79,9 +81,10 @@ class Mesh:
     @classmethod
     def from_device_mesh(cls, device_mesh, names: dict[str, str] | None = None) -> "Mesh":
         """Our Mesh over a user's DeviceMesh with any subset of the dimensions dp, pp, cp, tp,
-        in any order. `names` maps the user's dimension names onto ours (e.g.
-        ``{"dp_shard": "dp"}``); dimensions it does not have are of size 1. Checks the names
-        before any collective; a ValueError names what is wrong."""
+        in any order. `names` maps the user's dimension names onto ours; several of the
+        user's may map onto one of ours (torchtitan's ``{"dp_replicate": "dp", "dp_shard":
+        "dp"}``: they are flattened, in the mesh's order). Dimensions it does not have are of
+        size 1. Checks the names before any collective; a ValueError names what is wrong."""
         own = tuple(device_mesh.mesh_dim_names or ())
         if len(own) != device_mesh.ndim:
             raise ValueError("the DeviceMesh needs mesh_dim_names (init_device_mesh(..., mesh_dim_names=...))")
@@ -92,21 +95,29 @@ class Mesh:
                              f"its dimensions are {list(own)}")
         ours = [names.get(n, n) for n in own]
         bad = [n for n in ours if n not in DIMS]
-        if bad or len(set(ours)) != len(ours):
-            raise ValueError(f"DeviceMesh dimensions {list(own)} map to {ours}; each must be one of {list(DIMS)} once "
+        if bad:
+            raise ValueError(f"DeviceMesh dimensions {list(own)} map to {ours}; each must be one of {list(DIMS)} "
                              "(pass names={'your_name': 'dp'|'pp'|'cp'|'tp'})")
-        index = {d: ours.index(d) for d in ours}
-        size = {d: (device_mesh.size(index[d]) if d in index else 1) for d in DIMS}
+        if ours.count("pp") > 1 or ours.count("cp") > 1 or ours.count("tp") > 1:
+            raise ValueError(f"DeviceMesh dimensions {list(own)} map to {ours}; only dp may gather several")
+        members = {d: [i for i, o in enumerate(ours) if o == d] for d in DIMS}
+        size, local, group = {}, {}, {}
         coord = device_mesh.get_coordinate()
         if coord is None:
             raise ValueError("this rank is not part of the DeviceMesh")
-        local = {d: (coord[index[d]] if d in index else 0) for d in DIMS}
-        group = {d: (device_mesh.get_group(own[index[d]]) if d in index else SELF_GROUP) for d in DIMS}
-        mesh = device_mesh.mesh.permute(*[index[d] for d in DIMS if d in index])
-        shape = [size[d] for d in DIMS]
-        ranks = mesh.reshape(shape).tolist()
-        stage_dims = [own[index[d]] for d in ("dp", "cp") if d in index and size[d] > 1]
-        if not stage_dims:
+        for d in DIMS:
+            idx = members[d]
+            if not idx:
+                size[d], local[d], group[d] = 1, 0, SELF_GROUP
+            elif len(idx) == 1:
+                size[d], local[d], group[d] = device_mesh.size(idx[0]), coord[idx[0]], device_mesh.get_group(own[idx[0]])
+            else:  # several user dimensions flattened into one of ours, in the mesh's order
+                flat = device_mesh[tuple(own[i] for i in idx)]._flatten("_".join(own[i] for i in idx))
+                size[d], local[d], group[d] = flat.size(), flat.get_local_rank(), flat.get_group()
+        order = [i for d in DIMS for i in members[d]]
+        ranks = device_mesh.mesh.permute(*order).reshape([size[d] for d in DIMS]).tolist()
+        stage_dims = [own[i] for i in sorted(members["dp"] + members["cp"])]
+        if not stage_dims or size["dp"] * size["cp"] == 1:
             stage_group = SELF_GROUP
         elif len(stage_dims) == 1:
             stage_group = device_mesh.get_group(stage_dims[0])
@@ -114,7 +125,8 @@ class Mesh:
             stage_group = device_mesh[tuple(stage_dims)]._flatten("_".join(stage_dims)).get_group()
         return cls(cp=size["cp"], dp=size["dp"], cp_rank=local["cp"], dp_rank=local["dp"], cp_group=group["cp"],
                    dp_group=group["dp"], pp=size["pp"], pp_rank=local["pp"], stage_group=stage_group, tp=size["tp"],
-                   tp_rank=local["tp"], tp_group=group["tp"], device_mesh=device_mesh, ranks=ranks)
+                   tp_rank=local["tp"], tp_group=group["tp"], device_mesh=device_mesh, ranks=ranks,
+                   dim_names=dict(zip(own, ours)))
 
 
 def _check_degree(name: str, value) -> int:

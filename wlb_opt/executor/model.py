@@ -39,18 +39,17 @@ class Block(nn.Module):
         self.w2 = nn.Linear(ffn, dim, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        T = x.shape[0]
         h = self.norm1(x)
         # K and V first: an attention with `prefetch` (CP) starts their all-gather, which then
         # runs while Q is projected and rotated
         # -1 heads: under tensor parallelism a rank computes only its share of the heads
-        k = rope(self.wk(h).view(T, -1, self.head_dim), positions)
-        v = self.wv(h).view(T, -1, self.head_dim)
+        k = rope(self.wk(h).unflatten(-1, (-1, self.head_dim)), positions)
+        v = self.wv(h).unflatten(-1, (-1, self.head_dim))
         prefetch = getattr(attend, "prefetch", None)
         pending = prefetch(k, v) if prefetch is not None else None
-        q = rope(self.wq(h).view(T, -1, self.head_dim), positions)
+        q = rope(self.wq(h).unflatten(-1, (-1, self.head_dim)), positions)
         out = attend(q, k, v, prefetched=pending) if pending is not None else attend(q, k, v)
-        x = x + self.wo(out.reshape(T, -1))
+        x = x + self.wo(out.flatten(-2))
         h = self.norm2(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 

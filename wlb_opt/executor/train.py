@@ -180,13 +180,15 @@ class CPAttend:
 
     def __init__(self, shard, group, backend: str, regather: bool | None, prefetch: bool = True):
         self.shard, self.group, self.backend, self.regather = shard, group, backend, regather
-        if not prefetch:
+        if not prefetch or shard is None:
             self.prefetch = None  # models look the method up with getattr(attend, "prefetch", None)
 
     def prefetch(self, k, v):
         return prefetch_kv(k, v, self.shard, self.group)
 
     def __call__(self, q, k, v, prefetched=None, softmax_scale: float | None = None, deterministic: bool = True):
+        if self.shard is None:  # an empty micro-batch (every CP rank holds zero rows): no collective
+            return q * 0.0
         return context_parallel_attention(q, k, v, self.shard, group=self.group, backend=self.backend,
                                           regather=self.regather, prefetched=prefetched,
                                           softmax_scale=softmax_scale, deterministic=deterministic)
@@ -330,6 +332,9 @@ def train_step(stages, plan, shards: list, *, data: Callable[[int], torch.Tensor
     inputs_of: dict[int, tuple] = {}
 
     def local(j: int):
+        if j not in inputs_of and not len(plan.micro_batches[j]):  # an empty slot: zero rows
+            empty = torch.zeros(0, dtype=torch.long, device=device)
+            inputs_of[j] = (empty, empty, empty, empty)
         if j not in inputs_of:
             lengths = plan.lengths[plan.micro_batches[j]]
             idx = torch.tensor(shards[j].rank_indices[cp_rank], dtype=torch.int64)
@@ -396,9 +401,9 @@ def train_step(stages, plan, shards: list, *, data: Callable[[int], torch.Tensor
 
     plan_ops = step_plan(pp_rank, pp, len(mbs), v)
     fsdp_chunks = [c for c in range(v) if is_fsdp(chunks[c])]
-    last_backward = {}  # chunk -> its last backward op that runs (non-empty): FSDP2 syncs there
+    last_backward = {}  # chunk -> its last backward op (empty slots run too): FSDP2 syncs there
     for i, (_, op) in enumerate(plan_ops):
-        if op is not None and op[0] == "B" and len(plan.micro_batches[mbs[op[1]]]):
+        if op is not None and op[0] == "B":
             last_backward[op[2] // pp] = i
     for c in fsdp_chunks:
         chunks[c].set_requires_gradient_sync(False)
@@ -410,15 +415,9 @@ def train_step(stages, plan, shards: list, *, data: Callable[[int], torch.Tensor
         j, chunk = mbs[k], chunks[vs // pp]
         first, last = vs == 0, vs == n_virtual - 1
         started = timer.start()
-        if not len(plan.micro_batches[j]):  # an empty slot: zero-row tensors through the pipeline
-            if phase == "F" and not first:
-                inbox.pop(("fwd", k, vs - 1))
-            if phase == "B" and not last:
-                inbox.pop(("bwd", k, vs + 1))
-            if (phase == "F" and not last) or (phase == "B" and not first):
-                send_later("fwd" if phase == "F" else "bwd", k, vs,
-                           torch.zeros(0, hidden, dtype=act_dtype, device=device))
-        elif phase == "F":
+        # an empty slot runs too, on zero rows: every rank then makes the same collectives
+        # (FSDP2's gathers, TP's all-reduces) and sends the zero-row tensors the schedule has
+        if phase == "F":
             idx, tok, pos, lab = local(j)
             x = tok if first else inbox.pop(("fwd", k, vs - 1)).requires_grad_()
 
@@ -446,7 +445,7 @@ def train_step(stages, plan, shards: list, *, data: Callable[[int], torch.Tensor
             else:
                 torch.autograd.backward(out, inbox.pop(("bwd", k, vs + 1)))
             if not first:
-                send_later("bwd", k, vs, x.grad)
+                send_later("bwd", k, vs, x.grad if x.grad is not None else torch.zeros_like(x))
             del x, out
         timer.stop(started)
         timed.append((phase, j, vs))
