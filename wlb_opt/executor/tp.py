@@ -15,7 +15,9 @@ intact (query and KV heads must both divide by tp). Without sequence parallelism
 rank holds all of its micro-batch's tokens (this CP rank's share), and the two all-reduces
 per block and phase are the TP traffic; the analytic cost model prices TP as four
 activation shards per layer and phase with sequence parallelism, the same bytes moved as
-two all-reduces (`CostModel.analytic`, `tp_comm_exposed`).
+two all-reduces (`CostModel.analytic`, `tp_comm_exposed`). Where it differs: the analytic
+model also divides the LM head's GEMM and the element-wise work by tp, which this plan runs
+replicated (sequence parallelism and a vocabulary-parallel head would match it; not built).
 """
 from __future__ import annotations
 
