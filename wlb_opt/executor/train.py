@@ -409,8 +409,8 @@ def train_step(stages, plan, shards: list, *, data: Callable[[int], torch.Tensor
         chunks[c].set_requires_gradient_sync(False)
     for i, (group, op) in enumerate(plan_ops):
         post(group)
-        if op is None:
-            break
+        if op is None:  # a group of sends alone
+            continue
         phase, k, vs = op
         j, chunk = mbs[k], chunks[vs // pp]
         first, last = vs == 0, vs == n_virtual - 1
