@@ -224,14 +224,21 @@ def test_atomic_dq_backward_matches_the_reference_and_the_deterministic_one(dtyp
         doc_attention(q, k, v, seg, backend="triton", deterministic="yes")
 
 
+def _small_gpu_spying(monkeypatch, n_sm: int, chooser: str) -> tuple:
+    """(launch module, list of the choices `chooser` of the work model returns) on a "GPU" of
+    `n_sm` SMs, so that the launch model splits work on the interpreter's small tables."""
+    launch = importlib.import_module("wlb_opt.kernels.launch")
+    monkeypatch.setattr(launch, "sm_count", lambda device: n_sm)
+    chosen = []
+    real = getattr(launch._work, chooser)
+    monkeypatch.setattr(launch._work, chooser, lambda *a, **k: chosen.append(real(*a, **k)) or chosen[-1])
+    return launch, chosen
+
+
 @pytest.mark.parametrize("group", [2, 4])
 def test_dkdv_split_over_the_gqa_group_matches_the_reference(monkeypatch, group):
-    launch = importlib.import_module("wlb_opt.kernels.launch")
-    # a "GPU" of 64 SMs and a few key tiles: the model splits the group's heads into shares
-    monkeypatch.setattr(launch, "sm_count", lambda device: 64)
-    chosen = []
-    real = launch._work.choose_dkdv_split
-    monkeypatch.setattr(launch._work, "choose_dkdv_split", lambda *a, **k: chosen.append(real(*a, **k)) or chosen[-1])
+    # 64 SMs and a few key tiles: the model splits the group's heads into shares
+    launch, chosen = _small_gpu_spying(monkeypatch, 64, "choose_dkdv_split")
     seg = np.array([[0, 50, 0, 50], [50, 30, 20, 60]])
     q, k, v = _qkv(80, 80, group, 1, 16, torch.float32, seed=group)
     check_against_reference(q, k, v, seg, "triton")
@@ -240,13 +247,9 @@ def test_dkdv_split_over_the_gqa_group_matches_the_reference(monkeypatch, group)
 
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_split_k_forward_and_dq_match_the_reference(monkeypatch, deterministic):
-    launch = importlib.import_module("wlb_opt.kernels.launch")
-    # a "GPU" of 3 SMs and one long document among short ones: the model cuts the long rows'
-    # key loops into chunks (split-K) whose partial results are combined on the host
-    monkeypatch.setattr(launch, "sm_count", lambda device: 3)
-    chosen = []
-    real = launch._work.choose_forward_split
-    monkeypatch.setattr(launch._work, "choose_forward_split", lambda *a, **k: chosen.append(real(*a, **k)) or chosen[-1])
+    # 3 SMs and one long document among short ones: the model cuts the long rows' key loops
+    # into chunks (split-K) whose partial results are combined on the host
+    launch, chosen = _small_gpu_spying(monkeypatch, 3, "choose_forward_split")
     seg = np.array([[0, 64, 0, 256], [64, 10, 256, 10]])  # a CP shard's long rows, and a short one
     q, k, v = _qkv(74, 266, 2, 1, 16, torch.float32, seed=3)
     launch._SPLIT_MEMO.clear()

@@ -41,9 +41,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .mesh import SELF_GROUP
+
 
 def _rank_and_world(group) -> tuple[int, int]:
-    if isinstance(group, str) and group == "self":  # mesh.SELF_GROUP: a dimension of size 1
+    if isinstance(group, str) and group == SELF_GROUP:  # a dimension of size 1: no communication
         return 0, 1
     if not dist.is_available() or not dist.is_initialized():
         return 0, 1

@@ -254,9 +254,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: torc
     total = 0.0 * hidden.sum().to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     for start in range(0, hidden.shape[0], chunk):
         h, y = hidden[start: start + chunk], labels[start: start + chunk]
-        if not bool((y != IGNORE).any()):
-            total = total + 0.0 * h.sum()  # keep the graph connected; adds nothing
-            continue
+        # every chunk runs, even one whose targets are all masked (it adds 0): testing for that
+        # would read a device value back on the host, a sync per chunk
         total = total + (checkpoint(piece, h, y, use_reentrant=False) if torch.is_grad_enabled() else piece(h, y))
     return total
 
@@ -330,16 +329,18 @@ def train_step(stages, plan, shards: list, *, data: Callable[[int], torch.Tensor
         return len(shards[j].rank_indices[cp_rank]) if len(plan.micro_batches[j]) else 0
 
     inputs_of: dict[int, tuple] = {}
+    targets_of: dict[int, int] = {}  # counted on the host, before the upload (no device read-back)
 
     def local(j: int):
         if j not in inputs_of and not len(plan.micro_batches[j]):  # an empty slot: zero rows
             empty = torch.zeros(0, dtype=torch.long, device=device)
-            inputs_of[j] = (empty, empty, empty, empty)
+            inputs_of[j], targets_of[j] = (empty, empty, empty, empty), 0
         if j not in inputs_of:
             lengths = plan.lengths[plan.micro_batches[j]]
             idx = torch.tensor(shards[j].rank_indices[cp_rank], dtype=torch.int64)
             tokens, labels = pack_micro_batch(plan, j, doc_tokens)
             positions = torch.from_numpy(packed_positions(lengths, plan.offsets[plan.micro_batches[j]]))
+            targets_of[j] = int((labels[idx] != IGNORE).sum())
             inputs_of[j] = tuple(t.to(device) for t in (idx, tokens[idx], positions[idx], labels[idx]))
         return inputs_of[j]
 
@@ -347,7 +348,10 @@ def train_step(stages, plan, shards: list, *, data: Callable[[int], torch.Tensor
     # rank (TP rank 0) counts its own micro-batches' targets (labels are -100 elsewhere, loss
     # masks included), and one all-reduce sums the counts.
     holds_loss = pp_rank == pp - 1 and (mesh is None or mesh.tp_rank == 0)
-    count = sum(int((local(j)[3] != IGNORE).sum()) for j in mbs if len(plan.micro_batches[j])) if holds_loss else 0
+    if holds_loss:
+        for j in mbs:
+            local(j)
+    count = sum(targets_of[j] for j in mbs) if holds_loss else 0
     total_t = torch.tensor(float(count), dtype=torch.float64, device=device)
     if mesh is not None and dist.is_initialized():
         dist.all_reduce(total_t)
