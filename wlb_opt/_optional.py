@@ -12,6 +12,7 @@ _EXTRA_OF = {
     "triton": "torch",
     "matplotlib": "plot",
     "tqdm": "plot",
+    "transformers": "hf",
 }
 
 

@@ -145,7 +145,7 @@ class Step:
         tokens, labels = pack_micro_batch(self.plan, j, self)
         positions = torch.from_numpy(packed_positions(self.plan.lengths[mb], self.plan.offsets[mb]))
         shard = self.shards[j]
-        idx = torch.as_tensor(np.asarray(shard.rank_indices[cp_rank], dtype=np.int64))
+        idx = torch.from_numpy(np.array(shard.rank_indices[cp_rank], dtype=np.int64))
         segments = torch.from_numpy(np.array(shard.segments[cp_rank], dtype=np.int32).reshape(-1, 4))
         return {"input_ids": tokens[idx], "labels": labels[idx], "position_ids": positions[idx], "segments": segments}
 

@@ -39,11 +39,16 @@ def apply_tensor_parallel(stage: torch.nn.Module, tp_mesh) -> torch.nn.Module:
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = tp_mesh.size()
+    # another model family's stage (e.g. the Hugging Face adapter's) brings its own block plan
+    # and head counts: `block_tp_plan()` and `tp_heads` = (query heads, key/value heads)
+    plan = stage.block_tp_plan() if hasattr(stage, "block_tp_plan") else tp_plan()
+    heads = getattr(stage, "tp_heads", None)
     for block in getattr(stage, "blocks", []):
-        for name, count in (("query heads", block.heads), ("key/value heads", block.kv_heads)):
+        q_heads, kv_heads = heads if heads is not None else (block.heads, block.kv_heads)
+        for name, count in (("query heads", q_heads), ("key/value heads", kv_heads)):
             if count % tp:
                 raise ValueError(f"tensor parallelism over tp={tp} needs the {name} ({count}) to divide by tp")
-        parallelize_module(block, tp_mesh, tp_plan())
+        parallelize_module(block, tp_mesh, plan)
     return stage
 
 

@@ -1,0 +1,212 @@
+"""The Hugging Face adapter against transformers' own forward (sdpa, one piece at a time).
+
+Models are built from small configs (nothing downloaded), in fp64. Distributed cases spawn
+2 and 4 gloo ranks; each plans the same `WLBStream` and trains one step through
+`split_hf_stages` + `train_step`, then compares the loss and every gradient it holds with
+the single-process reference.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import socket
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import wlb_opt as wlb  # noqa: E402
+from wlb_opt.integrations import hf  # noqa: E402
+
+SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512)
+
+
+def config(family: str):
+    if family == "llama":
+        return transformers.LlamaConfig(**SIZES)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**SIZES, use_sliding_window=False)
+    if family == "granite":  # a softmax scale that is not 1/sqrt(head_dim), and the other multipliers
+        return transformers.GraniteConfig(**SIZES, attention_multiplier=0.3, embedding_multiplier=2.0,
+                                          residual_multiplier=0.5, logits_scaling=4.0)
+    raise ValueError(family)
+
+
+def models(family: str, seed: int = 0):
+    """(the model with attn_implementation="wlb", the same weights with "sdpa")."""
+    hf.register()
+    cfg = config(family)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="wlb",
+                                                          dtype=torch.float64)
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa",
+                                                        dtype=torch.float64)
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def documents(n: int = 14, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    lengths = [1, 70] + rng.integers(2, 40, n - 2).tolist()  # a piece of length 1, a document cut in pieces
+    return [(10 + i, rng.integers(0, SIZES["vocab_size"], k)) for i, k in enumerate(lengths)]
+
+
+def first_step(dp: int, cp: int, pp: int):
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), wlb.ParallelSpec(dp=dp, cp=cp, pp=pp),
+                                  wlb.HardwareSpec.preset("cpu"))
+    packer = wlb.WLBPacker(2 * pp, 64, cost, thresholds=[])
+    stream = wlb.WLBStream(documents(), packer, 64 * 2 * pp * dp, window=32, strategy="hybrid" if cp > 1 else "adaptive")
+    return next(iter(stream))
+
+
+def reference(ref, step):
+    """HF's own path: each piece alone, position_ids = offset + arange(length), the loss summed
+    and divided by the global batch's target count."""
+    plan, total = step.plan, step.target_tokens
+    loss_sum = 0.0
+    for mb in plan.micro_batches:
+        for i in mb:
+            n, off = int(plan.lengths[i]), int(plan.offsets[i])
+            tokens, _ = step.piece(int(plan.doc_ids[i]), off, n)
+            tokens = torch.as_tensor(tokens)
+            if n < 2:
+                continue
+            logits = ref(tokens[None], position_ids=(off + torch.arange(n))[None]).logits[0]
+            loss = torch.nn.functional.cross_entropy(logits[:-1], tokens[1:], reduction="sum") / total
+            loss.backward()
+            loss_sum += float(loss.detach())
+    return loss_sum, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+
+
+# ---------------------------------------------------------------------- one process
+@pytest.mark.parametrize("family", ["llama", "qwen2", "granite"])
+def test_the_models_own_packed_forward_equals_one_document_at_a_time(family):
+    model, ref = models(family)
+    lengths = [5, 1, 12, 7]
+    ids = torch.randint(0, SIZES["vocab_size"], (sum(lengths),))
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    packed = model(ids[None], position_ids=pos[None]).logits[0]
+    starts = np.cumsum([0] + lengths)
+    alone = torch.cat([ref(ids[None, a:b], position_ids=torch.arange(b - a)[None]).logits[0]
+                       for a, b in zip(starts[:-1], starts[1:])])
+    torch.testing.assert_close(packed, alone, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("family", ["llama", "granite"])
+def test_one_process_train_step_through_the_adapter_equals_hf(family):
+    model, ref = models(family)
+    step = first_step(1, 1, 1)
+    stage = hf.split_hf_stages(model, 1)[0]
+    from wlb_opt.executor import train_step
+
+    loss = train_step(stage, step.plan, step.shards, data=step, backend="torch")
+    ref_loss, ref_grads = reference(ref, step)
+    assert abs(loss - ref_loss) < 1e-10
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-8, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def test_hf_batch_gives_transformers_labels_and_the_same_loss():
+    model, ref = models("llama")
+    step = first_step(1, 1, 1)
+    j = next(j for j, mb in enumerate(step.plan.micro_batches) if len(mb) > 1)
+    batch = hf.hf_batch(step, j)
+    mb = step.plan.micro_batches[j]
+    starts = np.concatenate([[0], np.cumsum(step.plan.lengths[mb])[:-1]])
+    assert (batch["labels"][0, starts] == -100).all()
+    # transformers shifts its labels inside the loss; ours come pre-shifted: the same targets
+    ours = step.inputs(j)["labels"]
+    assert torch.equal(batch["labels"][0, 1:], ours[:-1]) and int(ours[-1]) == -100
+    out = model(**batch)
+    n_targets = int((ours != -100).sum())
+    loss_sum = 0.0
+    for i in mb:
+        n, off = int(step.plan.lengths[i]), int(step.plan.offsets[i])
+        tokens = torch.as_tensor(step.piece(int(step.plan.doc_ids[i]), off, n)[0])
+        if n > 1:
+            lg = ref(tokens[None], position_ids=(off + torch.arange(n))[None]).logits[0]
+            loss_sum += float(torch.nn.functional.cross_entropy(lg[:-1], tokens[1:], reduction="sum").detach())
+    # transformers' loss upcasts the logits to fp32, so agreement is to fp32 precision
+    assert abs(float(out.loss.detach()) - loss_sum / n_targets) < 1e-5 * abs(loss_sum / n_targets)
+
+
+def test_unsupported_models_and_inputs_are_clear_errors():
+    model, ref = models("llama")
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        hf.split_hf_stages(ref, 1)
+    with pytest.raises(ValueError, match="cannot split 4 decoder layers into 8 stages"):
+        hf.split_hf_stages(model, 4, 2)
+    with pytest.raises(ValueError, match="batch of one row"):
+        model(torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="causal LM with"):
+        hf.split_hf_stages(torch.nn.Linear(2, 2), 1)
+    qwen = transformers.Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    swa = transformers.AutoModelForCausalLM.from_config(qwen, attn_implementation="wlb", dtype=torch.float64)
+    with pytest.raises(ValueError, match="sliding-window"):
+        swa(torch.zeros(1, 5, dtype=torch.long))
+    capped = copy.deepcopy(config("llama"))
+    capped.attn_logit_softcapping = 30.0
+    soft = transformers.AutoModelForCausalLM.from_config(capped, attn_implementation="wlb", dtype=torch.float64)
+    with pytest.raises(ValueError, match="soft-capping"):
+        hf.split_hf_stages(soft, 1)
+
+
+# ---------------------------------------------------------------------- distributed
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# (family, dp, cp, pp, tp, fsdp) per world size
+CASES = {2: [("llama", 1, 2, 1, 1, False), ("llama", 1, 1, 2, 1, False), ("granite", 1, 2, 1, 1, False),
+             ("llama", 1, 1, 1, 2, False)],
+         4: [("llama", 1, 2, 2, 1, False), ("qwen2", 1, 2, 2, 1, False), ("llama", 2, 2, 1, 1, True)]}
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    import wlb_opt.executor as ex
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=180))
+    try:
+        for family, dp, cp, pp, tp, fsdp in CASES[world]:
+            where = f"rank {rank} {family} (dp={dp}, cp={cp}, pp={pp}, tp={tp}, fsdp={fsdp})"
+            mesh = ex.make_mesh(dp=dp, cp=cp, pp=pp, tp=tp)
+            model, ref = models(family)
+            step = first_step(dp, cp, pp)
+            chunks = hf.split_hf_stages(model, pp)[mesh.pp_rank::pp]
+            for chunk in chunks:
+                if tp > 1:
+                    ex.apply_tensor_parallel(chunk, mesh.device_mesh["tp"])
+                if fsdp:
+                    ex.apply_fsdp(chunk, mesh)
+            names = {id(p): n for n, p in model.named_parameters()}
+            loss = ex.train_step(chunks, step.plan, step.shards, data=step, mesh=mesh, backend="torch")
+            ref_loss, ref_grads = reference(ref, step)
+            assert abs(loss - ref_loss) < 1e-8, (where, loss, ref_loss)
+            checked = 0
+            for chunk in chunks:
+                for p in chunk.parameters():
+                    grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                    name = names[id(p)]
+                    torch.testing.assert_close(grad, ref_grads[name], rtol=1e-8, atol=1e-10,
+                                               msg=lambda m: f"{where} {name}: {m}")
+                    checked += 1
+            assert checked > 0, where
+            if tp > 1 or fsdp:
+                assert any(hasattr(p, "full_tensor") for c in chunks for p in c.parameters()), where
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_train_step_through_the_adapter_equals_hf_on_every_layout(world):
+    mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)
