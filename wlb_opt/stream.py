@@ -25,6 +25,7 @@ Hugging Face adapter converts at its boundary (`wlb_opt.integrations.hf`).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Iterable, Iterator
 
@@ -61,11 +62,27 @@ def _doc_id(doc_id) -> int:
     return int(doc_id)
 
 
+class _DatasetReader:
+    """Reads a piece from a map-style dataset on demand, checking the document's length."""
+
+    def __init__(self, dataset, lengths: np.ndarray):
+        self.dataset, self.lengths = dataset, lengths
+
+    def __call__(self, doc_id: int, offset: int, length: int):
+        tokens = _as_tokens(doc_id, self.dataset[doc_id])
+        expected = int(self.lengths[doc_id])
+        if len(tokens) != expected:
+            raise ValueError(f"document {doc_id}: the dataset returned {len(tokens)} tokens, but its length is "
+                             f"{expected}")
+        return tokens[offset:offset + length], None
+
+
 class Step:
     """One training step: `index`, `plan` (PackPlan), `shards` (one ShardPlan per micro-batch,
     None for an empty one), `target_tokens` (the global batch's count of targets, the loss
     normalisation) and `state` (the stream's state after this step, JSON).
 
+    `planning_s` is the time the stream spent planning it (packing and CP sharding).
     `tokens(j)` and `inputs(j, cp_rank)` build micro-batch j's tensors; `local(dp_rank,
     cp_rank)` lists the micro-batches of that rank. Pass the step itself as `data=` to
     `train_step` (it serves `piece(id, offset, length)`).
@@ -309,7 +326,7 @@ class WLBStream:
         return batch if batch else None
 
     # ------------------------------------------------------------------ steps
-    def _emit(self, plan) -> Step:
+    def _emit(self, plan, started: float) -> Step:
         placed = {(int(plan.doc_ids[i]), int(plan.offsets[i])) for mb in plan.micro_batches for i in mb}
         pieces = None
         if self._dataset is None or self._lengths is None:
@@ -321,15 +338,10 @@ class WLBStream:
         index = self._step
         self._step += 1
         snapshot = self._snapshot()
-        return Step(index, plan, shards, pieces, self._read_piece, self.cp, snapshot)
-
-    def _read_piece(self, doc_id: int, offset: int, length: int):
-        tokens = _as_tokens(doc_id, self._dataset[doc_id])
-        expected = int(self._lengths[doc_id])
-        if len(tokens) != expected:
-            raise ValueError(f"document {doc_id}: the dataset returned {len(tokens)} tokens, but its length is "
-                             f"{expected}")
-        return tokens[offset:offset + length], None
+        reader = None if pieces is not None else _DatasetReader(self._dataset, self._lengths)
+        step = Step(index, plan, shards, pieces, reader, self.cp, snapshot)
+        step.planning_s = time.perf_counter() - started  # packing + CP sharding of this step
+        return step
 
     def _feed(self, batch: list):
         lengths = np.array([p[2] for p in batch], dtype=np.int64)
@@ -352,9 +364,10 @@ class WLBStream:
             batch = self._fill(items)
             if batch is None:
                 break
+            started = time.perf_counter()
             plan = self._feed(batch)
             if plan is not None:  # a packer with lookahead returns None while it fills
-                yield self._emit(plan)
+                yield self._emit(plan, started)
         yield from self.drain()
 
     def drain(self) -> Iterator[Step]:
@@ -366,11 +379,14 @@ class WLBStream:
             while self._pending and used + self._pending[0][2] <= self.tokens_per_step:
                 used += self._pending[0][2]
                 batch.append(self._pending.popleft())
+            started = time.perf_counter()
             plan = self._feed(batch)
             if plan is not None:
-                yield self._emit(plan)
+                yield self._emit(plan, started)
+        started = time.perf_counter()
         for plan in self.packer.drain():
-            yield self._emit(plan)
+            yield self._emit(plan, started)
+            started = time.perf_counter()
 
     # ------------------------------------------------------------------ accounting
     @property

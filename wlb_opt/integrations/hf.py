@@ -171,10 +171,23 @@ class HFStage(nn.Module):
         return {**{n: ColwiseParallel() for n in col}, **{n: RowwiseParallel() for n in row}}
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        empty = x.shape[0] == 0
+        if empty:
+            # an empty slot or a zero-row CP shard still runs (its peers' collectives); transformers'
+            # layers reshape with -1, which zero elements cannot, so the stage runs one dummy row
+            # whose result is dropped, while attention and every collective see the zero rows
+            x = (torch.zeros(1, dtype=torch.long, device=x.device) if self.embed is not None
+                 else x.new_zeros((1,) + tuple(x.shape[1:])))
+            positions = torch.zeros(1, dtype=torch.long, device=x.device)
+            attend = _without_dummy_row(attend)
         if self.embed is not None:
             x = self.embed(x)
             if self.embedding_multiplier != 1.0:
                 x = x * self.embedding_multiplier
+        out = self._layers(x, positions, attend)
+        return out[:0] if empty else out
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
         h = x.unsqueeze(0)
         position_ids = positions.unsqueeze(0)
         cos_sin = self._rotary(h, position_ids)
@@ -190,6 +203,17 @@ class HFStage(nn.Module):
         return h.to(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else h
 
 
+def _without_dummy_row(attend):
+    """`attend` for a stage run on one dummy row: attention sees the real (zero) rows only,
+    and the dummy row's output is a constant zero."""
+    def call(q, k, v, **kwargs):
+        out = attend(q[:0], k[:0], v[:0], **kwargs)
+        return torch.cat([out, out.new_zeros((1,) + tuple(out.shape[1:]))])
+    return call
+
+
+
+
 def split_hf_stages(model: nn.Module, pp: int, virtual_stages: int = 1) -> list[HFStage]:
     """The pp x virtual_stages stages of a transformers causal LM in pipeline order (decoder
     layers split evenly). Rank r holds ``split_hf_stages(model, pp, v)[r::pp]``. The model
@@ -203,6 +227,10 @@ def split_hf_stages(model: nn.Module, pp: int, virtual_stages: int = 1) -> list[
         raise ValueError(f"the model runs attn_implementation={impl!r}; build it with attn_implementation='wlb' "
                          "(after wlb_opt.integrations.hf.register()) so that its attention is the executor's")
     n = pp * virtual_stages
+    decoder, head = _parts(model)
+    if n > 1 and head.weight is decoder.embed_tokens.weight:
+        raise ValueError("the model ties its LM head to its embeddings (tie_word_embeddings=True); the first and "
+                         "last pipeline stages would hold one weight twice. Untie them for pp > 1")
     return [HFStage(model, s, n) for s in range(n)]
 
 
