@@ -28,6 +28,20 @@ def check_positive_real(name: str, value, unit: str = "", allow_inf: bool = Fals
     return float(value)
 
 
+def check_real(name: str, value, *, low: float = 0.0, strict: bool = False, high: float | None = None,
+               unit: str = "") -> float:
+    """`value` as a float if it is a finite real number >= `low` (> `low` if `strict`) and, if
+    given, <= `high` (bools and strings are not numbers here)."""
+    ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+          and (value > low if strict else value >= low) and (high is None or value <= high))
+    if not ok:
+        rel = ">" if strict else ">="
+        limit = f" and <= {high:g}" if high is not None else ""
+        raise ValueError(f"{name} must be a finite number {rel} {low:g}{limit}{' ' + unit if unit else ''}, "
+                         f"got {value!r}")
+    return float(value)
+
+
 def check_choice(name: str, value, choices) -> str:
     """`value` if it is one of `choices`, else a ValueError listing them."""
     if not isinstance(value, str) or value not in choices:
