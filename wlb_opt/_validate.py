@@ -12,6 +12,10 @@ import numbers
 import numpy as np
 
 
+MAX_TOKENS = 2**62
+"""Token counts (each length, and their total) stay below this so int64 sums cannot wrap."""
+
+
 def check_int(name: str, value, low: int = 0) -> int:
     """`value` as an int if it is an integer >= `low` (bools are not integers here)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
@@ -70,10 +74,20 @@ def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
             raise ValueError(f"{name} must be token counts below 2**62, got {float(arr[i])} at index {i}")
     elif arr.dtype.kind not in "iu":
         raise ValueError(f"{name} must be integers, got dtype {arr.dtype}")
+    elif arr.dtype.kind == "u" and np.any(arr >= np.uint64(MAX_TOKENS)):
+        i = int(np.argmax(arr >= np.uint64(MAX_TOKENS)))
+        raise ValueError(f"{name} must be token counts below 2**62, got {int(arr[i])} at index {i}")
     arr = arr.astype(np.int64)
     if np.any(arr <= 0):
         i = int(np.argmax(arr <= 0))
         raise ValueError(f"{name} must be positive token counts, got {int(arr[i])} at index {i}")
+    if np.any(arr >= MAX_TOKENS):
+        i = int(np.argmax(arr >= MAX_TOKENS))
+        raise ValueError(f"{name} must be token counts below 2**62, got {int(arr[i])} at index {i}")
+    if float(arr.sum(dtype=np.float64)) >= MAX_TOKENS:
+        # int64 sums of token counts (micro-batches, cumulative offsets) would wrap
+        raise ValueError(f"{name} must hold fewer than 2**62 tokens in total, got about "
+                         f"{float(arr.sum(dtype=np.float64)):.3e}")
     return arr
 
 
@@ -86,6 +100,10 @@ def validate_ids(ids, n: int, name: str = "ids") -> np.ndarray:
         raise ValueError(f"{name} must be a 1-D sequence of the same size as lengths ({n}), got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
         raise ValueError(f"{name} must be integers, got dtype {arr.dtype}")
+    if arr.size and arr.dtype.kind == "u" and np.any(arr > np.uint64(2**63 - 1)):
+        i = int(np.argmax(arr > np.uint64(2**63 - 1)))
+        # a cast to int64 would wrap it to a negative id (and maybe onto another document's)
+        raise ValueError(f"{name} must fit in int64, got {int(arr[i])} at position {i}")
     return arr.astype(np.int64)
 
 
@@ -99,6 +117,20 @@ def validate_offsets(offsets, n: int, name: str = "offsets") -> np.ndarray:
         raise ValueError(f"{name} must be >= 0 (start of each piece inside its document), got {int(arr[i])} "
                          f"at position {i}")
     return arr
+
+
+def check_unique_pieces(ids: np.ndarray, offsets: np.ndarray, what: str = "the input") -> None:
+    """Each (id, offset) names one piece: a repeated pair would be planned twice and then
+    fail `check_pack` (or train a document twice)."""
+    if len(ids) < 2:
+        return
+    order = np.lexsort((offsets, ids))
+    same = (ids[order][1:] == ids[order][:-1]) & (offsets[order][1:] == offsets[order][:-1])
+    if same.any():
+        k = int(order[1:][np.argmax(same)])
+        hint = "" if np.any(offsets) else " (pieces of one document need distinct offsets: see split_documents)"
+        raise ValueError(f"ids: id {int(ids[k])} with offset {int(offsets[k])} is repeated in {what} "
+                         f"(position {k}){hint}")
 
 
 def read_only(arr, dtype=None) -> np.ndarray:

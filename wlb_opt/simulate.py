@@ -455,6 +455,10 @@ def allreduce_seconds(cost, parallel: ParallelSpec) -> float:
 def step_layout(plan, cost, parallel: ParallelSpec | None = None) -> ParallelSpec:
     """The layout a step runs under: `parallel`, else the cost model's, else pp = 1 and the
     plan's dp. A `parallel` that disagrees with the cost model's layout raises."""
+    from .cost import CostModel
+
+    if not isinstance(cost, CostModel):
+        raise ValueError(f"cost must be a wlb_opt.CostModel, got {type(cost).__name__} {cost!r:.40}")
     if parallel is None:
         parallel = cost.parallel if cost.parallel is not None else ParallelSpec(dp=plan.dp)
     elif not isinstance(parallel, ParallelSpec):

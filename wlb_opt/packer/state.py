@@ -78,7 +78,8 @@ def check_thresholds(thresholds) -> list[int]:
                          f"got {thresholds!r}") from None
     out = []
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer, float)) or v != int(v) or v <= 0:
+        if (isinstance(v, bool) or not isinstance(v, (int, np.integer, float, np.floating)) or not np.isfinite(v)
+                or v != int(v) or v <= 0):
             raise ValueError(f"thresholds[{i}] must be a positive integer token count, got {v!r}")
         out.append(int(v))
     if any(b <= a for a, b in zip(out, out[1:])):
