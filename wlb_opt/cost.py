@@ -21,7 +21,7 @@ table below is a documented placeholder read qualitatively off the paper's Fig. 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
 
@@ -38,8 +38,9 @@ LAYOUT_DIMS: tuple[str, ...] = ("dp", "pp", "cp", "tp")
 _MAX_COEF = 1e9
 """Largest cost coefficient accepted (seconds per unit): keeps the cost of a 2**62-token
 document's pairs finite in float64."""
-_MAX_FLOPS = 1e30
-"""Largest FLOP count per pair or FLOP/s accepted (far beyond any device)."""
+_MAX_FLOPS = 1e200
+"""Largest FLOP count per pair or FLOP/s accepted: a fit with a ~zero attention coefficient
+gives a huge peak (legitimately); above this, latencies of long segments overflow."""
 
 # Attention efficiency by query-segment length, as a multiplier of HardwareSpec.attn_efficiency.
 # Placeholder from paper §4.3 / Fig. 10 (H100, FlashAttention, head dim 128): latency is flat
@@ -289,7 +290,10 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
-        """Inverse of `to_dict`; also reads format 1, whose layout sat in `meta` dicts."""
+        """Inverse of `to_dict`; also reads format 1, whose layout sat in `meta` dicts. Raises
+        ValueError naming the field for a missing, unknown or malformed entry."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a CostModel dict (CostModel.to_dict()) is a JSON object, got {type(d).__name__}")
         d = dict(d)
         version = d.pop("format_version", None)
         if version not in (1, FORMAT_VERSION):
@@ -300,12 +304,28 @@ class CostModel:
                 if isinstance(meta.get(name), dict):
                     d[name] = meta.pop(name)
             d["meta"] = meta
+        known = {f.name for f in fields(cls)}
+        unknown, missing = sorted(set(d) - known), sorted({"coef", "attn_flops_per_pair"} - set(d))
+        if unknown or missing:
+            raise ValueError(f"CostModel dict: unknown fields {unknown}, missing fields {missing}; "
+                             f"valid fields: {sorted(known)}")
         specs = (("model", ModelSpec), ("parallel", ParallelSpec), ("hardware", HardwareSpec))
         for name, kind in specs:
             if d.get(name) is not None:
-                d[name] = kind(**d[name])
-        d["eff_q_len"] = tuple(d["eff_q_len"])
-        d["eff_scale"] = tuple(d["eff_scale"])
+                if not isinstance(d[name], dict):
+                    raise ValueError(f"CostModel dict: {name} must be an object of {kind.__name__} fields, "
+                                     f"got {d[name]!r:.60}")
+                try:
+                    d[name] = kind(**d[name])
+                except TypeError as exc:  # unknown or missing spec fields
+                    raise ValueError(f"CostModel dict: {name}: {exc}") from None
+        for name in ("eff_q_len", "eff_scale"):
+            if name in d:
+                if not isinstance(d[name], (list, tuple)):
+                    raise ValueError(f"CostModel dict: {name} must be a list of numbers, got {d[name]!r:.60}")
+                d[name] = tuple(d[name])
+        if "meta" in d and not isinstance(d["meta"], dict):
+            raise ValueError(f"CostModel dict: meta must be an object, got {d['meta']!r:.60}")
         return cls(**d)
 
     def save(self, path) -> None:
@@ -313,7 +333,19 @@ class CostModel:
 
     @classmethod
     def load(cls, path) -> "CostModel":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """A CostModel saved with `save` (JSON). Raises ValueError naming the file for a
+        missing or unreadable file, bad JSON or a malformed model."""
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"cost model file {str(path)!r} does not exist or is not a file")
+        try:
+            d = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cost model file {str(path)!r} is not JSON ({exc})") from None
+        try:
+            return cls.from_dict(d)
+        except ValueError as exc:
+            raise ValueError(f"cost model file {str(path)!r}: {exc}") from None
 
     def describe(self) -> str:
         """One line per phase with the coefficients, for logs and the CLI."""

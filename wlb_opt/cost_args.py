@@ -18,6 +18,7 @@ import dataclasses
 
 from .cost import LAYOUT_DIMS, CostModel
 from .specs import HardwareSpec, ModelSpec, ParallelSpec
+from .cli_args import count
 
 _LAYOUT_HELP = {
     "tp": "tensor-parallel degree",
@@ -45,7 +46,7 @@ def add_cost_args(p: argparse.ArgumentParser, *, tp: int = 8, cp: int = 2, pp: i
     g.add_argument("--hardware", default="h100", help="HardwareSpec preset: h100, h200, cpu (default h100)")
     for dim in LAYOUT_DIMS:
         if dim in layout:
-            g.add_argument(f"--{dim}", type=int, default=defaults[dim],
+            g.add_argument(f"--{dim}", type=count, default=defaults[dim],
                            help=f"{_LAYOUT_HELP[dim]} (default {defaults[dim]})")
         else:
             p.set_defaults(**{dim: defaults[dim]})
