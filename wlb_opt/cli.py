@@ -89,7 +89,8 @@ def _pack(argv: list[str]) -> int:
 def _bench(argv: list[str]) -> int:
     names = _bench_names()
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: wlb-opt bench NAME [options]\n\nbenchmarks: " + ", ".join(names))
+        print("usage: wlb-opt bench NAME [options]\n\nbenchmarks: " + ", ".join(names),
+              file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     name = argv[0].replace("-", "_")
     if name.replace("_", "-") not in names:
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
              "  profile measure one transformer block on this device and fit a CostModel (JSON)\n"
              "  bench   run a benchmark: " + ", ".join(_bench_names()))
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage)
+        print(usage, file=sys.stdout if argv else sys.stderr)  # no command is a usage error
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "--version":

@@ -118,6 +118,7 @@ def solve_pack(
     if carried > len(lengths):
         raise ValueError(f"carried={carried} is out of range: only {len(lengths)} documents were given")
     time_limit = check_positive_real("time_limit", time_limit, "seconds", allow_inf=True)
+    seed = check_int("seed", seed, 0)
     solver = get_method(method)
     ids = validate_ids(ids, len(lengths))
     offsets = validate_offsets(offsets, len(lengths))

@@ -492,6 +492,8 @@ def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, s
     fwd / fwd_bwd ratio for that micro-batch (ShardPlan loads are fwd_bwd only).
     """
     parallel = step_layout(plan, cost, parallel)
+    if schedule not in SCHEDULES:  # checked here too: with pp = 1 the schedule is not otherwise read
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     pp = parallel.pp
     n_mb = len(plan.micro_batches)
     if shards is not None and len(shards) != n_mb:

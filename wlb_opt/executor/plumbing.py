@@ -82,6 +82,14 @@ def check_same_plan(plan, shards=None, group=None) -> str:
     Returns `plan.digest()` when `shards` is None, else one SHA-256 over the plan's and
     every shard's digest (equal on every rank once the check passed).
     """
+    from ..plan import PackPlan, ShardPlan
+
+    if not isinstance(plan, PackPlan):
+        raise ValueError(f"plan must be a wlb_opt.PackPlan, got {type(plan).__name__}")
+    if shards is not None and (not isinstance(shards, (list, tuple))
+                               or any(s is not None and not isinstance(s, ShardPlan) for s in shards)):
+        raise ValueError("shards must be None or a list with one ShardPlan (or None) per micro-batch, got "
+                         f"{type(shards).__name__}")
     return _check_same_plan(plan, shards, group, plan.step)
 
 
