@@ -67,6 +67,8 @@ class SimResult:
 # ---------------------------------------------------------------------- inputs
 def _chunk_costs(costs, name: str, virtual_stages: int) -> np.ndarray:
     """[pp, m] (split evenly over v chunks) or [pp, v, m] -> [pp, v, m] seconds."""
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, (int, np.integer)) or virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
     arr = np.asarray(costs, dtype=np.float64)
     if arr.ndim == 2:
         arr = np.repeat(arr[:, None, :] / virtual_stages, virtual_stages, axis=1)
