@@ -132,15 +132,19 @@ class WLBPacker:
             self.n_queues = len(self.thresholds)
         self._auto = self.thresholds is None
         self._fingerprint = cost_fingerprint(self.cost)
-        self._set_backlog_limit((2 + self.n_queues) * self.capacity_tokens if max_backlog_tokens is None
-                                else check_int("max_backlog_tokens", max_backlog_tokens, 0))
+        if max_backlog_tokens is None:
+            # release="group" keeps reading the carry limit it was tuned with (two steps)
+            self._set_backlog_limit((2 + self.n_queues) * self.capacity_tokens, carry_limit=2 * self.capacity_tokens)
+        else:
+            self._set_backlog_limit(check_int("max_backlog_tokens", max_backlog_tokens, 0))
         self._reset_stream()
 
-    def _set_backlog_limit(self, max_backlog_tokens: int) -> None:
-        """Adopt the backlog limit and build the release policies that read it."""
+    def _set_backlog_limit(self, max_backlog_tokens: int, carry_limit: int | None = None) -> None:
+        """Adopt the backlog limit and build the release policies; `carry_limit` (default:
+        the limit) is what release="group" bounds its deferrals by (half of it)."""
         self.max_backlog_tokens = max_backlog_tokens
         rules = dict(need=self.dp * self.n_micro, max_delay=self.max_delay, balance_tolerance=self.balance_tolerance,
-                     max_backlog_tokens=self.max_backlog_tokens)
+                     max_backlog_tokens=max_backlog_tokens if carry_limit is None else carry_limit)
         self._release: ReleasePolicy = make_release_policy(self.release, **rules)
         self._drain_release: ReleasePolicy = DrainRelease(**rules)
 
