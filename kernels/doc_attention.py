@@ -77,10 +77,20 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             lse: torch.Tensor, dlse: Optional[torch.Tensor], segments: torch.Tensor,
             softmax_scale: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the Triton backward; ``dlse`` is the gradient of lse, or None."""
+    return backward_with_hook(dout, q, k, v, out, lse, dlse, segments, softmax_scale, deterministic)
+
+
+def backward_with_hook(dout, q, k, v, out, lse, dlse, segments, softmax_scale: float, deterministic: bool,
+                       on_dkdv=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton backward; ``on_dkdv(dk, dv)`` runs once dK/dV are final and before the dQ
+    kernel (see `launch.backward`), in the dtypes of k and v. Not called when no query
+    attends to anything (dK/dV are zeros then). For CP attention, which overlaps its dK/dV
+    reduce-scatter with the dQ kernel; `doc_attention`'s autograd goes through `_bwd_op`."""
     dout_, q_, k_, v_, out_ = _interpreter_upcast(dout, q, k, v, out)
     dlse_ = dlse.contiguous() if dlse is not None else None
+    hook = None if on_dkdv is None else (lambda dk, dv: on_dkdv(dk.to(k.dtype), dv.to(v.dtype)))
     dq, dk, dv = _launch.backward(dout_, q_, k_, v_, out_, lse.contiguous(), dlse_,
-                                  _segments_np(segments, q, k), softmax_scale, deterministic)
+                                  _segments_np(segments, q, k), softmax_scale, deterministic, on_dkdv=hook)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

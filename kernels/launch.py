@@ -386,8 +386,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: np.ndarray, 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, dlse: torch.Tensor | None, seg: np.ndarray, scale: float,
-             deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             deterministic: bool = True,
+             on_dkdv: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (zeros outside every segment).
+
+    ``on_dkdv(dk, dv)``, if given, is called as soon as dK and dV are final, before the dQ
+    kernel is launched (deterministic mode): CP attention starts its dK/dV reduce-scatter
+    there, so that the collective overlaps the dQ kernel. With ``deterministic=False`` dQ
+    comes out of the dK/dV kernel itself, so the hook runs after both.
 
     deterministic (default): a dQ kernel and a dK/dV kernel, no atomics, seven matmuls per
     block pair, bitwise reproducible for one config. ``deterministic=False``: the dK/dV
@@ -449,19 +456,24 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         )
         partial["dk"], partial["dv"] = dk_part, dv_part
 
-    if deterministic:
-        run_tuned("dq", key, d, launch_dq)
-        if partial["dq_part"] is not None:  # key chunks of split tiles, added in chunk order
-            index = partial["dq_index"]
-            summed = partial["dq_part"].view(-1, index["n_chunks"], partial["dq_block_m"], hq, d).sum(1)
-            dq[index["split_rows"]] = summed.reshape(-1, hq, d)[index["split_pos"]].to(dq.dtype)
+    # the dK/dV kernel first: its results can leave (on_dkdv) while the dQ kernel runs
     run_tuned("dkdv" if deterministic else "dkdv_atomic", key, d, launch_dkdv)
     # the head shares add up in a fixed order (a sum over a leading dim has no atomics)
     dk, dv = partial["dk"], partial["dv"]
     dk = (dk[0] if dk.shape[0] == 1 else dk.sum(0)).to(k.dtype)  # one share: no sum, one conversion
     dv = (dv[0] if dv.shape[0] == 1 else dv.sum(0)).to(v.dtype)
-    if not deterministic:
+    if deterministic:
+        if on_dkdv is not None:
+            on_dkdv(dk, dv)
+        run_tuned("dq", key, d, launch_dq)
+        if partial["dq_part"] is not None:  # key chunks of split tiles, added in chunk order
+            index = partial["dq_index"]
+            summed = partial["dq_part"].view(-1, index["n_chunks"], partial["dq_block_m"], hq, d).sum(1)
+            dq[index["split_rows"]] = summed.reshape(-1, hq, d)[index["split_pos"]].to(dq.dtype)
+    else:
         dq = dq_acc.to(q.dtype)
+        if on_dkdv is not None:
+            on_dkdv(dk, dv)
     return dq, dk, dv
 
 

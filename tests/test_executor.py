@@ -152,3 +152,50 @@ def test_single_process_without_group_equals_reference():
     torch.testing.assert_close(out, ref)
     with pytest.raises(ValueError, match="tokens"):
         context_parallel_attention(q[:5], k[:5], v[:5], shard, backend="torch")
+
+
+def _triton_worker(rank: int, world: int, port: int) -> None:
+    """The Triton path (interpreter) with its dK/dV reduce-scatter started before the dQ kernel."""
+    import wlb_opt.kernels.triton_kernels as tk
+    from wlb_opt.executor import context_parallel_attention
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    events: list[str] = []
+    real_rs, real_dq = dist.reduce_scatter_tensor, tk._dq_kernel
+
+    class _LoggedKernel:
+        def __getitem__(self, grid):
+            events.append("dq kernel")
+            return real_dq[grid]
+
+    def logged_rs(*args, **kwargs):
+        events.append(f"reduce-scatter async={kwargs.get('async_op', False)}")
+        return real_rs(*args, **kwargs)
+
+    try:
+        lengths = [13, 1, 30, 4]
+        cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), wlb.ParallelSpec(cp=world),
+                                      wlb.HardwareSpec.preset("cpu"))
+        shard = wlb.solve_shard(lengths, world, "per_doc", cost)
+        ref_out, ref_dq, ref_dk, ref_dv = _reference(lengths, seed=7)
+        q, k, v, w = _tensors(int(sum(lengths)), seed=7)
+        idx = torch.tensor(shard.rank_indices[rank], dtype=torch.int64)
+        ql, kl, vl = (x[idx].float().clone().requires_grad_() for x in (q, k, v))
+        out = context_parallel_attention(ql, kl, vl, shard, backend="triton")
+        dist.reduce_scatter_tensor, tk._dq_kernel = logged_rs, _LoggedKernel()
+        try:
+            (out * w[idx].float()).sum().backward()
+        finally:
+            dist.reduce_scatter_tensor, tk._dq_kernel = real_rs, real_dq
+        for name, got, want in (("out", out, ref_out), ("dq", ql.grad, ref_dq), ("dk", kl.grad, ref_dk),
+                                ("dv", vl.grad, ref_dv)):
+            torch.testing.assert_close(got.double(), want[idx], rtol=1e-4, atol=1e-4,
+                                       msg=lambda m: f"rank {rank} triton {name}: {m}")
+        assert events[:2] == ["reduce-scatter async=True", "dq kernel"], events
+    finally:
+        dist.destroy_process_group()
+
+
+def test_triton_cp_backward_starts_the_dkdv_reduce_scatter_before_the_dq_kernel():
+    mp.spawn(_triton_worker, args=(2, free_port()), nprocs=2, join=True)

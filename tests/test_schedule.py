@@ -121,3 +121,60 @@ def test_bad_shapes_are_clear_errors(args, match):
 def test_single_stage_has_no_traffic():
     assert p2p_schedule(1, 5) == [[]]
     assert p2p_schedule(2, 0) == [[], []]
+
+
+def _live_boundary_tensors(rank: int, pp: int, n_micro: int, v: int) -> tuple[dict, dict]:
+    """Walk `step_plan` as the executor does and return, per direction, the most boundary
+    tensors alive while a group is posted (received and not yet consumed by their backward, or
+    produced and not yet sent) and the most micro-batch chunks in flight then (from their
+    input's receive, or the first stage's forward, until their backward)."""
+    from wlb_opt.schedule import step_plan
+
+    last = pp * v - 1
+    held = {"fwd": set(), "bwd": set()}  # received, waiting for their backward
+    unsent = {"fwd": set(), "bwd": set()}  # produced, waiting for their send
+    flying: set = set()
+    peak_live = {"fwd": 0, "bwd": 0}
+    peak_gap = {"fwd": 0, "bwd": 0}
+    for group, op in step_plan(rank, pp, n_micro, v):
+        for o in group:
+            if o.kind == "recv":
+                held[o.direction].add((o.micro, o.chunk * pp + rank))
+        flying |= held["fwd"]
+        for d in held:
+            live = len(held[d]) + len(unsent[d])
+            peak_live[d] = max(peak_live[d], live)
+            peak_gap[d] = max(peak_gap[d], live - len(flying))
+        for o in group:
+            if o.kind == "send":
+                unsent[o.direction].discard((o.micro, o.chunk * pp + rank))
+        if op is None:
+            continue
+        phase, k, vs = op
+        if phase == "F":
+            flying.add((k, vs))
+            if vs != last:
+                unsent["fwd"].add((k, vs))
+        else:
+            flying.discard((k, vs))
+            held["fwd"].discard((k, vs))
+            held["bwd"].discard((k, vs))
+            if vs != 0:
+                unsent["bwd"].add((k, vs))
+    return peak_live, peak_gap
+
+
+def _valid(pp: int, n_micro: int, v: int) -> bool:
+    try:
+        p2p_schedule(pp, n_micro, v)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("pp, n_micro, v", [s for s in SHAPES if _valid(*s)])
+def test_every_schedule_keeps_at_most_one_boundary_tensor_beyond_those_in_flight(pp, n_micro, v):
+    for rank in range(pp):
+        peak_live, peak_gap = _live_boundary_tensors(rank, pp, n_micro, v)
+        assert max(peak_gap.values()) <= 1, (rank, peak_live, peak_gap)
+        assert peak_live["fwd"] >= (1 if n_micro else 0)  # the walk sees the traffic at all

@@ -72,13 +72,22 @@ def sparse_plan(pp: int):
 
 
 def in_flight(rank: int, pp: int, n_micro: int, v: int) -> int:
-    """Most micro-batch chunks a rank holds between their forward and backward."""
-    from wlb_opt.schedule import stage_order
+    """Most micro-batch chunks a rank holds at once under its schedule: from the moment their
+    input's receive is posted (or, on the first virtual stage, their forward starts) until
+    their backward ends. Walked from `step_plan` alone, not from the executor."""
+    from wlb_opt.schedule import step_plan
 
-    live = peak = 0
-    for phase, _, _ in stage_order(rank, pp, n_micro, v):
-        live += 1 if phase == "F" else -1
-        peak = max(peak, live)
+    held, peak = set(), 0
+    for group, op in step_plan(rank, pp, n_micro, v):
+        held |= {(o.micro, o.chunk * pp + rank) for o in group if o.kind == "recv" and o.direction == "fwd"}
+        if op is not None:
+            phase, k, vs = op
+            if phase == "F":
+                held.add((k, vs))
+            peak = max(peak, len(held))
+            if phase == "B":
+                held.discard((k, vs))
+        peak = max(peak, len(held))
     return peak
 
 
@@ -175,10 +184,8 @@ def _worker(rank, world, port):
                     local = len(shards[j].rank_indices[mesh.cp_rank]) if len(plan.micro_batches[j]) else 0
                     assert shape == (local, 32) and dtype == torch.float64, (where, o, shape)
             # sampled while a group's sends and its new receive buffers coexist: the inputs of the
-            # micro-batches in flight, the output being sent and the next receive (sends are paired
-            # with receives in one group: splitting them meets + 1 but stalls 1F1B up to 1.44x
-            # under rendezvous semantics, measured with simulate_rendezvous)
-            limit = in_flight(mesh.pp_rank, pp, n_micro, v) + 2
+            # micro-batches in flight (the one being received included) and the output being sent
+            limit = in_flight(mesh.pp_rank, pp, n_micro, v) + 1
             assert max(record.peak_live.values()) <= limit, (where, record.peak_live, limit)
             for chunk in chunks:
                 for p in chunk.parameters():

@@ -29,6 +29,8 @@ _EXPORTS = {
     "solve_pack": "pack",
     "PACK_METHODS": "pack",
     "WLBPacker": "packer",
+    "WLBStream": "stream",
+    "Step": "stream",
     "solve_shard": "shard",
     "simulate_pipeline": "simulate",
     "simulate_step": "simulate",

@@ -86,6 +86,9 @@ class SolveInfo:
     def __post_init__(self) -> None:
         object.__setattr__(self, "extra", MappingProxyType(dict(self.extra)))
 
+    def __reduce__(self):  # picklable (DataLoader workers, multiprocessing): the mapping goes as a dict
+        return (_solve_info_from_fields, (self.to_dict(),))
+
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["extra"] = dict(self.extra)
@@ -610,3 +613,8 @@ def _to_torch(arr: np.ndarray, device=None):
 
     torch = require("torch", "ShardPlan torch adapters")
     return torch.tensor(arr, device=device)  # a copy: plan arrays are read-only
+
+
+def _solve_info_from_fields(fields: dict) -> SolveInfo:
+    """Unpickle a SolveInfo (see `SolveInfo.__reduce__`)."""
+    return SolveInfo(**fields)

@@ -28,11 +28,17 @@ that computes K and V first calls `prefetch_kv(k, v, shard, group)` (an asynchro
 `all_gather_into_tensor`: NCCL's own stream on a GPU, gloo's worker thread on CPU), computes
 Q, and passes the pending gather to `context_parallel_attention(..., prefetched=...)`
 (`TinyLM`'s blocks do, through the executor's attention callable). The dK/dV reduce-scatter
-feeds the K/V projections' backward directly, so it could only overlap the backward of the
-Q projection; that is not done (it runs when autograd reaches it).
+feeds the K/V projections' backward directly (and through them the previous layer's whole
+backward), so the previous layer cannot run under it. What can: the attention's own dQ
+kernel. On the Triton path the dK/dV kernel runs first, its result starts an asynchronous
+reduce-scatter (NCCL's stream), and the dQ kernel runs while it travels; the wait comes only
+when autograd needs dK/dV. Also possible, not done: the Q projection's backward (it needs
+only dQ) would need the attention and the projections in one autograd node. The gloo/torch
+path stays synchronous.
 """
 from __future__ import annotations
 
+import importlib
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -148,12 +154,13 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, cpx: CPContext, group, async_op
     return full, dist.all_gather_into_tensor(full, buf, group=group, async_op=async_op)
 
 
-def _scatter_reduce_kv(dk: torch.Tensor, dv: torch.Tensor, cpx: CPContext, group) -> torch.Tensor:
-    """Packed-order dK, dV -> the summed [rows, 2, Hkv, D] gradient of this rank's K and V rows."""
+def _start_scatter_reduce_kv(dk: torch.Tensor, dv: torch.Tensor, cpx: CPContext, group,
+                             async_op: bool = False) -> "_PendingGrad":
+    """Packed-order dK, dV -> (pending) summed [rows, 2, Hkv, D] gradient of this rank's K and V rows."""
     padded = dk.new_zeros((cpx.world * cpx.width, 2) + tuple(dk.shape[1:]))
     padded[:, 0].index_copy_(0, cpx.gather_index, dk)
     padded[:, 1].index_copy_(0, cpx.gather_index, dv)
-    return _reduce_scatter_padded(padded, cpx, group)
+    return _start_reduce_scatter(padded, cpx, group, async_op)
 
 
 def _gather(x: torch.Tensor, cpx: CPContext, group) -> torch.Tensor:
@@ -194,22 +201,42 @@ def _scatter_reduce(grad: torch.Tensor, cpx: CPContext, group) -> torch.Tensor:
     return _reduce_scatter_padded(padded, cpx, group)
 
 
-def _reduce_scatter_padded(padded: torch.Tensor, cpx: CPContext, group) -> torch.Tensor:
-    """Sum the padded rank-major buffer over the group; this rank's rows of the sum."""
-    grad = padded
+class _PendingGrad:
+    """A reduce-scatter in flight: `result()` waits for it (on a GPU: the current stream waits
+    on NCCL's, the host does not block) and returns this rank's rows of the sum."""
+
+    def __init__(self, work, rows: torch.Tensor):
+        self._work, self._rows = work, rows
+
+    def result(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._rows
+
+
+def _start_reduce_scatter(padded: torch.Tensor, cpx: CPContext, group, async_op: bool) -> _PendingGrad:
+    """Start summing the padded rank-major buffer over the group (this rank's rows of the sum).
+    Reduce-scatter where the group's backend has it, else an all-reduce (found out once per
+    group: by capability, not by the backend's name)."""
     if cpx.world == 1:
-        return padded[: cpx.counts[0]]
+        return _PendingGrad(None, padded[: cpx.counts[0]])
     if id(group) not in _NO_REDUCE_SCATTER:
-        out = grad.new_empty((cpx.width,) + tuple(grad.shape[1:]))
+        out = padded.new_empty((cpx.width,) + tuple(padded.shape[1:]))
         try:
-            dist.reduce_scatter_tensor(out, padded, group=group)
-            return out[: cpx.counts[cpx.rank]]
+            work = dist.reduce_scatter_tensor(out, padded, group=group, async_op=async_op)
+            return _PendingGrad(work, out[: cpx.counts[cpx.rank]])
         except (RuntimeError, NotImplementedError) as exc:  # a backend without reduce-scatter
             if "support" not in str(exc).lower() and not isinstance(exc, NotImplementedError):
                 raise
             _NO_REDUCE_SCATTER.add(id(group))
-    dist.all_reduce(padded, group=group)
-    return padded[cpx.rank * cpx.width: cpx.rank * cpx.width + cpx.counts[cpx.rank]]
+    work = dist.all_reduce(padded, group=group, async_op=async_op)
+    return _PendingGrad(work, padded[cpx.rank * cpx.width: cpx.rank * cpx.width + cpx.counts[cpx.rank]])
+
+
+def _reduce_scatter_padded(padded: torch.Tensor, cpx: CPContext, group) -> torch.Tensor:
+    """Sum the padded rank-major buffer over the group; this rank's rows of the sum."""
+    return _start_reduce_scatter(padded, cpx, group, async_op=False).result()
 
 
 class _GatherPacked(torch.autograd.Function):
@@ -233,7 +260,7 @@ def gather_packed(x: torch.Tensor, shard, group=None) -> torch.Tensor:
 
 
 def _attention_forward(q, k_full, v_full, cpx, scale, backend, deterministic):
-    from ..kernels import doc_attention as _da
+    _da = importlib.import_module("wlb_opt.kernels.doc_attention")  # the module: the package exports a function of that name
     from ..kernels.reference import attention_per_segment
 
     if backend == "torch":
@@ -245,8 +272,8 @@ def _attention_forward(q, k_full, v_full, cpx, scale, backend, deterministic):
     return _da._fwd_op(q, k_full, v_full, cpx.segments, scale, deterministic)
 
 
-def _attention_backward(dout, q, k_full, v_full, out, lse, cpx, scale, backend, deterministic):
-    from ..kernels import doc_attention as _da
+def _attention_backward(dout, q, k_full, v_full, out, lse, cpx, scale, backend, deterministic, on_dkdv=None):
+    _da = importlib.import_module("wlb_opt.kernels.doc_attention")  # the module: the package exports a function of that name
     from ..kernels.reference import attention_per_segment
 
     if backend == "torch":  # recompute the per-segment path under autograd
@@ -257,7 +284,8 @@ def _attention_backward(dout, q, k_full, v_full, out, lse, cpx, scale, backend, 
                 return torch.zeros_like(q), torch.zeros_like(k_full), torch.zeros_like(v_full)
             grads = torch.autograd.grad(o, (qd, kd, vd), dout, allow_unused=True)
             return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (qd, kd, vd)))
-    return _da._bwd_op(dout, q, k_full, v_full, out, lse, None, cpx.segments, scale, deterministic)
+    return _da.backward_with_hook(dout, q, k_full, v_full, out, lse, None, cpx.segments, scale, deterministic,
+                                  on_dkdv=on_dkdv)
 
 
 class _CPAttention(torch.autograd.Function):
@@ -279,9 +307,16 @@ class _CPAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, *kept = ctx.saved_tensors
         kv = kept[0] if kept else _gather_kv(k, v, ctx.cpx, ctx.group)[0].index_select(0, ctx.cpx.gather_index)
+        pending: list[_PendingGrad] = []
+
+        def start_reduce(dk_full, dv_full):  # before the dQ kernel: the collective overlaps it
+            pending.append(_start_scatter_reduce_kv(dk_full, dv_full, ctx.cpx, ctx.group, async_op=True))
+
         dq, dk_full, dv_full = _attention_backward(dout.contiguous(), q, kv[:, 0], kv[:, 1], out, lse, ctx.cpx,
-                                                   ctx.scale, ctx.backend, ctx.deterministic)
-        dkv = _scatter_reduce_kv(dk_full, dv_full, ctx.cpx, ctx.group)
+                                                   ctx.scale, ctx.backend, ctx.deterministic, start_reduce)
+        if not pending:  # the torch path, or no query attends to anything
+            pending.append(_start_scatter_reduce_kv(dk_full, dv_full, ctx.cpx, ctx.group))
+        dkv = pending[0].result()
         return dq, dkv[:, 0], dkv[:, 1], None, None, None, None, None, None, None
 
 

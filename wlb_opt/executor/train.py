@@ -80,19 +80,43 @@ def pack_tokens(plan, j: int, doc_tokens: Callable[[int], torch.Tensor]) -> torc
     return pack_micro_batch(plan, j, doc_tokens)[0]
 
 
+def _piece(data, doc_id: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, loss mask) of tokens [lo, hi) of a document, from `data(id)` (the whole
+    document) or from `data.piece(id, offset, length)` (a `WLBStream` step holds pieces)."""
+    piece = getattr(data, "piece", None)
+    if callable(piece):
+        tokens, mask = piece(doc_id, lo, hi - lo)
+        tokens = torch.as_tensor(tokens)
+        got = tokens.shape[0] if tokens.dim() == 1 else None
+        if got != hi - lo:
+            raise ValueError(f"document {doc_id}: the piece at offset {lo} should have {hi - lo} tokens, got "
+                             f"{got if got is not None else tuple(tokens.shape)}")
+    else:
+        doc, mask = _document(data, doc_id)
+        doc = torch.as_tensor(doc)
+        if doc.dim() != 1 or doc.shape[0] < hi:
+            raise ValueError(f"document {doc_id}: data({doc_id}) returned {tuple(doc.shape)} tokens, but the plan "
+                             f"holds its tokens [{lo}, {hi}) (a 1-D tensor of at least {hi} tokens is needed)")
+        tokens = doc[lo:hi]
+        mask = mask[lo:hi] if mask is not None else None
+    if mask is None:
+        mask = torch.ones(hi - lo, dtype=torch.bool)
+    return tokens, torch.as_tensor(mask, dtype=torch.bool)
+
+
 def pack_micro_batch(plan, j: int, data) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids, next-token labels) of micro-batch j in packed order. Labels are -100 at the
     last token of every piece and wherever the next token is not a target (its loss mask,
     when `data` gives one, is False)."""
     tokens, masks = [], []
     for i in plan.micro_batches[j]:
-        doc, mask = _document(data, int(plan.doc_ids[i]))
         lo, hi = int(plan.offsets[i]), int(plan.offsets[i] + plan.lengths[i])
-        tokens.append(doc[lo:hi])
-        masks.append(mask[lo:hi] if mask is not None else torch.ones(hi - lo, dtype=torch.bool))
+        piece_tokens, piece_mask = _piece(data, int(plan.doc_ids[i]), lo, hi)
+        tokens.append(piece_tokens)
+        masks.append(piece_mask)
     if not tokens:
         return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-    tokens_t, mask_t = torch.cat(tokens), torch.cat(masks)
+    tokens_t, mask_t = torch.cat(tokens).long(), torch.cat(masks)
     lengths = plan.lengths[plan.micro_batches[j]]
     labels = packed_labels(tokens_t, lengths)
     target_is_real = torch.cat([mask_t[1:], torch.zeros(1, dtype=torch.bool)])
@@ -272,14 +296,16 @@ def _chunks(model) -> list[torch.nn.Module]:
     return chunks
 
 
-def train_step(stages, plan, shards: list, *, data: Callable[[int], torch.Tensor], mesh: Mesh | None = None,
+def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
                loss_fn: Callable | None = None, loss_chunk: int = DEFAULT_LOSS_CHUNK, reduce_grads: bool = True,
                regather_kv: bool | None = None, step: int | None = None, backend: str = "auto",
                check_plan: bool = True, record: StageOutputs | None = None, prefetch: bool = True) -> float:
     """Forward and backward of one global batch; returns the global mean token loss.
 
-    `data(id)` returns a whole document's token ids (a 1-D integer tensor); `step` is the
-    step index, used in error messages (default `plan.step`).
+    `data(id)` returns a whole document's token ids (a 1-D integer tensor), or a pair (token
+    ids, loss mask); or `data` is a `WLBStream` step (`data=step`), which holds the pieces of
+    its plan (`step.piece(id, offset, length)`). `step` is the step index, used in error
+    messages (default `plan.step`).
 
     `check_plan` (default on): before anything else the ranks compare one digest per
     micro-batch over the PackPlan and the ShardPlan each runs it with (`check_same_plan`);

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from bisect import bisect_right
 from collections import deque
 from typing import Literal, Sequence
@@ -131,6 +132,7 @@ class WLBPacker:
                                  f"{self.thresholds}; pass n_queues=None or {len(self.thresholds)}")
             self.n_queues = len(self.thresholds)
         self._auto = self.thresholds is None
+        self._warned_outliers = False
         self._fingerprint = cost_fingerprint(self.cost)
         if max_backlog_tokens is None:
             # release="group" keeps reading the carry limit it was tuned with (two steps)
@@ -197,6 +199,10 @@ class WLBPacker:
         """Ids of the pieces held in outlier queues (neither placed nor deferred), queue by
         queue, FIFO order inside each."""
         return np.array([piece.id for q in self._queues for piece in q], dtype=np.int64)
+
+    def held_pieces(self) -> list[HeldPiece]:
+        """Every piece the packer holds (queued or carried), queues first."""
+        return [piece for q in self._queues for piece in q] + list(self._carry)
 
     def carried_ids(self) -> np.ndarray:
         """Ids of the pieces deferred by the last plan (placed first in the next)."""
@@ -291,6 +297,7 @@ class WLBPacker:
         if self._auto and self.thresholds is None and len(lengths):
             before = (self.thresholds, self.n_queues, self._queues, self._calibration)
             self.calibrate(lengths)  # on the first non-empty global batch
+        self._warn_if_mostly_outliers(lengths)
         step = self._step
         entries = [HeldPiece(*piece) for piece in zip(ids.tolist(), offsets.tolist(), lengths.tolist(),
                                                        [step] * len(lengths))]
@@ -316,6 +323,18 @@ class WLBPacker:
             self._next_auto_id = max(self._next_auto_id, int(ids.max()) + 1)
         self._commit(plan, queues, carry)
         return plan
+
+    def _warn_if_mostly_outliers(self, lengths: np.ndarray) -> None:
+        """Warn once when more than half of a batch's tokens are outliers: the thresholds are
+        then too low for the data (e.g. a bare window // 2), and most tokens would wait."""
+        if self._warned_outliers or not self.thresholds or not len(lengths):
+            return
+        share = float(lengths[lengths >= self.thresholds[0]].sum()) / float(lengths.sum())
+        if share > 0.5:
+            self._warned_outliers = True
+            warnings.warn(f"step {self._step}: {share:.0%} of the batch's tokens are in outliers (length >= "
+                          f"{self.thresholds[0]}, thresholds {self.thresholds}), so most tokens wait in queues; "
+                          "use thresholds='auto' or higher thresholds", stacklevel=3)
 
     def drain(self) -> list[PackPlan]:
         """End of data: release every queue and emit plans until nothing is held."""
@@ -370,10 +389,12 @@ class WLBPacker:
 
     def _trial(self, thresholds: list[int]) -> "WLBPacker":
         """A fresh packer configured like this one, with explicit `thresholds` (calibration)."""
-        return WLBPacker(self.n_micro, self.max_tokens, self.cost, self.dp, thresholds, max_delay=self.max_delay,
-                         seed=self.seed, max_backlog_tokens=self.max_backlog_tokens, pp=self.pp,
-                         delay_budget=self.delay_budget, method=self.method, release=self.release,
-                         balance_tolerance=self.balance_tolerance)
+        trial = WLBPacker(self.n_micro, self.max_tokens, self.cost, self.dp, thresholds, max_delay=self.max_delay,
+                          seed=self.seed, max_backlog_tokens=self.max_backlog_tokens, pp=self.pp,
+                          delay_budget=self.delay_budget, method=self.method, release=self.release,
+                          balance_tolerance=self.balance_tolerance)
+        trial._warned_outliers = True  # trying low thresholds is calibration's job, not a user's mistake
+        return trial
 
     @property
     def calibration(self) -> dict | None:

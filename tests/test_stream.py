@@ -1,0 +1,254 @@
+"""WLBStream: every token out exactly once and in order, bounded cache, identical resume,
+the DataLoader-worker path, and clear errors for sources that lie about their documents."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+import wlb_opt as wlb
+
+torch = pytest.importorskip("torch")
+# auto thresholds on these small long-tail streams put most tokens in outliers (pieces of documents
+# longer than a step are all outliers); the warning itself is tested below
+pytestmark = pytest.mark.filterwarnings("ignore:.*outliers:UserWarning")
+
+WINDOW, N_MICRO, MAX_TOKENS, PER_STEP = 512, 4, 512, 1536
+
+
+def doc_tokens(doc_id: int, length: int) -> np.ndarray:
+    return (doc_id * 7919 + np.arange(length, dtype=np.int64)) % 50_021
+
+
+def long_tail(n_docs: int, seed: int = 0) -> list[int]:
+    """Mostly short documents, a tail of long ones, and some longer than a whole step."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(2.9, 1.0, n_docs).astype(int), 1, None)
+    huge = rng.choice(n_docs, size=max(1, n_docs // 1000), replace=False)
+    lengths[huge] = rng.integers(PER_STEP + 1, 3 * PER_STEP, size=len(huge))
+    return lengths.tolist()
+
+
+def make_stream(docs, cp: int = 2):
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), wlb.ParallelSpec(cp=cp),
+                                  wlb.HardwareSpec.preset("cpu"))
+    packer = wlb.WLBPacker(N_MICRO, MAX_TOKENS, cost, max_delay=4)
+    return wlb.WLBStream(docs, packer, PER_STEP, window=WINDOW)
+
+
+def pairs(lengths):
+    return [(1000 + i, doc_tokens(1000 + i, n)) for i, n in enumerate(lengths)]
+
+
+def fingerprint(step) -> tuple:
+    """What a rank trains on: the plan's digest and every micro-batch's tensors."""
+    tensors = []
+    for j in range(len(step.plan.micro_batches)):
+        for r in range(2):
+            got = step.inputs(j, r)
+            tensors.append(tuple(got[k].tolist() for k in ("input_ids", "labels", "position_ids", "segments")))
+    return step.plan.digest(), step.target_tokens, tuple(tensors)
+
+
+@pytest.fixture(scope="module")
+def long_run():
+    lengths = long_tail(10_000)
+    stream = make_stream(pairs(lengths))
+    steps, bounds = [], []
+    with warnings.catch_warnings():  # pieces of documents larger than a step are all outliers
+        warnings.simplefilter("ignore", UserWarning)
+        for step in stream:
+            steps.append(step)
+            bounds.append((stream.cached_tokens, stream.held_tokens + PER_STEP + WINDOW))
+    return lengths, steps, bounds
+
+
+def test_every_token_comes_out_exactly_once_and_in_order(long_run):
+    lengths, steps, _ = long_run
+    assert len(steps) >= 200
+    assert max(lengths) > PER_STEP  # documents larger than a whole step are in the stream
+    seen: dict[int, dict[int, np.ndarray]] = {}
+    for step in steps:
+        plan = step.plan
+        for j, mb in enumerate(plan.micro_batches):
+            parts = []
+            for i in mb:
+                doc, off = int(plan.doc_ids[i]), int(plan.offsets[i])
+                tokens, _ = step.piece(doc, off, int(plan.lengths[i]))
+                assert off not in seen.setdefault(doc, {}), f"piece ({doc}, {off}) trained twice"
+                seen[doc][off] = np.asarray(tokens)
+                parts.append(np.asarray(tokens))
+            packed = step.tokens(j).numpy()
+            assert np.array_equal(packed, np.concatenate(parts) if parts else np.zeros(0)), (step.index, j)
+    assert sorted(seen) == [1000 + i for i in range(len(lengths))]
+    for i, n in enumerate(lengths):
+        pieces = seen[1000 + i]
+        whole = np.concatenate([pieces[off] for off in sorted(pieces)])
+        assert np.array_equal(whole, doc_tokens(1000 + i, n)), f"document {1000 + i}"
+
+
+def test_cached_tokens_stay_within_the_documented_bound(long_run):
+    _, _, bounds = long_run
+    assert all(cached <= bound for cached, bound in bounds), max(c - b for c, b in bounds)
+    assert max(c for c, _ in bounds) > 0  # the cache is used at all
+
+
+def test_inputs_follow_the_label_and_position_conventions(long_run):
+    _, steps, _ = long_run
+    step = next(s for s in steps if any(len(mb) > 2 for mb in s.plan.micro_batches))
+    j = next(j for j, mb in enumerate(step.plan.micro_batches) if len(mb) > 2)
+    plan = step.plan
+    full_tokens = step.tokens(j)
+    labels_by_pos, pos_by_pos = {}, {}
+    for r in range(2):
+        got = step.inputs(j, r)
+        for row, t in enumerate(step.shards[j].rank_indices[r]):
+            assert int(got["input_ids"][row]) == int(full_tokens[t])
+            labels_by_pos[t], pos_by_pos[t] = int(got["labels"][row]), int(got["position_ids"][row])
+    t = 0
+    for i in plan.micro_batches[j]:
+        n, off = int(plan.lengths[i]), int(plan.offsets[i])
+        for k in range(n):
+            want = int(full_tokens[t + k + 1]) if k < n - 1 else -100
+            assert labels_by_pos[t + k] == want and pos_by_pos[t + k] == off + k
+        t += n
+    assert step.target_tokens == sum(int(plan.lengths[i]) - 1 for mb in plan.micro_batches for i in mb)
+    assert step.local(0, 1) == plan.replica_micro_batches(0)
+
+
+def test_a_checkpoint_resumes_to_identical_plans_and_tensors():
+    lengths = long_tail(3000, seed=1)
+    docs = pairs(lengths)
+    first = list(make_stream(docs))
+    state = json.loads(json.dumps(first[59].state))
+    resumed = make_stream(docs)
+    resumed.load_state_dict(state)
+    again = list(resumed)
+    assert [s.index for s in again] == [s.index for s in first[60:]]
+    for a, b in zip(first[60:], again):
+        assert fingerprint(a) == fingerprint(b), a.index
+
+
+def test_the_dataloader_worker_path_yields_the_same_steps():
+    docs = pairs(long_tail(600, seed=2))
+    direct = [fingerprint(s) for s in make_stream(docs)]
+    loader = torch.utils.data.DataLoader(make_stream(docs).as_dataset(), batch_size=None, num_workers=1)
+    assert [fingerprint(s) for s in loader] == direct
+    bad = torch.utils.data.DataLoader(make_stream(docs).as_dataset(), batch_size=None, num_workers=2)
+    with pytest.raises(ValueError, match="at most one DataLoader worker"):
+        list(bad)
+
+
+def test_from_dataset_reads_tokens_only_for_the_micro_batches_asked():
+    lengths = long_tail(400, seed=3)
+
+    class Dataset:
+        def __init__(self):
+            self.reads = 0
+            self.lengths = lengths
+
+        def __len__(self):
+            return len(lengths)
+
+        def __getitem__(self, i):
+            self.reads += 1
+            return doc_tokens(i, lengths[i])
+
+    ds = Dataset()
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), wlb.ParallelSpec(cp=2), wlb.HardwareSpec.preset("cpu"))
+    stream = wlb.WLBStream.from_dataset(ds, wlb.WLBPacker(N_MICRO, MAX_TOKENS, cost, max_delay=4), PER_STEP,
+                                        window=WINDOW)
+    steps = list(stream)
+    assert ds.reads == 0 and stream.cached_tokens == 0  # planned from the lengths alone
+    step = steps[3]
+    j = next(j for j, mb in enumerate(step.plan.micro_batches) if len(mb))
+    got = step.tokens(j)
+    assert ds.reads == len(step.plan.micro_batches[j])
+    want = np.concatenate([doc_tokens(int(step.plan.doc_ids[i]), lengths[int(step.plan.doc_ids[i])])
+                           [int(step.plan.offsets[i]):int(step.plan.offsets[i] + step.plan.lengths[i])]
+                           for i in step.plan.micro_batches[j]])
+    assert np.array_equal(got.numpy(), want)
+
+
+def test_a_dataset_that_returns_the_wrong_length_names_the_document():
+    lengths = [30, 40, 50]
+    ds = [doc_tokens(i, n) for i, n in enumerate(lengths)]
+    ds[1] = ds[1][:-3]
+    stream = wlb.WLBStream.from_dataset(ds, wlb.WLBPacker(2, 64, thresholds=[]), 100, lengths=lengths)
+    with pytest.raises(ValueError, match=r"document 1: the dataset returned 37 tokens, but its length is 40"):
+        for step in stream:
+            for j in range(len(step.plan.micro_batches)):
+                step.tokens(j)
+
+
+def test_train_step_data_that_returns_too_few_tokens_names_the_document():
+    from wlb_opt.executor.train import pack_micro_batch
+
+    plan = wlb.solve_pack([5, 9], 1, 16, method="wlb", ids=[7, 8])
+    with pytest.raises(ValueError, match=r"document 8: data\(8\) returned \(4,\) tokens"):
+        pack_micro_batch(plan, 0, lambda i: torch.arange(5 if i == 7 else 4))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda p: wlb.WLBStream([(0, [1, 2])], p, 10**9), "more than the packer can place"),
+    (lambda p: wlb.WLBStream([(0, [1, 2])], p, 100, window=65), "longer than the packer's max_tokens"),
+    (lambda p: wlb.WLBStream([(0, [1, 2])], p, 30, window=40), "longer than tokens_per_step"),
+    (lambda p: wlb.WLBStream([(0, [1, 2])], p, 100, strategy="best"), "strategy must be one of"),
+    (lambda p: wlb.WLBStream("abc", p, 100), "iterable of \\(doc_id, tokens\\) pairs"),
+    (lambda p: wlb.WLBStream([(0, [1])], "packer", 100), "packer must be a wlb_opt.WLBPacker"),
+    (lambda p: wlb.WLBStream.from_dataset(iter([]), p, 100), "map-style"),
+    (lambda p: wlb.WLBStream.from_dataset([[1], [2]], p, 100, lengths=[1]), "lengths has 1 entries"),
+])
+def test_bad_stream_arguments_are_clear_errors(make, match):
+    packer = wlb.WLBPacker(2, 64, thresholds=[])
+    with pytest.raises(ValueError, match=match):
+        make(packer)
+
+
+@pytest.mark.parametrize("docs, match", [
+    ([(0, [1, 2]), (1, [])], "document 1 \\(item 1\\) has no tokens"),
+    ([(0, [[1, 2]])], "document 0: tokens must be 1-D"),
+    ([(0, [1.5, 2.0])], "must be integer token ids"),
+    ([("a", [1, 2])], "document ids must be integers"),
+    ([(0, [1, 2], [True])], "loss mask of 1 entries for 2 tokens"),
+    ([7], "item 0 of documents must be"),
+    ([(3, [1, 2]), (3, [4, 5])], "already held|repeated"),
+])
+def test_bad_documents_are_clear_errors(docs, match):
+    stream = wlb.WLBStream(docs, wlb.WLBPacker(2, 64, thresholds=[], max_delay=1), 100)
+    with pytest.raises(ValueError, match=match):
+        list(stream)
+
+
+def test_loss_masks_travel_with_their_pieces():
+    tokens = np.arange(20)
+    mask = np.arange(20) >= 5
+    stream = wlb.WLBStream([(0, tokens, mask), (1, np.arange(8))], wlb.WLBPacker(2, 16, thresholds=[]), 32,
+                           window=16, cp=1)
+    steps = list(stream)
+    assert sum(s.target_tokens for s in steps) == 11 + 3 + 7  # piece [0,16): targets 5..15; [16,20): 3; doc 1: 7
+    labels = torch.cat([s.inputs(j)["labels"] for s in steps for j in range(len(s.plan.micro_batches))])
+    assert int((labels != -100).sum()) == sum(s.target_tokens for s in steps)
+
+
+def test_resume_needs_a_re_iterable_source_and_matching_settings():
+    docs = pairs(long_tail(200, seed=4))
+    steps = list(make_stream(docs))
+    state = steps[3].state
+    one_shot = make_stream(iter(docs))
+    with pytest.raises(ValueError, match="one-shot iterator"):
+        one_shot.load_state_dict(state)
+    other = make_stream(docs, cp=1)
+    with pytest.raises(ValueError, match="settings"):
+        other.load_state_dict(state)
+
+
+def test_bare_half_window_thresholds_warn_once():
+    packer = wlb.WLBPacker(4, 512, thresholds=[256], max_delay=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        packer.pack([300, 300, 300, 20])
+        packer.pack([300, 300, 300, 20])
+    assert sum("outliers" in str(w.message) for w in caught) == 1
