@@ -32,7 +32,7 @@ from ..kernels import work_model as wm
 from ..pack import solve_pack
 from ..shard import solve_shard
 from ..specs import HardwareSpec, ModelSpec, ParallelSpec
-from ..cli_args import count, natural
+from ..cost_args import count, natural
 
 # The first candidate configs for head dim 128 (kernels/launch.py); one program per SM each
 # (aot_check: 128-131 KB shared memory or 193-252 registers x 256 threads).

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..data import DEFAULT_SEED, document_stream
 from ..shard import solve_shard
-from ..cli_args import count
+from ..cost_args import count
 
 
 def micro_batch(n_tokens: int, seed: int, max_doc: int = 16384) -> np.ndarray:

@@ -34,7 +34,7 @@ from ..docs import split_documents
 from ..pack import solve_pack
 from ..plan import PackPlan, imbalance
 from ..specs import HardwareSpec, ModelSpec, ParallelSpec
-from ..cli_args import count, natural
+from ..cost_args import count, natural
 
 CALIBRATION_TARGETS = dict(short_doc_token_share="> 0.75 (paper §2)", original_imbalance_mean="1.44 (paper Table 2)")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from . import e2e
-from ..cli_args import count, natural
+from ..cost_args import count, natural
 
 
 def main(argv: list[str] | None = None) -> int:

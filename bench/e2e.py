@@ -40,7 +40,7 @@ from ..simulate import simulate_step
 from ..solvers.deal import refine_replicas
 from ..specs import HardwareSpec, ModelSpec, ParallelSpec
 from .data import carried_plans, run_packer
-from ..cli_args import count, natural
+from ..cost_args import count, natural
 
 METHODS = ("plain", "fixed", "wlb", "best")
 IMPROVED_METHOD = "wlb_ls"  # the library's improved packing heuristic (the "best" row re-packs with it)

@@ -28,11 +28,10 @@ from pathlib import Path
 import numpy as np
 
 from .._optional import progress
-from ..cost_args import add_cost_args, cost_from_args
+from ..cost_args import add_cost_args, cost_from_args, count, fraction, natural, seconds
 from ..data import DEFAULT_SEED, DISTRIBUTIONS, document_stream, global_batches
 from ..pack import solve_pack
 from ..solvers.bounds import makespan_lower_bound
-from ..cli_args import count, fraction, natural, seconds
 
 DOCS = (64, 256, 1024, 4096)
 MICRO = (4, 8, 32)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..data import document_stream
-from ..cli_args import count, natural, seconds
+from ..cost_args import count, natural, seconds
 
 _DEFAULT_PACKED = [8192, 16384, 32768, 65536, 131072]
 _DEFAULT_SINGLE = [4096, 16384, 65536, 131072]

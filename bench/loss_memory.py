@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..cli_args import count
+from ..cost_args import count
 
 
 def peak_bytes(fn) -> int:

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cost_args import add_cost_args, cost_from_args
+from ..cost_args import add_cost_args, cost_from_args, count, natural
 from ..data import DISTRIBUTIONS, global_batch
 from ..pack import PACK_METHODS, solve_pack
-from ..cli_args import count, natural
 
 
 def measure(lengths, ids, offsets, n_micro, max_tokens, cost, method, repeats) -> dict:

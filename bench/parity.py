@@ -22,11 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from .._optional import progress
-from ..cost_args import add_cost_args, cost_from_args
+from ..cost_args import add_cost_args, cost_from_args, count
 from ..data import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from ..packer import WLBPacker, per_step_imbalance
 from .data import run_packer
-from ..cli_args import count
 
 
 def settings(window: int) -> dict[str, dict]:

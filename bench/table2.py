@@ -38,14 +38,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cost_args import add_cost_args, cost_from_args
+from ..cost_args import add_cost_args, cost_from_args, count, natural, seconds
 from ..data import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from ..docs import load_lengths
 from ..pack import solve_pack
 from ..packer import WLBPacker, per_step_imbalance
 from ..plan import imbalance
 from .data import carried_plans, run_packer
-from ..cli_args import count, natural, seconds
 
 PAPER = {
     "original": (1.44, 0),

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ..pack import PACK_METHODS
-from ..cli_args import count, natural
+from ..cost_args import count, natural
 
 
 def _free_port() -> int:

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import wlb_opt as wlb
+from bad_input_cli_cases import CLI_CASES, SUBPROCESS_CASES, _write, cli_file_cases
 from wlb_opt.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,12 +109,6 @@ def _cost_dict(**changes):
         else:
             d[key] = value
     return d
-
-
-def _write(tmp: Path, name: str, text: str | bytes) -> Path:
-    path = tmp / name
-    path.write_bytes(text if isinstance(text, bytes) else text.encode())
-    return path
 
 
 COST_CASES = (
@@ -348,7 +343,7 @@ def _packer(**kw):
 
 def _packed():
     p = _packer()
-    p.pack([60, 95, 95, 45, 45, 45, 45], list(range(7)))
+    p.pack([60, 95, 95] + [45] * 7, list(range(10)))
     return p
 
 
@@ -393,7 +388,7 @@ PACKER_CASES = (
        ("WLBPacker.pack.ids_uint64", lambda: _packer().pack([5], np.array([2**64 - 1], np.uint64)), ValueError,
         "ids must fit in int64"),
        ("WLBPacker.pack.offsets_negative", lambda: _packer().pack([5], [1], [-1]), ValueError, "offsets must be >= 0"),
-       ("WLBPacker.pack.overload", lambda: _packer(max_backlog_tokens=100).pack([90] * 5), ValueError,
+       ("WLBPacker.pack.overload", lambda: _packer(max_backlog_tokens=100).pack([40] * 10), ValueError,
         "overload at step 0"),
        ("WLBPacker.calibrate_late", lambda: _packed().calibrate([5, 50, 90]), ValueError, "before the first step"),
        ("WLBPacker.load_state.version", lambda: _packer().load_state_dict(_state(version=1)), ValueError,
@@ -526,99 +521,11 @@ def _torch_cases():
     )
 
 
-# ---------------------------------------------------------------- CLI (in-process)
-CLI_CASES = [
-    ("no_command", [], "usage: wlb-opt"),
-    ("unknown_command", ["train"], "unknown command 'train'"),
-    ("pack.no_source", ["pack"], "one of the arguments --lengths --dist is required"),
-    ("pack.unknown_dist", ["pack", "--dist", "zipf"], "invalid choice: 'zipf'"),
-    ("pack.n_micro_zero", ["pack", "--dist", "default", "--n-micro", "0"], "--n-micro: expected an integer >= 1"),
-    ("pack.n_micro_word", ["pack", "--dist", "default", "--n-micro", "four"], "expected an integer >= 1, got 'four'"),
-    ("pack.window_negative", ["pack", "--dist", "default", "--window", "-5"], "--window: expected an integer >= 1"),
-    ("pack.max_tokens_zero", ["pack", "--dist", "default", "--max-tokens", "0"], "--max-tokens: expected an integer"),
-    ("pack.seed_negative", ["pack", "--dist", "default", "--seed", "-1"], "--seed: expected an integer >= 0"),
-    ("pack.time_limit_zero", ["pack", "--dist", "default", "--time-limit", "0"], "--time-limit: expected a number"),
-    ("pack.time_limit_nan", ["pack", "--dist", "default", "--time-limit", "nan"], "--time-limit: expected a finite"),
-    ("pack.method", ["pack", "--dist", "default", "--method", "magic"], "invalid choice: 'magic'"),
-    ("pack.backend", ["pack", "--dist", "default", "--backend", "gurobi"], "invalid choice: 'gurobi'"),
-    ("pack.missing_lengths", ["pack", "--lengths", "/nonexistent/l.npy"], "does not exist"),
-    ("pack.model", ["pack", "--dist", "default", "--model", "13b"], "unknown ModelSpec preset '13b'"),
-    ("pack.hardware", ["pack", "--dist", "default", "--hardware", "tpu"], "unknown HardwareSpec preset 'tpu'"),
-    ("pack.tp_zero", ["pack", "--dist", "default", "--tp", "0"], "--tp: expected an integer >= 1"),
-    ("pack.dp_word", ["pack", "--dist", "default", "--dp", "x"], "--dp: expected an integer"),
-    ("pack.missing_cost", ["pack", "--dist", "default", "--cost", "/nonexistent/cost.json"], "does not exist"),
-    ("pack.unknown_flag", ["pack", "--dist", "default", "--fast"], "unrecognized arguments: --fast"),
-    ("bench.no_name", ["bench"], "usage: wlb-opt bench"),
-    ("bench.unknown", ["bench", "table3"], "unknown benchmark 'table3'"),
-    ("bench.table2_steps_zero", ["bench", "table2", "--steps", "0"], "--steps: expected an integer >= 1, got 0"),
-    ("bench.table2_exact_time", ["bench", "table2", "--exact-time-limit", "-1"], "--exact-time-limit: expected"),
-    ("bench.table2_max_delay", ["bench", "table2", "--max-delay", "0"], "--max-delay: expected an integer >= 1"),
-    ("bench.table2_dist", ["bench", "table2", "--dist", "nope"], "invalid choice: 'nope'"),
-    ("bench.table2_model", ["bench", "table2", "--model", "nope", "--steps", "1"], "unknown ModelSpec preset"),
-    ("bench.table2_missing_lengths", ["bench", "table2", "--lengths", "/nonexistent.npy", "--steps", "1"],
-     "does not exist"),
-    ("bench.exact_gap", ["bench", "exact", "--gap-limit", "1.5"], "--gap-limit: expected a number in [0, 1)"),
-    ("bench.exact_workers", ["bench", "exact", "--workers", "0"], "--workers: expected an integer >= 1"),
-    ("bench.exact_instances", ["bench", "exact", "--instances", "-2"], "--instances: expected an integer >= 1"),
-    ("bench.shard_steps", ["bench", "shard", "--steps", "0"], "--steps: expected an integer >= 1"),
-    ("bench.shard_repeats", ["bench", "shard", "--repeats", "zero"], "--repeats: expected an integer"),
-    ("bench.pack_speed_repeats", ["bench", "pack-speed", "--repeats", "0"], "--repeats: expected an integer >= 1"),
-    ("bench.pack_speed_window", ["bench", "pack-speed", "--window", "0"], "--window: expected an integer >= 1"),
-    ("bench.parity_steps", ["bench", "parity", "--steps", "-1"], "--steps: expected an integer >= 1"),
-    ("bench.e2e_steps", ["bench", "e2e", "--steps", "0"], "--steps: expected an integer >= 1"),
-    ("bench.e2e_seed", ["bench", "e2e", "--seed", "-3"], "--seed: expected an integer >= 0"),
-    ("bench.kernel_heads", ["bench", "kernel", "--heads", "0"], "--heads: expected an integer >= 1"),
-    ("bench.kernel_budget", ["bench", "kernel", "--budget-s", "inf"], "--budget-s: expected a finite number"),
-    ("bench.kernel_warmup", ["bench", "kernel", "--warmup", "-1"], "--warmup: expected an integer >= 0"),
-    ("bench.cp_path_repeats", ["bench", "cp-path", "--repeats", "0"], "--repeats: expected an integer >= 1"),
-    ("bench.loss_memory_tokens", ["bench", "loss-memory", "--tokens", "0"], "--tokens: expected an integer >= 1"),
-    ("bench.validate_sim_pp", ["bench", "validate-sim", "--pp", "0"], "--pp: expected an integer >= 1"),
-    ("bench.validate_sim_layers", ["bench", "validate-sim", "--layers", "0"], "--layers: expected an integer >= 1"),
-    ("profile.dtype", ["profile", "--dtype", "bogus"], "invalid choice: 'bogus'"),
-    ("profile.window", ["profile", "--window", "0"], "--window: expected an integer >= 1"),
-    ("profile.samples", ["profile", "--samples", "-4"], "--samples: expected an integer >= 1"),
-    ("profile.repeats", ["profile", "--repeats", "x"], "--repeats: expected an integer"),
-    ("profile.unknown_flag", ["profile", "--gpu"], "unrecognized arguments: --gpu"),
-    ("demo.steps", ["demo", "--steps", "0"], "--steps: expected an integer >= 1"),
-    ("demo.seed", ["demo", "--seed", "-1"], "--seed: expected an integer >= 0"),
-]
-
-
-def _cli_file_cases():
-    """CLI cases that need a file written first: (id, make argv from tmp_path, fragment)."""
-    cost = COST.to_dict()
-    files = {
-        "cost_not_json": ("c.json", "{oops", "is not JSON"),
-        "cost_list": ("c.json", "[1, 2]", "is a JSON object"),
-        "cost_unknown_key": ("c.json", json.dumps({**cost, "bogus": 1}), "unknown fields ['bogus']"),
-        "cost_missing_key": ("c.json", json.dumps({k: v for k, v in cost.items() if k != "coef"}),
-                             "missing fields ['coef']"),
-        "cost_string_coef": ("c.json", json.dumps({**cost, "coef": {"fwd": {**cost["coef"]["fwd"], "attn": "x"},
-                                                                    "bwd": cost["coef"]["bwd"]}}),
-                             "must be a finite number"),
-        "cost_nan_tile": ("c.json", json.dumps({**cost, "tile": 1.5}), "CostModel.tile must be an integer"),
-    }
-    out = [(f"pack.{name}", (lambda tmp, n=n, t=t: ["pack", "--dist", "default", "--cost", str(_write(tmp, n, t))]),
-            frag) for name, (n, t, frag) in files.items()]
-    lengths = {"lengths_zero": ("l.txt", "5\n0\n", "positive token counts"),
-               "lengths_word": ("l.txt", "5\nfive\n", "expected one integer length per line"),
-               "lengths_jsonl_true": ("l.jsonl", '{"length": true}\n', "must be an integer length or a string"),
-               "lengths_jsonl_field": ("l.jsonl", '{"n": 3}\n', "no field 'length'")}
-    out += [(f"pack.{name}", (lambda tmp, n=n, t=t: ["pack", "--lengths", str(_write(tmp, n, t))]), frag)
-            for name, (n, t, frag) in lengths.items()]
-    out += [("pack.lengths_directory", lambda tmp: ["pack", "--lengths", str(tmp)], "is not a file"),
-            ("pack.lengths_too_long", lambda tmp: ["pack", "--lengths", str(_write(tmp, "l.txt", "900\n")),
-                                                   "--window", "1000", "--max-tokens", "100"], "900"),
-            ("bench.table2_cost", lambda tmp: ["bench", "table2", "--steps", "1", "--cost",
-                                               str(_write(tmp, "c.json", "{"))], "is not JSON")]
-    return out
-
-
 # ---------------------------------------------------------------- the tests
 PLAIN_CASES = (SPEC_CASES + COST_CASES + DOCS_CASES + PACK_CASES + PLAN_CASES + PACKER_CASES + SHARD_CASES
                + SIM_CASES)
 FILE_CASES = COST_FILE_CASES + LENGTH_FILE_CASES
-CLI_FILE_CASES = _cli_file_cases()
+CLI_FILE_CASES = cli_file_cases(COST)
 
 
 def _raised_by_library(excinfo) -> bool:
@@ -681,12 +588,6 @@ def test_bad_input_suite_has_at_least_300_cases():
     assert n >= 300, n
 
 
-SUBPROCESS_CASES = [
-    (["bench", "table2", "--steps", "0"], "--steps: expected an integer >= 1"),
-    (["profile", "--dtype", "bogus"], "invalid choice: 'bogus'"),
-    (["pack", "--dist", "default", "--cost", "/nonexistent/cost.json"], "does not exist"),
-    (["pack", "--lengths", "/"], "is not a file"),
-]
 
 
 @pytest.mark.parametrize("argv, fragment", SUBPROCESS_CASES, ids=["table2_steps", "profile_dtype", "cost_missing",

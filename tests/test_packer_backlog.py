@@ -19,6 +19,8 @@ import wlb_opt as wlb
 from conftest import unit_cost
 
 COST = unit_cost(attn=1e-6, linear=1e-3)
+# these streams are outlier-heavy on purpose: the packer's advice to raise the thresholds is expected
+pytestmark = pytest.mark.filterwarnings("ignore:.*of the batch's tokens are in outliers:UserWarning")
 
 
 def _placed(plans) -> list[tuple[int, int, int]]:

@@ -133,6 +133,24 @@ def check_unique_pieces(ids: np.ndarray, offsets: np.ndarray, what: str = "the i
                          f"(position {k}){hint}")
 
 
+def exact_integers(values, name: str) -> np.ndarray:
+    """`values` as an array of whole numbers that fit int64 (integers, or floats with no
+    fraction), so that a later int64 cast changes nothing; else a ValueError naming `name`."""
+    arr = np.asarray(values)
+    if arr.size == 0 or (arr.dtype.kind == "i"):
+        return arr
+    if arr.dtype.kind == "u":
+        if np.any(arr > np.uint64(2**63 - 1)):
+            raise ValueError(f"{name} must hold int64 integers, got {int(arr.max())}")
+        return arr
+    if arr.dtype.kind == "f":
+        whole = np.isfinite(arr) & (arr == np.round(arr)) & (np.abs(arr) < 2.0**63)
+        if not np.all(whole):
+            raise ValueError(f"{name} must hold integers, got {float(arr[~whole].reshape(-1)[0])!r}")
+        return arr
+    raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+
+
 def read_only(arr, dtype=None) -> np.ndarray:
     """A contiguous copy of `arr` (as `dtype`) that cannot be written to."""
     out = np.array(arr, dtype=dtype, copy=True)

@@ -25,7 +25,7 @@ import sys
 
 import numpy as np
 
-from .cli_args import count, natural, seconds
+from .cost_args import count, natural, seconds
 
 
 def _bench_names() -> list[str]:

@@ -16,38 +16,21 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ._validate import check_int, read_only, validate_ids, validate_lengths, validate_offsets
+from ._validate import check_int, exact_integers, read_only, validate_ids, validate_lengths, validate_offsets
 
 PLAN_FORMAT_VERSION = 2  # 2: arrival_step is a field; 1 still loads (arrival in info.extra)
 
 
-def _exact(arr, dtype, name: str):
-    """`arr` for an integer field: float values must be whole (a cast would truncate 990.9
-    to 990 and change the plan silently)."""
-    if np.dtype(dtype).kind in "iu":
-        a = np.asarray(arr)
-        if a.dtype.kind == "f" and a.size and not np.all(np.isfinite(a) & (a == np.round(a))):
-            bad = a.reshape(-1)[~(np.isfinite(a) & (a == np.round(a))).reshape(-1)][0]
-            raise ValueError(f"plan field {name} must hold integers, got {float(bad)!r}")
-        if a.dtype.kind not in "iuf" and a.size and a.dtype != object:
-            raise ValueError(f"plan field {name} must hold integers, got dtype {a.dtype}")
-        if a.dtype == object:
-            try:
-                a = np.array([int(x) if isinstance(x, (int, np.integer)) and not isinstance(x, bool) else
-                              float("nan") for x in a.reshape(-1)], dtype=np.float64).reshape(a.shape)
-            except (TypeError, OverflowError):
-                raise ValueError(f"plan field {name} must hold int64 integers") from None
-            return _exact(a, dtype, name)
-        return a
-    return arr
-
-
 def _freeze(obj, name: str, dtype) -> None:
-    object.__setattr__(obj, name, read_only(_exact(getattr(obj, name), dtype, name), dtype))
+    value = getattr(obj, name)
+    if np.dtype(dtype).kind in "iu":  # a cast would truncate 990.9 to 990 and change the plan silently
+        value = exact_integers(value, f"plan field {name}")
+    object.__setattr__(obj, name, read_only(value, dtype))
 
 
 def _frozen_tuple(arrays, dtype, name: str = "micro_batches") -> tuple:
-    return tuple(read_only(_exact(a, dtype, name), dtype) for a in arrays)
+    return tuple(read_only(exact_integers(a, f"plan field {name}") if np.dtype(dtype).kind in "iu" else a, dtype)
+                 for a in arrays)
 
 
 def imbalance(loads) -> float:
@@ -275,8 +258,7 @@ class PlanError(ValueError):
 def check_pack(plan: PackPlan, lengths, max_tokens: int, ids=None, offsets=None, cost=None) -> None:
     """Check `plan` against the input it was made from; raise PlanError on any violation.
 
-    Independent of every solver: it only counts tokens (exact integers, no int64 sums that
-    could wrap). It checks that
+    Independent of every solver: it only counts tokens (in exact integers). It checks that
     - micro-batch and deferred positions are valid, and every piece is used exactly once;
     - there are dp * n_micro micro-batches, n_micro per replica;
     - no micro-batch holds more than `max_tokens` tokens, and `plan.tokens` matches;
@@ -339,14 +321,12 @@ def check_pack(plan: PackPlan, lengths, max_tokens: int, ids=None, offsets=None,
     for i, want in expected.items():
         if _merge(sorted(want)) == [(-1, -1)]:
             raise PlanError(f"the input itself has overlapping pieces of document {i}: {sorted(want)}")
-    if plan.info.method != "original":
-        want_pieces = sorted(zip(ids.tolist(), offsets.tolist(), lengths.tolist()))
-        got_pieces = sorted(zip(plan.doc_ids.tolist(), plan.offsets.tolist(), plan.lengths.tolist()))
-        if want_pieces != got_pieces:
-            missing = sorted(set(want_pieces) - set(got_pieces))[:3]
-            extra = sorted(set(got_pieces) - set(want_pieces))[:3]
-            raise PlanError(f"the plan's pieces are not the input's (id, offset, length): missing {missing}, not in "
-                            f"the input {extra}; only method='original' may cut pieces")
+    given = sorted(zip(ids.tolist(), offsets.tolist(), lengths.tolist()))
+    held = sorted(zip(plan.doc_ids.tolist(), plan.offsets.tolist(), plan.lengths.tolist()))
+    if plan.info.method != "original" and given != held:
+        raise PlanError(f"the plan's pieces are not the input's (id, offset, length): missing "
+                        f"{sorted(set(given) - set(held))[:3]}, not in the input "
+                        f"{sorted(set(held) - set(given))[:3]}; only method='original' may cut pieces")
 
     got: dict[int, list[tuple[int, int]]] = {}
     for i, o, n in zip(plan.doc_ids.tolist(), plan.offsets.tolist(), plan.lengths.tolist()):

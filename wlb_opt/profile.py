@@ -24,7 +24,7 @@ import numpy as np
 from ._optional import progress, require
 from .cost import CostModel
 from .specs import ModelSpec
-from .cli_args import count
+from .cost_args import count
 
 
 @dataclass
