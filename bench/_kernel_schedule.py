@@ -32,6 +32,7 @@ from ..kernels import work_model as wm
 from ..pack import solve_pack
 from ..shard import solve_shard
 from ..specs import HardwareSpec, ModelSpec, ParallelSpec
+from ..cost_args import count, natural
 
 # The first candidate configs for head dim 128 (kernels/launch.py); one program per SM each
 # (aot_check: 128-131 KB shared memory or 193-252 registers x 256 threads).
@@ -106,11 +107,11 @@ def run(windows=(16384, 131072), cps=(1, 2, 4, 8), heads=(4, 32), group: int = 4
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt bench kernel --schedule", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("results/kernel_schedule"), help="folder for the JSON")
-    p.add_argument("--sms", type=int, default=132, help="streaming multiprocessors (default 132, H100/H200)")
-    p.add_argument("--programs-per-sm", type=int, default=1,
+    p.add_argument("--sms", type=count, default=132, help="streaming multiprocessors (default 132, H100/H200)")
+    p.add_argument("--programs-per-sm", type=count, default=1,
                    help="programs resident per SM (default 1: the head-dim-128 configs, see aot_check)")
-    p.add_argument("--batches", type=int, default=2, help="global batches per (window, cp) (default 2)")
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="length-stream seed")
+    p.add_argument("--batches", type=count, default=2, help="global batches per (window, cp) (default 2)")
+    p.add_argument("--seed", type=natural, default=DEFAULT_SEED, help="length-stream seed")
     args = p.parse_args(argv)
     rows = run(n_sm=args.sms, programs_per_sm=args.programs_per_sm, n_batches=args.batches, seed=args.seed)
     print(f"{'window':>7} {'cp':>3} {'heads':>5} {'kernel':>6} {'before':>7} {'after':>6} {'mean':>6}  split")

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..data import DEFAULT_SEED, document_stream
 from ..shard import solve_shard
+from ..cost_args import count
 
 
 def micro_batch(n_tokens: int, seed: int, max_doc: int = 16384) -> np.ndarray:
@@ -135,12 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt bench cp-path", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("results/cp_path"), help="folder for cp_path.json")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072], help="micro-batch sizes (tokens)")
-    p.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (default 20)")
+    p.add_argument("--tokens", type=count, nargs="+", default=[32768, 131072], help="micro-batch sizes (tokens)")
+    p.add_argument("--repeats", type=count, default=20, help="timed calls per measurement (default 20)")
     p.add_argument("--full", action="store_true", help="also time the whole hot path at cp = 1")
-    p.add_argument("--full-tokens", type=int, nargs="+", default=None,
+    p.add_argument("--full-tokens", type=count, nargs="+", default=None,
                    help="micro-batch sizes of --full (default: 32768 on CUDA, 2048 on CPU)")
-    p.add_argument("--head-dim", type=int, default=None, help="--full head dim (default 128 on CUDA, 32 on CPU)")
+    p.add_argument("--head-dim", type=count, default=None, help="--full head dim (default 128 on CUDA, 32 on CPU)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     result = dict(host=host_rows(tuple(args.tokens), device=args.device, repeats=args.repeats))

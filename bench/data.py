@@ -34,6 +34,7 @@ from ..docs import split_documents
 from ..pack import solve_pack
 from ..plan import PackPlan, imbalance
 from ..specs import HardwareSpec, ModelSpec, ParallelSpec
+from ..cost_args import count, natural
 
 CALIBRATION_TARGETS = dict(short_doc_token_share="> 0.75 (paper §2)", original_imbalance_mean="1.44 (paper Table 2)")
 
@@ -138,8 +139,8 @@ def calibration_report(steps: int = 300, seed: int = 0) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m wlb_opt.bench.data", description=__doc__.splitlines()[0])
     p.add_argument("--make-real", action="store_true", help=f"rebuild {REAL_FILE} from this machine's text files")
-    p.add_argument("--steps", type=int, default=300, help="Plain-4D steps of the calibration report (default 300)")
-    p.add_argument("--seed", type=int, default=0, help="stream seed, an offset from DEFAULT_SEED (default 0)")
+    p.add_argument("--steps", type=count, default=300, help="Plain-4D steps of the calibration report (default 300)")
+    p.add_argument("--seed", type=natural, default=0, help="stream seed, an offset from DEFAULT_SEED (default 0)")
     args = p.parse_args(argv)
     if args.make_real:
         arr = make_real_lengths()

@@ -10,15 +10,16 @@ from __future__ import annotations
 import argparse
 
 from . import e2e
+from ..cost_args import count, natural
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt demo", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="results/demo", help="folder for e2e.json and the PNGs (default results/demo)")
-    p.add_argument("--steps", type=int, default=None, help="global batches per configuration (default 24)")
+    p.add_argument("--steps", type=count, default=None, help="global batches per configuration (default 24)")
     p.add_argument("--lengths", metavar="FILE", help="your document lengths (.npy/.txt/.jsonl) instead of the default")
     p.add_argument("--configs", default=None, help="subset of configurations, e.g. 7B-128K (default: all 8)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=natural, default=0)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     print("wlb-opt demo: simulated training steps of paper Table 1's configurations on the default document-length "

@@ -40,6 +40,7 @@ from ..simulate import simulate_step
 from ..solvers.deal import refine_replicas
 from ..specs import HardwareSpec, ModelSpec, ParallelSpec
 from .data import carried_plans, run_packer
+from ..cost_args import count, natural
 
 METHODS = ("plain", "fixed", "wlb", "best")
 IMPROVED_METHOD = "wlb_ls"  # the library's improved packing heuristic (the "best" row re-packs with it)
@@ -467,14 +468,14 @@ def run(steps: int, dist: str = "default", seed: int = 0, lengths=None, hardware
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt bench e2e", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="8 configurations x 4 methods, few steps (< 2 min)")
-    p.add_argument("--steps", type=int, default=None, help="global batches per configuration (default 24 quick, 120 full)")
+    p.add_argument("--steps", type=count, default=None, help="global batches per configuration (default 24 quick, 120 full)")
     p.add_argument("--lengths", metavar="FILE", help="document lengths (.npy/.txt/.jsonl) instead of the default distribution")
     p.add_argument("--dist", default="default", choices=sorted(DISTRIBUTIONS),
                    help="built-in length distribution (default: default)")
     p.add_argument("--hardware", default="h100", help="HardwareSpec preset: h100, h200, cpu (default h100)")
     p.add_argument("--configs", default=None,
                    help="comma-separated Table 1 labels, e.g. 7B-128K, or custom MODEL-CTXK@tp,cp,pp,dp (default: all 8)")
-    p.add_argument("--seed", type=int, default=0, help="stream and packer seed (default 0)")
+    p.add_argument("--seed", type=natural, default=0, help="stream and packer seed (default 0)")
     p.add_argument("--out", default="results/e2e", help="folder for e2e.json and the PNGs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from .._optional import progress
-from ..cost_args import add_cost_args, cost_from_args
+from ..cost_args import add_cost_args, cost_from_args, count, fraction, natural, seconds
 from ..data import DEFAULT_SEED, DISTRIBUTIONS, document_stream, global_batches
 from ..pack import solve_pack
 from ..solvers.bounds import makespan_lower_bound
@@ -176,14 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", metavar="FILE", help="document lengths (.npy, text, .jsonl) instead of --dists")
     p.add_argument("--dists", default="default,light",
                    help=f"comma-separated, of {','.join(sorted(DISTRIBUTIONS))} (default: default,light)")
-    p.add_argument("--instances", type=int, default=None, help="batches per cell for heuristics (default 10; quick 2)")
-    p.add_argument("--exact-instances", type=int, default=None, help="batches per cell for exact methods (default 1)")
-    p.add_argument("--time-limit", type=float, default=None, help="seconds per exact solve (default 10; quick 3)")
-    p.add_argument("--gap-limit", type=float, default=1e-4, help="relative gap at which exact solvers stop")
-    p.add_argument("--workers", type=int, default=2, help="solver threads (the CI machine has 2 cores)")
+    p.add_argument("--instances", type=count, default=None, help="batches per cell for heuristics (default 10; quick 2)")
+    p.add_argument("--exact-instances", type=natural, default=None, help="batches per cell for exact methods (default 1)")
+    p.add_argument("--time-limit", type=seconds, default=None, help="seconds per exact solve (default 10; quick 3)")
+    p.add_argument("--gap-limit", type=fraction, default=1e-4, help="relative gap at which exact solvers stop")
+    p.add_argument("--workers", type=count, default=2, help="solver threads (the CI machine has 2 cores)")
     p.add_argument("--exact", default=",".join(EXACT), help=f"exact methods (of {','.join(EXACT)})")
     p.add_argument("--methods", default=",".join(HEURISTICS), help=f"heuristics (of {','.join(HEURISTICS)})")
-    p.add_argument("--seed", type=int, default=0, help="stream and solver seed (default 0)")
+    p.add_argument("--seed", type=natural, default=0, help="stream and solver seed (default 0)")
     p.add_argument("--out", default="results/exact", help="folder for exact.json and exact.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_cost_args(p, layout=("tp", "cp", "pp"))  # each instance is one replica: dp stays 1

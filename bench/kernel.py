@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..data import document_stream
+from ..cost_args import count, natural, seconds
 
 _DEFAULT_PACKED = [8192, 16384, 32768, 65536, 131072]
 _DEFAULT_SINGLE = [4096, 16384, 65536, 131072]
@@ -290,24 +291,24 @@ def main(argv: list[str] | None = None) -> int:
         return _kernel_schedule.main([a for a in argv if a != "--schedule"])
     p = argparse.ArgumentParser(prog="wlb-opt bench kernel", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("results/kernel"), help="folder for kernel_bench.json")
-    p.add_argument("--packed", type=int, nargs="*", default=_DEFAULT_PACKED, help="micro-batch sizes (tokens)")
-    p.add_argument("--single", type=int, nargs="*", default=_DEFAULT_SINGLE, help="single-document lengths")
-    p.add_argument("--scaling", type=int, nargs="*", default=_DEFAULT_SCALING, help="equal doc lengths")
-    p.add_argument("--scaling-tokens", type=int, default=32768, help="tokens of each scaling case (default 32768)")
-    p.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
-    p.add_argument("--kv-heads", type=int, default=8, help="key/value heads, GQA (default 8)")
-    p.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
+    p.add_argument("--packed", type=count, nargs="*", default=_DEFAULT_PACKED, help="micro-batch sizes (tokens)")
+    p.add_argument("--single", type=count, nargs="*", default=_DEFAULT_SINGLE, help="single-document lengths")
+    p.add_argument("--scaling", type=count, nargs="*", default=_DEFAULT_SCALING, help="equal doc lengths")
+    p.add_argument("--scaling-tokens", type=count, default=32768, help="tokens of each scaling case (default 32768)")
+    p.add_argument("--heads", type=count, default=32, help="query heads (default 32)")
+    p.add_argument("--kv-heads", type=count, default=8, help="key/value heads, GQA (default 8)")
+    p.add_argument("--head-dim", type=count, default=128, help="head dimension (default 128)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="tensor dtype (default bf16)")
     p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"],
                    help="doc_attention backend (default auto)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs per measurement (default 1)")
-    p.add_argument("--reps", type=int, default=3, help="timed runs per measurement (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="length and tensor seed (default 0)")
+    p.add_argument("--warmup", type=natural, default=1, help="untimed runs per measurement (default 1)")
+    p.add_argument("--reps", type=count, default=3, help="timed runs per measurement (default 3)")
+    p.add_argument("--seed", type=natural, default=0, help="length and tensor seed (default 0)")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     p.add_argument("--no-sdpa", action="store_true", help="skip SDPA")
-    p.add_argument("--correctness-tokens", type=int, default=16384,
+    p.add_argument("--correctness-tokens", type=count, default=16384,
                    help="tokens of the correctness micro-batch (default 16384)")
-    p.add_argument("--budget-s", type=float, default=360.0, help="skip baselines after this many seconds")
+    p.add_argument("--budget-s", type=seconds, default=360.0, help="skip baselines after this many seconds")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (no GPU figures)")
     p.add_argument("--schedule", action="store_true",
                    help="instead: model the kernels' launch order on 132 SMs (CPU; see --schedule --help)")

@@ -15,6 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
+from ..cost_args import count
+
 
 def peak_bytes(fn) -> int:
     """Largest running sum of the memory events torch.profiler records while `fn` runs."""
@@ -60,9 +62,9 @@ def run(tokens: int = 8192, dim: int = 256, vocab: int = 32000, chunks=(8192, 20
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt bench loss-memory", description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=8192, help="hidden states (default 8192)")
-    p.add_argument("--dim", type=int, default=256, help="hidden width (default 256)")
-    p.add_argument("--vocab", type=int, default=32000, help="vocabulary (default 32000)")
+    p.add_argument("--tokens", type=count, default=8192, help="hidden states (default 8192)")
+    p.add_argument("--dim", type=count, default=256, help="hidden width (default 256)")
+    p.add_argument("--vocab", type=count, default=32000, help="vocabulary (default 32000)")
     p.add_argument("--out", type=Path, default=Path("results/loss_memory"), help="folder for loss_memory.json")
     args = p.parse_args(argv)
     rows = run(args.tokens, args.dim, args.vocab)

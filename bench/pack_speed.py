@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cost_args import add_cost_args, cost_from_args
+from ..cost_args import add_cost_args, cost_from_args, count, natural
 from ..data import DISTRIBUTIONS, global_batch
 from ..pack import PACK_METHODS, solve_pack
 
@@ -35,12 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt bench pack-speed", description=__doc__.splitlines()[0])
     p.add_argument("--dist", default="default", choices=sorted(DISTRIBUTIONS),
                    help="built-in length distribution (default: default)")
-    p.add_argument("--n-micro", type=int, default=32, help="micro-batches of the one global batch (default 32)")
-    p.add_argument("--window", type=int, default=131072, help="training context length (default 131072)")
-    p.add_argument("--repeats", type=int, default=50, help="timed runs per method (median reported; default 50)")
+    p.add_argument("--n-micro", type=count, default=32, help="micro-batches of the one global batch (default 32)")
+    p.add_argument("--window", type=count, default=131072, help="training context length (default 131072)")
+    p.add_argument("--repeats", type=count, default=50, help="timed runs per method (median reported; default 50)")
     p.add_argument("--methods", default="wlb,original,fixed",
                    help="comma-separated solve_pack methods (default wlb,original,fixed)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--seed", type=natural, default=0, help="sampling seed (default 0)")
     p.add_argument("--out", default=None, help="folder for pack_speed.json (default: print only)")
     add_cost_args(p, layout=("tp", "cp", "pp"))  # one replica: dp stays 1
     args = p.parse_args(argv)

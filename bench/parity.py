@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .._optional import progress
-from ..cost_args import add_cost_args, cost_from_args
+from ..cost_args import add_cost_args, cost_from_args, count
 from ..data import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from ..packer import WLBPacker, per_step_imbalance
 from .data import run_packer
@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="built-in length distribution (default: default)")
     p.add_argument("--seeds", default="0,1,2,3,4,5,6",
                    help="comma-separated stream seeds, offsets from DEFAULT_SEED (default 0,...,6)")
-    p.add_argument("--steps", type=int, default=200, help="global batches per stream (default 200)")
-    p.add_argument("--window", type=int, default=131072, help="training context length (default 131072)")
-    p.add_argument("--n-micro", type=int, default=4, help="micro-batches per step (default 4)")
+    p.add_argument("--steps", type=count, default=200, help="global batches per stream (default 200)")
+    p.add_argument("--window", type=count, default=131072, help="training context length (default 131072)")
+    p.add_argument("--n-micro", type=count, default=4, help="micro-batches per step (default 4)")
     p.add_argument("--settings", default="paper,group", help="comma-separated settings (default paper,group)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", default="results/parity", help="folder for parity.json (default results/parity)")

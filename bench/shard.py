@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .._optional import progress
-from ..cost_args import add_cost_args, cost_from_args
+from ..cost_args import add_cost_args, cost_from_args, count, natural, seconds
 from ..data import DEFAULT_SEED, REAL_FILE, document_stream, global_batches, sample_documents
 from ..docs import load_lengths, split_documents
 from ..pack import PACK_METHODS, solve_pack
@@ -189,19 +189,19 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"real document lengths (.npy/.txt/.jsonl), used as the stream in file order "
                         f"(default {REAL_FILE.name})")
     p.add_argument("--cps", default="2,4,8", help="comma-separated CP degrees (default 2,4,8)")
-    p.add_argument("--steps", type=int, default=16, help="global batches per source (default 16)")
-    p.add_argument("--n-micro", type=int, default=4, help="micro-batches per global batch (default 4)")
-    p.add_argument("--window", type=int, default=131072, help="training context length (default 131072)")
+    p.add_argument("--steps", type=count, default=16, help="global batches per source (default 16)")
+    p.add_argument("--n-micro", type=count, default=4, help="micro-batches per global batch (default 4)")
+    p.add_argument("--window", type=count, default=131072, help="training context length (default 131072)")
     p.add_argument("--pack-method", default="wlb", choices=sorted(PACK_METHODS),
                    help="solve_pack method that forms the micro-batches (default wlb, max_tokens 1.25 x window; "
                         "original/fixed use the window)")
     p.add_argument("--strategies", default="per_seq,per_doc,adaptive,hybrid",
                    help=f"comma-separated, of {','.join(SHARD_STRATEGIES)} (default per_seq,per_doc,adaptive,hybrid)")
-    p.add_argument("--repeats", type=int, default=200, help="timing repeats (median reported; default 200)")
-    p.add_argument("--cpsat-instances", type=int, default=6, help="48-document instances for hybrid vs cpsat "
+    p.add_argument("--repeats", type=count, default=200, help="timing repeats (median reported; default 200)")
+    p.add_argument("--cpsat-instances", type=natural, default=6, help="48-document instances for hybrid vs cpsat "
                                                                    "at CP=4 (0: skip; default 6)")
-    p.add_argument("--cpsat-time-limit", type=float, default=5.0, help="seconds per cpsat solve (default 5)")
-    p.add_argument("--seed", type=int, default=0, help="stream seed, an offset from DEFAULT_SEED (default 0)")
+    p.add_argument("--cpsat-time-limit", type=seconds, default=5.0, help="seconds per cpsat solve (default 5)")
+    p.add_argument("--seed", type=natural, default=0, help="stream seed, an offset from DEFAULT_SEED (default 0)")
     p.add_argument("--out", default="results/shard", help="folder for shard.json and shard.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_cost_args(p, layout=("tp",))  # CP comes from --cps; one replica, so dp and pp do not matter

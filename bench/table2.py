@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cost_args import add_cost_args, cost_from_args
+from ..cost_args import add_cost_args, cost_from_args, count, natural, seconds
 from ..data import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from ..docs import load_lengths
 from ..pack import solve_pack
@@ -169,14 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--lengths", metavar="FILE", help="document lengths in stream order (.npy, .txt, .jsonl)")
     src.add_argument("--dist", default="default", choices=sorted(DISTRIBUTIONS),
                      help="built-in length distribution (default: default)")
-    p.add_argument("--steps", type=int, default=200, help="global batches (default 200)")
-    p.add_argument("--exact-steps", type=int, default=8, help="steps for the exact rows (default 8)")
-    p.add_argument("--exact-time-limit", type=float, default=10.0, help="seconds per exact solve (default 10)")
+    p.add_argument("--steps", type=count, default=200, help="global batches (default 200)")
+    p.add_argument("--exact-steps", type=natural, default=8, help="steps for the exact rows (default 8)")
+    p.add_argument("--exact-time-limit", type=seconds, default=10.0, help="seconds per exact solve (default 10)")
     p.add_argument("--quick", action="store_true", help="40 steps, 4 exact steps of 2 s")
-    p.add_argument("--window", type=int, default=131072, help="training context length (default 131072)")
-    p.add_argument("--n-micro", type=int, default=4, help="micro-batches per DP replica and step (default 4)")
-    p.add_argument("--max-delay", type=int, default=8, help="max_delay of the calibrated / auto rows (default 8)")
-    p.add_argument("--seed", type=int, default=0, help="stream seed, an offset from DEFAULT_SEED (default 0)")
+    p.add_argument("--window", type=count, default=131072, help="training context length (default 131072)")
+    p.add_argument("--n-micro", type=count, default=4, help="micro-batches per DP replica and step (default 4)")
+    p.add_argument("--max-delay", type=count, default=8, help="max_delay of the calibrated / auto rows (default 8)")
+    p.add_argument("--seed", type=natural, default=0, help="stream seed, an offset from DEFAULT_SEED (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--out", default="results/table2", help="folder for table2.json and table2.png")
     add_cost_args(p)

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ..pack import PACK_METHODS
+from ..cost_args import count, natural
 
 
 def _free_port() -> int:
@@ -146,15 +147,15 @@ def analyse(gathered: list, pp: int, cost=None, virtual_stages: int = 1) -> list
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt bench validate-sim", description=__doc__.splitlines()[0])
-    p.add_argument("--pp", type=int, default=2, help="pipeline stages = processes (default 2)")
-    p.add_argument("--n-micro", type=int, default=4, help="micro-batches per step (default 4)")
-    p.add_argument("--window", type=int, default=2048, help="tokens per micro-batch (default 2048)")
-    p.add_argument("--dim", type=int, default=256, help="model width (default 256)")
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks, split over the stages (default 4)")
-    p.add_argument("--steps", type=int, default=4, help="measured steps after one warm-up step (default 4)")
+    p.add_argument("--pp", type=count, default=2, help="pipeline stages = processes (default 2)")
+    p.add_argument("--n-micro", type=count, default=4, help="micro-batches per step (default 4)")
+    p.add_argument("--window", type=count, default=2048, help="tokens per micro-batch (default 2048)")
+    p.add_argument("--dim", type=count, default=256, help="model width (default 256)")
+    p.add_argument("--layers", type=count, default=4, help="transformer blocks, split over the stages (default 4)")
+    p.add_argument("--steps", type=count, default=4, help="measured steps after one warm-up step (default 4)")
     p.add_argument("--method", default="original", choices=sorted(PACK_METHODS),
                    help="packing method (default original: unequal micro-batches)")
-    p.add_argument("--seed", type=int, default=0, help="stream seed (default 0)")
+    p.add_argument("--seed", type=natural, default=0, help="stream seed (default 0)")
     p.add_argument("--no-predict", action="store_true",
                    help="skip profiling a block here and predicting steps from the cost model")
     p.add_argument("--virtual-stages", default="1,2",

@@ -12,6 +12,7 @@ graph break; ``torch.library.opcheck`` checks the registration in the tests.
 # No ``from __future__ import annotations`` here: torch.library infers the custom ops' schemas
 # from real annotation objects (string annotations need a newer torch to be understood).
 import math
+import numbers
 import weakref
 from typing import Any, Literal, Optional
 
@@ -191,8 +192,13 @@ def doc_attention(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
+        _check_tensors(q, k, v, _TORCH_DTYPES + _TRITON_DTYPES)  # before q.is_cuda: q may be no tensor
         backend = "triton" if q.is_cuda else "torch"
     _check_tensors(q, k, v, _TORCH_DTYPES if backend == "torch" else _TRITON_DTYPES)
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+                                      or not math.isfinite(softmax_scale) or not softmax_scale > 0):
+        # NaN or inf would give NaN output on every row without an error
+        raise ValueError(f"softmax_scale must be a finite number > 0 (or None for 1/sqrt(D)), got {softmax_scale!r}")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
     if backend == "torch":
@@ -200,6 +206,7 @@ def doc_attention(
         out, lse = attention_per_segment(q, k, v, seg, scale)
         return (out, lse) if return_lse else out
 
+    seg = _segments_tensor(segments)  # range-checked before any narrowing to int32
     if q.shape[-1] not in TRITON_HEAD_DIMS:
         raise ValueError(f"head dim {q.shape[-1]} is not supported by the Triton backend; "
                          f"valid: {TRITON_HEAD_DIMS} (or use backend='torch')")
@@ -208,7 +215,7 @@ def doc_attention(
                          "the kernels are first used (for CPU tensors); use backend='torch' on CPU")
     if not isinstance(deterministic, bool):
         raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
-    out, lse = _fwd_op(q, k, v, _segments_tensor(segments), scale, deterministic)
+    out, lse = _fwd_op(q, k, v, seg, scale, deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -220,6 +227,11 @@ def _segments_tensor(segments: Any) -> torch.Tensor:
     if isinstance(segments, torch.Tensor):
         if segments.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"segments must be an int32/int64 tensor, got dtype {segments.dtype}")
+        if segments.dtype == torch.int64 and segments.numel():
+            # a narrowing cast would wrap (2**32 + 16 -> 16) and run a different mask silently
+            low, high = int(segments.min()), int(segments.max())
+            if high > _INT32_MAX or low < -_INT32_MAX:
+                raise ValueError(f"segment values must fit in int32, got range [{low}, {high}]")
         return segments.to(device="cpu", dtype=torch.int32)
     seg = as_segment_array(segments)
     if len(seg) and (seg.max() > _INT32_MAX or seg.min() < -_INT32_MAX):

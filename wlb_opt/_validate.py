@@ -12,6 +12,10 @@ import numbers
 import numpy as np
 
 
+MAX_TOKENS = 2**62
+"""Token counts (each length, and their total) stay below this so int64 sums cannot wrap."""
+
+
 def check_int(name: str, value, low: int = 0) -> int:
     """`value` as an int if it is an integer >= `low` (bools are not integers here)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
@@ -25,6 +29,20 @@ def check_positive_real(name: str, value, unit: str = "", allow_inf: bool = Fals
             or not value > 0 or (not allow_inf and math.isinf(value))):
         what = "a number" if allow_inf else "a finite number"
         raise ValueError(f"{name} must be {what} > 0{' ' + unit if unit else ''}, got {value!r}")
+    return float(value)
+
+
+def check_real(name: str, value, *, low: float = 0.0, strict: bool = False, high: float | None = None,
+               unit: str = "") -> float:
+    """`value` as a float if it is a finite real number >= `low` (> `low` if `strict`) and, if
+    given, <= `high` (bools and strings are not numbers here)."""
+    ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+          and (value > low if strict else value >= low) and (high is None or value <= high))
+    if not ok:
+        rel = ">" if strict else ">="
+        limit = f" and <= {high:g}" if high is not None else ""
+        raise ValueError(f"{name} must be a finite number {rel} {low:g}{limit}{' ' + unit if unit else ''}, "
+                         f"got {value!r}")
     return float(value)
 
 
@@ -56,10 +74,20 @@ def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
             raise ValueError(f"{name} must be token counts below 2**62, got {float(arr[i])} at index {i}")
     elif arr.dtype.kind not in "iu":
         raise ValueError(f"{name} must be integers, got dtype {arr.dtype}")
+    elif arr.dtype.kind == "u" and np.any(arr >= np.uint64(MAX_TOKENS)):
+        i = int(np.argmax(arr >= np.uint64(MAX_TOKENS)))
+        raise ValueError(f"{name} must be token counts below 2**62, got {int(arr[i])} at index {i}")
     arr = arr.astype(np.int64)
     if np.any(arr <= 0):
         i = int(np.argmax(arr <= 0))
         raise ValueError(f"{name} must be positive token counts, got {int(arr[i])} at index {i}")
+    if np.any(arr >= MAX_TOKENS):
+        i = int(np.argmax(arr >= MAX_TOKENS))
+        raise ValueError(f"{name} must be token counts below 2**62, got {int(arr[i])} at index {i}")
+    if float(arr.sum(dtype=np.float64)) >= MAX_TOKENS:
+        # int64 sums of token counts (micro-batches, cumulative offsets) would wrap
+        raise ValueError(f"{name} must hold fewer than 2**62 tokens in total, got about "
+                         f"{float(arr.sum(dtype=np.float64)):.3e}")
     return arr
 
 
@@ -72,6 +100,10 @@ def validate_ids(ids, n: int, name: str = "ids") -> np.ndarray:
         raise ValueError(f"{name} must be a 1-D sequence of the same size as lengths ({n}), got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
         raise ValueError(f"{name} must be integers, got dtype {arr.dtype}")
+    if arr.size and arr.dtype.kind == "u" and np.any(arr > np.uint64(2**63 - 1)):
+        i = int(np.argmax(arr > np.uint64(2**63 - 1)))
+        # a cast to int64 would wrap it to a negative id (and maybe onto another document's)
+        raise ValueError(f"{name} must fit in int64, got {int(arr[i])} at position {i}")
     return arr.astype(np.int64)
 
 
@@ -85,6 +117,38 @@ def validate_offsets(offsets, n: int, name: str = "offsets") -> np.ndarray:
         raise ValueError(f"{name} must be >= 0 (start of each piece inside its document), got {int(arr[i])} "
                          f"at position {i}")
     return arr
+
+
+def check_unique_pieces(ids: np.ndarray, offsets: np.ndarray, what: str = "the input") -> None:
+    """Each (id, offset) names one piece: a repeated pair would be planned twice and then
+    fail `check_pack` (or train a document twice)."""
+    if len(ids) < 2:
+        return
+    order = np.lexsort((offsets, ids))
+    same = (ids[order][1:] == ids[order][:-1]) & (offsets[order][1:] == offsets[order][:-1])
+    if same.any():
+        k = int(order[1:][np.argmax(same)])
+        hint = "" if np.any(offsets) else " (pieces of one document need distinct offsets: see split_documents)"
+        raise ValueError(f"ids: id {int(ids[k])} with offset {int(offsets[k])} is repeated in {what} "
+                         f"(position {k}){hint}")
+
+
+def exact_integers(values, name: str) -> np.ndarray:
+    """`values` as an array of whole numbers that fit int64 (integers, or floats with no
+    fraction), so that a later int64 cast changes nothing; else a ValueError naming `name`."""
+    arr = np.asarray(values)
+    if arr.size == 0 or (arr.dtype.kind == "i"):
+        return arr
+    if arr.dtype.kind == "u":
+        if np.any(arr > np.uint64(2**63 - 1)):
+            raise ValueError(f"{name} must hold int64 integers, got {int(arr.max())}")
+        return arr
+    if arr.dtype.kind == "f":
+        whole = np.isfinite(arr) & (arr == np.round(arr)) & (np.abs(arr) < 2.0**63)
+        if not np.all(whole):
+            raise ValueError(f"{name} must hold integers, got {float(arr[~whole].reshape(-1)[0])!r}")
+        return arr
+    raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
 
 
 def read_only(arr, dtype=None) -> np.ndarray:

@@ -7,16 +7,25 @@
 
 Benchmarks are discovered by module name, so adding bench/<name>.py with a
 `main(argv) -> int` adds `wlb-opt bench <name>`.
+
+Exit status: 0 on success, 2 for bad input (usage errors from argparse, and any
+ValueError, TypeError, OSError or ImportError raised for the arguments or files given),
+printed as one line `wlb-opt CMD: error: ...` on stderr, never a traceback (set
+WLB_OPT_TRACEBACK=1 to see one). `main(argv)` returns the status instead of exiting, so it
+can be called in-process.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
+import os
 import pkgutil
 import sys
 
 import numpy as np
+
+from .cost_args import count, natural, seconds
 
 
 def _bench_names() -> list[str]:
@@ -40,13 +49,13 @@ def _pack(argv: list[str]) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", metavar="FILE", help="document lengths: .npy, .txt (one per line) or .jsonl")
     src.add_argument("--dist", choices=sorted(DISTRIBUTIONS), help="sample a global batch from a built-in distribution")
-    p.add_argument("--n-micro", type=int, default=4, help="micro-batches per DP replica (default 4)")
-    p.add_argument("--window", type=int, default=131072, help="training context length (default 131072)")
-    p.add_argument("--max-tokens", type=int, default=None, help="token cap per micro-batch (default 1.25 x window)")
+    p.add_argument("--n-micro", type=count, default=4, help="micro-batches per DP replica (default 4)")
+    p.add_argument("--window", type=count, default=131072, help="training context length (default 131072)")
+    p.add_argument("--max-tokens", type=count, default=None, help="token cap per micro-batch (default 1.25 x window)")
     p.add_argument("--method", default="wlb", choices=sorted(PACK_METHODS), help="packing method (default wlb)")
     p.add_argument("--field", default="length", help="field name for .jsonl files")
-    p.add_argument("--seed", type=int, default=0, help="planner and sampling seed (default 0)")
-    p.add_argument("--time-limit", type=float, default=10.0, help="seconds for an exact method (default 10)")
+    p.add_argument("--seed", type=natural, default=0, help="planner and sampling seed (default 0)")
+    p.add_argument("--time-limit", type=seconds, default=10.0, help="seconds for an exact method (default 10)")
     p.add_argument("--backend", default=None, choices=["cbc", "highs"], help="milp backend (default cbc)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_cost_args(p)
@@ -61,7 +70,7 @@ def _pack(argv: list[str]) -> int:
                                                  seed=args.seed)
         plan = solve_pack(lengths, args.n_micro, max_tokens, cost, args.method, ids=ids, offsets=offsets,
                           dp=args.dp, time_limit=args.time_limit, seed=args.seed, backend=args.backend)
-    except (ValueError, ImportError, OSError) as exc:
+    except (ValueError, TypeError, ImportError, OSError) as exc:
         print(f"wlb-opt pack: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
@@ -80,7 +89,8 @@ def _pack(argv: list[str]) -> int:
 def _bench(argv: list[str]) -> int:
     names = _bench_names()
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: wlb-opt bench NAME [options]\n\nbenchmarks: " + ", ".join(names))
+        print("usage: wlb-opt bench NAME [options]\n\nbenchmarks: " + ", ".join(names),
+              file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     name = argv[0].replace("-", "_")
     if name.replace("_", "-") not in names:
@@ -98,28 +108,47 @@ def main(argv: list[str] | None = None) -> int:
              "  profile measure one transformer block on this device and fit a CostModel (JSON)\n"
              "  bench   run a benchmark: " + ", ".join(_bench_names()))
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage)
+        print(usage, file=sys.stdout if argv else sys.stderr)  # no command is a usage error
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
-    if cmd == "pack":
-        return _pack(rest)
-    if cmd == "bench":
-        return _bench(rest)
-    if cmd == "profile":
-        from .profile import main as profile_main
-
-        return int(profile_main(rest) or 0)
-    if cmd == "demo":
-        from .bench import demo
-
-        return int(demo.main(rest) or 0)
     if cmd == "--version":
         from . import __version__
 
         print(__version__)
         return 0
-    print(f"wlb-opt: unknown command {cmd!r}\n\n{usage}", file=sys.stderr)
-    return 2
+    if cmd not in _COMMANDS:
+        print(f"wlb-opt: unknown command {cmd!r}\n\n{usage}", file=sys.stderr)
+        return 2
+    try:
+        return _COMMANDS[cmd](rest)
+    except SystemExit as exc:  # argparse: usage errors exit 2, --help 0
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    except _BAD_INPUT as exc:
+        if os.environ.get("WLB_OPT_TRACEBACK"):
+            raise
+        name = f"{cmd} {rest[0]}" if cmd == "bench" and rest else cmd
+        print(f"wlb-opt {name}: error: {type(exc).__name__ + ': ' if isinstance(exc, OSError) else ''}{exc}",
+              file=sys.stderr)
+        return 2
+
+
+_BAD_INPUT = (ValueError, TypeError, OSError, ImportError)
+"""What a command raises for bad arguments or files (the library's own errors name the value)."""
+
+
+def _profile(argv: list[str]) -> int:
+    from .profile import main as profile_main
+
+    return int(profile_main(argv) or 0)
+
+
+def _demo(argv: list[str]) -> int:
+    from .bench import demo
+
+    return int(demo.main(argv) or 0)
+
+
+_COMMANDS = {"pack": _pack, "bench": _bench, "profile": _profile, "demo": _demo}
 
 
 if __name__ == "__main__":  # pragma: no cover

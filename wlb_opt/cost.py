@@ -21,13 +21,13 @@ table below is a documented placeholder read qualitatively off the paper's Fig. 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
-from ._validate import check_int, validate_lengths
+from ._validate import check_int, check_real, validate_lengths
 from .specs import HardwareSpec, ModelSpec, ParallelSpec
 
 Phase = Literal["fwd", "bwd", "fwd_bwd"]
@@ -35,6 +35,12 @@ PHASES: tuple[str, ...] = ("fwd", "bwd", "fwd_bwd")
 TERMS: tuple[str, ...] = ("attn", "linear", "comm", "doc_const", "mb_const")
 FORMAT_VERSION = 2  # 2: typed model / parallel / hardware; 1 (meta dicts) still loads
 LAYOUT_DIMS: tuple[str, ...] = ("dp", "pp", "cp", "tp")
+_MAX_COEF = 1e9
+"""Largest cost coefficient accepted (seconds per unit): keeps the cost of a 2**62-token
+document's pairs finite in float64."""
+_MAX_FLOPS = 1e200
+"""Largest FLOP count per pair or FLOP/s accepted: a fit with a ~zero attention coefficient
+gives a huge peak (legitimately); above this, latencies of long segments overflow."""
 
 # Attention efficiency by query-segment length, as a multiplier of HardwareSpec.attn_efficiency.
 # Placeholder from paper §4.3 / Fig. 10 (H100, FlashAttention, head dim 128): latency is flat
@@ -89,22 +95,36 @@ class CostModel:
             value = getattr(self, name)
             if value is not None and not isinstance(value, kind):
                 raise ValueError(f"CostModel.{name} must be a {kind.__name__} or None, got {type(value).__name__}")
-        for phase in ("fwd", "bwd"):
-            if phase not in self.coef:
-                raise ValueError(f"CostModel.coef needs phases 'fwd' and 'bwd', got {sorted(self.coef)}")
-            for term in TERMS:
-                value = self.coef[phase].get(term)
-                if value is None or not np.isfinite(value) or value < 0:
-                    raise ValueError(f"CostModel.coef[{phase!r}][{term!r}] must be a finite number >= 0, got {value!r}")
-        if self.tile < 1:
-            raise ValueError(f"CostModel.tile must be >= 1, got {self.tile}")
-        if len(self.eff_q_len) != len(self.eff_scale) or not self.eff_q_len:
-            raise ValueError("CostModel.eff_q_len and eff_scale must be non-empty and of equal length")
-        if list(self.eff_q_len) != sorted(self.eff_q_len) or any(s <= 0 for s in self.eff_scale):
-            raise ValueError("CostModel.eff_q_len must increase and eff_scale must be positive")
+        self._check_fields()
         # cached vectors: index 0 = fwd, 1 = bwd, 2 = fwd_bwd
         table = np.array([[self.coef[p][t] for t in TERMS] for p in ("fwd", "bwd")], dtype=np.float64)
         object.__setattr__(self, "_table", np.vstack([table, table.sum(axis=0)]))
+
+    def _check_fields(self) -> None:
+        """Every number planning reads is finite and in range: a NaN, inf, zero or float tile
+        here would turn every latency into NaN, inf or zero without an error downstream."""
+        if not isinstance(self.coef, dict) or any(not isinstance(self.coef.get(p), dict) for p in ("fwd", "bwd")):
+            got = sorted(self.coef) if isinstance(self.coef, dict) else type(self.coef).__name__
+            raise ValueError(f"CostModel.coef needs dicts for phases 'fwd' and 'bwd', got {got}")
+        for phase in ("fwd", "bwd"):
+            for term in TERMS:
+                # above 1e9 (seconds per pair / token / document), the cost of a long document
+                # overflows to inf and imbalances become NaN
+                check_real(f"CostModel.coef[{phase!r}][{term!r}]", self.coef[phase].get(term), high=_MAX_COEF,
+                           unit="seconds")
+        check_real("CostModel.attn_flops_per_pair", self.attn_flops_per_pair, strict=True, high=_MAX_FLOPS)
+        check_real("CostModel.attn_peak_flops", self.attn_peak_flops, strict=True, high=_MAX_FLOPS, unit="FLOP/s")
+        check_real("CostModel.attn_bwd_ratio", self.attn_bwd_ratio, high=1e3)
+        check_int("CostModel.tile", self.tile, 1)
+        if (not isinstance(self.eff_q_len, (tuple, list)) or not isinstance(self.eff_scale, (tuple, list))
+                or len(self.eff_q_len) != len(self.eff_scale) or not self.eff_q_len):
+            raise ValueError("CostModel.eff_q_len and eff_scale must be non-empty sequences of equal length, got "
+                             f"{self.eff_q_len!r} and {self.eff_scale!r}")
+        for i, (q, e) in enumerate(zip(self.eff_q_len, self.eff_scale)):
+            check_int(f"CostModel.eff_q_len[{i}]", q, 0)
+            check_real(f"CostModel.eff_scale[{i}]", e, strict=True, high=1e3)
+        if any(b <= a for a, b in zip(self.eff_q_len, self.eff_q_len[1:])):
+            raise ValueError(f"CostModel.eff_q_len must strictly increase, got {list(self.eff_q_len)}")
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -270,7 +290,10 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
-        """Inverse of `to_dict`; also reads format 1, whose layout sat in `meta` dicts."""
+        """Inverse of `to_dict`; also reads format 1, whose layout sat in `meta` dicts. Raises
+        ValueError naming the field for a missing, unknown or malformed entry."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a CostModel dict (CostModel.to_dict()) is a JSON object, got {type(d).__name__}")
         d = dict(d)
         version = d.pop("format_version", None)
         if version not in (1, FORMAT_VERSION):
@@ -281,12 +304,28 @@ class CostModel:
                 if isinstance(meta.get(name), dict):
                     d[name] = meta.pop(name)
             d["meta"] = meta
+        known = {f.name for f in fields(cls)}
+        unknown, missing = sorted(set(d) - known), sorted({"coef", "attn_flops_per_pair"} - set(d))
+        if unknown or missing:
+            raise ValueError(f"CostModel dict: unknown fields {unknown}, missing fields {missing}; "
+                             f"valid fields: {sorted(known)}")
         specs = (("model", ModelSpec), ("parallel", ParallelSpec), ("hardware", HardwareSpec))
         for name, kind in specs:
             if d.get(name) is not None:
-                d[name] = kind(**d[name])
-        d["eff_q_len"] = tuple(d["eff_q_len"])
-        d["eff_scale"] = tuple(d["eff_scale"])
+                if not isinstance(d[name], dict):
+                    raise ValueError(f"CostModel dict: {name} must be an object of {kind.__name__} fields, "
+                                     f"got {d[name]!r:.60}")
+                try:
+                    d[name] = kind(**d[name])
+                except TypeError as exc:  # unknown or missing spec fields
+                    raise ValueError(f"CostModel dict: {name}: {exc}") from None
+        for name in ("eff_q_len", "eff_scale"):
+            if name in d:
+                if not isinstance(d[name], (list, tuple)):
+                    raise ValueError(f"CostModel dict: {name} must be a list of numbers, got {d[name]!r:.60}")
+                d[name] = tuple(d[name])
+        if "meta" in d and not isinstance(d["meta"], dict):
+            raise ValueError(f"CostModel dict: meta must be an object, got {d['meta']!r:.60}")
         return cls(**d)
 
     def save(self, path) -> None:
@@ -294,7 +333,19 @@ class CostModel:
 
     @classmethod
     def load(cls, path) -> "CostModel":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """A CostModel saved with `save` (JSON). Raises ValueError naming the file for a
+        missing or unreadable file, bad JSON or a malformed model."""
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"cost model file {str(path)!r} does not exist or is not a file")
+        try:
+            d = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cost model file {str(path)!r} is not JSON ({exc})") from None
+        try:
+            return cls.from_dict(d)
+        except ValueError as exc:
+            raise ValueError(f"cost model file {str(path)!r}: {exc}") from None
 
     def describe(self) -> str:
         """One line per phase with the coefficients, for logs and the CLI."""

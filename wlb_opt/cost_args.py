@@ -1,4 +1,11 @@
-"""Command-line options that build a CostModel, shared by `wlb-opt pack` and the benchmarks.
+"""Command-line options shared by `wlb-opt` and the benchmarks: the flags that build a
+CostModel, and the argparse value types of every numeric option.
+
+Value types: a bad number on the command line is a usage error (exit status 2, the option
+named), never a traceback from deep inside a run. `count` is an integer >= 1 (steps, sizes,
+repeats), `natural` an integer >= 0 (seeds, optional counts), `seconds` a finite number > 0
+(time limits), `fraction` a number in [0, 1) (relative gaps); argparse turns their
+ArgumentTypeError into "argument --steps: ..." with the usage line.
 
 One place owns the flags (`--cost`, `--model`, `--hardware` and the layout degrees) and how
 they become a cost model, so every command reads them the same way. The cost model carries
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 from .cost import LAYOUT_DIMS, CostModel
 from .specs import HardwareSpec, ModelSpec, ParallelSpec
@@ -45,7 +53,7 @@ def add_cost_args(p: argparse.ArgumentParser, *, tp: int = 8, cp: int = 2, pp: i
     g.add_argument("--hardware", default="h100", help="HardwareSpec preset: h100, h200, cpu (default h100)")
     for dim in LAYOUT_DIMS:
         if dim in layout:
-            g.add_argument(f"--{dim}", type=int, default=defaults[dim],
+            g.add_argument(f"--{dim}", type=count, default=defaults[dim],
                            help=f"{_LAYOUT_HELP[dim]} (default {defaults[dim]})")
         else:
             p.set_defaults(**{dim: defaults[dim]})
@@ -89,3 +97,50 @@ def _cost(args: argparse.Namespace, overrides: dict) -> CostModel:
         kept = {dim: getattr(parallel, dim) for dim in _COEFFICIENT_FREE}
         return dataclasses.replace(cost, parallel=dataclasses.replace(cost.parallel, **kept))
     return CostModel.analytic(ModelSpec.preset(args.model), parallel, HardwareSpec.preset(args.hardware))
+
+
+# ------------------------------------------------------------------ value types
+def _integer(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+    return value
+
+
+def count(text: str) -> int:
+    """An integer >= 1 (steps, micro-batches, tokens, repeats, sizes)."""
+    return _integer(text, 1)
+
+
+def natural(text: str) -> int:
+    """An integer >= 0 (seeds, optional counts where 0 means none)."""
+    return _integer(text, 0)
+
+
+def _real(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A finite number of seconds > 0 (time limits, budgets)."""
+    value = _real(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in [0, 1) (relative gaps)."""
+    value = _real(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
+    return value

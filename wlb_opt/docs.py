@@ -7,11 +7,15 @@ on every piece and records where each piece starts, so positions for RoPE stay r
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 
 from ._validate import check_int, validate_ids, validate_lengths
+
+MAX_PIECES = 10**8
+"""Most pieces `split_documents` makes (three int64 arrays of this size are 2.4 GB)."""
 
 
 def split_documents(lengths, window: int, ids=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -28,6 +32,10 @@ def split_documents(lengths, window: int, ids=None) -> tuple[np.ndarray, np.ndar
     lengths = validate_lengths(lengths)
     ids = validate_ids(ids, len(lengths))
     n_pieces = -(-lengths // window)
+    if int(n_pieces.sum()) > MAX_PIECES:
+        raise ValueError(f"split_documents would make {int(n_pieces.sum())} pieces (more than {MAX_PIECES}) from "
+                         f"{int(lengths.sum())} tokens with window={window}; use a window of at least "
+                         f"{-(-int(lengths.sum()) // MAX_PIECES)} tokens")
     piece_ids = np.repeat(ids, n_pieces)
     first = np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
     k = np.arange(len(piece_ids), dtype=np.int64) - first  # piece index inside its document
@@ -45,12 +53,19 @@ def load_lengths(path, field: str = "length") -> np.ndarray:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"length file {str(path)!r} does not exist")
+    if not path.is_file():
+        raise ValueError(f"length file {str(path)!r} is not a file (a directory?); give a .npy, .txt or .jsonl file")
     suffix = path.suffix.lower()
     if suffix == ".npy":
-        arr = np.load(path, allow_pickle=False)
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:  # a .npz, a pickle or a truncated file renamed .npy
+            raise ValueError(f"{path}: not a readable .npy array of lengths ({type(exc).__name__}: {exc})") from None
+        if not isinstance(arr, np.ndarray):
+            raise ValueError(f"{path}: holds an archive, not one .npy array of lengths")
     elif suffix == ".jsonl":
         values = []
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        for lineno, line in enumerate(_read_text(path).splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -62,12 +77,48 @@ def load_lengths(path, field: str = "length") -> np.ndarray:
             if field not in obj:
                 raise ValueError(f"{path}:{lineno}: no field {field!r}; fields are {sorted(obj)}")
             value = obj[field]
-            values.append(max(1, -(-len(value) // 4)) if isinstance(value, str) else value)
-        arr = np.asarray(values)
+            if isinstance(value, str):
+                value = max(1, -(-len(value) // 4))
+            elif isinstance(value, bool) or not isinstance(value, int):
+                # JSON true would count as a length of 1, 12.5 would be truncated
+                raise ValueError(f"{path}:{lineno}: field {field!r} must be an integer length or a string, "
+                                 f"got {value!r}")
+            values.append(value)
+        arr = np.asarray(values, dtype=object if values and max(abs(v) for v in values) >= 2**63 else None)
+        if arr.dtype == object:
+            raise ValueError(f"{path}: lengths must be token counts below 2**62, got {max(values)}")
     else:
-        rows = [ln.strip() for ln in path.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-        try:
-            arr = np.asarray([float(x) for x in rows])
-        except ValueError as exc:
-            raise ValueError(f"{path}: expected one integer length per line ({exc})") from None
+        rows = [ln.strip() for ln in _read_text(path).splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+        values = []
+        for lineno, text in enumerate(rows, 1):
+            values.append(_integer_line(path, lineno, text))
+        if values and max(abs(v) for v in values) >= 2**62:
+            raise ValueError(f"{path}: lengths must be token counts below 2**62, got {max(values, key=abs)}")
+        arr = np.asarray(values, dtype=np.int64)
     return validate_lengths(arr, name=f"lengths in {path.name}")
+
+
+def _integer_line(path: Path, lineno: int, text: str) -> int:
+    """One length of a text file, exactly: int() first (float() would turn 2**53 + 1 into
+    2**53); a float spelling ("1e3", "12.0") only if it is a whole number below 2**53."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if math.isfinite(value) and abs(value) >= 2**62:
+        raise ValueError(f"{path}: lengths must be token counts below 2**62, got {text[:40]!r} (line {lineno})")
+    if not math.isfinite(value) or value != int(value) or abs(value) >= 2**53:
+        raise ValueError(f"{path}: expected one integer length per line, got {text[:40]!r} "
+                         f"(non-comment line {lineno})")
+    return int(value)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file (give .npy for binary arrays)") from None

@@ -25,7 +25,8 @@ from typing import Callable, Literal
 
 import numpy as np
 
-from ._validate import check_int, check_positive_real, validate_ids, validate_lengths, validate_offsets
+from ._validate import (check_int, check_positive_real, check_unique_pieces, validate_ids, validate_lengths,
+                        validate_offsets)
 from .cost import CostModel, default_cost
 from .plan import PackPlan, SolveInfo
 from .solvers.deal import deal_to_replicas
@@ -117,9 +118,11 @@ def solve_pack(
     if carried > len(lengths):
         raise ValueError(f"carried={carried} is out of range: only {len(lengths)} documents were given")
     time_limit = check_positive_real("time_limit", time_limit, "seconds", allow_inf=True)
+    seed = check_int("seed", seed, 0)
     solver = get_method(method)
     ids = validate_ids(ids, len(lengths))
     offsets = validate_offsets(offsets, len(lengths))
+    check_unique_pieces(ids, offsets)
     if cost is not None and not isinstance(cost, CostModel):
         raise ValueError(f"cost must be a wlb_opt.CostModel or None, got {type(cost).__name__}")
     cost = cost if cost is not None else default_cost()

@@ -16,17 +16,21 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ._validate import read_only
+from ._validate import check_int, exact_integers, read_only, validate_ids, validate_lengths, validate_offsets
 
 PLAN_FORMAT_VERSION = 2  # 2: arrival_step is a field; 1 still loads (arrival in info.extra)
 
 
 def _freeze(obj, name: str, dtype) -> None:
-    object.__setattr__(obj, name, read_only(getattr(obj, name), dtype))
+    value = getattr(obj, name)
+    if np.dtype(dtype).kind in "iu":  # a cast would truncate 990.9 to 990 and change the plan silently
+        value = exact_integers(value, f"plan field {name}")
+    object.__setattr__(obj, name, read_only(value, dtype))
 
 
-def _frozen_tuple(arrays, dtype) -> tuple:
-    return tuple(read_only(a, dtype) for a in arrays)
+def _frozen_tuple(arrays, dtype, name: str = "micro_batches") -> tuple:
+    return tuple(read_only(exact_integers(a, f"plan field {name}") if np.dtype(dtype).kind in "iu" else a, dtype)
+                 for a in arrays)
 
 
 def imbalance(loads) -> float:
@@ -189,25 +193,34 @@ class PackPlan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "PackPlan":
+        """Inverse of `to_dict`. Raises ValueError naming the field if `d` is malformed (a
+        missing field, a float where an integer belongs: nothing is truncated)."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"PackPlan.from_dict needs a dict (PackPlan.to_dict()), got {type(d).__name__}")
         version = d.get("format_version")
         if version not in (1, PLAN_FORMAT_VERSION):
             raise ValueError(f"PackPlan format_version {version!r} is not supported; expected 1 or "
                              f"{PLAN_FORMAT_VERSION}")
-        i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
-        info = dict(d["info"])
-        arrival = d.get("arrival_step")
-        if version == 1:  # format 1 kept the arrival steps in info.extra
-            extra = dict(info.get("extra") or {})
-            arrival = extra.pop("arrival_step", None)
-            info["extra"] = extra
-        return cls(
-            doc_ids=i64(d["doc_ids"]), lengths=i64(d["lengths"]), offsets=i64(d["offsets"]),
-            micro_batches=[i64(mb) for mb in d["micro_batches"]], replica_of=i64(d["replica_of"]),
-            deferred=i64(d["deferred"]), loads=np.asarray(d["loads"], dtype=np.float64),
-            tokens=i64(d["tokens"]), n_micro=int(d["n_micro"]), dp=int(d["dp"]),
-            max_tokens=int(d["max_tokens"]), step=d.get("step"), info=SolveInfo.from_dict(info),
-            arrival_step=None if arrival is None else i64(arrival),
-        )
+        i64 = lambda x: np.asarray(x) if len(x) else np.zeros(0, np.int64)  # noqa: E731  (_exact checks)
+        try:
+            info = dict(d["info"])
+            arrival = d.get("arrival_step")
+            if version == 1:  # format 1 kept the arrival steps in info.extra
+                extra = dict(info.get("extra") or {})
+                arrival = extra.pop("arrival_step", None)
+                info["extra"] = extra
+            step = d.get("step")
+            return cls(
+                doc_ids=i64(d["doc_ids"]), lengths=i64(d["lengths"]), offsets=i64(d["offsets"]),
+                micro_batches=[i64(mb) for mb in d["micro_batches"]], replica_of=i64(d["replica_of"]),
+                deferred=i64(d["deferred"]), loads=np.asarray(d["loads"], dtype=np.float64),
+                tokens=i64(d["tokens"]), n_micro=check_int("n_micro", d["n_micro"], 1),
+                dp=check_int("dp", d["dp"], 1), max_tokens=check_int("max_tokens", d["max_tokens"], 0),
+                step=None if step is None else check_int("step", step, 0), info=SolveInfo.from_dict(info),
+                arrival_step=None if arrival is None else i64(arrival),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"PackPlan.from_dict: malformed plan dict ({type(exc).__name__}: {exc})") from None
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -245,20 +258,24 @@ class PlanError(ValueError):
 def check_pack(plan: PackPlan, lengths, max_tokens: int, ids=None, offsets=None, cost=None) -> None:
     """Check `plan` against the input it was made from; raise PlanError on any violation.
 
-    Independent of every solver: it only counts tokens. It checks that
+    Independent of every solver: it only counts tokens (in exact integers). It checks that
     - micro-batch and deferred positions are valid, and every piece is used exactly once;
     - there are dp * n_micro micro-batches, n_micro per replica;
     - no micro-batch holds more than `max_tokens` tokens, and `plan.tokens` matches;
-    - for every input document (lengths[i], ids[i] or i, offsets[i] or 0) the plan's pieces
-      with that id tile exactly [offset, offset + length) with no gap and no overlap, and
-      no piece belongs to a document that was not in the input;
+    - the plan's pieces are the input's pieces, (id, offset, length) for (id, offset, length):
+      merging two adjacent pieces of a split document or splitting one would change what
+      attention sees. Only a plan of `method="original"` (plain 4D, which cuts documents at
+      sequence boundaries by design) may cut pieces; its pieces with each id must tile the
+      input's [offset, offset + length) exactly, with no gap and no overlap;
+    - no piece belongs to a document that was not in the input;
     - if `cost` is given, plan.loads[j] == cost.micro_batch_cost(lengths of micro-batch j).
     """
-    lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    ids = np.arange(len(lengths), dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64)
-    offsets = np.zeros(len(lengths), np.int64) if offsets is None else np.asarray(offsets, dtype=np.int64)
-    if not (len(ids) == len(lengths) == len(offsets)):
-        raise PlanError("lengths, ids and offsets must have equal sizes")
+    if not isinstance(plan, PackPlan):
+        raise ValueError(f"plan must be a wlb_opt.PackPlan, got {type(plan).__name__}")
+    lengths = validate_lengths(lengths)
+    ids = validate_ids(ids, len(lengths))
+    offsets = validate_offsets(offsets, len(lengths))
+    max_tokens = check_int("max_tokens", max_tokens, 1)
     n_pieces = len(plan.doc_ids)
     if not (len(plan.lengths) == len(plan.offsets) == n_pieces):
         raise PlanError("plan.doc_ids, plan.lengths and plan.offsets differ in size")
@@ -280,7 +297,7 @@ def check_pack(plan: PackPlan, lengths, max_tokens: int, ids=None, offsets=None,
         if mb.size and (mb.min() < 0 or mb.max() >= n_pieces):
             raise PlanError(f"micro-batch {j} has positions outside [0, {n_pieces})")
         np.add.at(used, mb, 1)
-        tok = int(plan.lengths[mb].sum())
+        tok = sum(plan.lengths[mb].tolist())  # Python ints: an int64 sum could wrap past max_tokens
         if tok != int(plan.tokens[j]):
             raise PlanError(f"micro-batch {j}: plan.tokens says {int(plan.tokens[j])}, pieces hold {tok}")
         if tok > max_tokens:
@@ -304,6 +321,13 @@ def check_pack(plan: PackPlan, lengths, max_tokens: int, ids=None, offsets=None,
     for i, want in expected.items():
         if _merge(sorted(want)) == [(-1, -1)]:
             raise PlanError(f"the input itself has overlapping pieces of document {i}: {sorted(want)}")
+    given = sorted(zip(ids.tolist(), offsets.tolist(), lengths.tolist()))
+    held = sorted(zip(plan.doc_ids.tolist(), plan.offsets.tolist(), plan.lengths.tolist()))
+    if plan.info.method != "original" and given != held:
+        raise PlanError(f"the plan's pieces are not the input's (id, offset, length): missing "
+                        f"{sorted(set(given) - set(held))[:3]}, not in the input "
+                        f"{sorted(set(held) - set(given))[:3]}; only method='original' may cut pieces")
+
     got: dict[int, list[tuple[int, int]]] = {}
     for i, o, n in zip(plan.doc_ids.tolist(), plan.offsets.tolist(), plan.lengths.tolist()):
         got.setdefault(i, []).append((o, o + n))

@@ -24,6 +24,7 @@ import numpy as np
 from ._optional import progress, require
 from .cost import CostModel
 from .specs import ModelSpec
+from .cost_args import count
 
 
 @dataclass
@@ -243,12 +244,12 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="wlb-opt profile", description="Measure one block here and fit a CostModel.")
     p.add_argument("--model", default="tiny", help="ModelSpec preset (default tiny; use 7b on a GPU)")
-    p.add_argument("--window", type=int, default=512, help="tokens per measured micro-batch (default 512)")
-    p.add_argument("--samples", type=int, default=10, help="measured micro-batches, >= 4 (default 10)")
+    p.add_argument("--window", type=count, default=512, help="tokens per measured micro-batch (default 512)")
+    p.add_argument("--samples", type=count, default=10, help="measured micro-batches, >= 4 (default 10)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="tensor dtype (default: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement, median kept (default 3)")
+    p.add_argument("--repeats", type=count, default=3, help="timed runs per measurement, median kept (default 3)")
     p.add_argument("--out", default="cost.json", help="where to save the fitted CostModel (default cost.json)")
     args = p.parse_args(argv)
     cost = profile_block(ModelSpec.preset(args.model), window=args.window, n_samples=args.samples,

@@ -37,7 +37,7 @@ import numpy as np
 
 from typing import Literal
 
-from ._validate import check_choice, validate_lengths, validate_offsets
+from ._validate import check_choice, check_int, check_positive_real, validate_lengths, validate_offsets
 from .cost import CostModel, default_cost
 from .plan import ShardPlan, SolveInfo, merge_chunks, shard_layout
 from .solvers.shard import hybrid_assign, hybrid_chunks, per_doc_chunk_sizes, per_doc_chunks, per_seq_chunks
@@ -114,8 +114,11 @@ def solve_shard(
     """
     t0 = time.perf_counter()
     lengths, cp, offsets, cost = _validate(lengths, cp, strategy, offsets, cost)
-    if not (isinstance(token_skew, (int, float)) and token_skew >= 0):
+    if not (isinstance(token_skew, (int, float)) and not isinstance(token_skew, bool) and token_skew >= 0):
         raise ValueError(f"token_skew must be a number >= 0 (or math.inf), got {token_skew!r}")
+    time_limit = check_positive_real("time_limit", time_limit, "seconds", allow_inf=True)
+    workers = check_int("workers", workers, 1)
+    seed = check_int("seed", seed, 0)
     if strategy == "cpsat" and len(lengths) > CPSAT_MAX_DOCS:
         raise ValueError(f"strategy 'cpsat' handles at most {CPSAT_MAX_DOCS} documents (its size cap), got "
                          f"{len(lengths)}; use strategy='hybrid' for larger micro-batches")

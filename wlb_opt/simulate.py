@@ -67,6 +67,8 @@ class SimResult:
 # ---------------------------------------------------------------------- inputs
 def _chunk_costs(costs, name: str, virtual_stages: int) -> np.ndarray:
     """[pp, m] (split evenly over v chunks) or [pp, v, m] -> [pp, v, m] seconds."""
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, (int, np.integer)) or virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
     arr = np.asarray(costs, dtype=np.float64)
     if arr.ndim == 2:
         arr = np.repeat(arr[:, None, :] / virtual_stages, virtual_stages, axis=1)
@@ -455,6 +457,10 @@ def allreduce_seconds(cost, parallel: ParallelSpec) -> float:
 def step_layout(plan, cost, parallel: ParallelSpec | None = None) -> ParallelSpec:
     """The layout a step runs under: `parallel`, else the cost model's, else pp = 1 and the
     plan's dp. A `parallel` that disagrees with the cost model's layout raises."""
+    from .cost import CostModel
+
+    if not isinstance(cost, CostModel):
+        raise ValueError(f"cost must be a wlb_opt.CostModel, got {type(cost).__name__} {cost!r:.40}")
     if parallel is None:
         parallel = cost.parallel if cost.parallel is not None else ParallelSpec(dp=plan.dp)
     elif not isinstance(parallel, ParallelSpec):
@@ -488,6 +494,8 @@ def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, s
     fwd / fwd_bwd ratio for that micro-batch (ShardPlan loads are fwd_bwd only).
     """
     parallel = step_layout(plan, cost, parallel)
+    if schedule not in SCHEDULES:  # checked here too: with pp = 1 the schedule is not otherwise read
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     pp = parallel.pp
     n_mb = len(plan.micro_batches)
     if shards is not None and len(shards) != n_mb:

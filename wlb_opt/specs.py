@@ -13,14 +13,14 @@ from typing import Any
 def _check_positive(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{type(obj).__name__}.{name} must be a positive number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"{type(obj).__name__}.{name} must be a finite positive number, got {value!r}")
 
 
 def _check_fraction(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        if not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
             raise ValueError(f"{type(obj).__name__}.{name} must be in (0, 1], got {value!r}")
 
 

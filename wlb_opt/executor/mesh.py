@@ -14,12 +14,17 @@ dimension order and with a mapping of their names onto ours; missing dimensions 
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
 DIMS: tuple[str, ...] = ("dp", "pp", "cp", "tp")
+DEFAULT_TIMEOUT_S = 300.0
+"""Seconds the groups `make_mesh` creates wait for a peer before a collective or p2p wait
+fails (unless `timeout=` says otherwise): long enough for a first step that compiles
+kernels, short enough that a stalled rank is reported in minutes, not torch's 30."""
 SELF_GROUP = "self"
 """The group of a dimension of size 1 that the DeviceMesh does not have: no communication."""
 
@@ -136,11 +141,18 @@ def _check_degree(name: str, value) -> int:
 
 
 def _timeout_options(timeout):
-    """backend_override for init_device_mesh that gives every group `timeout` (a timedelta or seconds)."""
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-        raise ValueError(f"make_mesh: timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+    """backend_override for init_device_mesh that gives every group `timeout` (a timedelta or
+    seconds; None: DEFAULT_TIMEOUT_S, and no override on a backend that takes no options)."""
+    default = timeout is None
+    seconds = DEFAULT_TIMEOUT_S if default else timeout
+    seconds = seconds.total_seconds() if isinstance(seconds, datetime.timedelta) else seconds
+    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0
+            or not math.isfinite(seconds)):
+        raise ValueError(f"make_mesh: timeout must be a positive finite number of seconds or a timedelta, "
+                         f"got {timeout!r}")
     backend = str(dist.get_backend()).lower()
+    if default and "nccl" not in backend and "gloo" not in backend:
+        return None
     if "nccl" in backend:
         options = dist.ProcessGroupNCCL.Options()
         name = "nccl"
@@ -159,9 +171,11 @@ def make_mesh(*, dp: int | None = None, pp: int = 1, cp: int = 1, tp: int = 1, d
 
     Every rank must call it (creating the groups is collective). `dp=None` takes the world
     size / (pp x cp x tp); `device_type` defaults to "cuda" when the default group is NCCL,
-    else "cpu". The groups the mesh creates use the default group's backend, and `timeout`
-    (a timedelta or seconds; default: the default group's). The sizes are checked before any
-    collective."""
+    else "cpu". The groups the mesh creates use the default group's backend and wait
+    `timeout` (a timedelta or seconds) for a peer; the default, None, is DEFAULT_TIMEOUT_S =
+    300 s (the default group keeps the timeout the user gave init_process_group). A wait
+    that runs out raises in `train_step` with the step, the rank and the operation. The
+    sizes are checked before any collective."""
     if not dist.is_initialized():
         raise ValueError("make_mesh needs torch.distributed initialised (init_process_group)")
     from torch.distributed.device_mesh import init_device_mesh
@@ -179,6 +193,6 @@ def make_mesh(*, dp: int | None = None, pp: int = 1, cp: int = 1, tp: int = 1, d
                          f"cp={cp}, tp={tp}")
     if device_type is None:
         device_type = "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
-    override = _timeout_options(timeout) if timeout is not None else None
+    override = _timeout_options(timeout)
     device_mesh = init_device_mesh(device_type, (dp, pp, cp, tp), mesh_dim_names=DIMS, backend_override=override)
     return Mesh.from_device_mesh(device_mesh)

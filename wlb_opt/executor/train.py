@@ -32,7 +32,7 @@ from .cp_attention import context_parallel_attention, prefetch_kv
 from .mesh import SELF_GROUP, Mesh
 from .fsdp import is_fsdp
 from .tp import local_tensor
-from .plumbing import check_same_plan
+from .plumbing import _check_same_plan, reporting_waits
 
 IGNORE = -100
 
@@ -305,7 +305,15 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
     `data(id)` returns a whole document's token ids (a 1-D integer tensor), or a pair (token
     ids, loss mask); or `data` is a `WLBStream` step (`data=step`), which holds the pieces of
     its plan (`step.piece(id, offset, length)`). `step` is the step index, used in error
-    messages.
+    messages (default `plan.step`).
+
+    `check_plan` (default on): before anything else the ranks compare one digest per
+    micro-batch over the PackPlan and the ShardPlan each runs it with (`check_same_plan`);
+    a mismatch raises RuntimeError on every rank naming the step and the first micro-batch
+    that differs. A wait that fails (a peer stalled past the group's timeout, see
+    `make_mesh(timeout=...)`, or gone) raises RuntimeError naming the step, this rank and the
+    operation (the plan check, a p2p group and its peers, a micro-batch's forward or
+    backward with its CP collectives, or a final all-reduce).
 
     `stages` is this rank's pipeline stage, or its v chunks for the interleaved schedule
     (`split_stages(model, pp, v)[pp_rank::pp]`; the whole model when pp = 1). `shards[j]` is
@@ -329,6 +337,7 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
     """
     model = stages
     doc_tokens = data
+    step = plan.step if step is None else step
     where = "" if step is None else f"step {step}: "
     chunks = _chunks(model)
     v = len(chunks)
@@ -337,8 +346,12 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
     n_virtual = pp * v
     if mesh and plan.dp != mesh.dp:
         raise ValueError(f"{where}plan has dp={plan.dp} replicas but the mesh has dp={mesh.dp}")
-    if check_plan:
-        check_same_plan(plan)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if check_plan:  # this replica's shards: the others run the other micro-batches
+        mine = [shards[j] if j < len(shards) and int(plan.replica_of[j]) == dp_rank else None
+                for j in range(len(plan.micro_batches))]
+        with reporting_waits(step, rank, "the plan check (all_gather_object of the plan digests)"):
+            _check_same_plan(plan, mine, None, step)
     param = next(chunks[0].parameters())
     device, act_dtype = param.device, activation_dtype(param)
     hidden = getattr(chunks[0], "hidden", None)
@@ -380,7 +393,8 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
     count = sum(targets_of[j] for j in mbs) if holds_loss else 0
     total_t = torch.tensor(float(count), dtype=torch.float64, device=device)
     if mesh is not None and dist.is_initialized():
-        dist.all_reduce(total_t)
+        with reporting_waits(step, rank, "the all-reduce of the global batch's target-token count"):
+            dist.all_reduce(total_t)
     total = float(total_t)
     if total == 0:
         raise ValueError(f"{where}the global batch has no target tokens (every piece has length 1, or every "
@@ -416,8 +430,11 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
             live = boundary.alive()
             for d in live:
                 record.peak_live[d] = max(record.peak_live[d], live[d])
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+        with reporting_waits(step, rank, lambda: "the pipeline p2p group " + ", ".join(
+                f"{op.kind} {op.direction} of micro-batch {mbs[op.micro]} with rank {peer_rank(op.peer)}"
+                for op in group)):
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
         del ops, t  # the sends' tensors are free once their group completed
 
     def send_later(direction: str, k: int, vs: int, t: torch.Tensor) -> None:
@@ -445,38 +462,41 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
         j, chunk = mbs[k], chunks[vs // pp]
         first, last = vs == 0, vs == n_virtual - 1
         started = timer.start()
-        # an empty slot runs too, on zero rows: every rank then makes the same collectives
-        # (FSDP2's gathers, TP's all-reduces) and sends the zero-row tensors the schedule has
-        if phase == "F":
-            idx, tok, pos, lab = local(j)
-            x = tok if first else inbox.pop(("fwd", k, vs - 1)).requires_grad_()
+        waited = (f"the {'forward' if phase == 'F' else 'backward'} of micro-batch {j} on virtual stage {vs} "
+                  "(its CP all-gather / reduce-scatter, TP or FSDP collectives)")
+        with reporting_waits(step, rank, waited):
+            # an empty slot runs too, on zero rows: every rank then makes the same collectives
+            # (FSDP2's gathers, TP's all-reduces) and sends the zero-row tensors the schedule has
+            if phase == "F":
+                idx, tok, pos, lab = local(j)
+                x = tok if first else inbox.pop(("fwd", k, vs - 1)).requires_grad_()
 
-            attend = CPAttend(shards[j], mesh.cp_group if mesh else None, backend, regather_kv, prefetch)
-            out = chunk(x, pos, attend)
-            if last:
-                head = getattr(chunk, "head", None)
-                if head is None:
-                    raise ValueError("the last pipeline stage must return hidden states and expose its output "
-                                     "projection as `.head` (split_stages does)")
-                if loss_fn is None:
-                    out = chunked_cross_entropy(out, lab, head, loss_chunk) / total
+                attend = CPAttend(shards[j], mesh.cp_group if mesh else None, backend, regather_kv, prefetch)
+                out = chunk(x, pos, attend)
+                if last:
+                    head = getattr(chunk, "head", None)
+                    if head is None:
+                        raise ValueError("the last pipeline stage must return hidden states and expose its output "
+                                         "projection as `.head` (split_stages does)")
+                    if loss_fn is None:
+                        out = chunked_cross_entropy(out, lab, head, loss_chunk) / total
+                    else:
+                        out = loss_fn(out, lab, head) / total
+                    loss_sum += out.detach().to(torch.float64)
                 else:
-                    out = loss_fn(out, lab, head) / total
-                loss_sum += out.detach().to(torch.float64)
+                    send_later("fwd", k, vs, out)
+                saved[(k, vs)] = (x, out)
             else:
-                send_later("fwd", k, vs, out)
-            saved[(k, vs)] = (x, out)
-        else:
-            if vs // pp in fsdp_chunks and last_backward.get(vs // pp) == i:
-                chunk.set_requires_gradient_sync(True)  # this backward reduce-scatters the step's gradients
-            x, out = saved.pop((k, vs))
-            if last:
-                out.backward()
-            else:
-                torch.autograd.backward(out, inbox.pop(("bwd", k, vs + 1)))
-            if not first:
-                send_later("bwd", k, vs, x.grad if x.grad is not None else torch.zeros_like(x))
-            del x, out
+                if vs // pp in fsdp_chunks and last_backward.get(vs // pp) == i:
+                    chunk.set_requires_gradient_sync(True)  # this backward reduce-scatters the step's gradients
+                x, out = saved.pop((k, vs))
+                if last:
+                    out.backward()
+                else:
+                    torch.autograd.backward(out, inbox.pop(("bwd", k, vs + 1)))
+                if not first:
+                    send_later("bwd", k, vs, x.grad if x.grad is not None else torch.zeros_like(x))
+                del x, out
         timer.stop(started)
         timed.append((phase, j, vs))
     if inbox or outbox or saved:  # pragma: no cover - the schedule guarantees it
@@ -493,7 +513,9 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
                     p.grad = torch.zeros_like(p)  # a DTensor parameter gets a DTensor zero
                 grads.append(p.grad)
         if mesh.stage_group != SELF_GROUP:
-            _all_reduce_flat(grads, mesh.stage_group)
-        dist.all_reduce(loss_sum)  # only last-stage ranks hold a share of the loss ...
+            with reporting_waits(step, rank, "the gradient all-reduce over the ranks that hold this stage"):
+                _all_reduce_flat(grads, mesh.stage_group)
+        with reporting_waits(step, rank, "the all-reduce of the loss"):
+            dist.all_reduce(loss_sum)  # only last-stage ranks hold a share of the loss ...
         loss_sum /= mesh.tp  # ... and every TP rank of a stage holds the same one
     return float(loss_sum)

@@ -5,9 +5,17 @@ choose what leaves the queues, pack it (`_solve`: `solve_pack`, Algorithm 1 by d
 carried pieces first), deal the micro-batches to DP replicas, and commit the new queues
 and carry. What the paper leaves open about a training job is settled here:
 
-- overload: pieces that do not fit are carried to the next step; once the carry exceeds
-  `max_backlog_tokens` (default two steps' capacity) `pack` raises a ValueError and leaves
-  the state as it was before the call (calibration included).
+- overload: pieces that do not fit are carried to the next step. The backlog guard counts
+  everything the packer holds, queued and carried: a `pack` after which the packer would
+  hold more than `max_backlog_tokens` (default (2 + n_queues) x dp x n_micro x max_tokens:
+  two steps of carry plus one full release per queue) and more than it held before raises
+  a ValueError that names the bound and the fixes, and leaves the state as it was before
+  the call (calibration included). Releasing a queued outlier only moves it from a queue to
+  the carry, so a release never trips the guard, and a step without new input never holds
+  more than the one before: `pack([])` and `drain()` always make progress. This is also the
+  bound of the queues with `max_delay=None`, which would otherwise grow without limit
+  under a stream of outliers. The limit can be raised on reload
+  (`load_state_dict(state, max_backlog_tokens=...)`).
 - `drain()`: at the end of the data, emits plans until queues and carry are empty.
 - DP refinement: the dp x n_micro micro-batches are dealt to replicas by the modelled 1F1B
   time of each replica, not by the sum of loads (`wlb_opt.solvers.deal.deal_to_replicas`).
@@ -42,7 +50,7 @@ from ..plan import PackPlan
 from ..solvers.deal import deal_to_replicas
 from .calibrate import calibrate_thresholds, candidate_thresholds
 from .release import RELEASE_POLICIES, DrainRelease, ReleaseName, ReleasePolicy, make_release_policy
-from .state import HeldPiece, check_thresholds, cost_fingerprint, decode_state, encode_state, held_keys
+from .state import HeldPiece, check_thresholds, cost_fingerprint, decode_state, encode_state, held_keys, held_tokens
 from .stats import StreamStats
 
 PackerMethod = Literal["wlb", "wlb_ls", "fixed", "cpsat", "milp"]
@@ -69,8 +77,9 @@ class WLBPacker:
         max_delay: the most steps a document may wait (>= 1), or None (paper-faithful: a
             queue waits until it holds dp x n_micro documents).
         seed: seeds the calibration's bootstrap stream (planning is otherwise deterministic).
-        max_backlog_tokens: carried tokens above which `pack` raises (default 2 x dp x
-            n_micro x max_tokens, two steps' capacity).
+        max_backlog_tokens: held tokens (queued + carried) above which `pack` raises (default
+            (2 + n_queues) x dp x n_micro x max_tokens: two steps' capacity of carry plus one
+            full release per queue).
         pp: pipeline stages for the DP refinement's 1F1B model (None: the cost model's
             `parallel.pp`, 1 without a layout; a disagreeing value raises).
         delay_budget: calibration's limit on delay per token, in steps (default 0.5, paper §3.2).
@@ -99,8 +108,6 @@ class WLBPacker:
         self.dp = self.cost.degree("dp", dp)
         self.max_delay = None if max_delay is None else check_int("max_delay", max_delay, 1)
         self.seed = check_int("seed", seed, 0)
-        self.max_backlog_tokens = (2 * self.capacity_tokens if max_backlog_tokens is None
-                                   else check_int("max_backlog_tokens", max_backlog_tokens, 0))
         self.pp = self.cost.degree("pp", pp)
         if not (isinstance(delay_budget, (int, float)) and delay_budget >= 0 and math.isfinite(delay_budget)):
             raise ValueError(f"delay_budget must be a finite number of steps >= 0, got {delay_budget!r}")
@@ -127,11 +134,21 @@ class WLBPacker:
         self._auto = self.thresholds is None
         self._warned_outliers = False
         self._fingerprint = cost_fingerprint(self.cost)
+        if max_backlog_tokens is None:
+            # release="group" keeps reading the carry limit it was tuned with (two steps)
+            self._set_backlog_limit((2 + self.n_queues) * self.capacity_tokens, carry_limit=2 * self.capacity_tokens)
+        else:
+            self._set_backlog_limit(check_int("max_backlog_tokens", max_backlog_tokens, 0))
+        self._reset_stream()
+
+    def _set_backlog_limit(self, max_backlog_tokens: int, carry_limit: int | None = None) -> None:
+        """Adopt the backlog limit and build the release policies; `carry_limit` (default:
+        the limit) is what release="group" bounds its deferrals by (half of it)."""
+        self.max_backlog_tokens = max_backlog_tokens
         rules = dict(need=self.dp * self.n_micro, max_delay=self.max_delay, balance_tolerance=self.balance_tolerance,
-                     max_backlog_tokens=self.max_backlog_tokens)
+                     max_backlog_tokens=max_backlog_tokens if carry_limit is None else carry_limit)
         self._release: ReleasePolicy = make_release_policy(self.release, **rules)
         self._drain_release: ReleasePolicy = DrainRelease(**rules)
-        self._reset_stream()
 
     @staticmethod
     def _check_method(method) -> str:
@@ -171,6 +188,12 @@ class WLBPacker:
                     max_delay=self.max_delay, seed=self.seed, max_backlog_tokens=self.max_backlog_tokens,
                     pp=self.pp, method=self.method, release=self.release,
                     balance_tolerance=self.balance_tolerance, cost_fingerprint=self._fingerprint)
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens the packer holds between steps: queued outliers plus carried pieces (what
+        `max_backlog_tokens` bounds)."""
+        return held_tokens(self._queues, self._carry)
 
     def queued_ids(self) -> np.ndarray:
         """Ids of the pieces held in outlier queues (neither placed nor deferred), queue by
@@ -265,7 +288,8 @@ class WLBPacker:
         of each piece in its document (default 0; needed when pieces share an id).
         `plan.doc_ids` holds everything placed or deferred this step, including documents
         released from queues and carried from earlier steps. Raises ValueError (state
-        unchanged) if the carried backlog exceeds `max_backlog_tokens`.
+        unchanged) if the packer would then hold (queued + carried) more than
+        `max_backlog_tokens` and more than before the call.
         """
         started = time.perf_counter()
         lengths, ids, offsets = self._validate_batch(lengths, ids, offsets)
@@ -279,15 +303,22 @@ class WLBPacker:
                                                        [step] * len(lengths))]
         queues = [deque(q) for q in self._queues]
         plan, carry = self._plan_step(entries, queues, list(self._carry), step, self._release, started)
-        backlog = sum(piece.length for piece in carry)
-        if backlog > self.max_backlog_tokens:
+        held_before, held_after = self.held_tokens, held_tokens(queues, carry)
+        # A step that holds no more than the one before always passes (pack([]) makes
+        # progress even from a state above the limit, e.g. one loaded with a lower limit).
+        if held_after > self.max_backlog_tokens and held_after > held_before:
             if before is not None:  # leave the state exactly as it was, calibration included
                 self.thresholds, self.n_queues, self._queues, self._calibration = before
+            queued = held_after - sum(piece.length for piece in carry)
+            hint = ("; with max_delay=None a queue waits for dp x n_micro outliers however long that takes: "
+                    "set max_delay to bound the wait") if self.max_delay is None and queued else ""
             raise ValueError(
-                f"overload at step {step}: {backlog} tokens would be carried, more than max_backlog_tokens="
-                f"{self.max_backlog_tokens}; the stream brings more tokens per step than {self.dp} x "
-                f"{self.n_micro} micro-batches of max_tokens={self.max_tokens} can hold. Use a larger max_tokens "
-                "or fewer tokens per global batch (or raise max_backlog_tokens)")
+                f"overload at step {step}: the packer would hold {held_after} tokens ({queued} queued, "
+                f"{held_after - queued} carried), more than max_backlog_tokens={self.max_backlog_tokens}; the "
+                f"stream brings more tokens per step than {self.dp} x {self.n_micro} micro-batches of "
+                f"max_tokens={self.max_tokens} can place{hint}. Use a larger max_tokens or fewer tokens per global "
+                "batch, or raise max_backlog_tokens (also on reload: load_state_dict(state, max_backlog_tokens=...)); "
+                "the state is unchanged and pack([]) or drain() still empty it")
         if len(ids):
             self._next_auto_id = max(self._next_auto_id, int(ids.max()) + 1)
         self._commit(plan, queues, carry)
@@ -378,11 +409,22 @@ class WLBPacker:
                             next_auto_id=self._next_auto_id, queues=self._queues, carry=self._carry,
                             calibration=self._calibration, stats=self._stats)
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, max_backlog_tokens: int | None = None) -> None:
         """Restore a `state_dict()`. Raises ValueError naming the field if the state comes from
-        another format version or a packer configured differently (the packer is then unchanged)."""
-        loaded = decode_state(state, config=self._config(), auto=self._auto, thresholds=self.thresholds,
+        another format version or a packer configured differently, or if what it holds is
+        invalid (the packer is then unchanged). `max_backlog_tokens`: None (the state's limit
+        must equal this packer's), or a new limit that this packer adopts whatever the
+        state's (e.g. to resume a stream that overloaded; any state loads under it, and a
+        step above it passes as long as it holds no more than the step before)."""
+        config = self._config()
+        if max_backlog_tokens is not None:
+            max_backlog_tokens = check_int("max_backlog_tokens", max_backlog_tokens, 0)
+            theirs = state.get("config") if isinstance(state, dict) else None
+            config["max_backlog_tokens"] = theirs.get("max_backlog_tokens") if isinstance(theirs, dict) else None
+        loaded = decode_state(state, config=config, auto=self._auto, thresholds=self.thresholds,
                               n_queues=self.n_queues)
+        if max_backlog_tokens is not None:
+            self._set_backlog_limit(max_backlog_tokens)
         self.thresholds = loaded.thresholds
         if loaded.thresholds is not None:
             self.n_queues = len(loaded.thresholds)

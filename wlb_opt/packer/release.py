@@ -99,7 +99,8 @@ class ReleasePolicy(ABC):
     balance_tolerance: float
     """Predicted max / mean load a step may reach by taking outliers early."""
     max_backlog_tokens: int
-    """Carried tokens above which the packer raises."""
+    """Carry limit: "group" defers at most half of it (the packer's max_backlog_tokens, or two
+    steps' capacity when that is the default)."""
 
     @abstractmethod
     def plan_step(self, fresh: list[HeldPiece], queues: list[deque], carry: list[HeldPiece], step: int,

@@ -53,6 +53,11 @@ def held_keys(queues, carry) -> set[tuple[int, int]]:
     return {piece.key for q in queues for piece in q} | {piece.key for piece in carry}
 
 
+def held_tokens(queues, carry) -> int:
+    """Tokens of every piece in `queues` and `carry` (what the backlog guard bounds)."""
+    return sum(piece.length for q in queues for piece in q) + sum(piece.length for piece in carry)
+
+
 _PLANNING_FIELDS = ("coef", "attn_flops_per_pair", "attn_bwd_ratio", "attn_peak_flops", "tile", "eff_q_len",
                     "eff_scale", "parallel")
 
@@ -73,7 +78,8 @@ def check_thresholds(thresholds) -> list[int]:
                          f"got {thresholds!r}") from None
     out = []
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer, float)) or v != int(v) or v <= 0:
+        if (isinstance(v, bool) or not isinstance(v, (int, np.integer, float, np.floating)) or not np.isfinite(v)
+                or v != int(v) or v <= 0):
             raise ValueError(f"thresholds[{i}] must be a positive integer token count, got {v!r}")
         out.append(int(v))
     if any(b <= a for a, b in zip(out, out[1:])):
@@ -109,8 +115,52 @@ class LoadedState(NamedTuple):
     stats: StreamStats
 
 
-def _pieces_from_json(rows) -> list[list[int]]:
-    return [[int(x) for x in row] for row in rows]
+_INT64_MAX = 2**63 - 1
+
+
+def _state_int(field: str, value, low: int = 0, high: int = _INT64_MAX) -> int:
+    """An integer of the state in [low, high] (JSON ints only: no bool, float or string)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
+        raise ValueError(f"state_dict field {field} must be an integer in [{low}, {high}], got {value!r}")
+    return int(value)
+
+
+def _pieces_from_json(rows, field: str, *, max_tokens: int, step: int) -> list[HeldPiece]:
+    """Held pieces of a state, each checked: [id, offset, length, arrival] integers with
+    0 < length <= max_tokens, offset >= 0 and an arrival step before the state's step."""
+    if not isinstance(rows, (list, tuple)):
+        raise ValueError(f"state_dict field {field} must be a list of [id, offset, length, arrival], got {rows!r}")
+    if rows and step == 0:
+        raise ValueError(f"state_dict field {field} holds pieces at step 0 (before any step); got {list(rows)!r}")
+    out = []
+    for k, row in enumerate(rows):
+        where = f"{field}[{k}]"
+        if not isinstance(row, (list, tuple)) or len(row) != 4:
+            raise ValueError(f"state_dict field {where} must be [id, offset, length, arrival], got {row!r}")
+        out.append(HeldPiece(
+            id=_state_int(f"{where} id", row[0], -2**63),
+            offset=_state_int(f"{where} offset", row[1]),
+            length=_state_int(f"{where} length", row[2], 1, max_tokens),
+            arrival=_state_int(f"{where} arrival (a step before the state's step {step})", row[3], 0, step - 1)))
+    return out
+
+
+def _check_held(queues: list[list[HeldPiece]], carry: list[HeldPiece], thresholds: list[int] | None) -> None:
+    """No piece held twice; each queued outlier in the queue its length belongs to."""
+    seen: set[tuple[int, int]] = set()
+    for where, pieces in [(f"queues[{i}]", q) for i, q in enumerate(queues)] + [("carry", carry)]:
+        for piece in pieces:
+            if piece.key in seen:
+                raise ValueError(f"state_dict holds piece (id {piece.id}, offset {piece.offset}) twice "
+                                 f"(again in {where}); every piece is held once")
+            seen.add(piece.key)
+    for level, q in enumerate(queues):
+        low = thresholds[level] if thresholds else None
+        high = thresholds[level + 1] if thresholds and level + 1 < len(thresholds) else None
+        for piece in q:
+            if (low is not None and piece.length < low) or (high is not None and piece.length >= high):
+                raise ValueError(f"state_dict field queues[{level}] holds a piece of {piece.length} tokens, outside "
+                                 f"its queue's range [{low}, {high if high is not None else 'inf'})")
 
 
 def decode_state(state, *, config: dict, auto: bool, thresholds: list[int] | None, n_queues: int) -> LoadedState:
@@ -141,17 +191,17 @@ def decode_state(state, *, config: dict, auto: bool, thresholds: list[int] | Non
         loaded_thresholds = None if state_thresholds is None else check_thresholds(state_thresholds)
         if loaded_thresholds is not None:
             n_queues = len(loaded_thresholds)
-        queues = [_pieces_from_json(q) for q in state["queues"]]
-        carry = _pieces_from_json(state["carry"])
-        if len(queues) != n_queues or any(len(row) != 4 for q in queues for row in q) or any(
-                len(row) != 4 for row in carry):
-            raise ValueError("queues/carry have the wrong shape")
+        step = _state_int("step", state["step"])
+        next_auto_id = _state_int("next_auto_id", state["next_auto_id"])
+        if not isinstance(state["queues"], (list, tuple)) or len(state["queues"]) != n_queues:
+            raise ValueError(f"state_dict field queues must be a list of {n_queues} queues, got {state['queues']!r}")
+        queues = [_pieces_from_json(q, f"queues[{i}]", max_tokens=config["max_tokens"], step=step)
+                  for i, q in enumerate(state["queues"])]
+        carry = _pieces_from_json(state["carry"], "carry", max_tokens=config["max_tokens"], step=step)
+        _check_held(queues, carry, loaded_thresholds)
         stats = StreamStats.from_state(state)
-        step, next_auto_id = int(state["step"]), int(state["next_auto_id"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"state_dict is malformed: {exc}") from None
     return LoadedState(
-        thresholds=loaded_thresholds,
-        queues=[deque(HeldPiece(*row) for row in q) for q in queues],
-        carry=[HeldPiece(*row) for row in carry],
+        thresholds=loaded_thresholds, queues=[deque(q) for q in queues], carry=carry,
         step=step, next_auto_id=next_auto_id, calibration=state.get("calibration"), stats=stats)

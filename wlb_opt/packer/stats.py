@@ -15,6 +15,8 @@ JSON exactly (keys "accumulators" and "imbalance" of the packer's state).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..cost import CostModel
@@ -80,10 +82,20 @@ class StreamStats:
         """Inverse of `state()`, read from a packer state (KeyError / TypeError / ValueError
         if malformed)."""
         out = cls()
-        out.totals = {k: int(state["accumulators"][k]) for k in TOTALS}
-        out.imbalances = [float(x) for x in state["imbalance"]]
+        totals, imbalances = state["accumulators"], state["imbalance"]
+        for k in TOTALS:
+            v = totals[k]
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"state_dict field accumulators.{k} must be an integer >= 0, got {v!r}")
+            out.totals[k] = int(v)
+        if not isinstance(imbalances, (list, tuple)):
+            raise ValueError(f"state_dict field imbalance must be a list of numbers, got {imbalances!r}")
+        for i, x in enumerate(imbalances):
+            # max / mean of a step's loads is >= 1 (rounding aside) and finite
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 1.0 - 1e-9:
+                raise ValueError(f"state_dict field imbalance[{i}] must be a finite imbalance >= 1.0, got {x!r}")
+        out.imbalances = [float(x) for x in imbalances]
         return out
-
 
 def per_step_imbalance(plan: PackPlan, cost: CostModel, phase: str = "fwd") -> float:
     """max/mean over the plan's micro-batches of `cost.micro_batch_cost(..., phase)` (Table 2 uses "fwd")."""

@@ -1,0 +1,113 @@
+"""The command-line rows of the bad-input table (`tests/test_bad_input.py` runs them).
+
+`CLI_CASES`: (id, argv, stderr fragment) for `wlb_opt.cli.main(argv)` in-process, which
+must return 2 with no traceback. `cli_file_cases(cost)`: the same for arguments that need a
+file written first (argv made from pytest's tmp_path). `SUBPROCESS_CASES`: (argv, fragment)
+run as a real `wlb-opt` process. Append a tuple to add a case.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _write(tmp: Path, name: str, text: str | bytes) -> Path:
+    path = tmp / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+CLI_CASES = [
+    ("no_command", [], "usage: wlb-opt"),
+    ("unknown_command", ["train"], "unknown command 'train'"),
+    ("pack.no_source", ["pack"], "one of the arguments --lengths --dist is required"),
+    ("pack.unknown_dist", ["pack", "--dist", "zipf"], "invalid choice: 'zipf'"),
+    ("pack.n_micro_zero", ["pack", "--dist", "default", "--n-micro", "0"], "--n-micro: expected an integer >= 1"),
+    ("pack.n_micro_word", ["pack", "--dist", "default", "--n-micro", "four"], "expected an integer >= 1, got 'four'"),
+    ("pack.window_negative", ["pack", "--dist", "default", "--window", "-5"], "--window: expected an integer >= 1"),
+    ("pack.max_tokens_zero", ["pack", "--dist", "default", "--max-tokens", "0"], "--max-tokens: expected an integer"),
+    ("pack.seed_negative", ["pack", "--dist", "default", "--seed", "-1"], "--seed: expected an integer >= 0"),
+    ("pack.time_limit_zero", ["pack", "--dist", "default", "--time-limit", "0"], "--time-limit: expected a number"),
+    ("pack.time_limit_nan", ["pack", "--dist", "default", "--time-limit", "nan"], "--time-limit: expected a finite"),
+    ("pack.method", ["pack", "--dist", "default", "--method", "magic"], "invalid choice: 'magic'"),
+    ("pack.backend", ["pack", "--dist", "default", "--backend", "gurobi"], "invalid choice: 'gurobi'"),
+    ("pack.missing_lengths", ["pack", "--lengths", "/nonexistent/l.npy"], "does not exist"),
+    ("pack.model", ["pack", "--dist", "default", "--model", "13b"], "unknown ModelSpec preset '13b'"),
+    ("pack.hardware", ["pack", "--dist", "default", "--hardware", "tpu"], "unknown HardwareSpec preset 'tpu'"),
+    ("pack.tp_zero", ["pack", "--dist", "default", "--tp", "0"], "--tp: expected an integer >= 1"),
+    ("pack.dp_word", ["pack", "--dist", "default", "--dp", "x"], "--dp: expected an integer"),
+    ("pack.missing_cost", ["pack", "--dist", "default", "--cost", "/nonexistent/cost.json"], "does not exist"),
+    ("pack.unknown_flag", ["pack", "--dist", "default", "--fast"], "unrecognized arguments: --fast"),
+    ("bench.no_name", ["bench"], "usage: wlb-opt bench"),
+    ("bench.unknown", ["bench", "table3"], "unknown benchmark 'table3'"),
+    ("bench.table2_steps_zero", ["bench", "table2", "--steps", "0"], "--steps: expected an integer >= 1, got 0"),
+    ("bench.table2_exact_time", ["bench", "table2", "--exact-time-limit", "-1"], "--exact-time-limit: expected"),
+    ("bench.table2_max_delay", ["bench", "table2", "--max-delay", "0"], "--max-delay: expected an integer >= 1"),
+    ("bench.table2_dist", ["bench", "table2", "--dist", "nope"], "invalid choice: 'nope'"),
+    ("bench.table2_model", ["bench", "table2", "--model", "nope", "--steps", "1"], "unknown ModelSpec preset"),
+    ("bench.table2_missing_lengths", ["bench", "table2", "--lengths", "/nonexistent.npy", "--steps", "1"],
+     "does not exist"),
+    ("bench.exact_gap", ["bench", "exact", "--gap-limit", "1.5"], "--gap-limit: expected a number in [0, 1)"),
+    ("bench.exact_workers", ["bench", "exact", "--workers", "0"], "--workers: expected an integer >= 1"),
+    ("bench.exact_instances", ["bench", "exact", "--instances", "-2"], "--instances: expected an integer >= 1"),
+    ("bench.shard_steps", ["bench", "shard", "--steps", "0"], "--steps: expected an integer >= 1"),
+    ("bench.shard_repeats", ["bench", "shard", "--repeats", "zero"], "--repeats: expected an integer"),
+    ("bench.pack_speed_repeats", ["bench", "pack-speed", "--repeats", "0"], "--repeats: expected an integer >= 1"),
+    ("bench.pack_speed_window", ["bench", "pack-speed", "--window", "0"], "--window: expected an integer >= 1"),
+    ("bench.parity_steps", ["bench", "parity", "--steps", "-1"], "--steps: expected an integer >= 1"),
+    ("bench.e2e_steps", ["bench", "e2e", "--steps", "0"], "--steps: expected an integer >= 1"),
+    ("bench.e2e_seed", ["bench", "e2e", "--seed", "-3"], "--seed: expected an integer >= 0"),
+    ("bench.kernel_heads", ["bench", "kernel", "--heads", "0"], "--heads: expected an integer >= 1"),
+    ("bench.kernel_budget", ["bench", "kernel", "--budget-s", "inf"], "--budget-s: expected a finite number"),
+    ("bench.kernel_warmup", ["bench", "kernel", "--warmup", "-1"], "--warmup: expected an integer >= 0"),
+    ("bench.cp_path_repeats", ["bench", "cp-path", "--repeats", "0"], "--repeats: expected an integer >= 1"),
+    ("bench.loss_memory_tokens", ["bench", "loss-memory", "--tokens", "0"], "--tokens: expected an integer >= 1"),
+    ("bench.validate_sim_pp", ["bench", "validate-sim", "--pp", "0"], "--pp: expected an integer >= 1"),
+    ("bench.validate_sim_layers", ["bench", "validate-sim", "--layers", "0"], "--layers: expected an integer >= 1"),
+    ("profile.dtype", ["profile", "--dtype", "bogus"], "invalid choice: 'bogus'"),
+    ("profile.window", ["profile", "--window", "0"], "--window: expected an integer >= 1"),
+    ("profile.samples", ["profile", "--samples", "-4"], "--samples: expected an integer >= 1"),
+    ("profile.repeats", ["profile", "--repeats", "x"], "--repeats: expected an integer"),
+    ("profile.unknown_flag", ["profile", "--gpu"], "unrecognized arguments: --gpu"),
+    ("demo.steps", ["demo", "--steps", "0"], "--steps: expected an integer >= 1"),
+    ("demo.seed", ["demo", "--seed", "-1"], "--seed: expected an integer >= 0"),
+]
+
+
+def cli_file_cases(cost_model):
+    """CLI cases that need a file written first: (id, make argv from tmp_path, fragment)."""
+    cost = cost_model.to_dict()
+    files = {
+        "cost_not_json": ("c.json", "{oops", "is not JSON"),
+        "cost_list": ("c.json", "[1, 2]", "is a JSON object"),
+        "cost_unknown_key": ("c.json", json.dumps({**cost, "bogus": 1}), "unknown fields ['bogus']"),
+        "cost_missing_key": ("c.json", json.dumps({k: v for k, v in cost.items() if k != "coef"}),
+                             "missing fields ['coef']"),
+        "cost_string_coef": ("c.json", json.dumps({**cost, "coef": {"fwd": {**cost["coef"]["fwd"], "attn": "x"},
+                                                                    "bwd": cost["coef"]["bwd"]}}),
+                             "must be a finite number"),
+        "cost_nan_tile": ("c.json", json.dumps({**cost, "tile": 1.5}), "CostModel.tile must be an integer"),
+    }
+    out = [(f"pack.{name}", (lambda tmp, n=n, t=t: ["pack", "--dist", "default", "--cost", str(_write(tmp, n, t))]),
+            frag) for name, (n, t, frag) in files.items()]
+    lengths = {"lengths_zero": ("l.txt", "5\n0\n", "positive token counts"),
+               "lengths_word": ("l.txt", "5\nfive\n", "expected one integer length per line"),
+               "lengths_jsonl_true": ("l.jsonl", '{"length": true}\n', "must be an integer length or a string"),
+               "lengths_jsonl_field": ("l.jsonl", '{"n": 3}\n', "no field 'length'")}
+    out += [(f"pack.{name}", (lambda tmp, n=n, t=t: ["pack", "--lengths", str(_write(tmp, n, t))]), frag)
+            for name, (n, t, frag) in lengths.items()]
+    out += [("pack.lengths_directory", lambda tmp: ["pack", "--lengths", str(tmp)], "is not a file"),
+            ("pack.lengths_too_long", lambda tmp: ["pack", "--lengths", str(_write(tmp, "l.txt", "900\n")),
+                                                   "--window", "1000", "--max-tokens", "100"], "900"),
+            ("bench.table2_cost", lambda tmp: ["bench", "table2", "--steps", "1", "--cost",
+                                               str(_write(tmp, "c.json", "{"))], "is not JSON")]
+    return out
+
+
+
+SUBPROCESS_CASES = [
+    (["bench", "table2", "--steps", "0"], "--steps: expected an integer >= 1"),
+    (["profile", "--dtype", "bogus"], "invalid choice: 'bogus'"),
+    (["pack", "--dist", "default", "--cost", "/nonexistent/cost.json"], "does not exist"),
+    (["pack", "--lengths", "/"], "is not a file"),
+]
