@@ -213,5 +213,5 @@ def run_job(config: ConvergeConfig, ordering: str, seed: int) -> dict:
                 delay_per_token=moved["delay_per_token"], moved_token_share=moved["moved_token_share"],
                 imbalance=float(imbalances.mean()), imbalance_p90=float(np.percentile(imbalances, 90)),
                 tokens_per_step_mean=float(tokens.mean()), tokens_per_step_cv=float(tokens.std() / tokens.mean()),
-                trained_tokens=int(tokens.sum()), targets=sum(target_tokens(p) for p in steps),
+                tokens_per_step=tokens.tolist(), targets_per_step=[target_tokens(p) for p in steps],
                 wall_s=time.perf_counter() - started, cpu_s=time.process_time() - cpu_started, **facts)

@@ -144,8 +144,8 @@ def _moving_average(y: np.ndarray, k: int) -> np.ndarray:
 
 
 def plot(rows: list[dict], summary: list[dict], steps: int, path: Path, title: str, smooth: int = 8) -> bool:
-    """Training loss (moving average of `smooth` steps), held-out loss, and held-out loss
-    relative to single, each as the mean over seeds with a min-max band."""
+    """Training loss (moving average of `smooth` steps) and held-out loss, absolute and
+    relative to single of the same seed, each as the mean over seeds with a min-max band."""
     try:
         import matplotlib
 
@@ -153,7 +153,8 @@ def plot(rows: list[dict], summary: list[dict], steps: int, path: Path, title: s
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, grid = plt.subplots(2, 2, figsize=(12, 8))
+    axes = [grid[0, 0], grid[0, 1], grid[1, 1], grid[1, 0]]
     orderings = [r["ordering"] for r in summary]
     single = {r["seed"]: r for r in rows if r["ordering"] == "single"}
     for c, o in enumerate(orderings):
@@ -163,6 +164,10 @@ def plot(rows: list[dict], summary: list[dict], steps: int, path: Path, title: s
         x = np.arange(1, train.shape[1] + 1)
         axes[0].plot(x, train.mean(0), color=color, label=o)
         axes[0].fill_between(x, train.min(0), train.max(0), color=color, alpha=0.2)
+        base = np.array([_moving_average(np.asarray(single[r["seed"]]["train_loss"][:steps]), smooth) for r in mine])
+        train_rel = (train / base - 1) * 100
+        axes[3].plot(x, train_rel.mean(0), color=color, label=o)
+        axes[3].fill_between(x, train_rel.min(0), train_rel.max(0), color=color, alpha=0.2)
         n_eval = min(len(r["heldout_loss"]) for r in mine)
         held = np.array([r["heldout_loss"][:n_eval] for r in mine])
         hx = np.array(mine[0]["heldout_steps"][:n_eval])
@@ -176,11 +181,16 @@ def plot(rows: list[dict], summary: list[dict], steps: int, path: Path, title: s
     axes[0].set(xlabel="step", ylabel=f"training loss (nats/byte, mean of {smooth} steps)", title="training loss")
     axes[1].set(xlabel="step", ylabel="held-out loss (nats/byte)", title="held-out loss")
     axes[2].set(xlabel="step", ylabel="held-out loss vs single of the same seed (%)", title="held-out, relative")
-    axes[2].axhline(0, color="k", lw=0.5)
-    top = max(r["heldout_loss"][1] for r in rows)
-    axes[1].set_ylim(top=top)
-    axes[0].set_ylim(top=max(_moving_average(np.asarray(r["train_loss"][:steps]), smooth)[smooth - 1]
-                             for r in rows) if steps >= smooth else None)
+    axes[3].set(xlabel="step", ylabel="training loss vs single, same seed (%)",
+                title="training, relative")
+    for ax in (axes[2], axes[3]):
+        ax.axhline(0, color="k", lw=0.5)
+    # y from a quarter of the run on: the first steps fall from ln(256) = 5.5 and would flatten the rest
+    quarter = max(1, steps // 4)
+    train_top = [_moving_average(np.asarray(r["train_loss"][:steps]), smooth)[min(quarter, steps) - 1] for r in rows]
+    held_top = [np.interp(quarter, r["heldout_steps"], r["heldout_loss"]) for r in rows]
+    axes[0].set_ylim(min(min(r["train_loss"]) for r in rows) - 0.05, max(train_top) + 0.05)
+    axes[1].set_ylim(min(min(r["heldout_loss"]) for r in rows) - 0.02, max(held_top) + 0.02)
     for ax in axes:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
