@@ -112,6 +112,24 @@ class TextCorpus:
             bytes_read=int(sum(len(c) for c in self.contents)))
 
 
+def _read_files(root: Path, suffixes: tuple | None, min_bytes: int) -> tuple[tuple, tuple]:
+    """(relative posix paths, contents) of the corpus files under `root`, sorted by path."""
+    paths, contents = [], []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if (not path.is_file() or path.is_symlink() or any(part in EXCLUDED_DIRS for part in rel.parts)
+                or (suffixes is not None and not path.name.endswith(suffixes))):
+            continue
+        try:
+            raw = path.read_bytes()
+        except OSError:
+            continue  # unreadable files are not part of the corpus
+        if len(raw) >= min_bytes and _is_text(raw):
+            paths.append(rel.as_posix())
+            contents.append(raw)
+    return tuple(paths), tuple(contents)
+
+
 def read_corpus(root: str | Path | None = None, window: int = 512, *, suffixes: Sequence[str] | None = None,
                 heldout_per_mille: int = 100, exponent: float = 0.5, ref_quantile: float = 0.99,
                 min_length: int = 16, min_bytes: int = 64) -> TextCorpus:
@@ -141,19 +159,7 @@ def read_corpus(root: str | Path | None = None, window: int = 512, *, suffixes: 
     root = Path(root)
     if not root.is_dir():
         raise ValueError(f"corpus root {str(root)!r} is not a directory")
-    paths, contents = [], []
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root)
-        if (not path.is_file() or path.is_symlink() or any(part in EXCLUDED_DIRS for part in rel.parts)
-                or (suffixes is not None and not path.name.endswith(tuple(suffixes)))):
-            continue
-        try:
-            raw = path.read_bytes()
-        except OSError:
-            continue  # unreadable files are not part of the corpus
-        if len(raw) >= min_bytes and _is_text(raw):
-            paths.append(rel.as_posix())
-            contents.append(raw)
+    paths, contents = _read_files(root, None if suffixes is None else tuple(suffixes), min_bytes)
     if not paths:
         raise ValueError(f"no text files of at least {min_bytes} bytes under {str(root)!r}"
                          + (f" with suffixes {list(suffixes)}" if suffixes else ""))
