@@ -12,7 +12,7 @@ documents each step holds and how they are packed (see `_converge_plans`).
 
 Held-out loss: the held-out files' documents (epoch 0: each file's first bytes, at the same
 lengths as training), packed once into fixed-length micro-batches, evaluated without gradient
-before the first step, every `eval_every` steps and after the last one. With
+before the first step, every `eval_every` steps and after each of the last FINAL_EVALS steps. With
 document-masked attention and per-document positions the value does not depend on how the
 held-out documents are packed (up to float rounding).
 """
@@ -111,6 +111,12 @@ class ConvergeConfig:
         return dataclasses.asdict(self)
 
 
+FINAL_EVALS = plans_mod.FIXED_POOL
+"""The held-out loss is also evaluated after each of the last FINAL_EVALS steps, and the
+"final" held-out loss is their mean: fixed-8's steps change composition with their place in
+a pool (its first step holds the longest documents, its last the shortest), so one
+evaluation after the last step would measure where in a pool the run stopped."""
+
 _CORPUS_CACHE: dict[tuple, TextCorpus] = {}
 
 
@@ -205,10 +211,12 @@ def run_job(config: ConvergeConfig, ordering: str, seed: int) -> dict:
         if not math.isfinite(loss):
             raise RuntimeError(f"{ordering} seed {seed}: loss {loss} at step {s}")
         train_loss.append(loss)
-        if (s + 1) % config.eval_every == 0 or s == len(steps) - 1:
+        if (s + 1) % config.eval_every == 0 or s >= len(steps) - FINAL_EVALS:
             heldout_loss.append(evaluate(model, heldout, heldout_data))
             heldout_steps.append(s + 1)
+    final = [h for h, at in zip(heldout_loss, heldout_steps) if at > len(steps) - FINAL_EVALS]
     return dict(ordering=ordering, seed=seed, steps=len(steps), train_loss=train_loss, heldout_loss=heldout_loss,
+                final_heldout=float(np.mean(final)),
                 heldout_steps=heldout_steps, displacement_per_token=moved["displacement_per_token"],
                 delay_per_token=moved["delay_per_token"], moved_token_share=moved["moved_token_share"],
                 imbalance=float(imbalances.mean()), imbalance_p90=float(np.percentile(imbalances, 90)),

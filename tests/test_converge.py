@@ -121,6 +121,7 @@ def test_split_steps_keeps_bin_order():
 
 def _row(ordering, seed, train, held):
     return dict(ordering=ordering, seed=seed, train_loss=train, heldout_loss=held, heldout_steps=[0, 2],
+                final_heldout=held[-1],
                 displacement_per_token=0.0, delay_per_token=0.0, moved_token_share=0.0, imbalance=1.0,
                 imbalance_p90=1.0, tokens_per_step_cv=0.0, steps=len(train))
 
@@ -164,6 +165,8 @@ def test_tiny_run_trains_every_ordering_and_writes_json_and_png(tmp_path, capsys
         assert len(r["train_loss"]) == r["steps"] >= 16 and len(r["heldout_loss"]) == len(r["heldout_steps"])
         assert np.mean(r["train_loss"][-4:]) < r["train_loss"][0] - 0.3  # it trains
         assert r["heldout_loss"][-1] < r["heldout_loss"][0] - 0.3
+        assert r["heldout_steps"][-8:] == list(range(r["steps"] - 7, r["steps"] + 1))  # the last 8 steps
+        assert r["final_heldout"] == pytest.approx(np.mean(r["heldout_loss"][-8:]))
         assert sum(r["targets_per_step"]) > 0 and r["imbalance"] >= 1.0
     for seed in (0, 1):  # every ordering of a seed starts from the same weights
         assert len({r["heldout_loss"][0] for r in runs if r["seed"] == seed}) == 1
