@@ -120,8 +120,8 @@ class CostModel:
     ) -> "CostModel":
         """Coefficients from FLOPs and bytes.
 
-        - attention: 4 * hidden FLOPs per causal pair and layer (QK^T and PV), split over
-          tp (heads) and cp (pairs), at peak x attn_efficiency; backward 2.5x.
+        - attention: 4 * q_dim (heads x head_dim) FLOPs per causal pair and layer (QK^T and
+          PV), split over tp (heads) and cp (pairs), at peak x attn_efficiency; backward 2.5x.
         - linear: 2 x weights per token and layer plus the LM head, split over tp and cp, at
           peak x gemm_efficiency; plus about 32 bytes x hidden of element-wise HBM traffic
           per token and layer; backward 2x.
@@ -141,7 +141,7 @@ class CostModel:
         split = parallel.tp * parallel.cp
         peak = hardware.peak_tflops * 1e12
 
-        attn_flops_pair = 4.0 * h * L / split
+        attn_flops_pair = 4.0 * model.q_dim * L / split
         attn_fwd = attn_flops_pair / (peak * hardware.attn_efficiency)
         gemm_flops_tok = (2.0 * model.params_per_layer * L + 2.0 * model.vocab * h) / split
         elementwise_s_tok = 32.0 * h * L / split / (hardware.hbm_gbps * 1e9)

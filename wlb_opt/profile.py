@@ -128,7 +128,7 @@ def profile_block(model: ModelSpec, window: int = 4096, n_samples: int = 12, dev
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    block = Block(model.hidden, model.heads, model.kv_heads, model.ffn).to(dev, dt)
+    block = Block(model.hidden, model.heads, model.kv_heads, model.ffn, model.head_dim).to(dev, dt)
     rng = np.random.default_rng(seed)
 
     samples = []
@@ -156,7 +156,7 @@ def profile_block(model: ModelSpec, window: int = 4096, n_samples: int = 12, dev
 
     eff_q, eff_s = _efficiency_table(model, dev, dt, q_lens, repeats)
     head_fwd, head_bwd = _head_seconds_per_token(model, dev, dt, window, repeats)
-    flops = 4.0 * model.hidden * model.layers
+    flops = 4.0 * model.q_dim * model.layers
     cost = fit_cost_model(samples, layers=model.layers, eff_q_len=eff_q, eff_scale=eff_s,
                           attn_flops_per_pair=flops, model=model,
                           meta=dict(device=str(dev), dtype=str(dt), window=window,

@@ -44,13 +44,16 @@ class ModelSpec:
     layers: int
     """Number of transformer blocks."""
     heads: int
-    """Query heads; head_dim = hidden // heads."""
+    """Query heads."""
     kv_heads: int | None = None
     """Key/value heads (GQA); None means heads (multi-head attention)."""
     ffn: int
     """SwiGLU inner width (three hidden x ffn matrices per block)."""
     vocab: int = 32000
     """Vocabulary size (embedding and LM head)."""
+    head_dim: int | None = None
+    """Width of one attention head; None means hidden // heads (which must then divide).
+    Some models (Qwen3, Gemma) set it apart from hidden / heads."""
 
     def __post_init__(self) -> None:
         for name in ("hidden", "layers", "heads", "ffn", "vocab"):
@@ -59,18 +62,23 @@ class ModelSpec:
                 raise ValueError(f"ModelSpec.{name} must be an integer >= 1, got {value!r}")
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
-        if not isinstance(self.kv_heads, int) or self.kv_heads < 1 or self.heads % self.kv_heads:
+        if (isinstance(self.kv_heads, bool) or not isinstance(self.kv_heads, int) or self.kv_heads < 1
+                or self.heads % self.kv_heads):
             raise ValueError(
                 f"ModelSpec.kv_heads must be a positive divisor of heads={self.heads}, got {self.kv_heads!r}"
             )
-        if self.hidden % self.heads:
-            raise ValueError(
-                f"ModelSpec.hidden={self.hidden} must be divisible by heads={self.heads}"
-            )
+        if self.head_dim is None:
+            if self.hidden % self.heads:
+                raise ValueError(f"ModelSpec.hidden={self.hidden} must be divisible by heads={self.heads} "
+                                 f"(or give head_dim explicitly)")
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 1:
+            raise ValueError(f"ModelSpec.head_dim must be an integer >= 1 or None, got {self.head_dim!r}")
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def q_dim(self) -> int:
+        """Width of Q (and of the attention output): heads x head_dim."""
+        return self.heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -79,8 +87,8 @@ class ModelSpec:
 
     @property
     def params_per_layer(self) -> int:
-        """Weights of one block: Q, O (hidden^2 each), K, V (hidden x kv_dim), SwiGLU (3 x hidden x ffn)."""
-        return 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_dim + 3 * self.hidden * self.ffn
+        """Weights of one block: Q, O (hidden x q_dim each), K, V (hidden x kv_dim), SwiGLU (3 x hidden x ffn)."""
+        return 2 * self.hidden * self.q_dim + 2 * self.hidden * self.kv_dim + 3 * self.hidden * self.ffn
 
     @property
     def n_params(self) -> int:
@@ -99,6 +107,49 @@ class ModelSpec:
         - "tiny": 2 layers of width 64 for tests and CPU examples.
         """
         return _preset(cls, _MODEL_PRESETS, name)
+
+    @classmethod
+    def from_hf_config(cls, config) -> "ModelSpec":
+        """The ModelSpec of a Hugging Face decoder config: a `transformers.PretrainedConfig` or
+        a plain dict such as a Llama, Qwen or Mistral ``config.json``.
+
+        Reads hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads
+        (absent or null: multi-head attention), intermediate_size, vocab_size and head_dim
+        where present. Norms, biases, RoPE and tied embeddings do not change the cost model's
+        terms and are not read. A missing or invalid key raises a ValueError naming it.
+        """
+        if isinstance(config, dict):
+            values = config
+        elif hasattr(config, "to_dict"):
+            values = config.to_dict()
+        else:
+            raise TypeError(f"ModelSpec.from_hf_config needs a transformers PretrainedConfig or a dict, "
+                            f"got {type(config).__name__}")
+        # multimodal configs (e.g. Qwen2-VL, Llava) nest the language model's config
+        if "hidden_size" not in values and isinstance(values.get("text_config"), dict):
+            values = values["text_config"]
+
+        def read(key: str, *, required: bool = True):
+            value = values.get(key)
+            if value is None:
+                if required:
+                    raise ValueError(f"HF config has no {key!r} (needed by ModelSpec); keys present: "
+                                     f"{sorted(k for k in values if not k.startswith('_'))}")
+                return None
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"HF config {key!r} must be an integer >= 1, got {value!r}")
+            return value
+
+        name = values.get("_name_or_path") or values.get("model_type") or "hf"
+        try:
+            return cls(name=str(name), hidden=read("hidden_size"), layers=read("num_hidden_layers"),
+                       heads=read("num_attention_heads"), kv_heads=read("num_key_value_heads", required=False),
+                       ffn=read("intermediate_size"), vocab=read("vocab_size"),
+                       head_dim=read("head_dim", required=False))
+        except ValueError as exc:
+            if str(exc).startswith("HF config"):
+                raise
+            raise ValueError(f"HF config gives an invalid model shape: {exc}") from None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -26,9 +26,9 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> tor
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, kv_heads: int, ffn: int):
+    def __init__(self, dim: int, heads: int, kv_heads: int, ffn: int, head_dim: int | None = None):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim or dim // heads
         self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
         self.wq = nn.Linear(dim, heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
@@ -58,17 +58,17 @@ class TinyLM(nn.Module):
     """Token ids [T] + positions [T] + an attention callable -> logits [T, vocab]."""
 
     def __init__(self, vocab: int = 256, dim: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                 ffn: int = 176):
+                 ffn: int = 176, head_dim: int | None = None):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, ffn) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, ffn, head_dim) for _ in range(layers))
         self.norm = nn.RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
     @classmethod
     def from_spec(cls, spec) -> "TinyLM":
         return cls(vocab=spec.vocab, dim=spec.hidden, layers=spec.layers, heads=spec.heads,
-                   kv_heads=spec.kv_heads, ffn=spec.ffn)
+                   kv_heads=spec.kv_heads, ffn=spec.ffn, head_dim=spec.head_dim)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         x = self.embed(tokens)
