@@ -21,19 +21,20 @@ table below is a documented placeholder read qualitatively off the paper's Fig. 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
 from ._validate import check_int, validate_lengths
+from .cost_memory import MemoryModel
 from .specs import HardwareSpec, ModelSpec, ParallelSpec
 
 Phase = Literal["fwd", "bwd", "fwd_bwd"]
 PHASES: tuple[str, ...] = ("fwd", "bwd", "fwd_bwd")
 TERMS: tuple[str, ...] = ("attn", "linear", "comm", "doc_const", "mb_const")
-FORMAT_VERSION = 2  # 2: typed model / parallel / hardware; 1 (meta dicts) still loads
+FORMAT_VERSION = 3  # 3: + memory_model; 2: typed model / parallel / hardware; 1 (meta dicts); all load
 LAYOUT_DIMS: tuple[str, ...] = ("dp", "pp", "cp", "tp")
 
 # Attention efficiency by query-segment length, as a multiplier of HardwareSpec.attn_efficiency.
@@ -83,19 +84,33 @@ class CostModel:
     """The layout the coefficients were derived for; None: any layout is accepted."""
     hardware: HardwareSpec | None = None
     """The accelerator of an analytic model; None for a profiled one."""
+    memory_model: MemoryModel | None = None
+    """A memory model calibrated on a device (`wlb-opt profile`); None: `memory` and
+    `max_tokens="auto"` count it analytically from model, layout and hardware."""
 
     def __post_init__(self) -> None:
-        for name, kind in (("model", ModelSpec), ("parallel", ParallelSpec), ("hardware", HardwareSpec)):
+        for name, kind in (("model", ModelSpec), ("parallel", ParallelSpec), ("hardware", HardwareSpec),
+                           ("memory_model", MemoryModel)):
             value = getattr(self, name)
             if value is not None and not isinstance(value, kind):
                 raise ValueError(f"CostModel.{name} must be a {kind.__name__} or None, got {type(value).__name__}")
         for phase in ("fwd", "bwd"):
             if phase not in self.coef:
                 raise ValueError(f"CostModel.coef needs phases 'fwd' and 'bwd', got {sorted(self.coef)}")
+            if not isinstance(self.coef[phase], dict):
+                raise ValueError(f"CostModel.coef[{phase!r}] must be a dict of terms {TERMS}, got "
+                                 f"{type(self.coef[phase]).__name__}")
+            missing = [t for t in TERMS if t not in self.coef[phase]]
+            unknown = sorted(set(self.coef[phase]) - set(TERMS))
+            if missing or unknown:
+                raise ValueError(f"CostModel.coef[{phase!r}] must have exactly the terms {TERMS}; missing "
+                                 f"{missing}, unknown {unknown}")
             for term in TERMS:
-                value = self.coef[phase].get(term)
-                if value is None or not np.isfinite(value) or value < 0:
-                    raise ValueError(f"CostModel.coef[{phase!r}][{term!r}] must be a finite number >= 0, got {value!r}")
+                value = self.coef[phase][term]
+                if (isinstance(value, bool) or not isinstance(value, (int, float, np.floating))
+                        or not np.isfinite(value) or value < 0):
+                    raise ValueError(f"CostModel.coef[{phase!r}][{term!r}] must be a finite number >= 0 "
+                                     f"(seconds), got {value!r}")
         if self.tile < 1:
             raise ValueError(f"CostModel.tile must be >= 1, got {self.tile}")
         if len(self.eff_q_len) != len(self.eff_scale) or not self.eff_q_len:
@@ -256,6 +271,26 @@ class CostModel:
         seconds = flops / (self.attn_peak_flops * self.attention_efficiency(q_len))
         return float(seconds) if scalar else seconds
 
+    # ------------------------------------------------------------------ memory
+    def memory_model_or_analytic(self) -> MemoryModel:
+        """The calibrated memory model, else the analytic one of `model`, `parallel` and
+        `hardware` (defaults: bf16, Adam, no recomputation; see `wlb_opt.cost_memory`)."""
+        if self.memory_model is not None:
+            return self.memory_model
+        if self.model is None or self.hardware is None:
+            raise ValueError("this cost model has no memory model: it needs a calibrated one (`wlb-opt profile` "
+                             "saves it) or a model and a hardware spec for the analytic count (a profiled "
+                             "cost model has no hardware spec); got model="
+                             f"{None if self.model is None else self.model.name!r}, hardware="
+                             f"{None if self.hardware is None else self.hardware.name!r}")
+        return MemoryModel.analytic(self.model, self.parallel, self.hardware)
+
+    def memory(self, lengths, stage: int = 0) -> int:
+        """Peak bytes of pipeline rank `stage` running micro-batches like `lengths` (the
+        schedule's in-flight micro-batches all as large: the worst case), static part
+        included. `memory_model_or_analytic().breakdown(...)` gives the parts."""
+        return self.memory_model_or_analytic().peak(validate_lengths(lengths), stage)
+
     # ------------------------------------------------------------------ persistence
     def to_dict(self) -> dict:
         return dict(
@@ -266,15 +301,26 @@ class CostModel:
             model=None if self.model is None else self.model.to_dict(),
             parallel=None if self.parallel is None else self.parallel.to_dict(),
             hardware=None if self.hardware is None else self.hardware.to_dict(),
+            memory_model=None if self.memory_model is None else self.memory_model.to_dict(),
         )
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
-        """Inverse of `to_dict`; also reads format 1, whose layout sat in `meta` dicts."""
+        """Inverse of `to_dict`; also reads formats 1 (layout in `meta` dicts) and 2 (no
+        memory model). Anything else (another version, a missing or negative term, an
+        unknown field) raises a ValueError that names it."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a saved CostModel is a JSON object, got {type(d).__name__}")
         d = dict(d)
         version = d.pop("format_version", None)
-        if version not in (1, FORMAT_VERSION):
-            raise ValueError(f"CostModel format_version {version!r} is not supported; expected 1 or {FORMAT_VERSION}")
+        if version not in (1, 2, FORMAT_VERSION):
+            raise ValueError(f"CostModel format_version {version!r} is not supported; expected 1, 2 or "
+                             f"{FORMAT_VERSION} (a file written by a newer wlb-opt, or not a cost model)")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        missing = [k for k in ("coef", "attn_flops_per_pair") if k not in d]
+        if unknown or missing:
+            raise ValueError(f"saved CostModel (format {version}): unknown fields {unknown}, missing {missing}")
         if version == 1:
             meta = dict(d.get("meta") or {})
             for name in ("model", "parallel", "hardware"):
@@ -285,8 +331,11 @@ class CostModel:
         for name, kind in specs:
             if d.get(name) is not None:
                 d[name] = kind(**d[name])
-        d["eff_q_len"] = tuple(d["eff_q_len"])
-        d["eff_scale"] = tuple(d["eff_scale"])
+        if d.get("memory_model") is not None:
+            d["memory_model"] = MemoryModel.from_dict(d["memory_model"])
+        for name in ("eff_q_len", "eff_scale"):
+            if name in d:
+                d[name] = tuple(d[name])
         return cls(**d)
 
     def save(self, path) -> None:
@@ -294,7 +343,14 @@ class CostModel:
 
     @classmethod
     def load(cls, path) -> "CostModel":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not a saved CostModel (invalid JSON: {exc})") from None
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: {exc}") from None
 
     def describe(self) -> str:
         """One line per phase with the coefficients, for logs and the CLI."""
