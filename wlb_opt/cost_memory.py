@@ -18,10 +18,10 @@ layer being recomputed adds its full stored activations to the transient.
 
 Coefficients (bytes per layer on this rank) are analytic (`MemoryModel.analytic`, counted
 from what the executor's Block saves for backward) or calibrated on a device by
-`wlb_opt.profile` (fitted to peaks measured with torch's memory statistics). The analytic
-count distinguishes the two attention paths: a flash-style kernel (GPU, Triton) keeps only
-the log-sum-exp; the torch path (CPU) materialises each document's [heads, d, d] scores,
-a quadratic term (a HardwareSpec named "cpu" selects it).
+`wlb_opt.profile` (fitted to peaks measured with torch's memory statistics). The executor's
+attention saves no score matrix on either path; the torch path (CPU; a HardwareSpec named
+"cpu" selects it) recomputes each document's [heads, d, d] scores in backward, a transient
+quadratic term, which a flash-style kernel (GPU, Triton) does not have.
 
 Static bytes per parameter follow the ZeRO paper's convention (Rajbhandari et al. 2020):
 16-bit weights and gradients (2 + 2) plus an fp32 master copy and Adam's two moments (12);
@@ -64,7 +64,7 @@ class MemoryModel:
     stored_per_token: float
     """Bytes one layer keeps for backward per token on this rank (no recomputation)."""
     stored_per_square: float
-    """Bytes one layer keeps per d^2 of each document (0 for a flash-style kernel)."""
+    """Bytes one layer keeps per d^2 of each document (0 for the executor's attention)."""
     transient_per_token: float
     """Working bytes of one layer's backward per token, above what it stored."""
     transient_per_square: float
@@ -78,7 +78,7 @@ class MemoryModel:
     loss_chunk: int = 8192
     recompute: bool = False
     attention: str = "flash"
-    """"flash" (kernel keeps log-sum-exp only) or "torch" (per-document score matrices)."""
+    """"flash" (a fused kernel: no score matrices) or "torch" (scores recomputed per document)."""
     source: str = "analytic"
     """"analytic", or where and how it was calibrated."""
 
@@ -106,14 +106,18 @@ class MemoryModel:
     @classmethod
     def analytic(cls, model: ModelSpec, parallel: ParallelSpec | None = None, hardware: HardwareSpec | None = None,
                  **options) -> "MemoryModel":
-        """Coefficients counted from the tensors the executor's Block keeps for backward.
+        """Coefficients counted from the tensors the executor's Block and CP attention keep.
 
         Per token and layer, in the activation dtype (b bytes), split over tp (sequence
-        parallelism divides everything): the two norm inputs and outputs (4 hidden), the
-        attention's q, k, v and output, the SwiGLU's w1 and w3 outputs, silu(w1) and the
-        product (4 ffn), plus fp32 norm statistics and log-sum-exp. The torch attention path
-        (CPU) saves GQA-expanded K and V (heads x head_dim each) and per document two fp32
-        [heads, d, d] matrices and a boolean mask; a flash kernel saves neither.
+        parallelism divides everything): the norms' inputs and outputs (4 hidden; torch's
+        composite RMSNorm on CPU also keeps the normalised copy: 6), q and the attention
+        output (2 q_dim), k and v (2 kv_dim), the SwiGLU's w1 and w3 outputs, silu(w1) and
+        their product (4 ffn), plus fp32 norm statistics and log-sum-exp. The attention
+        (`context_parallel_attention`) saves no score matrix: on a GPU it re-gathers K/V in
+        backward; on CPU it keeps the gathered K/V (2 kv_dim more) and its torch path
+        recomputes every document's scores in backward, two fp32 [heads, d, d] matrices and
+        a boolean mask per document at once (transient, quadratic). Calibrate on a device
+        (`wlb-opt profile`) to replace the count by measurements.
         """
         parallel = parallel or ParallelSpec()
         hardware = hardware or HardwareSpec.preset("h100")
@@ -121,16 +125,16 @@ class MemoryModel:
         attention = options.pop("attention", "torch" if hardware.name == "cpu" else "flash")
         dtype = dtype_name(options.get("dtype", "bf16"))
         b = DTYPE_BYTES[dtype]
-        kv_saved = 2 * (m.q_dim if attention == "torch" else m.kv_dim)
-        stored_tok = b * (4 * m.hidden + 2 * m.q_dim + kv_saved + 4 * m.ffn) / tp + 4 * (2 + m.heads / tp)
-        if attention == "torch":
+        torch_path = attention == "torch"
+        norms = 6 if torch_path else 4
+        kv = 4 if torch_path else 2  # local k, v (+ the kept gathered copy on CPU)
+        stored_tok = b * (norms * m.hidden + 2 * m.q_dim + kv * m.kv_dim + 4 * m.ffn) / tp + 4 * (2 + m.heads / tp)
+        if torch_path:
             stored_tok += b * 2 * m.head_dim  # RoPE cos/sin of q and k, per token
-        # fp32 scores: exp(scores) and its normalised copy, plus the boolean mask
-        stored_sq = (2 * 4 * m.heads / tp + 1) if attention == "torch" else 0.0
         # backward of one layer: gradients of the activations (hidden states, q/k/v, ffn)
         transient_tok = b * (2 * m.hidden + 2 * m.q_dim + 2 * m.kv_dim + 3 * m.ffn) / tp
-        transient_sq = 3 * 4 * m.heads / tp if attention == "torch" else 0.0
-        return cls(model=model, parallel=parallel, stored_per_token=stored_tok, stored_per_square=stored_sq,
+        transient_sq = (2 * 4 * m.heads / tp + 1) if torch_path else 0.0
+        return cls(model=model, parallel=parallel, stored_per_token=stored_tok, stored_per_square=0.0,
                    transient_per_token=transient_tok, transient_per_square=transient_sq,
                    recompute_per_token=b * m.hidden / tp, attention=attention, source="analytic", **options)
 
@@ -202,9 +206,11 @@ class MemoryModel:
         transient = self.transient_per_token * tokens + self.transient_per_square * squares
         if self.recompute:
             transient += full_layer
-        if stage == par.pp - 1:  # one chunk of fp32 logits: output, log-softmax, gradient
+        if stage == par.pp - 1:
+            # one chunk of logits at a time (recomputed in backward): at the peak two fp32
+            # logits-sized tensors live (measured on CPU, fp32), plus the 16-bit head output
             chunk = min(self.loss_chunk, tokens)
-            transient = max(transient, chunk * m.vocab / par.tp * (b + 12))
+            transient = max(transient, chunk * m.vocab / par.tp * (8 if b == 4 else b + 8))
         out = self.static_breakdown(stage)
         out.update(activations=int(round(activations)), transient=int(round(transient)))
         return out

@@ -136,21 +136,22 @@ class _BlockBench:
         self.block = Block(model.hidden, model.heads, model.kv_heads, model.ffn, model.head_dim).to(dev, dt)
 
     def inputs(self, lengths):
-        from .kernels.segments import segments_from_lengths
+        """x, positions, output gradient and the executor's attention callable (CP attention
+        over a one-rank shard plan: what `train_step` runs, its memory behaviour included)."""
+        from . import solve_shard
+        from .cost import default_cost
+        from .executor.train import CPAttend
 
         torch = self.torch
-        T = int(np.sum(lengths))
+        lengths = np.asarray(lengths, dtype=np.int64)
+        T = int(lengths.sum())
         x = torch.randn(T, self.model.hidden, device=self.dev, dtype=self.dt, requires_grad=True)
         pos = torch.from_numpy(np.concatenate([np.arange(d) for d in lengths])).to(self.dev)
-        return x, pos, torch.randn_like(x), segments_from_lengths(lengths)
+        attend = CPAttend(solve_shard(lengths, 1, "per_seq", default_cost()), None, "auto", None)
+        return x, pos, torch.randn_like(x), attend
 
     def fns(self, lengths):
-        from .kernels import doc_attention
-
-        x, pos, grad, seg = self.inputs(lengths)
-
-        def attend(q, k, v):
-            return doc_attention(q, k, v, seg)
+        x, pos, grad, attend = self.inputs(lengths)
 
         def fwd():  # with autograd on, as in training (saving activations costs time too)
             return self.block(x, pos, attend)
@@ -163,15 +164,13 @@ class _BlockBench:
 
     def sample(self, lengths, repeats: int, warmup: int) -> Sample:
         """Forward and backward timed apart in each run (median of `repeats` after `warmup`)."""
-        x, pos, grad, seg = self.inputs(lengths)
-        from .kernels import doc_attention
-
+        x, pos, grad, attend = self.inputs(lengths)
         sync = _sync(self.dev)
         fwd_s, bwd_s = [], []
         for i in range(warmup + repeats):
             sync()
             t0 = time.perf_counter()
-            out = self.block(x, pos, lambda q, k, v: doc_attention(q, k, v, seg))
+            out = self.block(x, pos, attend)
             sync()
             t1 = time.perf_counter()
             out.backward(grad)
@@ -181,19 +180,18 @@ class _BlockBench:
             if i >= warmup:
                 fwd_s.append(t1 - t0)
                 bwd_s.append(t2 - t1)
-        return Sample(np.asarray(lengths), float(np.median(fwd_s)), max(float(np.median(bwd_s)), 1e-9))
+        return Sample(lengths, float(np.median(fwd_s)), max(float(np.median(bwd_s)), 1e-9))
 
     def memory(self, lengths) -> tuple[int, int]:
-        """(bytes the block keeps for backward, working bytes of its backward above them and
-        above its weight gradients) for one micro-batch."""
+        """(bytes the block keeps for backward, working bytes of its backward above them) for
+        one micro-batch, in the steady state of gradient accumulation: the weight gradients
+        exist already (a first backward allocates them) and are added into."""
         fwd, fwd_bwd = self.fns(lengths)
-        self.block.zero_grad(set_to_none=True)
+        fwd_bwd()
         stored, _ = measure_peak_bytes(fwd, self.dev)  # the output (next block's input) included
-        self.block.zero_grad(set_to_none=True)
         _, peak = measure_peak_bytes(fwd_bwd, self.dev)
-        grads = sum(p.numel() * p.element_size() for p in self.block.parameters())
         self.block.zero_grad(set_to_none=True)
-        return stored, max(0, peak - stored - grads)
+        return stored, max(0, peak - stored)
 
 
 def _calibrate_memory(bench: _BlockBench, window: int, device_name: str, dtype: str,
@@ -208,11 +206,11 @@ def _calibrate_memory(bench: _BlockBench, window: int, device_name: str, dtype: 
         rows.append([d.sum(), (d * d).sum()])
         stored.append(s)
         transient.append(t)
+    # absolute least squares: a working-memory peak can be 0 (the backward frees as much as
+    # it allocates), which a relative weighting would blow up
     A = np.array(rows)
-    w = 1.0 / np.maximum(np.array(stored, dtype=np.float64), 1.0)
-    st_tok, st_sq = nnls(A * w[:, None], np.array(stored) * w)
-    wt = 1.0 / np.maximum(np.array(transient, dtype=np.float64), 1.0)
-    tr_tok, tr_sq = nnls(A * wt[:, None], np.array(transient) * wt)
+    st_tok, st_sq = nnls(A, np.array(stored, dtype=np.float64))
+    tr_tok, tr_sq = nnls(A, np.array(transient, dtype=np.float64))
     hardware = HardwareSpec.preset("cpu" if device_name.startswith("cpu") else "h100")
     base = MemoryModel.analytic(bench.model, ParallelSpec(gpus_per_node=1), hardware, dtype=dtype)
     mem = dataclasses.replace(base, stored_per_token=float(st_tok), stored_per_square=float(st_sq),
