@@ -39,7 +39,8 @@ from .cost_fit import (FEATURE_NAMES, FIT_TERMS, Sample, fit_terms, nnls, sample
 from .cost_memory import MemoryModel, dtype_name
 from .specs import HardwareSpec, ModelSpec, ParallelSpec
 
-__all__ = ["Sample", "fit_cost_model", "profile_block", "efficiency_table", "measure_peak_bytes", "main"]
+__all__ = ["Sample", "fit_cost_model", "profile_block", "profile_comm", "efficiency_table", "measure_peak_bytes",
+           "main"]
 
 QUICK_BUDGET_S = 150.0  # --quick must finish within 3 minutes on CPU; leave room for start-up
 
@@ -350,6 +351,78 @@ def describe_fit(cost: CostModel) -> str:
     return "\n".join(rows)
 
 
+# ---------------------------------------------------------------------- communication
+def _comm_worker(rank: int, world: int, port: int, sizes: list, repeats: int, out_file: str) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        rows = []
+        for n_bytes in sizes:
+            buf = torch.zeros(max(1, n_bytes // 4), dtype=torch.float32)
+            p2p, reduce = [], []
+            for i in range(repeats + 1):  # the first round trip is a warm-up
+                dist.barrier()
+                t0 = time.perf_counter()
+                if rank == 0:  # ping-pong: one way is half the round trip
+                    dist.send(buf, 1)
+                    dist.recv(buf, 1)
+                elif rank == 1:
+                    dist.recv(buf, 0)
+                    dist.send(buf, 0)
+                t1 = time.perf_counter()
+                dist.barrier()
+                t2 = time.perf_counter()
+                dist.all_reduce(buf)
+                t3 = time.perf_counter()
+                if i:
+                    p2p.append((t1 - t0) / 2)
+                    reduce.append(t3 - t2)
+            rows.append(dict(bytes=int(buf.numel() * 4), p2p_s=float(np.median(p2p)),
+                             all_reduce_s=float(np.median(reduce))))
+        if rank == 0:
+            Path(out_file).write_text(json.dumps(rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def profile_comm(sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24), repeats: int = 5, world: int = 2) -> dict:
+    """Point-to-point (send/recv ping-pong, one way) and all-reduce seconds by message size
+    between `world` gloo ranks on this machine, each fitted as latency + bytes x s_per_byte
+    (non-negative least squares). Plain numbers: {"p2p": {...}, "all_reduce": {...}, "points": [...]}."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "comm.json")
+        mp.spawn(_comm_worker, args=(world, port, [int(x) for x in sizes], repeats, out), nprocs=world, join=True)
+        rows = json.loads(Path(out).read_text())
+    A = np.array([[1.0, r["bytes"]] for r in rows])
+    result = dict(world=world, backend="gloo", points=rows)
+    for kind in ("p2p", "all_reduce"):
+        t = np.array([r[f"{kind}_s"] for r in rows])
+        w = 1.0 / t
+        latency, per_byte = nnls(A * w[:, None], t * w)
+        result[kind] = dict(latency_s=float(latency), s_per_byte=float(per_byte))
+    return result
+
+
+def comm_seconds(comm: dict, kind: str, n_bytes) -> np.ndarray:
+    """Seconds of a `kind` ("p2p" or "all_reduce") message of `n_bytes` under a `profile_comm` fit."""
+    fit = comm[kind]
+    return fit["latency_s"] + fit["s_per_byte"] * np.asarray(n_bytes, dtype=np.float64)
+
+
 # ---------------------------------------------------------------------- command line
 def main(argv: list[str] | None = None) -> int:
     import argparse
@@ -372,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(default 5; quick 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before each measurement (default 1)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory calibration")
+    p.add_argument("--comm", action="store_true", help="also profile send/recv and all-reduce between 2 gloo "
+                   "ranks on this machine (saved in meta['comm'])")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 on CPU: a shared "
                    "machine's other load stalls multi-threaded kernels; untouched on GPU)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
@@ -398,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
                          repeats=args.repeats or (3 if args.quick else 5), warmup=args.warmup, seed=args.seed,
                          q_lens=(16, 64, 128, 256, 512) if args.quick and not on_gpu else (16, 64, 128, 256, 512, 1024),
                          memory=not args.no_memory, budget_s=QUICK_BUDGET_S if args.quick else None)
+    if args.comm:
+        cost = dataclasses.replace(cost, meta=dict(cost.meta, comm=profile_comm()))
     cost.save(args.out)
     meta = cost.meta
     print(f"profiled {spec.name}: hidden {spec.hidden}, {spec.layers} layers, {spec.heads} heads "
@@ -411,6 +488,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memory per layer: stored {m.stored_per_token:.0f} B/token + {m.stored_per_square:.2f} B/d^2, "
               f"backward working {m.transient_per_token:.0f} B/token + {m.transient_per_square:.2f} B/d^2 "
               f"({m.source})")
+    if "comm" in meta:
+        for kind in ("p2p", "all_reduce"):
+            fit = meta["comm"][kind]
+            print(f"{kind} (2 gloo ranks): {1e6 * fit['latency_s']:.0f} us + {fit['s_per_byte'] * 1e9:.3f} ns/byte")
     print(f"{validation_line(meta['validation'])} ({meta['validation']['n']} held-out micro-batches)")
     print(f"wrote {args.out} in {time.perf_counter() - t0:.0f} s")
     return 0
