@@ -63,7 +63,7 @@ def test_single_rank_errors_and_the_breakdown():
     zero = dict(attn=0.0, linear=0.0, comm=0.0, doc_const=0.0, mb_const=0.0)
     cost = wlb.CostModel(coef={"fwd": dict(zero, linear=1.0), "bwd": dict(zero, linear=2.0)}, attn_flops_per_pair=1.0)
     # micro-batches of 1 and 2 tokens: predicted F 1, 2 and B 2, 4 -> step 9 s; measured ops 10% slower
-    rec = dict(step=1, wall=11.0, lengths=[[1], [2]], ops=[("F", 0, 0, 1.1), ("F", 1, 0, 2.2), ("B", 0, 0, 2.2),
+    rec = dict(step=1, wall=11.0, cpu=11.0, lengths=[[1], [2]], ops=[("F", 0, 0, 1.1), ("F", 1, 0, 2.2), ("B", 0, 0, 2.2),
                                                              ("B", 1, 0, 4.4)])
     (row,) = analyse_single([rec], cost)
     assert row["predicted_s"] == pytest.approx(9.0) and row["step_rel_error"] == pytest.approx(9 / 11 - 1)

@@ -10,7 +10,8 @@ itself is not timed):
 
 1. Micro-batches whose token count, document count and length spread are drawn
    independently (`cost_fit.sample_micro_batches`) run through one block forward and
-   backward, after warm-up runs, median of repeats. Non-negative least squares fits the
+   backward, after warm-up runs, median of repeats (on CPU the thread's CPU time, see
+   `clock`: on a shared machine wall time measures the other processes too). Non-negative least squares fits the
    named terms per phase (`cost_fit`); a second, independent draw of micro-batches that the
    fit never sees validates it: `validation MAPE: x%, worst: y%`, saved in `meta["validation"]`.
 2. The embedding, final norm, LM head and loss per token (added to the linear term).
@@ -79,18 +80,26 @@ def _sync(device):
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
+def clock(device):
+    """The clock measurements read: on CPU the calling thread's CPU time (`time.thread_time`:
+    with one torch thread the kernels run in it, and time the scheduler gives to other
+    processes on a shared machine is not counted: the uncontended compute time); on a GPU
+    wall time after a synchronize."""
+    return time.perf_counter if device.type == "cuda" else time.thread_time
+
+
 def _time(fn, device, repeats: int, warmup: int = 1) -> float:
     """Median seconds of `repeats` runs of `fn` after `warmup` untimed ones."""
-    sync = _sync(device)
+    sync, now = _sync(device), clock(device)
     for _ in range(warmup):
         fn()
     sync()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
     return float(np.median(times))
 
 
@@ -166,17 +175,17 @@ class _BlockBench:
     def sample(self, lengths, repeats: int, warmup: int) -> Sample:
         """Forward and backward timed apart in each run (median of `repeats` after `warmup`)."""
         x, pos, grad, attend = self.inputs(lengths)
-        sync = _sync(self.dev)
+        sync, now = _sync(self.dev), clock(self.dev)
         fwd_s, bwd_s = [], []
         for i in range(warmup + repeats):
             sync()
-            t0 = time.perf_counter()
+            t0 = now()
             out = self.block(x, pos, attend)
             sync()
-            t1 = time.perf_counter()
+            t1 = now()
             out.backward(grad)
             sync()
-            t2 = time.perf_counter()
+            t2 = now()
             x.grad = None
             if i >= warmup:
                 fwd_s.append(t1 - t0)
@@ -228,12 +237,14 @@ def _calibrate_memory(bench: _BlockBench, window: int, device_name: str, dtype: 
 def profile_block(model: ModelSpec, window: int = 512, n_samples: int = 16, device: str | None = None,
                   dtype: str | None = None, repeats: int = 3, seed: int = 0, show_progress: bool = True,
                   q_lens=(16, 64, 128, 256, 512, 1024), n_holdout: int | None = None, warmup: int = 1,
-                  memory: bool = True, budget_s: float | None = None) -> CostModel:
+                  memory: bool = True, budget_s: float | None = None, kv_len: int | None = None) -> CostModel:
     """Measure one block of `model` (full width, one layer) on `device` and fit a CostModel.
 
     `n_samples` micro-batches of at most `window` tokens are fitted; `n_holdout` more (default
     a third as many, at least 3) validate the fit. With `budget_s`, `window` is halved until
-    the projected measuring time fits. On CPU keep `model` and `window` small ("tiny", 512).
+    the projected measuring time fits. `q_lens` and `kv_len` shape the attention-latency
+    table (default: queries up to `window` over twice the longest). On CPU keep `model` and
+    `window` small ("tiny", 512).
     """
     torch = require("torch", "profiling")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -252,12 +263,14 @@ def profile_block(model: ModelSpec, window: int = 512, n_samples: int = 16, devi
                                          desc="profile micro-batches", enable=show_progress)):
         (samples if i < len(fit_mixes) else heldout).append(bench.sample(lengths, repeats, warmup))
 
-    q_lens = tuple(q for q in q_lens if q <= window) or (min(16, window),)
-    eff_q, eff_s = _efficiency_table(model, dev, dt, q_lens, repeats)
+    if kv_len is None:
+        q_lens = tuple(q for q in q_lens if q <= window) or (min(16, window),)
+    eff_q, eff_s, latency = _efficiency_table(model, dev, dt, q_lens, repeats, kv_len)
     head_fwd, head_bwd = _head_seconds_per_token(model, dev, dt, window, repeats)
     meta = dict(device=str(dev), dtype=str(dt).removeprefix("torch."), window=window, repeats=repeats,
-                threads=torch.get_num_threads(),
-                warmup=warmup, head_s_per_token=dict(fwd=head_fwd, bwd=head_bwd), **notes)
+                threads=torch.get_num_threads(), clock="wall" if dev.type == "cuda" else "thread CPU time",
+                warmup=warmup, head_s_per_token=dict(fwd=head_fwd, bwd=head_bwd), attention_latency=latency,
+                **notes)
     mem = None
     if memory:
         mem, meta["memory_calibration"] = _calibrate_memory(bench, window, str(dev), dtype_name(dt), rng)
@@ -315,25 +328,31 @@ def _head_seconds_per_token(model: ModelSpec, dev, dt, window: int, repeats: int
     return f / window, max(fb - f, 0.0) / window
 
 
-def _efficiency_table(model: ModelSpec, dev, dt, q_lens, repeats):
-    """Achieved attention FLOP/s by query length over a fixed key range, normalised to the max."""
+def _efficiency_table(model: ModelSpec, dev, dt, q_lens, repeats, kv_len: int | None = None):
+    """Achieved attention FLOP/s by query length over a fixed key range (default twice the
+    longest query; a query is bottom-right aligned, the last q_len rows of the range),
+    normalised to the max; and the raw latencies behind it (plain numbers)."""
     torch = require("torch", "profiling")
     from .kernels import doc_attention
 
-    kv = int(max(q_lens)) * 2
-    rates = []
+    kv = int(kv_len or max(q_lens) * 2)
+    if max(q_lens) > kv:
+        raise ValueError(f"kv_len={kv} must be >= the longest q_len ({max(q_lens)})")
+    k = torch.randn(kv, model.kv_heads, model.head_dim, device=dev, dtype=dt)
+    rates, latency = [], []
     for q_len in q_lens:
         q = torch.randn(q_len, model.heads, model.head_dim, device=dev, dtype=dt)
-        k = torch.randn(kv, model.kv_heads, model.head_dim, device=dev, dtype=dt)
         seg = np.array([[0, q_len, 0, kv]], dtype=np.int32)
         t = _time(lambda: doc_attention(q, k, k, seg), dev, repeats)
         pairs = q_len * kv - q_len * (q_len - 1) / 2
         rates.append(pairs / t)
+        latency.append(dict(q_len=int(q_len), kv_len=kv, fwd_s=float(t),
+                            tflops=round(float(4.0 * model.q_dim * pairs / t / 1e12), 3)))
     rates = np.array(rates)
     scale = np.clip(rates / rates.max(), 1e-3, 1.0)
     q_lens = np.array(q_lens)
     q_lens[0] = 1  # the first bucket covers every shorter query
-    return [int(q) for q in q_lens], [float(s) for s in scale]
+    return [int(q) for q in q_lens], [float(s) for s in scale], latency
 
 
 def efficiency_table(cost: CostModel) -> dict[int, float]:
@@ -444,6 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement, median kept "
                    "(default 5; quick 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before each measurement (default 1)")
+    p.add_argument("--q-lens", default=None, help="comma list of query lengths of the attention-latency table "
+                   "(default 16,64,...,1024, capped at --window)")
+    p.add_argument("--kv-len", type=int, default=None, help="key range of the attention-latency table "
+                   "(default twice the longest query)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory calibration")
     p.add_argument("--comm", action="store_true", help="also profile send/recv and all-reduce between 2 gloo "
                    "ranks on this machine (saved in meta['comm'])")
@@ -465,14 +488,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None or not on_gpu:
         torch.set_num_threads(args.threads or 1)
     samples = args.samples or (12 if args.quick else 24)
+    try:
+        q_lens = tuple(int(x) for x in args.q_lens.split(",")) if args.q_lens else None
+    except ValueError:
+        p.error(f"--q-lens must be a comma list of integers, got {args.q_lens!r}")
+    if q_lens is not None and (not q_lens or min(q_lens) < 1 or list(q_lens) != sorted(q_lens)):
+        p.error(f"--q-lens must be increasing positive integers, got {args.q_lens!r}")
     if samples < 4:
         p.error(f"--samples must be >= 4 (one per fitted term), got {samples}")
     t0 = time.perf_counter()
     cost = profile_block(spec, window=args.window or (16384 if on_gpu else 512), n_samples=samples,
                          n_holdout=args.holdout, device=args.device, dtype=dtype,
                          repeats=args.repeats or (3 if args.quick else 5), warmup=args.warmup, seed=args.seed,
-                         q_lens=(16, 64, 128, 256, 512) if args.quick and not on_gpu else (16, 64, 128, 256, 512, 1024),
-                         memory=not args.no_memory, budget_s=QUICK_BUDGET_S if args.quick else None)
+                         q_lens=q_lens or ((16, 64, 128, 256, 512) if args.quick and not on_gpu
+                                           else (16, 64, 128, 256, 512, 1024)),
+                         kv_len=args.kv_len, memory=not args.no_memory,
+                         budget_s=QUICK_BUDGET_S if args.quick else None)
     if args.comm:
         cost = dataclasses.replace(cost, meta=dict(cost.meta, comm=profile_comm()))
     cost.save(args.out)
@@ -483,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
               f" (reduced from {meta['window_reduced_from']} to fit --quick)" if "window_reduced_from" in meta else ""))
     print(describe_fit(cost))
     print("attention efficiency by q_len:", efficiency_table(cost))
+    print(f"attention latency over {meta['attention_latency'][0]['kv_len']} keys (fwd, ms / TFLOP/s): " + ", ".join(
+        f"{r['q_len']}: {1e3 * r['fwd_s']:.3g} / {r['tflops']:.3g}" for r in meta["attention_latency"]))
     if cost.memory_model is not None:
         m = cost.memory_model
         print(f"memory per layer: stored {m.stored_per_token:.0f} B/token + {m.stored_per_square:.2f} B/d^2, "
