@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as each rank runs
         spec = wlb.ModelSpec(hidden=args.dim, layers=args.layers, heads=8, kv_heads=4, ffn=2 * args.dim, vocab=512)
-        cost = profile_block(spec, window=args.window, n_samples=12, n_holdout=4, device="cpu", repeats=3,
+        cost = profile_block(spec, window=args.window, n_samples=24, n_holdout=8, device="cpu", repeats=3,
                              q_lens=(16, 64, 256), show_progress=False, memory=False)
         torch.set_num_threads(threads)
         cost.save(out / "cost_profiled.json")

@@ -129,7 +129,7 @@ def sample_micro_batches(window: int, n: int, rng: np.random.Generator) -> list[
     length spread are drawn independently:
 
     - tokens T uniform in [window / 4, window];
-    - documents k log-uniform in [1, T / 8] (at least 1);
+    - documents k log-uniform in [1, T / 16] (at least 1);
     - lengths: T split into k parts by a Dirichlet draw whose concentration is log-uniform in
       [0.1, 10] (from one long document among short ones to k nearly equal ones).
 
@@ -141,7 +141,7 @@ def sample_micro_batches(window: int, n: int, rng: np.random.Generator) -> list[
     out = [np.array([window], dtype=np.int64), np.full(window // 8, 8, dtype=np.int64)]
     while len(out) < n:
         total = int(rng.integers(max(1, window // 4), window + 1))
-        k_max = max(1, total // 8)
+        k_max = max(1, total // 16)
         k = int(np.clip(np.round(np.exp(rng.uniform(0.0, np.log(k_max)))), 1, k_max))
         alpha = float(np.exp(rng.uniform(np.log(0.1), np.log(10.0))))
         out.append(_split(total, k, alpha, rng))
