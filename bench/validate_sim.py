@@ -1,30 +1,35 @@
-"""`wlb-opt bench validate-sim`: the simulator against a real pipeline run.
+"""`wlb-opt bench validate-sim`: the simulator and the cost model against real execution,
+with the prediction error split into its parts.
 
-Spawns `--pp` gloo processes on this machine, each holding one stage (or, with
-`--virtual-stages 2`, two interleaved chunks) of a small Llama-style model, and runs real
-training steps of packed micro-batches through the executor's variable-length pipeline
-(`wlb_opt.executor.train_step`: 1F1B for v = 1, Megatron's interleaved 1F1B for v > 1).
-Every rank records the compute time of each of its forward and backward operations
-(`StageOutputs`). Rank 0 then feeds those per-operation times to `simulate_pipeline` with the
-same schedule and compares the predicted step time and per-stage busy time with the
-measured ones (`simulate.compare_to_measured`), for every v asked for; and replays the
-executor's own p2p groups under rendezvous semantics (`wlb_opt.rendezvous`), where a send
-waits for its receiver, which the DAG does not model.
+    wlb-opt bench validate-sim --steps 3 --out results/validate_sim      (CPU, a few minutes)
 
-This checks the simulator's schedule and dependency model (bubbles, warm-up, 1F1B order) on
-real execution, independently of the cost model. With `--predict` (the default) it also
-profiles one block of the same model here (`wlb_opt.profile.profile_block`, one thread, like
-each pipeline rank), and predicts every step from the plan alone: per-stage times =
-`cost.micro_batch_cost(lengths, phase) / pp`, then `simulate_pipeline`. That closes the loop
-profile -> cost model -> simulator -> measured step. The profile covers transformer blocks
-only (not the embedding, LM head and loss), and on a shared CPU the processes also compete
-for cores, which the simulator does not model; the report says how far apart they are.
+Four measured runs of the same steps (same plans, same model, one thread per process):
+
+1. **Single rank, no contention** (pp = 1, one process, the whole model; `train_step`): each
+   forward and backward operation is predicted from the plan alone with a cost model profiled
+   here (`wlb_opt.profile.profile_block`: one block, plus embedding/LM head/loss), and the
+   whole step as their sum. This is the cost model's own error.
+2. **Contention**: the same single-rank steps run by two processes at once on the same
+   cores (barrier-synchronised, no communication): their slowdown against run 1 is what two
+   ranks on the same cores cost, measured.
+3. **Communication**: send/recv and all-reduce between 2 gloo ranks, profiled by
+   `wlb_opt.profile.profile_comm` (latency + bytes x s/byte), priced per micro-batch
+   boundary; and the measured pipeline's wall time minus the DAG on its own op times.
+4. **The pipeline** (`--pp` gloo processes, one stage each, or v interleaved chunks): the
+   simulator fed the measured per-op times (`simulate_pipeline`, the rendezvous replay of
+   the executor's groups), and the prediction from the plan alone, then with the measured
+   contention factor, then with the profiled p2p: the breakdown of the prediction error.
+
+Run 4 checks the simulator's schedule and dependency model (bubbles, warm-up, 1F1B order)
+independently of the cost model; runs 1-3 say where the cost model's prediction goes wrong.
+On a shared machine other processes load the cores too: every figure is a median over steps.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -41,32 +46,48 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, args: dict, out_file: str) -> None:
-    """One pipeline rank: for each v of args["virtual_stages"], run the steps and record."""
+def _setup(args: dict):
+    """The model (seeded), its spec and the steps' plans, identical in every process."""
     import torch
-    import torch.distributed as dist
 
     import wlb_opt as wlb
     import wlb_opt.executor as ex
     from wlb_opt.data import global_batches
 
     torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = ex.TinyLM(vocab=512, dim=args["dim"], layers=args["layers"], heads=8, kv_heads=4, ffn=2 * args["dim"])
+    spec = wlb.ModelSpec(hidden=args["dim"], layers=args["layers"], heads=8, kv_heads=4, ffn=2 * args["dim"],
+                         vocab=512)
+    cost = wlb.CostModel.analytic(spec, wlb.ParallelSpec(pp=args["pp"]), wlb.HardwareSpec.preset("cpu"))
+    window, n_micro = args["window"], args["n_micro"]
+    scale = 131072 // window
+    max_tokens = window if args["method"] == "original" else int(1.25 * window)
+    plans = []
+    for lengths, _, _ in global_batches("default", 131072, n_micro * 131072, args["steps"] + 1, seed=args["seed"]):
+        small = np.minimum(np.maximum(1, lengths // scale), max_tokens)
+        plan = wlb.solve_pack(small, n_micro, max_tokens, cost, args["method"], ids=np.arange(len(small)))
+        shards = [wlb.solve_shard(plan.lengths[mb], 1, "per_seq", cost) if len(mb) else None
+                  for mb in plan.micro_batches]
+        plans.append((small, plan, shards))
+    return model, spec, plans
+
+
+def _worker(rank: int, world: int, port: int, args: dict, out_file: str) -> None:
+    """One pipeline rank: for each v of args["virtual_stages"], run the steps and record."""
+    import torch.distributed as dist
+
+    import wlb_opt.executor as ex
+
+    model, _, plans = _setup(args)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     try:
         mesh = ex.make_mesh(cp=1, dp=1, pp=world)
-        torch.manual_seed(0)
-        model = ex.TinyLM(vocab=512, dim=args["dim"], layers=args["layers"], heads=8, kv_heads=4,
-                          ffn=2 * args["dim"])
-        window, n_micro = args["window"], args["n_micro"]
-        spec = wlb.ModelSpec(hidden=args["dim"], layers=args["layers"], heads=8, kv_heads=4, ffn=2 * args["dim"],
-                             vocab=512)
-        cost = wlb.CostModel.analytic(spec, wlb.ParallelSpec(pp=world), wlb.HardwareSpec.preset("cpu"))
-        scale = 131072 // window
         records = {}
-        batches = global_batches("default", 131072, n_micro * 131072, args["steps"] + 1, seed=args["seed"])
         for v in args["virtual_stages"]:
-            records[v] = _run(ex, wlb, dist, torch, mesh, model, cost, batches, scale, args, v)
+            chunks = ex.split_stages(model, mesh.pp, v)[mesh.pp_rank::mesh.pp]
+            records[v] = _run(chunks, plans, mesh, dist.barrier)
         gathered: list = [None] * world
         dist.all_gather_object(gathered, records)
         if rank == 0:
@@ -75,37 +96,105 @@ def _worker(rank: int, world: int, port: int, args: dict, out_file: str) -> None
         dist.destroy_process_group()
 
 
-def _run(ex, wlb, dist, torch, mesh, model, cost, batches, scale, args, v: int) -> list[dict]:
-    """The steps of one schedule (v chunks per rank) on this rank; the first is a warm-up."""
-    window, n_micro = args["window"], args["n_micro"]  # noqa: F841 - window used by max_tokens
-    chunks = ex.split_stages(model, mesh.pp, v)[mesh.pp_rank::mesh.pp]
+def _single_worker(rank: int, world: int, barrier, args: dict, out_file: str) -> None:
+    """The whole model in this process (pp = 1). Two processes take turns per step: rank 0
+    runs it alone while rank 1 waits (the no-contention run), then both run it at once (two
+    independent copies sharing the cores); the order alternates from step to step so that
+    the machine's other load drifts into both alike. No process group (the executor's
+    attention would take a default group for its CP group): a multiprocessing barrier."""
+    import types
+
+    import wlb_opt.executor.train as train
+
+    model, _, plans = _setup(args)
+    # the executor's op timer reads `time.perf_counter`; here it reads this thread's CPU time
+    # (one torch thread: the compute runs in it), the uncontended compute time of each op
+    train.time = types.SimpleNamespace(perf_counter=time.thread_time)
+    alone, twin = [], []
+    for step, (small, plan, shards) in enumerate(plans):
+        rounds = ("alone", "twin") if step % 2 == 0 else ("twin", "alone")
+        for kind in rounds:
+            barrier.wait()
+            if kind == "twin" or rank == 0:
+                rec = _step([model], small, plan, shards, None)
+                if step > 0:  # the first step is a warm-up
+                    (alone if kind == "alone" else twin).append(rec)
+            barrier.wait()
+    Path(f"{out_file}.{rank}").write_text(json.dumps(dict(alone=alone, twin=twin)))
+
+
+def _step(chunks, small, plan, shards, mesh) -> dict:
+    import torch
+
+    import wlb_opt.executor as ex
+
+    def doc_tokens(i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(i)
+        return torch.randint(0, 512, (int(small[i]),), generator=g)
+
+    rec = ex.StageOutputs()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    ex.train_step(chunks if mesh is not None else chunks[0], plan, shards, data=doc_tokens, mesh=mesh,
+                  backend="torch", record=rec, check_plan=False)
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=True)
+    return dict(wall=wall, cpu=cpu, ops=rec.ops, micro_batches=list(range(len(plan.micro_batches))),
+                lengths=[plan.lengths[mb].tolist() for mb in plan.micro_batches], tokens=plan.tokens.tolist())
+
+
+def _run(chunks, plans, mesh, barrier) -> list[dict]:
+    """The steps on this rank (the first is a warm-up); barrier-aligned across processes."""
     records = []
-    for step, (lengths, ids, offsets) in enumerate(batches):
-        small = np.maximum(1, lengths // scale)
-        max_tokens = window if args["method"] == "original" else int(1.25 * window)
-        small = np.minimum(small, max_tokens)
-        plan = wlb.solve_pack(small, n_micro, max_tokens, cost, args["method"], ids=np.arange(len(small)))
-        shards = [wlb.solve_shard(plan.lengths[mb], 1, "per_seq", cost) if len(mb) else None
-                  for mb in plan.micro_batches]
-
-        def doc_tokens(i: int, small=small) -> torch.Tensor:
-            g = torch.Generator().manual_seed(i)
-            return torch.randint(0, 512, (int(small[i]),), generator=g)
-
-        rec = ex.StageOutputs()
-        dist.barrier()
-        t0 = time.perf_counter()
-        ex.train_step(chunks, plan, shards, data=doc_tokens, mesh=mesh, backend="torch", record=rec,
-                      check_plan=False)
-        wall = time.perf_counter() - t0
-        for chunk in chunks:
-            chunk.zero_grad(set_to_none=True)
-        if step == 0:
-            continue  # warm-up
-        records.append(dict(step=step, wall=wall, ops=rec.ops, micro_batches=list(range(len(plan.micro_batches))),
-                            lengths=[plan.lengths[mb].tolist() for mb in plan.micro_batches],
-                            tokens=plan.tokens.tolist()))
+    for step, (small, plan, shards) in enumerate(plans):
+        barrier()
+        rec = _step(chunks, small, plan, shards, mesh)
+        if step > 0:
+            records.append(dict(step=step, **rec))
     return records
+
+
+def analyse_single(records: list[dict], cost) -> list[dict]:
+    """Per step of a single-rank run: per-operation and whole-step errors of `cost`
+    (predicted / measured - 1) against the step's CPU time (`cpu`, else its wall time), and
+    against its wall time. Ops are (phase, micro-batch, virtual stage, seconds)."""
+    rows = []
+    for rec in records:
+        op_errors = []
+        predicted_step = 0.0
+        for phase, j, _, secs in rec["ops"]:
+            lengths = rec["lengths"][j]
+            predicted = cost.micro_batch_cost(lengths, "fwd" if phase == "F" else "bwd") if lengths else 0.0
+            predicted_step += predicted
+            if secs > 0 and lengths:
+                op_errors.append(predicted / secs - 1.0)
+        busy = sum(op[3] for op in rec["ops"])
+        cpu = rec.get("cpu", rec["wall"])
+        rows.append(dict(step=rec["step"], measured_s=rec["wall"], cpu_s=cpu, busy_s=busy, predicted_s=predicted_step,
+                         step_rel_error=predicted_step / cpu - 1.0, wall_rel_error=predicted_step / rec["wall"] - 1.0,
+                         op_median_abs_error=float(np.median(np.abs(op_errors))) if op_errors else 0.0,
+                         op_worst_abs_error=float(np.max(np.abs(op_errors))) if op_errors else 0.0))
+    return rows
+
+
+def breakdown(pipeline_rows: list[dict], contention: float, p2p_s_per_mb) -> list[dict]:
+    """The pipeline's prediction from the plan alone, then x the measured contention factor,
+    then + the profiled p2p per micro-batch boundary: errors against the measured step."""
+    out = []
+    for r in pipeline_rows:
+        f, b, schedule, v = r["_pred_fwd"], r["_pred_bwd"], r["_schedule"], r["virtual_stages"]
+        from ..simulate import simulate_pipeline
+
+        p2p = np.asarray(p2p_s_per_mb(r["tokens"]), dtype=np.float64)
+        with_contention = simulate_pipeline(f * contention, b * contention, schedule=schedule,
+                                            virtual_stages=v).step_time_s
+        with_comm = simulate_pipeline(f * contention, b * contention, schedule=schedule, virtual_stages=v,
+                                      p2p_s=p2p).step_time_s
+        m = r["measured_s"]
+        out.append(dict(virtual_stages=v, step=r["step"], measured_s=m, cost_model_error=r["predicted_rel_error"],
+                        with_contention_error=with_contention / m - 1.0, with_comm_error=with_comm / m - 1.0,
+                        comm_s=with_comm - with_contention))
+    return out
 
 
 def analyse(gathered: list, pp: int, cost=None, virtual_stages: int = 1) -> list[dict]:
@@ -139,10 +228,33 @@ def analyse(gathered: list, pp: int, cost=None, virtual_stages: int = 1) -> list
             lengths = gathered[0][s]["lengths"]
             f = np.array([cost.micro_batch_cost(d, "fwd") / pp if d else 0.0 for d in lengths])
             b = np.array([cost.micro_batch_cost(d, "bwd") / pp if d else 0.0 for d in lengths])
-            pred = simulate_pipeline(np.tile(f, (pp, 1)), np.tile(b, (pp, 1)), schedule=schedule, virtual_stages=v)
-            row.update(predicted_s=pred.step_time_s, predicted_rel_error=pred.step_time_s / measured - 1.0)
+            f, b = np.tile(f, (pp, 1)), np.tile(b, (pp, 1))
+            pred = simulate_pipeline(f, b, schedule=schedule, virtual_stages=v)
+            row.update(predicted_s=pred.step_time_s, predicted_rel_error=pred.step_time_s / measured - 1.0,
+                       _pred_fwd=f, _pred_bwd=b, _schedule=schedule,
+                       dag_gap_s=measured - sim.step_time_s)
         rows.append(row)
     return rows
+
+
+def _spawn(fn, nprocs: int, cfg: dict, out_file: Path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(fn, args=(nprocs, _free_port(), cfg, str(out_file)), nprocs=nprocs, join=True)
+    return json.loads(out_file.read_text())
+
+
+def _spawn_single(nprocs: int, cfg: dict, out_file: Path) -> list:
+    import torch.multiprocessing as mp
+
+    barrier = mp.get_context("spawn").Barrier(nprocs)
+    mp.spawn(_single_worker, args=(nprocs, barrier, cfg, str(out_file)), nprocs=nprocs, join=True)
+    runs = [json.loads(Path(f"{out_file}.{r}").read_text()) for r in range(nprocs)]
+    for run in runs:
+        for kind in ("alone", "twin"):
+            for i, rec in enumerate(run[kind]):
+                rec["step"] = i + 1
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="packing method (default original: unequal micro-batches)")
     p.add_argument("--seed", type=natural, default=0, help="stream seed (default 0)")
     p.add_argument("--no-predict", action="store_true",
-                   help="skip profiling a block here and predicting steps from the cost model")
+                   help="skip profiling and the cost-model runs (1-3); only the simulator on measured op times")
     p.add_argument("--virtual-stages", default="1,2",
                    help="comma list of model chunks per rank to run (1: 1F1B, 2: interleaved; default 1,2)")
     p.add_argument("--out", default="results/validate_sim", help="folder for validate_sim.json")
@@ -170,32 +282,69 @@ def main(argv: list[str] | None = None) -> int:
         if v < 1 or args.layers < args.pp * v or (v > 1 and args.n_micro % args.pp):
             p.error(f"--virtual-stages {v} needs --layers >= pp x v ({args.pp * v}) and, for v > 1, --n-micro a "
                     f"multiple of --pp (got --layers {args.layers}, --n-micro {args.n_micro})")
-    import torch.multiprocessing as mp
-
+    os.environ.setdefault("KINETO_LOG_LEVEL", "99")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    raw = out / "validate_sim_raw.json"
     cfg = dict(dim=args.dim, layers=args.layers, window=args.window, n_micro=args.n_micro, steps=args.steps,
-               method=args.method, seed=args.seed, virtual_stages=vs_list)
-    cost = None
+               method=args.method, seed=args.seed, virtual_stages=vs_list, pp=args.pp)
+    cost = comm = None
+    result = dict(config=cfg, pp=args.pp)
     if not args.no_predict:
         import torch
 
         import wlb_opt as wlb
-        from wlb_opt.profile import profile_block
+        from wlb_opt.profile import profile_block, profile_comm
 
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # as each pipeline rank runs
+        torch.set_num_threads(1)  # as each rank runs
         spec = wlb.ModelSpec(hidden=args.dim, layers=args.layers, heads=8, kv_heads=4, ffn=2 * args.dim, vocab=512)
-        cost = profile_block(spec, window=args.window, n_samples=8, device="cpu", repeats=2, q_lens=(16, 64, 256),
-                             show_progress=False)
+        cost = profile_block(spec, window=args.window, n_samples=24, n_holdout=8, device="cpu", repeats=3,
+                             q_lens=(16, 64, 256), show_progress=False, memory=False)
         torch.set_num_threads(threads)
         cost.save(out / "cost_profiled.json")
-    mp.spawn(_worker, args=(args.pp, _free_port(), cfg, str(raw)), nprocs=args.pp, join=True)
-    raw_all = json.loads(raw.read_text())
+        comm = profile_comm(sizes=(1 << 12, 1 << 18, 1 << 20, 4 << 20), repeats=5, world=2)
+        runs = _spawn_single(2, cfg, out / "single_raw.json")
+        alone = analyse_single(runs[0]["alone"], cost)
+        twin_rows = [analyse_single(run["twin"], cost) for run in runs]
+        alone_s = float(np.median([r["measured_s"] for r in alone]))
+        twin_s = float(np.median([r["measured_s"] for rows in twin_rows for r in rows]))
+        contention = float(np.median([t["measured_s"] / a["measured_s"] for a, t in zip(alone, twin_rows[0])]))
+        result.update(validation=cost.meta["validation"], comm=comm, single_rank=alone,
+                      contention=dict(alone_s=alone_s, twin_s=twin_s, factor=contention))
+    raw_all = _spawn(_worker, args.pp, cfg, out / "validate_sim_raw.json")
     rows = [r for v in vs_list for r in analyse(raw_all[str(v)], args.pp, cost, v)]
+    if cost is not None:  # contention seen inside the pipeline: its ranks' busy time against one rank's
+        pipe_busy = [sum(op[3] for rank in raw_all[str(vs_list[0])] for op in rank[s]["ops"])
+                     for s in range(len(raw_all[str(vs_list[0])][0]))]
+        result["contention"]["pipeline_busy_ratio"] = float(np.median(
+            [b / r["busy_s"] for b, r in zip(pipe_busy, result["single_rank"])]))
+
     print(f"pp={args.pp}, {args.n_micro} micro-batches of <= {args.window} tokens ({args.method}), "
-          f"dim {args.dim}, {args.layers} layers, gloo on this machine")
+          f"dim {args.dim}, {args.layers} layers, gloo on this machine, one thread per process")
+    if cost is not None:
+        alone = result["single_rank"]
+        print(f"profiled block: {cost.meta['validation']['mape']:.1f}% MAPE on "
+              f"{cost.meta['validation']['n']} held-out micro-batches (worst {cost.meta['validation']['worst']:.1f}%)")
+        print("1. single rank, no contention (pp=1, one process, whole model):")
+        for r in alone:
+            print(f"   step {r['step']}: CPU time {r['cpu_s']:.3f} s (wall {r['measured_s']:.3f} s), predicted "
+                  f"{r['predicted_s']:.3f} s ({r['step_rel_error']:+.1%} of CPU time, {r['wall_rel_error']:+.1%} of "
+                  f"wall); per op median |error| {r['op_median_abs_error']:.1%}, worst {r['op_worst_abs_error']:.1%}")
+        c = result["contention"]
+        print(f"2. contention: the same steps, two processes at once: median step {c['twin_s']:.3f} s vs "
+              f"{c['alone_s']:.3f} s alone (interleaved with it): x{c['factor']:.2f} (median per-step ratio); "
+              f"the pipeline's ranks were busy x{c['pipeline_busy_ratio']:.2f} the single rank's compute time "
+              f"(v={vs_list[0]})")
+        p2p_fit = comm["p2p"]
+        act_bytes = 4 * args.dim
+        p2p_s = lambda tokens: [float(x) for x in  # noqa: E731
+                                p2p_fit["latency_s"] + p2p_fit["s_per_byte"] * act_bytes * np.asarray(tokens)]
+        print(f"3. communication (2 gloo ranks): p2p {1e6 * p2p_fit['latency_s']:.0f} us + "
+              f"{1e9 * p2p_fit['s_per_byte']:.2f} ns/byte: {1e3 * p2p_s([args.window])[0]:.1f} ms per "
+              f"{args.window}-token activation; all-reduce {1e6 * comm['all_reduce']['latency_s']:.0f} us + "
+              f"{1e9 * comm['all_reduce']['s_per_byte']:.2f} ns/byte")
+        result["breakdown"] = breakdown(rows, c["factor"], p2p_s)
+    print("4. pipeline:")
     print(f"{'v':>2} {'step':>4} {'measured s':>10} {'sim(measured ops) s':>19} {'error':>7} {'bubble':>7} "
           f"{'rendezvous s':>12} {'error':>7} {'predicted s':>11} {'error':>7}  tokens per micro-batch")
     for r in rows:
@@ -209,9 +358,26 @@ def main(argv: list[str] | None = None) -> int:
         errs = np.array([r["rel_error"] for r in mine])
         rdv = np.array([r["rendezvous_rel_error"] for r in mine])
         print(f"v={v}: median |error| on measured op times: DAG simulator {np.median(np.abs(errs)):.1%}, "
-              f"rendezvous replay of the executor's schedule {np.median(np.abs(rdv)):.1%}" + (
-            f"; profiled cost model + simulator {np.median(np.abs([r['predicted_rel_error'] for r in mine])):.1%}"
-            if cost is not None else ""))
-    (out / "validate_sim.json").write_text(json.dumps(dict(config=cfg, pp=args.pp, rows=rows), indent=2))
+              f"rendezvous replay of the executor's schedule {np.median(np.abs(rdv)):.1%}")
+    if cost is not None:
+        print("breakdown of the prediction from the plan alone (median over steps; error = predicted / measured - 1):")
+        print(f"{'':>30} " + " ".join(f"{'v=' + str(v):>9}" for v in vs_list))
+        med = lambda key, v: float(np.median([b[key] for b in result["breakdown"] if b["virtual_stages"] == v]))  # noqa: E731
+        single = float(np.median([r["step_rel_error"] for r in result["single_rank"]]))
+        single_wall = float(np.median([r["wall_rel_error"] for r in result["single_rank"]]))
+        lines = [("single rank, no contention", lambda v: single),
+                 ("  against its wall time", lambda v: single_wall),
+                 ("pipeline: cost model + DAG", lambda v: med("cost_model_error", v)),
+                 ("  x measured contention", lambda v: med("with_contention_error", v)),
+                 ("  + profiled p2p", lambda v: med("with_comm_error", v)),
+                 ("rendezvous replay (measured ops)",
+                  lambda v: float(np.median([r["rendezvous_rel_error"] for r in rows if r["virtual_stages"] == v])))]
+        for label, fn in lines:
+            print(f"{label:>32} " + " ".join(f"{fn(v):>+9.1%}" for v in vs_list))
+    for r in rows:
+        for key in ("_pred_fwd", "_pred_bwd", "_schedule"):
+            r.pop(key, None)
+    result["rows"] = rows
+    (out / "validate_sim.json").write_text(json.dumps(result, indent=2))
     print(f"wrote {out / 'validate_sim.json'}")
     return 0

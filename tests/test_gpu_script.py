@@ -37,6 +37,13 @@ def test_cpu_smoke_runs_every_stage_from_the_repo_root(tmp_path):
     assert "wlb_opt from" in env_txt and f"from {ROOT}/wlb_opt/" not in env_txt, env_txt
     assert json.loads((out / "kernel" / "kernel_bench.json").read_text())["correctness"]["passed"]
     assert (out / "cost_tiny.json").exists() and (out / "tests.xml").exists()
+    # the profile stage saves the validation, the attention-latency table and the memory calibration
+    import wlb_opt as wlb
+
+    cost = wlb.CostModel.load(out / "cost_tiny.json")
+    assert cost.meta["validation"]["n"] == 3 and cost.memory_model is not None
+    assert [r["q_len"] for r in cost.meta["attention_latency"]] == [16, 32, 64, 128]
+    assert "validation MAPE:" in (out / "profile.log").read_text()
     cp_path = json.loads((out / "cp_path" / "cp_path.json").read_text())
     assert {"before_ms", "after_first_layer_ms", "after_later_layers_ms"} <= set(cp_path["host"][0])
     assert cp_path["full"][0]["backend"] == "gloo"

@@ -1,8 +1,13 @@
-"""Profiling: the fit recovers a known model; a real (tiny) profile on this CPU gives a sane model."""
+"""Profiling: the fit recovers a known model; a real (tiny) profile on this CPU gives a sane model;
+saved profiles that are wrong are refused."""
+import json
+import re
+
 import numpy as np
 import pytest
 
 import wlb_opt as wlb
+from wlb_opt.cost_fit import FIT_TERMS, sample_micro_batches, validate, validation_line
 from wlb_opt.profile import Sample, fit_cost_model
 
 
@@ -57,3 +62,115 @@ def test_profile_prints_plain_numbers():
     table = efficiency_table(cost)
     assert all(type(q) is int and type(s) is float for q, s in table.items())
     assert "np." not in str(table) and str(table).startswith("{1: 0.6")
+
+
+def _synthetic(truth, mixes, noise, rng):
+    out = []
+    for lengths in mixes:
+        f, b = rng.normal(1.0, noise, 2) if noise else (1.0, 1.0)
+        out.append(Sample(lengths, truth.micro_batch_cost(lengths, "fwd") * f, truth.micro_batch_cost(lengths, "bwd") * b))
+    return out
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.01])
+def test_independent_sampling_recovers_every_term(noise):
+    """All four named terms, doc_const and mb_const included: that needs micro-batches whose
+    token and document counts vary independently (fixed-size micro-batches confound them)."""
+    tiny = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), hardware=wlb.HardwareSpec.preset("cpu"))
+    coef = {p: dict(tiny.coef[p], comm=0.0, doc_const=3e-5, mb_const=2e-3) for p in ("fwd", "bwd")}
+    truth = wlb.CostModel(coef=coef, attn_flops_per_pair=1.0)
+    rng = np.random.default_rng(1)
+    mixes = sample_micro_batches(4096, 40, rng)
+    counts = np.array([[m.sum(), len(m)] for m in mixes])
+    assert abs(np.corrcoef(counts.T)[0, 1]) < 0.6  # tokens and documents not locked together
+    fit = fit_cost_model(_synthetic(truth, mixes, noise, rng), layers=1,
+                         heldout=_synthetic(truth, sample_micro_batches(4096, 10, np.random.default_rng(2)),
+                                            noise, rng))
+    tol = 1e-6 if noise == 0 else 0.2
+    for phase in ("fwd", "bwd"):
+        for term in FIT_TERMS:
+            want = truth.coef[phase][term]
+            assert fit.coef[phase][term] == pytest.approx(want, rel=tol), (phase, term)
+    v = fit.meta["validation"]
+    assert v["n"] == 10 and (v["mape"] < 1e-6 if noise == 0 else 0.2 < v["mape"] < 3.0)
+    assert v["worst"] >= v["mape"]
+
+
+def test_validation_is_the_held_out_error():
+    coef = {p: dict(attn=0.0, linear=1.0, doc_const=0.0, mb_const=0.0) for p in ("fwd", "bwd")}
+    # predicted fwd + bwd = 2 s per token; measured 2.2 s and 1.5 s -> errors 1/11 and 1/3
+    held = [Sample(np.array([1]), 1.1, 1.1), Sample(np.array([1]), 0.5, 1.0)]
+    v = validate(coef, held)
+    assert v == {"mape": pytest.approx(100 * (1 / 11 + 1 / 3) / 2, abs=0.01), "worst": pytest.approx(33.33, abs=0.01),
+                 "n": 2}
+    assert validation_line(v) == "validation MAPE: 21.2%, worst: 33.3%"
+
+
+def test_sampled_micro_batches_fit_the_window():
+    mixes = sample_micro_batches(512, 30, np.random.default_rng(0))
+    assert all(m.min() >= 1 and m.sum() <= 512 for m in mixes)
+    assert mixes[0].tolist() == [512] and len(mixes[1]) == 64
+    assert len({len(m) for m in mixes}) > 10 and len({int(m.sum()) for m in mixes}) > 20
+
+
+@pytest.fixture
+def saved(tmp_path):
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"))
+    return tmp_path / "c.json", cost.to_dict()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["coef"]["fwd"].update(attn=-1e-9), r"coef\['fwd'\]\['attn'\].*>= 0.*-1e-09"),
+    (lambda d: d["coef"]["bwd"].pop("linear"), r"coef\['bwd'\].*missing \['linear'\]"),
+    (lambda d: d["coef"]["fwd"].update(gemm=1.0), r"unknown \['gemm'\]"),
+    (lambda d: d["coef"].pop("bwd"), r"phases 'fwd' and 'bwd'"),
+    (lambda d: d.update(format_version=99), r"format_version 99 is not supported"),
+    (lambda d: d.pop("format_version"), r"format_version None is not supported"),
+    (lambda d: d.update(coefficients={}), r"unknown fields \['coefficients'\]"),
+    (lambda d: d["coef"]["fwd"].update(mb_const="0.1"), r"\['mb_const'\].*'0.1'"),
+])
+def test_bad_profiles_are_refused_with_a_clear_error(saved, edit, message):
+    path, d = saved
+    edit(d)
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=message) as info:
+        wlb.CostModel.load(path)
+    assert str(path) in str(info.value)
+
+
+def test_invalid_json_and_old_formats(saved):
+    path, d = saved
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="invalid JSON"):
+        wlb.CostModel.load(path)
+    d2 = dict(d, format_version=2)
+    d2.pop("memory_model")
+    assert wlb.CostModel.from_dict(d2).coef == wlb.CostModel.from_dict(d).coef
+
+
+def test_profile_command_prints_validation_and_plain_numbers(tmp_path, capsys):
+    pytest.importorskip("torch")
+    from wlb_opt.cli import main
+
+    config = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+              "num_hidden_layers": 2, "num_key_value_heads": 1, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "cost.json"
+    assert main(["profile", "--hf-config", str(tmp_path / "config.json"), "--window", "64", "--samples", "6",
+                 "--holdout", "3", "--repeats", "1", "--device", "cpu", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^validation MAPE: \d+\.\d%, worst: \d+\.\d% \(3 held-out", text, re.M), text
+    assert "np." not in text and "float64" not in text
+    cost = wlb.CostModel.load(out)
+    assert cost.meta["validation"]["n"] == 3 and cost.model.hidden == 32 and cost.model.kv_heads == 1
+    assert cost.memory_model is not None and cost.memory_model.stored_per_token > 0
+    assert cost.memory([64]) > 0  # a profiled model answers memory through its calibration
+
+
+def test_profile_command_refuses_a_bad_config(tmp_path, capsys):
+    from wlb_opt.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 32}))
+    with pytest.raises(SystemExit):
+        main(["profile", "--hf-config", str(tmp_path / "config.json")])
+    assert "num_hidden_layers" in capsys.readouterr().err

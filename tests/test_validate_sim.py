@@ -52,3 +52,27 @@ def test_analyse_interleaved_places_ops_by_virtual_stage():
     (row,) = analyse(gathered, pp=pp, virtual_stages=v)
     want = pipeline_recurrence(f, b, "interleaved", v).step_time_s
     assert row["virtual_stages"] == 2 and row["simulated_s"] == pytest.approx(want)
+
+
+def test_single_rank_errors_and_the_breakdown():
+    import numpy as np
+
+    import wlb_opt as wlb
+    from wlb_opt.bench.validate_sim import analyse_single, breakdown
+
+    zero = dict(attn=0.0, linear=0.0, comm=0.0, doc_const=0.0, mb_const=0.0)
+    cost = wlb.CostModel(coef={"fwd": dict(zero, linear=1.0), "bwd": dict(zero, linear=2.0)}, attn_flops_per_pair=1.0)
+    # micro-batches of 1 and 2 tokens: predicted F 1, 2 and B 2, 4 -> step 9 s; measured ops 10% slower
+    rec = dict(step=1, wall=11.0, cpu=11.0, lengths=[[1], [2]], ops=[("F", 0, 0, 1.1), ("F", 1, 0, 2.2), ("B", 0, 0, 2.2),
+                                                             ("B", 1, 0, 4.4)])
+    (row,) = analyse_single([rec], cost)
+    assert row["predicted_s"] == pytest.approx(9.0) and row["step_rel_error"] == pytest.approx(9 / 11 - 1)
+    assert row["op_median_abs_error"] == pytest.approx(1 - 1 / 1.1) and row["busy_s"] == pytest.approx(9.9)
+    # pipeline of 2 stages, 2 micro-batches, f = 1, b = 2: (m + p - 1)(f + b) = 9 s; x2 contention -> 18 s;
+    # + 0.5 s p2p per boundary crossing on the critical path
+    f, b = np.ones((2, 2)), 2 * np.ones((2, 2))
+    pipe = [dict(virtual_stages=1, step=1, measured_s=18.0, tokens=[1, 1], predicted_rel_error=-0.5,
+                 _pred_fwd=f, _pred_bwd=b, _schedule="1f1b")]
+    (out,) = breakdown(pipe, 2.0, lambda tokens: [0.5] * len(tokens))
+    assert out["with_contention_error"] == pytest.approx(0.0)
+    assert out["with_comm_error"] > 0 and out["comm_s"] == pytest.approx(out["with_comm_error"] * 18.0)

@@ -18,6 +18,8 @@ _EXPORTS = {
     "ParallelSpec": "specs",
     "HardwareSpec": "specs",
     "CostModel": "cost",
+    "MemoryModel": "cost_memory",
+    "max_tokens_for": "cost_memory",
     "PackPlan": "plan",
     "ShardPlan": "plan",
     "SolveInfo": "plan",

@@ -28,12 +28,13 @@ from typing import Literal
 import numpy as np
 
 from ._validate import check_int, check_real, validate_lengths
+from .cost_memory import MemoryModel
 from .specs import HardwareSpec, ModelSpec, ParallelSpec
 
 Phase = Literal["fwd", "bwd", "fwd_bwd"]
 PHASES: tuple[str, ...] = ("fwd", "bwd", "fwd_bwd")
 TERMS: tuple[str, ...] = ("attn", "linear", "comm", "doc_const", "mb_const")
-FORMAT_VERSION = 2  # 2: typed model / parallel / hardware; 1 (meta dicts) still loads
+FORMAT_VERSION = 3  # 3: + memory_model; 2: typed model / parallel / hardware; 1 (meta dicts); all load
 LAYOUT_DIMS: tuple[str, ...] = ("dp", "pp", "cp", "tp")
 _MAX_COEF = 1e9
 """Largest cost coefficient accepted (seconds per unit): keeps the cost of a 2**62-token
@@ -89,9 +90,13 @@ class CostModel:
     """The layout the coefficients were derived for; None: any layout is accepted."""
     hardware: HardwareSpec | None = None
     """The accelerator of an analytic model; None for a profiled one."""
+    memory_model: MemoryModel | None = None
+    """A memory model calibrated on a device (`wlb-opt profile`); None: `memory` and
+    `max_tokens="auto"` count it analytically from model, layout and hardware."""
 
     def __post_init__(self) -> None:
-        for name, kind in (("model", ModelSpec), ("parallel", ParallelSpec), ("hardware", HardwareSpec)):
+        for name, kind in (("model", ModelSpec), ("parallel", ParallelSpec), ("hardware", HardwareSpec),
+                           ("memory_model", MemoryModel)):
             value = getattr(self, name)
             if value is not None and not isinstance(value, kind):
                 raise ValueError(f"CostModel.{name} must be a {kind.__name__} or None, got {type(value).__name__}")
@@ -276,6 +281,26 @@ class CostModel:
         seconds = flops / (self.attn_peak_flops * self.attention_efficiency(q_len))
         return float(seconds) if scalar else seconds
 
+    # ------------------------------------------------------------------ memory
+    def memory_model_or_analytic(self) -> MemoryModel:
+        """The calibrated memory model, else the analytic one of `model`, `parallel` and
+        `hardware` (defaults: bf16, Adam, no recomputation; see `wlb_opt.cost_memory`)."""
+        if self.memory_model is not None:
+            return self.memory_model
+        if self.model is None or self.hardware is None:
+            raise ValueError("this cost model has no memory model: it needs a calibrated one (`wlb-opt profile` "
+                             "saves it) or a model and a hardware spec for the analytic count (a profiled "
+                             "cost model has no hardware spec); got model="
+                             f"{None if self.model is None else self.model.name!r}, hardware="
+                             f"{None if self.hardware is None else self.hardware.name!r}")
+        return MemoryModel.analytic(self.model, self.parallel, self.hardware)
+
+    def memory(self, lengths, stage: int = 0) -> int:
+        """Peak bytes of pipeline rank `stage` running micro-batches like `lengths` (the
+        schedule's in-flight micro-batches all as large: the worst case), static part
+        included. `memory_model_or_analytic().breakdown(...)` gives the parts."""
+        return self.memory_model_or_analytic().peak(validate_lengths(lengths), stage)
+
     # ------------------------------------------------------------------ persistence
     def to_dict(self) -> dict:
         return dict(
@@ -286,6 +311,7 @@ class CostModel:
             model=None if self.model is None else self.model.to_dict(),
             parallel=None if self.parallel is None else self.parallel.to_dict(),
             hardware=None if self.hardware is None else self.hardware.to_dict(),
+            memory_model=None if self.memory_model is None else self.memory_model.to_dict(),
         )
 
     @classmethod
@@ -296,8 +322,9 @@ class CostModel:
             raise ValueError(f"a CostModel dict (CostModel.to_dict()) is a JSON object, got {type(d).__name__}")
         d = dict(d)
         version = d.pop("format_version", None)
-        if version not in (1, FORMAT_VERSION):
-            raise ValueError(f"CostModel format_version {version!r} is not supported; expected 1 or {FORMAT_VERSION}")
+        if version not in (1, 2, FORMAT_VERSION):
+            raise ValueError(f"CostModel format_version {version!r} is not supported; expected 1, 2 or "
+                             f"{FORMAT_VERSION} (a file written by a newer wlb-opt, or not a cost model)")
         if version == 1:
             meta = dict(d.get("meta") or {})
             for name in ("model", "parallel", "hardware"):
@@ -326,6 +353,8 @@ class CostModel:
                 d[name] = tuple(d[name])
         if "meta" in d and not isinstance(d["meta"], dict):
             raise ValueError(f"CostModel dict: meta must be an object, got {d['meta']!r:.60}")
+        if d.get("memory_model") is not None:
+            d["memory_model"] = MemoryModel.from_dict(d["memory_model"])
         return cls(**d)
 
     def save(self, path) -> None:
@@ -333,19 +362,14 @@ class CostModel:
 
     @classmethod
     def load(cls, path) -> "CostModel":
-        """A CostModel saved with `save` (JSON). Raises ValueError naming the file for a
-        missing or unreadable file, bad JSON or a malformed model."""
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"cost model file {str(path)!r} does not exist or is not a file")
         try:
-            d = json.loads(path.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cost model file {str(path)!r} is not JSON ({exc})") from None
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not a saved CostModel (invalid JSON: {exc})") from None
         try:
-            return cls.from_dict(d)
-        except ValueError as exc:
-            raise ValueError(f"cost model file {str(path)!r}: {exc}") from None
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: {exc}") from None
 
     def describe(self) -> str:
         """One line per phase with the coefficients, for logs and the CLI."""

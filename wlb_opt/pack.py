@@ -28,6 +28,7 @@ import numpy as np
 from ._validate import (check_int, check_positive_real, check_unique_pieces, validate_ids, validate_lengths,
                         validate_offsets)
 from .cost import CostModel, default_cost
+from .cost_memory import resolve_max_tokens
 from .plan import PackPlan, SolveInfo
 from .solvers.deal import deal_to_replicas
 from .solvers.greedy import fixed_greedy, original_sequential, wlb_greedy
@@ -78,10 +79,11 @@ def get_method(name: str) -> Callable[[PackProblem], PackResult]:
 def solve_pack(
     lengths,
     n_micro: int,
-    max_tokens: int,
+    max_tokens: int | Literal["auto"],
     cost: CostModel | None = None,
     method: PackMethod | str = "wlb",
     *,
+    memory_bytes: float | None = None,
     ids=None,
     offsets=None,
     dp: int | None = None,
@@ -97,7 +99,9 @@ def solve_pack(
         lengths: token count of each document (or piece, see `split_documents`).
         n_micro: micro-batches per DP replica (N).
         max_tokens: token cap of one micro-batch, inclusive (S_max; the window for
-            fixed-length methods).
+            fixed-length methods); "auto": the largest whose worst case fits in
+            `memory_bytes` under the cost model's memory model (`wlb.max_tokens_for`).
+        memory_bytes: bytes of memory per GPU, read with max_tokens="auto" only.
         cost: the cost model the loads are measured with (default: 7B on H100, no parallelism).
         method: one of PACK_METHODS.
         ids: document ids (default 0..n-1); pieces of one document may share an id.
@@ -113,7 +117,8 @@ def solve_pack(
     t0 = time.perf_counter()
     lengths = validate_lengths(lengths)
     n_micro = check_int("n_micro", n_micro, 1)
-    max_tokens = check_int("max_tokens", max_tokens, 1)
+    if max_tokens != "auto":
+        max_tokens = check_int("max_tokens", max_tokens, 1)
     carried = check_int("carried", carried, 0)
     if carried > len(lengths):
         raise ValueError(f"carried={carried} is out of range: only {len(lengths)} documents were given")
@@ -126,6 +131,7 @@ def solve_pack(
     if cost is not None and not isinstance(cost, CostModel):
         raise ValueError(f"cost must be a wlb_opt.CostModel or None, got {type(cost).__name__}")
     cost = cost if cost is not None else default_cost()
+    max_tokens = resolve_max_tokens(max_tokens, cost, memory_bytes)
     dp = cost.degree("dp", dp)
     allowed = _OPTIONS.get(method)
     if allowed is not None and set(options) - allowed:

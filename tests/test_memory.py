@@ -1,0 +1,141 @@
+"""The memory model: max_tokens_for is monotone and exact at its boundary, the pipeline's
+in-flight count follows the schedule, the static part follows the ZeRO count, solve_pack's
+max_tokens="auto", and the prediction against the peak measured on this CPU."""
+import numpy as np
+import pytest
+
+import wlb_opt as wlb
+from wlb_opt.cost_memory import MemoryModel
+
+M7B = wlb.ModelSpec.preset("7b")
+H100 = wlb.HardwareSpec.preset("h100")
+LAYOUTS = [wlb.ParallelSpec(tp=8, cp=2, pp=4), wlb.ParallelSpec(tp=8, pp=1), wlb.ParallelSpec(tp=4, cp=4, pp=2, dp=2)]
+GiB = 2**30
+
+
+@pytest.mark.parametrize("parallel", LAYOUTS)
+def test_max_tokens_is_monotone_in_memory_and_recomputation(parallel):
+    previous = {False: 0, True: 0}
+    for gib in (24, 40, 64, 80, 141):
+        for recompute in (False, True):
+            t = wlb.max_tokens_for(M7B, parallel, H100, gib * GiB, recompute=recompute)
+            assert t >= previous[recompute]
+            previous[recompute] = t
+        assert previous[True] > previous[False]  # recomputation keeps less per layer
+    fsdp = wlb.max_tokens_for(M7B, parallel, H100, 40 * GiB, fsdp=True)
+    assert fsdp >= wlb.max_tokens_for(M7B, parallel, H100, 40 * GiB) or parallel.dp == 1
+
+
+def test_max_tokens_is_the_exact_boundary():
+    """Independent check by linear search on a small model: the answer fits, one more does not."""
+    tiny = wlb.ModelSpec.preset("tiny")
+    par = wlb.ParallelSpec(pp=2)
+    mem = MemoryModel.analytic(tiny, par, wlb.HardwareSpec.preset("cpu"), dtype="fp32")
+    budget = 3_000_000
+    brute = max(t for t in range(1, 3000) if all(mem.peak([t], s) <= budget for s in range(2)))
+    got = wlb.max_tokens_for(tiny, par, wlb.HardwareSpec.preset("cpu"), budget, dtype="fp32")
+    assert got == brute
+
+
+def test_refuses_memory_too_small_for_one_token():
+    with pytest.raises(ValueError, match="cannot hold one token.*weights, gradients and optimizer"):
+        wlb.max_tokens_for(M7B, wlb.ParallelSpec(), H100, 16 * GiB)  # 7B x 16 bytes = 108 GB of static state
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        wlb.max_tokens_for(M7B, wlb.ParallelSpec(), H100, 0)
+
+
+@pytest.mark.parametrize("bad, match", [(dict(dtype="int8"), "dtype must be one of"),
+                                        (dict(optimizer="lion"), "optimizer must be one of"),
+                                        (dict(virtual_stages=0), "virtual_stages"),
+                                        (dict(loss_chunk=0), "loss_chunk")])
+def test_bad_options_are_named(bad, match):
+    with pytest.raises(ValueError, match=match):
+        wlb.max_tokens_for(M7B, wlb.ParallelSpec(pp=4), H100, 80 * GiB, **bad)
+
+
+def test_in_flight_follows_1f1b_and_the_interleaved_warmup():
+    """1F1B: stage s keeps pp - s micro-batches. Interleaved (v chunks of L / (pp v) layers):
+    rank 0 runs 2 (pp - 1) + (v - 1) pp warm-up forwards and one more before its first
+    backward (Megatron-LM), so it holds that many chunks."""
+    pp, L = 4, 32
+    m = wlb.ModelSpec(hidden=64, layers=L, heads=4, ffn=128, vocab=100)
+    mem = MemoryModel.analytic(m, wlb.ParallelSpec(pp=pp), H100)
+    d = [1000]
+    per_layer = mem.stored_per_token * 1000
+    for s in range(pp):
+        layers_here = L // pp
+        want = (pp - s) * layers_here * per_layer
+        got = mem.breakdown(d, s)["activations"]
+        head = 0 if s < pp - 1 else (2 * 2 * 64 + 4) * 1000
+        assert got == pytest.approx(want + head, rel=1e-9)
+    v = 2
+    inter = mem.with_options(virtual_stages=v)
+    chunks = 2 * (pp - 1) + (v - 1) * pp + 1
+    assert inter.breakdown(d, 0)["activations"] == pytest.approx(chunks * L / (pp * v) * per_layer, rel=1e-9)
+
+
+def test_static_part_follows_the_zero_count():
+    par = wlb.ParallelSpec()
+    mem = MemoryModel.analytic(M7B, par, H100)
+    static = mem.static_breakdown(0)
+    params = M7B.n_params + (2 * M7B.layers + 1) * M7B.hidden  # + RMSNorm weights
+    assert sum(static.values()) == pytest.approx(16 * params, rel=1e-6)  # 2 + 2 + 12 bytes per weight
+    fp32_sgd = mem.with_options(dtype="fp32", optimizer="sgd").static_breakdown(0)
+    assert sum(fp32_sgd.values()) == pytest.approx(8 * params, rel=1e-6)
+    sharded = MemoryModel.analytic(M7B, wlb.ParallelSpec(dp=8), H100, fsdp=True).static_breakdown(0)
+    assert sharded["optimizer"] == pytest.approx(static["optimizer"] / 8, rel=1e-6)
+    assert 0 < sharded["fsdp_gathered"] < static["params"] / 4
+
+
+def test_cost_memory_and_solve_pack_auto():
+    par = wlb.ParallelSpec(tp=8, cp=2, pp=4)
+    cost = wlb.CostModel.analytic(M7B, par, H100)
+    assert cost.memory([4096]) < cost.memory([8192]) < cost.memory([4096] * 4)
+    assert cost.memory([8192], stage=0) > cost.memory([8192], stage=3)  # 4 in flight against 1
+    lengths = np.array([60000, 30000, 20000, 9000] * 4)
+    plan = wlb.solve_pack(lengths, 4, "auto", cost, memory_bytes=80 * GiB)
+    assert plan.max_tokens == wlb.max_tokens_for(M7B, par, H100, 80 * GiB) and plan.max_tokens > 131072
+    with pytest.raises(ValueError, match="needs memory_bytes"):
+        wlb.solve_pack(lengths, 4, "auto", cost)
+    with pytest.raises(ValueError, match="only read with max_tokens='auto'"):
+        wlb.solve_pack(lengths, 4, 163840, cost, memory_bytes=80 * GiB)
+    with pytest.raises(ValueError, match="max_tokens"):
+        wlb.solve_pack(lengths, 4, "big", cost)
+
+
+def test_profiled_model_without_hardware_needs_a_calibration():
+    profiled = wlb.CostModel(coef=wlb.CostModel.analytic(M7B).coef, attn_flops_per_pair=1.0, model=M7B)
+    with pytest.raises(ValueError, match="no memory model.*calibrated.*hardware=None"):
+        wlb.solve_pack([100, 200], 2, "auto", profiled, memory_bytes=80 * GiB)
+    calibrated = MemoryModel.analytic(M7B, wlb.ParallelSpec(tp=8), H100)
+    with_memory = wlb.CostModel(coef=profiled.coef, attn_flops_per_pair=1.0, model=M7B, memory_model=calibrated)
+    plan = wlb.solve_pack([100, 200], 2, "auto", with_memory, memory_bytes=80 * GiB)
+    assert plan.max_tokens == calibrated.max_tokens(80 * GiB)
+    again = wlb.CostModel.from_dict(with_memory.to_dict())
+    assert again.memory_model == calibrated
+
+
+def test_prediction_against_the_measured_cpu_peak():
+    """The executor's real step (pp = 1, fp32, torch attention path) on this CPU: the peak
+    above weights and gradients that torch.profiler measures, against the analytic and the
+    calibrated prediction (bench/memory.py gives the full table)."""
+    pytest.importorskip("torch")
+    import torch
+
+    import wlb_opt.executor as ex
+    from wlb_opt.bench.memory import measure_step
+    from wlb_opt.profile import _BlockBench, _calibrate_memory
+
+    torch.manual_seed(0)
+    spec = wlb.ModelSpec(hidden=64, layers=2, heads=4, kv_heads=2, ffn=176, vocab=512)
+    model = ex.TinyLM.from_spec(spec)
+    options = dict(dtype="fp32", optimizer="none", loss_chunk=256)
+    analytic = MemoryModel.analytic(spec, wlb.ParallelSpec(), wlb.HardwareSpec.preset("cpu"), **options)
+    calibrated, _ = _calibrate_memory(_BlockBench(spec, torch.device("cpu"), torch.float32), 256, "cpu", "fp32",
+                                      np.random.default_rng(3))
+    calibrated = calibrated.with_options(**options)
+    for lengths in ([512], [32] * 16):
+        measured = measure_step(model, lengths, 256)
+        for mem, tol in ((analytic, 0.35), (calibrated, 0.25)):
+            parts = mem.breakdown(lengths)
+            assert parts["activations"] + parts["transient"] == pytest.approx(measured, rel=tol), (lengths, mem.source)
