@@ -362,14 +362,19 @@ class CostModel:
 
     @classmethod
     def load(cls, path) -> "CostModel":
+        """A CostModel saved with `save` (JSON). Raises ValueError naming the file for a
+        missing or unreadable file, bad JSON or a malformed model."""
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"cost model file {str(path)!r} does not exist or is not a file")
         try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not a saved CostModel (invalid JSON: {exc})") from None
+            d = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cost model file {str(path)!r} is not JSON, not a saved CostModel ({exc})") from None
         try:
-            return cls.from_dict(data)
+            return cls.from_dict(d)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: {exc}") from None
+            raise ValueError(f"cost model file {str(path)!r}: {exc}") from None
 
     def describe(self) -> str:
         """One line per phase with the coefficients, for logs and the CLI."""
