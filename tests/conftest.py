@@ -11,6 +11,13 @@ import socket
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import importlib.util  # noqa: E402
+
+if importlib.util.find_spec("transformers") is not None:  # tests build HF models: no second kernels copy
+    from wlb_opt._optional import unshadow_kernels
+
+    unshadow_kernels()
+
 import pytest  # noqa: E402
 
 try:

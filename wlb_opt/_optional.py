@@ -37,3 +37,27 @@ def progress(iterable, total=None, desc=None, enable=True):
     except ImportError:
         return iterable
     return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True)
+
+
+def unshadow_kernels() -> None:
+    """In a source checkout, the repository's `kernels/` folder (installed as `wlb_opt.kernels`)
+    sits on sys.path as a top-level `kernels` package when Python runs from the repo root.
+    transformers probes for the unrelated Hugging Face `kernels` package and, finding ours,
+    imports a second copy of our kernel modules (and re-registers their torch ops). Alias the
+    name to the one real copy so that nothing is imported twice; transformers then sees a
+    package without a version and treats HF kernels as unavailable, which they are."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "kernels" in sys.modules:
+        return
+    try:
+        spec = importlib.util.find_spec("kernels")
+    except (ImportError, ValueError):
+        return
+    if spec is None or not spec.origin:
+        return
+    ours = importlib.util.find_spec("wlb_opt.kernels")
+    if ours is not None and ours.origin and Path(spec.origin).resolve() == Path(ours.origin).resolve():
+        sys.modules["kernels"] = importlib.import_module("wlb_opt.kernels")

@@ -112,6 +112,11 @@ class CostModel:
             got = sorted(self.coef) if isinstance(self.coef, dict) else type(self.coef).__name__
             raise ValueError(f"CostModel.coef needs dicts for phases 'fwd' and 'bwd', got {got}")
         for phase in ("fwd", "bwd"):
+            missing = [t for t in TERMS if t not in self.coef[phase]]
+            unknown = sorted(set(self.coef[phase]) - set(TERMS))
+            if missing or unknown:
+                raise ValueError(f"CostModel.coef[{phase!r}] must have exactly the terms {TERMS}; missing "
+                                 f"{missing}, unknown {unknown}")
             for term in TERMS:
                 # above 1e9 (seconds per pair / token / document), the cost of a long document
                 # overflows to inf and imbalances become NaN
@@ -370,7 +375,7 @@ class CostModel:
         try:
             d = json.loads(path.read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cost model file {str(path)!r} is not JSON, not a saved CostModel ({exc})") from None
+            raise ValueError(f"cost model file {str(path)!r} is not JSON, not a saved CostModel (invalid JSON: {exc})") from None
         try:
             return cls.from_dict(d)
         except (TypeError, ValueError) as exc:

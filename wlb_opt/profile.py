@@ -35,6 +35,7 @@ import numpy as np
 
 from ._optional import progress, require
 from .cost import CostModel
+from .cost_args import count, natural
 from .cost_fit import (FEATURE_NAMES, FIT_TERMS, Sample, fit_terms, nnls, sample_micro_batches, validate,
                        validation_line)
 from .cost_memory import MemoryModel, dtype_name
@@ -456,23 +457,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--quick", action="store_true", help=f"fewer samples and repeats, window shrunk to fit "
                    f"{QUICK_BUDGET_S:.0f} s of measuring (within 3 minutes on CPU)")
-    p.add_argument("--window", type=int, default=None, help="max tokens per measured micro-batch (default 512 on "
+    p.add_argument("--window", type=count, default=None, help="max tokens per measured micro-batch (default 512 on "
                    "CPU, 16384 on GPU)")
-    p.add_argument("--samples", type=int, default=None, help="fitted micro-batches, >= 4 (default 24; quick 12)")
-    p.add_argument("--holdout", type=int, default=None, help="held-out micro-batches (default samples / 3, >= 3)")
-    p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement, median kept "
+    p.add_argument("--samples", type=count, default=None, help="fitted micro-batches, >= 4 (default 24; quick 12)")
+    p.add_argument("--holdout", type=count, default=None, help="held-out micro-batches (default samples / 3, >= 3)")
+    p.add_argument("--repeats", type=count, default=None, help="timed runs per measurement, median kept "
                    "(default 5; quick 3)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs before each measurement (default 1)")
+    p.add_argument("--warmup", type=natural, default=1, help="untimed runs before each measurement (default 1)")
     p.add_argument("--q-lens", default=None, help="comma list of query lengths of the attention-latency table "
                    "(default 16,64,...,1024, capped at --window)")
-    p.add_argument("--kv-len", type=int, default=None, help="key range of the attention-latency table "
+    p.add_argument("--kv-len", type=count, default=None, help="key range of the attention-latency table "
                    "(default twice the longest query)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory calibration")
     p.add_argument("--comm", action="store_true", help="also profile send/recv and all-reduce between 2 gloo "
                    "ranks on this machine (saved in meta['comm'])")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 on CPU: a shared "
+    p.add_argument("--threads", type=count, default=None, help="torch CPU threads (default 1 on CPU: a shared "
                    "machine's other load stalls multi-threaded kernels; untouched on GPU)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--seed", type=natural, default=0, help="sampling seed (default 0)")
     p.add_argument("--out", default="cost.json", help="where to save the fitted CostModel (default cost.json)")
     args = p.parse_args(argv)
     try:

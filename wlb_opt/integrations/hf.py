@@ -26,8 +26,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._optional import require
+from .._optional import require, unshadow_kernels
 
+unshadow_kernels()  # before transformers probes for a `kernels` package (see the function)
 require("transformers", "wlb_opt.integrations.hf")
 
 NAME = "wlb"
