@@ -119,7 +119,7 @@ def validate_offsets(offsets, n: int, name: str = "offsets") -> np.ndarray:
     return arr
 
 
-def check_unique_pieces(ids: np.ndarray, offsets: np.ndarray, what: str = "the input") -> None:
+def check_unique_pieces(ids: np.ndarray, offsets: np.ndarray, what: str = "in the input") -> None:
     """Each (id, offset) names one piece: a repeated pair would be planned twice and then
     fail `check_pack` (or train a document twice)."""
     if len(ids) < 2:
@@ -129,7 +129,7 @@ def check_unique_pieces(ids: np.ndarray, offsets: np.ndarray, what: str = "the i
     if same.any():
         k = int(order[1:][np.argmax(same)])
         hint = "" if np.any(offsets) else " (pieces of one document need distinct offsets: see split_documents)"
-        raise ValueError(f"ids: id {int(ids[k])} with offset {int(offsets[k])} is repeated in {what} "
+        raise ValueError(f"ids: id {int(ids[k])} with offset {int(offsets[k])} is repeated {what} "
                          f"(position {k}){hint}")
 
 

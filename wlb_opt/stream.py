@@ -56,6 +56,12 @@ def _as_tokens(doc_id, tokens, what: str = "tokens") -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def _check_index(name: str, value, n: int) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 <= value < n:
+        raise ValueError(f"{name} must be an integer in [0, {n}), got {value!r}")
+    return int(value)
+
+
 def _doc_id(doc_id) -> int:
     if isinstance(doc_id, (bool, np.bool_)) or not isinstance(doc_id, (int, np.integer)):
         raise ValueError(f"document ids must be integers, got {doc_id!r}")
@@ -130,10 +136,7 @@ class Step:
 
     # ------------------------------------------------------------------ tensors
     def _check_micro(self, j) -> int:
-        n = len(self.plan.micro_batches)
-        if isinstance(j, bool) or not isinstance(j, (int, np.integer)) or not 0 <= j < n:
-            raise ValueError(f"micro-batch index must be an integer in [0, {n}), got {j!r}")
-        return int(j)
+        return _check_index("micro-batch index", j, len(self.plan.micro_batches))
 
     def tokens(self, j: int):
         """The packed token ids of micro-batch j (all CP ranks), as a LongTensor."""
@@ -152,8 +155,7 @@ class Step:
         from .executor.train import pack_micro_batch, packed_positions
 
         j = self._check_micro(j)
-        if isinstance(cp_rank, bool) or not isinstance(cp_rank, (int, np.integer)) or not 0 <= cp_rank < self._cp:
-            raise ValueError(f"cp_rank must be an integer in [0, {self._cp}), got {cp_rank!r}")
+        cp_rank = _check_index("cp_rank", cp_rank, self._cp)
         mb = self.plan.micro_batches[j]
         if not len(mb):
             empty = torch.zeros(0, dtype=torch.long)
@@ -169,11 +171,8 @@ class Step:
     def local(self, dp_rank: int = 0, cp_rank: int = 0) -> list[int]:
         """Indices of the micro-batches DP replica `dp_rank` runs, in order (every CP rank of
         the replica runs all of them, each on its own tokens: `inputs(j, cp_rank)`)."""
-        if isinstance(dp_rank, bool) or not isinstance(dp_rank, (int, np.integer)) or not 0 <= dp_rank < self.plan.dp:
-            raise ValueError(f"dp_rank must be an integer in [0, {self.plan.dp}), got {dp_rank!r}")
-        if isinstance(cp_rank, bool) or not isinstance(cp_rank, (int, np.integer)) or not 0 <= cp_rank < self._cp:
-            raise ValueError(f"cp_rank must be an integer in [0, {self._cp}), got {cp_rank!r}")
-        return self.plan.replica_micro_batches(int(dp_rank))
+        _check_index("cp_rank", cp_rank, self._cp)
+        return self.plan.replica_micro_batches(_check_index("dp_rank", dp_rank, self.plan.dp))
 
     @property
     def state(self) -> dict:

@@ -43,7 +43,7 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from .._validate import check_choice, check_int, validate_ids, validate_lengths, validate_offsets
+from .._validate import check_choice, check_int, check_unique_pieces, validate_ids, validate_lengths, validate_offsets
 from ..cost import CostModel, default_cost
 from ..pack import get_method, solve_pack
 from ..plan import PackPlan
@@ -221,14 +221,7 @@ class WLBPacker:
             i = int(np.argmax(lengths))
             raise ValueError(f"document {int(ids[i])} (position {i}) has {int(lengths[i])} tokens > "
                              f"max_tokens={self.max_tokens}; cut documents with wlb_opt.split_documents first")
-        if n > 1:
-            order = np.lexsort((offsets, ids))
-            same = (ids[order][1:] == ids[order][:-1]) & (offsets[order][1:] == offsets[order][:-1])
-            if same.any():
-                k = int(order[1:][np.argmax(same)])
-                hint = "" if np.any(offsets) else " (pieces of one document need distinct offsets)"
-                raise ValueError(f"ids: id {int(ids[k])} with offset {int(offsets[k])} is repeated within the "
-                                 f"batch (position {k}){hint}")
+        check_unique_pieces(ids, offsets, "within the batch")
         if self._held:
             for k, key in enumerate(zip(ids.tolist(), offsets.tolist())):
                 if key in self._held:
