@@ -20,6 +20,9 @@ and carry. What the paper leaves open about a training job is settled here:
   pieces it has already emitted, so re-sending an emitted id later is not detected.
 - delay of a piece = `plan.step` where it is placed - the step it arrived; every plan
   records the arrival step of each of its pieces in `plan.arrival_step`.
+- lookahead (`lookahead=K`, beyond the paper): `pack(batch s)` returns the plan of step
+  s - K (None for the first K batches); outliers join the queues on arrival, so a step may
+  train them up to K steps early (displacement in [-K, max_delay]); see lookahead.py.
 
 Plans are frozen: each step's plan is built once, from `solve_pack`'s, with `plan.replace`.
 """
@@ -40,6 +43,8 @@ from ..pack import get_method, solve_pack
 from ..plan import PackPlan
 from ..solvers.deal import deal_to_replicas
 from .calibrate import calibrate_thresholds, candidate_thresholds
+from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
+from .lookahead import LookaheadBuffer
 from .release import RELEASE_POLICIES, DrainRelease, ReleaseName, ReleasePolicy, make_release_policy
 from .state import HeldPiece, check_thresholds, cost_fingerprint, decode_state, encode_state, held_keys
 from .stats import StreamStats
@@ -83,13 +88,17 @@ class WLBPacker:
             short documents move to the next step). See `wlb_opt.packer.release`.
         balance_tolerance: the predicted max / mean load a "balance" or "group" step may reach by
             taking outliers early (>= 1.0; default 1.02). `calibrate` may choose it.
+        lookahead: global batches the packer sees ahead (K >= 0, default 0: the paper's
+            behaviour). With K > 0, `pack(batch s)` returns the plan of step s - K, or None
+            while the first K batches arrive, and outliers may be trained up to K steps
+            early (see `wlb_opt.packer.lookahead`).
     """
 
     def __init__(self, n_micro: int, max_tokens: int, cost: CostModel | None = None, dp: int | None = None,
                  thresholds: Sequence[int] | Literal["auto"] = "auto", n_queues: int | None = None,
                  max_delay: int | None = 8, seed: int = 0, *, max_backlog_tokens: int | None = None,
                  pp: int | None = None, delay_budget: float = 0.5, method: PackerMethod = "wlb",
-                 release: ReleaseName = "paper", balance_tolerance: float = 1.02):
+                 release: ReleaseName = "paper", balance_tolerance: float = 1.02, lookahead: int = 0):
         self.n_micro = check_int("n_micro", n_micro, 1)
         self.max_tokens = check_int("max_tokens", max_tokens, 1)
         self.cost = cost if cost is not None else default_cost()
@@ -111,6 +120,7 @@ class WLBPacker:
             raise ValueError(f"balance_tolerance must be a finite imbalance >= 1.0 (max / mean), "
                              f"got {balance_tolerance!r}")
         self.balance_tolerance = float(balance_tolerance)
+        self.lookahead = check_int("lookahead", lookahead, 0)
         if isinstance(thresholds, str):
             if thresholds != "auto":
                 raise ValueError(f"thresholds must be 'auto' or an increasing list of positive lengths, "
@@ -153,6 +163,7 @@ class WLBPacker:
         self._next_auto_id = 0
         self._calibration: dict | None = None
         self._stats = StreamStats()
+        self._ahead = LookaheadBuffer()
 
     @property
     def step(self) -> int:
@@ -178,6 +189,16 @@ class WLBPacker:
     def carried_ids(self) -> np.ndarray:
         """Ids of the pieces deferred by the last plan (placed first in the next)."""
         return np.array([piece.id for piece in self._carry], dtype=np.int64)
+
+    def buffered_ids(self) -> np.ndarray:
+        """Ids of the regular documents of the batches seen ahead (`lookahead`), not yet
+        planned, oldest batch first (empty when lookahead=0)."""
+        return np.array([piece.id for piece in self._ahead.pieces()], dtype=np.int64)
+
+    @property
+    def arrival_step(self) -> int:
+        """Step index the next batch given to `pack` arrives at (= `step` + buffered batches)."""
+        return self._step + len(self._ahead)
 
     # ------------------------------------------------------------------ input
     def _validate_batch(self, lengths, ids, offsets):
@@ -247,12 +268,13 @@ class WLBPacker:
 
     def _commit(self, plan: PackPlan, queues: list[deque], carry: list[HeldPiece]) -> None:
         self._queues, self._carry = queues, carry
-        self._held = held_keys(queues, carry)
+        self._held = held_keys(queues, carry) | self._ahead.keys()
         self._step += 1
         self._stats.add(plan, self.max_delay, plan.info.extra["queue_wait_max"])
 
-    def pack(self, lengths, ids=None, offsets=None) -> PackPlan:
-        """Pack one global batch; returns the step's PackPlan.
+    def pack(self, lengths, ids=None, offsets=None) -> PackPlan | None:
+        """Pack one global batch; returns the step's PackPlan (with `lookahead=K`: the plan
+        of the step K batches back, None while the first K batches arrive).
 
         `lengths` are pieces no longer than max_tokens (see `split_documents`), `ids` their
         document ids (default: consecutive ids continuing across calls), `offsets` the start
@@ -268,9 +290,27 @@ class WLBPacker:
             before = (self.thresholds, self.n_queues, self._queues, self._calibration)
             self.calibrate(lengths)  # on the first non-empty global batch
         step = self._step
+        arrival = self.arrival_step
         entries = [HeldPiece(*piece) for piece in zip(ids.tolist(), offsets.tolist(), lengths.tolist(),
-                                                       [step] * len(lengths))]
+                                                       [arrival] * len(lengths))]
         queues = [deque(q) for q in self._queues]
+        if self.lookahead:
+            # Outliers queue on arrival (they may leave early); regular documents wait in
+            # the buffer for their own step (see lookahead.py).
+            regular = []
+            for piece in entries:
+                level = self._queue_of(piece.length)
+                (queues[level] if level >= 0 else regular).append(piece)
+            ahead = self._ahead.with_batch(regular)
+            if len(ahead) <= self.lookahead:  # step s - K does not exist yet
+                if len(ids):
+                    self._next_auto_id = max(self._next_auto_id, int(ids.max()) + 1)
+                self._queues, self._ahead = queues, ahead
+                self._held = held_keys(queues, self._carry) | ahead.keys()
+                return None
+            entries = ahead.pop_oldest()
+        else:
+            ahead = self._ahead
         plan, carry = self._plan_step(entries, queues, list(self._carry), step, self._release, started)
         backlog = sum(piece.length for piece in carry)
         if backlog > self.max_backlog_tokens:
@@ -283,12 +323,23 @@ class WLBPacker:
                 "or fewer tokens per global batch (or raise max_backlog_tokens)")
         if len(ids):
             self._next_auto_id = max(self._next_auto_id, int(ids.max()) + 1)
+        self._ahead = ahead
         self._commit(plan, queues, carry)
         return plan
 
     def drain(self) -> list[PackPlan]:
-        """End of data: release every queue and emit plans until nothing is held."""
+        """End of data: plan the batches seen ahead (their steps, by the release policy),
+        then release every queue and emit plans until nothing is held."""
         plans = []
+        while len(self._ahead):
+            queues = [deque(q) for q in self._queues]
+            ahead = self._ahead.copy()
+            entries = ahead.pop_oldest()
+            plan, carry = self._plan_step(entries, queues, list(self._carry), self._step, self._release,
+                                          time.perf_counter())
+            self._ahead = ahead
+            self._commit(plan, queues, carry)
+            plans.append(plan)
         while self._carry or any(self._queues):
             queues = [deque(q) for q in self._queues]
             plan, carry = self._plan_step([], queues, list(self._carry), self._step, self._drain_release,
@@ -303,8 +354,11 @@ class WLBPacker:
         pieces and tokens, delay per piece and per token, `queue_wait_max`, `late_pieces`,
         imbalance mean / p50 / p90 / max, what is still queued and carried, the thresholds.
         See `wlb_opt.packer.stats` for the definitions."""
-        return self._stats.summary(steps=self._step, queues=self._queues, carry=self._carry,
-                                   thresholds=self.thresholds)
+        out = self._stats.summary(steps=self._step, queues=self._queues, carry=self._carry,
+                                  thresholds=self.thresholds)
+        out.update(lookahead=self.lookahead, buffered_pieces=len(self._ahead.pieces()),
+                   buffered_tokens=self._ahead.tokens())
+        return out
 
     # ------------------------------------------------------------------ calibration
     def candidate_thresholds(self, sample, tokens_per_batch: int) -> list[int]:
@@ -342,7 +396,7 @@ class WLBPacker:
         return WLBPacker(self.n_micro, self.max_tokens, self.cost, self.dp, thresholds, max_delay=self.max_delay,
                          seed=self.seed, max_backlog_tokens=self.max_backlog_tokens, pp=self.pp,
                          delay_budget=self.delay_budget, method=self.method, release=self.release,
-                         balance_tolerance=self.balance_tolerance)
+                         balance_tolerance=self.balance_tolerance, lookahead=self.lookahead)
 
     @property
     def calibration(self) -> dict | None:
@@ -353,15 +407,19 @@ class WLBPacker:
     def state_dict(self) -> dict:
         """JSON-serialisable state; `load_state_dict` on an equally configured packer resumes
         the stream exactly. Does not hold ids already emitted (see `wlb_opt.packer.state`)."""
-        return encode_state(config=self._config(), auto=self._auto, thresholds=self.thresholds, step=self._step,
-                            next_auto_id=self._next_auto_id, queues=self._queues, carry=self._carry,
-                            calibration=self._calibration, stats=self._stats)
+        state = encode_state(config=self._config(), auto=self._auto, thresholds=self.thresholds, step=self._step,
+                             next_auto_id=self._next_auto_id, queues=self._queues, carry=self._carry,
+                             calibration=self._calibration, stats=self._stats)
+        state["config"]["lookahead"] = self.lookahead  # lookahead.py: the buffer of batches seen ahead
+        state[LOOKAHEAD_STATE_KEY] = self._ahead.to_json()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a `state_dict()`. Raises ValueError naming the field if the state comes from
         another format version or a packer configured differently (the packer is then unchanged)."""
         loaded = decode_state(state, config=self._config(), auto=self._auto, thresholds=self.thresholds,
                               n_queues=self.n_queues)
+        ahead = self._decode_lookahead(state, loaded.step)
         self.thresholds = loaded.thresholds
         if loaded.thresholds is not None:
             self.n_queues = len(loaded.thresholds)
@@ -370,8 +428,23 @@ class WLBPacker:
         self._step, self._next_auto_id = loaded.step, loaded.next_auto_id
         self._calibration = loaded.calibration
         self._stats = loaded.stats
+        self._ahead = ahead
+        self._held |= ahead.keys()
+
+    def _decode_lookahead(self, state: dict, step: int) -> LookaheadBuffer:
+        """The lookahead part of a state (lookahead.py); a state written before lookahead
+        existed has none and loads into a packer with lookahead=0."""
+        theirs = state.get("config", {}).get("lookahead", 0)
+        if theirs != self.lookahead:
+            raise ValueError(f"state_dict field config.lookahead={theirs!r} does not match this packer's "
+                             f"lookahead={self.lookahead!r}; build the packer with the same configuration")
+        try:
+            return LookaheadBuffer.from_json(state.get(LOOKAHEAD_STATE_KEY, []), lookahead=self.lookahead,
+                                             next_step=step)
+        except ValueError as exc:
+            raise ValueError(f"state_dict is malformed: {exc}") from None
 
     def __repr__(self) -> str:
         return (f"WLBPacker(n_micro={self.n_micro}, max_tokens={self.max_tokens}, dp={self.dp}, "
                 f"thresholds={self.thresholds if self.thresholds is not None else 'auto'}, "
-                f"max_delay={self.max_delay}, step={self._step})")
+                f"max_delay={self.max_delay}, lookahead={self.lookahead}, step={self._step})")
