@@ -136,7 +136,7 @@ class WLBPacker:
         self._auto = self.thresholds is None
         self._fingerprint = cost_fingerprint(self.cost)
         rules = dict(need=self.dp * self.n_micro, max_delay=self.max_delay, balance_tolerance=self.balance_tolerance,
-                     max_backlog_tokens=self.max_backlog_tokens)
+                     max_backlog_tokens=self.max_backlog_tokens, lookahead=self.lookahead)
         self._release: ReleasePolicy = make_release_policy(self.release, **rules)
         self._drain_release: ReleasePolicy = DrainRelease(**rules)
         self._reset_stream()
