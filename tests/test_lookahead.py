@@ -2,6 +2,7 @@
 [-K, max_delay], resume identity with a buffer, K = 0 reproduces the plans of the packer
 before lookahead existed (digests recorded from commit d1cf72e by
 tests/data/make_packer_k0_digests.py), stats keys, bad input."""
+import hashlib
 import json
 from pathlib import Path
 
@@ -118,14 +119,16 @@ def test_lookahead_zero_reproduces_the_plans_of_the_packer_before_lookahead():
         batches = global_batches(dist, st_["window"], st_["n_micro"] * st_["window"], st_["steps"],
                                  seed=DEFAULT_SEED + st_["seed_offset"])
         packer = WLBPacker(st_["n_micro"], st_["max_tokens"], cost, lookahead=0, **run_ref["config"])
-        digests = [packer.pack(*b).digest() for b in batches] + [p.digest() for p in packer.drain()]
+        plans = [packer.pack(*b) for b in batches] + packer.drain()
+        digests = [p.digest() + f"/{p.step}/" + hashlib.sha256(p.arrival_step.tobytes()).hexdigest()[:16]
+                   for p in plans]
         assert digests == run_ref["digests"], name
 
 
 def test_lookahead_trains_an_outlier_early_to_complete_a_group():
     # three outliers now and one next step: with lookahead 1 the paper rule's queue holds
     # 4 = n_micro at step 0 and releases them together, one trained a step early
-    packer = WLBPacker(4, 2 * CAP, COST, thresholds=[50], max_delay=None, lookahead=1)
+    packer = WLBPacker(4, 2 * CAP, COST, thresholds=[50], max_delay=None, release="paper", lookahead=1)
     assert packer.pack([90, 91, 92, 5, 5], [0, 1, 2, 3, 4]) is None
     plan = packer.pack([93, 6], [5, 6])
     assert plan.step == 0 and set(plan.placed_ids().tolist()) == {0, 1, 2, 3, 4, 5}
@@ -137,7 +140,7 @@ def test_lookahead_trains_an_outlier_early_to_complete_a_group():
     assert s["late_token_share"] == 0.0 and s["late_pieces"] == 0
     assert s["displacement_per_token"] == pytest.approx(s["early_token_share"])
     # without lookahead the group waits: 3 outliers stay queued at step 0
-    plain = WLBPacker(4, 2 * CAP, COST, thresholds=[50], max_delay=None)
+    plain = WLBPacker(4, 2 * CAP, COST, thresholds=[50], max_delay=None, release="paper")
     assert set(plain.pack([90, 91, 92, 5, 5], [0, 1, 2, 3, 4]).placed_ids().tolist()) == {3, 4}
 
 

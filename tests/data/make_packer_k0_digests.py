@@ -1,5 +1,8 @@
-"""Builds tests/data/packer_k0_digests.json from the packer as of commit d1cf72e (before lookahead)."""
-import json, numpy as np, wlb_opt as wlb
+"""Builds tests/data/packer_k0_digests.json from the packer as of commit d1cf72e (before
+lookahead and the new defaults): run it from a checkout of that commit,
+`PYTHONPATH=. python tests/data/make_packer_k0_digests.py > tests/data/packer_k0_digests.json`.
+Each entry: plan.digest() / plan.step / sha256(arrival_step) of every plan, drain included."""
+import hashlib, json, numpy as np, wlb_opt as wlb
 from wlb_opt.data import global_batches, DEFAULT_SEED
 from wlb_opt.packer import WLBPacker
 cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=1), wlb.HardwareSpec.preset("h100"))
@@ -15,7 +18,9 @@ for dist in ("default", "real"):
     batches = global_batches(dist, W, 4 * W, 40, seed=DEFAULT_SEED + 5)
     for name, kw in CONFIGS.items():
         p = WLBPacker(4, int(1.25 * W), cost, **kw)
-        digests = [p.pack(*b).digest() for b in batches] + [pl.digest() for pl in p.drain()]
+        plans = [p.pack(*b) for b in batches] + p.drain()
+        digests = [pl.digest() + f"/{pl.step}/" + hashlib.sha256(pl.arrival_step.tobytes()).hexdigest()[:16]
+                   for pl in plans]
         out[f"{dist}/{name}"] = dict(config=kw, digests=digests)
 print(json.dumps(dict(stream=dict(window=W, n_micro=4, max_tokens=int(1.25 * W), steps=40, seed_offset=5,
                                   cost="7b (8,2,4,1) h100"), runs=out), indent=1))

@@ -43,6 +43,8 @@ from ..pack import get_method, solve_pack
 from ..plan import PackPlan
 from ..solvers.deal import deal_to_replicas
 from .calibrate import calibrate_thresholds, candidate_thresholds
+from .defaults import (DEFAULT_CUTOFF_DIVISOR, DEFAULT_MAX_DELAY, TARGET_SHARE, TOLERANCE_LOW, adaptive_tolerance,
+                       running_displacement)
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
 from .release import RELEASE_POLICIES, DrainRelease, ReleaseName, ReleasePolicy, make_release_policy
@@ -66,12 +68,14 @@ class WLBPacker:
         cost: the cost model that weighs documents (default: `default_cost()`).
         dp: data-parallel replicas; dp x n_micro micro-batches are packed jointly (None: the
             cost model's `parallel.dp`, 1 without a layout; a disagreeing value raises).
-        thresholds: "auto" (calibrate on the first global batch), or increasing positive
-            lengths [L1, L2, ...], one queue each (an empty list disables the queues).
+        thresholds: None (default: one queue of the pieces >= max_tokens // 5, see
+            `wlb_opt.packer.defaults`), "auto" (calibrate on the first global batch), or
+            increasing positive lengths [L1, L2, ...], one queue each (an empty list disables
+            the queues).
         n_queues: number of queues for "auto" / `calibrate` (default 2); with explicit
-            thresholds it must be None or len(thresholds).
-        max_delay: the most steps a document may wait (>= 1), or None (paper-faithful: a
-            queue waits until it holds dp x n_micro documents).
+            thresholds it must be None or len(thresholds) (None or 1 with thresholds=None).
+        max_delay: the most steps a document may wait (>= 1; default 16), or None
+            (paper-faithful: a queue waits until it holds dp x n_micro documents).
         seed: seeds the calibration's bootstrap stream (planning is otherwise deterministic).
         max_backlog_tokens: carried tokens above which `pack` raises (default 2 x dp x
             n_micro x max_tokens, two steps' capacity).
@@ -80,14 +84,18 @@ class WLBPacker:
         delay_budget: calibration's limit on delay per token, in steps (default 0.5, paper §3.2).
         method: the `solve_pack` method that packs each step: "wlb" (Algorithm 1, default)
             or any deterministic heuristic that honours `carried` (e.g. "wlb_ls").
-        release: "paper" (default: a queue leaves only when full, or at max_delay),
-            "balance" (beyond the paper: also take held outliers, FIFO heads, into a step
-            whenever the step's predicted imbalance stays within `balance_tolerance`), or
-            "group" (beyond the paper: one pool of outliers; groups of similar ones, or a
-            single one, leave as soon as the step stays within `balance_tolerance`, even if
-            short documents move to the next step). See `wlb_opt.packer.release`.
+        release: "group" (default; beyond the paper: one pool of outliers; groups of similar
+            ones, or a single one, leave as soon as the step stays within
+            `balance_tolerance`, even if short documents move to the next step), "paper"
+            (a queue leaves only when full, or at max_delay), or "balance" (beyond the
+            paper: also take held outliers, FIFO heads, into a step whenever the step's
+            predicted imbalance stays within `balance_tolerance`). See
+            `wlb_opt.packer.release`.
         balance_tolerance: the predicted max / mean load a "balance" or "group" step may reach by
-            taking outliers early (>= 1.0; default 1.02). `calibrate` may choose it.
+            taking outliers early: a number >= 1.0, or "auto" (default: set each step from
+            the stream's displacement so far against `delay_budget`; see
+            `wlb_opt.packer.defaults`). The defaults before issue 16 were
+            thresholds="auto", n_queues=2, max_delay=8, release="paper", balance_tolerance=1.02.
         lookahead: global batches the packer sees ahead (K >= 0, default 0: the paper's
             behaviour). With K > 0, `pack(batch s)` returns the plan of step s - K, or None
             while the first K batches arrive, and outliers may be trained up to K steps
@@ -95,10 +103,11 @@ class WLBPacker:
     """
 
     def __init__(self, n_micro: int, max_tokens: int, cost: CostModel | None = None, dp: int | None = None,
-                 thresholds: Sequence[int] | Literal["auto"] = "auto", n_queues: int | None = None,
-                 max_delay: int | None = 8, seed: int = 0, *, max_backlog_tokens: int | None = None,
+                 thresholds: Sequence[int] | Literal["auto"] | None = None, n_queues: int | None = None,
+                 max_delay: int | None = DEFAULT_MAX_DELAY, seed: int = 0, *, max_backlog_tokens: int | None = None,
                  pp: int | None = None, delay_budget: float = 0.5, method: PackerMethod = "wlb",
-                 release: ReleaseName = "paper", balance_tolerance: float = 1.02, lookahead: int = 0):
+                 release: ReleaseName = "group", balance_tolerance: float | Literal["auto"] = "auto",
+                 lookahead: int = 0):
         self.n_micro = check_int("n_micro", n_micro, 1)
         self.max_tokens = check_int("max_tokens", max_tokens, 1)
         self.cost = cost if cost is not None else default_cost()
@@ -115,12 +124,20 @@ class WLBPacker:
         self.delay_budget = float(delay_budget)
         self.method = self._check_method(method)
         self.release = check_choice("release", release, RELEASE_POLICIES)
-        if not (isinstance(balance_tolerance, (int, float)) and not isinstance(balance_tolerance, bool)
-                and math.isfinite(balance_tolerance) and balance_tolerance >= 1.0):
-            raise ValueError(f"balance_tolerance must be a finite imbalance >= 1.0 (max / mean), "
+        if balance_tolerance == "auto" and isinstance(balance_tolerance, str):
+            self.balance_tolerance: float | str = "auto"
+        elif not (isinstance(balance_tolerance, (int, float)) and not isinstance(balance_tolerance, bool)
+                  and math.isfinite(balance_tolerance) and balance_tolerance >= 1.0):
+            raise ValueError(f"balance_tolerance must be 'auto' or a finite imbalance >= 1.0 (max / mean), "
                              f"got {balance_tolerance!r}")
-        self.balance_tolerance = float(balance_tolerance)
+        else:
+            self.balance_tolerance = float(balance_tolerance)
         self.lookahead = check_int("lookahead", lookahead, 0)
+        if thresholds is None:  # the no-tuning default (defaults.py)
+            if n_queues not in (None, 1):
+                raise ValueError(f"n_queues={n_queues!r} does not match thresholds=None (one queue of pieces >= "
+                                 f"max_tokens // {DEFAULT_CUTOFF_DIVISOR}); pass n_queues=None or 1")
+            thresholds = [max(1, self.max_tokens // DEFAULT_CUTOFF_DIVISOR)]
         if isinstance(thresholds, str):
             if thresholds != "auto":
                 raise ValueError(f"thresholds must be 'auto' or an increasing list of positive lengths, "
@@ -135,7 +152,8 @@ class WLBPacker:
             self.n_queues = len(self.thresholds)
         self._auto = self.thresholds is None
         self._fingerprint = cost_fingerprint(self.cost)
-        rules = dict(need=self.dp * self.n_micro, max_delay=self.max_delay, balance_tolerance=self.balance_tolerance,
+        tolerance = TOLERANCE_LOW if self.balance_tolerance == "auto" else self.balance_tolerance
+        rules = dict(need=self.dp * self.n_micro, max_delay=self.max_delay, balance_tolerance=tolerance,
                      max_backlog_tokens=self.max_backlog_tokens, lookahead=self.lookahead)
         self._release: ReleasePolicy = make_release_policy(self.release, **rules)
         self._drain_release: ReleasePolicy = DrainRelease(**rules)
@@ -248,12 +266,23 @@ class WLBPacker:
         pending, plan, arrival, released, n_early = policy.plan_step(fresh, queues, carry, step, self._solve)
         extra = {**plan.info.extra, "released": len(released), "released_early": n_early,
                  "carried_in": len(carry), "thresholds": list(self.thresholds or []),
+                 "balance_tolerance": policy.balance_tolerance,
                  "queue_wait_max": max((step - piece.arrival for piece in released), default=0)}
         plan = plan.replace(
             replica_of=deal_to_replicas(plan.loads, self.dp, self.n_micro, self.pp, max_passes=_DEAL_PASSES),
             step=step, arrival_step=arrival,
             info=dataclasses.replace(plan.info, extra=extra, wall_s=time.perf_counter() - started))
         return plan, [pending[i] for i in plan.deferred.tolist()]
+
+    def _step_policy(self) -> ReleasePolicy:
+        """The release policy of the next step: with balance_tolerance="auto" its tolerance
+        follows the stream's displacement so far (defaults.py)."""
+        if self.balance_tolerance != "auto":
+            return self._release
+        held = [piece for q in self._queues for piece in q] + self._carry
+        shown = running_displacement(self._stats.totals, held, self._step, self.capacity_tokens,
+                                     TARGET_SHARE * self.delay_budget)
+        return dataclasses.replace(self._release, balance_tolerance=adaptive_tolerance(shown, self.delay_budget))
 
     def _solve(self, first: list[HeldPiece], rest: list[HeldPiece]):
         """Pack `first` (placed first) then `rest`; returns (pending, plan, arrival steps)."""
@@ -311,7 +340,7 @@ class WLBPacker:
             entries = ahead.pop_oldest()
         else:
             ahead = self._ahead
-        plan, carry = self._plan_step(entries, queues, list(self._carry), step, self._release, started)
+        plan, carry = self._plan_step(entries, queues, list(self._carry), step, self._step_policy(), started)
         backlog = sum(piece.length for piece in carry)
         if backlog > self.max_backlog_tokens:
             if before is not None:  # leave the state exactly as it was, calibration included
@@ -335,7 +364,7 @@ class WLBPacker:
             queues = [deque(q) for q in self._queues]
             ahead = self._ahead.copy()
             entries = ahead.pop_oldest()
-            plan, carry = self._plan_step(entries, queues, list(self._carry), self._step, self._release,
+            plan, carry = self._plan_step(entries, queues, list(self._carry), self._step, self._step_policy(),
                                           time.perf_counter())
             self._ahead = ahead
             self._commit(plan, queues, carry)
