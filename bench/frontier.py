@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         batches = global_batches(args.dist, W, N * W, args.steps, seed=DEFAULT_SEED + args.seed)
         source = f"dist={args.dist}"
     t0 = time.perf_counter()
-    problem = frontier_problem(batches, cost, N, max_tokens, outlier_min=args.outlier_min, early=EARLY, late=LATE)
+    problem = frontier_problem(batches, lambda d: cost.doc_cost(d, "fwd"), N, max_tokens,
+                               outlier_min=args.outlier_min, early=EARLY, late=LATE)
     print(f"frontier: {len(batches)} steps ({source}), {len(problem.outlier_length)} outliers >= "
           f"{args.outlier_min} tokens, window [-{EARLY}, +{LATE}], budgets {budgets}, {args.time_limit:g} s each")
     rows, starts = [], []

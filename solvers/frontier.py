@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -82,10 +83,11 @@ class FrontierProblem:
         return range(max(0, arrival - self.early), min(self.n_slots, arrival + self.late + 1))
 
 
-def frontier_problem(batches, cost, n_micro: int, max_tokens: int, *, outlier_min: int, early: int,
-                     late: int) -> FrontierProblem:
+def frontier_problem(batches, doc_cost: Callable[[np.ndarray], np.ndarray], n_micro: int, max_tokens: int, *,
+                     outlier_min: int, early: int, late: int) -> FrontierProblem:
     """The frontier model's data for `batches` (a list of (pieces, ids, offsets), one per
-    step), priced with `cost` (forward phase)."""
+    step), priced by `doc_cost` (lengths -> forward seconds of each piece, e.g.
+    `lambda d: cost.doc_cost(d, "fwd")`; solvers take what they need as callables)."""
     lengths_all, arrivals_all, keys = [], [], []
     for s, batch in enumerate(batches):
         lengths_all.append(np.asarray(batch[0], dtype=np.int64))
@@ -95,7 +97,7 @@ def frontier_problem(batches, cost, n_micro: int, max_tokens: int, *, outlier_mi
     arrivals = np.concatenate(arrivals_all) if arrivals_all else np.zeros(0, np.int64)
     if len(lengths) and lengths.max() > max_tokens:
         raise ValueError(f"a piece of {int(lengths.max())} tokens exceeds max_tokens={max_tokens}")
-    doc_cost = cost.doc_cost(lengths, "fwd") if len(lengths) else np.zeros(0)
+    doc_cost = np.asarray(doc_cost(lengths), dtype=np.float64) if len(lengths) else np.zeros(0)
     big = lengths >= outlier_min
     edges = np.asarray(FILLER_CLASSES, dtype=np.int64)
     cls = np.searchsorted(edges, lengths, side="right") - 1

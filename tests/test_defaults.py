@@ -16,10 +16,10 @@ COST = unit_cost(1e-6, 1e-3, backward=True)
 
 def test_the_defaults_are_one_pool_group_release_and_the_feedback_tolerance():
     packer = WLBPacker(4, 163840, COST)
-    assert packer.thresholds == [163840 // d.DEFAULT_CUTOFF_DIVISOR] == [32768]
+    assert packer.thresholds == [int(163840 * d.DEFAULT_CUTOFF_SHARE)] == [49152]
     assert packer.release == "group" and packer.max_delay == d.DEFAULT_MAX_DELAY == 16
     assert packer.balance_tolerance == "auto" and packer.lookahead == 0 and packer.calibration is None
-    assert WLBPacker(4, 163840, COST, n_queues=1).thresholds == [32768]
+    assert WLBPacker(4, 163840, COST, n_queues=1).thresholds == [49152]
 
 
 def test_adaptive_tolerance_rises_with_displacement_between_its_bounds():

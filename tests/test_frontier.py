@@ -17,6 +17,10 @@ from wlb_opt.solvers.frontier import (aggregate_imbalance, brute_force_frontier,
 COST = unit_cost(attn=1e-4, linear=1e-3, doc_const=1e-3)
 
 
+def fwd(lengths):
+    return COST.doc_cost(lengths, "fwd")
+
+
 def tiny_stream(rng, n_steps, n_outliers):
     """Batches (pieces, ids, offsets) of short pieces plus `n_outliers` long ones in all."""
     where = rng.integers(0, n_steps, n_outliers)
@@ -33,7 +37,7 @@ def tiny_stream(rng, n_steps, n_outliers):
 def test_frontier_optimum_equals_brute_force_on_tiny_streams(seed):
     rng = np.random.default_rng(seed)
     batches = tiny_stream(rng, n_steps=3, n_outliers=3)
-    problem = frontier_problem(batches, COST, n_micro=2, max_tokens=120, outlier_min=40, early=1, late=1)
+    problem = frontier_problem(batches, fwd, n_micro=2, max_tokens=120, outlier_min=40, early=1, late=1)
     assert len(problem.outlier_length) == 3
     for budget in (0.0, 0.15, 0.6):
         exact = solve_frontier(problem, budget, time_limit=30)
@@ -50,7 +54,7 @@ def test_frontier_optimum_equals_brute_force_on_tiny_streams(seed):
 def test_bound_lies_below_every_packer_plan_within_its_displacement():
     rng = np.random.default_rng(7)
     batches = tiny_stream(rng, n_steps=12, n_outliers=8)
-    problem = frontier_problem(batches, COST, n_micro=2, max_tokens=120, outlier_min=40, early=2, late=6)
+    problem = frontier_problem(batches, fwd, n_micro=2, max_tokens=120, outlier_min=40, early=2, late=6)
     mbc = COST.mb_const("fwd")
     checked = 0
     for kw in (dict(thresholds=[40], max_delay=4), dict(thresholds=[40], max_delay=4, lookahead=2),
@@ -69,7 +73,7 @@ def test_bound_lies_below_every_packer_plan_within_its_displacement():
 
 
 def test_bad_budget():
-    problem = frontier_problem(tiny_stream(np.random.default_rng(0), 2, 1), COST, 2, 120, outlier_min=40,
+    problem = frontier_problem(tiny_stream(np.random.default_rng(0), 2, 1), fwd, 2, 120, outlier_min=40,
                                early=0, late=1)
     with pytest.raises(ValueError, match="budget must be"):
         solve_frontier(problem, -0.1)

@@ -43,7 +43,7 @@ from ..pack import get_method, solve_pack
 from ..plan import PackPlan
 from ..solvers.deal import deal_to_replicas
 from .calibrate import calibrate_thresholds, candidate_thresholds
-from .defaults import (DEFAULT_CUTOFF_DIVISOR, DEFAULT_MAX_DELAY, TARGET_SHARE, TOLERANCE_LOW, adaptive_tolerance,
+from .defaults import (DEFAULT_CUTOFF_SHARE, DEFAULT_MAX_DELAY, TARGET_SHARE, TOLERANCE_LOW, adaptive_tolerance,
                        running_displacement)
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
@@ -68,7 +68,7 @@ class WLBPacker:
         cost: the cost model that weighs documents (default: `default_cost()`).
         dp: data-parallel replicas; dp x n_micro micro-batches are packed jointly (None: the
             cost model's `parallel.dp`, 1 without a layout; a disagreeing value raises).
-        thresholds: None (default: one queue of the pieces >= max_tokens // 5, see
+        thresholds: None (default: one queue of the pieces >= 0.3 x max_tokens, see
             `wlb_opt.packer.defaults`), "auto" (calibrate on the first global batch), or
             increasing positive lengths [L1, L2, ...], one queue each (an empty list disables
             the queues).
@@ -136,8 +136,8 @@ class WLBPacker:
         if thresholds is None:  # the no-tuning default (defaults.py)
             if n_queues not in (None, 1):
                 raise ValueError(f"n_queues={n_queues!r} does not match thresholds=None (one queue of pieces >= "
-                                 f"max_tokens // {DEFAULT_CUTOFF_DIVISOR}); pass n_queues=None or 1")
-            thresholds = [max(1, self.max_tokens // DEFAULT_CUTOFF_DIVISOR)]
+                                 f"{DEFAULT_CUTOFF_SHARE} x max_tokens); pass n_queues=None or 1")
+            thresholds = [max(1, int(DEFAULT_CUTOFF_SHARE * self.max_tokens))]
         if isinstance(thresholds, str):
             if thresholds != "auto":
                 raise ValueError(f"thresholds must be 'auto' or an increasing list of positive lengths, "
