@@ -15,6 +15,8 @@ module may not import:
 
     python -m wlb_opt.bench.data                 the two calibration targets of "default"
     python -m wlb_opt.bench.data --make-real     rebuild wlb_opt/real_lengths.npy here
+    python -m wlb_opt.bench.data --make-kinds    rebuild bench/code_lengths.npy and
+                                                 bench/prose_lengths.npy here
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import numpy as np
 
 from .._optional import progress
 from ..cost import CostModel
-from ..data import DEFAULT_SEED, REAL_FILE, GlobalBatch, document_stream
+from ..data import DEFAULT_SEED, REAL_FILE, GlobalBatch, document_stream, kind_file
 from ..docs import split_documents
 from ..pack import solve_pack
 from ..plan import PackPlan, imbalance
@@ -112,6 +114,55 @@ def make_real_lengths(roots=None, max_files: int = 60000, seed: int = 0) -> np.n
     return rng.permutation(sizes).astype(np.int32)
 
 
+CODE_SUFFIXES = frozenset({".py", ".pyi", ".pyx", ".pxd", ".h", ".hpp", ".hh", ".c", ".cc", ".cpp", ".cxx", ".cu",
+                           ".cuh", ".pm", ".pl", ".vim", ".cmake", ".tcl", ".f90", ".td", ".inc", ".js", ".sh",
+                           ".rs", ".go", ".java", ".lua", ".rb"})
+"""File suffixes counted as source code by `make_kind_lengths`."""
+PROSE_SUFFIXES = frozenset({".rst", ".txt", ".md", ".html", ".htm", ".tex", ".texi", ".rtf", ".org", ".adoc"})
+"""File suffixes counted as prose (plus the gzipped changelogs and READMEs of /usr/share/doc)."""
+
+
+def make_kind_lengths(roots=None) -> dict[str, np.ndarray]:
+    """Token estimates (ceil(bytes / 4)) of the source-code files and of the prose files
+    under `roots` (default: Python's stdlib, site-packages, /usr/share/doc, /usr/include
+    and /usr/share), one document per file, each file counted once (by real path). A
+    `.gz` file under /usr/share/doc counts, decompressed, by the suffix under `.gz` (prose
+    if it has none: changelogs). Files that are not UTF-8 text or shorter than 64 bytes are
+    skipped. Returns {"code": lengths, "prose": lengths} in a fixed shuffled order."""
+    import gzip
+    import os
+    import sysconfig
+
+    roots = roots or [sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], "/usr/share/doc",
+                      "/usr/include", "/usr/share"]
+    seen: set[str] = set()
+    sizes: dict[str, list[int]] = {"code": [], "prose": []}
+    for root in roots:
+        for path in sorted(Path(root).rglob("*")):
+            if path.is_symlink() or not path.is_file():
+                continue
+            real = os.path.realpath(path)
+            if real in seen:
+                continue
+            seen.add(real)
+            suffix, packed = path.suffix.lower(), False
+            if suffix == ".gz" and str(path).startswith("/usr/share/doc"):
+                suffix, packed = Path(path.stem).suffix.lower() or ".txt", True
+            kind = "code" if suffix in CODE_SUFFIXES else "prose" if suffix in PROSE_SUFFIXES else None
+            if kind is None:
+                continue
+            try:
+                raw = path.read_bytes()
+                raw = gzip.decompress(raw) if packed else raw
+                raw.decode("utf-8")
+            except (OSError, EOFError, UnicodeDecodeError, gzip.BadGzipFile):
+                continue
+            if len(raw) >= 64 and b"\x00" not in raw[:4096]:
+                sizes[kind].append(-(-len(raw) // 4))
+    rng = np.random.default_rng(0)
+    return {kind: rng.permutation(np.asarray(v, dtype=np.int64)).astype(np.int32) for kind, v in sizes.items()}
+
+
 def calibration_report(steps: int = 300, seed: int = 0) -> dict:
     """The two calibration targets of the default distribution (see `wlb_opt.data`):
     the token share of documents under half the window, and the mean PP imbalance of
@@ -141,7 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--make-real", action="store_true", help=f"rebuild {REAL_FILE} from this machine's text files")
     p.add_argument("--steps", type=count, default=300, help="Plain-4D steps of the calibration report (default 300)")
     p.add_argument("--seed", type=natural, default=0, help="stream seed, an offset from DEFAULT_SEED (default 0)")
+    p.add_argument("--make-kinds", action="store_true",
+                   help="rebuild the code and prose length files (bench/*_lengths.npy) from this machine's files")
     args = p.parse_args(argv)
+    if args.make_kinds:
+        for kind, arr in make_kind_lengths().items():
+            path = kind_file(kind)
+            np.save(path, arr)
+            print(f"wrote {path}: {len(arr)} documents, median {int(np.median(arr))}, "
+                  f"{int((arr >= 32768).sum())} >= 32768, max {int(arr.max())}")
+        return 0
     if args.make_real:
         arr = make_real_lengths()
         np.save(REAL_FILE, arr)

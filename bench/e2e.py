@@ -130,7 +130,7 @@ def _wlb_plans(batches, cfg: Config, cost: CostModel, seed: int, sample=None) ->
     from ..packer import WLBPacker
 
     packer = WLBPacker(cfg.pp, int(1.25 * cfg.context), cost, dp=cfg.dp, thresholds="auto", n_queues=3,
-                       max_delay=8, seed=seed, release="balance", delay_budget=0.75)
+                       max_delay=8, seed=seed, release="balance", delay_budget=0.75, balance_tolerance=1.02)
     if sample is not None:
         packer.calibrate(sample, tokens_per_batch=cfg.dp * cfg.pp * cfg.context, n_batches=32)
     run = run_packer(packer, batches)

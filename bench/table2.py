@@ -20,7 +20,13 @@ batches (N x window tokens each, `wlb_opt.data.global_batches`) feeds every row:
 - WLB calibrated:      `WLBPacker.calibrate` (2 queues) on a held-out sample of 16 global
                        batches (another seed), max_delay=8, release="balance".
 - WLB auto:            thresholds="auto" (calibrated on the first global batch), max_delay=8,
-                       release="balance".
+                       release="balance" (balance rows: balance_tolerance 1.02, the old default).
+- WLB default:         `WLBPacker(N, max_tokens, cost)`, nothing tuned (wlb_opt.packer.defaults:
+                       one pool from 0.3 x max_tokens, release="group", max_delay 16,
+                       balance_tolerance "auto").
+- WLB default, lookahead K: the same with lookahead=K (K = 1, 2, 4): the packer sees K
+                       batches ahead and may train outliers up to K steps early; the delay
+                       column is then displacement per token (mean |step - arrival|).
 
 Imbalance of a step = max / mean of the modelled forward time of its N micro-batches
 (`cost.micro_batch_cost(..., phase="fwd")`, the paper's Max x N / Total); the table shows the
@@ -76,18 +82,21 @@ def pooled_rows(batches, cost, bins_per_step: int, window: int, method: str, k: 
 
 def wlb_row(batches, cost, n_micro: int, dp: int, max_tokens: int, thresholds, max_delay, seed: int,
             show: bool, label: str, calibration_sample=None, release: str = "paper",
-            balance_tolerance: float | None = None) -> dict:
-    extra = {} if balance_tolerance is None else dict(balance_tolerance=balance_tolerance)
-    packer = WLBPacker(n_micro, max_tokens, cost, dp=dp, thresholds=thresholds, max_delay=max_delay, seed=seed,
-                       release=release, **extra)
+            balance_tolerance: float | str = 1.02, packer: WLBPacker | None = None) -> dict:
+    """One WLB row; `packer` (if given) replaces the configuration arguments."""
+    if packer is None:
+        packer = WLBPacker(n_micro, max_tokens, cost, dp=dp, thresholds=thresholds, max_delay=max_delay, seed=seed,
+                           release=release, balance_tolerance=balance_tolerance)
     calib_s = None
     if calibration_sample is not None:
         t0 = time.perf_counter()
         packer.calibrate(calibration_sample, tokens_per_batch=int(packer.capacity_tokens / 1.25))
         calib_s = time.perf_counter() - t0
     run = run_packer(packer, batches, desc=label, show=show)
-    imbs = [per_step_imbalance(plan, cost, "fwd") for plan in run.plans]
-    times = run.seconds
+    k = packer.lookahead  # the first k pack calls return None; the drain plans the last k steps
+    plans = [plan for plan in run.plans if plan is not None] + list(run.drained[:k])
+    imbs = [per_step_imbalance(plan, cost, "fwd") for plan in plans]
+    times = run.seconds[k:] or run.seconds
     if thresholds == "auto":
         calib_s = packer.calibration["seconds"] if packer.calibration else None
         times = times[1:] or times  # the first step ran the calibration (reported apart)
@@ -96,7 +105,9 @@ def wlb_row(batches, cost, n_micro: int, dp: int, max_tokens: int, thresholds, m
                 ms_per_batch=1e3 * float(np.median(times)), delay_per_token=s["delay_per_token"],
                 delay_mean_per_doc=s["delay_mean_per_doc"], delay_max=s["delay_max"],
                 delayed_token_share=s["delayed_token_share"], late_pieces=s["late_pieces"],
-                thresholds=packer.thresholds, max_delay=max_delay, release=release, calibration_s=calib_s,
+                displacement_per_token=s["displacement_per_token"], early_token_share=s["early_token_share"],
+                thresholds=packer.thresholds, max_delay=packer.max_delay, release=packer.release,
+                lookahead=packer.lookahead, calibration_s=calib_s,
                 drain_steps=s["steps"] - run.streamed_stats["steps"])
 
 
@@ -118,15 +129,16 @@ def _fmt(x, spec):
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'method':<22} {'steps':>5} {'imbalance':>9} {'p90':>6} {'delay/tok':>9} {'ms/batch':>9}   "
+    print(f"{'method':<26} {'steps':>5} {'imbalance':>9} {'p90':>6} {'delay/tok':>9} {'ms/batch':>9}   "
           f"{'paper imb':>9} {'paper ms':>8}")
     for r in rows:
         pi, pm = PAPER.get(r["row"], (None, None))
         if r.get("pending"):
-            print(f"{r['row']:<22} {r['pending']:>5}")
+            print(f"{r['row']:<26} {r['pending']:>5}")
             continue
-        print(f"{r['row']:<22} {r['steps']:>5} {r['imbalance']:>9.3f} {r['imbalance_p90']:>6.3f} "
-              f"{_fmt(r.get('delay_per_token'), '9.3f'):>9} {r['ms_per_batch']:>9.2f}   "
+        print(f"{r['row']:<26} {r['steps']:>5} {r['imbalance']:>9.3f} {r['imbalance_p90']:>6.3f} "
+              f"{_fmt(r.get('displacement_per_token', r.get('delay_per_token')), '9.3f'):>9} "
+              f"{r['ms_per_batch']:>9.2f}   "
               f"{_fmt(pi, '9.2f'):>9} {_fmt(pm, '8d'):>8}")
 
 
@@ -149,7 +161,7 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
             ax.plot(PAPER[r["row"]][0], i, "kx")
             end = max(end, PAPER[r["row"]][0])
         if r.get("delay_per_token") is not None:  # right of both the bar and the paper's x
-            ax.annotate(f"delay {r['delay_per_token']:.2f}", (end, i), xytext=(9, 0), textcoords="offset points",
+            ax.annotate(f"delay {r.get('displacement_per_token', r['delay_per_token']):.2f}", (end, i), xytext=(9, 0), textcoords="offset points",
                         va="center", fontsize=8)
         right = max(right, end)
     ax.set_xlim(1.0, right + 0.12 * (right - 1.0) + 0.06)
@@ -246,11 +258,17 @@ def main(argv: list[str] | None = None) -> int:
                                                      release="balance")))
     rows.append(dict(row="WLB auto", **wlb_row(batches, cost, N, dp, max_tokens, "auto", args.max_delay,
                                                args.seed, show, "WLB auto", release="balance")))
+    for k in (0, 1, 2, 4):  # what a user gets with nothing tuned, and with lookahead
+        name = "WLB default" + (f", lookahead {k}" if k else "")
+        rows.append(dict(row=name, **wlb_row(batches, cost, N, dp, max_tokens, None, None, args.seed, show, name,
+                                             packer=WLBPacker(N, max_tokens, cost, dp=dp, seed=args.seed,
+                                                              lookahead=k))))
     print_table(rows)
     for r in rows:
         if "thresholds" in r:
-            print(f"  {r['row']}: thresholds {r['thresholds']}, max_delay {r['max_delay']}, delay per doc "
-                  f"{r['delay_mean_per_doc']:.3f}, max {r['delay_max']}, release {r['release']}, delayed tokens {r['delayed_token_share']:.1%}"
+            print(f"  {r['row']}: thresholds {r['thresholds']}, max_delay {r['max_delay']}, lookahead {r['lookahead']}, "
+                  f"delay per doc {r['delay_mean_per_doc']:.3f}, max {r['delay_max']}, release {r['release']}, "
+                  f"late tokens {r['delayed_token_share']:.1%}, early tokens {r['early_token_share']:.1%}"
                   + (f", calibration {r['calibration_s']:.2f} s" if r.get("calibration_s") else ""))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -89,7 +89,9 @@ def test_orderings_train_every_token_once(ordering):
     batches = _batches()
     steps, facts = plans.ordering_steps(ordering, batches, 2, 64, cost)
     plans.check_every_token_once(steps, batches)
-    assert len(steps) >= 16 and all(len(p.micro_batches) == 2 for p in steps)
+    capacity = 2 * (1.25 * 64 if ordering == "wlb" else 64)  # tokens one step can place
+    total = sum(int(np.sum(b[0])) for b in batches)
+    assert len(steps) >= total / capacity and all(len(p.micro_batches) == 2 for p in steps)
     moved = plans.displacement(steps, plans.arrival_batches(batches))
     limit = 1.25 * 64 if ordering == "wlb" else 64
     assert all(int(p.lengths[mb].sum()) <= limit for p in steps for mb in p.micro_batches)

@@ -40,7 +40,7 @@ def test_global_batches_cut_one_stream_into_consecutive_batches():
 
 
 def test_distributions_and_errors():
-    assert set(data.DISTRIBUTIONS) == {"default", "light", "real"}
+    assert set(data.DISTRIBUTIONS) == {"default", "light", "real", "code", "prose"}
     assert data.sample_documents(100, "light", seed=1).min() >= 1
     with pytest.raises(ValueError, match="unknown length distribution"):
         data.sample_documents(10, "heavy")
@@ -128,3 +128,21 @@ def test_run_packer_streams_then_drains():
     assert total == sum(int(b[0].sum()) for b in batches)
     assert run.stats["steps"] == run.streamed_stats["steps"] + len(run.drained)
     json.dumps(run.stats, default=str)
+
+
+@pytest.mark.parametrize("kind", ["code", "prose"])
+def test_code_and_prose_distributions_read_the_files_shipped_in_bench(kind):
+    path = data.kind_file(kind)
+    assert path.parent.name == "bench" and path.exists()
+    lengths = data.kind_lengths(kind)
+    assert lengths.dtype == np.int64 and len(lengths) > 1000 and lengths.min() >= 16
+    assert set(data.sample_documents(200, kind, seed=0)) <= set(lengths.tolist())
+    with pytest.raises(ValueError, match="kind must be one of"):
+        data.kind_file("poetry")
+
+
+def test_code_and_prose_differ_in_shape():
+    code, prose = data.kind_lengths("code"), data.kind_lengths("prose")
+    # prose: shorter typical file, heavier tail (more of its files are outliers)
+    assert np.median(prose) < 0.6 * np.median(code)
+    assert np.mean(prose >= 32768) > 2 * np.mean(code >= 32768)

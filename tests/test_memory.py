@@ -103,6 +103,22 @@ def test_cost_memory_and_solve_pack_auto():
         wlb.solve_pack(lengths, 4, "big", cost)
 
 
+def test_wlb_packer_max_tokens_auto():
+    par = wlb.ParallelSpec(tp=8, cp=2, pp=4)
+    cost = wlb.CostModel.analytic(M7B, par, H100)
+    packer = wlb.WLBPacker(4, "auto", cost, memory_bytes=80 * GiB)
+    assert packer.max_tokens == wlb.max_tokens_for(M7B, par, H100, 80 * GiB)
+    assert wlb.WLBPacker(4, "auto", cost, memory_bytes=40 * GiB).max_tokens < packer.max_tokens
+    plan = packer.pack([60000, 30000, 20000, 9000] * 4)
+    assert all(int(plan.lengths[mb].sum()) <= packer.max_tokens for mb in plan.micro_batches)
+    with pytest.raises(ValueError, match="needs memory_bytes"):
+        wlb.WLBPacker(4, "auto", cost)
+    with pytest.raises(ValueError, match="only read with max_tokens='auto'"):
+        wlb.WLBPacker(4, 163840, cost, memory_bytes=80 * GiB)
+    with pytest.raises(ValueError, match="cannot hold one token"):
+        wlb.WLBPacker(4, "auto", cost, memory_bytes=1)
+
+
 def test_profiled_model_without_hardware_needs_a_calibration():
     profiled = wlb.CostModel(coef=wlb.CostModel.analytic(M7B).coef, attn_flops_per_pair=1.0, model=M7B)
     with pytest.raises(ValueError, match="no memory model.*calibrated.*hardware=None"):

@@ -22,6 +22,15 @@ def unit_cost(attn=1e-6, linear=1e-3, parallel=None):
 
 COST = unit_cost()
 
+OLD_DEFAULTS = dict(thresholds="auto", n_queues=None, max_delay=8, release="paper", balance_tolerance=1.02)
+"""The packer's defaults before issue 16. These tests pin the paper's rule; the no-tuning
+defaults (release="group", balance_tolerance="auto") are tested in test_defaults.py."""
+
+
+def PaperPacker(*args, **kw) -> wlb.WLBPacker:
+    """A WLBPacker with the old defaults for every argument the test leaves out."""
+    return wlb.WLBPacker(*args, **{**OLD_DEFAULTS, **kw})
+
 
 def stream(rng, n_batches, mean_docs=12, outlier_p=0.1, cap=100):
     """Batches of (lengths, ids): short documents and some outliers near the cap."""
@@ -59,7 +68,7 @@ def test_long_stream_places_every_id_exactly_once(seed, n_micro, dp, max_delay, 
     thresholds = [34, 60, 85][:n_queues]
     # ~ 0.8 of capacity per step on average, so the backlog stays bounded
     batches = stream(rng, 200, mean_docs=int(0.8 * dp * n_micro * cap / 25) + 1, cap=cap)
-    packer = wlb.WLBPacker(n_micro, cap, COST, dp=dp, thresholds=thresholds, max_delay=max_delay,
+    packer = PaperPacker(n_micro, cap, COST, dp=dp, thresholds=thresholds, max_delay=max_delay,
                            max_backlog_tokens=10**9, release=release)
     plans, tail = run(packer, batches)
     for plan in plans + tail:
@@ -85,7 +94,7 @@ def test_long_stream_places_every_id_exactly_once(seed, n_micro, dp, max_delay, 
 def test_queue_is_fifo_and_releases_exactly_dp_times_n_micro():
     n_micro, dp = 2, 2
     need = dp * n_micro
-    packer = wlb.WLBPacker(n_micro, 100, COST, dp=dp, thresholds=[50], max_delay=None)
+    packer = PaperPacker(n_micro, 100, COST, dp=dp, thresholds=[50], max_delay=None)
     outlier_ids = []
     next_id = 0
     for step in range(7):  # 3 outliers a step: the queue reaches 4 at step 1, ...
@@ -109,7 +118,7 @@ def test_queue_is_fifo_and_releases_exactly_dp_times_n_micro():
 
 
 def test_outliers_go_to_the_right_level():
-    packer = wlb.WLBPacker(4, 200, COST, thresholds=[50, 100, 150], max_delay=None)
+    packer = PaperPacker(4, 200, COST, thresholds=[50, 100, 150], max_delay=None)
     packer.pack([49, 50, 99, 100, 149, 150, 200], [1, 2, 3, 4, 5, 6, 7])
     levels = [[piece.id for piece in q] for q in packer._queues]
     assert levels == [[2, 3], [4, 5], [6, 7]]
@@ -117,7 +126,7 @@ def test_outliers_go_to_the_right_level():
 
 
 def test_released_outliers_go_one_per_micro_batch():
-    packer = wlb.WLBPacker(4, 200, unit_cost(attn=1.0, linear=0.0), thresholds=[100], max_delay=None)
+    packer = PaperPacker(4, 200, unit_cost(attn=1.0, linear=0.0), thresholds=[100], max_delay=None)
     packer.pack([150, 120, 110], [0, 1, 2])
     plan = packer.pack([105] + [3] * 20, list(range(3, 24)))
     per_mb = [int(np.sum(plan.lengths[mb] >= 100)) for mb in plan.micro_batches]
@@ -126,7 +135,7 @@ def test_released_outliers_go_one_per_micro_batch():
 
 
 def test_max_delay_is_honoured_with_a_queue_that_never_fills():
-    packer = wlb.WLBPacker(4, 100, COST, thresholds=[50], max_delay=3)
+    packer = PaperPacker(4, 100, COST, thresholds=[50], max_delay=3)
     delays = []
     for step in range(30):
         lengths = [60] if step % 5 == 0 else []  # one outlier every 5 steps: never 4 at once
@@ -136,14 +145,14 @@ def test_max_delay_is_honoured_with_a_queue_that_never_fills():
         delays += (plan.step - plan.arrival_step[placed]).tolist()
     assert max(delays) == 3
     assert packer.stats()["delay_max"] == 3 and packer.stats()["late_pieces"] == 0
-    paper = wlb.WLBPacker(4, 100, COST, thresholds=[50], max_delay=None)
+    paper = PaperPacker(4, 100, COST, thresholds=[50], max_delay=None)
     for step in range(30):
         paper.pack([60] if step % 5 == 0 else [5], [step])
     assert len(paper.queued_ids()) == 2  # paper-faithful: 6 outliers, one release of 4
 
 
 def test_forced_release_tops_up_from_other_queues():
-    packer = wlb.WLBPacker(2, 100, unit_cost(attn=1.0, linear=0.0), thresholds=[40, 70], max_delay=2)
+    packer = PaperPacker(2, 100, unit_cost(attn=1.0, linear=0.0), thresholds=[40, 70], max_delay=2)
     packer.pack([80], [0])
     packer.pack([50], [1])
     plan = packer.pack([3, 3], [2, 3])  # step 2: id 0 is due; id 1 joins it, one per micro-batch
@@ -152,7 +161,7 @@ def test_forced_release_tops_up_from_other_queues():
 
 
 def test_overload_raises_and_keeps_state():
-    packer = wlb.WLBPacker(2, 100, COST, thresholds=[], max_delay=None, max_backlog_tokens=150)
+    packer = PaperPacker(2, 100, COST, thresholds=[], max_delay=None, max_backlog_tokens=150)
     packer.pack([90] * 3, [0, 1, 2])  # 90 carried
     state = json.dumps(packer.state_dict())
     with pytest.raises(ValueError, match="max_backlog_tokens=150.*larger max_tokens"):
@@ -162,7 +171,7 @@ def test_overload_raises_and_keeps_state():
 
 
 def test_drain_empties_everything_in_few_plans():
-    packer = wlb.WLBPacker(4, 100, COST, thresholds=[30, 60], max_delay=None)
+    packer = PaperPacker(4, 100, COST, thresholds=[30, 60], max_delay=None)
     packer.pack([35, 65, 95, 10], [0, 1, 2, 3])
     assert sorted(packer.queued_ids().tolist()) == [0, 1, 2]
     tail = packer.drain()
@@ -179,13 +188,13 @@ def test_checkpoint_at_any_step_resumes_to_identical_plans(seed, cut, max_delay,
     batches = stream(rng, 60, cap=100)
     kw = dict(thresholds="auto", n_queues=2, max_delay=max_delay, seed=3, max_backlog_tokens=10**9, dp=2,
               release=release)
-    ref = wlb.WLBPacker(2, 100, COST, **kw)
+    ref = PaperPacker(2, 100, COST, **kw)
     ref_plans, ref_tail = run(ref, batches)
-    first = wlb.WLBPacker(2, 100, COST, **kw)
+    first = PaperPacker(2, 100, COST, **kw)
     for lengths, ids in batches[:cut]:
         first.pack(lengths, ids)
     state = json.loads(json.dumps(first.state_dict()))
-    resumed = wlb.WLBPacker(2, 100, COST, **kw)
+    resumed = PaperPacker(2, 100, COST, **kw)
     resumed.load_state_dict(state)
     plans, tail = run(resumed, batches[cut:])
     assert [p.digest() for p in plans + tail] == [p.digest() for p in ref_plans[cut:] + ref_tail]
@@ -209,8 +218,8 @@ def test_two_processes_with_the_same_seed_agree():
 def test_calibration_is_deterministic_and_recorded():
     rng = np.random.default_rng(0)
     sample = np.concatenate([rng.integers(1, 10, 400), rng.integers(40, 100, 12)])
-    a = wlb.WLBPacker(4, 100, COST, thresholds="auto", n_queues=2, seed=1)
-    b = wlb.WLBPacker(4, 100, COST, thresholds="auto", n_queues=2, seed=1)
+    a = PaperPacker(4, 100, COST, thresholds="auto", n_queues=2, seed=1)
+    b = PaperPacker(4, 100, COST, thresholds="auto", n_queues=2, seed=1)
     ta, tb = a.calibrate(sample, n_batches=8), b.calibrate(sample, n_batches=8)
     assert ta == tb and len(ta) == 2 and ta[0] < ta[1]
     assert a.state_dict()["thresholds"] == ta and a.state_dict()["calibration"]["thresholds"] == ta
@@ -226,7 +235,7 @@ def test_delay_reduces_imbalance_on_the_default_distribution():
     batches = global_batches("default", 131072, 4 * 131072, 40)
     res = {}
     for name, th in (("none", []), ("two", [65536, 98304])):
-        p = wlb.WLBPacker(4, 163840, cost, thresholds=th, max_delay=8)
+        p = PaperPacker(4, 163840, cost, thresholds=th, max_delay=8)
         res[name] = np.mean([per_step_imbalance(p.pack(*b), cost) for b in batches])
     assert res["two"] < 1.15 < res["none"]
 
@@ -241,7 +250,7 @@ def test_dp_refinement_by_1f1b_time():
                 for a in [(0, 1), (0, 2), (0, 3)])
     assert max(t) == pytest.approx(brute)
     assert one_f_one_b_time([2.0, 1.0], 1) == 3.0 and one_f_one_b_time([2.0, 1.0], 4) == pytest.approx(2.25)
-    packer = wlb.WLBPacker(2, 100, unit_cost(parallel=wlb.ParallelSpec(pp=4, dp=2)), thresholds=[])
+    packer = PaperPacker(2, 100, unit_cost(parallel=wlb.ParallelSpec(pp=4, dp=2)), thresholds=[])
     assert (packer.dp, packer.pp) == (2, 4)  # both from the cost model's layout
     plan = packer.pack([90, 80, 5, 5, 5, 5], None)
     assert np.bincount(plan.replica_of).tolist() == [2, 2]
@@ -249,7 +258,7 @@ def test_dp_refinement_by_1f1b_time():
 
 
 def test_auto_ids_and_piece_offsets():
-    packer = wlb.WLBPacker(2, 100, COST, thresholds=[])
+    packer = PaperPacker(2, 100, COST, thresholds=[])
     p1 = packer.pack([5, 6])
     p2 = packer.pack([7])
     assert p1.doc_ids.tolist() == [0, 1] and p2.doc_ids.tolist() == [2]
@@ -274,11 +283,11 @@ def test_bad_configuration(kwargs, match):
     args = dict(n_micro=2, max_tokens=100, cost=COST)
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
-        wlb.WLBPacker(**args)
+        PaperPacker(**args)
 
 
 def test_bad_batches():
-    packer = wlb.WLBPacker(2, 100, COST, thresholds=[50], max_delay=None)
+    packer = PaperPacker(2, 100, COST, thresholds=[50], max_delay=None)
     with pytest.raises(ValueError, match="ids.*same size"):
         packer.pack([1, 2, 3], [1, 2])
     with pytest.raises(ValueError, match="repeated within the batch"):
@@ -292,29 +301,29 @@ def test_bad_batches():
 
 
 def test_bad_state_dict():
-    packer = wlb.WLBPacker(2, 100, COST, thresholds=[50], max_delay=4)
+    packer = PaperPacker(2, 100, COST, thresholds=[50], max_delay=4)
     packer.pack([60, 5], [1, 2])
     state = packer.state_dict()
     with pytest.raises(ValueError, match="version"):
-        wlb.WLBPacker(2, 100, COST, thresholds=[50], max_delay=4).load_state_dict(dict(state, version=99))
+        PaperPacker(2, 100, COST, thresholds=[50], max_delay=4).load_state_dict(dict(state, version=99))
     with pytest.raises(ValueError, match="config.max_tokens"):
-        wlb.WLBPacker(2, 120, COST, thresholds=[50], max_delay=4).load_state_dict(state)
+        PaperPacker(2, 120, COST, thresholds=[50], max_delay=4).load_state_dict(state)
     with pytest.raises(ValueError, match="config.max_delay"):
-        wlb.WLBPacker(2, 100, COST, thresholds=[50], max_delay=None).load_state_dict(state)
+        PaperPacker(2, 100, COST, thresholds=[50], max_delay=None).load_state_dict(state)
     with pytest.raises(ValueError, match="thresholds"):
-        wlb.WLBPacker(2, 100, COST, thresholds=[40], max_delay=4).load_state_dict(state)
+        PaperPacker(2, 100, COST, thresholds=[40], max_delay=4).load_state_dict(state)
     with pytest.raises(ValueError, match="cost_fingerprint"):
-        wlb.WLBPacker(2, 100, unit_cost(attn=2e-6), thresholds=[50], max_delay=4).load_state_dict(state)
+        PaperPacker(2, 100, unit_cost(attn=2e-6), thresholds=[50], max_delay=4).load_state_dict(state)
     with pytest.raises(ValueError, match="malformed"):
-        wlb.WLBPacker(2, 100, COST, thresholds=[50], max_delay=4).load_state_dict(dict(state, queues=[[[1, 2]]]))
-    fresh = wlb.WLBPacker(2, 100, COST, thresholds=[50], max_delay=4)
+        PaperPacker(2, 100, COST, thresholds=[50], max_delay=4).load_state_dict(dict(state, queues=[[[1, 2]]]))
+    fresh = PaperPacker(2, 100, COST, thresholds=[50], max_delay=4)
     fresh.load_state_dict(json.loads(json.dumps(state)))
     assert fresh.queued_ids().tolist() == [1] and fresh.step == 1
 
 
 def test_bad_method_names_the_valid_ones():
     with pytest.raises(ValueError, match="unknown packing method 'nope'"):
-        wlb.WLBPacker(2, 100, COST, method="nope")
+        PaperPacker(2, 100, COST, method="nope")
 
 
 def test_table2_bench_runs_small(tmp_path, capsys):
@@ -333,8 +342,8 @@ def test_table2_bench_runs_small(tmp_path, capsys):
 def test_balance_release_takes_an_outlier_the_step_can_balance():
     # attention-only cost (length^2): a 52-token outlier costs 2704.
     cost = unit_cost(attn=1.0, linear=0.0)
-    paper = wlb.WLBPacker(4, 400, cost, thresholds=[50], max_delay=None)
-    bal = wlb.WLBPacker(4, 400, cost, thresholds=[50], max_delay=None, release="balance", balance_tolerance=1.05)
+    paper = PaperPacker(4, 400, cost, thresholds=[50], max_delay=None)
+    bal = PaperPacker(4, 400, cost, thresholds=[50], max_delay=None, release="balance", balance_tolerance=1.05)
     for p in (paper, bal):  # 80 x 5 tokens (2000 in all) cannot balance it: it waits in both
         p.pack([52] + [5] * 80, list(range(81)))
         assert p.queued_ids().tolist() == [0]
@@ -349,7 +358,7 @@ def test_balance_release_takes_an_outlier_the_step_can_balance():
 
 def test_balance_release_keeps_fifo_within_a_queue():
     cost = unit_cost(attn=1.0, linear=0.0)
-    packer = wlb.WLBPacker(2, 300, cost, thresholds=[50], max_delay=None, release="balance", balance_tolerance=1.5)
+    packer = PaperPacker(2, 300, cost, thresholds=[50], max_delay=None, release="balance", balance_tolerance=1.5)
     order = []
     next_id = 0
     for step in range(20):
@@ -367,7 +376,7 @@ def test_balance_release_keeps_fifo_within_a_queue():
 def test_calibration_candidates_come_from_cost_and_data():
     rng = np.random.default_rng(0)
     sample = np.concatenate([rng.integers(1, 10, 400), rng.integers(40, 100, 40)])
-    packer = wlb.WLBPacker(4, 100, unit_cost(attn=1e-3, linear=1e-3), thresholds="auto", n_queues=2,
+    packer = PaperPacker(4, 100, unit_cost(attn=1e-3, linear=1e-3), thresholds="auto", n_queues=2,
                            release="balance")
     grid = packer.candidate_thresholds(sample, 320)
     assert grid == sorted(grid) and all(b > 1.05 * a for a, b in zip(grid, grid[1:]))
@@ -387,8 +396,8 @@ def test_original_is_rejected_and_an_overload_leaves_the_state_unchanged():
     import wlb_opt as wlb
 
     with pytest.raises(ValueError, match="original"):
-        wlb.WLBPacker(n_micro=1, max_tokens=10, thresholds=[], max_delay=None, method="original")
-    p = wlb.WLBPacker(n_micro=2, max_tokens=1000, max_backlog_tokens=0)  # thresholds="auto"
+        PaperPacker(n_micro=1, max_tokens=10, thresholds=[], max_delay=None, method="original")
+    p = PaperPacker(n_micro=2, max_tokens=1000, max_backlog_tokens=0)  # thresholds="auto"
     before = json.dumps(p.state_dict(), sort_keys=True)
     with pytest.raises(ValueError, match="overload"):
         p.pack([200] * 30)
@@ -420,8 +429,8 @@ def test_group_release_lets_an_outlier_the_step_can_balance_leave_alone_at_arriv
     # attention-only cost (length^2): a 52-token outlier costs 2704, 81 x 10 tokens fill the
     # other three micro-batches to 2700: a fair share, so it leaves alone in its own step.
     cost = unit_cost(attn=1.0, linear=0.0)
-    paper = wlb.WLBPacker(4, 400, cost, thresholds=[50], max_delay=None)
-    grp = wlb.WLBPacker(4, 400, cost, thresholds=[50], max_delay=None, release="group", balance_tolerance=1.05)
+    paper = PaperPacker(4, 400, cost, thresholds=[50], max_delay=None)
+    grp = PaperPacker(4, 400, cost, thresholds=[50], max_delay=None, release="group", balance_tolerance=1.05)
     plan = grp.pack([52] + [10] * 81, list(range(82)))
     assert grp.queued_ids().tolist() == [] and 0 in plan.placed_ids().tolist()
     assert plan.info.extra["released_early"] == 1 and plan.imbalance <= 1.05
@@ -439,8 +448,8 @@ def test_group_release_takes_similar_outliers_across_queue_levels():
     # or in a pair, so the paper rule (a level needs 4) and the pool both hold them until the
     # fourth arrives; then the pool sends the 4 similar ones together (one per micro-batch).
     cost = unit_cost(attn=1.0, linear=0.0)
-    paper = wlb.WLBPacker(4, 200, cost, thresholds=[50, 70], max_delay=None)
-    grp = wlb.WLBPacker(4, 200, cost, thresholds=[50, 70], max_delay=None, release="group", balance_tolerance=1.1)
+    paper = PaperPacker(4, 200, cost, thresholds=[50, 70], max_delay=None)
+    grp = PaperPacker(4, 200, cost, thresholds=[50, 70], max_delay=None, release="group", balance_tolerance=1.1)
     for step, n in enumerate([65, 72, 68, 71]):
         ids = [100 * step + k for k in range(41)]
         plan = grp.pack([n] + [2] * 40, ids)
@@ -454,7 +463,7 @@ def test_group_release_takes_similar_outliers_across_queue_levels():
 
 def test_group_release_is_fifo_among_equal_outliers_and_honours_max_delay():
     cost = unit_cost(attn=1.0, linear=0.0)
-    packer = wlb.WLBPacker(2, 300, cost, thresholds=[50], max_delay=3, release="group", balance_tolerance=1.3)
+    packer = PaperPacker(2, 300, cost, thresholds=[50], max_delay=3, release="group", balance_tolerance=1.3)
     order, next_id = [], 0
     for step in range(30):
         lengths = [60, 5, 5] if step % 2 == 0 else [5] * (2 + 20 * (step % 4 == 1))
@@ -473,7 +482,7 @@ def test_group_release_is_fifo_among_equal_outliers_and_honours_max_delay():
 def test_held_pieces_are_typed_records_and_the_state_keeps_lists_of_four():
     from wlb_opt.packer import STATE_VERSION, HeldPiece
 
-    packer = wlb.WLBPacker(4, 100, COST, thresholds=[50], max_delay=None)  # the queue releases 4
+    packer = PaperPacker(4, 100, COST, thresholds=[50], max_delay=None)  # the queue releases 4
     packer.pack([60, 70, 5], [1, 2, 3], [0, 10, 0])
     assert list(packer._queues[0]) == [HeldPiece(id=1, offset=0, length=60, arrival=0),
                                        HeldPiece(id=2, offset=10, length=70, arrival=0)]
@@ -481,15 +490,15 @@ def test_held_pieces_are_typed_records_and_the_state_keeps_lists_of_four():
     state = packer.state_dict()
     assert state["version"] == STATE_VERSION == 3
     assert state["queues"] == [[[1, 0, 60, 0], [2, 10, 70, 0]]] and state["carry"] == []
-    resumed = wlb.WLBPacker(4, 100, COST, thresholds=[50], max_delay=None)
+    resumed = PaperPacker(4, 100, COST, thresholds=[50], max_delay=None)
     resumed.load_state_dict(json.loads(json.dumps(state)))
     assert list(resumed._queues[0]) == list(packer._queues[0])
     assert all(isinstance(piece, HeldPiece) for piece in resumed._queues[0])
 
 
 def test_a_rejected_state_leaves_the_packer_unchanged():
-    packer = wlb.WLBPacker(2, 100, COST, thresholds="auto", n_queues=1, max_delay=4)
-    source = wlb.WLBPacker(2, 100, COST, thresholds="auto", n_queues=1, max_delay=4)
+    packer = PaperPacker(2, 100, COST, thresholds="auto", n_queues=1, max_delay=4)
+    source = PaperPacker(2, 100, COST, thresholds="auto", n_queues=1, max_delay=4)
     source.pack([60, 5, 7, 80], [1, 2, 3, 4])
     state = dict(source.state_dict(), carry=[[1, 2]])
     with pytest.raises(ValueError, match="malformed"):
@@ -500,19 +509,19 @@ def test_a_rejected_state_leaves_the_packer_unchanged():
 def test_dp_and_pp_come_from_the_cost_models_layout():
     layout = wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=2)
     cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), layout, wlb.HardwareSpec.preset("h100"))
-    packer = wlb.WLBPacker(2, 16384, cost, thresholds=[])
+    packer = PaperPacker(2, 16384, cost, thresholds=[])
     assert (packer.dp, packer.pp, packer.capacity_tokens) == (2, 4, 2 * 2 * 16384)
-    assert wlb.WLBPacker(2, 16384, cost, 2, thresholds=[], pp=4).dp == 2  # agreeing values are fine
+    assert PaperPacker(2, 16384, cost, 2, thresholds=[], pp=4).dp == 2  # agreeing values are fine
     with pytest.raises(ValueError, match="dp=4 disagrees"):
-        wlb.WLBPacker(2, 16384, cost, 4, thresholds=[])
+        PaperPacker(2, 16384, cost, 4, thresholds=[])
     with pytest.raises(ValueError, match="pp=1 disagrees"):
-        wlb.WLBPacker(2, 16384, cost, thresholds=[], pp=1)
-    free = wlb.WLBPacker(2, 100, COST, 3, thresholds=[])  # no layout: any dp, pp 1
+        PaperPacker(2, 16384, cost, thresholds=[], pp=1)
+    free = PaperPacker(2, 100, COST, 3, thresholds=[])  # no layout: any dp, pp 1
     assert (free.dp, free.pp) == (3, 1)
 
 
 def test_plans_are_frozen_and_carry_their_arrival_steps():
-    packer = wlb.WLBPacker(2, 100, COST, dp=2, thresholds=[50], max_delay=2)
+    packer = PaperPacker(2, 100, COST, dp=2, thresholds=[50], max_delay=2)
     packer.pack([60, 5, 5], [1, 2, 3])
     packer.pack([5], [4])
     plan = packer.pack([5], [5])  # step 2: id 1 is due
@@ -535,5 +544,5 @@ def test_release_policies_are_strategy_objects():
     kinds = [type(make_release_policy(name, **rules)) for name in RELEASE_POLICIES]
     assert kinds == [PaperRelease, BalanceRelease, GroupRelease]
     assert all(issubclass(k, ReleasePolicy) for k in kinds + [DrainRelease])
-    packer = wlb.WLBPacker(2, 100, COST, thresholds=[50], release="group", balance_tolerance=1.1)
+    packer = PaperPacker(2, 100, COST, thresholds=[50], release="group", balance_tolerance=1.1)
     assert isinstance(packer._release, GroupRelease) and isinstance(packer._drain_release, DrainRelease)

@@ -23,9 +23,17 @@ window-sized pieces (`wlb_opt.split_documents`), the same for every method.
 "real":  lengths of text files found on the build machine (`REAL_FILE`, shipped next to this
          module; rebuilt by `python -m wlb_opt.bench.data --make-real`), sampled with
          replacement.
+"code" / "prose": the source-code files only (.py, .h, .c, ...: median ~700 tokens, 0.8%
+         of files >= 32K tokens) and the prose files only (.rst, .txt, .md, .html and the
+         changelogs of /usr/share/doc: median ~240 tokens, a heavier tail, 2.5% >= 32K)
+         of the same kind of machine, shipped in `wlb_opt/bench/` (`KIND_FILES`; rebuilt by
+         `python -m wlb_opt.bench.data --make-kinds`), sampled with replacement. Two shapes
+         the outlier-delay defaults were not tuned on (issue 16).
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 from pathlib import Path
 from typing import Literal
 
@@ -33,13 +41,16 @@ import numpy as np
 
 from .docs import split_documents
 
-Distribution = Literal["default", "light", "real"]
+Distribution = Literal["default", "light", "real", "code", "prose"]
 DEFAULT_SEED = 20250301
 DEFAULT_PARAMS = dict(body_median=600.0, body_sigma=0.8, tail_prob=0.0015, tail_low=65536, tail_high=163840)
 LIGHT_PARAMS = dict(body_median=2000.0, body_sigma=0.6, tail_prob=0.0, tail_low=65536, tail_high=163840)
 REAL_FILE = Path(__file__).with_name("real_lengths.npy")
 """Token estimates of text files (one document each; see `wlb_opt.bench.data.make_real_lengths`)."""
-DISTRIBUTIONS: dict[str, object] = {"default": DEFAULT_PARAMS, "light": LIGHT_PARAMS, "real": "wlb_opt/real_lengths.npy"}
+KIND_FILES: dict[str, str] = {"code": "code_lengths.npy", "prose": "prose_lengths.npy"}
+"""File names, inside the `wlb_opt.bench` package folder, of the "code" and "prose" lengths."""
+DISTRIBUTIONS: dict[str, object] = {"default": DEFAULT_PARAMS, "light": LIGHT_PARAMS, "real": "wlb_opt/real_lengths.npy",
+                                    "code": "wlb_opt/bench/code_lengths.npy", "prose": "wlb_opt/bench/prose_lengths.npy"}
 """The built-in distributions: name -> mixture parameters (or the file sampled)."""
 
 GlobalBatch = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -61,6 +72,30 @@ def real_lengths() -> np.ndarray:
     return np.load(REAL_FILE).astype(np.int64)
 
 
+def kind_file(kind: str) -> Path:
+    """Path of the shipped "code" or "prose" length file. The folder of `wlb_opt.bench` is
+    located without importing it (this core module imports no benchmark)."""
+    if kind not in KIND_FILES:
+        raise ValueError(f"kind must be one of {sorted(KIND_FILES)}, got {kind!r}")
+    spec = importlib.util.find_spec("wlb_opt.bench")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the wlb_opt.bench package (which ships the code / prose length files) is missing")
+    return Path(list(spec.submodule_search_locations)[0]) / KIND_FILES[kind]
+
+
+def kind_lengths(kind: str) -> np.ndarray:
+    """The shipped "code" or "prose" length file (token estimates of files), as int64."""
+    return _load_kind(kind).copy()
+
+
+@functools.lru_cache(maxsize=None)
+def _load_kind(kind: str) -> np.ndarray:
+    path = kind_file(kind)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; rebuild it with `python -m wlb_opt.bench.data --make-kinds`")
+    return np.load(path).astype(np.int64)
+
+
 def sample_documents(n: int, dist: Distribution = "default", seed: int = DEFAULT_SEED) -> np.ndarray:
     """`n` document lengths (tokens, uncut) from a named distribution."""
     rng = np.random.default_rng(seed)
@@ -70,6 +105,8 @@ def sample_documents(n: int, dist: Distribution = "default", seed: int = DEFAULT
         return _mixture(rng, n, **LIGHT_PARAMS)
     if dist == "real":
         return rng.choice(real_lengths(), size=n, replace=True)
+    if dist in KIND_FILES:
+        return rng.choice(_load_kind(dist), size=n, replace=True)
     raise ValueError(f"unknown length distribution {dist!r}; valid: {sorted(DISTRIBUTIONS)}")
 
 

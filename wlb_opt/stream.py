@@ -392,12 +392,14 @@ class WLBStream:
     def cached_tokens(self) -> int:
         """Tokens the stream holds for pieces the packer still holds (plus, while a step is
         assembled, that step's pieces): at most the packer's held tokens + tokens_per_step +
-        window. The unfed rest of a document longer than a step is the source's, not counted."""
+        window, where held tokens include, with `lookahead=K`, the K batches seen ahead (so the
+        bound over queued and carried tokens grows by K x tokens_per_step). The unfed rest of a document longer than a step is the source's, not counted."""
         return int(sum(len(t) for t, _ in self._cache.values() if t is not None))
 
     @property
     def held_tokens(self) -> int:
-        """Tokens of the pieces the packer holds (queued or carried)."""
+        """Tokens of the pieces the packer holds (queued, carried, or with `lookahead=K` in
+        the K batches it has seen ahead: at most K x tokens_per_step more)."""
         return int(sum(piece.length for piece in self.packer.held_pieces()))
 
     # ------------------------------------------------------------------ state

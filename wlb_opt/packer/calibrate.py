@@ -113,10 +113,13 @@ def calibrate_thresholds(packer: WLBPacker, sample_lengths, tokens_per_batch: in
     for thresholds in combinations(grid, min(packer.n_queues, len(grid))):
         trial = packer._trial(list(thresholds))
         try:
-            imbalances = [trial.pack(batch).imbalance for batch in batches]
+            plans = [trial.pack(batch) for batch in batches]
         except ValueError:
             continue  # overload under this candidate: not a choice
-        trial.drain()
+        drained = trial.drain()
+        # with lookahead=K the last K batches' steps are planned by the drain
+        late = drained[:sum(plan is None for plan in plans)]
+        imbalances = [plan.imbalance for plan in plans if plan is not None] + [plan.imbalance for plan in late]
         results.append(dict(thresholds=list(thresholds), imbalance=float(np.mean(imbalances)),
                             delay_per_token=trial.stats()["delay_per_token"]))
     if not results:

@@ -28,6 +28,9 @@ and carry. What the paper leaves open about a training job is settled here:
   pieces it has already emitted, so re-sending an emitted id later is not detected.
 - delay of a piece = `plan.step` where it is placed - the step it arrived; every plan
   records the arrival step of each of its pieces in `plan.arrival_step`.
+- lookahead (`lookahead=K`, beyond the paper): `pack(batch s)` returns the plan of step
+  s - K (None for the first K batches); outliers join the queues on arrival, so a step may
+  train them up to K steps early (displacement in [-K, max_delay]); see lookahead.py.
 
 Plans are frozen: each step's plan is built once, from `solve_pack`'s, with `plan.replace`.
 """
@@ -45,10 +48,15 @@ import numpy as np
 
 from .._validate import check_choice, check_int, check_unique_pieces, validate_ids, validate_lengths, validate_offsets
 from ..cost import CostModel, default_cost
+from ..cost_memory import resolve_max_tokens
 from ..pack import get_method, solve_pack
 from ..plan import PackPlan
 from ..solvers.deal import deal_to_replicas
 from .calibrate import calibrate_thresholds, candidate_thresholds
+from .defaults import (DEFAULT_CUTOFF_SHARE, DEFAULT_MAX_DELAY, TARGET_SHARE, TOLERANCE_LOW, adaptive_tolerance,
+                       running_displacement)
+from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
+from .lookahead import LookaheadBuffer
 from .release import RELEASE_POLICIES, DrainRelease, ReleaseName, ReleasePolicy, make_release_policy
 from .state import HeldPiece, check_thresholds, cost_fingerprint, decode_state, encode_state, held_keys, held_tokens
 from .stats import StreamStats
@@ -66,16 +74,20 @@ class WLBPacker:
 
     Args:
         n_micro: micro-batches per DP replica (N).
-        max_tokens: token cap of one micro-batch, inclusive (S_max).
+        max_tokens: token cap of one micro-batch, inclusive (S_max), or "auto": the largest
+            whose worst case fits in `memory_bytes` under the cost model's memory model
+            (`wlb.max_tokens_for`; as `solve_pack(max_tokens="auto")`).
         cost: the cost model that weighs documents (default: `default_cost()`).
         dp: data-parallel replicas; dp x n_micro micro-batches are packed jointly (None: the
             cost model's `parallel.dp`, 1 without a layout; a disagreeing value raises).
-        thresholds: "auto" (calibrate on the first global batch), or increasing positive
-            lengths [L1, L2, ...], one queue each (an empty list disables the queues).
+        thresholds: None (default: one queue of the pieces >= 0.3 x max_tokens, see
+            `wlb_opt.packer.defaults`), "auto" (calibrate on the first global batch), or
+            increasing positive lengths [L1, L2, ...], one queue each (an empty list disables
+            the queues).
         n_queues: number of queues for "auto" / `calibrate` (default 2); with explicit
-            thresholds it must be None or len(thresholds).
-        max_delay: the most steps a document may wait (>= 1), or None (paper-faithful: a
-            queue waits until it holds dp x n_micro documents).
+            thresholds it must be None or len(thresholds) (None or 1 with thresholds=None).
+        max_delay: the most steps a document may wait (>= 1; default 16), or None
+            (paper-faithful: a queue waits until it holds dp x n_micro documents).
         seed: seeds the calibration's bootstrap stream (planning is otherwise deterministic).
         max_backlog_tokens: held tokens (queued + carried) above which `pack` raises (default
             (2 + n_queues) x dp x n_micro x max_tokens: two steps' capacity of carry plus one
@@ -85,26 +97,38 @@ class WLBPacker:
         delay_budget: calibration's limit on delay per token, in steps (default 0.5, paper §3.2).
         method: the `solve_pack` method that packs each step: "wlb" (Algorithm 1, default)
             or any deterministic heuristic that honours `carried` (e.g. "wlb_ls").
-        release: "paper" (default: a queue leaves only when full, or at max_delay),
-            "balance" (beyond the paper: also take held outliers, FIFO heads, into a step
-            whenever the step's predicted imbalance stays within `balance_tolerance`), or
-            "group" (beyond the paper: one pool of outliers; groups of similar ones, or a
-            single one, leave as soon as the step stays within `balance_tolerance`, even if
-            short documents move to the next step). See `wlb_opt.packer.release`.
+        release: "group" (default; beyond the paper: one pool of outliers; groups of similar
+            ones, or a single one, leave as soon as the step stays within
+            `balance_tolerance`, even if short documents move to the next step), "paper"
+            (a queue leaves only when full, or at max_delay), or "balance" (beyond the
+            paper: also take held outliers, FIFO heads, into a step whenever the step's
+            predicted imbalance stays within `balance_tolerance`). See
+            `wlb_opt.packer.release`.
         balance_tolerance: the predicted max / mean load a "balance" or "group" step may reach by
-            taking outliers early (>= 1.0; default 1.02). `calibrate` may choose it.
+            taking outliers early: a number >= 1.0, or "auto" (default: set each step from
+            the stream's displacement so far against `delay_budget`; see
+            `wlb_opt.packer.defaults`). The defaults before issue 16 were
+            thresholds="auto", n_queues=2, max_delay=8, release="paper", balance_tolerance=1.02.
+        lookahead: global batches the packer sees ahead (K >= 0, default 0: the paper's
+            behaviour). With K > 0, `pack(batch s)` returns the plan of step s - K, or None
+            while the first K batches arrive, and outliers may be trained up to K steps
+            early (see `wlb_opt.packer.lookahead`).
+        memory_bytes: bytes of memory per GPU, read with max_tokens="auto" only.
     """
 
-    def __init__(self, n_micro: int, max_tokens: int, cost: CostModel | None = None, dp: int | None = None,
-                 thresholds: Sequence[int] | Literal["auto"] = "auto", n_queues: int | None = None,
-                 max_delay: int | None = 8, seed: int = 0, *, max_backlog_tokens: int | None = None,
+    def __init__(self, n_micro: int, max_tokens: int | Literal["auto"], cost: CostModel | None = None,
+                 dp: int | None = None,
+                 thresholds: Sequence[int] | Literal["auto"] | None = None, n_queues: int | None = None,
+                 max_delay: int | None = DEFAULT_MAX_DELAY, seed: int = 0, *, max_backlog_tokens: int | None = None,
                  pp: int | None = None, delay_budget: float = 0.5, method: PackerMethod = "wlb",
-                 release: ReleaseName = "paper", balance_tolerance: float = 1.02):
+                 release: ReleaseName = "group", balance_tolerance: float | Literal["auto"] = "auto",
+                 lookahead: int = 0, memory_bytes: float | None = None):
         self.n_micro = check_int("n_micro", n_micro, 1)
-        self.max_tokens = check_int("max_tokens", max_tokens, 1)
         self.cost = cost if cost is not None else default_cost()
         if not isinstance(self.cost, CostModel):
             raise ValueError(f"cost must be a wlb_opt.CostModel, got {type(self.cost).__name__}")
+        # "auto": the largest max_tokens whose worst case fits in memory_bytes (cost_memory.py)
+        self.max_tokens = check_int("max_tokens", resolve_max_tokens(max_tokens, self.cost, memory_bytes), 1)
         self.dp = self.cost.degree("dp", dp)
         self.max_delay = None if max_delay is None else check_int("max_delay", max_delay, 1)
         self.seed = check_int("seed", seed, 0)
@@ -114,11 +138,20 @@ class WLBPacker:
         self.delay_budget = float(delay_budget)
         self.method = self._check_method(method)
         self.release = check_choice("release", release, RELEASE_POLICIES)
-        if not (isinstance(balance_tolerance, (int, float)) and not isinstance(balance_tolerance, bool)
-                and math.isfinite(balance_tolerance) and balance_tolerance >= 1.0):
-            raise ValueError(f"balance_tolerance must be a finite imbalance >= 1.0 (max / mean), "
+        if balance_tolerance == "auto" and isinstance(balance_tolerance, str):
+            self.balance_tolerance: float | str = "auto"
+        elif not (isinstance(balance_tolerance, (int, float)) and not isinstance(balance_tolerance, bool)
+                  and math.isfinite(balance_tolerance) and balance_tolerance >= 1.0):
+            raise ValueError(f"balance_tolerance must be 'auto' or a finite imbalance >= 1.0 (max / mean), "
                              f"got {balance_tolerance!r}")
-        self.balance_tolerance = float(balance_tolerance)
+        else:
+            self.balance_tolerance = float(balance_tolerance)
+        self.lookahead = check_int("lookahead", lookahead, 0)
+        if thresholds is None:  # the no-tuning default (defaults.py)
+            if n_queues not in (None, 1):
+                raise ValueError(f"n_queues={n_queues!r} does not match thresholds=None (one queue of pieces >= "
+                                 f"{DEFAULT_CUTOFF_SHARE} x max_tokens); pass n_queues=None or 1")
+            thresholds = [max(1, int(DEFAULT_CUTOFF_SHARE * self.max_tokens))]
         if isinstance(thresholds, str):
             if thresholds != "auto":
                 raise ValueError(f"thresholds must be 'auto' or an increasing list of positive lengths, "
@@ -145,8 +178,10 @@ class WLBPacker:
         """Adopt the backlog limit and build the release policies; `carry_limit` (default:
         the limit) is what release="group" bounds its deferrals by (half of it)."""
         self.max_backlog_tokens = max_backlog_tokens
-        rules = dict(need=self.dp * self.n_micro, max_delay=self.max_delay, balance_tolerance=self.balance_tolerance,
-                     max_backlog_tokens=max_backlog_tokens if carry_limit is None else carry_limit)
+        tolerance = TOLERANCE_LOW if self.balance_tolerance == "auto" else self.balance_tolerance
+        rules = dict(need=self.dp * self.n_micro, max_delay=self.max_delay, balance_tolerance=tolerance,
+                     max_backlog_tokens=max_backlog_tokens if carry_limit is None else carry_limit,
+                     lookahead=self.lookahead)
         self._release: ReleasePolicy = make_release_policy(self.release, **rules)
         self._drain_release: ReleasePolicy = DrainRelease(**rules)
 
@@ -172,6 +207,7 @@ class WLBPacker:
         self._next_auto_id = 0
         self._calibration: dict | None = None
         self._stats = StreamStats()
+        self._ahead = LookaheadBuffer()
 
     @property
     def step(self) -> int:
@@ -201,12 +237,23 @@ class WLBPacker:
         return np.array([piece.id for q in self._queues for piece in q], dtype=np.int64)
 
     def held_pieces(self) -> list[HeldPiece]:
-        """Every piece the packer holds (queued or carried), queues first."""
-        return [piece for q in self._queues for piece in q] + list(self._carry)
+        """Every piece the packer holds: queued, carried, then (with `lookahead`) the regular
+        documents of the batches seen ahead, oldest first."""
+        return [piece for q in self._queues for piece in q] + list(self._carry) + list(self._ahead.pieces())
 
     def carried_ids(self) -> np.ndarray:
         """Ids of the pieces deferred by the last plan (placed first in the next)."""
         return np.array([piece.id for piece in self._carry], dtype=np.int64)
+
+    def buffered_ids(self) -> np.ndarray:
+        """Ids of the regular documents of the batches seen ahead (`lookahead`), not yet
+        planned, oldest batch first (empty when lookahead=0)."""
+        return np.array([piece.id for piece in self._ahead.pieces()], dtype=np.int64)
+
+    @property
+    def arrival_step(self) -> int:
+        """Step index the next batch given to `pack` arrives at (= `step` + buffered batches)."""
+        return self._step + len(self._ahead)
 
     # ------------------------------------------------------------------ input
     def _validate_batch(self, lengths, ids, offsets):
@@ -249,12 +296,23 @@ class WLBPacker:
         pending, plan, arrival, released, n_early = policy.plan_step(fresh, queues, carry, step, self._solve)
         extra = {**plan.info.extra, "released": len(released), "released_early": n_early,
                  "carried_in": len(carry), "thresholds": list(self.thresholds or []),
+                 "balance_tolerance": policy.balance_tolerance,
                  "queue_wait_max": max((step - piece.arrival for piece in released), default=0)}
         plan = plan.replace(
             replica_of=deal_to_replicas(plan.loads, self.dp, self.n_micro, self.pp, max_passes=_DEAL_PASSES),
             step=step, arrival_step=arrival,
             info=dataclasses.replace(plan.info, extra=extra, wall_s=time.perf_counter() - started))
         return plan, [pending[i] for i in plan.deferred.tolist()]
+
+    def _step_policy(self) -> ReleasePolicy:
+        """The release policy of the next step: with balance_tolerance="auto" its tolerance
+        follows the stream's displacement so far (defaults.py)."""
+        if self.balance_tolerance != "auto":
+            return self._release
+        held = [piece for q in self._queues for piece in q] + self._carry
+        shown = running_displacement(self._stats.totals, held, self._step, self.capacity_tokens,
+                                     TARGET_SHARE * self.delay_budget)
+        return dataclasses.replace(self._release, balance_tolerance=adaptive_tolerance(shown, self.delay_budget))
 
     def _solve(self, first: list[HeldPiece], rest: list[HeldPiece]):
         """Pack `first` (placed first) then `rest`; returns (pending, plan, arrival steps)."""
@@ -269,12 +327,13 @@ class WLBPacker:
 
     def _commit(self, plan: PackPlan, queues: list[deque], carry: list[HeldPiece]) -> None:
         self._queues, self._carry = queues, carry
-        self._held = held_keys(queues, carry)
+        self._held = held_keys(queues, carry) | self._ahead.keys()
         self._step += 1
         self._stats.add(plan, self.max_delay, plan.info.extra["queue_wait_max"])
 
-    def pack(self, lengths, ids=None, offsets=None) -> PackPlan:
-        """Pack one global batch; returns the step's PackPlan.
+    def pack(self, lengths, ids=None, offsets=None) -> PackPlan | None:
+        """Pack one global batch; returns the step's PackPlan (with `lookahead=K`: the plan
+        of the step K batches back, None while the first K batches arrive).
 
         `lengths` are pieces no longer than max_tokens (see `split_documents`), `ids` their
         document ids (default: consecutive ids continuing across calls), `offsets` the start
@@ -292,13 +351,32 @@ class WLBPacker:
             self.calibrate(lengths)  # on the first non-empty global batch
         self._warn_if_mostly_outliers(lengths)
         step = self._step
+        arrival = self.arrival_step
         entries = [HeldPiece(*piece) for piece in zip(ids.tolist(), offsets.tolist(), lengths.tolist(),
-                                                       [step] * len(lengths))]
+                                                       [arrival] * len(lengths))]
         queues = [deque(q) for q in self._queues]
-        plan, carry = self._plan_step(entries, queues, list(self._carry), step, self._release, started)
+        if self.lookahead:
+            # Outliers queue on arrival (they may leave early); regular documents wait in
+            # the buffer for their own step (see lookahead.py).
+            regular = []
+            for piece in entries:
+                level = self._queue_of(piece.length)
+                (queues[level] if level >= 0 else regular).append(piece)
+            ahead = self._ahead.with_batch(regular)
+            if len(ahead) <= self.lookahead:  # step s - K does not exist yet
+                if len(ids):
+                    self._next_auto_id = max(self._next_auto_id, int(ids.max()) + 1)
+                self._queues, self._ahead = queues, ahead
+                self._held = held_keys(queues, self._carry) | ahead.keys()
+                return None
+            entries = ahead.pop_oldest()
+        else:
+            ahead = self._ahead
+        plan, carry = self._plan_step(entries, queues, list(self._carry), step, self._step_policy(), started)
         held_before, held_after = self.held_tokens, held_tokens(queues, carry)
         # A step that holds no more than the one before always passes (pack([]) makes
         # progress even from a state above the limit, e.g. one loaded with a lower limit).
+        # The lookahead buffer is not counted: it is at most K batches by construction.
         if held_after > self.max_backlog_tokens and held_after > held_before:
             if before is not None:  # leave the state exactly as it was, calibration included
                 self.thresholds, self.n_queues, self._queues, self._calibration = before
@@ -314,6 +392,7 @@ class WLBPacker:
                 "the state is unchanged and pack([]) or drain() still empty it")
         if len(ids):
             self._next_auto_id = max(self._next_auto_id, int(ids.max()) + 1)
+        self._ahead = ahead
         self._commit(plan, queues, carry)
         return plan
 
@@ -330,8 +409,18 @@ class WLBPacker:
                           "use thresholds='auto' or higher thresholds", stacklevel=3)
 
     def drain(self) -> list[PackPlan]:
-        """End of data: release every queue and emit plans until nothing is held."""
+        """End of data: plan the batches seen ahead (their steps, by the release policy),
+        then release every queue and emit plans until nothing is held."""
         plans = []
+        while len(self._ahead):
+            queues = [deque(q) for q in self._queues]
+            ahead = self._ahead.copy()
+            entries = ahead.pop_oldest()
+            plan, carry = self._plan_step(entries, queues, list(self._carry), self._step, self._step_policy(),
+                                          time.perf_counter())
+            self._ahead = ahead
+            self._commit(plan, queues, carry)
+            plans.append(plan)
         while self._carry or any(self._queues):
             queues = [deque(q) for q in self._queues]
             plan, carry = self._plan_step([], queues, list(self._carry), self._step, self._drain_release,
@@ -346,8 +435,11 @@ class WLBPacker:
         pieces and tokens, delay per piece and per token, `queue_wait_max`, `late_pieces`,
         imbalance mean / p50 / p90 / max, what is still queued and carried, the thresholds.
         See `wlb_opt.packer.stats` for the definitions."""
-        return self._stats.summary(steps=self._step, queues=self._queues, carry=self._carry,
-                                   thresholds=self.thresholds)
+        out = self._stats.summary(steps=self._step, queues=self._queues, carry=self._carry,
+                                  thresholds=self.thresholds)
+        out.update(lookahead=self.lookahead, buffered_pieces=len(self._ahead.pieces()),
+                   buffered_tokens=self._ahead.tokens())
+        return out
 
     # ------------------------------------------------------------------ calibration
     def candidate_thresholds(self, sample, tokens_per_batch: int) -> list[int]:
@@ -385,7 +477,7 @@ class WLBPacker:
         trial = WLBPacker(self.n_micro, self.max_tokens, self.cost, self.dp, thresholds, max_delay=self.max_delay,
                           seed=self.seed, max_backlog_tokens=self.max_backlog_tokens, pp=self.pp,
                           delay_budget=self.delay_budget, method=self.method, release=self.release,
-                          balance_tolerance=self.balance_tolerance)
+                          balance_tolerance=self.balance_tolerance, lookahead=self.lookahead)
         trial._warned_outliers = True  # trying low thresholds is calibration's job, not a user's mistake
         return trial
 
@@ -398,9 +490,12 @@ class WLBPacker:
     def state_dict(self) -> dict:
         """JSON-serialisable state; `load_state_dict` on an equally configured packer resumes
         the stream exactly. Does not hold ids already emitted (see `wlb_opt.packer.state`)."""
-        return encode_state(config=self._config(), auto=self._auto, thresholds=self.thresholds, step=self._step,
-                            next_auto_id=self._next_auto_id, queues=self._queues, carry=self._carry,
-                            calibration=self._calibration, stats=self._stats)
+        state = encode_state(config=self._config(), auto=self._auto, thresholds=self.thresholds, step=self._step,
+                             next_auto_id=self._next_auto_id, queues=self._queues, carry=self._carry,
+                             calibration=self._calibration, stats=self._stats)
+        state["config"]["lookahead"] = self.lookahead  # lookahead.py: the buffer of batches seen ahead
+        state[LOOKAHEAD_STATE_KEY] = self._ahead.to_json()
+        return state
 
     def load_state_dict(self, state: dict, max_backlog_tokens: int | None = None) -> None:
         """Restore a `state_dict()`. Raises ValueError naming the field if the state comes from
@@ -414,8 +509,13 @@ class WLBPacker:
             max_backlog_tokens = check_int("max_backlog_tokens", max_backlog_tokens, 0)
             theirs = state.get("config") if isinstance(state, dict) else None
             config["max_backlog_tokens"] = theirs.get("max_backlog_tokens") if isinstance(theirs, dict) else None
+        theirs = state.get("config", {}).get("lookahead", 0) if isinstance(state, dict) else None
+        if theirs != self.lookahead and isinstance(state, dict) and isinstance(state.get("config"), dict):
+            raise ValueError(f"state_dict field config.lookahead={theirs!r} does not match this packer's "
+                             f"lookahead={self.lookahead!r}; build the packer with the same configuration")
         loaded = decode_state(state, config=config, auto=self._auto, thresholds=self.thresholds,
-                              n_queues=self.n_queues)
+                              n_queues=self.n_queues, lookahead=self.lookahead)
+        ahead = self._decode_lookahead(state, loaded.step)
         if max_backlog_tokens is not None:
             self._set_backlog_limit(max_backlog_tokens)
         self.thresholds = loaded.thresholds
@@ -426,8 +526,20 @@ class WLBPacker:
         self._step, self._next_auto_id = loaded.step, loaded.next_auto_id
         self._calibration = loaded.calibration
         self._stats = loaded.stats
+        self._ahead = ahead
+        self._held |= ahead.keys()
+
+    def _decode_lookahead(self, state: dict, step: int) -> LookaheadBuffer:
+        """The lookahead part of a state (lookahead.py; its config.lookahead is checked by
+        `load_state_dict`); a state written before lookahead existed has none and loads into a
+        packer with lookahead=0."""
+        try:
+            return LookaheadBuffer.from_json(state.get(LOOKAHEAD_STATE_KEY, []), lookahead=self.lookahead,
+                                             next_step=step)
+        except ValueError as exc:
+            raise ValueError(f"state_dict is malformed: {exc}") from None
 
     def __repr__(self) -> str:
         return (f"WLBPacker(n_micro={self.n_micro}, max_tokens={self.max_tokens}, dp={self.dp}, "
                 f"thresholds={self.thresholds if self.thresholds is not None else 'auto'}, "
-                f"max_delay={self.max_delay}, step={self._step})")
+                f"max_delay={self.max_delay}, lookahead={self.lookahead}, step={self._step})")

@@ -29,6 +29,12 @@ packer's `solve` callback (Algorithm 1 by default: carried first, the rest longe
   groups of similar ones from any level, a cheap one alone, at the cost of carrying some
   short documents one step. Tolerance ~1.3 (fwd + bwd loads) suits the default stream.
 - `drain()` (end of data) releases every queue whatever the policy (`DrainRelease`).
+- lookahead (`WLBPacker(..., lookahead=K)`, lookahead.py): the queues also hold outliers that
+  arrive up to K steps later. A group (a full queue's dp x n_micro, a "balance" or "group"
+  candidate) leaves early only if at most half of it is early (arrival after the step): a
+  group then trains at or after the median of its arrival steps, which minimises its total
+  displacement |step - arrival|; leaving as soon as the last member is visible would train
+  most of it early.
 
 Every policy is a `ReleasePolicy`: `plan_step(fresh, queues, carry, step, solve)` pops what
 it releases from `queues` (the packer's copies) and returns a `StepRelease`.
@@ -101,6 +107,8 @@ class ReleasePolicy(ABC):
     max_backlog_tokens: int
     """Carry limit: "group" defers at most half of it (the packer's max_backlog_tokens, or two
     steps' capacity when that is the default)."""
+    lookahead: int = 0
+    """Batches the queues see ahead (lookahead.py); 0: no held piece is early."""
 
     @abstractmethod
     def plan_step(self, fresh: list[HeldPiece], queues: list[deque], carry: list[HeldPiece], step: int,
@@ -109,6 +117,11 @@ class ReleasePolicy(ABC):
 
     def _is_due(self, piece: HeldPiece, step: int) -> bool:
         return self.max_delay is not None and step - piece.arrival >= self.max_delay
+
+    def _not_too_early(self, group, step: int) -> bool:
+        """With lookahead: at most half of `group` arrives after `step` (see the module
+        docstring); always true without lookahead."""
+        return not self.lookahead or 2 * sum(piece.arrival > step for piece in group) <= len(group)
 
 
 class PaperRelease(ReleasePolicy):
@@ -127,7 +140,8 @@ class PaperRelease(ReleasePolicy):
     def _scheduled_releases(self, queues: list[deque], step: int) -> list[HeldPiece]:
         released: list[HeldPiece] = []
         for level, q in enumerate(queues):
-            if len(q) >= self.need:  # paper §3.2: exactly dp x n_micro, FIFO, once per step
+            if len(q) >= self.need and self._not_too_early([q[j] for j in range(self.need)], step):
+                # paper §3.2: exactly dp x n_micro, FIFO, once per step
                 released.extend(q.popleft() for _ in range(self.need))
             elif q and self._is_due(q[0], step):
                 # Forced release of a queue that did not fill: top it up to one outlier per
@@ -167,9 +181,13 @@ class BalanceRelease(PaperRelease):
         base_deferred = plan.deferred_tokens
         for _ in range(self.need + len(queues)):
             limit = max(self.balance_tolerance, plan.imbalance) + _TOLERANCE_SLACK
+            # a step that would train nothing takes its most balanced group whatever the tolerance
+            idle = not any(len(mb) for mb in plan.micro_batches)
             best = None
             for group in self._early_candidates(queues):
                 entries = [queues[level][j] for level, count in group for j in range(count)]
+                if not self._not_too_early(entries, step):
+                    continue
                 t_pending, t_plan, t_arrival = solve(first, rest + early + entries)
                 tokens = sum(piece.length for piece in entries)
                 if t_plan.imbalance > limit or t_plan.deferred_tokens > base_deferred:
@@ -238,18 +256,23 @@ class GroupRelease(ReleasePolicy):
             if not remaining:
                 break
             limit = max(self.balance_tolerance, plan.imbalance) + _TOLERANCE_SLACK
+            # a step that would train nothing takes its most balanced group whatever the tolerance
+            idle = not any(len(mb) for mb in plan.micro_batches)
             best = None
             for size in range(1, min(self.need, len(remaining)) + 1):
                 for i in range(len(remaining) - size + 1):
                     group = remaining[i:i + size]
+                    if not self._not_too_early(group, step):
+                        continue
                     t_pending, t_plan, t_arrival = solve(*split_due(carry, released + group, fresh, step,
                                                                     self.max_delay))
                     tokens = sum(piece.length for piece in group)
                     t_deferred = t_plan.deferred_tokens
-                    if (t_plan.imbalance > limit or t_deferred - base_deferred >= tokens
+                    if ((t_plan.imbalance > limit and not idle) or t_deferred - base_deferred >= tokens
                             or t_deferred > self.max_backlog_tokens // 2):
                         continue
-                    key = (-tokens, t_plan.imbalance, min(piece.arrival for piece in group), i)
+                    first = min(piece.arrival for piece in group)
+                    key = (t_plan.imbalance, -tokens, first, i) if idle else (-tokens, t_plan.imbalance, first, i)
                     if best is None or key < best[0]:
                         best = (key, group, t_pending, t_plan, t_arrival)
             if best is None:

@@ -125,12 +125,13 @@ def _state_int(field: str, value, low: int = 0, high: int = _INT64_MAX) -> int:
     return int(value)
 
 
-def _pieces_from_json(rows, field: str, *, max_tokens: int, step: int) -> list[HeldPiece]:
+def _pieces_from_json(rows, field: str, *, max_tokens: int, step: int, lookahead: int = 0) -> list[HeldPiece]:
     """Held pieces of a state, each checked: [id, offset, length, arrival] integers with
-    0 < length <= max_tokens, offset >= 0 and an arrival step before the state's step."""
+    0 < length <= max_tokens, offset >= 0 and an arrival step before the state's step (with
+    `lookahead` K: before step + K, since outliers of the batches seen ahead queue on arrival)."""
     if not isinstance(rows, (list, tuple)):
         raise ValueError(f"state_dict field {field} must be a list of [id, offset, length, arrival], got {rows!r}")
-    if rows and step == 0:
+    if rows and step + lookahead == 0:
         raise ValueError(f"state_dict field {field} holds pieces at step 0 (before any step); got {list(rows)!r}")
     out = []
     for k, row in enumerate(rows):
@@ -141,7 +142,8 @@ def _pieces_from_json(rows, field: str, *, max_tokens: int, step: int) -> list[H
             id=_state_int(f"{where} id", row[0], -2**63),
             offset=_state_int(f"{where} offset", row[1]),
             length=_state_int(f"{where} length", row[2], 1, max_tokens),
-            arrival=_state_int(f"{where} arrival (a step before the state's step {step})", row[3], 0, step - 1)))
+            arrival=_state_int(f"{where} arrival (a step before the state's step {step} + lookahead {lookahead})",
+                               row[3], 0, step + lookahead - 1)))
     return out
 
 
@@ -163,10 +165,11 @@ def _check_held(queues: list[list[HeldPiece]], carry: list[HeldPiece], threshold
                                  f"its queue's range [{low}, {high if high is not None else 'inf'})")
 
 
-def decode_state(state, *, config: dict, auto: bool, thresholds: list[int] | None, n_queues: int) -> LoadedState:
+def decode_state(state, *, config: dict, auto: bool, thresholds: list[int] | None, n_queues: int,
+                 lookahead: int = 0) -> LoadedState:
     """Check `state` against the loading packer and parse it.
 
-    `config`, `auto`, `thresholds` and `n_queues` describe the loading packer. Raises
+    `config`, `auto`, `thresholds`, `n_queues` and `lookahead` describe the loading packer. Raises
     ValueError naming the field if the state comes from another format version or a packer
     configured differently, or if it is malformed.
     """
@@ -195,9 +198,11 @@ def decode_state(state, *, config: dict, auto: bool, thresholds: list[int] | Non
         next_auto_id = _state_int("next_auto_id", state["next_auto_id"])
         if not isinstance(state["queues"], (list, tuple)) or len(state["queues"]) != n_queues:
             raise ValueError(f"state_dict field queues must be a list of {n_queues} queues, got {state['queues']!r}")
-        queues = [_pieces_from_json(q, f"queues[{i}]", max_tokens=config["max_tokens"], step=step)
+        queues = [_pieces_from_json(q, f"queues[{i}]", max_tokens=config["max_tokens"], step=step,
+                                  lookahead=lookahead)
                   for i, q in enumerate(state["queues"])]
-        carry = _pieces_from_json(state["carry"], "carry", max_tokens=config["max_tokens"], step=step)
+        carry = _pieces_from_json(state["carry"], "carry", max_tokens=config["max_tokens"], step=step,
+                                  lookahead=lookahead)
         _check_held(queues, carry, loaded_thresholds)
         stats = StreamStats.from_state(state)
     except (KeyError, TypeError, ValueError) as exc:

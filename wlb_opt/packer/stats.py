@@ -1,9 +1,15 @@
 """Delay and balance of a packed stream: the accumulator behind `WLBPacker.stats()`.
 
 Every plan the packer emits (from `pack` or `drain`) is added once. Delays count placed
-pieces (a piece is a document or a window-sized part of one): the delay of a piece is
-`plan.step` where it is placed minus the step it arrived (`plan.arrival_step`); undelayed
-pieces count as 0. Imbalance is max / mean of each plan's loads.
+pieces (a piece is a document or a window-sized part of one): the delay (displacement) of a
+piece is `plan.step` where it is placed minus the step it arrived (`plan.arrival_step`);
+undelayed pieces count as 0, pieces trained early (`lookahead`) as negative. Imbalance is
+max / mean of each plan's loads.
+
+Token-weighted: `delay_per_token` is the signed mean, `displacement_per_token` the mean of
+|displacement| (the two agree without lookahead), `late_token_share` / `early_token_share`
+the shares of tokens trained after / before their arrival step (`delayed_token_share` is
+the late share, under its older name).
 
 `queue_wait_max` (steps from arrival to release from a queue) never exceeds max_delay;
 `late_pieces` counts pieces placed later than max_delay, which happens only when the
@@ -23,8 +29,13 @@ from ..cost import CostModel
 from ..plan import PackPlan, imbalance
 
 TOTALS = ("pieces", "tokens", "delay_sum", "delay_token_sum", "delayed_tokens", "delay_max", "queue_wait_max",
-          "late_pieces")
+          "late_pieces", "displacement_token_sum", "early_tokens")
 """Integer totals over the placed pieces (delays in steps, tokens in tokens)."""
+# Totals added with lookahead (issue 16); a state written before them has no early pieces,
+# so |displacement| = delay there: (total, the total it defaults to, else 0).
+_LOOKAHEAD_TOTALS = {"displacement_token_sum": "delay_token_sum", "early_tokens": None}
+# Sums of signed delays: negative once lookahead trains pieces early.
+_SIGNED_TOTALS = frozenset({"delay_sum", "delay_token_sum"})
 
 
 class StreamStats:
@@ -46,6 +57,8 @@ class StreamStats:
             a["delay_sum"] += int(delay.sum())
             a["delay_token_sum"] += int((delay * toks).sum())
             a["delayed_tokens"] += int(toks[delay > 0].sum())
+            a["displacement_token_sum"] += int((np.abs(delay) * toks).sum())
+            a["early_tokens"] += int(toks[delay < 0].sum())
             a["delay_max"] = max(a["delay_max"], int(delay.max()))
             if max_delay is not None:
                 a["late_pieces"] += int(np.sum(delay > max_delay))
@@ -64,6 +77,9 @@ class StreamStats:
             delay_max=a["delay_max"], queue_wait_max=a["queue_wait_max"], late_pieces=a["late_pieces"],
             delay_per_token=a["delay_token_sum"] / a["tokens"] if a["tokens"] else 0.0,
             delayed_token_share=a["delayed_tokens"] / a["tokens"] if a["tokens"] else 0.0,
+            displacement_per_token=a["displacement_token_sum"] / a["tokens"] if a["tokens"] else 0.0,
+            early_token_share=a["early_tokens"] / a["tokens"] if a["tokens"] else 0.0,
+            late_token_share=a["delayed_tokens"] / a["tokens"] if a["tokens"] else 0.0,
             imbalance_mean=float(imb.mean()) if imb.size else 1.0, imbalance_p50=pct(50),
             imbalance_p90=pct(90), imbalance_max=float(imb.max()) if imb.size else 1.0,
             queued_pieces=sum(len(q) for q in queues),
@@ -84,9 +100,15 @@ class StreamStats:
         out = cls()
         totals, imbalances = state["accumulators"], state["imbalance"]
         for k in TOTALS:
-            v = totals[k]
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                raise ValueError(f"state_dict field accumulators.{k} must be an integer >= 0, got {v!r}")
+            if k not in totals and k in _LOOKAHEAD_TOTALS:  # a state from before lookahead
+                old = _LOOKAHEAD_TOTALS[k]
+                v = totals[old] if old else 0
+            else:
+                v = totals[k]
+            low = None if k in _SIGNED_TOTALS else 0
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or (low is not None and v < low):
+                what = "an integer" if low is None else "an integer >= 0"
+                raise ValueError(f"state_dict field accumulators.{k} must be {what}, got {v!r}")
             out.totals[k] = int(v)
         if not isinstance(imbalances, (list, tuple)):
             raise ValueError(f"state_dict field imbalance must be a list of numbers, got {imbalances!r}")
@@ -96,6 +118,7 @@ class StreamStats:
                 raise ValueError(f"state_dict field imbalance[{i}] must be a finite imbalance >= 1.0, got {x!r}")
         out.imbalances = [float(x) for x in imbalances]
         return out
+
 
 def per_step_imbalance(plan: PackPlan, cost: CostModel, phase: str = "fwd") -> float:
     """max/mean over the plan's micro-batches of `cost.micro_batch_cost(..., phase)` (Table 2 uses "fwd")."""

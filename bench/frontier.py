@@ -1,0 +1,235 @@
+"""`wlb-opt bench frontier`: the certified imbalance-displacement frontier of one stream, with
+every outlier-delay heuristic on the same axes, and the order-bias check (issue 16).
+
+Stream: 7B, (tp, cp, pp, dp) = (8, 2, 4, 1), H100, window W = 131072, N = 4, max_tokens
+1.25 W, 200 global batches (`--dist` or `--lengths`). For each displacement budget the MILP of
+`wlb_opt.solvers.frontier` (HiGHS, `--time-limit` seconds, the heuristics' placements given
+as MIP starts) gives the best plan found and a proven lower bound on the sum over steps of
+the largest micro-batch's forward cost; short pieces (< `--outlier-min`) are divisible filler
+priced at their class's lowest cost per token, so the bound holds for every plan whose
+displacement per token is within the budget and whose pieces stay in the window
+[arrival - 4, arrival + 16], including plans that move short documents.
+
+Axes: displacement per token (mean |training step - arrival step|, token-weighted) and the
+aggregate imbalance sum_t max_j cost_tj x N / total cost (the model's objective as a ratio;
+it weighs each step by its cost). Each heuristic is also given its Table 2 imbalance (mean
+over steps of max / mean forward cost, after a 20-step warm-up). Its gap is its aggregate
+imbalance minus the bound at the smallest budget >= its displacement (the bound does not
+increase with the budget, so that is a valid bound at its displacement). The frontier's own
+plans are also realised with whole documents (outliers where the model puts them, the short
+documents of each step by Algorithm 1, deferred pieces carried), and their true imbalance
+and displacement reported.
+
+Order bias (per method): the Pearson correlation between a piece's length and its
+displacement (over placed pieces), and the share of the longest 1% of tokens (the tokens of
+the pieces whose lengths are in the top 1% of the stream) trained in each tenth of the steps
+(10% each is unbiased; the largest deviation is shown).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..cost_args import add_cost_args, cost_from_args
+from ..data import DEFAULT_SEED, DISTRIBUTIONS, global_batches
+from ..docs import load_lengths
+from ..pack import solve_pack
+from ..packer import WLBPacker, per_step_imbalance
+from ..solvers.frontier import (aggregate_imbalance, frontier_problem, placement_of, solve_frontier)
+from .data import run_packer
+
+WARMUP = 20
+EARLY, LATE = 4, 16
+
+
+def heuristics(window: int) -> dict[str, dict]:
+    """The settings placed on the frontier (constants as in `bench table2` / `bench parity`)."""
+    group = dict(thresholds=[window // 4, 9 * window // 16], max_delay=16, release="group", balance_tolerance=1.3)
+    return {
+        "paper rule 32768/73728": dict(thresholds=[32768, 73728], max_delay=None, release="paper"),
+        "balance W/2,3W/4": dict(thresholds=[window // 2, 3 * window // 4], max_delay=None, release="balance"),
+        "group": group,
+        "default (no tuning)": {},
+        **{f"default, lookahead {k}": dict(lookahead=k) for k in (1, 2, 4)},
+        **{f"group, lookahead {k}": dict(group, lookahead=k) for k in (1, 2, 4)},
+    }
+
+
+def stream_plans(run) -> list:
+    """Every plan of a packer run in step order (with lookahead the first K `pack` calls
+    return None and the drain plans the last K steps)."""
+    return [p for p in run.plans if p is not None] + list(run.drained)
+
+
+def sum_of_max(plans, cost) -> float:
+    mbc = cost.mb_const("fwd")
+    return float(sum(max(cost.micro_batch_cost(p.lengths[mb], "fwd") - mbc for mb in p.micro_batches)
+                     for p in plans))
+
+
+def order_bias(plans, n_steps: int) -> dict:
+    """Correlation of length and displacement; share of the top-1% tokens per tenth."""
+    lengths, disp, steps = [], [], []
+    for p in plans:
+        placed = np.concatenate(p.micro_batches) if p.micro_batches else np.zeros(0, np.int64)
+        lengths.append(p.lengths[placed])
+        disp.append(p.delays()[placed])
+        steps.append(np.full(len(placed), p.step))
+    lengths, disp, steps = (np.concatenate(a) for a in (lengths, disp, steps))
+    corr = float(np.corrcoef(lengths, disp)[0, 1]) if disp.std() > 0 else 0.0
+    top = lengths >= np.percentile(lengths, 99)
+    tenth = np.minimum(steps * 10 // max(n_steps, 1), 9)
+    share = np.bincount(tenth[top], weights=lengths[top], minlength=10)[:10] / max(lengths[top].sum(), 1)
+    return dict(length_displacement_corr=corr, top1_share_by_tenth=share.tolist(),
+                top1_share_max_dev=float(np.abs(share - 0.1).max()))
+
+
+def realise(problem, placement, batches, cost, n_micro: int, max_tokens: int, outlier_min: int) -> dict:
+    """Whole-document plans from a model placement: each step packs its outliers, its own
+    short pieces and the carry (Algorithm 1, carried first)."""
+    at_step: dict[int, list] = {}
+    for o, (t, _) in enumerate(placement):
+        at_step.setdefault(int(t), []).append(o)
+    carry = [np.zeros(0, np.int64)] * 4
+    imbs, disp_tok, tokens, t = [], 0, 0, 0
+    while t < problem.n_slots or len(carry[0]):
+        parts = [carry]
+        if t < len(batches):
+            lengths, ids, offsets = batches[t]
+            short = lengths < outlier_min
+            parts.append([lengths[short], ids[short], offsets[short], np.full(int(short.sum()), t)])
+        outs = at_step.get(t, [])
+        if outs:
+            parts.append([problem.outlier_length[outs], np.array([problem.outlier_key[o][0] for o in outs]),
+                          np.array([problem.outlier_key[o][1] for o in outs]), problem.outlier_arrival[outs]])
+        lengths, ids, offsets, arrival = (np.concatenate([np.asarray(p[f], dtype=np.int64) for p in parts])
+                                          for f in range(4))
+        plan = solve_pack(lengths, n_micro, max_tokens, cost, "wlb", ids=ids, offsets=offsets, carried=len(carry[0]))
+        placed = np.concatenate(plan.micro_batches)
+        disp_tok += int((np.abs(t - arrival[placed]) * lengths[placed]).sum())
+        tokens += int(lengths[placed].sum())
+        imbs.append(per_step_imbalance(plan, cost, "fwd"))
+        d = plan.deferred
+        carry = [lengths[d], ids[d], offsets[d], arrival[d]]
+        t += 1
+    return dict(imbalance=float(np.mean(imbs[WARMUP:] or imbs)), displacement_per_token=disp_tok / max(tokens, 1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="wlb-opt bench frontier", description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--lengths", metavar="FILE", help="document lengths in stream order (.npy, .txt, .jsonl)")
+    src.add_argument("--dist", default="default", choices=sorted(DISTRIBUTIONS), help="built-in distribution")
+    p.add_argument("--steps", type=int, default=200, help="global batches (default 200)")
+    p.add_argument("--budgets", default="0.1,0.2,0.3,0.35,0.4,0.5,0.6",
+                   help="displacement-per-token budgets (default 0.1,0.2,0.3,0.35,0.4,0.5,0.6)")
+    p.add_argument("--time-limit", type=float, default=60.0, help="HiGHS seconds per budget (default 60)")
+    p.add_argument("--quick", action="store_true", help="budgets 0.2,0.35,0.5 at 15 s each")
+    p.add_argument("--outlier-min", type=int, default=32768, help="pieces this long are whole (default 32768)")
+    p.add_argument("--window", type=int, default=131072, help="training context length (default 131072)")
+    p.add_argument("--n-micro", type=int, default=4, help="micro-batches per step (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="stream seed, an offset from DEFAULT_SEED (default 0)")
+    p.add_argument("--out", default="results/frontier", help="folder for frontier.json and frontier.png")
+    add_cost_args(p, layout=("tp", "cp", "pp"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.budgets, args.time_limit = "0.2,0.35,0.5", 15.0
+    try:
+        budgets = sorted(float(x) for x in args.budgets.split(","))
+    except ValueError:
+        p.error(f"--budgets must be comma-separated numbers, got {args.budgets!r}")
+    cost = cost_from_args(args, parser=p)
+    W, N = args.window, args.n_micro
+    max_tokens = int(1.25 * W)
+    if args.lengths:
+        batches = global_batches("default", W, N * W, args.steps, lengths=load_lengths(args.lengths))
+        source = args.lengths
+    else:
+        batches = global_batches(args.dist, W, N * W, args.steps, seed=DEFAULT_SEED + args.seed)
+        source = f"dist={args.dist}"
+    t0 = time.perf_counter()
+    problem = frontier_problem(batches, lambda d: cost.doc_cost(d, "fwd"), N, max_tokens,
+                               outlier_min=args.outlier_min, early=EARLY, late=LATE)
+    print(f"frontier: {len(batches)} steps ({source}), {len(problem.outlier_length)} outliers >= "
+          f"{args.outlier_min} tokens, window [-{EARLY}, +{LATE}], budgets {budgets}, {args.time_limit:g} s each")
+    rows, starts = [], []
+    for name, kw in heuristics(W).items():
+        run = run_packer(WLBPacker(N, max_tokens, cost, **kw), batches)
+        plans = stream_plans(run)
+        imbs = [per_step_imbalance(plan, cost, "fwd") for plan in plans[:len(batches)]]
+        placement = placement_of(problem, plans)
+        starts.append(placement)
+        rows.append(dict(method=name, settings=kw, imbalance=float(np.mean(imbs[WARMUP:])),
+                         aggregate=aggregate_imbalance(sum_of_max(plans, cost), problem),
+                         displacement_per_token=run.stats["displacement_per_token"],
+                         late_pieces=run.stats["late_pieces"], in_window=placement is not None,
+                         ms_per_batch=1e3 * float(np.median(run.seconds)), **order_bias(plans, len(batches))))
+    frontier = []
+    for budget in budgets:
+        r = solve_frontier(problem, budget, args.time_limit, starts=starts)
+        real = (realise(problem, r.placement, batches, cost, N, max_tokens, args.outlier_min)
+                if r.placement is not None else None)
+        frontier.append(dict(budget=budget, status=r.status, seconds=r.seconds, n_binaries=r.n_binaries,
+                             best=None if r.objective is None else aggregate_imbalance(r.objective, problem),
+                             bound=aggregate_imbalance(r.bound, problem), best_displacement=r.displacement_per_token,
+                             realised=real))
+    for row in rows:
+        above = [f for f in frontier if f["budget"] >= row["displacement_per_token"]]
+        row["bound_at_displacement"] = above[0]["bound"] if above and row["in_window"] else None
+        row["gap_to_bound"] = None if row["bound_at_displacement"] is None else row["aggregate"] - row[
+            "bound_at_displacement"]
+    print(f"\n{'budget':>6} {'best':>7} {'bound':>7} {'status':<20} {'realised imb/disp':>18} {'s':>5}")
+    for f in frontier:
+        real = f["realised"]
+        cell = "-" if real is None else "{:.3f}/{:.2f}".format(real["imbalance"], real["displacement_per_token"])
+        print(f"{f['budget']:>6.2f} {f['best'] or float('nan'):>7.3f} {f['bound']:>7.3f} {f['status']:<20} "
+              f"{cell:>18} {f['seconds']:>5.0f}")
+    print(f"\n{'method':<24} {'imb':>6} {'agg':>6} {'disp':>5} {'bound':>6} {'gap':>6} {'corr':>6} "
+          f"{'top1%dev':>8} {'ms':>5}")
+    for r in rows:
+        bound = "-" if r["bound_at_displacement"] is None else f"{r['bound_at_displacement']:.3f}"
+        gap = "-" if r["gap_to_bound"] is None else f"{r['gap_to_bound']:.3f}"
+        print(f"{r['method']:<24} {r['imbalance']:>6.3f} {r['aggregate']:>6.3f} {r['displacement_per_token']:>5.2f} "
+              f"{bound:>6} {gap:>6} {r['length_displacement_corr']:>6.2f} {r['top1_share_max_dev']:>8.3f} "
+              f"{r['ms_per_batch']:>5.1f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(source=source, steps=len(batches), window=W, n_micro=N, max_tokens=max_tokens,
+                outlier_min=args.outlier_min, early=EARLY, late=LATE, time_limit=args.time_limit,
+                seconds=time.perf_counter() - t0)
+    (out / "frontier.json").write_text(json.dumps(dict(meta=meta, frontier=frontier, heuristics=rows), indent=2))
+    msg = f"wrote {out / 'frontier.json'}"
+    if plot(frontier, rows, out / "frontier.png", f"frontier ({source}, {len(batches)} steps)"):
+        msg += f" and {out / 'frontier.png'}"
+    print(msg + f" ({meta['seconds']:.0f} s)")
+    return 0
+
+
+def plot(frontier, rows, path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    xs = [f["budget"] for f in frontier]
+    ax.plot(xs, [f["bound"] for f in frontier], "k--", label="proven bound")
+    best = [(f["budget"], f["best"]) for f in frontier if f["best"] is not None]
+    if best:
+        ax.plot(*zip(*best), "k-o", ms=3, label="best plan found (divisible filler)")
+    for i, r in enumerate(rows):
+        ax.plot(r["displacement_per_token"], r["aggregate"], "o", color=f"C{i % 10}", label=r["method"])
+    ax.set_xlabel("displacement per token (iterations)")
+    ax.set_ylabel("aggregate imbalance (sum of max x N / total)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

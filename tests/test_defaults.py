@@ -1,0 +1,95 @@
+"""The no-tuning defaults of WLBPacker (`wlb_opt.packer.defaults`): what they are, the
+displacement feedback of balance_tolerance="auto", and bad input."""
+import numpy as np
+import pytest
+
+from conftest import unit_cost
+
+import wlb_opt as wlb
+from wlb_opt import data
+from wlb_opt.packer import WLBPacker
+from wlb_opt.packer import defaults as d
+from wlb_opt.packer.state import HeldPiece
+
+COST = unit_cost(1e-6, 1e-3, backward=True)
+
+
+def test_the_defaults_are_one_pool_group_release_and_the_feedback_tolerance():
+    packer = WLBPacker(4, 163840, COST)
+    assert packer.thresholds == [int(163840 * d.DEFAULT_CUTOFF_SHARE)] == [49152]
+    assert packer.release == "group" and packer.max_delay == d.DEFAULT_MAX_DELAY == 16
+    assert packer.balance_tolerance == "auto" and packer.lookahead == 0 and packer.calibration is None
+    assert WLBPacker(4, 163840, COST, n_queues=1).thresholds == [49152]
+
+
+def test_adaptive_tolerance_rises_with_displacement_between_its_bounds():
+    budget = 0.5
+    target = d.TARGET_SHARE * budget
+    xs = np.linspace(0, 2 * target, 41)
+    tol = [d.adaptive_tolerance(x, budget) for x in xs]
+    assert tol[0] == d.TOLERANCE_LOW and tol[-1] == d.TOLERANCE_HIGH
+    assert all(b >= a for a, b in zip(tol, tol[1:]))
+    assert d.adaptive_tolerance(target, budget) == pytest.approx((d.TOLERANCE_LOW + d.TOLERANCE_HIGH) / 2)
+    assert d.adaptive_tolerance(0.3, 0.0) == d.TOLERANCE_HIGH
+
+
+def test_running_displacement_counts_the_wait_of_held_pieces():
+    totals = dict(displacement_token_sum=0, tokens=0)
+    # nothing placed, nothing held: the prior (the target) alone
+    assert d.running_displacement(totals, [], 0, 1000, 0.4) == pytest.approx(0.4)
+    held = [HeldPiece(1, 0, 500, 0)]  # waited 10 steps
+    got = d.running_displacement(totals, held, 10, 1000, 0.4)
+    assert got == pytest.approx((10 * 500 + 0.4 * 2000) / (500 + 2000))
+    # a piece seen ahead (lookahead) has not waited
+    assert d.running_displacement(totals, [HeldPiece(2, 0, 500, 12)], 10, 1000, 0.4) == pytest.approx(
+        0.4 * 2000 / 2500)
+
+
+def _stream(rng, n_batches, cap=200):
+    out, next_id = [], 0
+    for _ in range(n_batches):
+        n = int(rng.integers(4, 14))
+        lengths = np.where(rng.random(n) < 0.15, rng.integers(cap // 3, cap + 1, n), rng.integers(1, cap // 10, n))
+        out.append((lengths, np.arange(next_id, next_id + n)))
+        next_id += n
+    return out
+
+
+def test_the_feedback_keeps_displacement_near_the_budget_it_is_given():
+    batches = _stream(np.random.default_rng(3), 150)
+    got = {}
+    for budget in (0.1, 1.0):
+        packer = WLBPacker(2, 200, COST, thresholds=[60], delay_budget=budget)
+        plans = [packer.pack(*b) for b in batches] + packer.drain()
+        tolerances = [p.info.extra["balance_tolerance"] for p in plans[:len(batches)]]
+        assert min(tolerances) >= d.TOLERANCE_LOW and max(tolerances) <= d.TOLERANCE_HIGH
+        got[budget] = packer.stats()["displacement_per_token"]
+    assert got[0.1] < got[1.0]  # a tighter budget makes the rule take outliers sooner
+
+
+def test_a_fixed_tolerance_is_used_as_given():
+    batches = _stream(np.random.default_rng(4), 20)
+    packer = WLBPacker(2, 200, COST, thresholds=[60], balance_tolerance=1.3)
+    assert {packer.pack(*b).info.extra["balance_tolerance"] for b in batches} == {1.3}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(balance_tolerance="fixed"), "balance_tolerance must be 'auto' or"),
+    (dict(balance_tolerance=0.9), "balance_tolerance must be 'auto' or"),
+    (dict(balance_tolerance=True), "balance_tolerance must be 'auto' or"),
+    (dict(n_queues=2), "does not match thresholds=None"),
+])
+def test_bad_default_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        WLBPacker(2, 200, COST, **kwargs)
+
+
+def test_default_packer_trains_every_document_once_on_the_default_distribution():
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=1),
+                                  wlb.HardwareSpec.preset("h100"))
+    batches = data.global_batches("default", 131072, 4 * 131072, 12, seed=data.DEFAULT_SEED + 100)
+    packer = WLBPacker(4, 163840, cost)
+    plans = [packer.pack(*b) for b in batches] + packer.drain()
+    placed = sorted((int(p.doc_ids[i]), int(p.offsets[i])) for p in plans for mb in p.micro_batches for i in mb)
+    sent = sorted((int(i), int(o)) for b in batches for i, o in zip(b[1], b[2]))
+    assert placed == sent

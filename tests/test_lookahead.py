@@ -1,0 +1,184 @@
+"""WLBPacker(..., lookahead=K): plans of step s - K, every id once, displacement in
+[-K, max_delay], resume identity with a buffer, K = 0 reproduces the plans of the packer
+before lookahead existed (digests recorded from commit d1cf72e by
+tests/data/make_packer_k0_digests.py), stats keys, bad input."""
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import unit_cost as _unit_cost
+
+import wlb_opt as wlb
+from wlb_opt.data import DEFAULT_SEED, global_batches
+from wlb_opt.packer import WLBPacker
+
+COST = _unit_cost(1e-6, 1e-3, backward=True)
+CAP = 100
+
+
+def stream(rng, n_batches, mean_docs=10, outlier_p=0.12):
+    """Batches of (lengths, ids): short documents and some outliers (>= CAP / 3)."""
+    out, next_id = [], 0
+    for _ in range(n_batches):
+        n = int(rng.integers(0, 2 * mean_docs))
+        lengths = np.where(rng.random(n) < outlier_p, rng.integers(CAP // 3, CAP + 1, n), rng.integers(1, CAP // 10, n))
+        out.append((lengths, np.arange(next_id, next_id + n)))
+        next_id += n
+    return out
+
+
+def arrivals_of(batches):
+    return {int(i): s for s, (_, ids) in enumerate(batches) for i in ids}
+
+
+def check_stream(plans, batches, k, max_delay, stats):
+    """Every id placed exactly once; each plan's step and arrival steps are right;
+    displacement in [-k, max_delay] except the counted late pieces."""
+    arrival = arrivals_of(batches)
+    placed = np.concatenate([p.placed_ids() for p in plans]) if plans else np.zeros(0, np.int64)
+    assert sorted(placed.tolist()) == sorted(arrival)
+    late, tokens, absolute, early = 0, 0, 0, 0
+    for step, plan in enumerate(plans):
+        assert plan.step == step
+        wlb.check_pack(plan, plan.lengths, 2 * CAP, ids=plan.doc_ids, offsets=plan.offsets, cost=COST)
+        for mb in plan.micro_batches:
+            for i in mb.tolist():
+                doc, d = int(plan.doc_ids[i]), int(plan.delays()[i])
+                assert plan.arrival_step[i] == arrival[doc]
+                assert d >= -k
+                late += max_delay is not None and d > max_delay
+                tokens += int(plan.lengths[i])
+                absolute += abs(d) * int(plan.lengths[i])
+                early += int(plan.lengths[i]) * (d < 0)
+    assert stats["late_pieces"] == late
+    assert stats["displacement_per_token"] == pytest.approx(absolute / tokens if tokens else 0.0)
+    assert stats["early_token_share"] == pytest.approx(early / tokens if tokens else 0.0)
+
+
+def run(packer, batches):
+    out = [packer.pack(lengths, ids) for lengths, ids in batches]
+    return out, packer.drain()
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**31), k=st.integers(1, 4), n_micro=st.integers(1, 4),
+       max_delay=st.sampled_from([None, 2, 5]), release=st.sampled_from(["paper", "balance", "group"]),
+       n_batches=st.integers(100, 200))
+def test_lookahead_stream_trains_every_id_once_within_its_window(seed, k, n_micro, max_delay, release, n_batches):
+    rng = np.random.default_rng(seed)
+    batches = stream(rng, n_batches, mean_docs=2 * n_micro)
+    packer = WLBPacker(n_micro, 2 * CAP, COST, thresholds=[34, 67], max_delay=max_delay, release=release,
+                       lookahead=k, max_backlog_tokens=10**9)
+    streamed, drained = run(packer, batches)
+    assert all(p is None for p in streamed[:k]) and all(p is not None for p in streamed[k:])
+    plans = [p for p in streamed if p is not None] + drained
+    assert [p.step for p in streamed[k:]] == list(range(len(batches) - k))  # pack(batch s) plans step s - K
+    check_stream(plans, batches, k, max_delay, packer.stats())
+    assert packer.stats()["buffered_pieces"] == 0 and not packer.queued_ids().size and not packer.carried_ids().size
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**31), k=st.integers(0, 3), cut=st.integers(0, 100),
+       release=st.sampled_from(["paper", "group"]), max_delay=st.sampled_from([None, 3]))
+def test_checkpoint_at_a_random_step_resumes_identically(seed, k, cut, release, max_delay):
+    rng = np.random.default_rng(seed)
+    batches = stream(rng, 100, mean_docs=6)
+    kw = dict(thresholds=[34, 67], max_delay=max_delay, release=release, lookahead=k)
+    whole = WLBPacker(2, 2 * CAP, COST, **kw)
+    streamed, drained = run(whole, batches)
+    expected = [p.digest() if p is not None else None for p in streamed] + [p.digest() for p in drained]
+    first = WLBPacker(2, 2 * CAP, COST, **kw)
+    got = [first.pack(*b) for b in batches[:cut]]
+    state = json.loads(json.dumps(first.state_dict()))  # through JSON, as a checkpoint would
+    assert len(state["lookahead_buffer"]) == min(k, cut)
+    second = WLBPacker(2, 2 * CAP, COST, **kw)
+    second.load_state_dict(state)
+    assert second.step == first.step and second.arrival_step == first.arrival_step == cut
+    got += [second.pack(*b) for b in batches[cut:]]
+    got = [p.digest() if p is not None else None for p in got] + [p.digest() for p in second.drain()]
+    # `whole` was drained once inside run(); drain() again returns nothing
+    assert got == expected
+    assert second.stats() == whole.stats()
+
+
+def _cost_7b():
+    return wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=1),
+                                  wlb.HardwareSpec.preset("h100"))
+
+
+def test_lookahead_zero_reproduces_the_plans_of_the_packer_before_lookahead():
+    ref = json.loads((Path(__file__).parent / "data" / "packer_k0_digests.json").read_text())
+    cost, st_ = _cost_7b(), ref["stream"]
+    for name, run_ref in ref["runs"].items():
+        dist = name.split("/")[0]
+        batches = global_batches(dist, st_["window"], st_["n_micro"] * st_["window"], st_["steps"],
+                                 seed=DEFAULT_SEED + st_["seed_offset"])
+        packer = WLBPacker(st_["n_micro"], st_["max_tokens"], cost, lookahead=0, **run_ref["config"])
+        plans = [packer.pack(*b) for b in batches] + packer.drain()
+        digests = [p.digest() + f"/{p.step}/" + hashlib.sha256(p.arrival_step.tobytes()).hexdigest()[:16]
+                   for p in plans]
+        assert digests == run_ref["digests"], name
+
+
+def test_lookahead_trains_an_outlier_early_to_complete_a_group():
+    # three outliers now and one next step: with lookahead 1 the paper rule's queue holds
+    # 4 = n_micro at step 0 and releases them together, one trained a step early
+    packer = WLBPacker(4, 2 * CAP, COST, thresholds=[50], max_delay=None, release="paper", lookahead=1)
+    assert packer.pack([90, 91, 92, 5, 5], [0, 1, 2, 3, 4]) is None
+    plan = packer.pack([93, 6], [5, 6])
+    assert plan.step == 0 and set(plan.placed_ids().tolist()) == {0, 1, 2, 3, 4, 5}
+    assert int(plan.delays()[plan.doc_ids == 5][0]) == -1
+    rest = packer.drain()
+    assert [p.placed_ids().tolist() for p in rest] == [[6]]
+    s = packer.stats()
+    assert s["early_token_share"] == pytest.approx(93 / (90 + 91 + 92 + 93 + 5 + 5 + 6))
+    assert s["late_token_share"] == 0.0 and s["late_pieces"] == 0
+    assert s["displacement_per_token"] == pytest.approx(s["early_token_share"])
+    # without lookahead the group waits: 3 outliers stay queued at step 0
+    plain = WLBPacker(4, 2 * CAP, COST, thresholds=[50], max_delay=None, release="paper")
+    assert set(plain.pack([90, 91, 92, 5, 5], [0, 1, 2, 3, 4]).placed_ids().tolist()) == {3, 4}
+
+
+def test_stats_keys_and_calibration_with_lookahead():
+    batches = stream(np.random.default_rng(0), 30)
+    packer = WLBPacker(2, 2 * CAP, COST, thresholds="auto", lookahead=2)
+    run(packer, batches)
+    s = packer.stats()
+    for key in ("displacement_per_token", "early_token_share", "late_token_share", "late_pieces",
+                "imbalance_mean", "imbalance_p50", "imbalance_p90", "imbalance_max"):
+        assert key in s
+    assert packer.thresholds and packer.calibration["candidates"]
+
+
+def test_a_state_of_another_lookahead_or_a_bad_buffer_is_refused():
+    batches = stream(np.random.default_rng(1), 5)
+    packer = WLBPacker(2, 2 * CAP, COST, thresholds=[34], lookahead=2)
+    for b in batches[:3]:
+        packer.pack(*b)
+    state = packer.state_dict()
+    with pytest.raises(ValueError, match="config.lookahead"):
+        WLBPacker(2, 2 * CAP, COST, thresholds=[34], lookahead=1).load_state_dict(state)
+    bad = json.loads(json.dumps(state))
+    bad["lookahead_buffer"] = [[[1, 0, 5, 99]]] * 2
+    fresh = WLBPacker(2, 2 * CAP, COST, thresholds=[34], lookahead=2)
+    with pytest.raises(ValueError, match="lookahead_buffer"):
+        fresh.load_state_dict(bad)
+    assert fresh.step == 0 and fresh.arrival_step == 0  # unchanged
+    bad["lookahead_buffer"] = [[]] * 3
+    with pytest.raises(ValueError, match="at most lookahead=2"):
+        fresh.load_state_dict(bad)
+    # an id still buffered may not be sent again
+    held = int(packer.buffered_ids()[0])
+    with pytest.raises(ValueError, match="already held"):
+        packer.pack([3], [held])
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "2", True, None])
+def test_bad_lookahead(value):
+    with pytest.raises(ValueError, match="lookahead must be an integer >= 0"):
+        WLBPacker(2, 2 * CAP, COST, lookahead=value)

@@ -1,0 +1,103 @@
+"""Lookahead for `WLBPacker(..., lookahead=K)`: the packer sees K global batches ahead.
+
+Every real data loader prefetches. With K > 0, `pack(batch s)` takes step s's global batch
+and returns the plan of step s - K (None while the first K batches arrive); `drain()`
+returns the rest. The rules (beyond the paper, issue 16):
+
+- an outlier (length >= L1) joins its queue when its batch arrives, with its arrival step,
+  so the queues of step t = s - K already hold the outliers of batches t+1..s. Every
+  release policy then works unchanged: a queue that fills (paper rule) or a group that
+  balances ("group", "balance") may take outliers that arrive up to K steps later, which
+  are trained early. FIFO order is arrival order, so the outliers that arrived first leave
+  first.
+- a regular document (below L1) waits in the buffer for its own step and is fresh there
+  (it may still be carried later, as without lookahead).
+- displacement of a piece = training step - arrival step, in [-K, max_delay] (a piece
+  placed later than max_delay because a step was over capacity counts in
+  `stats()["late_pieces"]`). `stats()` reports `displacement_per_token` (token-weighted
+  mean of |displacement|), `early_token_share` and `late_token_share`.
+- K = 0 is the paper's behaviour, and the plans are exactly those of the packer without
+  lookahead (the batch's outliers are queued and its regular documents are fresh in the
+  same order).
+
+This module holds the buffer of regular documents (`LookaheadBuffer`) and its JSON form in
+the packer's state (key "lookahead_buffer"; the queues already hold the early outliers).
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable
+
+from .state import HeldPiece
+
+STATE_KEY = "lookahead_buffer"
+"""Key of the buffer in `WLBPacker.state_dict()`: one list of [id, offset, length, arrival]
+rows per buffered step, oldest first."""
+
+
+class LookaheadBuffer:
+    """The regular documents of the buffered global batches, one list per step, oldest
+    first. The buffer holds at most K + 1 batches between the arrival of a batch and the
+    plan of the oldest one (at most K between calls)."""
+
+    def __init__(self, batches: Iterable[list[HeldPiece]] = ()) -> None:
+        self._batches: deque[list[HeldPiece]] = deque(list(b) for b in batches)
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def copy(self) -> "LookaheadBuffer":
+        return LookaheadBuffer(self._batches)
+
+    def with_batch(self, pieces: list[HeldPiece]) -> "LookaheadBuffer":
+        """A copy with `pieces` appended as the newest batch (the packer commits a copy only
+        when the whole step is valid)."""
+        out = LookaheadBuffer(self._batches)
+        out._batches.append(list(pieces))
+        return out
+
+    def pop_oldest(self) -> list[HeldPiece]:
+        """Remove and return the regular documents of the oldest buffered step."""
+        return self._batches.popleft()
+
+    def pieces(self) -> list[HeldPiece]:
+        """Every buffered piece, oldest batch first."""
+        return [piece for batch in self._batches for piece in batch]
+
+    def keys(self) -> set[tuple[int, int]]:
+        """(id, offset) of every buffered piece (a new batch may not repeat one)."""
+        return {piece.key for piece in self.pieces()}
+
+    def tokens(self) -> int:
+        return sum(piece.length for piece in self.pieces())
+
+    # ------------------------------------------------------------------ checkpointing
+    def to_json(self) -> list[list[list[int]]]:
+        return [[list(piece) for piece in batch] for batch in self._batches]
+
+    @classmethod
+    def from_json(cls, rows, *, lookahead: int, next_step: int) -> "LookaheadBuffer":
+        """Parse a state's buffer; ValueError naming what is wrong. A packer between calls
+        holds at most `lookahead` buffered steps, the oldest being `next_step` (the next
+        plan), and every piece's arrival is its batch's step."""
+        if not isinstance(rows, list) or len(rows) > lookahead:
+            got = len(rows) if isinstance(rows, list) else type(rows).__name__
+            raise ValueError(f"state_dict field {STATE_KEY} must be a list of at most lookahead={lookahead} "
+                             f"batches, got {got}")
+        batches = []
+        for k, batch in enumerate(rows):
+            if not isinstance(batch, list):
+                raise ValueError(f"state_dict field {STATE_KEY}[{k}] must be a list of pieces, got {batch!r}")
+            pieces = []
+            for row in batch:
+                if not isinstance(row, list) or len(row) != 4 or not all(
+                        isinstance(x, int) and not isinstance(x, bool) for x in row):
+                    raise ValueError(f"state_dict field {STATE_KEY}[{k}] holds {row!r}; a piece is "
+                                     "[id, offset, length, arrival] (4 ints)")
+                piece = HeldPiece(*row)
+                if piece.length < 1 or piece.offset < 0 or piece.arrival != next_step + k:
+                    raise ValueError(f"state_dict field {STATE_KEY}[{k}] holds {row!r}: a buffered piece needs "
+                                     f"length >= 1, offset >= 0 and arrival {next_step + k} (its batch's step)")
+                pieces.append(piece)
+            batches.append(pieces)
+        return cls(batches)
