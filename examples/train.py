@@ -75,9 +75,8 @@ def main() -> None:
     tiny = wlb.ModelSpec.preset("tiny")  # 2 blocks; more when the pipeline has more (virtual) stages
     spec = dataclasses.replace(tiny, layers=max(tiny.layers, layout.pp * args.virtual_stages))
     cost = wlb.CostModel.analytic(spec, layout, wlb.HardwareSpec.preset("cpu"))
-    packer = wlb.WLBPacker(n_micro=args.n_micro, max_tokens=int(1.25 * args.window), cost=cost,
-                           thresholds=[args.window // 2], n_queues=1, max_delay=4, seed=0,
-                           release="paper")  # dp: cost.parallel
+    # the no-tuning defaults (wlb_opt.packer.defaults); dp comes from cost.parallel
+    packer = wlb.WLBPacker(n_micro=args.n_micro, max_tokens=int(1.25 * args.window), cost=cost)
     dtype = torch.float64 if args.check_reference else {"fp32": torch.float32, "bf16": torch.bfloat16,
                                                          "fp64": torch.float64}[args.dtype]
     torch.manual_seed(0)

@@ -359,7 +359,19 @@ PACKER_CASES = (
     + _bad_counts("max_delay", lambda v: _packer(max_delay=v))
     + _bad_counts("seed", lambda v: _packer(seed=v), low=0)[1:]
     + _bad_counts("max_backlog_tokens", lambda v: _packer(max_backlog_tokens=v), low=0)[1:]
-    + [("WLBPacker.thresholds=inf", lambda: _packer(thresholds=[INF]), ValueError, "thresholds[0] must be a positive"),
+    + _bad_counts("lookahead", lambda v: _packer(lookahead=v), low=0)
+    + [("WLBPacker.max_tokens=auto_without_memory", lambda: _packer(max_tokens="auto"), ValueError,
+        "max_tokens='auto' needs memory_bytes"),
+       ("WLBPacker.memory_bytes_without_auto", lambda: _packer(memory_bytes=2**30), ValueError,
+        "memory_bytes is only read with max_tokens='auto'"),
+       ("WLBPacker.memory_bytes_too_small", lambda: _packer(max_tokens="auto", cost=LAID_OUT, memory_bytes=1),
+        ValueError, "memory_bytes=1 cannot hold one token"),
+       ("WLBPacker.max_tokens=string", lambda: _packer(max_tokens="big"), ValueError,
+        "max_tokens must be an integer >= 1"),
+       ("WLBPacker.state_other_lookahead",
+        lambda: _packer(lookahead=2).load_state_dict(_packed().state_dict()), ValueError,
+        "config.lookahead=0 does not match"),
+       ("WLBPacker.thresholds=inf", lambda: _packer(thresholds=[INF]), ValueError, "thresholds[0] must be a positive"),
        ("WLBPacker.thresholds=nan", lambda: _packer(thresholds=[NAN]), ValueError, "thresholds[0] must be a positive"),
        ("WLBPacker.thresholds=fraction", lambda: _packer(thresholds=[10.5]), ValueError, "thresholds[0]"),
        ("WLBPacker.thresholds=zero", lambda: _packer(thresholds=[0]), ValueError, "thresholds[0]"),
@@ -521,9 +533,47 @@ def _torch_cases():
     )
 
 
+# ---------------------------------------------------------------- WLBStream
+def _stream(docs=((0, [1, 2]),), tokens_per_step=100, **kw):
+    return wlb.WLBStream(list(docs), wlb.WLBPacker(2, 64, thresholds=[], **kw.pop("packer", {})), tokens_per_step,
+                         **kw)
+
+
+def _drain_stream(docs, **kw):
+    return list(_stream(docs, **kw))
+
+
+STREAM_CASES = (
+    _bad_counts("tokens_per_step", lambda v: _stream(tokens_per_step=v))
+    + [("WLBStream.window_zero", lambda: _stream(window=0), ValueError, "window must be an integer >= 1"),
+       ("WLBStream.over_capacity", lambda: _stream(tokens_per_step=10**9), ValueError,
+        "more than the packer can place"),
+       ("WLBStream.window_over_max_tokens", lambda: _stream(window=65), ValueError,
+        "longer than the packer's max_tokens"),
+       ("WLBStream.strategy", lambda: _stream(strategy="best"), ValueError, "strategy must be one of"),
+       ("WLBStream.cp_mismatch", lambda: _stream(cp=0), ValueError, "cp"),
+       ("WLBStream.packer_type", lambda: wlb.WLBStream([(0, [1])], "packer", 100), ValueError,
+        "packer must be a wlb_opt.WLBPacker"),
+       ("WLBStream.documents_string", lambda: _drain_stream("abc"), ValueError, "must be (doc_id, tokens)"),
+       ("WLBStream.empty_document", lambda: _drain_stream([(0, [1, 2]), (1, [])]), ValueError,
+        "document 1 (item 1) has no tokens"),
+       ("WLBStream.duplicate_id", lambda: _drain_stream([(0, [1, 2]), (0, [3])]), ValueError,
+        "id 0 with offset 0 is repeated within the batch"),
+       ("WLBStream.lookahead_duplicate_id",  # batch 1 repeats an id the lookahead buffer holds
+        lambda: _drain_stream([(0, [1] * 60), (0, [3])], tokens_per_step=60, window=60, packer=dict(lookahead=2)),
+        ValueError, "document id 0 (offset 0) is already held by the stream"),
+       ("WLBStream.state_version", lambda: _stream().load_state_dict({"version": 99}), ValueError,
+        "not a WLBStream state"),
+       ("WLBStream.from_dataset_iterator", lambda: wlb.WLBStream.from_dataset(iter([]), _packer(), 100), ValueError,
+        "map-style"),
+       ("WLBStream.from_dataset_lengths", lambda: wlb.WLBStream.from_dataset([[1], [2]], _packer(), 100, lengths=[1]),
+        ValueError, "lengths has 1 entries")]
+)
+
+
 # ---------------------------------------------------------------- the tests
 PLAIN_CASES = (SPEC_CASES + COST_CASES + DOCS_CASES + PACK_CASES + PLAN_CASES + PACKER_CASES + SHARD_CASES
-               + SIM_CASES)
+               + SIM_CASES + STREAM_CASES)
 FILE_CASES = COST_FILE_CASES + LENGTH_FILE_CASES
 CLI_FILE_CASES = cli_file_cases(COST)
 
