@@ -139,7 +139,7 @@ def main() -> None:
 
     corpus = Corpus(args.corpus)
     max_tokens = int(1.25 * args.window)
-    packer = wlb.WLBPacker(args.n_micro, max_tokens, cost)  # thresholds="auto": calibrated on the first batch
+    packer = wlb.WLBPacker(args.n_micro, max_tokens, cost)  # the no-tuning defaults (wlb_opt.packer.defaults)
     stream = wlb.WLBStream(corpus, packer, args.dp * args.n_micro * args.window, window=args.window)
     loader = torch.utils.data.DataLoader(stream.as_dataset(), batch_size=None, num_workers=1)
     steps, losses = [], []
