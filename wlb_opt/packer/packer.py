@@ -8,7 +8,9 @@ and carry. What the paper leaves open about a training job is settled here:
 - overload: pieces that do not fit are carried to the next step. The backlog guard counts
   everything the packer holds, queued and carried: a `pack` after which the packer would
   hold more than `max_backlog_tokens` (default (2 + n_queues) x dp x n_micro x max_tokens:
-  two steps of carry plus one full release per queue) and more than it held before raises
+  two steps of carry plus one full release per queue; with the default, a batch larger than
+  a step's capacity may exceed it by that excess, since a long document arrives whole)
+  and more than it held before raises
   a ValueError that names the bound and the fixes, and leaves the state as it was before
   the call (calibration included). Releasing a queued outlier only moves it from a queue to
   the carry, so a release never trips the guard, and a step without new input never holds
@@ -91,7 +93,9 @@ class WLBPacker:
         seed: seeds the calibration's bootstrap stream (planning is otherwise deterministic).
         max_backlog_tokens: held tokens (queued + carried) above which `pack` raises (default
             (2 + n_queues) x dp x n_micro x max_tokens: two steps' capacity of carry plus one
-            full release per queue).
+            full release per queue; a batch with more tokens than one step's capacity may
+            exceed the default by that excess, since a long document cut into pieces arrives
+            whole; an explicit limit is strict).
         pp: pipeline stages for the DP refinement's 1F1B model (None: the cost model's
             `parallel.pp`, 1 without a layout; a disagreeing value raises).
         delay_budget: calibration's limit on delay per token, in steps (default 0.5, paper §3.2).
@@ -167,6 +171,9 @@ class WLBPacker:
         self._auto = self.thresholds is None
         self._warned_outliers = False
         self._fingerprint = cost_fingerprint(self.cost)
+        # With the default limit a batch may exceed it by its own tokens beyond one step's
+        # capacity (a long document arrives whole; see `pack`); an explicit limit is strict.
+        self._burst_allowed = max_backlog_tokens is None
         if max_backlog_tokens is None:
             # release="group" keeps reading the carry limit it was tuned with (two steps)
             self._set_backlog_limit((2 + self.n_queues) * self.capacity_tokens, carry_limit=2 * self.capacity_tokens)
@@ -377,15 +384,20 @@ class WLBPacker:
         # A step that holds no more than the one before always passes (pack([]) makes
         # progress even from a state above the limit, e.g. one loaded with a lower limit).
         # The lookahead buffer is not counted: it is at most K batches by construction.
-        if held_after > self.max_backlog_tokens and held_after > held_before:
+        # Default limit: a burst (one batch above a step's capacity, e.g. a 2.1M-token document
+        # cut into 17 pieces that arrive together) may exceed it by its own excess; a stream
+        # that keeps bringing more than the capacity still grows past the limit and raises.
+        burst = max(0, int(lengths.sum()) - self.capacity_tokens) if self._burst_allowed else 0
+        if held_after > self.max_backlog_tokens + burst and held_after > held_before:
             if before is not None:  # leave the state exactly as it was, calibration included
                 self.thresholds, self.n_queues, self._queues, self._calibration = before
             queued = held_after - sum(piece.length for piece in carry)
             hint = ("; with max_delay=None a queue waits for dp x n_micro outliers however long that takes: "
                     "set max_delay to bound the wait") if self.max_delay is None and queued else ""
+            allowance = f" + {burst} (the batch's tokens beyond one step's capacity)" if burst else ""
             raise ValueError(
                 f"overload at step {step}: the packer would hold {held_after} tokens ({queued} queued, "
-                f"{held_after - queued} carried), more than max_backlog_tokens={self.max_backlog_tokens}; the "
+                f"{held_after - queued} carried), more than max_backlog_tokens={self.max_backlog_tokens}{allowance}; the "
                 f"stream brings more tokens per step than {self.dp} x {self.n_micro} micro-batches of "
                 f"max_tokens={self.max_tokens} can place{hint}. Use a larger max_tokens or fewer tokens per global "
                 "batch, or raise max_backlog_tokens (also on reload: load_state_dict(state, max_backlog_tokens=...)); "
@@ -518,6 +530,7 @@ class WLBPacker:
         ahead = self._decode_lookahead(state, loaded.step)
         if max_backlog_tokens is not None:
             self._set_backlog_limit(max_backlog_tokens)
+            self._burst_allowed = False
         self.thresholds = loaded.thresholds
         if loaded.thresholds is not None:
             self.n_queues = len(loaded.thresholds)
