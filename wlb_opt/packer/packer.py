@@ -380,18 +380,21 @@ class WLBPacker:
         else:
             ahead = self._ahead
         plan, carry = self._plan_step(entries, queues, list(self._carry), step, self._step_policy(), started)
-        held_before, held_after = self.held_tokens, held_tokens(queues, carry)
         # A step that holds no more than the one before always passes (pack([]) makes
         # progress even from a state above the limit, e.g. one loaded with a lower limit).
-        # The lookahead buffer is not counted: it is at most K batches by construction.
-        # Default limit: a burst (one batch above a step's capacity, e.g. a 2.1M-token document
+        # What was seen ahead is not counted (the buffer, and outliers queued before their
+        # step: arrival > step): it is at most K batches by construction.
+        held_before = sum(piece.length for piece in self._held_pieces_due(self._queues, self._carry, step - 1))
+        held_now = self._held_pieces_due(queues, carry, step)
+        held_after = sum(piece.length for piece in held_now)
+        # Default limit: a burst (step's batch above a step's capacity, e.g. a 2.1M-token document
         # cut into 17 pieces that arrive together) may exceed it by its own excess; a stream
         # that keeps bringing more than the capacity still grows past the limit and raises.
-        burst = max(0, int(lengths.sum()) - self.capacity_tokens) if self._burst_allowed else 0
+        burst = max(0, self._arrived_tokens(plan, queues, step) - self.capacity_tokens) if self._burst_allowed else 0
         if held_after > self.max_backlog_tokens + burst and held_after > held_before:
             if before is not None:  # leave the state exactly as it was, calibration included
                 self.thresholds, self.n_queues, self._queues, self._calibration = before
-            queued = held_after - sum(piece.length for piece in carry)
+            queued = held_after - sum(piece.length for piece in carry if piece.arrival <= step)
             hint = ("; with max_delay=None a queue waits for dp x n_micro outliers however long that takes: "
                     "set max_delay to bound the wait") if self.max_delay is None and queued else ""
             allowance = f" + {burst} (the batch's tokens beyond one step's capacity)" if burst else ""
@@ -407,6 +410,19 @@ class WLBPacker:
         self._ahead = ahead
         self._commit(plan, queues, carry)
         return plan
+
+    @staticmethod
+    def _held_pieces_due(queues, carry, step: int) -> list[HeldPiece]:
+        """Queued and carried pieces that arrived by `step` (what the backlog guard counts)."""
+        return [piece for q in queues for piece in q if piece.arrival <= step] + [
+            piece for piece in carry if piece.arrival <= step]
+
+    @staticmethod
+    def _arrived_tokens(plan: PackPlan, queues, step: int) -> int:
+        """Tokens of step `step`'s batch still in the stream after its plan: placed or deferred
+        by the plan, or still queued (with lookahead, pieces trained early are gone)."""
+        in_plan = int(plan.lengths[plan.arrival_step == step].sum()) if len(plan.lengths) else 0
+        return in_plan + sum(piece.length for q in queues for piece in q if piece.arrival == step)
 
     def _warn_if_mostly_outliers(self, lengths: np.ndarray) -> None:
         """Warn once when more than half of a batch's tokens are outliers: the thresholds are
