@@ -29,7 +29,10 @@ def test_adaptive_tolerance_rises_with_displacement_between_its_bounds():
     tol = [d.adaptive_tolerance(x, budget) for x in xs]
     assert tol[0] == d.TOLERANCE_LOW and tol[-1] == d.TOLERANCE_HIGH
     assert all(b >= a for a, b in zip(tol, tol[1:]))
-    assert d.adaptive_tolerance(target, budget) == pytest.approx((d.TOLERANCE_LOW + d.TOLERANCE_HIGH) / 2)
+    middle = target * (d.RISE_FROM + d.RISE_TO) / 2
+    assert d.adaptive_tolerance(middle, budget) == pytest.approx((d.TOLERANCE_LOW + d.TOLERANCE_HIGH) / 2)
+    assert d.adaptive_tolerance(d.RISE_FROM * target, budget) == pytest.approx(d.TOLERANCE_LOW)
+    assert d.adaptive_tolerance(d.RISE_TO * target, budget) == pytest.approx(d.TOLERANCE_HIGH)
     assert d.adaptive_tolerance(0.3, 0.0) == d.TOLERANCE_HIGH
 
 
