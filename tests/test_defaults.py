@@ -96,3 +96,48 @@ def test_default_packer_trains_every_document_once_on_the_default_distribution()
     placed = sorted((int(p.doc_ids[i]), int(p.offsets[i])) for p in plans for mb in p.micro_batches for i in mb)
     sent = sorted((int(i), int(o)) for b in batches for i, o in zip(b[1], b[2]))
     assert placed == sent
+
+
+def _sent_and_placed(batches, plans):
+    placed = sorted((int(p.doc_ids[i]), int(p.offsets[i])) for p in plans for mb in p.micro_batches for i in mb)
+    sent = sorted((int(i), int(o)) for b in batches for i, o in zip(b[1], b[2]))
+    return sent, placed
+
+
+def test_a_long_document_arriving_whole_passes_the_default_backlog_limit_only():
+    # 15 pieces of 100 tokens arrive together: 1300 tokens stay held after the first step,
+    # above the default limit (2 + 1) x 2 x 100 = 600 by less than the batch's excess (1300).
+    long_doc = wlb.split_documents([1500], 100, ids=[0])
+    batches = [long_doc] + [(np.full(3, 10), np.arange(k * 3 + 1, k * 3 + 4), np.zeros(3, np.int64))
+                            for k in range(8)]
+    packer = WLBPacker(2, 100, COST)
+    assert packer.max_backlog_tokens == 600
+    plans = [packer.pack(*b) for b in batches] + packer.drain()
+    sent, placed = _sent_and_placed(batches, plans)
+    assert placed == sent
+    strict = WLBPacker(2, 100, COST, max_backlog_tokens=600)  # an explicit limit is strict
+    with pytest.raises(ValueError, match=r"overload at step 0.*max_backlog_tokens=600;"):
+        strict.pack(*long_doc)
+
+
+def test_the_default_backlog_limit_still_catches_a_stream_above_capacity():
+    packer = WLBPacker(2, 100, COST)  # capacity 200 tokens a step
+    with pytest.raises(ValueError, match=r"overload at step \d+.*\+ 40 \(the batch's tokens beyond"):
+        for k in range(40):  # 240 tokens a step: the backlog grows by ~40 a step
+            packer.pack(np.full(24, 10), np.arange(24 * k, 24 * k + 24))
+    assert packer.held_tokens <= 600 + 40
+
+
+def test_group_release_never_carries_an_outlier_it_released_early():
+    # An outlier that the packing defers is carried, and a carried piece is placed first in
+    # the next step, often alone; "group" only lets a group leave if the step places all of it.
+    rng = np.random.default_rng(7)
+    batches = [(b[0], b[1], np.zeros(len(b[0]), np.int64)) for b in _stream(rng, 120)]
+    packer = WLBPacker(2, 200, COST, thresholds=[60], max_delay=6)
+    plans = [packer.pack(*b) for b in batches] + packer.drain()
+    for plan in plans[:len(batches)]:
+        for i in plan.deferred.tolist():
+            if plan.lengths[i] >= 60:  # only an outlier at its deadline may be carried
+                assert plan.step - plan.arrival_step[i] >= 6
+    sent, placed = _sent_and_placed(batches, plans)
+    assert placed == sent

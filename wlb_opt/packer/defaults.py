@@ -37,6 +37,10 @@ displacement per token:
     1.25, 0.7..1.1                       1.035/0.485  1.038/0.425  1.031/0.405  1.100/0.494
     1.3, 0.6..1.2                        1.035/0.497  1.038/0.416  1.033/0.393  1.105/0.480
 
+(measured while "group" checked only the newest group for deferred outliers; with every
+early-released outlier checked, as now, the chosen row reads 1.032/0.461, 1.035/0.414,
+1.034/0.401, 1.106/0.470.)
+
 Prose (71% of its tokens in pieces >= 49152) stays near 1.10 whatever the setting: a fixed
 tolerance of 1.02 reaches only 1.063 at 0.83 displacement per token on its calibration
 streams (1.1: 1.075/0.59; 1.2: 1.100/0.47). With ~3 outliers per step against N = 4

@@ -151,6 +151,7 @@ class WLBPacker:
         else:
             self.balance_tolerance = float(balance_tolerance)
         self.lookahead = check_int("lookahead", lookahead, 0)
+        default_pool = thresholds is None
         if thresholds is None:  # the no-tuning default (defaults.py)
             if n_queues not in (None, 1):
                 raise ValueError(f"n_queues={n_queues!r} does not match thresholds=None (one queue of pieces >= "
@@ -169,7 +170,9 @@ class WLBPacker:
                                  f"{self.thresholds}; pass n_queues=None or {len(self.thresholds)}")
             self.n_queues = len(self.thresholds)
         self._auto = self.thresholds is None
-        self._warned_outliers = False
+        # The warning advises other thresholds; the default pool is meant to hold a majority of
+        # outliers when the data has them (e.g. prose: 71% of tokens in pieces >= 49152).
+        self._warned_outliers = default_pool
         self._fingerprint = cost_fingerprint(self.cost)
         # With the default limit a batch may exceed it by its own tokens beyond one step's
         # capacity (a long document arrives whole; see `pack`); an explicit limit is strict.
@@ -426,7 +429,8 @@ class WLBPacker:
 
     def _warn_if_mostly_outliers(self, lengths: np.ndarray) -> None:
         """Warn once when more than half of a batch's tokens are outliers: the thresholds are
-        then too low for the data (e.g. a bare window // 2), and most tokens would wait."""
+        then too low for the data (e.g. a bare window // 2), and most tokens would wait. Not
+        with the default pool (thresholds=None), which suits such data."""
         if self._warned_outliers or not self.thresholds or not len(lengths):
             return
         share = float(lengths[lengths >= self.thresholds[0]].sum()) / float(lengths.sum())

@@ -284,7 +284,7 @@ class GroupRelease(ReleasePolicy):
                     t_deferred = t_plan.deferred_tokens
                     if ((t_plan.imbalance > limit and not idle) or t_deferred - base_deferred >= tokens
                             or t_deferred > self.max_backlog_tokens // 2
-                            or self._defers_any(group, t_pending, t_plan)):
+                            or self._defers_any(released[n_forced:] + group, t_pending, t_plan)):
                         continue
                     first = min(piece.arrival for piece in group)
                     key = (t_plan.imbalance, -tokens, first, i) if idle else (-tokens, t_plan.imbalance, first, i)
