@@ -141,3 +141,29 @@ def test_group_release_never_carries_an_outlier_it_released_early():
                 assert plan.step - plan.arrival_step[i] >= 6
     sent, placed = _sent_and_placed(batches, plans)
     assert placed == sent
+
+
+@pytest.mark.parametrize("seed, lookahead, mb_const", [(11, 0, 0.0), (12, 2, 0.0), (13, 0, 2e-3)])
+def test_group_skips_only_candidates_that_cannot_pass_the_tolerance(seed, lookahead, mb_const):
+    # "group" skips a candidate whose imbalance is surely above the limit (a lower bound
+    # from piece costs); the plans must be exactly those of trying every candidate.
+    import dataclasses
+    cost = unit_cost(1e-6, 1e-3, mb_const=mb_const, backward=True)
+    batches = _stream(np.random.default_rng(seed), 80)
+    runs = []
+    for prefilter in (True, False):
+        packer = WLBPacker(2, 200, cost, thresholds=[60], lookahead=lookahead)
+        if not prefilter:
+            packer._release = dataclasses.replace(packer._release, piece_cost=None)
+        calls = [0]
+        solve = packer._solve
+
+        def counted(first, rest, solve=solve, calls=calls):
+            calls[0] += 1
+            return solve(first, rest)
+        packer._solve = counted
+        plans = [packer.pack(*b) for b in batches] + packer.drain()
+        runs.append(([[p.doc_ids[mb].tolist() for mb in p.micro_batches] + [p.doc_ids[p.deferred].tolist()]
+                      for p in plans if p is not None], calls[0]))
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1] < runs[1][1]  # the bound did skip candidates

@@ -192,7 +192,7 @@ class WLBPacker:
         tolerance = TOLERANCE_LOW if self.balance_tolerance == "auto" else self.balance_tolerance
         rules = dict(need=self.dp * self.n_micro, max_delay=self.max_delay, balance_tolerance=tolerance,
                      max_backlog_tokens=max_backlog_tokens if carry_limit is None else carry_limit,
-                     lookahead=self.lookahead)
+                     lookahead=self.lookahead, piece_cost=self.cost.doc_cost, bin_const=self.cost.mb_const())
         self._release: ReleasePolicy = make_release_policy(self.release, **rules)
         self._drain_release: ReleasePolicy = DrainRelease(**rules)
 
