@@ -29,7 +29,10 @@ def test_adaptive_tolerance_rises_with_displacement_between_its_bounds():
     tol = [d.adaptive_tolerance(x, budget) for x in xs]
     assert tol[0] == d.TOLERANCE_LOW and tol[-1] == d.TOLERANCE_HIGH
     assert all(b >= a for a, b in zip(tol, tol[1:]))
-    assert d.adaptive_tolerance(target, budget) == pytest.approx((d.TOLERANCE_LOW + d.TOLERANCE_HIGH) / 2)
+    middle = target * (d.RISE_FROM + d.RISE_TO) / 2
+    assert d.adaptive_tolerance(middle, budget) == pytest.approx((d.TOLERANCE_LOW + d.TOLERANCE_HIGH) / 2)
+    assert d.adaptive_tolerance(d.RISE_FROM * target, budget) == pytest.approx(d.TOLERANCE_LOW)
+    assert d.adaptive_tolerance(d.RISE_TO * target, budget) == pytest.approx(d.TOLERANCE_HIGH)
     assert d.adaptive_tolerance(0.3, 0.0) == d.TOLERANCE_HIGH
 
 
@@ -93,3 +96,74 @@ def test_default_packer_trains_every_document_once_on_the_default_distribution()
     placed = sorted((int(p.doc_ids[i]), int(p.offsets[i])) for p in plans for mb in p.micro_batches for i in mb)
     sent = sorted((int(i), int(o)) for b in batches for i, o in zip(b[1], b[2]))
     assert placed == sent
+
+
+def _sent_and_placed(batches, plans):
+    placed = sorted((int(p.doc_ids[i]), int(p.offsets[i])) for p in plans for mb in p.micro_batches for i in mb)
+    sent = sorted((int(i), int(o)) for b in batches for i, o in zip(b[1], b[2]))
+    return sent, placed
+
+
+def test_a_long_document_arriving_whole_passes_the_default_backlog_limit_only():
+    # 15 pieces of 100 tokens arrive together: 1300 tokens stay held after the first step,
+    # above the default limit (2 + 1) x 2 x 100 = 600 by less than the batch's excess (1300).
+    long_doc = wlb.split_documents([1500], 100, ids=[0])
+    batches = [long_doc] + [(np.full(3, 10), np.arange(k * 3 + 1, k * 3 + 4), np.zeros(3, np.int64))
+                            for k in range(8)]
+    packer = WLBPacker(2, 100, COST)
+    assert packer.max_backlog_tokens == 600
+    plans = [packer.pack(*b) for b in batches] + packer.drain()
+    sent, placed = _sent_and_placed(batches, plans)
+    assert placed == sent
+    strict = WLBPacker(2, 100, COST, max_backlog_tokens=600)  # an explicit limit is strict
+    with pytest.raises(ValueError, match=r"overload at step 0.*max_backlog_tokens=600;"):
+        strict.pack(*long_doc)
+
+
+def test_the_default_backlog_limit_still_catches_a_stream_above_capacity():
+    packer = WLBPacker(2, 100, COST)  # capacity 200 tokens a step
+    with pytest.raises(ValueError, match=r"overload at step \d+.*\+ 40 \(the batch's tokens beyond"):
+        for k in range(40):  # 240 tokens a step: the backlog grows by ~40 a step
+            packer.pack(np.full(24, 10), np.arange(24 * k, 24 * k + 24))
+    assert packer.held_tokens <= 600 + 40
+
+
+def test_group_release_never_carries_an_outlier_it_released_early():
+    # An outlier that the packing defers is carried, and a carried piece is placed first in
+    # the next step, often alone; "group" only lets a group leave if the step places all of it.
+    rng = np.random.default_rng(7)
+    batches = [(b[0], b[1], np.zeros(len(b[0]), np.int64)) for b in _stream(rng, 120)]
+    packer = WLBPacker(2, 200, COST, thresholds=[60], max_delay=6)
+    plans = [packer.pack(*b) for b in batches] + packer.drain()
+    for plan in plans[:len(batches)]:
+        for i in plan.deferred.tolist():
+            if plan.lengths[i] >= 60:  # only an outlier at its deadline may be carried
+                assert plan.step - plan.arrival_step[i] >= 6
+    sent, placed = _sent_and_placed(batches, plans)
+    assert placed == sent
+
+
+@pytest.mark.parametrize("seed, lookahead, mb_const", [(11, 0, 0.0), (12, 2, 0.0), (13, 0, 2e-3)])
+def test_group_skips_only_candidates_that_cannot_pass_the_tolerance(seed, lookahead, mb_const):
+    # "group" skips a candidate whose imbalance is surely above the limit (a lower bound
+    # from piece costs); the plans must be exactly those of trying every candidate.
+    import dataclasses
+    cost = unit_cost(1e-6, 1e-3, mb_const=mb_const, backward=True)
+    batches = _stream(np.random.default_rng(seed), 80)
+    runs = []
+    for prefilter in (True, False):
+        packer = WLBPacker(2, 200, cost, thresholds=[60], lookahead=lookahead)
+        if not prefilter:
+            packer._release = dataclasses.replace(packer._release, piece_cost=None)
+        calls = [0]
+        solve = packer._solve
+
+        def counted(first, rest, solve=solve, calls=calls):
+            calls[0] += 1
+            return solve(first, rest)
+        packer._solve = counted
+        plans = [packer.pack(*b) for b in batches] + packer.drain()
+        runs.append(([[p.doc_ids[mb].tolist() for mb in p.micro_batches] + [p.doc_ids[p.deferred].tolist()]
+                      for p in plans if p is not None], calls[0]))
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1] < runs[1][1]  # the bound did skip candidates

@@ -20,9 +20,35 @@ reached 1.06-1.10 mean imbalance on streams they were not tuned on. The defaults
 
 The constants were chosen on calibration streams only (seeds DEFAULT_SEED + 100..102 of the
 default, real and code distributions, 200 steps, 7B (8,2,4,1), N = 4, max_tokens 163840),
-never on the streams the benchmarks score (seeds DEFAULT_SEED + 0..6). The old defaults are
-reproduced exactly by passing them: thresholds="auto", n_queues=2, max_delay=8,
-release="paper", balance_tolerance=1.02 (tests/test_lookahead.py checks the plans).
+never on the streams the benchmarks score (seeds DEFAULT_SEED + 0..6). Second round (issue
+16, after release="group" stopped carrying the outliers the packing defers): the ramp of the
+feedback, chosen on the same calibration streams (plus prose, reported only) by the largest
+mean imbalance of default / real / code among the settings whose displacement per token
+stays <= 0.47 on each (0.03 margin for stream noise); mean over seeds 100..102, imbalance /
+displacement per token:
+
+    TOLERANCE_HIGH, RISE_FROM..RISE_TO   default      real         code         prose
+    1.5, 0.9..1.1 (first round)          1.037/0.447  1.036/0.427  1.035/0.429  1.113/0.479
+    1.3, 0.9..1.1                        1.035/0.481  1.035/0.443  1.032/0.436  1.102/0.492
+    1.5, 0.8..1.2                        1.034/0.454  1.040/0.407  1.033/0.412  1.107/0.475
+    1.5, 0.5..1.1                        1.043/0.387  1.044/0.328  1.039/0.337  1.123/0.418
+    1.3, 0.7..1.1 (chosen)               1.034/0.469  1.035/0.414  1.034/0.401  1.107/0.476
+    1.3, 0.7..1.1, TARGET_SHARE 0.85     1.035/0.444  1.038/0.402  1.034/0.381  1.110/0.457
+    1.25, 0.7..1.1                       1.035/0.485  1.038/0.425  1.031/0.405  1.100/0.494
+    1.3, 0.6..1.2                        1.035/0.497  1.038/0.416  1.033/0.393  1.105/0.480
+
+(measured while "group" checked only the newest group for deferred outliers; with every
+early-released outlier checked, as now, the chosen row reads 1.032/0.461, 1.035/0.414,
+1.034/0.401, 1.106/0.470.)
+
+Prose (71% of its tokens in pieces >= 49152) stays near 1.10 whatever the setting: a fixed
+tolerance of 1.02 reaches only 1.063 at 0.83 displacement per token on its calibration
+streams (1.1: 1.075/0.59; 1.2: 1.100/0.47). With ~3 outliers per step against N = 4
+micro-batches, a balanced step needs 4 outliers of similar cost, and waiting for them
+delays most of the stream's tokens (see `wlb-opt bench frontier --dist prose` for the bound).
+
+The old defaults are reproduced exactly by passing them: thresholds="auto", n_queues=2,
+max_delay=8, release="paper", balance_tolerance=1.02 (tests/test_lookahead.py checks the plans).
 """
 from __future__ import annotations
 
@@ -32,12 +58,12 @@ DEFAULT_MAX_DELAY = 16
 """Default max_delay (steps)."""
 TOLERANCE_LOW = 1.05
 """balance_tolerance="auto" while the stream's displacement is far inside the budget."""
-TOLERANCE_HIGH = 1.5
+TOLERANCE_HIGH = 1.3
 """balance_tolerance="auto" once the stream's displacement reaches the budget."""
 TARGET_SHARE = 0.9
 """The feedback aims at this share of `delay_budget` (margin for the drain and noise)."""
 # The rule rises from TOLERANCE_LOW at RISE_FROM x target to TOLERANCE_HIGH at RISE_TO x target.
-RISE_FROM, RISE_TO = 0.9, 1.1
+RISE_FROM, RISE_TO = 0.7, 1.1
 # Pseudo-tokens at the target, so that the first steps (few tokens placed) are not erratic:
 # two steps' capacity.
 PRIOR_STEPS = 2

@@ -27,7 +27,11 @@ packer's `solve` callback (Algorithm 1 by default: carried first, the rest longe
   max(`balance_tolerance`, its imbalance without them) and the short documents this pushes
   to the next step are fewer tokens than the group brings. Long outliers then leave in
   groups of similar ones from any level, a cheap one alone, at the cost of carrying some
-  short documents one step. Tolerance ~1.3 (fwd + bwd loads) suits the default stream.
+  short documents one step; a group leaves only if the step places all of it (an outlier
+  deferred by the packing would be carried and placed first, often alone, next step).
+  Candidates whose imbalance is surely above the limit (the group's heaviest piece against
+  the largest possible mean load) are not packed at all: the same plans, about half the
+  planning time. Tolerance ~1.3 (fwd + bwd loads) suits the default stream.
 - `drain()` (end of data) releases every queue whatever the policy (`DrainRelease`).
 - lookahead (`WLBPacker(..., lookahead=K)`, lookahead.py): the queues also hold outliers that
   arrive up to K steps later. A group (a full queue's dp x n_micro, a "balance" or "group"
@@ -109,6 +113,12 @@ class ReleasePolicy(ABC):
     steps' capacity when that is the default)."""
     lookahead: int = 0
     """Batches the queues see ahead (lookahead.py); 0: no held piece is early."""
+    piece_cost: Callable[[np.ndarray], np.ndarray] | None = None
+    """Cost of pieces by length, as the packing weighs them (the packer's `cost.doc_cost`);
+    with `bin_const`, lets "group" skip candidates that cannot pass the tolerance (None: try
+    every candidate; the plans are the same)."""
+    bin_const: float = 0.0
+    """Cost every micro-batch adds (`cost.mb_const()`)."""
 
     @abstractmethod
     def plan_step(self, fresh: list[HeldPiece], queues: list[deque], carry: list[HeldPiece], step: int,
@@ -241,7 +251,35 @@ class GroupRelease(ReleasePolicy):
     within max(balance_tolerance, the imbalance without them) and the group brings more
     tokens than it pushes to the next step. Among admissible groups the one with the most
     tokens wins (ties: lower imbalance, then the earliest arrival); repeats until none is
-    admissible."""
+    admissible.
+
+    A group leaves only if the step places all of it. A released outlier that the packing
+    defers would be carried, and a carried piece is placed first in the next step whatever
+    joins it: often alone, one window among short documents (imbalance ~2). It stays in the
+    pool instead, to leave with similar ones (issue 16: real calibration streams 1.044 ->
+    1.036 mean imbalance at the same displacement)."""
+
+    def _costs(self, pieces: list[HeldPiece]) -> dict:
+        """Cost of each piece by key (empty without `piece_cost`)."""
+        if self.piece_cost is None or not pieces:
+            return {}
+        weights = self.piece_cost(np.array([piece.length for piece in pieces], dtype=np.int64)).tolist()
+        return {piece.key: w for piece, w in zip(pieces, weights)}
+
+    def _cannot_pass(self, group, costs: dict, base_cost: float, limit: float) -> bool:
+        """True when the step with `group` is surely above `limit`: a group is kept only if all
+        of it is placed, so the heaviest micro-batch costs at least the group's heaviest piece
+        plus `bin_const`, and the mean is at most (every pending piece + need x bin_const) /
+        need; their ratio bounds the imbalance from below (margin for rounding)."""
+        heaviest = max(costs[piece.key] for piece in group) + self.bin_const
+        mean_at_most = (base_cost + sum(costs[piece.key] for piece in group)) / self.need + self.bin_const
+        return heaviest > (limit + 1e-9) * mean_at_most
+
+    @staticmethod
+    def _defers_any(group, pending, plan) -> bool:
+        """Whether the packed step defers a piece of `group` (see the class docstring)."""
+        keys = {piece.key for piece in group}
+        return any(pending[i].key in keys for i in plan.deferred.tolist())
 
     def plan_step(self, fresh, queues, carry, step, solve) -> StepRelease:
         pool = sorted((piece for q in queues for piece in q), key=lambda piece: piece.arrival)  # FIFO among equals
@@ -250,6 +288,8 @@ class GroupRelease(ReleasePolicy):
         n_forced = len(released)
         pending, plan, arrival = solve(*split_due(carry, released, fresh, step, self.max_delay))
         base_deferred = plan.deferred_tokens
+        costs = self._costs(carry + fresh + pool)
+        base_cost = sum(costs[piece.key] for piece in carry + fresh + released) if costs else 0.0
         while True:
             remaining = sorted((piece for piece in pool if piece.key not in taken),
                                key=lambda piece: (piece.length, piece.arrival))
@@ -264,12 +304,15 @@ class GroupRelease(ReleasePolicy):
                     group = remaining[i:i + size]
                     if not self._not_too_early(group, step):
                         continue
+                    if costs and not idle and self._cannot_pass(group, costs, base_cost, limit):
+                        continue
                     t_pending, t_plan, t_arrival = solve(*split_due(carry, released + group, fresh, step,
                                                                     self.max_delay))
                     tokens = sum(piece.length for piece in group)
                     t_deferred = t_plan.deferred_tokens
                     if ((t_plan.imbalance > limit and not idle) or t_deferred - base_deferred >= tokens
-                            or t_deferred > self.max_backlog_tokens // 2):
+                            or t_deferred > self.max_backlog_tokens // 2
+                            or self._defers_any(released[n_forced:] + group, t_pending, t_plan)):
                         continue
                     first = min(piece.arrival for piece in group)
                     key = (t_plan.imbalance, -tokens, first, i) if idle else (-tokens, t_plan.imbalance, first, i)
@@ -280,6 +323,7 @@ class GroupRelease(ReleasePolicy):
             _, group, pending, plan, arrival = best
             base_deferred = plan.deferred_tokens
             released = released + group
+            base_cost += sum(costs[piece.key] for piece in group) if costs else 0.0
             taken |= {piece.key for piece in group}
         for q in queues:  # keep each queue's FIFO order for what stays
             kept = [piece for piece in q if piece.key not in taken]
