@@ -50,8 +50,8 @@ from .data import run_packer
 WARMUP = 20
 EARLY, LATE = 4, 16  # the model's window at least; widened to what the heuristics do
 STEPS, QUICK_STEPS = 200, 100
-BUDGETS, QUICK_BUDGETS = "0.05,0.1,0.15,0.2,0.3,0.4,0.5", "0.1,0.2,0.4"
-TIME_LIMIT, QUICK_TIME_LIMIT = 50.0, 12.0
+BUDGETS, QUICK_BUDGETS = "0.02,0.05,0.1,0.15,0.2,0.3,0.4,0.5", "0.05,0.1,0.3"
+TIME_LIMIT, QUICK_TIME_LIMIT = 40.0, 12.0
 
 
 def heuristics(window: int) -> dict[str, dict]:

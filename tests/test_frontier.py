@@ -124,6 +124,74 @@ def test_every_packer_plan_is_a_feasible_point_below_which_the_bound_lies():
     assert checked == 4
 
 
+class _Plan:
+    """The fields of a PackPlan that `plan_solution` reads."""
+
+    def __init__(self, step, lengths, ids, offsets, micro_batches):
+        self.step, self.lengths, self.doc_ids, self.offsets = step, lengths, ids, offsets
+        self.micro_batches = micro_batches
+
+
+def random_plans(rng, batches, n_micro, cap, early, n_slots, late):
+    """A random whole-piece plan: each piece (random order) in a random step of its window,
+    in that step's emptiest micro-batch if it fits, else in the first step of its window
+    that has room; None if a piece fits nowhere."""
+    pieces = [(length, i, o, s) for s, b in enumerate(batches) for length, i, o in zip(*[x.tolist() for x in b])]
+    slots: dict = {}
+    for k in rng.permutation(len(pieces)).tolist():
+        length, i, o, s = pieces[k]
+        window = list(range(max(0, s - early), min(n_slots, s + late + 1)))
+        first = int(rng.integers(len(window)))
+        for t in window[first:] + window[:first]:
+            mbs = slots.setdefault(t, [[] for _ in range(n_micro)])
+            j = int(np.argmin([sum(p[0] for p in mb) for mb in mbs]))
+            if sum(p[0] for p in mbs[j]) + length <= cap:
+                mbs[j].append((length, i, o))
+                break
+        else:
+            return None
+    plans = []
+    for t, mbs in slots.items():
+        flat = [p for mb in mbs for p in mb]
+        bounds = np.cumsum([0] + [len(mb) for mb in mbs])
+        plans.append(_Plan(t, np.array([p[0] for p in flat]), np.array([p[1] for p in flat]),
+                           np.array([p[2] for p in flat]),
+                           tuple(np.arange(bounds[j], bounds[j + 1]) for j in range(n_micro))))
+    return plans
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_whole_piece_plans_satisfy_every_row_of_the_model(seed, monkeypatch):
+    """Validity row by row, the grouping cuts included (the stream is dense enough that a
+    group of big outliers pushes filler out of its step): random plans that move outliers
+    and short pieces alike, early and late, map onto points the model admits."""
+    from wlb_opt.solvers import frontier
+
+    rng = np.random.default_rng(seed)
+    batches = tiny_stream(rng, n_steps=8, n_outliers=10, n_short=(8, 14))
+    n_micro, cap, early, late = 2, 120, 2, 3
+    problem = frontier_problem(batches, fwd, n_micro, cap, outlier_min=40, early=early, late=late)
+    cuts = []
+    real_cuts = frontier._grouping_cuts
+
+    def counting(m, *args):
+        before = len(m.row_lo)
+        real_cuts(m, *args)
+        cuts.append(len(m.row_lo) - before)
+
+    monkeypatch.setattr(frontier, "_grouping_cuts", counting)
+    found = 0
+    for _ in range(40):
+        plans = random_plans(rng, batches, n_micro, cap, early, problem.n_slots, late)
+        if plans is None:
+            continue
+        solution, why = plan_solution(problem, plans)
+        assert solution is not None, why
+        assert solution_violation(problem, solution, solution.displacement_per_token + 1e-9) <= 1e-6
+        found += 1
+    assert found >= 5 and max(cuts) > 0
+
+
 def test_plan_solution_names_what_does_not_fit():
     rng = np.random.default_rng(3)
     batches = tiny_stream(rng, n_steps=6, n_outliers=4)
