@@ -213,14 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     widest = max((r["displacement_per_token"] for r in rows if r["in_model"]), default=0.0)
     if widest > budgets[-1]:  # one more budget, so that every heuristic has a bound at its displacement
         budgets.append(float(np.ceil(widest * 100) / 100))
-    frontier = []
-    for budget in budgets:
-        r = solve_frontier(problem, budget, time_limit, starts=starts)
+    frontier, realised, previous = [], [], None
+    for budget in budgets:  # ascending: a smaller budget's solution is a start for the next
+        r = solve_frontier(problem, budget, time_limit, starts=starts + [previous])
+        previous = r.values
         real = (realise(problem, r.placement, batches, cost, N, max_tokens, args.outlier_min)
                 if r.placement is not None else None)
-        plans_within = [x["aggregate"] for x in rows if x["displacement_per_token"] <= budget + 1e-12]
-        if real is not None and real["displacement_per_token"] <= budget + 1e-12:
-            plans_within.append(real["aggregate"])
+        realised += [real] if real is not None else []
+        plans_within = [x["aggregate"] for x in rows + realised if x["displacement_per_token"] <= budget + 1e-12]
         frontier.append(dict(budget=budget, status=r.status, seconds=r.seconds, n_binaries=r.n_binaries,
                              model_best=None if r.objective is None else aggregate_imbalance(r.objective, problem),
                              bound=aggregate_imbalance(r.bound, problem), model_displacement=r.displacement_per_token,

@@ -29,7 +29,12 @@ plans that move short documents, and short documents placed late for lack of roo
   the mean); M_t >= cost(o) z[o, t] (a micro-batch holds its outlier whole); at most k x N
   outliers longer than max_tokens / (k + 1) (a micro-batch holds at most k of them);
 - displacement: sum_o |t - a_o| len(o) z[o, t] + sum of the filler tokens on every edge
-  (a piece moved by d steps crosses d edges) <= budget x total tokens.
+  (a piece moved by d steps crosses d edges) <= budget x total tokens;
+- grouping cuts (`_grouping_cuts`, derived there): a big outlier either shares its step with
+  others like it, which pushes filler out of the step (charged on the chain), or leaves
+  micro-batches that filler cannot fill up to its cost. The LP alone spreads a big outlier
+  over several steps, each seemingly balanced; these rows charge that, and branching does
+  the rest.
 
 The micro-batch of each outlier is relaxed away (only the step counts), the filler's window
 too; both only weaken the bound, never invalidate it. `plan_solution` maps a heuristic's
@@ -47,7 +52,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -195,6 +200,8 @@ class FrontierResult:
     displacement_per_token: float | None
     """Of the best solution (outliers and filler flows)."""
     n_binaries: int
+    values: np.ndarray | None = field(default=None, repr=False)
+    """The best solution's column values: a MIP start for a larger budget (`starts`)."""
 
 
 def aggregate_imbalance(sum_of_max: float, problem: FrontierProblem) -> float:
@@ -509,20 +516,20 @@ def _violation(m: _Model, values: np.ndarray) -> float:
 def solve_frontier(problem: FrontierProblem, budget: float, time_limit: float = 60.0, threads: int = 1,
                    starts=()) -> FrontierResult:
     """Minimise the sum of maxima within `budget` displacement per token: the best model
-    solution and HiGHS's proven bound (sums of forward seconds). `starts`: `PlanSolution`s
-    (heuristics' plans, from `plan_solution`) given as MIP starts; those over the budget are
-    left out."""
+    solution and HiGHS's proven bound (sums of forward seconds). `starts`: MIP starts, each
+    a `PlanSolution` (a heuristic's plans, from `plan_solution`) or the `values` of an earlier
+    result on the same problem (a smaller budget's); those infeasible here are left out."""
     if not (budget >= 0 and np.isfinite(budget)):
         raise ValueError(f"budget must be a finite displacement per token >= 0, got {budget!r}")
     t0 = time.perf_counter()
     lp, idx = _build(problem, budget)
-    feasible = [v for v in (_values(idx, s, lp.num_col_) for s in starts if s is not None)
-                if _violation(idx["model"], v) <= 1e-6]
+    points = [s if isinstance(s, np.ndarray) else _values(idx, s, lp.num_col_) for s in starts if s is not None]
+    feasible = [v for v in points if len(v) == lp.num_col_ and _violation(idx["model"], v) <= 1e-6]
     h = _run(lp, max(time_limit - (time.perf_counter() - t0), 1.0), threads, starts=feasible)
     info, status = h.getInfo(), h.modelStatusToString(h.getModelStatus())
     scale = idx["scale"]
     bound = (info.mip_dual_bound if idx["z"] else info.objective_function_value) / scale
-    placement = displacement = objective = None
+    placement = displacement = objective = values = None
     if info.primal_solution_status == 2:  # feasible
         values = np.asarray(h.getSolution().col_value)
         objective = float(sum(values[m] for m in idx["M"])) / scale
@@ -540,7 +547,7 @@ def solve_frontier(problem: FrontierProblem, budget: float, time_limit: float = 
     return FrontierResult(budget=float(budget), objective=objective,
                           bound=float(max(min(bound, objective or np.inf), 0.0)), status=status,
                           seconds=time.perf_counter() - t0, placement=placement,
-                          displacement_per_token=displacement, n_binaries=len(idx["z"]))
+                          displacement_per_token=displacement, n_binaries=len(idx["z"]), values=values)
 
 
 def brute_force_frontier(problem: FrontierProblem, budget: float) -> float:
