@@ -525,7 +525,9 @@ def solve_frontier(problem: FrontierProblem, budget: float, time_limit: float = 
     lp, idx = _build(problem, budget)
     points = [s if isinstance(s, np.ndarray) else _values(idx, s, lp.num_col_) for s in starts if s is not None]
     feasible = [v for v in points if len(v) == lp.num_col_ and _violation(idx["model"], v) <= 1e-6]
-    h = _run(lp, max(time_limit - (time.perf_counter() - t0), 1.0), threads, starts=feasible)
+    objective_of = np.asarray(idx["model"].cost)
+    best_start = [min(feasible, key=lambda v: float(objective_of @ v))] if feasible else []  # HiGHS keeps one start
+    h = _run(lp, max(time_limit - (time.perf_counter() - t0), 1.0), threads, starts=best_start)
     info, status = h.getInfo(), h.modelStatusToString(h.getModelStatus())
     scale = idx["scale"]
     bound = (info.mip_dual_bound if idx["z"] else info.objective_function_value) / scale
