@@ -254,6 +254,8 @@ def test_bench_frontier_runs_on_a_short_stream(tmp_path, capsys):
         assert row["in_model"], row["not_in_model"]  # the window covers every heuristic
         assert -1.0 <= row["length_displacement_corr"] <= 1.0
         assert sum(row["top1_share_by_tenth"]) == pytest.approx(1.0)
+        # arrivals are the stream's, whatever the method did
+        assert row["top1_share_by_arrival_tenth"] == pytest.approx(out["heuristics"][0]["top1_share_by_arrival_tenth"])
         assert row["gap_to_bound"] is not None and row["gap_to_bound"] >= -1e-6  # no heuristic beats the bound
     assert "gap" in capsys.readouterr().out
     with pytest.raises(SystemExit):
