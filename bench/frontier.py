@@ -192,8 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     with warnings.catch_warnings():  # the paper rule warns about its thresholds on every stream; it is on purpose
         warnings.simplefilter("ignore", UserWarning)
+        skipped = {}
         for name, kw in heuristics(W).items():
-            run = run_packer(WLBPacker(N, max_tokens, cost, **kw), batches)
+            try:
+                run = run_packer(WLBPacker(N, max_tokens, cost, **kw), batches)
+            except ValueError as exc:  # an overload (e.g. max_delay=None on a stream of many outliers)
+                if "overload" not in str(exc):
+                    raise
+                skipped[name] = str(exc).split(";")[0]
+                continue
             runs[name] = (kw, run, stream_plans(run))
     # The model's window covers every heuristic: early = the largest lookahead, late = the
     # longest wait of an outlier (>= LATE), steps up to the last one any heuristic uses.
@@ -255,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['method']:<26} {r['imbalance']:>6.3f} {r['aggregate']:>6.3f} {r['displacement_per_token']:>5.2f} "
               f"{_fmt(r['bound_at_displacement'])} {_fmt(r['gap_to_bound'])} {r['length_displacement_corr']:>6.2f} "
               f"{r['top1_share_max_dev']:>8.3f} {r['top1_shift_max']:>6.3f} {r['ms_per_batch']:>5.1f}")
+    for name, why in skipped.items():
+        print(f"  {name}: not run ({why})")
     for r in rows:
         if not r["in_model"]:
             print(f"  {r['method']}: no bound ({r['not_in_model']})")
@@ -264,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 outlier_min=args.outlier_min, early=early, late=late, n_slots=n_slots,
                 filler_classes=problem.class_edges.tolist(), time_limit=time_limit,
                 seconds=time.perf_counter() - t0)
-    (out / "frontier.json").write_text(json.dumps(dict(meta=meta, frontier=frontier, heuristics=rows), indent=2))
+    (out / "frontier.json").write_text(json.dumps(dict(meta=meta, frontier=frontier, heuristics=rows, skipped=skipped), indent=2))
     msg = f"wrote {out / 'frontier.json'}"
     if plot(frontier, rows, out / "frontier.png", f"frontier ({source}, {len(batches)} steps)"):
         msg += f" and {out / 'frontier.png'}"
@@ -295,7 +304,7 @@ def plot(frontier, rows, path: Path, title: str) -> bool:
             if f["realised"] is not None]
     if real:
         ax.plot(*zip(*real), "kx", label="model's placements, realised whole")
-    markers = "osD^v<>p*h"
+    markers = "osD^v<>p*hXdP"
     for i, r in enumerate(rows):
         ax.plot(r["displacement_per_token"], r["aggregate"], markers[i % len(markers)], color=f"C{i % 10}",
                 label=r["method"])
