@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         if solution is not None and violation > 1e-6:
             raise AssertionError(f"{name}: its plans map onto the model with a violation of {violation:.2e}")
         starts.append(solution)
-        rows.append(dict(method=name, settings=kw, imbalance=float(np.mean(imbs[WARMUP:])),
+        rows.append(dict(method=name, settings=kw, imbalance=float(np.mean(imbs[WARMUP:] or imbs)),
                          aggregate=aggregate_imbalance(sum_of_max(plans, cost), problem),
                          displacement_per_token=run.stats["displacement_per_token"],
                          late_pieces=run.stats["late_pieces"], in_model=solution is not None, not_in_model=why,
