@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cost_args import add_cost_args, cost_from_args
+from ..cost_args import add_cost_args, cost_from_args, count, natural, seconds
 from ..data import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from ..docs import load_lengths
 from ..pack import solve_pack
@@ -158,23 +158,21 @@ def main(argv: list[str] | None = None) -> int:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--lengths", metavar="FILE", help="document lengths in stream order (.npy, .txt, .jsonl)")
     src.add_argument("--dist", default="default", choices=sorted(DISTRIBUTIONS), help="built-in distribution")
-    p.add_argument("--steps", type=int, default=None, help=f"global batches (default {STEPS}; --quick {QUICK_STEPS})")
+    p.add_argument("--steps", type=count, default=None, help=f"global batches (default {STEPS}; --quick {QUICK_STEPS})")
     p.add_argument("--budgets", default=None, help=f"displacement-per-token budgets (default {BUDGETS}; --quick "
                                                    f"{QUICK_BUDGETS})")
-    p.add_argument("--time-limit", type=float, default=None,
+    p.add_argument("--time-limit", type=seconds, default=None,
                    help=f"HiGHS seconds per budget (default {TIME_LIMIT:g}; --quick {QUICK_TIME_LIMIT:g})")
     p.add_argument("--quick", action="store_true", help="fewer steps and budgets, shorter solves (about 2 minutes)")
-    p.add_argument("--outlier-min", type=int, default=32768, help="pieces this long are whole (default 32768)")
-    p.add_argument("--window", type=int, default=131072, help="training context length (default 131072)")
-    p.add_argument("--n-micro", type=int, default=4, help="micro-batches per step (default 4)")
-    p.add_argument("--seed", type=int, default=0, help="stream seed, an offset from DEFAULT_SEED (default 0)")
+    p.add_argument("--outlier-min", type=count, default=32768, help="pieces this long are whole (default 32768)")
+    p.add_argument("--window", type=count, default=131072, help="training context length (default 131072)")
+    p.add_argument("--n-micro", type=count, default=4, help="micro-batches per step (default 4)")
+    p.add_argument("--seed", type=natural, default=0, help="stream seed, an offset from DEFAULT_SEED (default 0)")
     p.add_argument("--out", default="results/frontier", help="folder for frontier.json and frontier.png")
     add_cost_args(p, layout=("tp", "cp", "pp"))
     args = p.parse_args(argv)
     steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else STEPS)
     time_limit = args.time_limit if args.time_limit is not None else (QUICK_TIME_LIMIT if args.quick else TIME_LIMIT)
-    if steps < 1 or not time_limit > 0:
-        p.error(f"--steps must be >= 1 and --time-limit > 0, got {steps}, {time_limit}")
     try:
         budgets = parse_budgets(args.budgets or (QUICK_BUDGETS if args.quick else BUDGETS))
     except ValueError as exc:
