@@ -539,14 +539,15 @@ class WLBPacker:
         state's (e.g. to resume a stream that overloaded; any state loads under it, and a
         step above it passes as long as it holds no more than the step before)."""
         config = self._config()
+        theirs = state.get("config") if isinstance(state, dict) else None
+        theirs = theirs if isinstance(theirs, dict) else {}  # a malformed state fails in decode_state
         if max_backlog_tokens is not None:
             max_backlog_tokens = check_int("max_backlog_tokens", max_backlog_tokens, 0)
-            theirs = state.get("config") if isinstance(state, dict) else None
-            config["max_backlog_tokens"] = theirs.get("max_backlog_tokens") if isinstance(theirs, dict) else None
-        theirs = state.get("config", {}).get("lookahead", 0) if isinstance(state, dict) else None
-        if theirs != self.lookahead and isinstance(state, dict) and isinstance(state.get("config"), dict):
-            raise ValueError(f"state_dict field config.lookahead={theirs!r} does not match this packer's "
-                             f"lookahead={self.lookahead!r}; build the packer with the same configuration")
+            config["max_backlog_tokens"] = theirs.get("max_backlog_tokens")
+        # checked first: a state of another lookahead also fails decode_state's arrival checks
+        if theirs and theirs.get("lookahead", 0) != self.lookahead:
+            raise ValueError(f"state_dict field config.lookahead={theirs.get('lookahead', 0)!r} does not match this "
+                             f"packer's lookahead={self.lookahead!r}; build the packer with the same configuration")
         loaded = decode_state(state, config=config, auto=self._auto, thresholds=self.thresholds,
                               n_queues=self.n_queues, lookahead=self.lookahead)
         ahead = self._decode_lookahead(state, loaded.step)
