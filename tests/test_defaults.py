@@ -14,10 +14,11 @@ from wlb_opt.packer.state import HeldPiece
 COST = unit_cost(1e-6, 1e-3, backward=True)
 
 
-def test_the_defaults_are_one_pool_group_release_and_the_feedback_tolerance():
+def test_the_defaults_are_one_pool_marginal_release_and_the_feedback_tolerance():
     packer = WLBPacker(4, 163840, COST)
     assert packer.thresholds == [int(163840 * d.DEFAULT_CUTOFF_SHARE)] == [49152]
-    assert packer.release == "group" and packer.max_delay == d.DEFAULT_MAX_DELAY == 16
+    assert packer.release == "marginal" and packer.max_delay == d.DEFAULT_MAX_DELAY == 16
+    assert packer._release.price == d.MARGINAL_PRICE and packer._release.capacity_tokens == 4 * 163840
     assert packer.balance_tolerance == "auto" and packer.lookahead == 0 and packer.calibration is None
     assert WLBPacker(4, 163840, COST, n_queues=1).thresholds == [49152]
 
@@ -34,6 +35,10 @@ def test_adaptive_tolerance_rises_with_displacement_between_its_bounds():
     assert d.adaptive_tolerance(d.RISE_FROM * target, budget) == pytest.approx(d.TOLERANCE_LOW)
     assert d.adaptive_tolerance(d.RISE_TO * target, budget) == pytest.approx(d.TOLERANCE_HIGH)
     assert d.adaptive_tolerance(0.3, 0.0) == d.TOLERANCE_HIGH
+    # release="marginal" ramps to its own ceiling
+    assert d.adaptive_tolerance(0.0, budget, d.MARGINAL_TOLERANCE_HIGH) == d.TOLERANCE_LOW
+    assert d.adaptive_tolerance(d.RISE_TO * target, budget, d.MARGINAL_TOLERANCE_HIGH) == pytest.approx(
+        d.MARGINAL_TOLERANCE_HIGH)
 
 
 def test_running_displacement_counts_the_wait_of_held_pieces():
@@ -58,14 +63,15 @@ def _stream(rng, n_batches, cap=200):
     return out
 
 
-def test_the_feedback_keeps_displacement_near_the_budget_it_is_given():
+@pytest.mark.parametrize("release, high", [("marginal", d.MARGINAL_TOLERANCE_HIGH), ("group", d.TOLERANCE_HIGH)])
+def test_the_feedback_keeps_displacement_near_the_budget_it_is_given(release, high):
     batches = _stream(np.random.default_rng(3), 150)
     got = {}
     for budget in (0.1, 1.0):
-        packer = WLBPacker(2, 200, COST, thresholds=[60], delay_budget=budget)
+        packer = WLBPacker(2, 200, COST, thresholds=[60], delay_budget=budget, release=release)
         plans = [packer.pack(*b) for b in batches] + packer.drain()
         tolerances = [p.info.extra["balance_tolerance"] for p in plans[:len(batches)]]
-        assert min(tolerances) >= d.TOLERANCE_LOW and max(tolerances) <= d.TOLERANCE_HIGH
+        assert min(tolerances) >= d.TOLERANCE_LOW and max(tolerances) <= high
         got[budget] = packer.stats()["displacement_per_token"]
     assert got[0.1] < got[1.0]  # a tighter budget makes the rule take outliers sooner
 
@@ -128,12 +134,13 @@ def test_the_default_backlog_limit_still_catches_a_stream_above_capacity():
     assert packer.held_tokens <= 600 + 40
 
 
-def test_group_release_never_carries_an_outlier_it_released_early():
+@pytest.mark.parametrize("release", ["group", "marginal"])
+def test_group_release_never_carries_an_outlier_it_released_early(release):
     # An outlier that the packing defers is carried, and a carried piece is placed first in
     # the next step, often alone; "group" only lets a group leave if the step places all of it.
     rng = np.random.default_rng(7)
     batches = [(b[0], b[1], np.zeros(len(b[0]), np.int64)) for b in _stream(rng, 120)]
-    packer = WLBPacker(2, 200, COST, thresholds=[60], max_delay=6)
+    packer = WLBPacker(2, 200, COST, thresholds=[60], max_delay=6, release=release)
     plans = [packer.pack(*b) for b in batches] + packer.drain()
     for plan in plans[:len(batches)]:
         for i in plan.deferred.tolist():
@@ -143,8 +150,9 @@ def test_group_release_never_carries_an_outlier_it_released_early():
     assert placed == sent
 
 
+@pytest.mark.parametrize("release", ["group", "marginal"])
 @pytest.mark.parametrize("seed, lookahead, mb_const", [(11, 0, 0.0), (12, 2, 0.0), (13, 0, 2e-3)])
-def test_group_skips_only_candidates_that_cannot_pass_the_tolerance(seed, lookahead, mb_const):
+def test_group_skips_only_candidates_that_cannot_pass_the_tolerance(seed, lookahead, mb_const, release):
     # "group" skips a candidate whose imbalance is surely above the limit (a lower bound
     # from piece costs); the plans must be exactly those of trying every candidate.
     import dataclasses
@@ -152,7 +160,7 @@ def test_group_skips_only_candidates_that_cannot_pass_the_tolerance(seed, lookah
     batches = _stream(np.random.default_rng(seed), 80)
     runs = []
     for prefilter in (True, False):
-        packer = WLBPacker(2, 200, cost, thresholds=[60], lookahead=lookahead)
+        packer = WLBPacker(2, 200, cost, thresholds=[60], lookahead=lookahead, release=release)
         if not prefilter:
             packer._release = dataclasses.replace(packer._release, piece_cost=None)
         calls = [0]
@@ -167,3 +175,27 @@ def test_group_skips_only_candidates_that_cannot_pass_the_tolerance(seed, lookah
                       for p in plans if p is not None], calls[0]))
     assert runs[0][0] == runs[1][0]
     assert runs[0][1] < runs[1][1]  # the bound did skip candidates
+
+
+def test_marginal_holds_what_would_unbalance_a_step_that_group_takes():
+    # attention-only cost d(d+1)/2, 2 micro-batches of 200 tokens; the step brings 20 x 5
+    # tokens (15 each) and outliers of 60 (1830) and 100 (5050). Tolerance 2.0:
+    # - "group" (most tokens first): 100 alone (5050 | 300: 1.89 <= 2.0), then 60 joins the
+    #   shorts (5050 | 2130: 1.41);
+    # - "marginal" (price 0.5 x (2.0 - 1) per 400 tokens): 100 scores 0.89 - 0.125, 60 scores
+    #   0.72 - 0.075, both together 0.41 - 0.2: all > 0, so both wait and the step stays 1.0.
+    cost = unit_cost(attn=1.0, linear=0.0)
+    batch = ([100, 60] + [5] * 20, list(range(22)))
+    got = {}
+    for release in ("group", "marginal"):
+        packer = WLBPacker(2, 200, cost, thresholds=[50], max_delay=None, release=release, balance_tolerance=2.0)
+        got[release] = (packer.pack(*batch), sorted(packer.queued_ids().tolist()), packer)
+    plan, queued, _ = got["group"]
+    assert sorted(plan.placed_ids().tolist()) == list(range(22)) and queued == []
+    assert plan.imbalance == pytest.approx(5050 / ((5050 + 1830 + 300) / 2))
+    plan, queued, packer = got["marginal"]
+    assert sorted(plan.placed_ids().tolist()) == list(range(2, 22)) and queued == [0, 1]
+    assert plan.imbalance == pytest.approx(1.0)
+    # a step that would train nothing takes its most balanced group: both, one per micro-batch
+    idle = packer.pack([], [])
+    assert sorted(idle.placed_ids().tolist()) == [0, 1] and idle.imbalance == pytest.approx(5050 / ((5050 + 1830) / 2))

@@ -536,13 +536,15 @@ def test_plans_are_frozen_and_carry_their_arrival_steps():
 
 def test_release_policies_are_strategy_objects():
     from wlb_opt.packer import RELEASE_POLICIES
-    from wlb_opt.packer.release import (BalanceRelease, DrainRelease, GroupRelease, PaperRelease, ReleasePolicy,
-                                        make_release_policy)
+    from wlb_opt.packer.release import (BalanceRelease, DrainRelease, GroupRelease, MarginalRelease, PaperRelease,
+                                        ReleasePolicy, make_release_policy)
 
-    assert RELEASE_POLICIES == ("paper", "balance", "group")
+    assert RELEASE_POLICIES == ("paper", "balance", "group", "marginal")
     rules = dict(need=4, max_delay=None, balance_tolerance=1.1, max_backlog_tokens=100)
-    kinds = [type(make_release_policy(name, **rules)) for name in RELEASE_POLICIES]
-    assert kinds == [PaperRelease, BalanceRelease, GroupRelease]
+    kinds = [type(make_release_policy(name, **rules, **(dict(price=0.5, capacity_tokens=400)
+                                                        if name == "marginal" else {})))
+             for name in RELEASE_POLICIES]
+    assert kinds == [PaperRelease, BalanceRelease, GroupRelease, MarginalRelease]
     assert all(issubclass(k, ReleasePolicy) for k in kinds + [DrainRelease])
     packer = PaperPacker(2, 100, COST, thresholds=[50], release="group", balance_tolerance=1.1)
     assert isinstance(packer._release, GroupRelease) and isinstance(packer._drain_release, DrainRelease)

@@ -60,6 +60,12 @@ TOLERANCE_LOW = 1.05
 """balance_tolerance="auto" while the stream's displacement is far inside the budget."""
 TOLERANCE_HIGH = 1.3
 """balance_tolerance="auto" once the stream's displacement reaches the budget."""
+MARGINAL_TOLERANCE_HIGH = 2.0
+"""release="marginal": balance_tolerance="auto" once the displacement reaches the budget
+(the price of a group's tokens is then MARGINAL_PRICE x (2.0 - 1) = 0.5 imbalance per step
+of capacity)."""
+MARGINAL_PRICE = 0.5
+"""release="marginal": price of a group's tokens per unit of tolerance above 1 (release.py)."""
 TARGET_SHARE = 0.9
 """The feedback aims at this share of `delay_budget` (margin for the drain and noise)."""
 # The rule rises from TOLERANCE_LOW at RISE_FROM x target to TOLERANCE_HIGH at RISE_TO x target.
@@ -79,12 +85,14 @@ def running_displacement(totals: dict, held, step: int, capacity_tokens: int, ta
     return (totals["displacement_token_sum"] + accrued + target * prior) / (totals["tokens"] + tokens + prior)
 
 
-def adaptive_tolerance(displacement: float, delay_budget: float) -> float:
+def adaptive_tolerance(displacement: float, delay_budget: float, high: float | None = None) -> float:
     """balance_tolerance="auto" for a stream at `displacement` per token (see the module
-    docstring): TOLERANCE_LOW up to RISE_FROM x target, TOLERANCE_HIGH from RISE_TO x target,
-    linear between (target = TARGET_SHARE x delay_budget)."""
+    docstring): TOLERANCE_LOW up to RISE_FROM x target, `high` (default TOLERANCE_HIGH; the
+    packer passes MARGINAL_TOLERANCE_HIGH for release="marginal") from RISE_TO x target, linear
+    between (target = TARGET_SHARE x delay_budget)."""
+    high = TOLERANCE_HIGH if high is None else high
     target = TARGET_SHARE * delay_budget
     if target <= 0:
-        return TOLERANCE_HIGH
+        return high
     x = (displacement / target - RISE_FROM) / (RISE_TO - RISE_FROM)
-    return TOLERANCE_LOW + (TOLERANCE_HIGH - TOLERANCE_LOW) * min(1.0, max(0.0, x))
+    return TOLERANCE_LOW + (high - TOLERANCE_LOW) * min(1.0, max(0.0, x))

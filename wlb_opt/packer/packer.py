@@ -56,8 +56,8 @@ from ..pack import get_method, solve_pack
 from ..plan import PackPlan
 from ..solvers.deal import deal_to_replicas
 from .calibrate import calibrate_thresholds, candidate_thresholds
-from .defaults import (DEFAULT_CUTOFF_SHARE, DEFAULT_MAX_DELAY, TARGET_SHARE, TOLERANCE_LOW, adaptive_tolerance,
-                       running_displacement)
+from .defaults import (DEFAULT_CUTOFF_SHARE, DEFAULT_MAX_DELAY, MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, TARGET_SHARE,
+                       TOLERANCE_HIGH, TOLERANCE_LOW, adaptive_tolerance, running_displacement)
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
 from .release import RELEASE_POLICIES, DrainRelease, ReleaseName, ReleasePolicy, make_release_policy
@@ -126,7 +126,7 @@ class WLBPacker:
                  thresholds: Sequence[int] | Literal["auto"] | None = None, n_queues: int | None = None,
                  max_delay: int | None = DEFAULT_MAX_DELAY, seed: int = 0, *, max_backlog_tokens: int | None = None,
                  pp: int | None = None, delay_budget: float = 0.5, method: PackerMethod = "wlb",
-                 release: ReleaseName = "group", balance_tolerance: float | Literal["auto"] = "auto",
+                 release: ReleaseName = "marginal", balance_tolerance: float | Literal["auto"] = "auto",
                  lookahead: int = 0, memory_bytes: float | None = None):
         self.n_micro = check_int("n_micro", n_micro, 1)
         self.cost = cost if cost is not None else default_cost()
@@ -193,7 +193,8 @@ class WLBPacker:
         rules = dict(need=self.dp * self.n_micro, max_delay=self.max_delay, balance_tolerance=tolerance,
                      max_backlog_tokens=max_backlog_tokens if carry_limit is None else carry_limit,
                      lookahead=self.lookahead, piece_cost=self.cost.doc_cost, bin_const=self.cost.mb_const())
-        self._release: ReleasePolicy = make_release_policy(self.release, **rules)
+        marginal = dict(price=MARGINAL_PRICE, capacity_tokens=self.capacity_tokens) if self.release == "marginal" else {}
+        self._release: ReleasePolicy = make_release_policy(self.release, **rules, **marginal)
         self._drain_release: ReleasePolicy = DrainRelease(**rules)
 
     @staticmethod
@@ -323,7 +324,8 @@ class WLBPacker:
         held = [piece for q in self._queues for piece in q] + self._carry
         shown = running_displacement(self._stats.totals, held, self._step, self.capacity_tokens,
                                      TARGET_SHARE * self.delay_budget)
-        return dataclasses.replace(self._release, balance_tolerance=adaptive_tolerance(shown, self.delay_budget))
+        high = MARGINAL_TOLERANCE_HIGH if self.release == "marginal" else TOLERANCE_HIGH
+        return dataclasses.replace(self._release, balance_tolerance=adaptive_tolerance(shown, self.delay_budget, high))
 
     def _solve(self, first: list[HeldPiece], rest: list[HeldPiece]):
         """Pack `first` (placed first) then `rest`; returns (pending, plan, arrival steps)."""

@@ -45,6 +45,7 @@ it releases from `queues` (the packer's copies) and returns a `StepRelease`.
 """
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ import numpy as np
 from ..plan import PackPlan
 from .state import HeldPiece
 
-ReleaseName = Literal["paper", "balance", "group"]
+ReleaseName = Literal["paper", "balance", "group", "marginal"]
 
 SolveStep = Callable[[list[HeldPiece], list[HeldPiece]], tuple[list[HeldPiece], PackPlan, np.ndarray]]
 """The packer's `solve(first, rest)`: packs `first` (placed first) then `rest`; returns
@@ -281,13 +282,52 @@ class GroupRelease(ReleasePolicy):
         keys = {piece.key for piece in group}
         return any(pending[i].key in keys for i in plan.deferred.tolist())
 
+    def _split(self, carry, released, fresh, step):
+        """(first, rest) that `solve` packs: `split_due` (Algorithm 1: carried pieces first)."""
+        return split_due(carry, released, fresh, step, self.max_delay)
+
+    def _candidates(self, remaining: list[HeldPiece], ctx: "_StepContext", extra_tokens: int = 0):
+        """Each admissible group of `remaining` (1 to need pieces adjacent in (length, arrival)
+        order), packed with ctx's released pieces: yields (i, group, tokens, pending, plan,
+        arrival). Admissible: within ctx.limit (unless the step is idle), deferring fewer short
+        tokens than the group (+ `extra_tokens`, pieces joining with it) brings, at most half the
+        carry limit, and no early-released outlier deferred (see the class docstring)."""
+        for size in range(1, min(self.need, len(remaining)) + 1):
+            for i in range(len(remaining) - size + 1):
+                group = remaining[i:i + size]
+                if not self._not_too_early(group, ctx.step):
+                    continue
+                if ctx.costs and not ctx.idle and self._cannot_pass(group, ctx.costs, ctx.base_cost, ctx.limit):
+                    continue
+                t_pending, t_plan, t_arrival = ctx.solve(*self._split(ctx.carry, ctx.released + group, ctx.fresh,
+                                                                      ctx.step))
+                tokens = sum(piece.length for piece in group)
+                t_deferred = t_plan.deferred_tokens
+                if ((t_plan.imbalance > ctx.limit and not ctx.idle)
+                        or t_deferred - ctx.base_deferred >= tokens + extra_tokens
+                        or t_deferred > self.max_backlog_tokens // 2
+                        or self._defers_any(ctx.released[ctx.n_forced:] + group, t_pending, t_plan)):
+                    continue
+                yield i, group, tokens, t_pending, t_plan, t_arrival
+
+    def _choose(self, remaining: list[HeldPiece], ctx: "_StepContext"):
+        """The group the step takes next, as (group, pending, plan, arrival), or None: the most
+        tokens (ties: lower imbalance, then the earliest arrival); an idle step, the most
+        balanced group."""
+        best = None
+        for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(remaining, ctx):
+            first = min(piece.arrival for piece in group)
+            key = (t_plan.imbalance, -tokens, first, i) if ctx.idle else (-tokens, t_plan.imbalance, first, i)
+            if best is None or key < best[0]:
+                best = (key, group, t_pending, t_plan, t_arrival)
+        return None if best is None else best[1:]
+
     def plan_step(self, fresh, queues, carry, step, solve) -> StepRelease:
         pool = sorted((piece for q in queues for piece in q), key=lambda piece: piece.arrival)  # FIFO among equals
         released = [piece for piece in pool if self._is_due(piece, step)]
         taken = {piece.key for piece in released}
         n_forced = len(released)
-        pending, plan, arrival = solve(*split_due(carry, released, fresh, step, self.max_delay))
-        base_deferred = plan.deferred_tokens
+        pending, plan, arrival = solve(*self._split(carry, released, fresh, step))
         costs = self._costs(carry + fresh + pool)
         base_cost = sum(costs[piece.key] for piece in carry + fresh + released) if costs else 0.0
         while True:
@@ -295,33 +335,16 @@ class GroupRelease(ReleasePolicy):
                                key=lambda piece: (piece.length, piece.arrival))
             if not remaining:
                 break
-            limit = max(self.balance_tolerance, plan.imbalance) + _TOLERANCE_SLACK
-            # a step that would train nothing takes its most balanced group whatever the tolerance
-            idle = not any(len(mb) for mb in plan.micro_batches)
-            best = None
-            for size in range(1, min(self.need, len(remaining)) + 1):
-                for i in range(len(remaining) - size + 1):
-                    group = remaining[i:i + size]
-                    if not self._not_too_early(group, step):
-                        continue
-                    if costs and not idle and self._cannot_pass(group, costs, base_cost, limit):
-                        continue
-                    t_pending, t_plan, t_arrival = solve(*split_due(carry, released + group, fresh, step,
-                                                                    self.max_delay))
-                    tokens = sum(piece.length for piece in group)
-                    t_deferred = t_plan.deferred_tokens
-                    if ((t_plan.imbalance > limit and not idle) or t_deferred - base_deferred >= tokens
-                            or t_deferred > self.max_backlog_tokens // 2
-                            or self._defers_any(released[n_forced:] + group, t_pending, t_plan)):
-                        continue
-                    first = min(piece.arrival for piece in group)
-                    key = (t_plan.imbalance, -tokens, first, i) if idle else (-tokens, t_plan.imbalance, first, i)
-                    if best is None or key < best[0]:
-                        best = (key, group, t_pending, t_plan, t_arrival)
-            if best is None:
+            ctx = _StepContext(
+                carry=carry, fresh=fresh, step=step, solve=solve, released=released, n_forced=n_forced, plan=plan,
+                base_deferred=plan.deferred_tokens, costs=costs, base_cost=base_cost,
+                limit=max(self.balance_tolerance, plan.imbalance) + _TOLERANCE_SLACK,
+                # a step that would train nothing takes its most balanced group whatever the tolerance
+                idle=not any(len(mb) for mb in plan.micro_batches))
+            chosen = self._choose(remaining, ctx)
+            if chosen is None:
                 break
-            _, group, pending, plan, arrival = best
-            base_deferred = plan.deferred_tokens
+            group, pending, plan, arrival = chosen
             released = released + group
             base_cost += sum(costs[piece.key] for piece in group) if costs else 0.0
             taken |= {piece.key for piece in group}
@@ -332,8 +355,101 @@ class GroupRelease(ReleasePolicy):
         return StepRelease(pending, plan, arrival, released, n_early=len(released) - n_forced)
 
 
+@dataclass(frozen=True)
+class _StepContext:
+    """One round of GroupRelease's greedy: what the step holds so far."""
+
+    carry: list[HeldPiece]
+    fresh: list[HeldPiece]
+    step: int
+    solve: SolveStep
+    released: list[HeldPiece]
+    """Released so far this step: the due pieces (the first n_forced), then the groups taken."""
+    n_forced: int
+    plan: PackPlan
+    """The step packed with `released`."""
+    base_deferred: int
+    costs: dict
+    base_cost: float
+    limit: float
+    idle: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class MarginalRelease(GroupRelease):
+    """release="marginal": "group"'s pool and candidates, chosen at the margin.
+
+    A group is worth the tokens it stops holding (one more step held adds its tokens to the
+    stream's displacement) and costs the imbalance it adds. With the price
+    lambda = `price` x (balance_tolerance - 1), a group's score is
+
+        (imbalance of the step with it) - (imbalance without it) - lambda x tokens / capacity_tokens
+
+    and the step takes the lowest-scoring group while its score is <= 0 (and the step stays
+    within the tolerance, the deferral rules of "group" unchanged). Unlike "most tokens first
+    within the tolerance", a starved step takes what lowers its imbalance, and a pair of
+    windows waits unless the tokens it frees are worth the imbalance it adds. With
+    balance_tolerance="auto" the feedback of `wlb_opt.packer.defaults` sets the tolerance,
+    hence the price.
+
+    Pairs: a group that balances only with a second one (three windows and the two mediums
+    that fill the fourth micro-batch) scores > 0 alone. The best-scoring rejected group is
+    tried with each admissible second group; the pair is taken if its joint score is <= 0
+    and lower than any single group's.
+
+    Carried pieces: "group" packs the carried pieces first (Algorithm 1), spread over the
+    micro-batches, which leaves less than a window's room in each; here only pieces at their
+    deadline are packed first, the other carried ones with the rest, longest first (a short
+    piece carried again still leaves by max_delay)."""
+
+    price: float
+    """lambda per unit of tolerance above 1 (see the class docstring)."""
+    capacity_tokens: int
+    """Tokens one step can place (dp x n_micro x max_tokens): the unit of a group's tokens."""
+
+    def _split(self, carry, released, fresh, step):
+        first, rest = split_due(carry, released, fresh, step, self.max_delay)
+        if self.max_delay is None:
+            return first, rest
+        n_due = sum(1 for piece in first if step - piece.arrival >= self.max_delay)  # due pieces lead `first`
+        return first[:n_due], first[n_due:] + rest
+
+    def _choose(self, remaining, ctx):
+        if ctx.idle:
+            return super()._choose(remaining, ctx)
+        lam = self.price * (self.balance_tolerance - 1.0) / self.capacity_tokens
+        best, rejected = None, None
+        for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(remaining, ctx):
+            score = t_plan.imbalance - ctx.plan.imbalance - lam * tokens
+            entry = ((score, -tokens, min(piece.arrival for piece in group), i), group, t_pending, t_plan, t_arrival)
+            if score > 0:
+                if rejected is None or entry[0] < rejected[0]:
+                    rejected = entry
+            elif best is None or entry[0] < best[0]:
+                best = entry
+        if rejected is not None:  # the most promising rejected group, with a second one
+            best = self._best_pair(rejected[1], remaining, ctx, lam, best)
+        return None if best is None else best[1:]
+
+    def _best_pair(self, first_group, remaining, ctx, lam, best):
+        """`best`, or `first_group` + a second group whose joint score is <= 0 and lower."""
+        keys = {piece.key for piece in first_group}
+        rest = [piece for piece in remaining if piece.key not in keys]
+        first_tokens = sum(piece.length for piece in first_group)
+        costs = ctx.costs
+        with_first = dataclasses.replace(
+            ctx, released=ctx.released + first_group,
+            base_cost=ctx.base_cost + (sum(costs[piece.key] for piece in first_group) if costs else 0.0))
+        for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(rest, with_first, first_tokens):
+            score = t_plan.imbalance - ctx.plan.imbalance - lam * (first_tokens + tokens)
+            key = (score, -(first_tokens + tokens), min(piece.arrival for piece in first_group + group), i)
+            if score <= 0 and (best is None or key < best[0]):
+                best = (key, first_group + group, t_pending, t_plan, t_arrival)
+        return best
+
+
 _POLICIES: dict[str, type[ReleasePolicy]] = {"paper": PaperRelease, "balance": BalanceRelease,
-                                             "group": GroupRelease}
+                                             "group": GroupRelease, "marginal": MarginalRelease}
 RELEASE_POLICIES: tuple[str, ...] = tuple(_POLICIES)
 
 
