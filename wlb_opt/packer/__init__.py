@@ -12,8 +12,9 @@ What the paper leaves open is settled in the module that owns each rule:
 - packer.py: the `WLBPacker` class and one step (queue, release, pack, deal to DP
   replicas by modelled 1F1B time, commit); overload (`max_backlog_tokens`), `drain()`,
   the identity of a piece (id, offset), `plan.step` and `plan.arrival_step`.
-- release.py: when held outliers leave: the paper's rule, `max_delay`, and the opt-in
-  policies beyond the paper, `release="balance"` and `release="group"`.
+- release.py: when held outliers leave: the paper's rule, `max_delay`, and the policies
+  beyond the paper, `release="balance"`, `release="group"` and `release="marginal"` (the
+  default; defaults.py says why).
 - calibrate.py: `calibrate(sample)` and `thresholds="auto"`: thresholds chosen by running
   the packer on a bootstrap stream (the paper chose them by hand).
 - state.py: the typed held-piece record `HeldPiece` and the JSON `state_dict()`; a resumed

@@ -102,15 +102,18 @@ class WLBPacker:
         delay_budget: calibration's limit on delay per token, in steps (default 0.5, paper §3.2).
         method: the `solve_pack` method that packs each step: "wlb" (Algorithm 1, default)
             or any deterministic heuristic that honours `carried` (e.g. "wlb_ls").
-        release: "group" (default; beyond the paper: one pool of outliers; groups of similar
-            ones, or a single one, leave as soon as the step stays within
-            `balance_tolerance`, even if short documents move to the next step), "paper"
+        release: "marginal" (default; beyond the paper: one pool of outliers; a group of
+            similar ones, or a single one, leaves when the imbalance it adds to the step is
+            worth the tokens it stops holding, at a price set by `balance_tolerance`),
+            "group" (the same pool; groups leave, most tokens first, as soon as the step
+            stays within `balance_tolerance`, even if short documents move to the next step), "paper"
             (a queue leaves only when full, or at max_delay), or "balance" (beyond the
             paper: also take held outliers, FIFO heads, into a step whenever the step's
             predicted imbalance stays within `balance_tolerance`). See
             `wlb_opt.packer.release`.
-        balance_tolerance: the predicted max / mean load a "balance" or "group" step may reach by
-            taking outliers early: a number >= 1.0, or "auto" (default: set each step from
+        balance_tolerance: the predicted max / mean load a "balance", "group" or "marginal" step
+            may reach by taking outliers early ("marginal" also prices a step's capacity at
+            `MARGINAL_PRICE` x (tolerance - 1) imbalance): a number >= 1.0, or "auto" (default: set each step from
             the stream's displacement so far against `delay_budget`; see
             `wlb_opt.packer.defaults`). The defaults before issue 16 were
             thresholds="auto", n_queues=2, max_delay=8, release="paper", balance_tolerance=1.02.
@@ -179,7 +182,7 @@ class WLBPacker:
         # capacity (a long document arrives whole; see `pack`); an explicit limit is strict.
         self._burst_allowed = max_backlog_tokens is None
         if max_backlog_tokens is None:
-            # release="group" keeps reading the carry limit it was tuned with (two steps)
+            # release="group" / "marginal" keep reading the carry limit "group" was tuned with (two steps)
             self._set_backlog_limit((2 + self.n_queues) * self.capacity_tokens, carry_limit=2 * self.capacity_tokens)
         else:
             self._set_backlog_limit(check_int("max_backlog_tokens", max_backlog_tokens, 0))
@@ -187,13 +190,15 @@ class WLBPacker:
 
     def _set_backlog_limit(self, max_backlog_tokens: int, carry_limit: int | None = None) -> None:
         """Adopt the backlog limit and build the release policies; `carry_limit` (default:
-        the limit) is what release="group" bounds its deferrals by (half of it)."""
+        the limit) is what release="group" / "marginal" bound their deferrals by (half of it)."""
         self.max_backlog_tokens = max_backlog_tokens
         tolerance = TOLERANCE_LOW if self.balance_tolerance == "auto" else self.balance_tolerance
         rules = dict(need=self.dp * self.n_micro, max_delay=self.max_delay, balance_tolerance=tolerance,
                      max_backlog_tokens=max_backlog_tokens if carry_limit is None else carry_limit,
                      lookahead=self.lookahead, piece_cost=self.cost.doc_cost, bin_const=self.cost.mb_const())
-        marginal = dict(price=MARGINAL_PRICE, capacity_tokens=self.capacity_tokens) if self.release == "marginal" else {}
+        marginal = {}
+        if self.release == "marginal":  # the price of a group's tokens, per step of capacity
+            marginal = dict(price=MARGINAL_PRICE, capacity_tokens=self.capacity_tokens)
         self._release: ReleasePolicy = make_release_policy(self.release, **rules, **marginal)
         self._drain_release: ReleasePolicy = DrainRelease(**rules)
 
@@ -318,7 +323,8 @@ class WLBPacker:
 
     def _step_policy(self) -> ReleasePolicy:
         """The release policy of the next step: with balance_tolerance="auto" its tolerance
-        follows the stream's displacement so far (defaults.py)."""
+        follows the stream's displacement so far (defaults.py), up to TOLERANCE_HIGH
+        (MARGINAL_TOLERANCE_HIGH for release="marginal")."""
         if self.balance_tolerance != "auto":
             return self._release
         held = [piece for q in self._queues for piece in q] + self._carry

@@ -20,7 +20,7 @@ packer's `solve` callback (Algorithm 1 by default: carried first, the rest longe
   per micro-batch from the nearest levels) whenever the packed step's predicted imbalance
   stays within max(`balance_tolerance`, its imbalance without them) and no more tokens are
   deferred. An outlier that the step's short documents can balance then waits for nothing.
-- "group" (beyond the paper, opt-in): all held outliers form one pool (the queues only
+- "group" (beyond the paper): all held outliers form one pool (the queues only
   store them). Each step the pool's pieces at max_delay leave; then, greedily, the step
   takes groups of 1 to dp x n_micro held outliers adjacent in (length, arrival) order
   (similar cost; FIFO among equal lengths) while its predicted imbalance stays within
@@ -32,6 +32,15 @@ packer's `solve` callback (Algorithm 1 by default: carried first, the rest longe
   Candidates whose imbalance is surely above the limit (the group's heaviest piece against
   the largest possible mean load) are not packed at all: the same plans, about half the
   planning time. Tolerance ~1.3 (fwd + bwd loads) suits the default stream.
+- "marginal" (default since issue 16's second round; beyond the paper): the pool and the
+  candidates of "group", chosen at the margin. A group is worth the tokens it stops holding
+  and costs the imbalance it adds: the step takes the group with the lowest score
+  (imbalance with it - imbalance without it - lambda x its tokens / a step's capacity,
+  lambda = `MARGINAL_PRICE` x (tolerance - 1)) while the score is <= 0; the most promising
+  rejected group is also tried with a second one (three windows and the mediums that fill the
+  fourth micro-batch). Carried pieces that are not at their deadline are packed with the rest,
+  longest first, not first (carried short documents spread over every micro-batch leave no
+  room for a window). See `MarginalRelease`.
 - `drain()` (end of data) releases every queue whatever the policy (`DrainRelease`).
 - lookahead (`WLBPacker(..., lookahead=K)`, lookahead.py): the queues also hold outliers that
   arrive up to K steps later. A group (a full queue's dp x n_micro, a "balance" or "group"
