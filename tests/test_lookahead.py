@@ -67,7 +67,7 @@ def run(packer, batches):
 
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 2**31), k=st.integers(1, 4), n_micro=st.integers(1, 4),
-       max_delay=st.sampled_from([None, 2, 5]), release=st.sampled_from(["paper", "balance", "group"]),
+       max_delay=st.sampled_from([None, 2, 5]), release=st.sampled_from(["paper", "balance", "group", "marginal"]),
        n_batches=st.integers(100, 200))
 def test_lookahead_stream_trains_every_id_once_within_its_window(seed, k, n_micro, max_delay, release, n_batches):
     rng = np.random.default_rng(seed)
@@ -84,7 +84,7 @@ def test_lookahead_stream_trains_every_id_once_within_its_window(seed, k, n_micr
 
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 2**31), k=st.integers(0, 3), cut=st.integers(0, 100),
-       release=st.sampled_from(["paper", "group"]), max_delay=st.sampled_from([None, 3]))
+       release=st.sampled_from(["paper", "group", "marginal"]), max_delay=st.sampled_from([None, 3]))
 def test_checkpoint_at_a_random_step_resumes_identically(seed, k, cut, release, max_delay):
     rng = np.random.default_rng(seed)
     batches = stream(rng, 100, mean_docs=6)

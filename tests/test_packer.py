@@ -61,7 +61,7 @@ def check_plan(plan, max_tokens):
 @settings(max_examples=12)
 @given(seed=st.integers(0, 2**31), n_micro=st.integers(1, 4), dp=st.integers(1, 2),
        max_delay=st.sampled_from([None, 1, 3]), n_queues=st.integers(0, 3),
-       release=st.sampled_from(["paper", "balance", "group"]))
+       release=st.sampled_from(["paper", "balance", "group", "marginal"]))
 def test_long_stream_places_every_id_exactly_once(seed, n_micro, dp, max_delay, n_queues, release):
     rng = np.random.default_rng(seed)
     cap = 100
@@ -182,7 +182,7 @@ def test_drain_empties_everything_in_few_plans():
 
 @settings(max_examples=6)
 @given(seed=st.integers(0, 2**31), cut=st.integers(0, 59), max_delay=st.sampled_from([None, 2]),
-       release=st.sampled_from(["paper", "balance", "group"]))
+       release=st.sampled_from(["paper", "balance", "group", "marginal"]))
 def test_checkpoint_at_any_step_resumes_to_identical_plans(seed, cut, max_delay, release):
     rng = np.random.default_rng(seed)
     batches = stream(rng, 60, cap=100)

@@ -102,7 +102,7 @@ def test_default_backlog_limit_counts_one_release_per_queue():
 
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**31), max_delay=st.sampled_from([None, 1, 2, 5]),
-       release=st.sampled_from(["paper", "balance", "group"]), limit=st.sampled_from([100, 300, 1000]))
+       release=st.sampled_from(["paper", "balance", "group", "marginal"]), limit=st.sampled_from([100, 300, 1000]))
 def test_a_rejected_step_never_blocks_the_packer(seed, max_delay, release, limit):
     rng = np.random.default_rng(seed)
     p = wlb.WLBPacker(2, 100, COST, thresholds=[50, 80], max_delay=max_delay, release=release,
