@@ -276,6 +276,11 @@ class GroupRelease(ReleasePolicy):
         weights = self.piece_cost(np.array([piece.length for piece in pieces], dtype=np.int64)).tolist()
         return {piece.key: w for piece, w in zip(pieces, weights)}
 
+    def _imbalance_at_least(self, group, costs: dict, base_cost: float) -> float:
+        """A lower bound on the step's imbalance with all of `group` placed (see `_cannot_pass`)."""
+        heaviest = max(costs[piece.key] for piece in group) + self.bin_const
+        return heaviest / ((base_cost + sum(costs[piece.key] for piece in group)) / self.need + self.bin_const)
+
     def _cannot_pass(self, group, costs: dict, base_cost: float, limit: float) -> bool:
         """True when the step with `group` is surely above `limit`: a group is kept only if all
         of it is placed, so the heaviest micro-batch costs at least the group's heaviest piece
@@ -295,18 +300,21 @@ class GroupRelease(ReleasePolicy):
         """(first, rest) that `solve` packs: `split_due` (Algorithm 1: carried pieces first)."""
         return split_due(carry, released, fresh, step, self.max_delay)
 
-    def _candidates(self, remaining: list[HeldPiece], ctx: "_StepContext", extra_tokens: int = 0):
+    def _candidates(self, remaining: list[HeldPiece], ctx: "_StepContext", extra_tokens: int = 0, hopeless=None):
         """Each admissible group of `remaining` (1 to need pieces adjacent in (length, arrival)
         order), packed with ctx's released pieces: yields (i, group, tokens, pending, plan,
         arrival). Admissible: within ctx.limit (unless the step is idle), deferring fewer short
         tokens than the group (+ `extra_tokens`, pieces joining with it) brings, at most half the
-        carry limit, and no early-released outlier deferred (see the class docstring)."""
+        carry limit, and no early-released outlier deferred (see the class docstring).
+        `hopeless(group, tokens)`, if given, skips a group before it is packed."""
         for size in range(1, min(self.need, len(remaining)) + 1):
             for i in range(len(remaining) - size + 1):
                 group = remaining[i:i + size]
                 if not self._not_too_early(group, ctx.step):
                     continue
                 if ctx.costs and not ctx.idle and self._cannot_pass(group, ctx.costs, ctx.base_cost, ctx.limit):
+                    continue
+                if hopeless is not None and hopeless(group, sum(piece.length for piece in group)):
                     continue
                 t_pending, t_plan, t_arrival = ctx.solve(*self._split(ctx.carry, ctx.released + group, ctx.fresh,
                                                                       ctx.step))
@@ -428,7 +436,15 @@ class MarginalRelease(GroupRelease):
             return super()._choose(remaining, ctx)
         lam = self.price * (self.balance_tolerance - 1.0) / self.capacity_tokens
         best, rejected = None, None
-        for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(remaining, ctx):
+
+        def hopeless(group, tokens):
+            # its score is surely > 0 and above the best rejected one: neither taken nor paired
+            if not ctx.costs:
+                return False
+            low = self._imbalance_at_least(group, ctx.costs, ctx.base_cost) - ctx.plan.imbalance - lam * tokens
+            return low > _TOLERANCE_SLACK and (rejected is not None and low > rejected[0][0] + _TOLERANCE_SLACK)
+
+        for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(remaining, ctx, hopeless=hopeless):
             score = t_plan.imbalance - ctx.plan.imbalance - lam * tokens
             entry = ((score, -tokens, min(piece.arrival for piece in group), i), group, t_pending, t_plan, t_arrival)
             if score > 0:
@@ -449,7 +465,12 @@ class MarginalRelease(GroupRelease):
         with_first = dataclasses.replace(
             ctx, released=ctx.released + first_group,
             base_cost=ctx.base_cost + (sum(costs[piece.key] for piece in first_group) if costs else 0.0))
-        for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(rest, with_first, first_tokens):
+        def hopeless(group, tokens):  # the pair's score is surely > 0
+            return bool(costs) and (self._imbalance_at_least(group, costs, with_first.base_cost) - ctx.plan.imbalance
+                                    - lam * (first_tokens + tokens)) > _TOLERANCE_SLACK
+
+        for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(rest, with_first, first_tokens,
+                                                                                hopeless):
             score = t_plan.imbalance - ctx.plan.imbalance - lam * (first_tokens + tokens)
             key = (score, -(first_tokens + tokens), min(piece.arrival for piece in first_group + group), i)
             if score <= 0 and (best is None or key < best[0]):
