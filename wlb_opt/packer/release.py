@@ -465,6 +465,7 @@ class MarginalRelease(GroupRelease):
         with_first = dataclasses.replace(
             ctx, released=ctx.released + first_group,
             base_cost=ctx.base_cost + (sum(costs[piece.key] for piece in first_group) if costs else 0.0))
+
         def hopeless(group, tokens):  # the pair's score is surely > 0
             return bool(costs) and (self._imbalance_at_least(group, costs, with_first.base_cost) - ctx.plan.imbalance
                                     - lam * (first_tokens + tokens)) > _TOLERANCE_SLACK
