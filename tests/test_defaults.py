@@ -19,6 +19,9 @@ def test_the_defaults_are_one_pool_marginal_release_and_the_feedback_tolerance()
     assert packer.thresholds == [int(163840 * d.DEFAULT_CUTOFF_SHARE)] == [49152]
     assert packer.release == "marginal" and packer.max_delay == d.DEFAULT_MAX_DELAY == 16
     assert packer._release.price == d.MARGINAL_PRICE and packer._release.capacity_tokens == 4 * 163840
+    # with lookahead the default is "group", which holds the displacement budget (defaults.py)
+    assert WLBPacker(4, 163840, COST, lookahead=2).release == "group"
+    assert WLBPacker(4, 163840, COST, lookahead=2, release="marginal").release == "marginal"
     assert packer.balance_tolerance == "auto" and packer.lookahead == 0 and packer.calibration is None
     assert WLBPacker(4, 163840, COST, n_queues=1).thresholds == [49152]
 

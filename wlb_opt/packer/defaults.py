@@ -9,7 +9,7 @@ reached 1.06-1.10 mean imbalance on streams they were not tuned on. The defaults
   streams 0.3 beat 0.1, 0.15, 0.2 and 0.4: real 1.034-1.047 against 1.042-1.054 at 0.2);
 - release="marginal" (release.py, third round below): "group"'s pool and candidates (groups
   of similar outliers, or a single one), a group taken while the imbalance it adds is worth
-  the tokens it frees;
+  the tokens it frees; with lookahead > 0, release="group" (below);
 - max_delay 16 (`DEFAULT_MAX_DELAY`);
 - balance_tolerance="auto": a feedback rule on the stream's own displacement. The tolerance
   trades imbalance for displacement, and the right value differs between data sets (on the
@@ -76,6 +76,12 @@ displacement per token, planning ms per batch (median, default / prose):
 
 Chosen by the second round's rule (the largest imbalance of default / real / code among the
 settings at <= 0.47 displacement on each): 1.030, against 1.035 before; prose 1.106 -> 1.069.
+With lookahead the default stays "group" (ranked by `displacement_relief`): "marginal" takes
+pieces seen ahead whenever they balance a starved step, and its feedback, saturated at
+MARGINAL_TOLERANCE_HIGH, no longer holds the budget (prose calibration seeds, K = 4:
+1.039/0.632 against "group"'s 1.120/0.445; uncapping the ramp past RISE_TO, 1.045/0.580 or
+with a 5x steeper extension 1.060/0.539; default 1.022/0.501).
+
 Prose with a fixed price (stop, pair from the best 2, tolerance feedback <= 1.3 as the cap)
 traces what this rule can reach there: lambda 0.45: 1.072/0.494, 0.3: 1.061/0.535, 0.2:
 1.050/0.583, 0.05: 1.027/0.884; 1.05 needs about 0.58 displacement per token.

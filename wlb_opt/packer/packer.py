@@ -102,9 +102,11 @@ class WLBPacker:
         delay_budget: calibration's limit on delay per token, in steps (default 0.5, paper §3.2).
         method: the `solve_pack` method that packs each step: "wlb" (Algorithm 1, default)
             or any deterministic heuristic that honours `carried` (e.g. "wlb_ls").
-        release: "marginal" (default; beyond the paper: one pool of outliers; a group of
-            similar ones, or a single one, leaves when the imbalance it adds to the step is
-            worth the tokens it stops holding, at a price set by `balance_tolerance`),
+        release: None (default): "marginal" with lookahead=0, "group" with lookahead > 0
+            (`wlb_opt.packer.defaults`); or "marginal" (beyond the paper: one pool of
+            outliers; a group of similar ones, or a single one, leaves when the imbalance it
+            adds to the step is worth the tokens it stops holding, at a price set by
+            `balance_tolerance`),
             "group" (the same pool; groups leave, most tokens first, as soon as the step
             stays within `balance_tolerance`, even if short documents move to the next step), "paper"
             (a queue leaves only when full, or at max_delay), or "balance" (beyond the
@@ -129,7 +131,7 @@ class WLBPacker:
                  thresholds: Sequence[int] | Literal["auto"] | None = None, n_queues: int | None = None,
                  max_delay: int | None = DEFAULT_MAX_DELAY, seed: int = 0, *, max_backlog_tokens: int | None = None,
                  pp: int | None = None, delay_budget: float = 0.5, method: PackerMethod = "wlb",
-                 release: ReleaseName = "marginal", balance_tolerance: float | Literal["auto"] = "auto",
+                 release: ReleaseName | None = None, balance_tolerance: float | Literal["auto"] = "auto",
                  lookahead: int = 0, memory_bytes: float | None = None):
         self.n_micro = check_int("n_micro", n_micro, 1)
         self.cost = cost if cost is not None else default_cost()
@@ -145,6 +147,9 @@ class WLBPacker:
             raise ValueError(f"delay_budget must be a finite number of steps >= 0, got {delay_budget!r}")
         self.delay_budget = float(delay_budget)
         self.method = self._check_method(method)
+        lookahead = check_int("lookahead", lookahead, 0)
+        if release is None:  # the default (defaults.py): "group" holds the budget when pieces may leave early
+            release = "marginal" if lookahead == 0 else "group"
         self.release = check_choice("release", release, RELEASE_POLICIES)
         if balance_tolerance == "auto" and isinstance(balance_tolerance, str):
             self.balance_tolerance: float | str = "auto"
