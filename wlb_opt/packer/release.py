@@ -326,11 +326,11 @@ class GroupRelease(ReleasePolicy):
                     continue
                 if ctx.costs and not ctx.idle and self._cannot_pass(group, ctx.costs, ctx.base_cost, ctx.limit):
                     continue
-                if hopeless is not None and hopeless(group, sum(piece.length for piece in group)):
+                tokens = sum(piece.length for piece in group)
+                if hopeless is not None and hopeless(group, tokens):
                     continue
                 t_pending, t_plan, t_arrival = ctx.solve(*self._split(ctx.carry, ctx.released + group, ctx.fresh,
                                                                       ctx.step))
-                tokens = sum(piece.length for piece in group)
                 t_deferred = t_plan.deferred_tokens
                 if ((t_plan.imbalance > ctx.limit and not ctx.idle)
                         or t_deferred - ctx.base_deferred >= tokens + extra_tokens
