@@ -16,6 +16,10 @@ Settings (7B, (8,2,4,1), H100, window W = 131072, N = 4, S_max = 1.25 W):
 - "default": `WLBPacker(N, max_tokens, cost)`, nothing tuned (wlb_opt.packer.defaults; its
   constants were chosen on seeds 100-102, not on the streams reported);
 - "default+K" (K = 1, 2, 4): the same with lookahead=K; "group+K": "group" with lookahead=K.
+
+Each stream's "delay floor" row is `solvers.bounds.delay_floor`: the least displacement per
+token ANY plan without lookahead needs on that stream just to fit it (n_micro pieces longer
+than max_tokens / 2 per step, n_micro x max_tokens tokens per step), whatever its balance.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from .._optional import progress
 from ..cost_args import add_cost_args, cost_from_args, count, natural
 from ..data import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from ..packer import WLBPacker, per_step_imbalance
+from ..solvers.bounds import delay_floor
 from .data import run_packer
 
 
@@ -86,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wlb-opt bench parity: --settings must name some of {sorted(settings(W))}")
         return 2
     results: dict[str, list[dict]] = {name: [] for name in chosen}
+    floors = []
     for s in progress(seeds, desc="streams", enable=not args.no_progress):
         batches = global_batches(args.dist, W, N * W, args.steps, seed=DEFAULT_SEED + s)
+        floors.append(delay_floor(batches, N, int(1.25 * W)))
         for name, kw in chosen.items():
             results[name].append(dict(seed=s, **run_stream(batches, cost, N, int(1.25 * W), args.warmup, **kw)))
     print(f"{args.dist}: {len(seeds)} streams x {args.steps} steps; cells = mean imbalance (after {args.warmup} "
@@ -102,9 +109,12 @@ def main(argv: list[str] | None = None) -> int:
                              settings={k: v for k, v in chosen[name].items()})
         cells = " ".join(f"{r['imbalance']:.3f}/{r['delay_per_token']:.2f}".rjust(11) for r in rows)
         print(f"{name:<10} {cells} {f'{imb:.3f}/{delay:.3f}':>13} {ms:>6.2f}")
+    cells = " ".join(f"-/{f:.2f}".rjust(11) for f in floors)
+    print(f"{'floor':<10} {cells} {f'-/{np.mean(floors):.3f}':>13}   (least displacement of any plan without lookahead)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "parity.json").write_text(json.dumps(dict(dist=args.dist, seeds=seeds, steps=args.steps,
-                                                     streams=results, summary=summary), indent=2))
+                                                     streams=results, summary=summary,
+                                                     delay_floor=floors), indent=2))
     print(f"wrote {out / 'parity.json'}")
     return 0

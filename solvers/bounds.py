@@ -127,3 +127,64 @@ def check_capacity(lengths, n_bins: int, max_tokens: int, ids=None) -> None:
     if total > capacity:
         raise ValueError(f"{total} tokens do not fit in {n_bins} micro-batches x {max_tokens} = {capacity} tokens "
                          f"({total - capacity} tokens over); pass allow_defer=True to defer the excess")
+
+
+def delay_floor(batches, n_micro: int, max_tokens: int) -> float:
+    """Least displacement per token of any delay-only plan of a stream (lookahead 0: every
+    piece trains at or after the step it arrives in), whatever it does about balance.
+
+    `batches` are the stream's global batches in order (arrays of piece lengths, or the
+    (pieces, ids, offsets) tuples of `wlb_opt.data.global_batches`). Two capacity limits
+    force waiting, and the floor is the larger of the two:
+
+    - tokens: a step trains at most n_micro x max_tokens tokens, so after step t at least
+      backlog_t = max(0, backlog_{t-1} + arrivals_t - n_micro x max_tokens) tokens still
+      wait, and each waiting token adds one step of displacement;
+    - micro-batches: two pieces longer than max_tokens / 2 never share a micro-batch, so a
+      step trains at most n_micro of them. Placing them alone (every other piece on time)
+      is an assignment of unit jobs with release dates to n_micro slots per step, weighted
+      by length; taking, step by step, the n_micro longest that have arrived is optimal
+      (exchange: a longer piece waiting behind a shorter one scheduled earlier can swap
+      with it and lowers the weighted wait).
+
+    Displacement per token is the token-weighted mean over all pieces, as
+    `WLBPacker.stats()["displacement_per_token"]` counts it (drain included)."""
+    import heapq
+
+    n_micro = _check_bins(n_micro)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    streams = []
+    for b, batch in enumerate(batches):
+        pieces = np.asarray(batch[0] if isinstance(batch, tuple) else batch, dtype=np.int64)
+        if pieces.ndim != 1 or (pieces.size and pieces.min() < 1):
+            raise ValueError(f"batch {b}: piece lengths must be a 1-D array of integers >= 1, got {pieces!r}")
+        if pieces.size and pieces.max() > max_tokens:
+            raise ValueError(f"batch {b} holds a piece of {int(pieces.max())} tokens > max_tokens={max_tokens}; "
+                             "cut documents to the window with wlb_opt.split_documents")
+        streams.append(pieces)
+    total = sum(int(p.sum()) for p in streams)
+    if total == 0:
+        return 0.0
+    capacity = n_micro * int(max_tokens)
+    backlog = token_wait = 0
+    for pieces in streams:
+        backlog = max(0, backlog + int(pieces.sum()) - capacity)
+        token_wait += backlog
+    while backlog:
+        backlog = max(0, backlog - capacity)
+        token_wait += backlog
+    heap: list[tuple[int, int]] = []
+    slot_wait, step = 0, 0
+    for step, pieces in enumerate(streams):
+        for length in pieces[pieces > max_tokens // 2]:
+            heapq.heappush(heap, (-int(length), step))
+        for _ in range(min(n_micro, len(heap))):
+            neg, arrival = heapq.heappop(heap)
+            slot_wait += -neg * (step - arrival)
+    while heap:
+        step += 1
+        for _ in range(min(n_micro, len(heap))):
+            neg, arrival = heapq.heappop(heap)
+            slot_wait += -neg * (step - arrival)
+    return max(token_wait, slot_wait) / total

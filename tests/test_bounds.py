@@ -97,3 +97,61 @@ def test_bad_arguments():
         bounds.makespan_lower_bound([1.0, -2.0], 2)
     with pytest.raises(ValueError, match="weights"):
         bounds.largest_item_bound([[1.0]])
+
+
+def least_delay_by_enumeration(batches, n_micro, max_tokens, horizon=None):
+    """Smallest token-weighted displacement of any delay-only plan, by enumerating every
+    (step >= arrival, micro-batch) of every piece before `horizon` (default: steps + number
+    of pieces, which always suffices; a shorter one gives an upper bound): the slow twin of
+    `bounds.delay_floor`."""
+    pieces = [(int(x), t) for t, b in enumerate(batches) for x in b]
+    horizon = horizon or len(batches) + len(pieces)
+    best = None
+    slots = [[(s, j) for s in range(t, horizon) for j in range(n_micro)] for _, t in pieces]
+    for combo in itertools.product(*slots):
+        load: dict = {}
+        for (x, _), slot in zip(pieces, combo):
+            load[slot] = load.get(slot, 0) + x
+        if max(load.values()) > max_tokens:
+            continue
+        wait = sum(x * (s - t) for (x, t), (s, _) in zip(pieces, combo))
+        best = wait if best is None else min(best, wait)
+    return best / sum(x for x, _ in pieces)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 10), max_size=3), min_size=1, max_size=3).filter(
+    lambda bs: 1 <= sum(map(len, bs)) <= 3), st.integers(1, 2))
+def test_delay_floor_never_exceeds_the_least_delay_of_any_plan(batches, n_micro):
+    floor = bounds.delay_floor([np.array(b, dtype=np.int64) for b in batches], n_micro, 10)
+    assert floor <= least_delay_by_enumeration(batches, n_micro, 10) + 1e-12
+
+
+def test_delay_floor_is_exact_when_only_the_micro_batches_bind():
+    # pieces longer than max_tokens / 2 each need a micro-batch: 5 arrive at once, 2 per step
+    batches = [np.array([9, 8, 7, 6, 6]), np.array([], dtype=np.int64), np.array([2])]
+    exact = least_delay_by_enumeration(batches, 2, 10, horizon=4)  # an upper bound, met by the floor
+    assert exact > 0 and bounds.delay_floor(batches, 2, 10) == pytest.approx(exact)
+    # (9, 8) wait 0, (7, 6) wait 1, 6 waits 2: the longest first
+    assert bounds.delay_floor(batches, 2, 10) == pytest.approx((7 + 6 + 2 * 6) / 38)
+
+
+def test_delay_floor_counts_tokens_over_a_steps_capacity_and_takes_global_batches():
+    from wlb_opt.data import global_batches
+    # 30 short pieces of 4 tokens into one step of 2 x 10 tokens: 100 tokens wait 1 step, 80 wait 2, ...
+    batches = [np.full(30, 4)]
+    assert bounds.delay_floor(batches, 2, 10) == pytest.approx((100 + 80 + 60 + 40 + 20) / 120)
+    stream = global_batches("default", 4096, 4 * 4096, 3, seed=1)
+    assert bounds.delay_floor(stream, 4, 5120) == bounds.delay_floor([b[0] for b in stream], 4, 5120)
+
+
+@pytest.mark.parametrize("args, match", [
+    (([np.array([11])], 2, 10), "piece of 11 tokens > max_tokens=10"),
+    (([np.array([0])], 2, 10), "integers >= 1"),
+    (([np.array([1])], 0, 10), "n_bins"),
+    (([np.array([1])], 2, 0), "max_tokens must be an integer >= 1"),
+    (([np.array([1])], 2, 10.5), "max_tokens must be an integer >= 1"),
+])
+def test_delay_floor_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        bounds.delay_floor(*args)

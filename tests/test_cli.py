@@ -83,6 +83,13 @@ def test_parity_benchmark_runs(tmp_path, capsys):
     data = json.loads((tmp_path / "parity.json").read_text())
     assert set(data["summary"]) == {"default+2"} and data["streams"]["default+2"][0]["early_token_share"] >= 0
     assert all(0 <= v["delay_per_token"] and v["imbalance"] >= 1.0 for v in data["summary"].values())
+    # no plan without lookahead displaces less than the stream's delay floor
+    assert len(data["delay_floor"]) == 1 and 0 <= data["delay_floor"][0]
+    assert main(["bench", "parity", "--dist", "prose", "--seeds", "4", "--steps", "30", "--no-progress",
+                 "--settings", "default", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "parity.json").read_text())
+    assert 0 < data["delay_floor"][0] <= data["streams"]["default"][0]["delay_per_token"]
+    assert "floor" in capsys.readouterr().out
 
 
 def _imports_of(path) -> set[str]:

@@ -40,10 +40,21 @@ def test_global_batches_cut_one_stream_into_consecutive_batches():
 
 
 def test_distributions_and_errors():
-    assert set(data.DISTRIBUTIONS) == {"default", "light", "real", "code", "prose"}
+    assert set(data.DISTRIBUTIONS) == {"default", "light", "heavy", "real", "code", "prose"}
     assert data.sample_documents(100, "light", seed=1).min() >= 1
     with pytest.raises(ValueError, match="unknown length distribution"):
-        data.sample_documents(10, "heavy")
+        data.sample_documents(10, "pareto")
+
+
+def test_heavy_has_the_default_body_and_a_heavier_longer_tail():
+    n = 200_000
+    default, heavy = data.sample_documents(n, "default", seed=5), data.sample_documents(n, "heavy", seed=5)
+    # the same body: the medians agree (the tail holds well under 1% of documents)
+    assert abs(np.median(heavy) / np.median(default) - 1) < 0.05
+    # twice the tail probability, spanning [32768, 524288] (documents up to four windows)
+    assert 0.0025 < np.mean(heavy >= 32768) < 0.0035 and heavy.max() <= 524288 and heavy.max() > 163840
+    share = lambda x: x[x >= 32768].sum() / x.sum()
+    assert share(heavy) > 2 * share(default)
 
 
 def test_real_distribution_reads_the_file_shipped_inside_the_package():
