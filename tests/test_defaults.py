@@ -202,3 +202,31 @@ def test_marginal_holds_what_would_unbalance_a_step_that_group_takes():
     # a step that would train nothing takes its most balanced group: both, one per micro-batch
     idle = packer.pack([], [])
     assert sorted(idle.placed_ids().tolist()) == [0, 1] and idle.imbalance == pytest.approx(5050 / ((5050 + 1830) / 2))
+
+
+def test_marginal_defers_a_short_document_that_outweighs_the_rest_of_a_starved_step():
+    # attention-only cost d(d+1)/2, 4 micro-batches of 200 tokens, pool cutoff 50: the step
+    # brings one short piece of 40 (820) and ten of 4 (10 each), and the pool holds nothing.
+    # Packed whole, the 40 sits alone: 820 / ((820 + 100) / 4) = 3.57. Deferred, the ten 4s
+    # spread 3/3/2/2: 30 / 25 = 1.2. Price 0.5 x (2.0 - 1) per 800 tokens: 40 tokens cost
+    # 0.025 < 2.37, so the 40 waits one step (carried) and trains with the next batch.
+    cost = unit_cost(attn=1.0, linear=0.0)
+    batch = ([40] + [4] * 10, list(range(11)))
+    packer = WLBPacker(4, 200, cost, thresholds=[50], release="marginal", balance_tolerance=2.0)
+    plan = packer.pack(*batch)
+    assert plan.deferred_ids().tolist() == [0] and packer.carried_ids().tolist() == [0]
+    assert plan.imbalance == pytest.approx(30 / 25)
+    nxt = packer.pack([40, 40, 40], [11, 12, 13])  # with three like it, all four balance
+    assert sorted(nxt.placed_ids().tolist()) == [0, 11, 12, 13] and nxt.imbalance == pytest.approx(1.0)
+    assert packer.stats()["displacement_per_token"] == pytest.approx(40 / (80 + 120))
+    # "group" (no trim) trains it at once
+    group = WLBPacker(4, 200, cost, thresholds=[50], release="group", balance_tolerance=2.0).pack(*batch)
+    assert group.deferred_ids().tolist() == [] and group.imbalance == pytest.approx(820 / 230)
+
+
+def test_marginal_does_not_defer_a_piece_at_its_deadline():
+    cost = unit_cost(attn=1.0, linear=0.0)
+    packer = WLBPacker(4, 200, cost, thresholds=[50], release="marginal", balance_tolerance=2.0, max_delay=1)
+    packer.pack([40] + [4] * 10, list(range(11)))  # the 40 is deferred (above)
+    plan = packer.pack([4] * 10, list(range(11, 21)))  # one step late: at max_delay, placed first
+    assert 0 in plan.placed_ids().tolist() and plan.deferred_ids().tolist() == []

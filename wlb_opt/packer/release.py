@@ -40,7 +40,8 @@ packer's `solve` callback (Algorithm 1 by default: carried first, the rest longe
   rejected group is also tried with a second one (three windows and the mediums that fill the
   fourth micro-batch). Carried pieces that are not at their deadline are packed with the rest,
   longest first, not first (carried short documents spread over every micro-batch leave no
-  room for a window). See `MarginalRelease`.
+  room for a window). Last, the step may defer the longest fresh or carried piece of its
+  heaviest micro-batch, at the same price (`MarginalRelease._trim`). See `MarginalRelease`.
 - `drain()` (end of data) releases every queue whatever the policy (`DrainRelease`).
 - lookahead (`WLBPacker(..., lookahead=K)`, lookahead.py): the queues also hold outliers that
   arrive up to K steps later. A group (a full queue's dp x n_micro, a "balance" or "group"
@@ -429,6 +430,10 @@ class MarginalRelease(GroupRelease):
     tried with each admissible second group; the pair is taken if its joint score is <= 0
     and lower than any single group's.
 
+    Trim: after the groups, the longest fresh or carried (not due) piece of the heaviest
+    micro-batch is deferred one step if the imbalance that removes is worth its tokens at the
+    same price (`_trim`; issue 16, fourth round: prose calibration 1.069 -> 1.062).
+
     Carried pieces: "group" packs the carried pieces first (Algorithm 1), spread over the
     micro-batches, which leaves less than a window's room in each; here only pieces at their
     deadline are packed first, the other carried ones with the rest, longest first (a short
@@ -438,6 +443,45 @@ class MarginalRelease(GroupRelease):
     """lambda per unit of tolerance above 1 (see the class docstring)."""
     capacity_tokens: int
     """Tokens one step can place (dp x n_micro x max_tokens): the unit of a group's tokens."""
+    trim: bool = True
+    """Whether a step may defer the longest piece of its heaviest micro-batch (`_trim`)."""
+
+    def plan_step(self, fresh, queues, carry, step, solve) -> StepRelease:
+        result = super().plan_step(fresh, queues, carry, step, solve)
+        return (self._trim(result, fresh, carry, step, solve) or result) if self.trim else result
+
+    def _trim(self, result: StepRelease, fresh, carry, step, solve) -> StepRelease | None:
+        """The step with the longest fresh or carried (not due) piece of its heaviest
+        micro-batch deferred, if the imbalance that removes is worth more than holding the
+        piece one more step costs, at the price of the groups:
+
+            (imbalance without it) - (imbalance with it) + lambda x its tokens / capacity < 0.
+
+        Otherwise None. A step whose batch brought almost only outliers, its pool held, is
+        left with a few short documents, one of which can outweigh the others together (prose
+        calibration seeds: steps of 0.04 seconds per micro-batch at 1.4-1.6 imbalance); a
+        medium document next to a window's micro-batch likewise. The piece joins the carry
+        (packed with the next step's pieces, and first once at max_delay)."""
+        plan = result.plan
+        if sum(len(mb) for mb in plan.micro_batches) <= 1:
+            return None
+        heaviest = plan.micro_batches[int(np.argmax(plan.loads))].tolist()
+        movable = {piece.key for piece in fresh} | {piece.key for piece in carry if not self._is_due(piece, step)}
+        options = [i for i in heaviest if result.pending[i].key in movable]
+        if not options:
+            return None
+        piece = result.pending[max(options, key=lambda i: (result.pending[i].length, result.pending[i].arrival))]
+        lam = self.price * (self.balance_tolerance - 1.0) / self.capacity_tokens
+        pending, t_plan, arrival = solve(*self._split([p for p in carry if p.key != piece.key], result.released,
+                                                      [p for p in fresh if p.key != piece.key], step))
+        if t_plan.imbalance - plan.imbalance + lam * piece.length >= 0:
+            return None
+        t_plan = t_plan.replace(doc_ids=np.append(t_plan.doc_ids, piece.id),
+                                lengths=np.append(t_plan.lengths, piece.length),
+                                offsets=np.append(t_plan.offsets, piece.offset),
+                                deferred=np.append(t_plan.deferred, len(pending)))
+        return StepRelease(pending + [piece], t_plan, np.append(arrival, piece.arrival), result.released,
+                           result.n_early)
 
     def _split(self, carry, released, fresh, step):
         first, rest = split_due(carry, released, fresh, step, self.max_delay)
