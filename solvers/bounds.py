@@ -151,16 +151,15 @@ def delay_floor(batches, n_micro: int, max_tokens: int) -> float:
     `WLBPacker.stats()["displacement_per_token"]` counts it (drain included)."""
     import heapq
 
-    n_micro = _check_bins(n_micro)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    from .._validate import check_int, validate_lengths
+
+    n_micro = check_int("n_micro", n_micro, 1)
+    max_tokens = check_int("max_tokens", max_tokens, 1)
     streams = []
     for b, batch in enumerate(batches):
-        pieces = np.asarray(batch[0] if isinstance(batch, tuple) else batch, dtype=np.int64)
-        if pieces.ndim != 1 or (pieces.size and pieces.min() < 1):
-            raise ValueError(f"batch {b}: piece lengths must be a 1-D array of integers >= 1, got {pieces!r}")
+        pieces = validate_lengths(batch[0] if isinstance(batch, tuple) else batch, f"batches[{b}] piece lengths")
         if pieces.size and pieces.max() > max_tokens:
-            raise ValueError(f"batch {b} holds a piece of {int(pieces.max())} tokens > max_tokens={max_tokens}; "
+            raise ValueError(f"batches[{b}] holds a piece of {int(pieces.max())} tokens > max_tokens={max_tokens}; "
                              "cut documents to the window with wlb_opt.split_documents")
         streams.append(pieces)
     total = sum(int(p.sum()) for p in streams)

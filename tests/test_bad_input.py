@@ -571,9 +571,24 @@ STREAM_CASES = (
 )
 
 
+def _floor(batches=([5, 9],), n_micro=2, max_tokens=10):
+    from wlb_opt.solvers.bounds import delay_floor
+    return delay_floor([np.asarray(b) for b in batches], n_micro, max_tokens)
+
+
+FLOOR_CASES = (
+    [(f"delay_floor.lengths.{label}", (lambda v=v: _floor(batches=(v,), max_tokens=2**61)), ValueError, frag)
+     for label, v, frag in BAD_LENGTHS]
+    + _bad_counts("n_micro", lambda v: _floor(n_micro=v))
+    + _bad_counts("max_tokens", lambda v: _floor(max_tokens=v))
+    + [("delay_floor.piece_over_max_tokens", lambda: _floor(batches=([5], [11])), ValueError,
+        "batches[1] holds a piece of 11 tokens > max_tokens=10")]
+)
+
+
 # ---------------------------------------------------------------- the tests
 PLAIN_CASES = (SPEC_CASES + COST_CASES + DOCS_CASES + PACK_CASES + PLAN_CASES + PACKER_CASES + SHARD_CASES
-               + SIM_CASES + STREAM_CASES)
+               + SIM_CASES + STREAM_CASES + FLOOR_CASES)
 FILE_CASES = COST_FILE_CASES + LENGTH_FILE_CASES
 CLI_FILE_CASES = cli_file_cases(COST)
 

@@ -147,8 +147,8 @@ def test_delay_floor_counts_tokens_over_a_steps_capacity_and_takes_global_batche
 
 @pytest.mark.parametrize("args, match", [
     (([np.array([11])], 2, 10), "piece of 11 tokens > max_tokens=10"),
-    (([np.array([0])], 2, 10), "integers >= 1"),
-    (([np.array([1])], 0, 10), "n_bins"),
+    (([np.array([0])], 2, 10), "positive token counts"),
+    (([np.array([1])], 0, 10), "n_micro must be an integer >= 1"),
     (([np.array([1])], 2, 0), "max_tokens must be an integer >= 1"),
     (([np.array([1])], 2, 10.5), "max_tokens must be an integer >= 1"),
 ])
