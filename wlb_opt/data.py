@@ -21,9 +21,9 @@ window-sized pieces (`wlb_opt.split_documents`), the same for every method.
     body fixed (on other seeds); nothing else was tuned, and nothing is retuned later.
 "light": lognormal with median 2000 and sigma 0.6, no tail: a light-tailed control.
 "heavy": the default body with a heavier, longer tail: with probability 0.003 a document is
-         log-uniform on [32768, 524288] tokens (up to four windows), so 39% of tokens are in
-         tail documents (default 16%). Fixed before any packer was run on it (issue 16); a
-         distribution the defaults were not tuned on.
+         log-uniform on [32768, 524288] tokens (up to four windows), so about 40% of tokens
+         are in documents >= 32768 (default: 18%). Fixed before any packer was run on it
+         (issue 16): a third shape the outlier-delay defaults were not tuned on.
 "real":  lengths of text files found on the build machine (`REAL_FILE`, shipped next to this
          module; rebuilt by `python -m wlb_opt.bench.data --make-real`), sampled with
          replacement.
