@@ -45,6 +45,7 @@ from ..data import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from ..docs import load_lengths
 from ..pack import solve_pack
 from ..packer import WLBPacker, per_step_imbalance
+from ..solvers.bounds import delay_floor
 from ..solvers.frontier import (aggregate_imbalance, frontier_problem, plan_solution, solution_violation,
                                 solve_frontier)
 from .data import run_packer
@@ -212,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"frontier: {len(batches)} steps ({source}), {len(problem.outlier_length)} outliers >= "
           f"{args.outlier_min} tokens, {problem.n_classes} filler classes, window [-{early}, +{late}], "
           f"{n_slots} slots, budgets {budgets}, {time_limit:g} s each")
+    floor = delay_floor(batches, N, max_tokens)
+    print(f"delay floor: {floor:.3f} displacement per token (no plan without lookahead needs less; "
+          "solvers.bounds.delay_floor)")
     rows, starts = [], []
     for name, (kw, run, plans) in runs.items():
         imbs = [per_step_imbalance(plan, cost, "fwd") for plan in plans[:len(batches)]]
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(source=source, steps=len(batches), window=W, n_micro=N, max_tokens=max_tokens,
                 outlier_min=args.outlier_min, early=early, late=late, n_slots=n_slots,
-                filler_classes=problem.class_edges.tolist(), time_limit=time_limit,
+                filler_classes=problem.class_edges.tolist(), time_limit=time_limit, delay_floor=floor,
                 seconds=time.perf_counter() - t0)
     (out / "frontier.json").write_text(json.dumps(dict(meta=meta, frontier=frontier, heuristics=rows, skipped=skipped), indent=2))
     msg = f"wrote {out / 'frontier.json'}"

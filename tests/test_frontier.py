@@ -257,6 +257,8 @@ def test_bench_frontier_runs_on_a_short_stream(tmp_path, capsys):
         # arrivals are the stream's, whatever the method did
         assert row["top1_share_by_arrival_tenth"] == pytest.approx(out["heuristics"][0]["top1_share_by_arrival_tenth"])
         assert row["gap_to_bound"] is not None and row["gap_to_bound"] >= -1e-6  # no heuristic beats the bound
+        if row["settings"].get("lookahead", 0) == 0:  # no plan without lookahead displaces less than the floor
+            assert row["displacement_per_token"] >= out["meta"]["delay_floor"] - 1e-12
     assert "gap" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         frontier.main(["--steps", "4", "--budgets", "x", "--out", str(tmp_path)])
