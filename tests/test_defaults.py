@@ -230,3 +230,12 @@ def test_marginal_does_not_defer_a_piece_at_its_deadline():
     packer.pack([40] + [4] * 10, list(range(11)))  # the 40 is deferred (above)
     plan = packer.pack([4] * 10, list(range(11, 21)))  # one step late: at max_delay, placed first
     assert 0 in plan.placed_ids().tolist() and plan.deferred_ids().tolist() == []
+
+
+def test_marginal_without_max_delay_defers_a_piece_once_only():
+    cost = unit_cost(attn=1.0, linear=0.0)
+    packer = WLBPacker(4, 200, cost, thresholds=[50], release="marginal", balance_tolerance=2.0, max_delay=None)
+    assert packer.pack([40] + [4] * 10, list(range(11))).deferred_ids().tolist() == [0]
+    # the same starved step again: the carried 40 is not deferred a second time
+    plan = packer.pack([4] * 10, list(range(11, 21)))
+    assert 0 in plan.placed_ids().tolist() and plan.deferred_ids().tolist() == []

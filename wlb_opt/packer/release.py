@@ -451,8 +451,8 @@ class MarginalRelease(GroupRelease):
         return (self._trim(result, fresh, carry, step, solve) or result) if self.trim else result
 
     def _trim(self, result: StepRelease, fresh, carry, step, solve) -> StepRelease | None:
-        """The step with the longest fresh or carried (not due) piece of its heaviest
-        micro-batch deferred, if the imbalance that removes is worth more than holding the
+        """The step with the longest fresh or carried (not due; only with a max_delay) piece of
+        its heaviest micro-batch deferred, if the imbalance that removes is worth more than holding the
         piece one more step costs, at the price of the groups:
 
             (imbalance without it) - (imbalance with it) + lambda x its tokens / capacity < 0.
@@ -466,7 +466,10 @@ class MarginalRelease(GroupRelease):
         if sum(len(mb) for mb in plan.micro_batches) <= 1:
             return None
         heaviest = plan.micro_batches[int(np.argmax(plan.loads))].tolist()
-        movable = {piece.key for piece in fresh} | {piece.key for piece in carry if not self._is_due(piece, step)}
+        # a carried piece only while it has a deadline to come (max_delay=None: fresh pieces only,
+        # so that no piece is deferred twice without a bound)
+        movable = {piece.key for piece in fresh} | {piece.key for piece in carry
+                                                     if self.max_delay is not None and not self._is_due(piece, step)}
         options = [i for i in heaviest if result.pending[i].key in movable]
         if not options:
             return None
