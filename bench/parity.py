@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         cells = " ".join(f"{r['imbalance']:.3f}/{r['delay_per_token']:.2f}".rjust(11) for r in rows)
         print(f"{name:<10} {cells} {f'{imb:.3f}/{delay:.3f}':>13} {ms:>6.2f}")
     cells = " ".join(f"-/{f:.2f}".rjust(11) for f in floors)
-    print(f"{'floor':<10} {cells} {f'-/{np.mean(floors):.3f}':>13}   (least displacement of any plan without lookahead)")
+    print(f"{'floor':<10} {cells} {f'-/{np.mean(floors):.3f}':>13}   "
+          "(least displacement of any plan without lookahead)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "parity.json").write_text(json.dumps(dict(dist=args.dist, seeds=seeds, steps=args.steps,

@@ -452,16 +452,16 @@ class MarginalRelease(GroupRelease):
 
     def _trim(self, result: StepRelease, fresh, carry, step, solve) -> StepRelease | None:
         """The step with the longest fresh or carried (not due; only with a max_delay) piece of
-        its heaviest micro-batch deferred, if the imbalance that removes is worth more than holding the
-        piece one more step costs, at the price of the groups:
+        its heaviest micro-batch deferred, if the imbalance that removes is worth more than
+        holding the piece one more step costs, at the price of the groups:
 
             (imbalance without it) - (imbalance with it) + lambda x its tokens / capacity < 0.
 
         Otherwise None. A step whose batch brought almost only outliers, its pool held, is
         left with a few short documents, one of which can outweigh the others together (prose
-        calibration seeds: steps of 0.04 seconds per micro-batch at 1.4-1.6 imbalance); a
-        medium document next to a window's micro-batch likewise. The piece joins the carry
-        (packed with the next step's pieces, and first once at max_delay)."""
+        calibration seed 100: steps whose micro-batches cost a twentieth of a window's, at
+        1.4-1.6 imbalance). The piece joins the carry (packed with the next step's pieces,
+        and first once at max_delay)."""
         plan = result.plan
         if sum(len(mb) for mb in plan.micro_batches) <= 1:
             return None
@@ -477,7 +477,9 @@ class MarginalRelease(GroupRelease):
         lam = self.price * (self.balance_tolerance - 1.0) / self.capacity_tokens
         pending, t_plan, arrival = solve(*self._split([p for p in carry if p.key != piece.key], result.released,
                                                       [p for p in fresh if p.key != piece.key], step))
-        if t_plan.imbalance - plan.imbalance + lam * piece.length >= 0:
+        if (t_plan.imbalance - plan.imbalance + lam * piece.length >= 0
+                or t_plan.deferred_tokens > plan.deferred_tokens  # the re-packing defers nothing more
+                or self._defers_any(result.released, pending, t_plan)):
             return None
         t_plan = t_plan.replace(doc_ids=np.append(t_plan.doc_ids, piece.id),
                                 lengths=np.append(t_plan.lengths, piece.length),
