@@ -112,28 +112,59 @@ def test_one_process_train_step_through_the_adapter_equals_hf(family):
         torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-8, atol=1e-10, msg=lambda m: f"{name}: {m}")
 
 
+def _piece_loss_sum(ref, tokens_of_pieces) -> float:
+    """HF's own loss summed over pieces, each alone with position_ids = offset + arange."""
+    total = 0.0
+    for tokens, off in tokens_of_pieces:
+        n = len(tokens)
+        if n > 1:
+            lg = ref(tokens[None], position_ids=(off + torch.arange(n))[None]).logits[0]
+            total += float(torch.nn.functional.cross_entropy(lg[:-1], tokens[1:], reduction="sum").detach())
+    return total
+
+
+def _sequence_starts(position_ids) -> np.ndarray:
+    """Where transformers (and attn_implementation="wlb") start a sequence in a packed row."""
+    pos = position_ids.reshape(-1).numpy()
+    return np.flatnonzero(np.concatenate([[True], pos[1:] != pos[:-1] + 1]))
+
+
 def test_hf_batch_gives_transformers_labels_and_the_same_loss():
     model, ref = models("llama")
     step = first_step(1, 1, 1)
     j = next(j for j, mb in enumerate(step.plan.micro_batches) if len(mb) > 1)
     batch = hf.hf_batch(step, j)
     mb = step.plan.micro_batches[j]
-    starts = np.concatenate([[0], np.cumsum(step.plan.lengths[mb])[:-1]])
-    assert (batch["labels"][0, starts] == -100).all()
-    # transformers shifts its labels inside the loss; ours come pre-shifted: the same targets
-    ours = step.inputs(j)["labels"]
-    assert torch.equal(batch["labels"][0, 1:], ours[:-1]) and int(ours[-1]) == -100
+    # every piece is its own sequence, labelled -100 at its first token
+    starts = _sequence_starts(batch["position_ids"])
+    assert len(starts) == len(mb) and (batch["labels"][0, starts] == -100).all()
+    assert int((batch["labels"] != -100).sum()) == int((step.inputs(j)["labels"] != -100).sum())
     out = model(**batch)
-    n_targets = int((ours != -100).sum())
-    loss_sum = 0.0
-    for i in mb:
-        n, off = int(step.plan.lengths[i]), int(step.plan.offsets[i])
-        tokens = torch.as_tensor(step.piece(int(step.plan.doc_ids[i]), off, n)[0])
-        if n > 1:
-            lg = ref(tokens[None], position_ids=(off + torch.arange(n))[None]).logits[0]
-            loss_sum += float(torch.nn.functional.cross_entropy(lg[:-1], tokens[1:], reduction="sum").detach())
+    pieces = [(torch.as_tensor(step.piece(int(step.plan.doc_ids[i]), int(step.plan.offsets[i]),
+                                          int(step.plan.lengths[i]))[0]), int(step.plan.offsets[i])) for i in mb]
+    n_targets = sum(len(t) - 1 for t, _ in pieces)
+    loss = _piece_loss_sum(ref, pieces) / n_targets
     # transformers' loss upcasts the logits to fp32, so agreement is to fp32 precision
-    assert abs(float(out.loss.detach()) - loss_sum / n_targets) < 1e-5 * abs(loss_sum / n_targets)
+    assert abs(float(out.loss.detach()) - loss) < 1e-5 * abs(loss)
+
+
+@pytest.mark.parametrize("ids, offsets", [([7, 7], [0, 32]),    # two pieces of one document, in order
+                                          ([7, 8], [0, 32]),    # another document's piece continues the positions
+                                          ([7, 8, 7], [0, 0, 32])])
+def test_hf_batch_keeps_pieces_apart_whose_positions_would_continue(ids, offsets):
+    from types import SimpleNamespace
+
+    model, ref = models("llama")
+    lengths = np.array([32, 12, 6][:len(ids)])
+    rng = np.random.default_rng(3)
+    pieces = [torch.as_tensor(rng.integers(0, SIZES["vocab_size"], n)) for n in lengths]
+    plan = SimpleNamespace(micro_batches=[np.arange(len(ids))], lengths=lengths, offsets=np.array(offsets))
+    step = SimpleNamespace(plan=plan, tokens=lambda j: torch.cat(pieces))
+    batch = hf.hf_batch(step, 0)
+    starts = _sequence_starts(batch["position_ids"])
+    assert len(starts) == len(ids) and (batch["labels"][0, starts] == -100).all()
+    loss = _piece_loss_sum(ref, list(zip(pieces, offsets))) / int(sum(lengths - 1))
+    assert abs(float(model(**batch).loss.detach()) - loss) < 1e-5 * abs(loss)
 
 
 def test_unsupported_models_and_inputs_are_clear_errors():

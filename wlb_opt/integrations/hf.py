@@ -248,13 +248,25 @@ def to_hf_labels(input_ids: torch.Tensor, lengths) -> torch.Tensor:
 def hf_batch(step, j: int) -> dict:
     """Micro-batch j of a `WLBStream` step as one packed row for a transformers model's own
     forward: ``input_ids``, ``position_ids`` and ``labels`` (transformers' convention), each
-    [1, T]. Loss masks are not carried over (use the executor for masked losses)."""
+    [1, T]. Loss masks are not carried over (use the executor for masked losses).
+
+    A transformers model (and attn_implementation="wlb") finds where a sequence starts from
+    ``position_ids`` alone: where a position is not the previous one + 1. Two pieces of one
+    document packed in order (offsets 0 and 32, say) would read as one sequence, and so
+    would any piece whose offset happens to follow the previous piece's last position. The
+    row therefore lays the micro-batch's pieces out by decreasing offset (stable): each
+    piece then starts below the end of the one before it, so every piece is its own
+    sequence, as the executor trains it. The loss is a mean over the row's targets, which
+    the order does not change."""
     from ..executor.train import packed_positions
 
     mb = step.plan.micro_batches[j]
-    tokens = step.tokens(j)
-    lengths = step.plan.lengths[mb]
-    positions = torch.from_numpy(packed_positions(lengths, step.plan.offsets[mb]))
+    lengths, offsets = step.plan.lengths[mb], step.plan.offsets[mb]
+    order = np.argsort(-offsets, kind="stable")
+    pieces = torch.split(step.tokens(j), lengths.tolist())
+    tokens = torch.cat([pieces[i] for i in order.tolist()]) if len(pieces) else step.tokens(j)
+    lengths, offsets = lengths[order], offsets[order]
+    positions = torch.from_numpy(packed_positions(lengths, offsets))
     return {"input_ids": tokens[None], "position_ids": positions[None], "labels": to_hf_labels(tokens, lengths)[None]}
 
 
