@@ -111,7 +111,11 @@ displacement per token, planning ms per batch (median, default / prose):
     trim at 2 x the price                     1.026/0.434  1.027/0.409  1.029/0.395  1.065/0.489  1.038/0.452  4.5/5.6
     trim at 4 x the price                     1.026/0.434  1.028/0.413  1.030/0.411  1.069/0.483  1.040/0.450  5.6/5.7
 
-Also tried on prose (calibration seed 100), not adopted: a rollout that packs each step at six
+Also tried, not adopted: a price per group class, on the view that full windows (pieces of
+exactly the window, all alike) group easily and the others do not: lambda x 0.5 for a partial
+group of windows changes nothing (prose 1.063/0.499); lambda x 1.5 for any other group trades
+imbalance for displacement at a worse rate (prose 1.081/0.466, default 1.034/0.430, heavy
+1.048/0.430); both 0.3 / 2: prose 1.085/0.459. And on prose (calibration seed 100) a rollout that packs each step at six
 fixed prices, simulates the next three steps with the TRUE future batches (an oracle no loader
 has) and keeps the price with the least imbalance + lambda x held tokens: 1.070 at 0.457
 displacement per token, against 1.072 at 0.489 for the chosen rule. Even three steps of
