@@ -134,8 +134,9 @@ def delay_floor(batches, n_micro: int, max_tokens: int) -> float:
     piece trains at or after the step it arrives in), whatever it does about balance.
 
     `batches` are the stream's global batches in order (arrays of piece lengths, or the
-    (pieces, ids, offsets) tuples of `wlb_opt.data.global_batches`). Two capacity limits
-    force waiting, and the floor is the larger of the two:
+    (pieces, ids, offsets) tuples of `wlb_opt.data.global_batches`); `n_micro` is the
+    micro-batches of one step (with dp replicas: dp x n_micro). Two capacity limits force
+    waiting, and the floor is the larger of the two:
 
     - tokens: a step trains at most n_micro x max_tokens tokens, so after step t at least
       backlog_t = max(0, backlog_{t-1} + arrivals_t - n_micro x max_tokens) tokens still
@@ -157,7 +158,9 @@ def delay_floor(batches, n_micro: int, max_tokens: int) -> float:
     max_tokens = check_int("max_tokens", max_tokens, 1)
     streams = []
     for b, batch in enumerate(batches):
-        pieces = validate_lengths(batch[0] if isinstance(batch, tuple) else batch, f"batches[{b}] piece lengths")
+        # a (pieces, ids, offsets) tuple of global_batches: three 1-D arrays; otherwise lengths
+        triple = isinstance(batch, tuple) and len(batch) == 3 and all(np.ndim(part) == 1 for part in batch)
+        pieces = validate_lengths(batch[0] if triple else batch, f"batches[{b}] piece lengths")
         if pieces.size and pieces.max() > max_tokens:
             raise ValueError(f"batches[{b}] holds a piece of {int(pieces.max())} tokens > max_tokens={max_tokens}; "
                              "cut documents to the window with wlb_opt.split_documents")

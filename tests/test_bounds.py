@@ -136,6 +136,18 @@ def test_delay_floor_is_exact_when_only_the_micro_batches_bind():
     assert bounds.delay_floor(batches, 2, 10) == pytest.approx((7 + 6 + 2 * 6) / 38)
 
 
+def test_delay_floor_serves_the_longest_waiting_piece_first_and_carries_the_token_backlog():
+    # one micro-batch per step: 6 and 6 arrive, then 9; FIFO would make the 9 wait 1 step
+    # (6 + 9 = 15 token-steps), longest first makes a 6 wait twice instead (6 + 6 = 12)
+    assert bounds.delay_floor([[6, 6], [9]], 1, 10) == pytest.approx(12 / 21)
+    assert bounds.delay_floor([[6, 6], [9]], 1, 10) == pytest.approx(least_delay_by_enumeration([[6, 6], [9]], 1, 10))
+    # two steps of 120 tokens into 20 per step: the backlog carries over (100, 200, 180, ..., 20)
+    assert bounds.delay_floor([np.full(30, 4)] * 2, 2, 10) == pytest.approx((100 + 200 + sum(range(20, 181, 20))) / 240)
+    # a tuple of lengths is lengths, not a (pieces, ids, offsets) triple
+    assert bounds.delay_floor([(6, 6, 6)], 1, 10) == bounds.delay_floor([[6, 6, 6]], 1, 10) == pytest.approx(1.0)
+    assert bounds.delay_floor([()], 1, 10) == 0.0
+
+
 def test_delay_floor_counts_tokens_over_a_steps_capacity_and_takes_global_batches():
     from wlb_opt.data import global_batches
     # 30 short pieces of 4 tokens into one step of 2 x 10 tokens: 100 tokens wait 1 step, 80 wait 2, ...

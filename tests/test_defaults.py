@@ -239,3 +239,11 @@ def test_marginal_without_max_delay_defers_a_piece_once_only():
     # the same starved step again: the carried 40 is not deferred a second time
     plan = packer.pack([4] * 10, list(range(11, 21)))
     assert 0 in plan.placed_ids().tolist() and plan.deferred_ids().tolist() == []
+
+
+def test_marginal_trims_only_within_the_carry_limit():
+    # the trim would defer the 40 (above), but half the backlog limit is 15 tokens: it stays
+    cost = unit_cost(attn=1.0, linear=0.0)
+    packer = WLBPacker(4, 200, cost, thresholds=[50], release="marginal", balance_tolerance=2.0, max_backlog_tokens=30)
+    plan = packer.pack([40] + [4] * 10, list(range(11)))
+    assert plan.deferred_ids().tolist() == [] and sorted(plan.placed_ids().tolist()) == list(range(11))

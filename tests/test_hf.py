@@ -163,8 +163,25 @@ def test_hf_batch_keeps_pieces_apart_whose_positions_would_continue(ids, offsets
     batch = hf.hf_batch(step, 0)
     starts = _sequence_starts(batch["position_ids"])
     assert len(starts) == len(ids) and (batch["labels"][0, starts] == -100).all()
+    # flash attention's explicit boundaries name the same starts
+    assert batch["cu_seq_lens_q"].tolist() == starts.tolist() + [int(lengths.sum())] == batch["cu_seq_lens_k"].tolist()
+    assert batch["max_length_q"] == batch["max_length_k"] == int(lengths.max())
     loss = _piece_loss_sum(ref, list(zip(pieces, offsets))) / int(sum(lengths - 1))
+    # "wlb" (segments from cu_seq_lens_q) and transformers' own sdpa (from position_ids, no cache)
     assert abs(float(model(**batch).loss.detach()) - loss) < 1e-5 * abs(loss)
+    assert abs(float(ref(**batch).loss.detach()) - loss) < 1e-5 * abs(loss)
+    # "wlb" without the explicit boundaries reads the same starts from position_ids
+    plain = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
+    assert abs(float(model(**plain).loss.detach()) - loss) < 1e-5 * abs(loss)
+
+
+def test_to_hf_labels_of_an_empty_row_and_bad_boundaries():
+    assert hf.to_hf_labels(torch.zeros(0, dtype=torch.long), []).numel() == 0
+    model, _ = models("llama")
+    batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": torch.arange(8)[None],
+             "cu_seq_lens_q": torch.tensor([0, 5], dtype=torch.int32)}
+    with pytest.raises(ValueError, match="cu_seq_lens_q must rise from 0 to the row's 8 tokens"):
+        model(**batch)
 
 
 def test_unsupported_models_and_inputs_are_clear_errors():

@@ -49,6 +49,17 @@ def _segments_from_positions(position_ids: torch.Tensor | None, n: int) -> np.nd
     return segments_from_lengths(np.diff(np.concatenate([starts, [n]])))
 
 
+def _segments_from_bounds(bounds, n: int) -> np.ndarray:
+    """Segment table from cumulative sequence boundaries (0, ..., n), flash attention's
+    ``cu_seq_lens_q``."""
+    from ..kernels.segments import segments_from_lengths
+
+    b = np.asarray(bounds.cpu() if isinstance(bounds, torch.Tensor) else bounds, dtype=np.int64).reshape(-1)
+    if b.size < 2 or b[0] != 0 or b[-1] != n or np.any(np.diff(b) < 0):
+        raise ValueError(f"cu_seq_lens_q must rise from 0 to the row's {n} tokens, got {b.tolist()}")
+    return segments_from_lengths(np.diff(b))
+
+
 def _check_supported(module, kwargs, dropout: float) -> None:
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     if window is not None:
@@ -77,7 +88,9 @@ def wlb_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     else:
         from ..kernels import doc_attention
 
-        seg = _segments_from_positions(kwargs.get("position_ids"), q.shape[0])
+        bounds = kwargs.get("cu_seq_lens_q")  # explicit piece boundaries (`hf_batch`), else from the positions
+        seg = (_segments_from_bounds(bounds, q.shape[0]) if bounds is not None
+               else _segments_from_positions(kwargs.get("position_ids"), q.shape[0]))
         out = doc_attention(q, k, v, seg, softmax_scale=scaling)
     return out.unsqueeze(0), None
 
@@ -240,7 +253,8 @@ def to_hf_labels(input_ids: torch.Tensor, lengths) -> torch.Tensor:
     """Transformers' labels of a packed row of pieces: the token ids, -100 at each piece's
     first token (the model's loss shifts them: position t predicts labels[t + 1])."""
     labels = input_ids.clone()
-    starts = np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))[:-1]])
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
     labels[torch.as_tensor(starts, dtype=torch.long)] = -100
     return labels
 
@@ -248,16 +262,22 @@ def to_hf_labels(input_ids: torch.Tensor, lengths) -> torch.Tensor:
 def hf_batch(step, j: int) -> dict:
     """Micro-batch j of a `WLBStream` step as one packed row for a transformers model's own
     forward: ``input_ids``, ``position_ids`` and ``labels`` (transformers' convention), each
-    [1, T]. Loss masks are not carried over (use the executor for masked losses).
+    [1, T], with where each piece starts given twice over, for each attention path of
+    transformers. Loss masks are not carried over (use the executor for masked losses).
 
-    A transformers model (and attn_implementation="wlb") finds where a sequence starts from
-    ``position_ids`` alone: where a position is not the previous one + 1. Two pieces of one
-    document packed in order (offsets 0 and 32, say) would read as one sequence, and so
-    would any piece whose offset happens to follow the previous piece's last position. The
-    row therefore lays the micro-batch's pieces out by decreasing offset (stable): each
-    piece then starts below the end of the one before it, so every piece is its own
-    sequence, as the executor trains it. The loss is a mean over the row's targets, which
-    the order does not change."""
+    - sdpa / eager (and attn_implementation="wlb" without the executor) find where a
+      sequence starts from ``position_ids``: where a position is not the previous one + 1,
+      and sdpa only without a cache (``use_cache`` is False here). Two pieces of one
+      document packed in order (offsets 0 and 32, say) would read as one sequence, and so
+      would any piece whose offset happens to follow the previous piece's last position, so
+      the row lays the pieces out by decreasing offset (stable): each then starts below
+      the end of the one before it.
+    - flash attention takes ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32 piece boundaries,
+      0 first) and ``max_length_q`` / ``max_length_k`` as given; from position_ids alone it
+      would start sequences only where a position is 0.
+
+    Every piece is then its own sequence, as the executor trains it. The loss is a mean over
+    the row's targets, which the order does not change."""
     from ..executor.train import packed_positions
 
     mb = step.plan.micro_batches[j]
@@ -267,7 +287,11 @@ def hf_batch(step, j: int) -> dict:
     tokens = torch.cat([pieces[i] for i in order.tolist()]) if len(pieces) else step.tokens(j)
     lengths, offsets = lengths[order], offsets[order]
     positions = torch.from_numpy(packed_positions(lengths, offsets))
-    return {"input_ids": tokens[None], "position_ids": positions[None], "labels": to_hf_labels(tokens, lengths)[None]}
+    bounds = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    longest = int(lengths.max()) if lengths.size else 0
+    return {"input_ids": tokens[None], "position_ids": positions[None], "labels": to_hf_labels(tokens, lengths)[None],
+            "use_cache": False, "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": longest,
+            "max_length_k": longest}
 
 
 __all__ = ["NAME", "HFStage", "TESTED_TRANSFORMERS", "hf_batch", "register", "split_hf_stages", "to_hf_labels",

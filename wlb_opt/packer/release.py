@@ -431,8 +431,9 @@ class MarginalRelease(GroupRelease):
     and lower than any single group's.
 
     Trim: after the groups, the longest fresh or carried (not due) piece of the heaviest
-    micro-batch is deferred one step if the imbalance that removes is worth its tokens at the
-    same price (`_trim`; issue 16, fourth round: prose calibration 1.069 -> 1.062).
+    micro-batch is deferred to the next step if the imbalance that removes is worth its
+    tokens at the same price (`_trim`; issue 16, fourth round: prose calibration 1.069 ->
+    1.062). A carried piece may be trimmed again while that pays, until its deadline.
 
     Carried pieces: "group" packs the carried pieces first (Algorithm 1), spread over the
     micro-batches, which leaves less than a window's room in each; here only pieces at their
@@ -479,6 +480,7 @@ class MarginalRelease(GroupRelease):
                                                       [p for p in fresh if p.key != piece.key], step))
         if (t_plan.imbalance - plan.imbalance + lam * piece.length >= 0
                 or t_plan.deferred_tokens > plan.deferred_tokens  # the re-packing defers nothing more
+                or t_plan.deferred_tokens + piece.length > self.max_backlog_tokens // 2  # "group"'s carry limit
                 or self._defers_any(result.released, pending, t_plan)):
             return None
         t_plan = t_plan.replace(doc_ids=np.append(t_plan.doc_ids, piece.id),
