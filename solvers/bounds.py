@@ -169,24 +169,16 @@ def delay_floor(batches, n_micro: int, max_tokens: int) -> float:
     if total == 0:
         return 0.0
     capacity = n_micro * int(max_tokens)
-    backlog = token_wait = 0
-    for pieces in streams:
+    heap: list[tuple[int, int]] = []  # (-length, arrival) of the pieces > max_tokens / 2 still waiting
+    backlog = token_wait = slot_wait = step = 0
+    while step < len(streams) or backlog or heap:  # the stream's steps, then the drain
+        pieces = streams[step] if step < len(streams) else np.zeros(0, np.int64)
         backlog = max(0, backlog + int(pieces.sum()) - capacity)
         token_wait += backlog
-    while backlog:
-        backlog = max(0, backlog - capacity)
-        token_wait += backlog
-    heap: list[tuple[int, int]] = []
-    slot_wait, step = 0, 0
-    for step, pieces in enumerate(streams):
         for length in pieces[pieces > max_tokens // 2]:
             heapq.heappush(heap, (-int(length), step))
         for _ in range(min(n_micro, len(heap))):
             neg, arrival = heapq.heappop(heap)
             slot_wait += -neg * (step - arrival)
-    while heap:
         step += 1
-        for _ in range(min(n_micro, len(heap))):
-            neg, arrival = heapq.heappop(heap)
-            slot_wait += -neg * (step - arrival)
     return max(token_wait, slot_wait) / total

@@ -283,8 +283,10 @@ def hf_batch(step, j: int) -> dict:
     mb = step.plan.micro_batches[j]
     lengths, offsets = step.plan.lengths[mb], step.plan.offsets[mb]
     order = np.argsort(-offsets, kind="stable")
-    pieces = torch.split(step.tokens(j), lengths.tolist())
-    tokens = torch.cat([pieces[i] for i in order.tolist()]) if len(pieces) else step.tokens(j)
+    tokens = step.tokens(j)
+    if len(order):
+        pieces = torch.split(tokens, lengths.tolist())
+        tokens = torch.cat([pieces[i] for i in order.tolist()])
     lengths, offsets = lengths[order], offsets[order]
     positions = torch.from_numpy(packed_positions(lengths, offsets))
     bounds = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))

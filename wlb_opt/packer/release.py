@@ -447,6 +447,10 @@ class MarginalRelease(GroupRelease):
     trim: bool = True
     """Whether a step may defer the longest piece of its heaviest micro-batch (`_trim`)."""
 
+    def _token_price(self) -> float:
+        """lambda per token: the imbalance one token held one more step is worth."""
+        return self.price * (self.balance_tolerance - 1.0) / self.capacity_tokens
+
     def plan_step(self, fresh, queues, carry, step, solve) -> StepRelease:
         result = super().plan_step(fresh, queues, carry, step, solve)
         return (self._trim(result, fresh, carry, step, solve) or result) if self.trim else result
@@ -475,7 +479,7 @@ class MarginalRelease(GroupRelease):
         if not options:
             return None
         piece = result.pending[max(options, key=lambda i: (result.pending[i].length, result.pending[i].arrival))]
-        lam = self.price * (self.balance_tolerance - 1.0) / self.capacity_tokens
+        lam = self._token_price()
         pending, t_plan, arrival = solve(*self._split([p for p in carry if p.key != piece.key], result.released,
                                                       [p for p in fresh if p.key != piece.key], step))
         if (t_plan.imbalance - plan.imbalance + lam * piece.length >= 0
@@ -500,7 +504,7 @@ class MarginalRelease(GroupRelease):
     def _choose(self, remaining, ctx):
         if ctx.idle:
             return super()._choose(remaining, ctx)
-        lam = self.price * (self.balance_tolerance - 1.0) / self.capacity_tokens
+        lam = self._token_price()
         best, rejected = None, None
 
         def hopeless(group, tokens):
