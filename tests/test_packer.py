@@ -488,7 +488,7 @@ def test_held_pieces_are_typed_records_and_the_state_keeps_lists_of_four():
                                        HeldPiece(id=2, offset=10, length=70, arrival=0)]
     assert packer._queues[0][1].key == (2, 10)
     state = packer.state_dict()
-    assert state["version"] == STATE_VERSION == 3
+    assert state["version"] == STATE_VERSION == 4
     assert state["queues"] == [[[1, 0, 60, 0], [2, 10, 70, 0]]] and state["carry"] == []
     resumed = PaperPacker(4, 100, COST, thresholds=[50], max_delay=None)
     resumed.load_state_dict(json.loads(json.dumps(state)))

@@ -25,6 +25,8 @@ Hugging Face adapter converts at its boundary (`wlb_opt.integrations.hf`).
 """
 from __future__ import annotations
 
+import hashlib
+import struct
 import time
 from collections import deque
 from typing import Iterable, Iterator
@@ -35,25 +37,63 @@ from ._validate import check_int
 from .docs import split_documents
 from .shard import solve_shard
 
-STREAM_STATE_VERSION = 1
+STREAM_STATE_VERSION = 2
 _IGNORE = -100
 
 
-def _as_tokens(doc_id, tokens, what: str = "tokens") -> np.ndarray:
-    """A document's tokens as a 1-D int64 array; ValueError naming the document otherwise."""
-    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor, without importing torch
-        tokens = tokens.detach().cpu().numpy()
-    arr = np.asarray(tokens)
+_INT64_MAX = 2**63 - 1
+
+
+def _as_array(doc_id, values, what: str) -> np.ndarray:
+    if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor, without importing torch
+        values = values.detach().cpu().numpy()
+    try:
+        arr = np.asarray(values)
+    except (OverflowError, ValueError):
+        raise ValueError(f"document {doc_id}: {what} must be a 1-D sequence of integers representable in int64, "
+                         f"got {type(values).__name__}") from None
     if arr.ndim != 1:
         raise ValueError(f"document {doc_id}: {what} must be 1-D, got shape {arr.shape}")
-    if arr.dtype == bool:
-        return arr
-    if not np.issubdtype(arr.dtype, np.integer):
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-        else:
-            raise ValueError(f"document {doc_id}: {what} must be integer token ids, got dtype {arr.dtype}")
+    return arr
+
+
+def _as_tokens(doc_id, tokens, what: str = "tokens") -> np.ndarray:
+    """A document's token ids as a 1-D int64 array, checked where they enter: integers,
+    non-negative and representable in int64 (an unsigned array is not wrapped). ValueError
+    naming the document and the offending value otherwise."""
+    arr = _as_array(doc_id, tokens, what)
+    if arr.size == 0 and arr.dtype.kind in "fO":
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        hint = " (a loss mask goes third: (doc_id, tokens, loss_mask))" if arr.dtype == bool else ""
+        raise ValueError(f"document {doc_id}: {what} must be integer token ids, got dtype {arr.dtype}{hint}")
+    if arr.size:
+        if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _INT64_MAX:
+            k = int(np.argmax(arr > _INT64_MAX))
+            raise ValueError(f"document {doc_id}: {what}[{k}] = {int(arr[k])} does not fit in int64; token ids "
+                             f"must be in [0, {_INT64_MAX}]")
+        if arr.dtype.kind == "i" and int(arr.min()) < 0:
+            k = int(np.argmax(arr < 0))
+            raise ValueError(f"document {doc_id}: {what}[{k}] = {int(arr[k])} is negative; token ids must be >= 0")
     return arr.astype(np.int64, copy=False)
+
+
+def _as_mask(doc_id, mask, n: int) -> np.ndarray:
+    """A loss mask: booleans (or 0/1 integers) of the document's length."""
+    arr = _as_array(doc_id, mask, "loss_mask")
+    if arr.dtype != bool:
+        if arr.dtype.kind not in "iu" and arr.size:
+            raise ValueError(f"document {doc_id}: loss_mask must be booleans (True where a token is a target), got "
+                             f"dtype {arr.dtype}")
+        bad = (arr != 0) & (arr != 1)
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise ValueError(f"document {doc_id}: loss_mask[{k}] = {arr[k]!r}; a loss mask holds booleans or 0/1 "
+                             "(True where a token is a target)")
+        arr = arr.astype(bool)
+    if len(arr) != n:
+        raise ValueError(f"document {doc_id}: loss mask of {len(arr)} entries for {n} tokens")
+    return arr
 
 
 def _check_index(name: str, value, n: int) -> int:
@@ -65,7 +105,212 @@ def _check_index(name: str, value, n: int) -> int:
 def _doc_id(doc_id) -> int:
     if isinstance(doc_id, (bool, np.bool_)) or not isinstance(doc_id, (int, np.integer)):
         raise ValueError(f"document ids must be integers, got {doc_id!r}")
+    if not -2**63 <= int(doc_id) <= _INT64_MAX:
+        raise ValueError(f"document id {int(doc_id)} does not fit in int64; ids must be in [-2**63, 2**63 - 1]")
     return int(doc_id)
+
+
+# ---------------------------------------------------------------------- state checks
+_DIGEST_BYTES = 16
+_EMPTY_DIGEST = bytes(_DIGEST_BYTES)
+
+
+def _hash(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+def _cache_digest(items) -> str:
+    """Digest of the cached pieces, (id, offset) sorted: their tokens and loss masks."""
+    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    for (doc_id, off), (tokens, mask) in items:
+        h.update(struct.pack("<qq", doc_id, off))
+        h.update(b"-" if tokens is None else np.ascontiguousarray(tokens, dtype="<i8").tobytes())
+        h.update(b"|" if mask is None else b"m" + np.ascontiguousarray(mask, dtype=bool).tobytes())
+    return h.hexdigest()
+
+
+class _SourceFingerprint:
+    """Which source a stream has read: a running digest of the (id, length) pairs of the
+    documents read (O(1) per document), and, for the document in flight (cut across steps,
+    partly fed), its id, length and a digest of the tokens fed so far.
+
+    The state holds the digest of the documents before the one in flight (all of them when
+    none is in flight); on resume it is compared when the skipped prefix has been read again
+    (`skip`), or at load from `lengths` (`check_lengths`); the document in flight is compared
+    when it is read again (`read`)."""
+
+    def __init__(self) -> None:
+        self.digest = _EMPTY_DIGEST  # over every document read
+        self._before_last = _EMPTY_DIGEST  # over every document read but the last
+        self._last: tuple | None = None  # (id, length, {piece offset: digest of the tokens before it})
+        self._expect: tuple[int, bytes] | None = None  # (documents before the one in flight, their digest)
+        self._in_flight: dict | None = None  # the state's record of the document in flight
+
+    @staticmethod
+    def _next(digest: bytes, doc_id: int, length: int) -> bytes:
+        return _hash(digest, struct.pack("<qq", doc_id, length))
+
+    def _verify(self, n: int) -> None:
+        if self._expect is not None and self._expect[0] == n:
+            if self.digest != self._expect[1]:
+                raise ValueError(f"the source differs from the one the state was saved with: the (id, length) "
+                                 f"pairs of its first {n} documents do not match the state's fingerprint "
+                                 f"(digest {self.digest.hex()}, the state says {self._expect[1].hex()})")
+            self._expect = None
+
+    def skip(self, index: int, doc_id: int, length: int) -> None:
+        """A document before the checkpoint, read again (an iterable source)."""
+        self.digest = self._next(self.digest, doc_id, length)
+        self._verify(index + 1)
+
+    def read(self, index: int, doc_id: int, length: int, tokens, mask, offsets: list[int], resumed_at) -> None:
+        """A document read for training; `resumed_at` is the offset it had been fed up to
+        when it was in flight at the checkpoint (None otherwise)."""
+        self._verify(index)
+        prefixes = {0: _EMPTY_DIGEST}
+        if len(offsets) > 1 and tokens is not None:  # a document in one piece is never in flight part-fed
+            h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+            for lo, hi in zip(offsets, offsets[1:] + [length]):
+                h.update(np.ascontiguousarray(tokens[lo:hi], dtype="<i8").tobytes())
+                if mask is not None:
+                    h.update(np.ascontiguousarray(mask[lo:hi], dtype=bool).tobytes())
+                prefixes[hi] = h.digest()
+        if resumed_at is not None and self._in_flight is not None:
+            record, self._in_flight = self._in_flight, None
+            prefix = prefixes.get(resumed_at)
+            if (record["id"], record["length"]) != (doc_id, length):
+                raise ValueError(f"the source differs from the one the state was saved with: the document in flight "
+                                 f"at the checkpoint (item {index}) was id {record['id']} of {record['length']} "
+                                 f"tokens, the source now gives id {doc_id} of {length} tokens")
+            if record["prefix"] is not None and tokens is not None and (
+                    prefix is None or prefix.hex() != record["prefix"]):
+                raise ValueError(f"the source differs from the one the state was saved with: document {doc_id}'s "
+                                 f"tokens before offset {resumed_at} (trained before the checkpoint) have changed; "
+                                 "it would be trained as a mix of two sources")
+        self._before_last = self.digest
+        self.digest = self._next(self.digest, doc_id, length)
+        self._last = (doc_id, length, prefixes if tokens is not None else None)
+
+    def state(self, pending_from: int | None) -> dict:
+        if pending_from is None or self._last is None:
+            return {"digest": self.digest.hex(), "in_flight": None}
+        doc_id, length, prefixes = self._last
+        prefix = None if prefixes is None else prefixes[pending_from].hex()
+        return {"digest": self._before_last.hex(),
+                "in_flight": {"id": doc_id, "length": length, "prefix": prefix}}
+
+    @classmethod
+    def from_state(cls, source, consumed: int, pending_from: int | None) -> "_SourceFingerprint":
+        """Parse and check the state's fingerprint; it is verified against the source later."""
+        if not isinstance(source, dict) or set(source) != {"digest", "in_flight"}:
+            raise ValueError(f"state field source must be a dict with keys 'digest' and 'in_flight', got {source!r}")
+        digest = _hex_digest("source.digest", source["digest"])
+        record = source["in_flight"]
+        if (record is None) != (pending_from is None):
+            raise ValueError(f"state field source.in_flight={record!r} does not match pending_from={pending_from!r} "
+                             "(a document is in flight exactly when pieces of it are pending)")
+        if record is not None:
+            if not isinstance(record, dict) or set(record) != {"id", "length", "prefix"}:
+                raise ValueError(f"state field source.in_flight must be a dict with keys 'id', 'length' and "
+                                 f"'prefix', got {record!r}")
+            _state_int("source.in_flight.id", record["id"], -2**63)
+            _state_int("source.in_flight.length", record["length"], pending_from + 1)
+            if record["prefix"] is not None:
+                _hex_digest("source.in_flight.prefix", record["prefix"])
+        before = consumed - (record is not None)
+        if before == 0 and digest != _EMPTY_DIGEST:
+            raise ValueError(f"state field source.digest={source['digest']!r} is not the fingerprint of an empty "
+                             "prefix, but the state had read no document before the one in flight")
+        out = cls()
+        out._expect = (before, digest) if before else None
+        out._in_flight = record
+        out._saved = digest
+        return out
+
+    def check_lengths(self, lengths: np.ndarray, consumed: int) -> None:
+        """Verify the prefix at load from the dataset's lengths (ids are the indices)."""
+        if self._expect is None:
+            return
+        n, expected = self._expect
+        digest = _EMPTY_DIGEST
+        for i, length in enumerate(lengths[:n].tolist()):
+            digest = self._next(digest, i, length)
+        self.digest = digest
+        self._verify(n)
+
+    def adopt_prefix(self) -> None:
+        """A dataset is not read before the checkpoint: start from the state's digest (checked
+        by `check_lengths` when the lengths are known)."""
+        if self._expect is not None:
+            self.digest, self._expect = self._saved, None
+
+
+def _hex_digest(field: str, value) -> bytes:
+    try:
+        raw = bytes.fromhex(value) if isinstance(value, str) else None
+    except ValueError:
+        raw = None
+    if raw is None or len(raw) != _DIGEST_BYTES:
+        raise ValueError(f"state field {field} must be a digest of {2 * _DIGEST_BYTES} hex digits, got {value!r}")
+    return raw
+
+
+def _state_int(field: str, value, low: int = 0, high: int = _INT64_MAX) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
+        raise ValueError(f"state field {field} must be an integer in [{low}, {high}], got {value!r}")
+    return int(value)
+
+
+_STATE_FIELDS = {"config": dict, "packer": dict, "step": int, "consumed": int, "pending_from": (int, type(None)),
+                 "draining": bool, "ended": bool, "source": dict, "cache_digest": str, "cache": list}
+
+
+def _check_state_fields(state: dict) -> dict:
+    """Every field present, of its type and range (ValueError naming the field)."""
+    for name, kind in _STATE_FIELDS.items():
+        if name not in state:
+            raise ValueError(f"state has no field {name!r} (a WLBStream state has {', '.join(_STATE_FIELDS)})")
+        value = state[name]
+        if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
+            raise ValueError(f"state field {name} must be of type {getattr(kind, '__name__', 'int or null')}, got "
+                             f"{value!r}")
+    fields = {"step": _state_int("step", state["step"]), "consumed": _state_int("consumed", state["consumed"]),
+              "draining": state["draining"], "ended": state["ended"], "pending_from": state["pending_from"]}
+    if fields["pending_from"] is not None:
+        _state_int("pending_from", fields["pending_from"])
+        if fields["consumed"] == 0:
+            raise ValueError(f"state field pending_from={fields['pending_from']} needs a document in flight, but "
+                             "consumed=0")
+    return fields
+
+
+def _decode_cache(rows: list, *, lengths_only: bool) -> dict:
+    """The cached pieces of a state, each checked: [id, offset, tokens, loss mask or null]."""
+    if lengths_only and rows:
+        raise ValueError(f"state field cache holds {len(rows)} pieces, but a stream over a dataset with lengths "
+                         "caches no tokens")
+    cache = {}
+    for k, row in enumerate(rows):
+        where = f"cache[{k}]"
+        if not isinstance(row, list) or len(row) != 4:
+            raise ValueError(f"state field {where} must be [id, offset, tokens, loss mask or null], got {row!r}")
+        doc_id = _state_int(f"{where} id", row[0], -2**63)
+        off = _state_int(f"{where} offset", row[1])
+        if not isinstance(row[2], list) or not row[2]:
+            raise ValueError(f"state field {where} tokens must be a non-empty list of token ids, got {row[2]!r}")
+        tokens = _as_tokens(doc_id, row[2], f"state field {where} tokens")
+        mask = None
+        if row[3] is not None:
+            if not isinstance(row[3], list) or not all(isinstance(x, bool) for x in row[3]):
+                raise ValueError(f"state field {where} loss mask must be a list of booleans or null, got {row[3]!r}")
+            mask = _as_mask(doc_id, row[3], len(tokens))
+        if (doc_id, off) in cache:
+            raise ValueError(f"state field {where} repeats piece (id {doc_id}, offset {off})")
+        cache[(doc_id, off)] = (tokens, mask)
+    return cache
 
 
 class _DatasetReader:
@@ -262,12 +507,16 @@ class WLBStream:
         self._consumed = 0  # source items read (the last one maybe only in part)
         self._step = 0
         self._skip_offset: int | None = None  # on resume: pieces of item consumed-1 before it were fed
-        self._ended = False
+        self._draining = False  # no more reads from the source: feed what was read, then drain the packer
+        self._finished = False  # this process has yielded the last step
+        self._source_iter = None  # one reader of the source for every iter() of this stream
+        self._generation = 0  # which iter() is current (an older one raises when advanced)
+        self._fingerprint = _SourceFingerprint()
 
     # ------------------------------------------------------------------ reading
     def _items(self) -> Iterator[tuple[int, int, np.ndarray | None, np.ndarray | None, int]]:
         """(source index, doc id, tokens or None, mask or None, length), from position
-        `_consumed` (earlier items are skipped: an iterable is re-iterated from the start)."""
+        `_consumed` (earlier items of an iterable are read again and only fingerprinted)."""
         start = self._consumed
         if self._skip_offset is not None:
             start -= 1  # the partly fed document is read again; its fed pieces are dropped
@@ -279,28 +528,38 @@ class WLBStream:
                     tokens = _as_tokens(i, self._dataset[i])
                     yield i, i, tokens, None, len(tokens)
             return
+        n_read = 0
         for i, item in enumerate(self._documents):
-            if i < start:
-                continue
+            n_read = i + 1
             if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
                 raise ValueError(f"item {i} of documents must be (doc_id, tokens) or (doc_id, tokens, loss_mask), "
                                  f"got {type(item).__name__}")
             doc_id = _doc_id(item[0])
+            if i < start:  # before the checkpoint: only its (id, length) counts, for the fingerprint
+                self._fingerprint.skip(i, doc_id, len(item[1]))
+                continue
             tokens = _as_tokens(doc_id, item[1])
             mask = None
             if len(item) == 3 and item[2] is not None:
-                mask = _as_tokens(doc_id, item[2], "loss_mask").astype(bool)
-                if mask.shape != tokens.shape:
-                    raise ValueError(f"document {doc_id}: loss mask of {len(mask)} entries for {len(tokens)} tokens")
+                mask = _as_mask(doc_id, item[2], len(tokens))
             yield i, doc_id, tokens, mask, len(tokens)
+        if n_read < start:
+            raise ValueError(f"the source ended after {n_read} documents, but the state being resumed had read "
+                             f"{self._consumed}: resume over the source the state was saved with")
 
-    def _read_one(self, items) -> bool:
+    def _read_one(self) -> bool:
         """Read the next document into `_pending`; False at the end of the source."""
-        for i, doc_id, tokens, mask, length in items:
+        if self._source_iter is None:
+            self._source_iter = self._items()
+        for i, doc_id, tokens, mask, length in self._source_iter:
             if length == 0:
                 raise ValueError(f"document {doc_id} (item {i}) has no tokens; drop empty documents before the stream")
             pieces, _, offsets = split_documents([length], self.window)
             skip, self._skip_offset = self._skip_offset, None
+            if skip is not None and not 0 <= skip < length:
+                raise ValueError(f"document {doc_id} (item {i}) has {length} tokens, but the state being resumed had "
+                                 f"fed it up to offset {skip}: resume over the source the state was saved with")
+            self._fingerprint.read(i, doc_id, length, tokens, mask, offsets.tolist(), resumed_at=skip)
             for n, off in zip(pieces.tolist(), offsets.tolist()):
                 if skip is not None and off < skip:
                     continue
@@ -311,18 +570,20 @@ class WLBStream:
             return True
         return False
 
-    def _fill(self, items) -> list | None:
-        """The next step's pieces in data order within `tokens_per_step`; None at the end."""
-        batch, used = [], 0
+    def _next_batch(self) -> int:
+        """How many pending pieces (data order, read as needed) make the next step's batch
+        within `tokens_per_step`; 0 when nothing is left. Nothing is taken from `_pending`
+        until the packer has accepted the batch."""
+        k, used = 0, 0
         while True:
-            if not self._pending and not self._read_one(items):
+            if k == len(self._pending) and (self._draining or not self._read_one()):
                 break
-            piece = self._pending[0]
+            piece = self._pending[k]
             if used + piece[2] > self.tokens_per_step:
                 break
-            batch.append(self._pending.popleft())
             used += piece[2]
-        return batch if batch else None
+            k += 1
+        return k
 
     # ------------------------------------------------------------------ steps
     def _emit(self, plan, started: float) -> Step:
@@ -342,7 +603,10 @@ class WLBStream:
         step.planning_s = time.perf_counter() - started  # packing + CP sharding of this step
         return step
 
-    def _feed(self, batch: list):
+    def _feed(self, n: int):
+        """Give the first `n` pending pieces to the packer; they leave `_pending` only once it
+        has accepted them (a refused batch leaves the stream as it was)."""
+        batch = [self._pending[k] for k in range(n)]
         lengths = np.array([p[2] for p in batch], dtype=np.int64)
         ids = np.array([p[0] for p in batch], dtype=np.int64)
         offsets = np.array([p[1] for p in batch], dtype=np.int64)
@@ -351,41 +615,67 @@ class WLBStream:
                 raise ValueError(f"document id {doc_id} (offset {off}) is already held by the stream: ids must be "
                                  "unique")
         plan = self.packer.pack(lengths, ids, offsets)  # raises with its state unchanged
+        for _ in range(n):
+            self._pending.popleft()
         if self._dataset is None or self._lengths is None:
             for doc_id, off, _, tok, msk in batch:
                 self._cache[(doc_id, off)] = (tok, msk)
         return plan
 
-    def __iter__(self) -> Iterator[Step]:
-        """Steps until the source ends, then the packer's remaining steps (nothing is lost)."""
-        items = self._items()
-        while not self._ended:
-            batch = self._fill(items)
-            if batch is None:
-                break
+    def _next_step(self) -> Step | None:
+        """Plan and commit the next step; None when the stream has nothing left."""
+        if self._skip_offset is not None and not self._read_one():  # the document in flight at the checkpoint
+            raise ValueError(f"the source ended after {self._consumed - 1} documents, but the state being resumed "
+                             f"had read {self._consumed}: resume over the source the state was saved with")
+        while True:
             started = time.perf_counter()
-            plan = self._feed(batch)
-            if plan is not None:  # a packer with lookahead returns None while it fills
-                yield self._emit(plan, started)
-        yield from self.drain()
+            n = self._next_batch()
+            if n:
+                plan = self._feed(n)
+                if plan is not None:  # a packer with lookahead returns None while it fills
+                    return self._emit(plan, started)
+                continue
+            if not self._draining:
+                self._draining = True  # the source has ended
+                continue
+            if self._pending:  # cannot happen: a piece fits a step (window <= tokens_per_step)
+                raise AssertionError("a pending piece does not fit an empty step")
+            plan = self.packer._drain_step()  # one step at a time, so each step's state is exact
+            return None if plan is None else self._emit(plan, started)
+
+    def _run(self, generation: int) -> Iterator[Step]:
+        while True:
+            if generation != self._generation:
+                raise ValueError("this iterator of the stream was superseded by a later iter() or drain(), which "
+                                 "continues after the last step this one yielded; use that one")
+            step = self._next_step()
+            if step is None:
+                self._finished = True
+                return
+            yield step
+
+    def _start(self) -> Iterator[Step]:
+        if self._finished:
+            raise ValueError("this stream has ended: every step has been yielded. Build a new stream to train "
+                             "again (a stream resumed from its final state yields nothing)")
+        self._generation += 1
+        return self._run(self._generation)
+
+    def __iter__(self) -> Iterator[Step]:
+        """Steps until the source ends, then the packer's remaining steps (nothing is lost).
+
+        A later `iter()` on the same stream continues exactly after the last step yielded
+        (the earlier iterator then raises if advanced); `iter()` after the last step has been
+        yielded raises ValueError. A stream resumed from the state of its last step yields
+        nothing."""
+        return self._start()
 
     def drain(self) -> Iterator[Step]:
-        """End the stream now: feed what was read and not yet fed, then yield the packer's
-        remaining steps. Documents not yet read stay unread."""
-        self._ended = True
-        while self._pending:
-            batch, used = [], 0
-            while self._pending and used + self._pending[0][2] <= self.tokens_per_step:
-                used += self._pending[0][2]
-                batch.append(self._pending.popleft())
-            started = time.perf_counter()
-            plan = self._feed(batch)
-            if plan is not None:
-                yield self._emit(plan, started)
-        started = time.perf_counter()
-        for plan in self.packer.drain():
-            yield self._emit(plan, started)
-            started = time.perf_counter()
+        """End the stream now: feed what was read and not yet fed (the rest of a document in
+        flight included), then yield the packer's remaining steps. Documents not yet read stay
+        unread. Like `iter()`, it continues after the last step yielded."""
+        self._draining = True
+        return self._start()
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -393,7 +683,8 @@ class WLBStream:
         """Tokens the stream holds for pieces the packer still holds (plus, while a step is
         assembled, that step's pieces): at most the packer's held tokens + tokens_per_step +
         window, where held tokens include, with `lookahead=K`, the K batches seen ahead (so the
-        bound over queued and carried tokens grows by K x tokens_per_step). The unfed rest of a document longer than a step is the source's, not counted."""
+        bound over queued and carried tokens grows by K x tokens_per_step). The unfed rest of
+        a document longer than a step is the source's, not counted."""
         return int(sum(len(t) for t, _ in self._cache.values() if t is not None))
 
     @property
@@ -409,17 +700,25 @@ class WLBStream:
         cache = dict(self._cache)
         position = self._position()
         config = self._config()
+        source = self._fingerprint.state(position["pending_from"])
 
         def build() -> dict:
+            items = sorted(cache.items())
             return {"version": STREAM_STATE_VERSION, "config": config, "packer": packer_state, **position,
+                    "source": source, "cache_digest": _cache_digest(items),
                     "cache": [[k[0], k[1], t.tolist() if t is not None else None,
-                               m.tolist() if m is not None else None] for k, (t, m) in sorted(cache.items())]}
+                               m.tolist() if m is not None else None] for k, (t, m) in items]}
         return build
 
     def _position(self) -> dict:
         pending_from = int(self._pending[0][1]) if self._pending else None
+        if self._pending and self._pending[0][0] != self._pending[-1][0]:
+            raise ValueError("the stream has no consistent state now: the packer refused the last batch, whose "
+                             "pieces span two documents; resume from the state of the last step yielded "
+                             "(step.state)")
+        ended = self._draining and pending_from is None and not self.packer.held_pieces()
         return {"step": self._step, "consumed": self._consumed, "pending_from": pending_from,
-                "ended": self._ended}
+                "draining": self._draining, "ended": ended}
 
     def _config(self) -> dict:
         return {"tokens_per_step": self.tokens_per_step, "window": self.window, "cp": self.cp,
@@ -432,29 +731,77 @@ class WLBStream:
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state` (from `state_dict()` or `step.state`). The stream must be
         fresh and built over the same source with the same settings; it re-reads the source
-        from the start and skips what the state had consumed."""
+        from the start and skips what the state had consumed.
+
+        Every field is checked before anything changes (ValueError naming the field), as is
+        the state's consistency with the packer state it carries (the cached pieces are the
+        pieces the packer holds, with their lengths) and the digest of the cached tokens.
+        The source is checked against the state's fingerprint: eagerly for a dataset with
+        `lengths`; for an iterable when the skipped prefix has been read again (before the
+        first step is yielded); the document in flight at the checkpoint is compared with
+        the digest of its fed prefix when it is read again. A map-style dataset without
+        `lengths` is not re-read before the checkpoint, so only its size and the document in
+        flight are checked."""
         if not isinstance(state, dict) or state.get("version") != STREAM_STATE_VERSION:
             got = state.get("version") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"not a WLBStream state of version {STREAM_STATE_VERSION} (got {got!r})")
-        if self._step or self._consumed:
+            raise ValueError(f"not a WLBStream state of version {STREAM_STATE_VERSION} (got version {got!r}); "
+                             "states of other versions cannot be resumed")
+        if self._step or self._consumed or self._generation:
             raise ValueError("load_state_dict needs a fresh stream (this one has already produced steps)")
+        fields = _check_state_fields(state)
         if state["config"] != self._config():
             raise ValueError(f"the state was saved by a stream with settings {state['config']}, this one has "
                              f"{self._config()}")
-        if self._documents is not None and iter(self._documents) is self._documents and state["consumed"]:
+        consumed, pending_from = fields["consumed"], fields["pending_from"]
+        if self._documents is not None and iter(self._documents) is self._documents and consumed:
             raise ValueError("documents is a one-shot iterator: a stream can only resume over a re-iterable "
                              "source (a list, a dataset, or an object whose __iter__ starts again)")
-        for name in ("step", "consumed"):
-            check_int(f"state[{name!r}]", state[name], 0)
-        self.packer.load_state_dict(state["packer"])
-        cache = {}
-        for doc_id, off, tokens, mask in state["cache"]:
-            cache[(int(doc_id), int(off))] = (None if tokens is None else np.asarray(tokens, dtype=np.int64),
-                                              None if mask is None else np.asarray(mask, dtype=bool))
+        if self._dataset is not None and consumed > len(self._dataset):
+            raise ValueError(f"state field consumed={consumed} is past the end of the dataset ({len(self._dataset)} "
+                             "documents): resume over the source the state was saved with")
+        cache = _decode_cache(state["cache"], lengths_only=self._lengths is not None)
+        digest = _cache_digest(sorted(cache.items()))
+        if digest != state["cache_digest"]:
+            raise ValueError(f"state field cache holds tokens that differ from those the state was saved with "
+                             f"(digest {digest}, the state says {state['cache_digest']})")
+        fingerprint = _SourceFingerprint.from_state(state["source"], consumed, pending_from)
+        if self._lengths is not None:
+            fingerprint.check_lengths(self._lengths, consumed)
+        before = self.packer.state_dict()
+        self.packer.load_state_dict(state["packer"])  # checks its own fields; unchanged if it raises
+        try:
+            self._check_against_packer(state, cache, fields)
+        except ValueError:
+            self.packer.load_state_dict(before)
+            raise
         self._cache = cache
-        self._step, self._consumed, self._ended = int(state["step"]), int(state["consumed"]), bool(state["ended"])
-        self._skip_offset = None if state["pending_from"] is None else int(state["pending_from"])
+        self._step, self._consumed = fields["step"], consumed
+        self._draining = fields["draining"]
+        self._skip_offset = pending_from
         self._pending.clear()
+        self._fingerprint = fingerprint
+        if self._dataset is not None:  # indices are ids: the prefix is not read again
+            self._fingerprint.adopt_prefix()
+
+    def _check_against_packer(self, state: dict, cache: dict, fields: dict) -> None:
+        held = {piece.key: piece.length for piece in self.packer.held_pieces()}
+        if self.packer.step != fields["step"]:
+            raise ValueError(f"state field step={fields['step']} does not match its packer state's step "
+                             f"{self.packer.step}")
+        if self._lengths is None:
+            missing = sorted(set(held) - set(cache))
+            extra = sorted(set(cache) - set(held))
+            if missing or extra:
+                what = (f"no tokens for held piece (id, offset) {missing[0]}" if missing
+                        else f"tokens for piece (id, offset) {extra[0]}, which its packer state does not hold")
+                raise ValueError(f"state field cache is inconsistent with its packer state: it has {what}")
+            for key, (tokens, _) in cache.items():
+                if tokens is not None and len(tokens) != held[key]:
+                    raise ValueError(f"state field cache: piece (id {key[0]}, offset {key[1]}) has {len(tokens)} "
+                                     f"tokens, its packer state holds it with {held[key]}")
+        if fields["ended"] and (held or fields["pending_from"] is not None or not fields["draining"]):
+            raise ValueError("state field ended=True, but the state still holds pieces (pending, held by the packer "
+                             "or not draining): an ended stream holds nothing")
 
     # ------------------------------------------------------------------ DataLoader
     def as_dataset(self):

@@ -61,7 +61,8 @@ from .defaults import (DEFAULT_CUTOFF_SHARE, DEFAULT_MAX_DELAY, MARGINAL_PRICE, 
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
 from .release import RELEASE_POLICIES, DrainRelease, ReleaseName, ReleasePolicy, make_release_policy
-from .state import HeldPiece, check_thresholds, cost_fingerprint, decode_state, encode_state, held_keys, held_tokens
+from .state import (HeldPiece, check_ids_issued, check_thresholds, cost_fingerprint, decode_state, encode_state,
+                    held_keys, held_tokens)
 from .stats import StreamStats
 
 PackerMethod = Literal["wlb", "wlb_ls", "fixed", "cpsat", "milp"]
@@ -227,6 +228,7 @@ class WLBPacker:
         self._held: set[tuple[int, int]] = set()
         self._step = 0
         self._next_auto_id = 0
+        self._max_id: int | None = None  # the largest id any batch has brought (None before the first)
         self._calibration: dict | None = None
         self._stats = StreamStats()
         self._ahead = LookaheadBuffer()
@@ -389,8 +391,7 @@ class WLBPacker:
                 (queues[level] if level >= 0 else regular).append(piece)
             ahead = self._ahead.with_batch(regular)
             if len(ahead) <= self.lookahead:  # step s - K does not exist yet
-                if len(ids):
-                    self._next_auto_id = max(self._next_auto_id, int(ids.max()) + 1)
+                self._record_ids(ids)
                 self._queues, self._ahead = queues, ahead
                 self._held = held_keys(queues, self._carry) | ahead.keys()
                 return None
@@ -423,11 +424,17 @@ class WLBPacker:
                 f"max_tokens={self.max_tokens} can place{hint}. Use a larger max_tokens or fewer tokens per global "
                 "batch, or raise max_backlog_tokens (also on reload: load_state_dict(state, max_backlog_tokens=...)); "
                 "the state is unchanged and pack([]) or drain() still empty it")
-        if len(ids):
-            self._next_auto_id = max(self._next_auto_id, int(ids.max()) + 1)
+        self._record_ids(ids)
         self._ahead = ahead
         self._commit(plan, queues, carry)
         return plan
+
+    def _record_ids(self, ids: np.ndarray) -> None:
+        """Remember the largest id given so far; automatic ids continue past it."""
+        if len(ids):
+            top = int(ids.max())
+            self._max_id = top if self._max_id is None else max(self._max_id, top)
+            self._next_auto_id = max(self._next_auto_id, top + 1)
 
     @staticmethod
     def _held_pieces_due(queues, carry, step: int) -> list[HeldPiece]:
@@ -459,22 +466,28 @@ class WLBPacker:
         """End of data: plan the batches seen ahead (their steps, by the release policy),
         then release every queue and emit plans until nothing is held."""
         plans = []
-        while len(self._ahead):
+        while (plan := self._drain_step()) is not None:
+            plans.append(plan)
+        return plans
+
+    def _drain_step(self) -> PackPlan | None:
+        """One step of `drain`, committed (None when nothing is held): a caller that
+        checkpoints per step (`WLBStream`) takes the state between two of them."""
+        if len(self._ahead):
             queues = [deque(q) for q in self._queues]
             ahead = self._ahead.copy()
             entries = ahead.pop_oldest()
             plan, carry = self._plan_step(entries, queues, list(self._carry), self._step, self._step_policy(),
                                           time.perf_counter())
             self._ahead = ahead
-            self._commit(plan, queues, carry)
-            plans.append(plan)
-        while self._carry or any(self._queues):
+        elif self._carry or any(self._queues):
             queues = [deque(q) for q in self._queues]
             plan, carry = self._plan_step([], queues, list(self._carry), self._step, self._drain_release,
                                           time.perf_counter())
-            self._commit(plan, queues, carry)
-            plans.append(plan)
-        return plans
+        else:
+            return None
+        self._commit(plan, queues, carry)
+        return plan
 
     # ------------------------------------------------------------------ statistics
     def stats(self) -> dict:
@@ -538,7 +551,7 @@ class WLBPacker:
         """JSON-serialisable state; `load_state_dict` on an equally configured packer resumes
         the stream exactly. Does not hold ids already emitted (see `wlb_opt.packer.state`)."""
         state = encode_state(config=self._config(), auto=self._auto, thresholds=self.thresholds, step=self._step,
-                             next_auto_id=self._next_auto_id, queues=self._queues, carry=self._carry,
+                             next_auto_id=self._next_auto_id, max_id=self._max_id, queues=self._queues, carry=self._carry,
                              calibration=self._calibration, stats=self._stats)
         state["config"]["lookahead"] = self.lookahead  # lookahead.py: the buffer of batches seen ahead
         state[LOOKAHEAD_STATE_KEY] = self._ahead.to_json()
@@ -564,6 +577,10 @@ class WLBPacker:
         loaded = decode_state(state, config=config, auto=self._auto, thresholds=self.thresholds,
                               n_queues=self.n_queues, lookahead=self.lookahead)
         ahead = self._decode_lookahead(state, loaded.step)
+        try:
+            check_ids_issued(loaded, ahead.pieces(), self.max_tokens)
+        except ValueError as exc:
+            raise ValueError(f"state_dict is malformed: {exc}") from None
         if max_backlog_tokens is not None:
             self._set_backlog_limit(max_backlog_tokens)
             self._burst_allowed = False
@@ -572,7 +589,7 @@ class WLBPacker:
             self.n_queues = len(loaded.thresholds)
         self._queues, self._carry = loaded.queues, loaded.carry
         self._held = held_keys(loaded.queues, loaded.carry)
-        self._step, self._next_auto_id = loaded.step, loaded.next_auto_id
+        self._step, self._next_auto_id, self._max_id = loaded.step, loaded.next_auto_id, loaded.max_id
         self._calibration = loaded.calibration
         self._stats = loaded.stats
         self._ahead = ahead

@@ -4,9 +4,9 @@ A held piece (queued in an outlier queue, or carried to the next step) is a `Hel
 record. The JSON state writes each as a list of 4 ints [id, offset, length, arrival]. A state
 records a fingerprint of what planning reads from the cost model (its coefficients, kernel
 model and layout; not its labels or provenance), so a state saved under other costs is
-refused (`config.cost_fingerprint`). STATE_VERSION 3: states of version 2 (before the typed
-layout) fingerprinted the whole saved cost model, whose format has changed since, and are
-refused with a version error.
+refused (`config.cost_fingerprint`). STATE_VERSION 4 records `max_id`, the largest id any
+batch has brought, so that a loaded `next_auto_id` is checked to be past every id the packer
+has issued (not only past the pieces it holds); older states are refused with a version error.
 
 `state_dict()` is JSON-serialisable and a packer built with the same configuration that
 loads it emits the same plans as the one that wrote it. The state does not remember the
@@ -28,7 +28,7 @@ import numpy as np
 from ..cost import CostModel
 from .stats import StreamStats
 
-STATE_VERSION = 3
+STATE_VERSION = 4
 CONFIG_FIELDS = ("n_micro", "max_tokens", "dp", "n_queues", "max_delay", "seed", "max_backlog_tokens", "pp",
                  "method", "release", "balance_tolerance", "cost_fingerprint")
 
@@ -92,12 +92,12 @@ def _pieces_to_json(pieces) -> list[list[int]]:
 
 
 def encode_state(*, config: dict, auto: bool, thresholds: list[int] | None, step: int, next_auto_id: int,
-                 queues, carry, calibration: dict | None, stats: StreamStats) -> dict:
+                 max_id: int | None, queues, carry, calibration: dict | None, stats: StreamStats) -> dict:
     """The JSON state of a packer (see the module docstring)."""
     return dict(
         version=STATE_VERSION, config=config, auto=auto,
         thresholds=None if thresholds is None else list(thresholds),
-        step=step, next_auto_id=next_auto_id,
+        step=step, next_auto_id=next_auto_id, max_id=max_id,
         queues=[_pieces_to_json(q) for q in queues], carry=_pieces_to_json(carry),
         calibration=calibration, **stats.state(),
     )
@@ -111,11 +111,14 @@ class LoadedState(NamedTuple):
     carry: list[HeldPiece]
     step: int
     next_auto_id: int
+    max_id: int | None
     calibration: dict | None
     stats: StreamStats
 
 
 _INT64_MAX = 2**63 - 1
+_STATE_FIELDS = ("config", "auto", "thresholds", "step", "next_auto_id", "max_id", "queues", "carry", "calibration",
+                 "imbalance", "accumulators")
 
 
 def _state_int(field: str, value, low: int = 0, high: int = _INT64_MAX) -> int:
@@ -177,12 +180,23 @@ def decode_state(state, *, config: dict, auto: bool, thresholds: list[int] | Non
         got = state.get("version") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"state version {got!r} is not supported; expected {STATE_VERSION}")
     theirs = state.get("config", {})
+    if not isinstance(theirs, dict):
+        raise ValueError(f"state_dict field config must be a dict, got {type(theirs).__name__}")
     for name in CONFIG_FIELDS:
         if name == "n_queues" and auto and thresholds is None:
             continue  # an uncalibrated "auto" packer adopts the state's thresholds
         if theirs.get(name) != config[name]:
             raise ValueError(f"state_dict field config.{name}={theirs.get(name)!r} does not match this "
                              f"packer's {name}={config[name]!r}; build the packer with the same configuration")
+    missing = [k for k in _STATE_FIELDS if k not in state]
+    if missing:
+        raise ValueError(f"state_dict is malformed: it has no field {missing[0]!r} (a packer state has "
+                         f"{', '.join(_STATE_FIELDS)})")
+    if not isinstance(state["auto"], bool):
+        raise ValueError(f"state_dict field auto must be true or false, got {state['auto']!r}")
+    if state["calibration"] is not None and not isinstance(state["calibration"], dict):
+        raise ValueError("state_dict field calibration must be a dict or null, got "
+                         f"{type(state['calibration']).__name__}")
     state_thresholds = state.get("thresholds")
     if not auto and state_thresholds != thresholds:
         raise ValueError(f"state_dict field thresholds={state_thresholds!r} does not match this packer's "
@@ -195,7 +209,9 @@ def decode_state(state, *, config: dict, auto: bool, thresholds: list[int] | Non
         if loaded_thresholds is not None:
             n_queues = len(loaded_thresholds)
         step = _state_int("step", state["step"])
-        next_auto_id = _state_int("next_auto_id", state["next_auto_id"])
+        # an id of 2**63 - 1 makes the next automatic id 2**63 (refused when used, not when loaded)
+        next_auto_id = _state_int("next_auto_id", state["next_auto_id"], 0, _INT64_MAX + 1)
+        max_id = None if state["max_id"] is None else _state_int("max_id", state["max_id"], -2**63)
         if not isinstance(state["queues"], (list, tuple)) or len(state["queues"]) != n_queues:
             raise ValueError(f"state_dict field queues must be a list of {n_queues} queues, got {state['queues']!r}")
         queues = [_pieces_from_json(q, f"queues[{i}]", max_tokens=config["max_tokens"], step=step,
@@ -209,4 +225,34 @@ def decode_state(state, *, config: dict, auto: bool, thresholds: list[int] | Non
         raise ValueError(f"state_dict is malformed: {exc}") from None
     return LoadedState(
         thresholds=loaded_thresholds, queues=[deque(q) for q in queues], carry=carry,
-        step=step, next_auto_id=next_auto_id, calibration=state.get("calibration"), stats=stats)
+        step=step, next_auto_id=next_auto_id, max_id=max_id, calibration=state.get("calibration"), stats=stats)
+
+
+def check_ids_issued(loaded: LoadedState, buffered: list[HeldPiece], max_tokens: int) -> None:
+    """The pieces of the lookahead buffer are valid and held once, and the id record is
+    consistent: every held piece's id is at most `max_id`, and `next_auto_id` is past it (an
+    automatic id must never repeat one the packer was given)."""
+    seen = {piece.key for q in loaded.queues for piece in q} | {piece.key for piece in loaded.carry}
+    for k, piece in enumerate(buffered):
+        where = f"lookahead_buffer piece {k} (id {piece.id}, offset {piece.offset})"
+        if not -2**63 <= piece.id <= _INT64_MAX:
+            raise ValueError(f"state_dict field {where} has an id outside int64")
+        if piece.length > max_tokens:
+            raise ValueError(f"state_dict field {where} has {piece.length} tokens > max_tokens={max_tokens}")
+        if piece.key in seen:
+            raise ValueError(f"state_dict holds piece (id {piece.id}, offset {piece.offset}) twice (again in the "
+                             "lookahead buffer); every piece is held once")
+        seen.add(piece.key)
+    held = [piece for q in loaded.queues for piece in q] + list(loaded.carry) + list(buffered)
+    if loaded.max_id is None:
+        if held:
+            raise ValueError(f"state_dict field max_id is null (no batch given yet) but the state holds "
+                             f"{len(held)} pieces")
+        return
+    top = max((piece.id for piece in held), default=None)
+    if top is not None and top > loaded.max_id:
+        raise ValueError(f"state_dict holds a piece of id {top} above max_id={loaded.max_id}, the largest id "
+                         "given to the packer")
+    if loaded.next_auto_id <= loaded.max_id:
+        raise ValueError(f"state_dict field next_auto_id={loaded.next_auto_id} is not past max_id={loaded.max_id}: "
+                         "automatic ids would repeat an id the packer was given")
