@@ -13,6 +13,7 @@ dimension order and with a mapping of their names onto ours; missing dimensions 
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 from dataclasses import dataclass, field
@@ -56,6 +57,10 @@ class Mesh:
     """Global rank of every coordinate, as nested lists indexed [dp][pp][cp][tp]."""
     dim_names: dict = field(default_factory=dict)
     """The DeviceMesh's dimension names -> ours ("dp", "pp", "cp", "tp")."""
+    timeout_s: float | None = None
+    """Seconds the mesh's groups wait for a peer (`make_mesh(timeout=...)`; None: not known).
+    A rank whose wait failed waits at most this long (and at most 30 s) for the others to
+    report before it names the ranks that did not arrive."""
 
     @property
     def rank(self) -> int:
@@ -140,16 +145,21 @@ def _check_degree(name: str, value) -> int:
     return value
 
 
-def _timeout_options(timeout):
-    """backend_override for init_device_mesh that gives every group `timeout` (a timedelta or
-    seconds; None: DEFAULT_TIMEOUT_S, and no override on a backend that takes no options)."""
-    default = timeout is None
-    seconds = DEFAULT_TIMEOUT_S if default else timeout
+def _timeout_seconds(timeout) -> float:
+    seconds = DEFAULT_TIMEOUT_S if timeout is None else timeout
     seconds = seconds.total_seconds() if isinstance(seconds, datetime.timedelta) else seconds
     if (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0
             or not math.isfinite(seconds)):
         raise ValueError(f"make_mesh: timeout must be a positive finite number of seconds or a timedelta, "
                          f"got {timeout!r}")
+    return float(seconds)
+
+
+def _timeout_options(timeout):
+    """backend_override for init_device_mesh that gives every group `timeout` (a timedelta or
+    seconds; None: DEFAULT_TIMEOUT_S, and no override on a backend that takes no options)."""
+    default = timeout is None
+    seconds = _timeout_seconds(timeout)
     backend = str(dist.get_backend()).lower()
     if default and "nccl" not in backend and "gloo" not in backend:
         return None
@@ -174,8 +184,8 @@ def make_mesh(*, dp: int | None = None, pp: int = 1, cp: int = 1, tp: int = 1, d
     else "cpu". The groups the mesh creates use the default group's backend and wait
     `timeout` (a timedelta or seconds) for a peer; the default, None, is DEFAULT_TIMEOUT_S =
     300 s (the default group keeps the timeout the user gave init_process_group). A wait
-    that runs out raises in `train_step` with the step, the rank and the operation. The
-    sizes are checked before any collective."""
+    that runs out raises in `train_step` with the step, the rank, the operation and the
+    rank(s) that did not arrive. The sizes are checked before any collective."""
     if not dist.is_initialized():
         raise ValueError("make_mesh needs torch.distributed initialised (init_process_group)")
     from torch.distributed.device_mesh import init_device_mesh
@@ -195,4 +205,4 @@ def make_mesh(*, dp: int | None = None, pp: int = 1, cp: int = 1, tp: int = 1, d
         device_type = "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
     override = _timeout_options(timeout)
     device_mesh = init_device_mesh(device_type, (dp, pp, cp, tp), mesh_dim_names=DIMS, backend_override=override)
-    return Mesh.from_device_mesh(device_mesh)
+    return dataclasses.replace(Mesh.from_device_mesh(device_mesh), timeout_s=_timeout_seconds(timeout))

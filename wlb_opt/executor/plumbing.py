@@ -1,49 +1,88 @@
-"""Data plumbing between plans and tensors: cross-rank plan checks, per-rank inputs, and
-waits that say who waited on what.
+"""Data plumbing between plans and tensors: what the ranks must agree on before a step, and
+waits that say who did not arrive.
 
 - `check_same_plan`: one digest per micro-batch over the PackPlan and its ShardPlan,
   compared across ranks before a step; a mismatch raises on every rank.
-- `reporting_waits`: a collective or p2p wait that fails (a timeout, a peer gone) raises a
-  RuntimeError naming the step, this rank and the operation, not only the backend's text.
+- `agree_on_step`: what `train_step` exchanges before a step, in that same one
+  all_gather_object: the plan digests, a digest of every micro-batch's tokens (compared
+  among the ranks of one model replica), a rank's own finding about its input (a token
+  outside the vocabulary, a document it could not read) and, on a first step, one checksum
+  per class of replicated parameters (`weight_checksums`). Every rank raises alike.
+- `pack_micro_batch`, `read_micro_batches`, `vocabulary`, `out_of_vocabulary`: a rank's own
+  micro-batches (token ids and labels), read on the host before the step, and the first
+  stage's check of their token ids.
+- `reporting_waits` (from `rollcall`): a wait that fails names who did not arrive.
 """
 from __future__ import annotations
 
 import hashlib
-from contextlib import contextmanager
+import logging
+import weakref
+from contextlib import nullcontext
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from .rollcall import _is_comm_failure, reporting_waits  # noqa: F401 - re-exported, their home until now
+from .tp import local_tensor
 
-def micro_batch_digests(plan, shards=None) -> list[tuple[str, str | None]]:
-    """One (plan digest, shard digest) pair per micro-batch of `plan`, and a last pair for
-    what is not in a micro-batch (the deferred pieces, dp and n_micro).
+logger = logging.getLogger("wlb_opt")
+
+
+def micro_batch_digests(plan, shards=None, tokens=None) -> list[tuple[str, str | None, str | None]]:
+    """One (plan digest, shard digest, token digest) triple per micro-batch of `plan`, and a
+    last triple for what is not in a micro-batch (the deferred pieces, dp and n_micro).
 
     The plan part hashes the micro-batch's pieces in packed order (id, offset, length) and
     its replica; the shard part is `shards[j].digest()` (None where `shards` is None, holds
-    None, or the micro-batch is empty: an empty slot runs on zero rows whatever its shard).
+    None, or the micro-batch is empty: an empty slot runs on zero rows whatever its shard);
+    the token part is `tokens[j]` (`token_digest` of what this rank read; None where not read).
     """
-    out: list[tuple[str, str | None]] = []
+    out: list[tuple[str, str | None, str | None]] = []
     for j, mb in enumerate(plan.micro_batches):
         h = hashlib.sha256(f"mb {j} replica {int(plan.replica_of[j])}|".encode())
         for arr in (plan.doc_ids[mb], plan.offsets[mb], plan.lengths[mb]):
             h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
             h.update(b"|")
         shard = shards[j] if shards is not None and j < len(shards) and len(mb) else None
-        out.append((h.hexdigest(), None if shard is None else shard.digest()))
+        token = tokens[j] if tokens is not None and j < len(tokens) else None
+        out.append((h.hexdigest(), None if shard is None else shard.digest(), token))
     h = hashlib.sha256(f"dp {plan.dp} n_micro {plan.n_micro} pieces {len(plan.doc_ids)}|".encode())
     for arr in (plan.doc_ids[plan.deferred], plan.offsets[plan.deferred], plan.lengths[plan.deferred]):
         h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
         h.update(b"|")
-    out.append((h.hexdigest(), None))
+    out.append((h.hexdigest(), None, None))
     return out
 
 
-def first_difference(per_rank: list[list[tuple[str, str | None]]]) -> str | None:
+def token_digest(tokens: torch.Tensor, targets: torch.Tensor) -> str:
+    """SHA-256 of a micro-batch's token ids (as int64) and of which of them are targets (its
+    labels' mask): equal on two ranks exactly when they would train on the same tokens."""
+    h = hashlib.sha256()
+    h.update(_host_array(tokens.to(torch.int64)))
+    h.update(_host_array(targets.to(torch.bool)))
+    return h.hexdigest()
+
+
+def piece_digests(tokens: torch.Tensor, targets: torch.Tensor, lengths) -> list[str]:
+    """`token_digest` of every piece of a packed micro-batch (`lengths` in packed order)."""
+    out, start = [], 0
+    for n in np.asarray(lengths, dtype=np.int64).tolist():
+        out.append(token_digest(tokens[start: start + n], targets[start: start + n]))
+        start += n
+    return out
+
+
+def _host_array(t: torch.Tensor) -> np.ndarray:
+    return np.ascontiguousarray(t.detach().cpu().numpy())
+
+
+def first_difference(per_rank: list[list[tuple]]) -> str | None:
     """What the first differing entry of `per_rank` (one `micro_batch_digests` list per rank)
-    is, in words, or None if every rank agrees. Shard digests are compared among the ranks
-    that hold one."""
+    is, in words, or None if every rank agrees on the plan. Shard digests are compared among
+    the ranks that hold one; token digests are not compared here (`first_token_difference`)."""
     n = max(len(d) for d in per_rank)
     if any(len(d) != n for d in per_rank):
         return f"the number of micro-batches ({sorted({len(d) - 1 for d in per_rank})} across ranks)"
@@ -56,6 +95,15 @@ def first_difference(per_rank: list[list[tuple[str, str | None]]]) -> str | None
         if len({x for x in held if x is not None}) > 1:
             ranks = _ranks_by_value(held)
             return f"{what}: its CP shard plan differs (ranks grouped by what they hold: {ranks})"
+    return None
+
+
+def first_token_difference(per_rank: list[list[tuple]]) -> int | None:
+    """The first micro-batch whose token digests differ among the ranks that read it, or None."""
+    for j in range(len(per_rank[0]) - 1):
+        read = {d[j][2] for d in per_rank if len(d[j]) > 2 and d[j][2] is not None}
+        if len(read) > 1:
+            return j
     return None
 
 
@@ -93,25 +141,335 @@ def check_same_plan(plan, shards=None, group=None) -> str:
     return _check_same_plan(plan, shards, group, plan.step)
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _gather(mine, group=None, waits=None) -> list:
+    if not _distributed():
+        return [mine]
+    per_rank: list = [None] * dist.get_world_size(group)
+    with (waits() if waits is not None else nullcontext()):
+        dist.all_gather_object(per_rank, mine, group=group)
+    return per_rank
+
+
+def _raise_if_plans_differ(per_rank: list, step) -> None:
+    problem = first_difference(per_rank)
+    if problem is not None:
+        where = "" if step is None else f"step {step}: "
+        raise RuntimeError(f"{where}ranks hold different plans; first difference at {problem}. Every rank must "
+                           "run the same PackPlan and ShardPlans (same data order, seed, packer state and CP "
+                           "strategy); plan on one rank and broadcast_plan it if planning is not deterministic")
+
+
 def _check_same_plan(plan, shards, group, step) -> str:
     mine = micro_batch_digests(plan, shards)
-    if dist.is_available() and dist.is_initialized():
-        per_rank: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(per_rank, mine, group=group)
-        problem = first_difference(per_rank)
-        if problem is not None:
-            where = "" if step is None else f"step {step}: "
-            raise RuntimeError(f"{where}ranks hold different plans; first difference at {problem}. Every rank must "
-                               "run the same PackPlan and ShardPlans (same data order, seed, packer state and CP "
-                               "strategy); plan on one rank and broadcast_plan it if planning is not deterministic")
+    _raise_if_plans_differ(_gather(mine, group), step)
     if shards is None:
         return plan.digest()
     h = hashlib.sha256(plan.digest().encode())
-    for _, shard_digest in mine:
+    for _, shard_digest, _ in mine:
         h.update((shard_digest or "-").encode())
     return h.hexdigest()
 
 
+def agree_on_step(plan, shards, *, step, where: str, tokens=None, pieces_of=None, finding=None,
+                  local_error: BaseException | None = None, weights=None, check_plan: bool = True,
+                  waits=None) -> None:
+    """The ranks' one exchange before a step; raises on every rank alike unless they agree.
+
+    Every rank sends, in one all_gather_object (none when torch.distributed is not
+    initialised or has one rank): its `micro_batch_digests` with `tokens` (when
+    `check_plan`), its `finding` about its own input ((kind, message): "read" when reading
+    a document failed, its exception in `local_error`; "vocab" for a token outside the
+    vocabulary), and a digest per key of `weights` (`weight_checksums`; None: not checked).
+    Then, in this order: the plans must agree (RuntimeError naming the first micro-batch);
+    no rank may have a finding (the reading rank re-raises its own exception, the others a
+    RuntimeError naming it; a vocabulary finding is a ValueError on every rank); the ranks
+    that read a micro-batch must have read the same tokens; the ranks of one key of
+    `weights` must hold the same parameters. The last two exchange more only on a mismatch,
+    `pieces_of(j)` (this rank's `piece_digests` of micro-batch j) to name the document, and
+    the per-parameter checksums to name the parameter. `where` prefixes the messages;
+    `waits()` is the context each exchange runs in (`reporting_waits`), the verdicts outside it.
+    """
+    summary = None if weights is None else {key: _digest_of(rows) for key, rows in weights.items()}
+    mine = {"plan": micro_batch_digests(plan, shards, tokens) if check_plan else None,
+            "finding": finding, "weights": summary}
+    per_rank = _gather(mine, waits=waits)
+    if check_plan:
+        _raise_if_plans_differ([p["plan"] for p in per_rank], step)
+    found = [(q, p["finding"]) for q, p in enumerate(per_rank) if p["finding"] is not None]
+    if local_error is not None:
+        raise local_error
+    for q, (kind, message) in found:
+        if kind == "read":
+            raise RuntimeError(f"{where}rank {q} could not read its micro-batches, so every rank stops here: {message}")
+    if found:
+        q, (_, message) = found[0]
+        raise ValueError(message if len(per_rank) == 1 else f"{message} (found on rank {q})")
+    if check_plan:
+        j = first_token_difference([p["plan"] for p in per_rank])
+        if j is not None:
+            pieces = _gather(pieces_of(j) if tokens is not None and tokens[j] is not None else None, waits=waits)
+            raise RuntimeError(f"{where}{_token_difference(plan, j, pieces)}. Every rank of a model replica (its "
+                               "CP, TP and PP ranks) must read the same tokens: the same dataset shard, tokenizer "
+                               "and data order")
+    problem = _weight_difference([p["weights"] for p in per_rank])
+    if problem is not None:
+        key, groups = problem
+        rows = _gather(weights.get(key) if weights is not None else None, waits=waits)
+        raise RuntimeError(f"{where}ranks that must hold the same weights differ: {_parameter_difference(rows)} "
+                           f"(ranks grouped by what they hold: {groups}). Replicas must start from the same weights "
+                           "(the same seed, or one checkpoint loaded on every rank); train_step(check_weights=False) "
+                           "skips this check")
+
+
+def _token_difference(plan, j: int, per_rank: list) -> str:
+    mb = plan.micro_batches[j]
+    held = [p for p in per_rank if p is not None]
+    for k, i in enumerate(mb):
+        digests = [p[k] if p is not None else None for p in per_rank]
+        if len({d for d in digests if d is not None}) > 1:
+            return (f"ranks read different tokens for micro-batch {j}: document {int(plan.doc_ids[i])} (its piece at "
+                    f"offset {int(plan.offsets[i])}, {int(plan.lengths[i])} tokens) differs in its tokens or loss mask "
+                    f"(ranks grouped by what they read: {_ranks_by_value(digests)})")
+    return f"ranks read different tokens for micro-batch {j} ({len(held)} ranks read it)"  # pragma: no cover
+
+
+# ---------------------------------------------------------------- a rank's own input
+IGNORE = -100
+"""The label of a token that is not a training target."""
+
+
+def packed_labels(tokens: torch.Tensor, lengths) -> torch.Tensor:
+    """Next-token targets inside each piece; IGNORE at the last token of every piece."""
+    labels = torch.full_like(tokens, IGNORE)
+    start = 0
+    for d in np.asarray(lengths, dtype=np.int64).tolist():
+        labels[start: start + d - 1] = tokens[start + 1: start + d]
+        start += d
+    return labels
+
+
+def _document(data, doc_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(token ids, loss mask or None) of a document: `data(id)` returns the token ids, or a
+    pair (token ids, loss mask), the mask True where a token is a training target."""
+    got = data(doc_id)
+    if isinstance(got, (tuple, list)):
+        tokens, mask = got
+        mask = torch.as_tensor(mask, dtype=torch.bool)
+        if mask.shape != tokens.shape:
+            raise ValueError(f"document {doc_id}: loss mask of shape {tuple(mask.shape)} for {tuple(tokens.shape)} tokens")
+        return tokens, mask
+    return got, None
+
+
+def pack_tokens(plan, j: int, doc_tokens: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """Token ids of micro-batch j in packed order; doc_tokens(id) returns a whole document."""
+    return pack_micro_batch(plan, j, doc_tokens)[0]
+
+
+def _piece(data, doc_id: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, loss mask) of tokens [lo, hi) of a document, from `data(id)` (the whole
+    document) or from `data.piece(id, offset, length)` (a `WLBStream` step holds pieces)."""
+    piece = getattr(data, "piece", None)
+    if callable(piece):
+        tokens, mask = piece(doc_id, lo, hi - lo)
+        tokens = torch.as_tensor(tokens)
+        got = tokens.shape[0] if tokens.dim() == 1 else None
+        if got != hi - lo:
+            raise ValueError(f"document {doc_id}: the piece at offset {lo} should have {hi - lo} tokens, got "
+                             f"{got if got is not None else tuple(tokens.shape)}")
+    else:
+        doc, mask = _document(data, doc_id)
+        doc = torch.as_tensor(doc)
+        if doc.dim() != 1 or doc.shape[0] < hi:
+            raise ValueError(f"document {doc_id}: data({doc_id}) returned {tuple(doc.shape)} tokens, but the plan "
+                             f"holds its tokens [{lo}, {hi}) (a 1-D tensor of at least {hi} tokens is needed)")
+        tokens = doc[lo:hi]
+        mask = mask[lo:hi] if mask is not None else None
+    if mask is None:
+        mask = torch.ones(hi - lo, dtype=torch.bool)
+    return tokens, torch.as_tensor(mask, dtype=torch.bool)
+
+
+def pack_micro_batch(plan, j: int, data) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, next-token labels) of micro-batch j in packed order. Labels are -100 at the
+    last token of every piece and wherever the next token is not a target (its loss mask,
+    when `data` gives one, is False)."""
+    tokens, masks = [], []
+    for i in plan.micro_batches[j]:
+        lo, hi = int(plan.offsets[i]), int(plan.offsets[i] + plan.lengths[i])
+        piece_tokens, piece_mask = _piece(data, int(plan.doc_ids[i]), lo, hi)
+        tokens.append(piece_tokens)
+        masks.append(piece_mask)
+    if not tokens:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    tokens_t, mask_t = torch.cat(tokens).long(), torch.cat(masks)
+    lengths = plan.lengths[plan.micro_batches[j]]
+    labels = packed_labels(tokens_t, lengths)
+    target_is_real = torch.cat([mask_t[1:], torch.zeros(1, dtype=torch.bool)])
+    return tokens_t, labels.masked_fill(~target_is_real, IGNORE)
+
+
+def read_micro_batches(plan, mbs, read, report: bool):
+    """(packed, finding, error): `read(j)` ((token ids, labels)) of every non-empty micro-batch
+    of `mbs`, on the host before the step. With `report`, an error while reading is returned
+    as a finding (kind, message) for `agree_on_step`, with the exception to re-raise here."""
+    packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    try:
+        for j in mbs:
+            if len(plan.micro_batches[j]):
+                packed[j] = read(j)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others would wait
+        if not report:
+            raise
+        return packed, ("read", f"{type(exc).__name__}: {exc}"), exc
+    return packed, None, None
+
+
+_VOCABULARY_NOTED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_EMBEDDING_NAMES = ("embed", "embed_tokens", "tok_embeddings", "wte")
+
+
+def vocabulary(stage: torch.nn.Module) -> tuple[int, str] | None:
+    """(size, where it comes from) of the vocabulary of a first stage: the rows of its token
+    embedding (an nn.Embedding named like one, or its only nn.Embedding), else its
+    `vocab_size`; None, logged once per stage, when it has neither."""
+    found = [(name, getattr(stage, name, None)) for name in _EMBEDDING_NAMES]
+    found = [(name, m) for name, m in found if isinstance(m, torch.nn.Embedding)]
+    if not found:
+        found = [(name, m) for name, m in stage.named_modules() if isinstance(m, torch.nn.Embedding)]
+    if len(found) == 1 or (found and found[0][0] in _EMBEDDING_NAMES):
+        name, embedding = found[0]
+        rows = int(embedding.weight.shape[0])
+        return rows, f"embedding `{name}` has {rows} rows"
+    size = getattr(stage, "vocab_size", None)
+    if isinstance(size, (int, np.integer)) and not isinstance(size, bool) and size > 0:
+        return int(size), f"vocab_size is {int(size)}"
+    if stage not in _VOCABULARY_NOTED:
+        _VOCABULARY_NOTED.add(stage)
+        logger.warning("train_step: the first stage (%s) has %s and no vocab_size attribute, so token ids are not "
+                       "checked against the vocabulary", type(stage).__name__,
+                       "several nn.Embedding modules" if found else "no nn.Embedding")
+    return None
+
+
+def out_of_vocabulary(plan, packed: dict, vocabulary: tuple[int, str], where: str) -> str | None:
+    """The first token id of `packed` outside [0, size), in words naming its document, or None."""
+    size, source = vocabulary
+    for j in sorted(packed):
+        tokens = packed[j][0]
+        low, high = torch.aminmax(tokens)
+        if int(low) >= 0 and int(high) < size:
+            continue
+        first = int(torch.nonzero((tokens < 0) | (tokens >= size))[0, 0])
+        mb = plan.micro_batches[j]
+        ends = np.cumsum(plan.lengths[mb])
+        k = int(np.searchsorted(ends, first, side="right"))
+        i = int(mb[k])
+        position = int(plan.offsets[i]) + first - int(ends[k] - plan.lengths[i])
+        return (f"{where}document {int(plan.doc_ids[i])} holds token id {int(tokens[first])} at position {position} "
+                f"(micro-batch {j}), outside the model's vocabulary: the first stage's {source}, so token ids must "
+                f"be in [0, {size - 1}]; check the tokenizer against the model")
+    return None
+
+
+
+# ---------------------------------------------------------------- replicated weights
+_MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # an odd 64-bit constant (the golden ratio), as a signed int64
+_CHECKSUM_CHUNK = 1 << 22  # elements of a tensor turned into int64 at once
+
+
+def bits_checksum(t: torch.Tensor) -> torch.Tensor:
+    """An int64 scalar (on t's device) over the bits of `t`: the sum of every element's bit
+    pattern times an odd weight of its position, in wrapping 64-bit arithmetic. Integer sums
+    do not depend on the order of reduction, so equal tensors give equal checksums on every
+    rank and device; changing any one element changes it."""
+    flat = t.detach().reshape(-1)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(flat.element_size(), torch.uint8)
+    bits = flat.view(ints)
+    total = torch.zeros((), dtype=torch.int64, device=t.device)
+    for start in range(0, bits.numel(), _CHECKSUM_CHUNK):
+        part = bits[start: start + _CHECKSUM_CHUNK].to(torch.int64)
+        weight = torch.arange(start, start + part.numel(), dtype=torch.int64, device=t.device) * _MIX
+        total += (part * (weight | 1)).sum()
+    return total
+
+
+def replica_key(param: torch.Tensor, pp_rank: int) -> tuple:
+    """Which ranks must hold the same values as this one for `param`: those of the same
+    pipeline stage with the same coordinates along every mesh dimension the parameter is
+    sharded over (a DTensor's Shard placements). A plain tensor is replicated over the whole
+    stage (dp x cp x tp); a TP shard over dp x cp; an FSDP2 shard over dp x cp has a key of
+    its own on every rank (nothing to compare), an HSDP shard is compared across replicas."""
+    placements = getattr(param, "placements", None)
+    if placements is None:
+        return (pp_rank,)
+    mesh = param.device_mesh
+    coordinate = mesh.get_coordinate()
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    return (pp_rank,) + tuple((names[i], mesh.size(i), coordinate[i])
+                              for i, placement in enumerate(placements) if placement.is_shard())
+
+
+def weight_checksums(chunks, pp_rank: int, pp: int) -> dict[tuple, list[tuple]]:
+    """This rank's parameters by `replica_key`: (name, local shape, dtype, `bits_checksum`) of
+    each, named "stage {virtual stage}: {parameter name}". One read-back per device."""
+    rows, sums = [], []
+    for c, chunk in enumerate(chunks):
+        for name, param in chunk.named_parameters():
+            local = local_tensor(param)
+            rows.append((replica_key(param, pp_rank), f"stage {c * pp + pp_rank}: {name}", tuple(local.shape),
+                         str(local.dtype)))
+            sums.append(bits_checksum(local))
+    by_device: dict = {}
+    for k, s in enumerate(sums):
+        by_device.setdefault(s.device, []).append(k)
+    values = [0] * len(sums)
+    for device, ks in by_device.items():
+        for k, v in zip(ks, torch.stack([sums[k] for k in ks]).cpu().tolist()):
+            values[k] = int(v)
+    out: dict[tuple, list[tuple]] = {}
+    for (key, name, shape, dtype), value in zip(rows, values):
+        out.setdefault(key, []).append((name, shape, dtype, value))
+    return out
+
+
+def _digest_of(rows) -> str:
+    return hashlib.sha256(repr(rows).encode()).hexdigest()
+
+
+def _weight_difference(per_rank: list) -> tuple[tuple, list[list[int]]] | None:
+    by_key: dict = {}
+    for q, summary in enumerate(per_rank):
+        for key, digest in (summary or {}).items():
+            by_key.setdefault(key, {})[q] = digest
+    for key in sorted(by_key, key=repr):
+        held = by_key[key]
+        if len(set(held.values())) > 1:
+            return key, _ranks_by_value([held.get(q) for q in range(len(per_rank))])
+    return None
+
+
+def _parameter_difference(per_rank: list) -> str:
+    held = [rows for rows in per_rank if rows is not None]
+    if len({len(rows) for rows in held}) > 1:
+        return f"they hold different numbers of parameters ({sorted({len(rows) for rows in held})})"
+    for k in range(len(held[0])):
+        if len({rows[k] for rows in held}) > 1:
+            names = sorted({rows[k][0] for rows in held})
+            if len(names) > 1:
+                return f"their parameters differ in name: {names}"
+            shapes = sorted({rows[k][1:3] for rows in held})
+            if len(shapes) > 1:
+                return f"parameter {names[0]!r} differs in local shape or dtype ({shapes})"
+            return f"parameter {names[0]!r} differs"
+    return "their parameters differ"  # pragma: no cover
+
+
+# ---------------------------------------------------------------- plans on one rank
 def broadcast_plan(plan, src: int = 0, group=None):
     """Plan on one rank, execute everywhere: rank `src` sends its PackPlan (or ShardPlan) to
     every rank of `group`, which returns an equal plan (same digest). For planners that are
@@ -140,29 +498,3 @@ def local_inputs(tokens: torch.Tensor, shard, rank: int) -> tuple[torch.Tensor, 
     idx = torch.tensor(shard.rank_indices[rank], dtype=torch.int64).to(tokens.device)
     pos = torch.tensor(shard.positions[rank], dtype=torch.int64).to(tokens.device)
     return tokens.index_select(0, idx), pos
-
-
-_COMM_FAILURE_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")
-
-
-def _is_comm_failure(exc: BaseException) -> bool:
-    backend_error = getattr(dist, "DistBackendError", None)
-    text = str(exc).lower()
-    return (backend_error is not None and isinstance(exc, backend_error)) or any(w in text for w in _COMM_FAILURE_WORDS)
-
-
-@contextmanager
-def reporting_waits(step, rank: int, operation):
-    """Run a wait; if the backend fails it (a timeout, a peer gone), raise a RuntimeError
-    naming `step`, `rank` and `operation` (a string, or a callable returning one, built
-    only on failure). Other errors pass through unchanged."""
-    try:
-        yield
-    except RuntimeError as exc:
-        if not _is_comm_failure(exc):
-            raise
-        what = operation() if callable(operation) else operation
-        where = "step ?" if step is None else f"step {step}"
-        raise RuntimeError(f"{where}, rank {rank}: {what} did not complete ({type(exc).__name__}: "
-                           f"{str(exc).strip()[:300]}). A peer rank stalled or failed: look at the ranks this one "
-                           "waited on; make_mesh(timeout=...) sets how long the mesh's groups wait") from exc

@@ -18,6 +18,7 @@ empty one with zero-row tensors, so what runs is always `p2p_schedule(pp, n_micr
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Callable
 
 import numpy as np
@@ -25,16 +26,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import weakref
-
 from ..schedule import P2POp, message_key, step_plan
 from .cp_attention import context_parallel_attention, prefetch_kv
 from .mesh import SELF_GROUP, Mesh
 from .fsdp import is_fsdp
 from .tp import local_tensor
-from .plumbing import _check_same_plan, reporting_waits
-
-IGNORE = -100
+from .plumbing import (IGNORE, agree_on_step, out_of_vocabulary, pack_micro_batch, pack_tokens,  # noqa: F401
+                       packed_labels, piece_digests, read_micro_batches, token_digest, vocabulary, weight_checksums)
+from .rollcall import ROLLCALL_GRACE_S, PeerWaitError, RollCall, reporting_waits, step_words
 
 
 def packed_positions(lengths, offsets) -> np.ndarray:
@@ -46,81 +45,10 @@ def packed_positions(lengths, offsets) -> np.ndarray:
     return np.arange(int(lengths.sum()), dtype=np.int64) - starts + np.repeat(np.asarray(offsets, np.int64), lengths)
 
 
-def packed_labels(tokens: torch.Tensor, lengths) -> torch.Tensor:
-    """Next-token targets inside each piece; IGNORE at the last token of every piece."""
-    labels = torch.full_like(tokens, IGNORE)
-    start = 0
-    for d in np.asarray(lengths, dtype=np.int64).tolist():
-        labels[start: start + d - 1] = tokens[start + 1: start + d]
-        start += d
-    return labels
-
-
 def target_tokens(plan) -> int:
     """Target tokens of the whole global batch (all replicas and micro-batches of the plan)."""
     placed = np.concatenate(plan.micro_batches) if plan.micro_batches else np.zeros(0, np.int64)
     return int((plan.lengths[placed] - 1).sum())
-
-
-def _document(data, doc_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(token ids, loss mask or None) of a document: `data(id)` returns the token ids, or a
-    pair (token ids, loss mask), the mask True where a token is a training target."""
-    got = data(doc_id)
-    if isinstance(got, (tuple, list)):
-        tokens, mask = got
-        mask = torch.as_tensor(mask, dtype=torch.bool)
-        if mask.shape != tokens.shape:
-            raise ValueError(f"document {doc_id}: loss mask of shape {tuple(mask.shape)} for {tuple(tokens.shape)} tokens")
-        return tokens, mask
-    return got, None
-
-
-def pack_tokens(plan, j: int, doc_tokens: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """Token ids of micro-batch j in packed order; doc_tokens(id) returns a whole document."""
-    return pack_micro_batch(plan, j, doc_tokens)[0]
-
-
-def _piece(data, doc_id: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids, loss mask) of tokens [lo, hi) of a document, from `data(id)` (the whole
-    document) or from `data.piece(id, offset, length)` (a `WLBStream` step holds pieces)."""
-    piece = getattr(data, "piece", None)
-    if callable(piece):
-        tokens, mask = piece(doc_id, lo, hi - lo)
-        tokens = torch.as_tensor(tokens)
-        got = tokens.shape[0] if tokens.dim() == 1 else None
-        if got != hi - lo:
-            raise ValueError(f"document {doc_id}: the piece at offset {lo} should have {hi - lo} tokens, got "
-                             f"{got if got is not None else tuple(tokens.shape)}")
-    else:
-        doc, mask = _document(data, doc_id)
-        doc = torch.as_tensor(doc)
-        if doc.dim() != 1 or doc.shape[0] < hi:
-            raise ValueError(f"document {doc_id}: data({doc_id}) returned {tuple(doc.shape)} tokens, but the plan "
-                             f"holds its tokens [{lo}, {hi}) (a 1-D tensor of at least {hi} tokens is needed)")
-        tokens = doc[lo:hi]
-        mask = mask[lo:hi] if mask is not None else None
-    if mask is None:
-        mask = torch.ones(hi - lo, dtype=torch.bool)
-    return tokens, torch.as_tensor(mask, dtype=torch.bool)
-
-
-def pack_micro_batch(plan, j: int, data) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids, next-token labels) of micro-batch j in packed order. Labels are -100 at the
-    last token of every piece and wherever the next token is not a target (its loss mask,
-    when `data` gives one, is False)."""
-    tokens, masks = [], []
-    for i in plan.micro_batches[j]:
-        lo, hi = int(plan.offsets[i]), int(plan.offsets[i] + plan.lengths[i])
-        piece_tokens, piece_mask = _piece(data, int(plan.doc_ids[i]), lo, hi)
-        tokens.append(piece_tokens)
-        masks.append(piece_mask)
-    if not tokens:
-        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-    tokens_t, mask_t = torch.cat(tokens).long(), torch.cat(masks)
-    lengths = plan.lengths[plan.micro_batches[j]]
-    labels = packed_labels(tokens_t, lengths)
-    target_is_real = torch.cat([mask_t[1:], torch.zeros(1, dtype=torch.bool)])
-    return tokens_t, labels.masked_fill(~target_is_real, IGNORE)
 
 
 class StageOutputs:
@@ -296,24 +224,69 @@ def _chunks(model) -> list[torch.nn.Module]:
     return chunks
 
 
+def _token_digest(tokens: torch.Tensor, labels: torch.Tensor) -> str:
+    return token_digest(tokens, labels != IGNORE)
+
+
+_WEIGHTS_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+"""Stage modules whose replicated weights passed the check -> the load_state_dict hooks that
+forget them again (registered on every submodule that holds parameters, so that loading
+through the stage or through the whole model both count)."""
+
+
+def _remember_weights_checked(modules) -> None:
+    for module in modules:
+        if module in _WEIGHTS_CHECKED:
+            continue
+        ref = weakref.ref(module)
+
+        def forget(_module, _incompatible_keys, ref=ref) -> None:
+            owner = ref()
+            for handle in (_WEIGHTS_CHECKED.pop(owner, None) or []) if owner is not None else []:
+                handle.remove()
+
+        _WEIGHTS_CHECKED[module] = [m.register_load_state_dict_post_hook(forget) for m in module.modules()
+                                    if next(m.parameters(recurse=False), None) is not None]
+
+
 def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
                loss_fn: Callable | None = None, loss_chunk: int = DEFAULT_LOSS_CHUNK, reduce_grads: bool = True,
                regather_kv: bool | None = None, step: int | None = None, backend: str = "auto",
-               check_plan: bool = True, record: StageOutputs | None = None, prefetch: bool = True) -> float:
+               check_plan: bool = True, check_weights: bool | None = None, record: StageOutputs | None = None,
+               prefetch: bool = True) -> float:
     """Forward and backward of one global batch; returns the global mean token loss.
 
     `data(id)` returns a whole document's token ids (a 1-D integer tensor), or a pair (token
     ids, loss mask); or `data` is a `WLBStream` step (`data=step`), which holds the pieces of
     its plan (`step.piece(id, offset, length)`). `step` is the step index, used in error
-    messages (default `plan.step`).
+    messages (default `plan.step`; a plan without one is named by its digest).
 
-    `check_plan` (default on): before anything else the ranks compare one digest per
-    micro-batch over the PackPlan and the ShardPlan each runs it with (`check_same_plan`);
-    a mismatch raises RuntimeError on every rank naming the step and the first micro-batch
-    that differs. A wait that fails (a peer stalled past the group's timeout, see
-    `make_mesh(timeout=...)`, or gone) raises RuntimeError naming the step, this rank and the
-    operation (the plan check, a p2p group and its peers, a micro-batch's forward or
-    backward with its CP collectives, or a final all-reduce).
+    Before the step every rank reads its replica's micro-batches, and on the first pipeline
+    stage checks every token id against the model's vocabulary (the rows of the first
+    stage's nn.Embedding, or its `vocab_size`; neither: skipped, with one log line).
+    `check_plan` (default on): the ranks then compare, in one all_gather_object, one digest
+    per micro-batch over the PackPlan, the ShardPlan each runs it with (`check_same_plan`)
+    and the tokens and loss mask it read (among the ranks of its replica: CP, TP and PP
+    ranks read the same micro-batches); what a rank found wrong with its input travels in
+    the same exchange. Every rank raises alike: RuntimeError naming the step and the first
+    micro-batch whose plan differs, or the document whose tokens differ; ValueError naming
+    the document and the token id outside the vocabulary; the reading rank's own error (a
+    RuntimeError naming it elsewhere) when a document could not be read.
+
+    `check_weights`: compare the parameters that ranks hold as replicas (the ranks of one
+    stage over dp x cp, and over tp for what TP does not shard: one checksum per rank and
+    kind of replication, in the same exchange); a mismatch raises RuntimeError on every
+    rank naming the parameter. None (default): on the first call with these stage modules,
+    and again after a `load_state_dict` reaches them; True: on this call; False: never.
+    FSDP2 shards are compared only where replicated (HSDP); docs/reliability.md says what is
+    covered.
+
+    A wait that fails (a peer stalled past the group's timeout, see `make_mesh(timeout=...)`,
+    or gone) raises RuntimeError naming the step, this rank, the operation (the plan check,
+    a p2p group and its peers, a micro-batch's forward or backward with its CP collectives,
+    or a final all-reduce) and the rank(s) that did not arrive: those that raised in the
+    step (with their error), never started it, or reported nothing, from a check-in each
+    rank leaves in the default group's store (`RollCall`; one store operation per step).
 
     `stages` is this rank's pipeline stage, or its v chunks for the interleaved schedule
     (`split_stages(model, pp, v)[pp_rank::pp]`; the whole model when pp = 1). `shards[j]` is
@@ -335,10 +308,46 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
     that hold the same stage (flat buckets). `reduce_grads=False` leaves every gradient local
     (for a user's own DDP or FSDP wrapper).
     """
+    timeout_s = getattr(mesh, "timeout_s", None)
+    rollcall = RollCall.begin(ROLLCALL_GRACE_S if timeout_s is None else min(ROLLCALL_GRACE_S, timeout_s))
+    try:
+        return _train_step(stages, plan, shards, data=data, mesh=mesh, loss_fn=loss_fn, loss_chunk=loss_chunk,
+                           reduce_grads=reduce_grads, regather_kv=regather_kv, step=step, backend=backend,
+                           check_plan=check_plan, check_weights=check_weights, record=record, prefetch=prefetch,
+                           rollcall=rollcall)
+    except BaseException as exc:
+        if rollcall is not None and not isinstance(exc, PeerWaitError):
+            rollcall.raised(exc)  # the ranks waiting on this one name it, with its error
+        raise
+
+
+def _check_step_arguments(stages, plan, shards, data, mesh, check_weights) -> None:
+    from ..plan import PackPlan
+
+    if not isinstance(plan, PackPlan):
+        raise TypeError(f"plan must be a wlb_opt.PackPlan, got {type(plan).__name__}")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a wlb_opt.executor.Mesh (make_mesh) or None, got {type(mesh).__name__}")
+    if not isinstance(shards, (list, tuple)) or len(shards) != len(plan.micro_batches):
+        got = f"{len(shards)} entries" if isinstance(shards, (list, tuple)) else type(shards).__name__
+        raise ValueError(f"shards must be a list with one ShardPlan (None for an empty slot) per micro-batch of the "
+                         f"plan ({len(plan.micro_batches)}), got {got}")
+    if not (callable(data) or callable(getattr(data, "piece", None))):
+        raise TypeError("data must be a callable data(id) returning a document's token ids (or (ids, loss mask)), "
+                        f"or a WLBStream step, got {type(data).__name__}")
+    if check_weights is not None and not isinstance(check_weights, bool):
+        raise ValueError(f"check_weights must be None (check on the first call with these stages), True or False, "
+                         f"got {check_weights!r}")
+
+
+def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce_grads, regather_kv, step, backend,
+                check_plan, check_weights, record, prefetch, rollcall) -> float:
     model = stages
     doc_tokens = data
+    _check_step_arguments(stages, plan, shards, data, mesh, check_weights)
     step = plan.step if step is None else step
     where = "" if step is None else f"step {step}: "
+    label = step if step is not None else f"the step of plan {plan.digest()[:12]}"
     chunks = _chunks(model)
     v = len(chunks)
     cp, pp = (mesh.cp, mesh.pp) if mesh else (1, 1)
@@ -346,19 +355,50 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
     n_virtual = pp * v
     if mesh and plan.dp != mesh.dp:
         raise ValueError(f"{where}plan has dp={plan.dp} replicas but the mesh has dp={mesh.dp}")
+    param = next(iter(chunks[0].parameters()), None)
+    if param is None:
+        raise ValueError(f"the stage {type(chunks[0]).__name__} has no parameters: train_step needs one to know "
+                         "the device and dtype")
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    if check_plan:  # this replica's shards: the others run the other micro-batches
-        mine = [shards[j] if j < len(shards) and int(plan.replica_of[j]) == dp_rank else None
+
+    def waiting(operation):  # a wait that names the operation and who did not arrive if it fails
+        return reporting_waits(label, rank, operation, rollcall)
+
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    mbs = plan.replica_micro_batches(dp_rank)  # every slot, empty ones too
+    packed, finding, local_error = read_micro_batches(plan, mbs, lambda j: pack_micro_batch(plan, j, doc_tokens),
+                                                      report=check_plan and distributed)
+    if finding is None and pp_rank == 0:
+        vocab = vocabulary(chunks[0])
+        problem = out_of_vocabulary(plan, packed, vocab, f"{step_words(label)}: ") if vocab else None
+        if problem is not None and not (check_plan and distributed):
+            raise ValueError(problem)
+        finding = None if problem is None else ("vocab", problem)
+    owners = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+    weights = None
+    if mesh is not None and distributed and check_weights is not False and (
+            check_weights or not all(m in _WEIGHTS_CHECKED for m in owners)):
+        weights = weight_checksums(chunks, pp_rank, pp)
+    if check_plan or weights is not None:
+        mine = [shards[j] if int(plan.replica_of[j]) == dp_rank else None  # the other replicas' are not run here
                 for j in range(len(plan.micro_batches))]
-        with reporting_waits(step, rank, "the plan check (all_gather_object of the plan digests)"):
-            _check_same_plan(plan, mine, None, step)
-    param = next(chunks[0].parameters())
+        tokens = [_token_digest(*packed[j]) if j in packed else None
+                  for j in range(len(plan.micro_batches))] if check_plan and distributed else None
+
+        def pieces_of(j: int) -> list[str]:
+            tokens_j, labels_j = packed[j]
+            return piece_digests(tokens_j, labels_j != IGNORE, plan.lengths[plan.micro_batches[j]])
+
+        agree_on_step(plan, mine, step=step, where=f"{step_words(label)}: ", tokens=tokens, pieces_of=pieces_of,
+                      finding=finding, local_error=local_error, weights=weights, check_plan=check_plan,
+                      waits=lambda: waiting("the plan check (all_gather_object of the plan digests)"))
+    if weights is not None:
+        _remember_weights_checked(owners)
     device, act_dtype = param.device, activation_dtype(param)
     hidden = getattr(chunks[0], "hidden", None)
     if n_virtual > 1 and hidden is None:
         raise ValueError("pipeline stages need a `hidden` attribute (activation width); use split_stages")
 
-    mbs = plan.replica_micro_batches(dp_rank)  # every slot, empty ones too
     for j in mbs:
         if len(plan.micro_batches[j]) and (shards[j] is None or len(shards[j].rank_indices) != cp):
             got = None if shards[j] is None else len(shards[j].rank_indices)
@@ -377,7 +417,7 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
         if j not in inputs_of:
             lengths = plan.lengths[plan.micro_batches[j]]
             idx = torch.tensor(shards[j].rank_indices[cp_rank], dtype=torch.int64)
-            tokens, labels = pack_micro_batch(plan, j, doc_tokens)
+            tokens, labels = packed[j]
             positions = torch.from_numpy(packed_positions(lengths, plan.offsets[plan.micro_batches[j]]))
             targets_of[j] = int((labels[idx] != IGNORE).sum())
             inputs_of[j] = tuple(t.to(device) for t in (idx, tokens[idx], positions[idx], labels[idx]))
@@ -393,7 +433,7 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
     count = sum(targets_of[j] for j in mbs) if holds_loss else 0
     total_t = torch.tensor(float(count), dtype=torch.float64, device=device)
     if mesh is not None and dist.is_initialized():
-        with reporting_waits(step, rank, "the all-reduce of the global batch's target-token count"):
+        with waiting("the all-reduce of the global batch's target-token count"):
             dist.all_reduce(total_t)
     total = float(total_t)
     if total == 0:
@@ -430,7 +470,7 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
             live = boundary.alive()
             for d in live:
                 record.peak_live[d] = max(record.peak_live[d], live[d])
-        with reporting_waits(step, rank, lambda: "the pipeline p2p group " + ", ".join(
+        with waiting(lambda: "the pipeline p2p group " + ", ".join(
                 f"{op.kind} {op.direction} of micro-batch {mbs[op.micro]} with rank {peer_rank(op.peer)}"
                 for op in group)):
             for request in dist.batch_isend_irecv(ops):
@@ -464,7 +504,7 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
         started = timer.start()
         waited = (f"the {'forward' if phase == 'F' else 'backward'} of micro-batch {j} on virtual stage {vs} "
                   "(its CP all-gather / reduce-scatter, TP or FSDP collectives)")
-        with reporting_waits(step, rank, waited):
+        with waiting(waited):
             # an empty slot runs too, on zero rows: every rank then makes the same collectives
             # (FSDP2's gathers, TP's all-reduces) and sends the zero-row tensors the schedule has
             if phase == "F":
@@ -513,9 +553,9 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
                     p.grad = torch.zeros_like(p)  # a DTensor parameter gets a DTensor zero
                 grads.append(p.grad)
         if mesh.stage_group != SELF_GROUP:
-            with reporting_waits(step, rank, "the gradient all-reduce over the ranks that hold this stage"):
+            with waiting("the gradient all-reduce over the ranks that hold this stage"):
                 _all_reduce_flat(grads, mesh.stage_group)
-        with reporting_waits(step, rank, "the all-reduce of the loss"):
+        with waiting("the all-reduce of the loss"):
             dist.all_reduce(loss_sum)  # only last-stage ranks hold a share of the loss ...
         loss_sum /= mesh.tp  # ... and every TP rank of a stage holds the same one
     return float(loss_sum)
