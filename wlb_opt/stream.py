@@ -64,6 +64,9 @@ def _as_tokens(doc_id, tokens, what: str = "tokens") -> np.ndarray:
     arr = _as_array(doc_id, tokens, what)
     if arr.size == 0 and arr.dtype.kind in "fO":
         return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind == "O":  # Python ints beyond 64 bits, or mixed objects
+        raise ValueError(f"document {doc_id}: {what} must be integer token ids representable in int64, got "
+                         f"{[v for v in arr.tolist() if not isinstance(v, int) or not 0 <= v <= _INT64_MAX][:1]}")
     if arr.dtype.kind not in "iu":
         hint = " (a loss mask goes third: (doc_id, tokens, loss_mask))" if arr.dtype == bool else ""
         raise ValueError(f"document {doc_id}: {what} must be integer token ids, got dtype {arr.dtype}{hint}")
@@ -88,7 +91,7 @@ def _as_mask(doc_id, mask, n: int) -> np.ndarray:
         bad = (arr != 0) & (arr != 1)
         if bad.any():
             k = int(np.argmax(bad))
-            raise ValueError(f"document {doc_id}: loss_mask[{k}] = {arr[k]!r}; a loss mask holds booleans or 0/1 "
+            raise ValueError(f"document {doc_id}: loss_mask[{k}] = {arr[k].item()!r}; a loss mask holds booleans or 0/1 "
                              "(True where a token is a target)")
         arr = arr.astype(bool)
     if len(arr) != n:
