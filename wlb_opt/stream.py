@@ -12,9 +12,12 @@ it. `WLBStream` owns that bookkeeping:
 - it keeps the tokens of exactly the pieces the packer still holds (`cached_tokens`, bounded
   by the tokens the packer holds + `tokens_per_step` + `window`), and hands a step's placed
   pieces to its `Step`;
-- its state (`state_dict()`, and `step.state` after each step) is JSON: the packer's state,
-  the stream position and the tokens of held pieces. A fresh stream over the same source
-  continues with identical plans and tensors after `load_state_dict()`.
+- its state (`state_dict()`, and `step.state` after each step, drain steps included) is
+  JSON: the packer's state, the stream position, the tokens of held pieces and a
+  fingerprint of the source. A fresh stream over the same source continues with identical
+  plans and tensors after `load_state_dict()`, which checks every field, and the source
+  against the fingerprint, before it changes anything (docs/reliability.md says which
+  checks run at load and which when the source is read again).
 
 `WLBStream.from_dataset(dataset, ..., lengths=...)` plans from the lengths alone and reads a
 document's tokens only when a rank asks for a micro-batch that holds it.
@@ -444,7 +447,8 @@ class WLBStream:
             a 1-D integer list, numpy array or tensor; the mask True where a token is a
             target. Re-iterable (a list, a dataset) if the stream is to be resumed or run in a
             DataLoader worker. Ids are unique integers.
-        packer: a `WLBPacker`; `tokens_per_step` must fit its capacity (dp x n_micro x max_tokens).
+        packer: a `WLBPacker`; `tokens_per_step` must fit its capacity (dp x n_micro x max_tokens;
+            equal to it works).
         tokens_per_step: the global batch's token budget; each step takes pieces in data order
             while they fit.
         cp: context-parallel ranks to shard each micro-batch for (None: the cost model's).
