@@ -173,8 +173,8 @@ def soak_stream(seed: int, n_docs: int) -> dict:
 
 def test_stream_soak_smoke():
     totals = dict(steps=0, resumes=0, drain_resumes=0, tokens=0)
-    for seed in range(24):
-        for k, v in soak_stream(seed, 120).items():
+    for seed in range(40):
+        for k, v in soak_stream(seed, 200).items():
             totals[k] += v
     assert totals["drain_resumes"] > 0 and totals["resumes"] > 50
 
