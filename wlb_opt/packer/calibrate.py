@@ -14,16 +14,29 @@ of the candidates:
 The choice minimises mean imbalance among the candidates whose delay per token is within
 the packer's `delay_budget` (ties within 0.002: less delay), else the least delay.
 `thresholds="auto"` calibrates on the first global batch.
+
+Work. Two candidate sets that put every length of the bootstrap stream in the same queue
+plan the same stream, so each such class is run once (`_signature`; with release="group"
+or "marginal" the queues only store one pool, so only the first threshold counts). The
+runs are bounded by a work budget (`CALIBRATION_BUDGET`, counted in solver calls, not in
+seconds, so that every process and rank chooses the same thresholds). While running every
+class to the end fits the budget, that is what happens, and the choice is the one of
+running every candidate. Otherwise the classes race: they advance together, and at
+checkpoints (after 1, 2, 4, ... planned steps) the worse half is dropped, ranked by the same
+rule on the steps planned so far (`_Trial.estimate`), until the survivors' runs fit; if the
+budget runs out first, the choice is made among the survivors on what they planned (each
+candidate's `batches` in the record says how far it ran).
 """
 from __future__ import annotations
 
+import math
 import time
 from itertools import combinations
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .._validate import check_int, validate_lengths
+from .._validate import check_int, check_positive_real, validate_lengths
 from ..cost import CostModel
 
 if TYPE_CHECKING:
@@ -37,6 +50,19 @@ CALIBRATION_QUANTILES = (0.25, 0.5, 0.75)
 _IMBALANCE_TIE = 0.002
 # Candidates within this ratio of a shorter one are merged into it.
 _MERGE_RATIO = 1.05
+CALIBRATION_BUDGET = 1500.0
+"""Default work budget of a calibration, in units of `WORK_PIECES`: about 0.5 ms of CPU each
+on a loaded 2-core x86 host, so under a second in all."""
+WORK_PIECES = 128
+"""Calibration work: a solver call (one candidate packing of one step, the release policy's
+bookkeeping around it included) on n pieces counts 1 + n / WORK_PIECES units (its CPU time
+is about a fixed part plus one proportional to the pieces; they are equal near 400)."""
+# A run's work per step grows as its queues fill: its projection from the steps so far is
+# taken this much larger when deciding whether every run can finish.
+_PROJECTION_MARGIN = 1.25
+# Release policies whose queues only store one pool of outliers (release.py): their plans
+# depend on which pieces are outliers (length >= the first threshold), not on the levels.
+_POOLED = ("group", "marginal")
 
 
 def candidate_thresholds(cost: CostModel, sample, tokens_per_batch: int, n_micro_batches: int,
@@ -88,12 +114,165 @@ def _choose(results: list[dict], delay_budget: float) -> dict:
     return min(near, key=lambda r: (r["delay_per_token"], r["imbalance"]))
 
 
+def _rank(results: list[dict], delay_budget: float) -> list[dict]:
+    """`results` best first by `_choose` applied again to what is left."""
+    left, ranked = list(results), []
+    while left:
+        best = _choose(left, delay_budget)
+        ranked.append(best)
+        left = [r for r in left if r is not best]
+    return ranked
+
+
+def _signature(thresholds, lengths: np.ndarray, release: str) -> tuple:
+    """What the packer's plans of a stream of `lengths` depend on in `thresholds`: the queue
+    of every distinct length (with a pooled release policy, only whether it is an outlier)."""
+    if release in _POOLED:
+        return tuple((lengths >= thresholds[0]).tolist())
+    return tuple(np.searchsorted(np.asarray(thresholds), lengths, side="right").tolist())
+
+
+class _Meter:
+    """Calibration work so far: solver calls, a call on n pieces as 1 + n / WORK_PIECES."""
+
+    def __init__(self) -> None:
+        self.work = 0.0
+
+
+class _Metered:
+    """A packer's solve callback that adds its calls to a `_Meter` (a class, not a closure,
+    so that a deep copy of the packer solves with the copy and counts on the same meter)."""
+
+    def __init__(self, solve, meter: _Meter):
+        self.solve, self.meter = solve, meter
+
+    def __call__(self, first, rest):
+        self.meter.work += 1.0 + (len(first) + len(rest)) / WORK_PIECES
+        return self.solve(first, rest)
+
+
+class _Trial:
+    """One class of candidates: its packer on the bootstrap stream, advanced a batch at a time."""
+
+    def __init__(self, packer: WLBPacker, thresholds: list[int], meter: _Meter):
+        self.thresholds = thresholds
+        self.packer = packer._trial(thresholds)
+        # every step of the trial packs through `_solve` (release.py's callback): count it
+        self.packer._solve = _Metered(self.packer._solve, meter)
+        self.meter = meter
+        self.plans: list = []
+        self.work = 0.0
+        self.failed = False
+        self.result: dict | None = None
+
+    @property
+    def steps(self) -> int:
+        """Steps planned by `pack` so far (with lookahead K, K fewer than the batches)."""
+        return sum(plan is not None for plan in self.plans)
+
+    def advance(self, batches: list[np.ndarray], n: int, work_limit: float = math.inf) -> None:
+        """Pack batches up to `n`, or until the meter reaches `work_limit` (a ValueError, an
+        overload, ends the trial: not a choice)."""
+        before = self.meter.work
+        try:
+            while len(self.plans) < n and not self.failed and self.meter.work < work_limit:
+                self.plans.append(self.packer.pack(batches[len(self.plans)]))
+        except ValueError:
+            self.failed = True
+        self.work += self.meter.work - before
+
+    def evaluate(self) -> dict:
+        """The run's result: mean imbalance of its steps and delay per token, the stream
+        drained (the last packing of the trial)."""
+        drained = self.packer.drain()
+        # with lookahead=K the last K batches' steps are planned by the drain
+        late = drained[:sum(plan is None for plan in self.plans)]
+        imbalances = [plan.imbalance for plan in self.plans if plan is not None] + [plan.imbalance for plan in late]
+        self.result = dict(imbalance=float(np.mean(imbalances)),
+                           delay_per_token=self.packer.stats()["delay_per_token"], batches=len(self.plans))
+        return self.result
+
+    def estimate(self) -> dict:
+        """The same measures on the steps planned so far, without draining (the drain of a
+        short prefix would weigh its end, every held piece leaving at once): mean imbalance of
+        the steps, and delay per token of the placed pieces plus the wait the held ones have
+        accrued (a lower bound of theirs)."""
+        delay_tokens, tokens = 0, 0
+        for plan in self.plans:
+            if plan is None:
+                continue
+            placed = np.ones(len(plan.lengths), dtype=bool)
+            placed[plan.deferred] = False
+            delay_tokens += int((plan.delays()[placed] * plan.lengths[placed]).sum())
+            tokens += int(plan.lengths[placed].sum())
+        now = self.packer.step
+        for piece in self.packer.held_pieces():
+            if piece.arrival <= now:
+                delay_tokens += (now - piece.arrival) * piece.length
+                tokens += piece.length
+        imbalances = [plan.imbalance for plan in self.plans if plan is not None]
+        self.result = dict(imbalance=float(np.mean(imbalances)) if imbalances else 1.0,
+                           delay_per_token=delay_tokens / tokens if tokens else 0.0, batches=len(self.plans))
+        return self.result
+
+
+def _race(trials: list[_Trial], batches, budget: float | None, meter: _Meter, delay_budget: float,
+          lookahead: int) -> list[_Trial]:
+    """Run `trials` on `batches` within `budget` (None: all to the end) and return the
+    survivors, each with its `result` (see the module docstring): the runs that reach the
+    end are drained, the others estimated where they stopped. A dropped run keeps the
+    estimate it was dropped on, for the record."""
+    n_batches = len(batches)
+    alive = list(trials)
+    if budget is None:
+        for trial in alive:
+            trial.advance(batches, n_batches)
+    k = 0
+    while alive and min(len(trial.plans) for trial in alive) < n_batches:
+        # checkpoints after 1, 2, 4, ... planned steps (the first K batches plan none)
+        target = min(n_batches, lookahead + 2 ** k)
+        k += 1
+        n = len(alive[0].plans)
+        per_step = sum(trial.work / trial.steps for trial in alive if trial.steps)
+        last = False
+        if per_step and _PROJECTION_MARGIN * per_step * (target - n) > budget - meter.work:
+            # the budget ends the race: the survivors go as far as it allows
+            target, last = n + int((budget - meter.work) / (_PROJECTION_MARGIN * per_step)), True
+            if target <= n:
+                break
+        for trial in alive:
+            trial.advance(batches, target, work_limit=budget)
+        alive = [trial for trial in alive if not trial.failed]
+        if last or meter.work >= budget:
+            break
+        if target == n_batches or not alive:
+            continue
+        # every survivor's rest at its work per planned step so far (the drain's K steps included)
+        rest = sum(trial.work / max(1, trial.steps) * (n_batches - trial.steps) for trial in alive)
+        if _PROJECTION_MARGIN * rest <= budget - meter.work:
+            continue  # every survivor can finish within the budget
+        for trial in alive:
+            trial.estimate()
+        ranked = _rank([trial.result for trial in alive], delay_budget)
+        alive.sort(key=lambda trial: next(i for i, r in enumerate(ranked) if r is trial.result))
+        alive = alive[:max(1, math.ceil(len(alive) / 2))]
+    alive = [trial for trial in alive if not trial.failed]
+    for trial in alive:
+        if len(trial.plans) == n_batches:
+            trial.evaluate()
+        else:
+            trial.estimate()
+    return alive
+
+
 def calibrate_thresholds(packer: WLBPacker, sample_lengths, tokens_per_batch: int | None,
-                         n_batches: int) -> dict | None:
+                         n_batches: int, budget: float | None = CALIBRATION_BUDGET) -> dict | None:
     """Run `packer`'s configuration on a bootstrap stream for every candidate set of
-    thresholds; returns the calibration record (chosen `thresholds`, every candidate's
-    imbalance and delay per token, the stream's size, seconds), or None if the packer has
-    no queues (nothing to choose). The packer is not changed."""
+    thresholds, within `budget` units of work (solver calls; None: no bound; see the module
+    docstring); returns the calibration record (chosen `thresholds`, every candidate's
+    imbalance, delay per token and the bootstrap batches it was run on, the stream's size,
+    the work done, seconds), or None if the packer has no queues (nothing to choose). The
+    packer is not changed."""
     sample = validate_lengths(sample_lengths, "sample_lengths")
     if not len(sample):
         raise ValueError("sample_lengths is empty; calibration needs at least one document")
@@ -106,26 +285,33 @@ def calibrate_thresholds(packer: WLBPacker, sample_lengths, tokens_per_batch: in
     if tokens_per_batch is None:
         tokens_per_batch = min(int(sample.sum()), int(packer.capacity_tokens / 1.25))
     tokens_per_batch = check_int("tokens_per_batch", tokens_per_batch, 1)
+    if budget is not None:
+        budget = check_positive_real("budget", budget, "units of work (solver calls)", allow_inf=True)
     t0 = time.perf_counter()
     batches = bootstrap_batches(sample, tokens_per_batch, n_batches, packer.seed)
     grid = packer.candidate_thresholds(sample, tokens_per_batch)
-    results = []
-    for thresholds in combinations(grid, min(packer.n_queues, len(grid))):
-        trial = packer._trial(list(thresholds))
-        try:
-            plans = [trial.pack(batch) for batch in batches]
-        except ValueError:
+    lengths = np.unique(np.concatenate(batches))
+    candidates = [list(thresholds) for thresholds in combinations(grid, min(packer.n_queues, len(grid)))]
+    meter = _Meter()
+    classes: dict[tuple, _Trial] = {}
+    for thresholds in candidates:
+        key = _signature(thresholds, lengths, packer.release)
+        if key not in classes:
+            classes[key] = _Trial(packer, thresholds, meter)
+    trials = list(classes.values())
+    survivors = {id(trial) for trial in _race(trials, batches, budget, meter, packer.delay_budget, packer.lookahead)}
+    results, chosen_from = [], []
+    for thresholds in candidates:
+        trial = classes[_signature(thresholds, lengths, packer.release)]
+        if trial.failed or trial.result is None:
             continue  # overload under this candidate: not a choice
-        drained = trial.drain()
-        # with lookahead=K the last K batches' steps are planned by the drain
-        late = drained[:sum(plan is None for plan in plans)]
-        imbalances = [plan.imbalance for plan in plans if plan is not None] + [plan.imbalance for plan in late]
-        results.append(dict(thresholds=list(thresholds), imbalance=float(np.mean(imbalances)),
-                            delay_per_token=trial.stats()["delay_per_token"]))
+        results.append(dict(thresholds=thresholds, **trial.result))
+        if id(trial) in survivors:
+            chosen_from.append(results[-1])
     if not results:
         raise ValueError("calibration failed: every candidate overloaded the packer on the sample; "
                          "use a larger max_tokens or fewer tokens per global batch")
-    chosen = [int(x) for x in _choose(results, packer.delay_budget)["thresholds"]]
+    chosen = [int(x) for x in _choose(chosen_from or results, packer.delay_budget)["thresholds"]]
     return dict(thresholds=chosen, candidates=results, sample_pieces=int(len(sample)),
                 tokens_per_batch=tokens_per_batch, n_batches=n_batches, delay_budget=packer.delay_budget,
-                seconds=time.perf_counter() - t0)
+                work=meter.work, budget=None if budget is None or math.isinf(budget) else budget, runs=len(trials), seconds=time.perf_counter() - t0)
