@@ -49,7 +49,8 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from .._validate import check_choice, check_int, check_unique_pieces, validate_ids, validate_lengths, validate_offsets
+from .._validate import (INT64_MAX, check_choice, check_int, check_max_tokens, check_unique_pieces, validate_ids,
+                         validate_lengths, validate_offsets)
 from ..cost import CostModel, default_cost
 from ..cost_memory import resolve_max_tokens
 from ..pack import get_method, solve_pack
@@ -139,12 +140,13 @@ class WLBPacker:
         if not isinstance(self.cost, CostModel):
             raise ValueError(f"cost must be a wlb_opt.CostModel, got {type(self.cost).__name__}")
         # "auto": the largest max_tokens whose worst case fits in memory_bytes (cost_memory.py)
-        self.max_tokens = check_int("max_tokens", resolve_max_tokens(max_tokens, self.cost, memory_bytes), 1)
+        self.max_tokens = check_max_tokens(resolve_max_tokens(max_tokens, self.cost, memory_bytes))
         self.dp = self.cost.degree("dp", dp)
         self.max_delay = None if max_delay is None else check_int("max_delay", max_delay, 1)
         self.seed = check_int("seed", seed, 0)
         self.pp = self.cost.degree("pp", pp)
-        if not (isinstance(delay_budget, (int, float)) and delay_budget >= 0 and math.isfinite(delay_budget)):
+        if not (isinstance(delay_budget, (int, float)) and not isinstance(delay_budget, bool) and delay_budget >= 0
+                and math.isfinite(delay_budget)):
             raise ValueError(f"delay_budget must be a finite number of steps >= 0, got {delay_budget!r}")
         self.delay_budget = float(delay_budget)
         self.method = self._check_method(method)
@@ -175,6 +177,10 @@ class WLBPacker:
             self.thresholds: list[int] | None = None
         else:
             self.thresholds = check_thresholds(thresholds)
+            if self.thresholds and self.thresholds[-1] > self.max_tokens:
+                # no piece is longer than max_tokens: that queue would never hold anything
+                raise ValueError(f"thresholds {self.thresholds} must be <= max_tokens={self.max_tokens} (pieces are "
+                                 f"at most max_tokens long, so a queue above it stays empty)")
             if n_queues is not None and n_queues != len(self.thresholds):
                 raise ValueError(f"n_queues={n_queues!r} does not match the {len(self.thresholds)} thresholds "
                                  f"{self.thresholds}; pass n_queues=None or {len(self.thresholds)}")
@@ -284,6 +290,9 @@ class WLBPacker:
         lengths = validate_lengths(lengths)
         n = len(lengths)
         if ids is None:
+            if self._next_auto_id + n - 1 > INT64_MAX:
+                raise ValueError(f"ids: automatic ids would pass 2**63 - 1 (the next is {self._next_auto_id}, after "
+                                 f"the largest id given); pass ids explicitly")
             ids = np.arange(self._next_auto_id, self._next_auto_id + n, dtype=np.int64)
         else:
             ids = validate_ids(ids, n)
