@@ -16,11 +16,26 @@ MAX_TOKENS = 2**62
 """Token counts (each length, and their total) stay below this so int64 sums cannot wrap."""
 
 
-def check_int(name: str, value, low: int = 0) -> int:
-    """`value` as an int if it is an integer >= `low` (bools are not integers here)."""
+INT64_MAX = 2**63 - 1
+"""The largest integer an int64 array holds: ids, counts and limits above it would wrap."""
+
+
+def check_int(name: str, value, low: int = 0, high: int = INT64_MAX) -> int:
+    """`value` as an int if it is an integer >= `low` and <= `high` (default: it fits in
+    int64; bools are not integers here)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if value > high:
+        limit = {INT64_MAX: "2**63 - 1 (int64)", MAX_TOKENS - 1: "2**62 - 1 (token counts stay below 2**62)"}.get(
+            high, str(high))
+        raise ValueError(f"{name} must be an integer >= {low} and <= {limit}, got {value!r}")
     return int(value)
+
+
+def check_max_tokens(max_tokens) -> int:
+    """A micro-batch's token cap: an integer in [1, 2**62) (a length at the cap must be a
+    valid length, and sums of capacities must not wrap)."""
+    return check_int("max_tokens", max_tokens, 1, MAX_TOKENS - 1)
 
 
 def check_positive_real(name: str, value, unit: str = "", allow_inf: bool = False) -> float:
@@ -98,12 +113,19 @@ def validate_ids(ids, n: int, name: str = "ids") -> np.ndarray:
     arr = np.asarray(ids)
     if arr.ndim != 1 or len(arr) != n:
         raise ValueError(f"{name} must be a 1-D sequence of the same size as lengths ({n}), got shape {arr.shape}")
+    if arr.size and arr.dtype.kind == "O":
+        # Python ints outside int64 (2**64, or 2**63 next to a negative id) make an object array
+        for i, value in enumerate(arr.tolist()):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                break
+            if not -INT64_MAX - 1 <= value <= INT64_MAX:
+                raise ValueError(f"{name} must fit in int64 (-2**63 <= id < 2**63), got {value} at position {i}")
     if arr.size and arr.dtype.kind not in "iu":
         raise ValueError(f"{name} must be integers, got dtype {arr.dtype}")
     if arr.size and arr.dtype.kind == "u" and np.any(arr > np.uint64(2**63 - 1)):
         i = int(np.argmax(arr > np.uint64(2**63 - 1)))
         # a cast to int64 would wrap it to a negative id (and maybe onto another document's)
-        raise ValueError(f"{name} must fit in int64, got {int(arr[i])} at position {i}")
+        raise ValueError(f"{name} must fit in int64 (-2**63 <= id < 2**63), got {int(arr[i])} at position {i}")
     return arr.astype(np.int64)
 
 
@@ -116,6 +138,11 @@ def validate_offsets(offsets, n: int, name: str = "offsets") -> np.ndarray:
         i = int(np.argmin(arr))
         raise ValueError(f"{name} must be >= 0 (start of each piece inside its document), got {int(arr[i])} "
                          f"at position {i}")
+    if arr.size and arr.max() >= MAX_TOKENS:
+        i = int(np.argmax(arr))
+        # a document holds fewer than 2**62 tokens, and offset + length must not wrap
+        raise ValueError(f"{name} must be below 2**62 (start of each piece inside its document), got "
+                         f"{int(arr[i])} at position {i}")
     return arr
 
 

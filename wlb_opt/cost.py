@@ -34,6 +34,8 @@ from .specs import HardwareSpec, ModelSpec, ParallelSpec
 Phase = Literal["fwd", "bwd", "fwd_bwd"]
 PHASES: tuple[str, ...] = ("fwd", "bwd", "fwd_bwd")
 TERMS: tuple[str, ...] = ("attn", "linear", "comm", "doc_const", "mb_const")
+_DOC_TERMS = TERMS[:4]
+"""The terms that make a document cost something (mb_const is per micro-batch)."""
 FORMAT_VERSION = 3  # 3: + memory_model; 2: typed model / parallel / hardware; 1 (meta dicts); all load
 LAYOUT_DIMS: tuple[str, ...] = ("dp", "pp", "cp", "tp")
 _MAX_COEF = 1e9
@@ -122,6 +124,11 @@ class CostModel:
                 # overflows to inf and imbalances become NaN
                 check_real(f"CostModel.coef[{phase!r}][{term!r}]", self.coef[phase].get(term), high=_MAX_COEF,
                            unit="seconds")
+        if all(self.coef[phase][term] == 0 for phase in ("fwd", "bwd") for term in _DOC_TERMS):
+            # every document would cost 0 seconds: every plan reads as balanced, whatever it holds
+            raise ValueError(f"CostModel.coef: the document terms {_DOC_TERMS} are 0 in both phases, so every "
+                             f"document costs 0 seconds and no plan can be balanced; at least one must be > 0 "
+                             f"(e.g. linear, seconds per token); got {self.coef!r:.200}")
         check_real("CostModel.attn_flops_per_pair", self.attn_flops_per_pair, strict=True, high=_MAX_FLOPS)
         check_real("CostModel.attn_peak_flops", self.attn_peak_flops, strict=True, high=_MAX_FLOPS, unit="FLOP/s")
         check_real("CostModel.attn_bwd_ratio", self.attn_bwd_ratio, high=1e3)
@@ -165,8 +172,14 @@ class CostModel:
         """
         parallel = parallel or ParallelSpec()
         hardware = hardware or HardwareSpec.preset("h100")
-        if not 0.0 <= tp_comm_exposed <= 1.0 or not 0.0 <= cp_comm_exposed <= 1.0:
-            raise ValueError("tp_comm_exposed and cp_comm_exposed must be in [0, 1]")
+        for name, value in (("tp_comm_exposed", tp_comm_exposed), ("cp_comm_exposed", cp_comm_exposed)):
+            check_real(name, value, high=1.0)  # a fraction in [0, 1]; not a bool
+        for name, value, kind in (("model", model, ModelSpec), ("parallel", parallel, ParallelSpec),
+                                  ("hardware", hardware, HardwareSpec)):
+            if not isinstance(value, kind):
+                raise TypeError(f"CostModel.analytic: {name} must be a {kind.__name__}"
+                                f"{'' if name == 'model' else ' or None'}, got {type(value).__name__}")
+        tile = check_int("tile", tile, 1)
         L, h = model.layers, model.hidden
         split = parallel.tp * parallel.cp
         peak = hardware.peak_tflops * 1e12

@@ -31,11 +31,13 @@ embedding and LM head stay gathered, as the executor's FSDP2 keeps its root unit
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 import numpy as np
 
+from ._validate import check_positive_real
 from .specs import HardwareSpec, ModelSpec, ParallelSpec
 
 Dtype = Literal["bf16", "fp16", "fp32"]
@@ -228,8 +230,9 @@ class MemoryModel:
     def max_tokens(self, memory_bytes) -> int:
         """The largest `max_tokens` whose worst case fits in `memory_bytes` (binary search:
         `worst_peak` increases with tokens)."""
-        if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, float)) or not memory_bytes > 0:
-            raise ValueError(f"memory_bytes must be a positive number of bytes, got {memory_bytes!r}")
+        if (isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, float)) or not memory_bytes > 0
+                or not math.isfinite(memory_bytes)):
+            raise ValueError(f"memory_bytes must be a positive finite number of bytes, got {memory_bytes!r}")
         if self.worst_peak(1) > memory_bytes:
             static = max(sum(self.static_breakdown(s).values()) for s in range(self.parallel.pp))
             raise ValueError(f"memory_bytes={int(memory_bytes)} cannot hold one token: the worst stage needs "
@@ -295,10 +298,11 @@ def max_tokens_for(model: ModelSpec, parallel: ParallelSpec | None, hardware: Ha
 def resolve_max_tokens(max_tokens, cost, memory_bytes=None) -> int:
     """`max_tokens` itself, or with "auto" the largest that fits in `memory_bytes` under
     `cost`'s memory model (calibrated, else analytic from its model, layout and hardware)."""
-    if max_tokens != "auto":
+    if not (isinstance(max_tokens, str) and max_tokens == "auto"):
         if memory_bytes is not None:
             raise ValueError("memory_bytes is only read with max_tokens='auto'")
         return max_tokens
     if memory_bytes is None:
         raise ValueError("max_tokens='auto' needs memory_bytes (bytes of memory per GPU)")
+    check_positive_real("memory_bytes", memory_bytes, "bytes")  # finite: inf would fit any max_tokens
     return cost.memory_model_or_analytic().max_tokens(memory_bytes)

@@ -25,8 +25,8 @@ from typing import Callable, Literal
 
 import numpy as np
 
-from ._validate import (check_int, check_positive_real, check_unique_pieces, validate_ids, validate_lengths,
-                        validate_offsets)
+from ._validate import (check_int, check_max_tokens, check_positive_real, check_unique_pieces, validate_ids,
+                        validate_lengths, validate_offsets)
 from .cost import CostModel, default_cost
 from .cost_memory import resolve_max_tokens
 from .plan import PackPlan, SolveInfo
@@ -117,8 +117,8 @@ def solve_pack(
     t0 = time.perf_counter()
     lengths = validate_lengths(lengths)
     n_micro = check_int("n_micro", n_micro, 1)
-    if max_tokens != "auto":
-        max_tokens = check_int("max_tokens", max_tokens, 1)
+    if not (isinstance(max_tokens, str) and max_tokens == "auto"):
+        max_tokens = check_max_tokens(max_tokens)
     carried = check_int("carried", carried, 0)
     if carried > len(lengths):
         raise ValueError(f"carried={carried} is out of range: only {len(lengths)} documents were given")

@@ -216,8 +216,9 @@ class HardwareSpec:
     def __post_init__(self) -> None:
         _check_positive(self, "peak_tflops", "hbm_gbps", "nvlink_gbps", "network_gbps")
         _check_fraction(self, "gemm_efficiency", "attn_efficiency")
-        if not self.kernel_launch_s >= 0:
-            raise ValueError(f"HardwareSpec.kernel_launch_s must be >= 0, got {self.kernel_launch_s!r}")
+        value = self.kernel_launch_s
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf")):
+            raise ValueError(f"HardwareSpec.kernel_launch_s must be a finite number of seconds >= 0, got {value!r}")
 
     @classmethod
     def preset(cls, name: str) -> "HardwareSpec":

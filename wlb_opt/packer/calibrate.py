@@ -74,13 +74,11 @@ def candidate_thresholds(cost: CostModel, sample, tokens_per_batch: int, n_micro
     sample = np.asarray(sample, dtype=np.int64)
     per_token = float(cost.doc_cost(sample).sum() / sample.sum())
     fair = tokens_per_batch * per_token / n_micro_batches
-    grid = np.arange(1, max_tokens + 1, dtype=np.int64)
-    cum = cost.doc_cost(grid)
     raw = []
     for fraction in CALIBRATION_FRACTIONS:
-        k = int(np.searchsorted(cum, fraction * fair))
-        if k < max_tokens:
-            raw.append(int(grid[k]))
+        length = _shortest_costing(cost, fraction * fair, max_tokens)
+        if length is not None:
+            raw.append(length)
     if raw:
         outliers = np.sort(sample[sample >= raw[0]])
         if len(outliers) >= 2:
@@ -91,6 +89,19 @@ def candidate_thresholds(cost: CostModel, sample, tokens_per_batch: int, n_micro
         if not out or v > _MERGE_RATIO * out[-1]:
             out.append(v)
     return out
+
+
+def _shortest_costing(cost: CostModel, seconds: float, max_tokens: int) -> int | None:
+    """The shortest length in [1, max_tokens] whose `doc_cost` is >= `seconds`, or None. A
+    bisection (doc_cost does not decrease with length, in floating point too: every term
+    does not), so that a huge max_tokens costs no table of every length."""
+    if float(cost.doc_cost(max_tokens)[0]) < seconds:
+        return None
+    low, high = 0, max_tokens  # doc_cost(high) >= seconds; low is below every answer
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if float(cost.doc_cost(mid)[0]) >= seconds else (mid, high)
+    return high
 
 
 def bootstrap_batches(sample: np.ndarray, tokens_per_batch: int, n_batches: int, seed: int) -> list[np.ndarray]:
