@@ -2,10 +2,11 @@
 
 Two gloo ranks that hold the same PackPlan but shard a micro-batch differently (`per_doc`
 on one, `per_seq` on the other) make the same collectives and used to train silently on a
-wrong gradient; `train_step` now compares one digest per micro-batch over the PackPlan and
-the ShardPlans and raises on every rank, naming the step and the micro-batch. A rank that
+wrong gradient; `train_step` compares one digest per micro-batch over the PackPlan and the
+ShardPlans and raises on every rank, naming the step and the micro-batch. A rank that
 never arrives makes the other's wait fail after the group's timeout with the step, the
-rank and the operation in the message.
+rank, the operation and the rank that did not arrive in the message (tests/test_culprit.py
+has the other ways a rank fails).
 """
 from __future__ import annotations
 
@@ -96,6 +97,7 @@ def test_a_stalled_rank_is_reported_with_step_rank_and_operation(tmp_path):
     waited, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
     assert message.startswith("step 7, rank 0: the plan check"), message
     assert "did not complete" in message and "make_mesh(timeout=...)" in message
+    assert "Rank 1 did not arrive (never started this step" in message
     assert float(waited) < 7.5  # failed after the 3 s timeout, before the stalled rank woke up (8 s)
 
 

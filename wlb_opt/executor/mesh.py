@@ -205,4 +205,7 @@ def make_mesh(*, dp: int | None = None, pp: int = 1, cp: int = 1, tp: int = 1, d
         device_type = "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
     override = _timeout_options(timeout)
     device_mesh = init_device_mesh(device_type, (dp, pp, cp, tp), mesh_dim_names=DIMS, backend_override=override)
+    if override is not None:  # the stage group (and FSDP2's) is dp x cp flattened: it waits as long as the others
+        # (a fresh override: init_device_mesh consumes the dict it is given)
+        device_mesh[("dp", "cp")]._flatten("dp_cp", backend_override=_timeout_options(timeout)["dp"])
     return dataclasses.replace(Mesh.from_device_mesh(device_mesh), timeout_s=_timeout_seconds(timeout))

@@ -47,7 +47,7 @@ def culprits(world: int, rank: int, started: set, failed: set, raised: dict, tim
     raised = {q: text for q, text in raised.items() if q != rank}
     if raised:
         what = "; ".join(f"rank {q}: {raised[q]}" for q in sorted(raised))
-        return f"{_ranks_text(raised)} raised an error in this step and left it ({what})"
+        return f"{_ranks_text(raised)} did not arrive: raised an error in this step ({what})"
     unexplained = set(range(world)) - {rank} - set(failed)
     if not unexplained:
         return ("every other rank's wait failed as well: no rank raised or stayed away (the network or the backend "
@@ -55,13 +55,12 @@ def culprits(world: int, rank: int, started: set, failed: set, raised: dict, tim
     away, silent = unexplained - set(started), unexplained & set(started)
     if not (out_of_time or (timed_out and not silent)):
         return None
-    parts = []
-    if away:
-        parts.append(f"{_ranks_text(away)} never started this step (stalled or exited before it)")
-    if silent:
-        parts.append(f"{_ranks_text(silent)} started it but reported neither an error nor a failed wait "
-                     "(exited or stalled during the step)")
-    return f"{_ranks_text(unexplained)} did not arrive: " + "; ".join(parts)
+    before = "never started this step: stalled or exited before it"
+    during = "started it but reported neither an error nor a failed wait: exited or stalled during it"
+    if not silent or not away:
+        return f"{_ranks_text(unexplained)} did not arrive ({before if away else during})"
+    return (f"{_ranks_text(unexplained)} did not arrive ({_ranks_text(away)} {before}; {_ranks_text(silent)} "
+            f"{during})")
 
 
 class RollCall:
