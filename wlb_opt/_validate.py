@@ -113,12 +113,13 @@ def validate_ids(ids, n: int, name: str = "ids") -> np.ndarray:
     arr = np.asarray(ids)
     if arr.ndim != 1 or len(arr) != n:
         raise ValueError(f"{name} must be a 1-D sequence of the same size as lengths ({n}), got shape {arr.shape}")
-    if arr.size and arr.dtype.kind == "O":
-        # Python ints outside int64 (2**64, or 2**63 next to a negative id) make an object array
-        for i, value in enumerate(arr.tolist()):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                break
-            if not -INT64_MAX - 1 <= value <= INT64_MAX:
+    if arr.size and arr.dtype.kind in "fO":
+        # Python ints outside int64 make a float array (2**63 next to a small id, precision lost)
+        # or an object one (2**64): name the id, read from what was given
+        values = arr.tolist() if isinstance(ids, np.ndarray) else list(ids)
+        for i, value in enumerate(values):
+            if (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+                    and not -INT64_MAX - 1 <= value <= INT64_MAX):
                 raise ValueError(f"{name} must fit in int64 (-2**63 <= id < 2**63), got {value} at position {i}")
     if arr.size and arr.dtype.kind not in "iu":
         raise ValueError(f"{name} must be integers, got dtype {arr.dtype}")

@@ -235,6 +235,34 @@ def _calibrate_memory(bench: _BlockBench, window: int, device_name: str, dtype: 
                                                       stored_per_square=round(base.stored_per_square, 2)))
 
 
+def profile_device(device: str | None = None):
+    """The torch device to profile on: `device` (default: "cuda" if this machine has one,
+    else "cpu"), if this machine has it. Raises ValueError naming the device and what this
+    machine offers, before anything is measured (a missing GPU otherwise surfaces as torch's
+    error from the first tensor)."""
+    torch = require("torch", "profiling")
+    name = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    here = "cpu" + (f", cuda (cuda:0..cuda:{torch.cuda.device_count() - 1})" if torch.cuda.is_available() else "")
+    if not isinstance(name, str):
+        raise ValueError(f"device must be a torch device name such as 'cpu' or 'cuda', got {name!r}")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device {name!r} is not a torch device name; profiling runs on 'cpu' or 'cuda' "
+                         f"(this machine: {here})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: this machine has no CUDA device (torch.cuda.is_available() is "
+                             f"False); profile on --device cpu, or on a machine with a GPU")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    elif dev.type != "cpu":
+        raise ValueError(f"device {name!r}: profiling runs on 'cpu' or 'cuda', not {dev.type!r} "
+                         f"(this machine: {here})")
+    return dev
+
+
 def profile_block(model: ModelSpec, window: int = 512, n_samples: int = 16, device: str | None = None,
                   dtype: str | None = None, repeats: int = 3, seed: int = 0, show_progress: bool = True,
                   q_lens=(16, 64, 128, 256, 512, 1024), n_holdout: int | None = None, warmup: int = 1,
@@ -248,7 +276,7 @@ def profile_block(model: ModelSpec, window: int = 512, n_samples: int = 16, devi
     `window` small ("tiny", 512).
     """
     torch = require("torch", "profiling")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = profile_device(device)
     dt = getattr(torch, _TORCH_DTYPES[dtype_name(dtype)]) if dtype else (
         torch.bfloat16 if dev.type == "cuda" else torch.float32)
     n_holdout = max(3, n_samples // 3) if n_holdout is None else n_holdout
@@ -485,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, OSError) as exc:
         p.error(str(exc))
     torch = require("torch", "profiling")
-    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    on_gpu = profile_device(args.device).type == "cuda"  # a ValueError (one line, exit 2) if this machine lacks it
     if args.threads is not None or not on_gpu:
         torch.set_num_threads(args.threads or 1)
     samples = args.samples or (12 if args.quick else 24)

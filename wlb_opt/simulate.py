@@ -38,6 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ._validate import check_real
 from .plan import imbalance
 from .schedule import SCHEDULES, Op, Schedule, stage_order
 from .specs import ParallelSpec
@@ -65,11 +66,19 @@ class SimResult:
 
 
 # ---------------------------------------------------------------------- inputs
+def _seconds_array(values, name: str) -> np.ndarray:
+    """`values` as float64 seconds, if they are real numbers (not bools, strings or objects)."""
+    arr = np.asarray(values)
+    if arr.dtype.kind not in "iuf":
+        raise ValueError(f"{name} must hold seconds (real numbers), got dtype {arr.dtype} ({values!r:.60})")
+    return arr.astype(np.float64)
+
+
 def _chunk_costs(costs, name: str, virtual_stages: int) -> np.ndarray:
     """[pp, m] (split evenly over v chunks) or [pp, v, m] -> [pp, v, m] seconds."""
     if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, (int, np.integer)) or virtual_stages < 1:
         raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
-    arr = np.asarray(costs, dtype=np.float64)
+    arr = _seconds_array(costs, name)
     if arr.ndim == 2:
         arr = np.repeat(arr[:, None, :] / virtual_stages, virtual_stages, axis=1)
     elif arr.ndim != 3 or arr.shape[1] != virtual_stages:
@@ -99,8 +108,8 @@ def _validate(fwd, bwd, schedule: str, virtual_stages: int, p2p_s):
         # Megatron-LM's classic constraint: its grouped order deadlocks on a partial last group.
         raise ValueError(f"the interleaved schedule needs micro_batches to be a multiple of stages "
                          f"(pp={pp}), got {m}; use virtual_stages=1 or pad the step")
-    p2p = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (m,)) if np.ndim(p2p_s) == 0 else \
-        np.asarray(p2p_s, dtype=np.float64)
+    p2p = _seconds_array(p2p_s, "p2p_s")
+    p2p = np.broadcast_to(p2p, (m,)) if p2p.ndim == 0 else p2p
     if p2p.shape != (m,) or not np.all(np.isfinite(p2p)) or np.any(p2p < 0):
         raise ValueError(f"p2p_s must be seconds >= 0, a scalar or one per micro-batch ({m}), got {p2p_s!r}")
     return f, b, p2p
@@ -393,12 +402,11 @@ def compare_to_measured(sim: SimResult, measured_step_s: float, measured_stage_b
     stage's busy time. The pipeline executor records these per step; a calibration run feeds
     them here.
     """
-    if not measured_step_s > 0:
-        raise ValueError(f"measured_step_s must be > 0 seconds, got {measured_step_s!r}")
+    measured_step_s = check_real("measured_step_s", measured_step_s, strict=True, unit="seconds")
     out = dict(step_rel_error=sim.step_time_s / measured_step_s - 1.0)
     if measured_stage_busy_s is not None:
-        meas = np.asarray(measured_stage_busy_s, dtype=np.float64)
-        if meas.shape != sim.stage_busy_s.shape or np.any(meas <= 0):
+        meas = _seconds_array(measured_stage_busy_s, "measured_stage_busy_s")
+        if meas.shape != sim.stage_busy_s.shape or np.any(meas <= 0) or not np.all(np.isfinite(meas)):
             raise ValueError(f"measured_stage_busy_s must be {sim.stage_busy_s.shape[0]} positive seconds, "
                              f"got {measured_stage_busy_s!r}")
         out["stage_rel_error"] = (sim.stage_busy_s / meas - 1.0).tolist()
@@ -518,9 +526,17 @@ def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, s
     if p2p_s is None:
         p2p_all = p2p_seconds(plan.tokens, cost, parallel)
     else:
-        p2p_all = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (n_mb,))
+        p2p_all = _seconds_array(p2p_s, "p2p_s")
+        if p2p_all.ndim > 1 or p2p_all.size not in (1, n_mb) or not np.all(np.isfinite(p2p_all)) or np.any(p2p_all < 0):
+            raise ValueError(f"p2p_s must be seconds >= 0, a scalar or one per micro-batch ({n_mb}), got {p2p_s!r:.80}")
+        p2p_all = np.broadcast_to(p2p_all.reshape(-1), (n_mb,))
     if allreduce_s is None:
         allreduce_s = allreduce_seconds(cost, parallel)
+    else:
+        allreduce_s = check_real("allreduce_s", allreduce_s, unit="seconds")
+    for flag, value in (("search_order", search_order), ("use_dag", use_dag)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{flag} must be True or False, got {value!r}")
     v = virtual_stages if (schedule == "interleaved" and pp > 1) else 1
     sched = "interleaved" if v > 1 else "1f1b"
     sim = simulate_pipeline if use_dag else pipeline_recurrence
