@@ -176,9 +176,12 @@ class WLBPacker:
             self.n_queues = 2 if n_queues is None else check_int("n_queues", n_queues, 1)
             self.thresholds: list[int] | None = None
         else:
-            self.thresholds = check_thresholds(thresholds)
-            if self.thresholds and self.thresholds[-1] > self.max_tokens:
-                # no piece is longer than max_tokens: that queue would never hold anything
+            # no piece is longer than max_tokens: a queue above it would never hold anything (checked
+            # first too, for an integer too large for check_thresholds' float test)
+            above = [v for v in (thresholds if isinstance(thresholds, (list, tuple)) else ())
+                     if isinstance(v, int) and not isinstance(v, bool) and v > self.max_tokens]
+            self.thresholds = list(thresholds) if above else check_thresholds(thresholds)
+            if above or (self.thresholds and self.thresholds[-1] > self.max_tokens):
                 raise ValueError(f"thresholds {self.thresholds} must be <= max_tokens={self.max_tokens} (pieces are "
                                  f"at most max_tokens long, so a queue above it stays empty)")
             if n_queues is not None and n_queues != len(self.thresholds):
