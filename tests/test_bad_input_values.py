@@ -1,0 +1,214 @@
+"""Bad numeric values, rows of the bad-input table (`tests/test_bad_input.py` holds the checker):
+cost models that cost nothing, ids outside int64, caps and memory sizes out of range,
+thresholds above max_tokens, booleans where numbers go, and a profiling device this machine
+lacks. Each case is (id, call, exception type, message fragment); the fragment names what
+the message must mention."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import wlb_opt as wlb
+from test_bad_input import COST, LAID_OUT, PLAN, _check
+from wlb_opt.cli import main
+
+NAN, INF = math.nan, math.inf
+ZERO = dict(attn=0.0, linear=0.0, comm=0.0, doc_const=0.0, mb_const=0.0)
+TINY, CPU = wlb.ModelSpec.preset("tiny"), wlb.HardwareSpec.preset("cpu")
+
+
+def _cost(fwd=None, bwd=None, **kw):
+    return wlb.CostModel(coef={"fwd": {**ZERO, **(fwd or {})}, "bwd": {**ZERO, **(bwd or {})}},
+                         attn_flops_per_pair=1.0, **kw)
+
+
+def _hardware(**kw):
+    base = dict(peak_tflops=100.0, gemm_efficiency=0.5, attn_efficiency=0.4, hbm_gbps=1000.0, nvlink_gbps=100.0,
+                network_gbps=10.0)
+    return wlb.HardwareSpec(**{**base, **kw})
+
+
+def _pack(lengths=(5, 9, 3), n_micro=2, max_tokens=10, **kw):
+    return wlb.solve_pack(list(lengths), n_micro, max_tokens, COST, **kw)
+
+
+def _packer(**kw):
+    return wlb.WLBPacker(**{**dict(n_micro=2, max_tokens=100, cost=COST, thresholds=[50], max_delay=4), **kw})
+
+
+def _pack_twice(first_ids):
+    packer = _packer()
+    packer.pack([5], ids=first_ids)
+    return packer.pack([5, 6])  # automatic ids continue after the largest id given
+
+
+def _calibrate(**kw):
+    from wlb_opt.packer.calibrate import calibrate_thresholds
+
+    return calibrate_thresholds(_packer(thresholds="auto", n_queues=1), [5, 60, 70], None, 4, **kw)
+
+
+COST_CASES = [
+    ("CostModel.all_zero", lambda: _cost(), ValueError, "every document costs 0 seconds"),
+    ("CostModel.only_mb_const", lambda: _cost(fwd=dict(mb_const=1e-3), bwd=dict(mb_const=1e-3)), ValueError,
+     "document terms"),
+    ("CostModel.from_dict_all_zero", lambda: wlb.CostModel.from_dict(
+        {**COST.to_dict(), "coef": {"fwd": dict(ZERO), "bwd": dict(ZERO)}}), ValueError, "every document costs 0"),
+    ("CostModel.coef_bool", lambda: _cost(fwd=dict(attn=True)), ValueError, "CostModel.coef['fwd']['attn'] must be"),
+    ("CostModel.tile_bool", lambda: _cost(fwd=dict(linear=1.0), tile=True), ValueError, "CostModel.tile must be"),
+    ("CostModel.analytic_exposed_bool", lambda: wlb.CostModel.analytic(TINY, None, CPU, tp_comm_exposed=True),
+     ValueError, "tp_comm_exposed must be"),
+    ("CostModel.analytic_exposed_nan", lambda: wlb.CostModel.analytic(TINY, None, CPU, cp_comm_exposed=NAN),
+     ValueError, "cp_comm_exposed must be"),
+    ("CostModel.analytic_exposed_above_1", lambda: wlb.CostModel.analytic(TINY, None, CPU, tp_comm_exposed=1.5),
+     ValueError, "<= 1"),
+    ("CostModel.analytic_model_string", lambda: wlb.CostModel.analytic("7b"), TypeError,
+     "model must be a ModelSpec"),
+    ("CostModel.analytic_tile_bool", lambda: wlb.CostModel.analytic(TINY, None, CPU, tile=True), ValueError,
+     "tile must be an integer"),
+    ("HardwareSpec.kernel_launch_bool", lambda: _hardware(kernel_launch_s=True), ValueError,
+     "kernel_launch_s must be a finite number"),
+    ("HardwareSpec.kernel_launch_inf", lambda: _hardware(kernel_launch_s=INF), ValueError,
+     "kernel_launch_s must be a finite number"),
+    ("HardwareSpec.kernel_launch_nan", lambda: _hardware(kernel_launch_s=NAN), ValueError, "kernel_launch_s"),
+    ("HardwareSpec.peak_bool", lambda: _hardware(peak_tflops=True), ValueError, "peak_tflops must be"),
+    ("HardwareSpec.efficiency_bool", lambda: _hardware(gemm_efficiency=True), ValueError, "gemm_efficiency"),
+    ("ModelSpec.layers_bool", lambda: wlb.ModelSpec(hidden=64, layers=True, heads=4, ffn=128), ValueError,
+     "ModelSpec.layers must be an integer"),
+    ("ParallelSpec.dp_bool", lambda: wlb.ParallelSpec(dp=True), ValueError, "ParallelSpec.dp must be an integer"),
+]
+
+IDS_CASES = [
+    ("solve_pack.ids_2**63", lambda: _pack([5], ids=[2**63]), ValueError, "ids must fit in int64"),
+    ("solve_pack.ids_2**63_named", lambda: _pack([5, 3], ids=[1, 2**63]), ValueError, str(2**63)),
+    ("solve_pack.ids_2**64", lambda: _pack([5, 3], ids=[-1, 2**64]), ValueError, str(2**64)),
+    ("solve_pack.ids_below_int64", lambda: _pack([5, 3], ids=[0, -2**63 - 1]), ValueError, str(-2**63 - 1)),
+    ("solve_pack.ids_uint64_array", lambda: _pack([5], ids=np.array([2**63 + 7], np.uint64)), ValueError,
+     str(2**63 + 7)),
+    ("solve_pack.offsets_2**62", lambda: _pack([5, 3], offsets=[0, 2**62]), ValueError, "offsets must be below 2**62"),
+    ("solve_pack.offsets_2**64", lambda: _pack([5, 3], offsets=[0, 2**64]), ValueError, "offsets must fit in int64"),
+    ("WLBPacker.pack.ids_2**63", lambda: _packer().pack([5], ids=[2**63]), ValueError, "ids must fit in int64"),
+    ("WLBPacker.pack.ids_mixed", lambda: _packer().pack([5, 6], ids=[3, 2**63]), ValueError, str(2**63)),
+    ("WLBPacker.pack.ids_uint64", lambda: _packer().pack([5], ids=np.array([2**64 - 1], np.uint64)), ValueError,
+     str(2**64 - 1)),
+    ("WLBPacker.pack.auto_ids_overflow", lambda: _pack_twice([2**63 - 1]), ValueError,
+     "automatic ids would pass 2**63 - 1"),
+]
+
+MAX_TOKENS_CASES = [
+    ("solve_pack.max_tokens_2**63", lambda: _pack(max_tokens=2**63), ValueError, "max_tokens must be an integer >= 1 and"),
+    ("solve_pack.max_tokens_2**62", lambda: _pack(max_tokens=2**62), ValueError, "2**62"),
+    ("solve_pack.max_tokens_huge", lambda: _pack(max_tokens=10**30), ValueError, "max_tokens must be an integer"),
+    ("solve_pack.max_tokens_uint64", lambda: _pack(max_tokens=np.uint64(2**63)), ValueError, "max_tokens must be"),
+    ("WLBPacker.max_tokens_2**63", lambda: _packer(max_tokens=2**63, thresholds=None), ValueError,
+     "max_tokens must be an integer >= 1 and"),
+    ("WLBPacker.max_tokens_bool", lambda: _packer(max_tokens=True), ValueError, "max_tokens must be an integer"),
+    ("solve_pack.memory_bytes_inf", lambda: wlb.solve_pack([5], 1, "auto", LAID_OUT, memory_bytes=INF), ValueError,
+     "memory_bytes must be a finite number"),
+    ("solve_pack.memory_bytes_nan", lambda: wlb.solve_pack([5], 1, "auto", LAID_OUT, memory_bytes=NAN), ValueError,
+     "memory_bytes must be"),
+    ("WLBPacker.memory_bytes_inf", lambda: _packer(max_tokens="auto", cost=LAID_OUT, memory_bytes=INF), ValueError,
+     "memory_bytes must be a finite number"),
+    ("WLBPacker.memory_bytes_bool", lambda: _packer(max_tokens="auto", cost=LAID_OUT, memory_bytes=True), ValueError,
+     "memory_bytes must be"),
+    ("max_tokens_for.memory_bytes_inf", lambda: wlb.max_tokens_for(TINY, None, CPU, INF), ValueError,
+     "memory_bytes must be a positive finite number"),
+    ("WLBPacker.thresholds_above_max_tokens", lambda: _packer(thresholds=[50, 101]), ValueError,
+     "must be <= max_tokens=100"),
+    ("WLBPacker.thresholds_huge", lambda: _packer(thresholds=[2**70]), ValueError, "max_tokens=100"),
+]
+
+BOOL_CASES = [
+    ("WLBPacker.delay_budget_bool", lambda: _packer(delay_budget=True), ValueError, "delay_budget must be"),
+    ("WLBPacker.balance_tolerance_bool", lambda: _packer(balance_tolerance=True), ValueError, "balance_tolerance"),
+    ("WLBPacker.lookahead_bool", lambda: _packer(lookahead=True), ValueError, "lookahead must be an integer"),
+    ("WLBPacker.max_delay_bool", lambda: _packer(max_delay=True), ValueError, "max_delay must be an integer"),
+    ("WLBPacker.backlog_bool", lambda: _packer(max_backlog_tokens=True), ValueError, "max_backlog_tokens must be"),
+    ("WLBPacker.dp_bool", lambda: _packer(dp=True), ValueError, "dp must be an integer"),
+    ("solve_pack.carried_bool", lambda: _pack(carried=True), ValueError, "carried must be an integer"),
+    ("solve_pack.seed_bool", lambda: _pack(seed=True), ValueError, "seed must be an integer"),
+    ("solve_pack.dp_bool", lambda: _pack(dp=True), ValueError, "dp must be an integer"),
+    ("solve_pack.time_limit_bool", lambda: _pack(method="wlb", time_limit=True), ValueError, "time_limit must be"),
+    ("solve_shard.token_skew_bool", lambda: wlb.solve_shard([5, 9], 2, "hybrid", COST, token_skew=True), ValueError,
+     "token_skew must be a number"),
+    ("solve_shard.workers_bool", lambda: wlb.solve_shard([5, 9], 2, "cpsat", COST, workers=True), ValueError,
+     "workers must be an integer"),
+    ("simulate_step.p2p_bool", lambda: wlb.simulate_step(PLAN, None, COST, p2p_s=True), ValueError,
+     "p2p_s must hold seconds"),
+    ("simulate_step.p2p_nan", lambda: wlb.simulate_step(PLAN, None, COST, p2p_s=NAN), ValueError,
+     "p2p_s must be seconds >= 0"),
+    ("simulate_step.allreduce_bool", lambda: wlb.simulate_step(PLAN, None, COST, allreduce_s=True), ValueError,
+     "allreduce_s must be a finite number"),
+    ("simulate_step.allreduce_negative", lambda: wlb.simulate_step(PLAN, None, COST, allreduce_s=-1.0), ValueError,
+     "allreduce_s must be a finite number >= 0"),
+    ("simulate_step.allreduce_inf", lambda: wlb.simulate_step(PLAN, None, COST, allreduce_s=INF), ValueError,
+     "allreduce_s"),
+    ("simulate_step.search_order_string", lambda: wlb.simulate_step(PLAN, None, COST, search_order="yes"), ValueError,
+     "search_order must be True or False"),
+    ("simulate_pipeline.fwd_bool", lambda: wlb.simulate_pipeline(np.ones((2, 2), bool), np.ones((2, 2))), ValueError,
+     "fwd must hold seconds"),
+    ("simulate_pipeline.bwd_strings", lambda: wlb.simulate_pipeline(np.ones((2, 2)), [["1", "2"], ["3", "4"]]),
+     ValueError, "bwd must hold seconds"),
+    ("simulate_pipeline.p2p_bool", lambda: wlb.simulate_pipeline(np.ones((2, 2)), np.ones((2, 2)), p2p_s=True),
+     ValueError, "p2p_s must hold seconds"),
+    ("compare_to_measured.bool", lambda: wlb.simulate.compare_to_measured(
+        wlb.simulate_pipeline(np.ones((2, 2)), np.ones((2, 2))), True), ValueError, "measured_step_s must be"),
+    ("compare_to_measured.nan", lambda: wlb.simulate.compare_to_measured(
+        wlb.simulate_pipeline(np.ones((2, 2)), np.ones((2, 2))), NAN), ValueError, "measured_step_s must be"),
+    ("calibrate_thresholds.budget_bool", lambda: _calibrate(budget=True), ValueError, "budget must be"),
+    ("calibrate_thresholds.budget_zero", lambda: _calibrate(budget=0), ValueError, "budget must be"),
+]
+
+CASES = COST_CASES + IDS_CASES + MAX_TOKENS_CASES + BOOL_CASES
+
+
+@pytest.mark.parametrize("call, exc_type, fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_value_raises_a_clear_error(call, exc_type, fragment):
+    _check(call, exc_type, fragment)
+
+
+def test_a_saved_cost_model_that_costs_nothing_is_refused_on_load(tmp_path):
+    path = tmp_path / "cost.json"
+    COST.save(path)
+    text = path.read_text()
+    import json
+
+    d = json.loads(text)
+    d["coef"] = {"fwd": dict(ZERO), "bwd": dict(ZERO)}
+    path.write_text(json.dumps(d))
+    _check(lambda: wlb.CostModel.load(path), ValueError, "every document costs 0 seconds")
+
+
+def test_calibration_candidates_need_no_table_of_every_length():
+    """max_tokens near 2**62 must not allocate one cost per length (a bisection finds them)."""
+    from wlb_opt.packer.calibrate import candidate_thresholds
+
+    grid = candidate_thresholds(COST, [10, 2**40, 2**41], 2**42, 4, 2**62 - 1)
+    assert grid and all(1 <= g <= 2**62 - 1 for g in grid) and grid == sorted(grid)
+
+
+def _profile_cli(argv, capsys) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, f"exit status {code}, stderr: {err}"
+    assert "Traceback" not in err and err.count("\n") == 1, err  # one line
+    assert err.startswith("wlb-opt profile: error: "), err
+    return err
+
+
+def test_profile_on_a_missing_cuda_device_is_one_line_and_exit_2(capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    assert "has no CUDA device" in _profile_cli(["profile", "--device", "cuda", "--quick"], capsys)
+    assert "has no CUDA device" in _profile_cli(["profile", "--device", "cuda:1", "--quick"], capsys)
+
+
+@pytest.mark.parametrize("device, fragment", [("tpu", "device 'tpu' is not a torch device name"),
+                                              ("xla", "profiling runs on 'cpu' or 'cuda', not 'xla'"),
+                                              ("gpu0", "device 'gpu0'")])
+def test_profile_on_a_device_it_cannot_use_is_one_line_and_exit_2(device, fragment, capsys):
+    pytest.importorskip("torch")
+    assert fragment in _profile_cli(["profile", "--device", device, "--quick"], capsys)
