@@ -99,9 +99,8 @@ def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
     if np.any(arr >= MAX_TOKENS):
         i = int(np.argmax(arr >= MAX_TOKENS))
         raise ValueError(f"{name} must be token counts below 2**62, got {int(arr[i])} at index {i}")
-    if float(arr.sum(dtype=np.float64)) >= MAX_TOKENS and sum(arr.tolist()) >= MAX_TOKENS:
-        # int64 sums of token counts (micro-batches, cumulative offsets) would wrap (the float
-        # sum only screens: it rounds 2**62 - 1 up to 2**62)
+    if float(arr.sum(dtype=np.float64)) >= MAX_TOKENS:
+        # int64 sums of token counts (micro-batches, cumulative offsets) would wrap
         raise ValueError(f"{name} must hold fewer than 2**62 tokens in total, got about "
                          f"{float(arr.sum(dtype=np.float64)):.3e}")
     return arr
