@@ -380,3 +380,12 @@ def test_the_packer_state_checks_its_id_record():
     bad["lookahead_buffer"][0][1][2] = 10
     with pytest.raises(ValueError, match="twice"):
         wlb.WLBPacker(2, 64, COST, max_delay=3, lookahead=1).load_state_dict(bad)
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_the_state_of_a_resumed_stream_before_its_first_step_is_the_state_it_loaded(lookahead):
+    docs = pairs([40, 1000, 30, 500, 20])
+    for step in make(docs, window=128, lookahead=lookahead):
+        state = json.loads(json.dumps(step.state))
+        again = resumed_from(state, docs, window=128, lookahead=lookahead)
+        assert json.loads(json.dumps(again.state_dict())) == state, step.index

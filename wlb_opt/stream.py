@@ -154,6 +154,7 @@ class _SourceFingerprint:
         self._last: tuple | None = None  # (id, length, {piece offset: digest of the tokens before it})
         self._expect: tuple[int, bytes] | None = None  # (documents before the one in flight, their digest)
         self._in_flight: dict | None = None  # the state's record of the document in flight
+        self._loaded: dict | None = None  # the fingerprint of the state loaded, as it was
 
     @staticmethod
     def _next(digest: bytes, doc_id: int, length: int) -> bytes:
@@ -201,6 +202,8 @@ class _SourceFingerprint:
         self._last = (doc_id, length, prefixes if tokens is not None else None)
 
     def state(self, pending_from: int | None) -> dict:
+        if self._loaded is not None and (self._expect is not None or self._in_flight is not None):
+            return self._loaded  # resumed, and the source not read up to the checkpoint yet
         if pending_from is None or self._last is None:
             return {"digest": self.digest.hex(), "in_flight": None}
         doc_id, length, prefixes = self._last
@@ -234,6 +237,7 @@ class _SourceFingerprint:
         out._expect = (before, digest) if before else None
         out._in_flight = record
         out._saved = digest
+        out._loaded = {"digest": source["digest"], "in_flight": None if record is None else dict(record)}
         return out
 
     def check_lengths(self, lengths: np.ndarray, consumed: int) -> None:
@@ -719,6 +723,8 @@ class WLBStream:
 
     def _position(self) -> dict:
         pending_from = int(self._pending[0][1]) if self._pending else None
+        if self._skip_offset is not None:  # resumed, the document in flight not read again yet
+            pending_from = self._skip_offset
         if self._pending and self._pending[0][0] != self._pending[-1][0]:
             raise ValueError("the stream has no consistent state now: the packer refused the last batch, whose "
                              "pieces span two documents; resume from the state of the last step yielded "
@@ -809,6 +815,12 @@ class WLBStream:
         if fields["ended"] and (held or fields["pending_from"] is not None or not fields["draining"]):
             raise ValueError("state field ended=True, but the state still holds pieces (pending, held by the packer "
                              "or not draining): an ended stream holds nothing")
+
+    def __getstate__(self):
+        if self._source_iter is not None:
+            raise TypeError("a WLBStream that has started reading its source cannot be pickled or copied (a reader "
+                            "is in flight); checkpoint it with state_dict() and load that into a fresh stream")
+        return dict(self.__dict__)
 
     # ------------------------------------------------------------------ DataLoader
     def as_dataset(self):
