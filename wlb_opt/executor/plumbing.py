@@ -302,6 +302,9 @@ def pack_micro_batch(plan, j: int, data) -> tuple[torch.Tensor, torch.Tensor]:
     for i in plan.micro_batches[j]:
         lo, hi = int(plan.offsets[i]), int(plan.offsets[i] + plan.lengths[i])
         piece_tokens, piece_mask = _piece(data, int(plan.doc_ids[i]), lo, hi)
+        kind = piece_tokens.dtype
+        if kind == torch.bool or kind.is_floating_point or kind.is_complex:  # .long() would truncate silently
+            raise ValueError(f"document {int(plan.doc_ids[i])}: token ids must be integers, got dtype {kind}")
         tokens.append(piece_tokens)
         masks.append(piece_mask)
     if not tokens:

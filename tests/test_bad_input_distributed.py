@@ -1,0 +1,111 @@
+"""Bad input to the executor's step answers with a clear error of the library's own.
+
+The same table form as tests/test_bad_input.py (id, call, exception type, message fragment),
+checked by its `_check`: the type, a fragment that names the value or what would be valid,
+and an exception raised by this library's code. These run on one process; the cases that
+need several ranks (tokens that differ between ranks, replicas with other weights, a rank
+that fails or stalls) are in tests/test_rank_agreement.py and tests/test_culprit.py.
+"""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_bad_input import _check  # noqa: E402
+from test_training import VOCAB, doc_tokens, make_model, make_plan, make_shards  # noqa: E402
+
+
+class _Opaque(torch.nn.Module):
+    """A first stage that embeds through a plain parameter and declares `vocab_size`."""
+
+    def __init__(self, vocab_size=None):
+        super().__init__()
+        import wlb_opt.executor as ex
+
+        base = ex.split_stages(make_model(), 1)[0]
+        self.table = torch.nn.Parameter(base.embed.weight.detach().clone())
+        base.embed = None
+        self.base, self.hidden, self.head = base, base.hidden, base.head
+        if vocab_size is not None:
+            self.vocab_size = vocab_size
+
+    def forward(self, x, pos, attend):
+        return self.base(self.table[x], pos, attend)
+
+
+class _Empty(torch.nn.Module):
+    def forward(self, x, pos, attend):  # pragma: no cover - never reached
+        return x
+
+
+def _changed(doc_id: int, position: int, value):
+    def data(i):
+        tokens = doc_tokens(i)
+        if i == doc_id:
+            tokens = tokens.clone()
+            tokens[position] = value
+        return tokens
+    return data
+
+
+def _cases():
+    import wlb_opt.executor as ex
+
+    plan, cost = make_plan(1)
+    shards = make_shards(plan, cost, 1)
+
+    def step(model=None, plan=plan, shards=shards, data=doc_tokens, **kw):
+        return ex.train_step(make_model() if model is None else model, plan, shards, data=data, backend="torch", **kw)
+
+    return [
+        ("train_step.plan_none", lambda: step(plan=None), TypeError, "plan must be a wlb_opt.PackPlan, got NoneType"),
+        ("train_step.plan_dict", lambda: step(plan=plan.to_dict()), TypeError, "plan must be a wlb_opt.PackPlan"),
+        ("train_step.shards_none", lambda: step(shards=None), ValueError, "shards must be a list with one ShardPlan"),
+        ("train_step.shards_short", lambda: step(shards=shards[:1]), ValueError,
+         f"per micro-batch of the plan ({len(plan.micro_batches)}), got 1 entries"),
+        ("train_step.data_list", lambda: step(data=[1, 2, 3]), TypeError, "data must be a callable"),
+        ("train_step.mesh_string", lambda: step(mesh="dp=2"), TypeError, "mesh must be a wlb_opt.executor.Mesh"),
+        ("train_step.check_weights_string", lambda: step(check_weights="yes"), ValueError,
+         "check_weights must be None (check on the first call with these stages), True or False, got 'yes'"),
+        ("train_step.check_weights_int", lambda: step(check_weights=1), ValueError, "got 1"),
+        ("train_step.model_string", lambda: step(model="tiny"), ValueError, "model must be a torch.nn.Module"),
+        ("train_step.no_parameters", lambda: step(model=_Empty()), ValueError, "has no parameters"),
+        ("train_step.token_past_vocab", lambda: step(data=_changed(4, 3, VOCAB)), ValueError,
+         f"document 4 holds token id {VOCAB} at position 3"),
+        ("train_step.token_far_past_vocab", lambda: step(data=_changed(4, 3, 2**40)), ValueError,
+         f"token id {2**40} at position 3"),
+        ("train_step.token_negative", lambda: step(data=_changed(2, 33, -1)), ValueError,
+         "document 2 holds token id -1 at position 33"),
+        ("train_step.vocab_range", lambda: step(data=_changed(2, 0, -5)), ValueError, f"must be in [0, {VOCAB - 1}]"),
+        ("train_step.vocab_size_attribute", lambda: step(model=_Opaque(vocab_size=10)), ValueError,
+         "the first stage's vocab_size is 10, so token ids must be in [0, 9]"),
+        ("train_step.float_tokens", lambda: step(data=lambda i: doc_tokens(i).double() + 0.5), ValueError,
+         "token ids must be integers, got dtype torch.float64"),
+        ("train_step.bool_tokens", lambda: step(data=lambda i: doc_tokens(i) > 3), ValueError,
+         "token ids must be integers, got dtype torch.bool"),
+        ("train_step.short_document", lambda: step(data=lambda i: doc_tokens(i)[:3]), ValueError,
+         "a 1-D tensor of at least"),
+        ("train_step.loss_mask_shape", lambda: step(data=lambda i: (doc_tokens(i), torch.ones(2, dtype=torch.bool))),
+         ValueError, "loss mask of shape (2,)"),
+        ("train_step.loss_chunk_zero", lambda: step(loss_chunk=0), ValueError, "loss_chunk must be an integer >= 1"),
+        ("make_mesh.timeout_not_initialised", lambda: ex.make_mesh(timeout=-1), ValueError,
+         "needs torch.distributed initialised"),
+    ]
+
+
+_CASE_IDS = [c[0] for c in _cases()]
+
+
+@pytest.mark.parametrize("case_id", _CASE_IDS)
+def test_bad_step_input_raises_a_clear_error(case_id):
+    case = {c[0]: c for c in _cases()}[case_id]
+    _check(*case[1:])
+
+
+def test_the_vocabulary_check_passes_good_tokens_and_a_declared_vocabulary():
+    import wlb_opt.executor as ex
+
+    plan, cost = make_plan(1)
+    loss = ex.train_step(_Opaque(vocab_size=VOCAB), plan, make_shards(plan, cost, 1), data=doc_tokens, backend="torch")
+    assert loss > 0
