@@ -114,7 +114,7 @@ MAX_TOKENS_CASES = [
     ("WLBPacker.memory_bytes_bool", lambda: _packer(max_tokens="auto", cost=LAID_OUT, memory_bytes=True), ValueError,
      "memory_bytes must be"),
     ("max_tokens_for.memory_bytes_inf", lambda: wlb.max_tokens_for(TINY, None, CPU, INF), ValueError,
-     "memory_bytes must be a positive finite number"),
+     "memory_bytes must be a positive number of bytes (finite)"),
     ("WLBPacker.thresholds_above_max_tokens", lambda: _packer(thresholds=[50, 101]), ValueError,
      "must be <= max_tokens=100"),
     ("WLBPacker.thresholds_huge", lambda: _packer(thresholds=[2**70]), ValueError, "max_tokens=100"),

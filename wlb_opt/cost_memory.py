@@ -232,7 +232,7 @@ class MemoryModel:
         `worst_peak` increases with tokens)."""
         if (isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, float)) or not memory_bytes > 0
                 or not math.isfinite(memory_bytes)):
-            raise ValueError(f"memory_bytes must be a positive finite number of bytes, got {memory_bytes!r}")
+            raise ValueError(f"memory_bytes must be a positive number of bytes (finite), got {memory_bytes!r}")
         if self.worst_peak(1) > memory_bytes:
             static = max(sum(self.static_breakdown(s).values()) for s in range(self.parallel.pp))
             raise ValueError(f"memory_bytes={int(memory_bytes)} cannot hold one token: the worst stage needs "
