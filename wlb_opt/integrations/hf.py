@@ -16,11 +16,19 @@
   with -100 at each sequence's first token, the loss shifting inside; `hf_batch(step, j)`
   gives a micro-batch in that convention for a model's own forward, `to_hf_labels` converts.
 
-Sliding-window attention and logit soft-capping are not document-masked attention as this
-library computes it: a model that uses either gets a ValueError, not a silently different
-model. Nothing is downloaded: build models from configs.
+Sliding-window attention and attention-logit soft-capping are not document-masked attention
+as this library computes it: a model that uses either gets a ValueError, not a silently
+different model. What a family does around its layers (Granite's and HyperCLOVA X's embedding
+multiplier, Cohere's `logit_scale`, Granite's `logits_scaling`, Gemma 2's final logit
+soft-capping, ...) the stages re-apply, and `split_hf_stages` proves the result: before it
+returns, the stages chained reproduce the model's own logits on a short input, or it raises
+naming the first module whose output differs (see `split_hf_stages`). Nothing is downloaded:
+build models from configs.
 """
 from __future__ import annotations
+
+import contextlib
+import logging
 
 import numpy as np
 import torch
@@ -34,6 +42,7 @@ require("transformers", "wlb_opt.integrations.hf")
 NAME = "wlb"
 TESTED_TRANSFORMERS = "5.24.0"
 _registered = False
+_log = logging.getLogger("wlb_opt")
 
 
 # ---------------------------------------------------------------------- attention
@@ -64,8 +73,7 @@ def _check_supported(module, kwargs, dropout: float) -> None:
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     if window is not None:
         raise ValueError(f"attn_implementation='wlb' does not do sliding-window attention (sliding_window="
-                         f"{window}); disable it in the config (e.g. use_sliding_window=False) or use another "
-                         "attention implementation")
+                         f"{window}); {_SLIDING_HINT}")
     softcap = kwargs.get("softcap", getattr(getattr(module, "config", None), "attn_logit_softcapping", None))
     if softcap is not None:
         raise ValueError(f"attn_implementation='wlb' does not do logit soft-capping (softcap={softcap})")
@@ -78,6 +86,11 @@ def wlb_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
                   attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs):
     """The ``"wlb"`` attention function: transformers' [1, H, T, D] layout in, [1, T, H, D] out."""
     _check_supported(module, kwargs, dropout)
+    if isinstance(attention_mask, torch.Tensor):  # a prepared 4-D mask skips the mask hook and lands here
+        raise ValueError(f"attn_implementation='wlb' builds its mask from the documents (position_ids or "
+                         f"cu_seq_lens_q) and cannot apply a dense attention mask (got one of shape "
+                         f"{tuple(attention_mask.shape)} in {type(module).__name__}): pass no 4-D attention_mask; "
+                         "a model whose own code builds one is not supported")
     if query.shape[0] != 1:
         raise ValueError(f"attn_implementation='wlb' takes packed sequences: a batch of one row, got batch size "
                          f"{query.shape[0]} (pack the documents into one row with position_ids)")
@@ -95,8 +108,16 @@ def wlb_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     return out.unsqueeze(0), None
 
 
-def _no_mask(*args, **kwargs):
-    """The mask hook of ``"wlb"``: the segment table is the mask; no dense mask is built."""
+def _no_mask(*args, attention_mask=None, **kwargs):
+    """The mask hook of ``"wlb"``: the segment table is the mask; no dense mask is built.
+
+    The attention never sees a 2-D `attention_mask`, so one that masks any token (padding)
+    is refused here rather than ignored; an all-ones mask changes nothing and is accepted."""
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        hidden = int((~attention_mask.bool()).sum())
+        raise ValueError(f"attn_implementation='wlb' does not apply a padding attention_mask ({hidden} of "
+                         f"{attention_mask.numel()} tokens masked): pack the documents into one row without padding "
+                         "(position_ids, or hf_batch) and drop attention_mask, or pass an all-ones mask")
     return None
 
 
@@ -114,6 +135,46 @@ def register() -> None:
 
 
 # ---------------------------------------------------------------------- stages
+_SLIDING_HINT = ("build the model with sliding_window=None in its config (e.g. MistralConfig(..., "
+                 "sliding_window=None)); use_sliding_window=False alone does not clear it in every family "
+                 "(Mistral's attention reads sliding_window only)")
+
+
+def _sliding_windows(model: nn.Module, decoder: nn.Module) -> dict[int, object]:
+    """{layer index: window} of the layers that attend through a sliding window. A layer says so
+    itself (`self_attn.sliding_window`, Qwen2), or the config does: Mistral's attention reads
+    `config.sliding_window` at call time, and `layer_types` names the sliding layers (Gemma 2,
+    Cohere 2: their own forward builds a sliding mask for those, whatever the window)."""
+    cfg = model.config
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    found = {}
+    for i, layer in enumerate(decoder.layers):
+        own = getattr(getattr(layer, "self_attn", None), "sliding_window", None)
+        if own:
+            found[i] = own
+        elif types is not None:
+            if i < len(types) and "sliding" in str(types[i]):
+                found[i] = window
+        elif window is not None:
+            found[i] = window
+    return found
+
+
+def _sliding_hint(model: nn.Module, windows: dict) -> str:
+    """How to build the model without sliding-window layers, in the form its config takes."""
+    cfg, n = model.config, len(windows)
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and any("sliding" in str(t) for t in types):
+        if hasattr(cfg, "use_sliding_window"):
+            return ("build the model with sliding_window=None in its config (its layer_types then follow); "
+                    "use_sliding_window=False alone does not clear it in every family")
+        full = "['full_attention'] * num_hidden_layers"
+        return (f"build the model with layer_types={full} in its config (sliding layers: {n} of {len(types)}); "
+                "sliding_window=None alone leaves its own forward building sliding masks")
+    return _SLIDING_HINT
+
+
 def _parts(model: nn.Module):
     """(decoder, lm_head) of a causal LM built the usual way (model.model.layers, .norm,
     .embed_tokens, .rotary_emb; model.lm_head)."""
@@ -126,32 +187,75 @@ def _parts(model: nn.Module):
         raise ValueError(f"split_hf_stages needs a causal LM with .model.{{{', '.join(needed)}}} and .lm_head "
                          f"(Llama, Qwen2, Mistral, Granite, ...), got {type(model).__name__}")
     cfg = model.config
-    if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
-        if any(getattr(layer.self_attn, "sliding_window", None) for layer in decoder.layers):
-            raise ValueError(f"{type(model).__name__} uses sliding-window attention (sliding_window="
-                             f"{cfg.sliding_window}), which attn_implementation='wlb' does not do")
-    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "attn_logit_softcapping", None):
-        raise ValueError(f"{type(model).__name__} uses logit soft-capping, which the adapter does not support")
+    windows = _sliding_windows(model, decoder)
+    if windows:
+        layers = sorted(windows)
+        shown = ", ".join(map(str, layers[:8])) + (", ..." if len(layers) > 8 else "")
+        raise ValueError(f"{type(model).__name__} uses sliding-window attention (sliding_window="
+                         f"{windows[layers[0]]} in layers {shown}), which attn_implementation='wlb' does not do; "
+                         f"{_sliding_hint(model, windows)}")
+    if getattr(cfg, "attn_logit_softcapping", None):
+        raise ValueError(f"{type(model).__name__} uses attention logit soft-capping (attn_logit_softcapping="
+                         f"{cfg.attn_logit_softcapping}), which the adapter does not support; build it with "
+                         "attn_logit_softcapping=None to train it without")
     return decoder, head
 
 
-class _ScaledHead(nn.Module):
-    """The LM head with the model's logit scaling (Granite divides logits by `logits_scaling`)."""
+def _embedding_scale(model: nn.Module) -> float:
+    """The factor the model's decoder multiplies the token embeddings by before its first layer,
+    outside `embed_tokens` (Gemma's scale sits inside its embedding module: nothing here)."""
+    cfg = model.config
+    for name in ("embedding_multiplier", "embedding_scale"):  # Granite, HyperCLOVA X; HRM
+        value = getattr(cfg, name, None)
+        if value is not None:
+            return float(value)
+    if getattr(cfg, "model_type", None) == "afmoe" and getattr(cfg, "mup_enabled", False):
+        return float(cfg.hidden_size) ** 0.5
+    return 1.0
 
-    def __init__(self, head: nn.Module, divide_by: float):
+
+def _head_scaling(model: nn.Module) -> dict:
+    """What the model's forward does to the LM head's logits: ``multiply`` (Cohere's
+    `logit_scale`, HyperCLOVA X's `logits_scaling`), ``divide_by`` (Granite's `logits_scaling`)
+    and ``softcap`` (Gemma 2's `final_logit_softcapping`: ``cap * tanh(logits / cap)``)."""
+    cfg = model.config
+    multiply, divide_by = getattr(cfg, "logit_scale", None), None
+    scaling = getattr(cfg, "logits_scaling", None)
+    if scaling is not None:
+        if getattr(cfg, "model_type", None) == "hyperclovax":
+            multiply = scaling
+        else:
+            divide_by = scaling
+    softcap = getattr(cfg, "final_logit_softcapping", None)
+    return {"multiply": 1.0 if multiply is None else float(multiply),
+            "divide_by": 1.0 if divide_by is None else float(divide_by),
+            "softcap": None if not softcap else float(softcap)}
+
+
+class _ScaledHead(nn.Module):
+    """The LM head followed by the model's own logit transform, in transformers' order: the
+    scale, then the soft-cap (see `_head_scaling`)."""
+
+    def __init__(self, head: nn.Module, multiply: float = 1.0, divide_by: float = 1.0, softcap: float | None = None):
         super().__init__()
-        self.head, self.divide_by = head, float(divide_by)
+        self.head, self.multiply, self.divide_by, self.softcap = head, multiply, divide_by, softcap
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.head(h)
-        return logits / self.divide_by if self.divide_by != 1.0 else logits
+        if self.multiply != 1.0:
+            logits = logits * self.multiply
+        if self.divide_by != 1.0:
+            logits = logits / self.divide_by
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
 class HFStage(nn.Module):
     """A contiguous slice of a transformers causal LM for one (virtual) pipeline stage, with the
     executor's stage contract (see `wlb_opt.executor.model.Stage`): token ids [T] (first stage)
     or hidden states [T, hidden] in, hidden states out; the last stage applies the final norm
-    and exposes the LM head (with the model's logit scaling) as `head`. Shares the model's
+    and exposes the LM head (with the model's logit transform) as `head`. Shares the model's
     parameters; `blocks` are the model's own decoder layers."""
 
     def __init__(self, model: nn.Module, stage: int, n_stages: int):
@@ -165,13 +269,13 @@ class HFStage(nn.Module):
         bounds = [round(i * n / n_stages) for i in range(n_stages + 1)]
         self.hidden = int(cfg.hidden_size)
         self.embed = decoder.embed_tokens if stage == 0 else None
-        self.embedding_multiplier = float(getattr(cfg, "embedding_multiplier", 1.0) or 1.0)
+        self.embedding_multiplier = _embedding_scale(model)
         self.blocks = nn.ModuleList(decoder.layers[bounds[stage]:bounds[stage + 1]])
         # the rotary module has no parameters (only its inverse frequencies): every stage uses it
         object.__setattr__(self, "_rotary", decoder.rotary_emb)
         last = stage == n_stages - 1
         self.norm = decoder.norm if last else None
-        self.head = _ScaledHead(head, getattr(cfg, "logits_scaling", 1.0) or 1.0) if last else None
+        self.head = _ScaledHead(head, **_head_scaling(model)) if last else None
         self.tp_heads = (int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", None)
                                                            or cfg.num_attention_heads))
 
@@ -226,15 +330,32 @@ def _without_dummy_row(attend):
     return call
 
 
-
-
-def split_hf_stages(model: nn.Module, pp: int, virtual_stages: int = 1) -> list[HFStage]:
+def split_hf_stages(model: nn.Module, pp: int, virtual_stages: int = 1, *, self_check: bool = True) -> list[HFStage]:
     """The pp x virtual_stages stages of a transformers causal LM in pipeline order (decoder
     layers split evenly). Rank r holds ``split_hf_stages(model, pp, v)[r::pp]``. The model
-    must use ``attn_implementation="wlb"`` (`register()` first)."""
+    must use ``attn_implementation="wlb"`` (`register()` first).
+
+    Self-check (``self_check=True``, the default): before returning, the stages chained run a
+    short random input (two documents of 7 and 5 tokens, the second a piece continuing a
+    document at position 3) and must reproduce the model's own logits, computed by the
+    model's own forward with attn_implementation "sdpa" (or "eager" where the model has no
+    sdpa) one document per call with ``position_ids = offset + arange``: max |difference| <=
+    1e-5 x max |logit| in fp32 (1e-6 in fp64, 1e-2 in bf16/fp16). A mismatch raises a
+    ValueError naming the first module whose output differs (the embeddings, a decoder layer,
+    the final norm, or the head with its logit transform). It runs on the model's device
+    under ``torch.no_grad`` in eval mode, and leaves the RNG state (CPU and CUDA), every
+    module's training flag and every ``.grad`` as they were; a model on the meta device skips
+    it with one logged notice. Its cost is two forwards of the whole model over 12 tokens.
+
+    ``self_check=False`` skips it (for a model too large to run twice, say). The stages are
+    then unproven: a family that does something around its layers the adapter does not
+    reproduce (a scale on the embeddings or the logits, soft-capping, an extra input) trains
+    as a different model, with no error."""
     for name, value in (("pp", pp), ("virtual_stages", virtual_stages)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if not isinstance(self_check, bool):
+        raise TypeError(f"self_check must be True or False, got {self_check!r}")
     _parts(model)  # a causal LM of the usual layout, or a ValueError
     impl = getattr(model.config, "_attn_implementation", None)
     if impl != NAME:
@@ -245,15 +366,200 @@ def split_hf_stages(model: nn.Module, pp: int, virtual_stages: int = 1) -> list[
     if n > 1 and head.weight is decoder.embed_tokens.weight:
         raise ValueError("the model ties its LM head to its embeddings (tie_word_embeddings=True); the first and "
                          "last pipeline stages would hold one weight twice. Untie them for pp > 1")
-    return [HFStage(model, s, n) for s in range(n)]
+    stages = [HFStage(model, s, n) for s in range(n)]
+    if self_check:
+        _self_check(model, stages)
+    return stages
+
+
+# ---------------------------------------------------------------------- self-check
+_CHECK_DOCS = ((7, 0), (5, 3))  # (tokens, first position): a document, and a piece continuing one
+_CHECK_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+@contextlib.contextmanager
+def _isolated(modules, device: torch.device):
+    """Eval mode and no autograd inside; the RNG streams (CPU, and the model's CUDA device) and
+    every module's training flag restored after."""
+    flags = [(m, m.training) for root in modules for m in root.modules()]
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            for root in modules:
+                root.eval()
+            yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+@contextlib.contextmanager
+def _attention(model: nn.Module, impl: str):
+    """The model's configs switched to attn_implementation `impl` inside, restored after."""
+    configs = {id(c): c for m in model.modules() if hasattr(c := getattr(m, "config", None), "_attn_implementation")}
+    saved = [(c, c._attn_implementation) for c in configs.values()]
+    try:
+        for c, _ in saved:
+            c._attn_implementation = impl
+        yield
+    finally:
+        for c, value in saved:
+            c._attn_implementation = value
+
+
+def _checkpoints(model: nn.Module, decoder: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+    """(name, module, output?) in forward order: what enters each decoder layer and the final
+    norm (named after the module that produced it), then the norm's output."""
+    names = {id(m): n for n, m in model.named_modules()}
+    layers = list(decoder.layers)
+    points = [(f"the embeddings ({names[id(decoder.embed_tokens)]} and the scale after it)", layers[0], False)]
+    points += [(names[id(prev)], nxt, False) for prev, nxt in zip(layers, layers[1:] + [decoder.norm])]
+    return points + [(names[id(decoder.norm)], decoder.norm, True)]
+
+
+def _recording(points, store: list[list]):
+    """Hooks that append each checkpoint's tensor, as [tokens, features], to store[i]."""
+    def flat(t):
+        t = t[0] if isinstance(t, (tuple, list)) else t
+        return t.detach().reshape(-1, t.shape[-1]).clone()
+
+    handles = []
+    for i, (_, module, output) in enumerate(points):
+        if output:
+            handles.append(module.register_forward_hook(lambda m, a, out, i=i: store[i].append(flat(out))))
+        else:
+            def pre(m, args, kwargs, i=i):
+                store[i].append(flat(args[0] if args else kwargs["hidden_states"]))
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+    return handles
+
+
+def _run_recorded(points, run) -> tuple[list[torch.Tensor], torch.Tensor]:
+    store = [[] for _ in points]
+    handles = _recording(points, store)
+    try:
+        logits = run()
+    finally:
+        for h in handles:
+            h.remove()
+    return [torch.cat(s) if s else None for s in store], logits
+
+
+def _max_abs(t: torch.Tensor) -> float:
+    return float(t.double().abs().max()) if t.numel() else 0.0
+
+
+def _mismatch(got, ref, tol: float, noise=None) -> str | None:
+    """Why `got` is not `ref` within tol x max |ref| (or twice the gap between two correct
+    implementations, `noise`, where that is larger), or None."""
+    if got is None or ref is None or got.shape != ref.shape:
+        return f"shape {None if got is None else tuple(got.shape)} against {None if ref is None else tuple(ref.shape)}"
+    err, scale = _max_abs(got.double() - ref.double()), _max_abs(ref)
+    floor = 2 * _max_abs(noise.double() - ref.double()) if noise is not None and noise.shape == ref.shape else 0.0
+    if err <= max(tol * scale, floor) or err == 0.0:  # NaN fails both
+        return None
+    return f"max |difference| {err:.3g} against max |value| {scale:.3g}"
+
+
+def _self_check(model: nn.Module, stages: list[HFStage]) -> None:
+    """See `split_hf_stages`: the stages chained against the model's own forward."""
+    from ..kernels import doc_attention
+    from ..kernels.segments import segments_from_lengths
+
+    decoder, head = _parts(model)
+    weight = decoder.embed_tokens.weight
+    device, dtype = weight.device, weight.dtype
+    kind = type(model).__name__
+    if device.type == "meta":
+        _log.warning("split_hf_stages: %s is on the meta device; the self-check against its own forward is "
+                     "skipped (the stages are unproven)", kind)
+        return
+    tol = _CHECK_TOLERANCE.get(dtype, 1e-2)
+    gen = torch.Generator().manual_seed(0)
+    docs = [(torch.randint(0, weight.shape[0], (n,), generator=gen).to(device),
+             torch.arange(off, off + n).to(device)) for n, off in _CHECK_DOCS]
+    ids, positions = torch.cat([d[0] for d in docs]), torch.cat([d[1] for d in docs])
+    segments = segments_from_lengths([n for n, _ in _CHECK_DOCS])
+    # half precision: two correct forwards differ by a few units in the last place, which can
+    # exceed 1e-2 x max |logit| where logits are small (a fresh model); eager against sdpa
+    # measures that gap on this input, and twice it is allowed too
+    references = ["sdpa", "eager"] if getattr(model, "_supports_sdpa", False) else ["eager"]
+    if tol < 1e-2:
+        references = references[:1]
+
+    def attend(q, k, v, softmax_scale=None, **kwargs):
+        return doc_attention(q, k, v, segments, softmax_scale=softmax_scale, backend="torch")
+
+    def own(impl):
+        def run():
+            with _attention(model, impl):
+                return torch.cat([model(input_ids=t[None], position_ids=p[None], use_cache=False).logits[0]
+                                  for t, p in docs])
+        return run
+
+    def chained():
+        x = ids
+        for stage in stages:
+            x = stage(x, positions, attend)
+        return stages[-1].head(x)
+
+    points = _checkpoints(model, decoder)
+    with _isolated([model, *stages], device):
+        try:
+            refs = [_run_recorded(points, own(impl)) for impl in references]
+        except Exception as exc:
+            raise ValueError(f"split_hf_stages' self-check could not run {kind}'s own forward on its input "
+                             f"({type(exc).__name__}: {exc}); pass self_check=False to skip it, at the risk "
+                             "described in split_hf_stages' docstring") from exc
+        try:
+            got, logits = _run_recorded(points, chained)
+        except ValueError:
+            raise
+        except Exception as exc:
+            raise ValueError(f"split_hf_stages cannot run {kind}: its stages failed on the self-check's input "
+                             f"({type(exc).__name__}: {exc}); the adapter does not support this architecture") from exc
+    (ref, ref_logits), (noise, noise_logits) = refs[0], refs[-1] if len(refs) > 1 else (None, None)
+    why = _mismatch(logits, ref_logits, tol, noise_logits)
+    if why is None:
+        return
+    where = "the head (lm_head and the logit transform after it)"
+    for i, (name, _, _) in enumerate(points):
+        first = _mismatch(got[i], ref[i], tol, None if noise is None else noise[i])
+        if first is not None:
+            where, why = name, first
+            break
+    raise ValueError(f"split_hf_stages' self-check: the stages of {kind} do not reproduce the model's own forward "
+                     f"(attn_implementation={references[0]!r}, one document per call); the first output that differs "
+                     f"is {where} ({why}; allowed {tol:g} x max |value| in {dtype}). Training through these stages "
+                     "would train a different model: the adapter does not reproduce something this architecture "
+                     "does there")
 
 
 # ---------------------------------------------------------------------- labels
 def to_hf_labels(input_ids: torch.Tensor, lengths) -> torch.Tensor:
     """Transformers' labels of a packed row of pieces: the token ids, -100 at each piece's
-    first token (the model's loss shifts them: position t predicts labels[t + 1])."""
+    first token (the model's loss shifts them: position t predicts labels[t + 1]).
+
+    `input_ids` is a 1-D tensor, `lengths` the pieces' token counts in row order: integers
+    >= 1 that sum to the row's length."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"to_hf_labels takes input_ids as a 1-D tensor (one packed row), got {shape}")
+    raw = np.asarray(lengths.cpu() if isinstance(lengths, torch.Tensor) else lengths)
+    if raw.ndim != 1 or (raw.size and (raw.dtype == bool or not np.issubdtype(raw.dtype, np.integer))):
+        raise ValueError(f"to_hf_labels: lengths must be a 1-D sequence of integers, got {raw.tolist()!r} "
+                         f"(dtype {raw.dtype})")
+    n = input_ids.numel()
+    if raw.size and raw.min() < 1:
+        raise ValueError(f"to_hf_labels: lengths must be integers >= 1 (each a piece's token count), got "
+                         f"{raw[raw < 1][0]}")
+    if raw.size and raw.max() > n:
+        raise ValueError(f"to_hf_labels: lengths must sum to the row's {n} tokens, got a piece of {raw.max()}")
+    lengths = raw.astype(np.int64)
+    if int(lengths.sum()) != n:
+        raise ValueError(f"to_hf_labels: lengths must sum to the row's {n} tokens, got {int(lengths.sum())} "
+                         f"(lengths {lengths.tolist()})")
     labels = input_ids.clone()
-    lengths = np.asarray(lengths, dtype=np.int64)
     starts = np.cumsum(lengths) - lengths
     labels[torch.as_tensor(starts, dtype=torch.long)] = -100
     return labels
