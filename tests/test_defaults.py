@@ -247,3 +247,86 @@ def test_marginal_trims_only_within_the_carry_limit():
     packer = WLBPacker(4, 200, cost, thresholds=[50], release="marginal", balance_tolerance=2.0, max_backlog_tokens=30)
     plan = packer.pack([40] + [4] * 10, list(range(11)))
     assert plan.deferred_ids().tolist() == [] and sorted(plan.placed_ids().tolist()) == list(range(11))
+
+
+# ---------------------------------------------------------------- calibration's work budget
+def _timed_case_a():
+    """The packer and first batch whose calibration took 10.7 s of CPU before it had a budget."""
+    tiny = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), None, wlb.HardwareSpec.preset("cpu")).without_layout()
+    packer = WLBPacker(3, 33, cost=tiny, dp=2, thresholds="auto", n_queues=2, lookahead=3, release="marginal",
+                       max_delay=2)
+    return packer, np.random.default_rng(0).integers(1, 34, 12)
+
+
+@pytest.mark.filterwarnings("ignore:step 0")
+def test_calibration_on_the_timed_cases_chooses_what_running_every_candidate_chose():
+    # the thresholds every candidate's full run chose (recorded before the budget existed)
+    packer, batch = _timed_case_a()
+    assert packer.pack(batch) is None and packer.thresholds == [7, 10]
+    assert packer.calibration["work"] <= 1.25 * packer.calibration["budget"]
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=2),
+                                  wlb.HardwareSpec.preset("h100"))
+    packer = WLBPacker(4, 163840, cost, thresholds="auto", n_queues=2, lookahead=3, release="marginal", max_delay=2)
+    lengths, ids, offsets = data.global_batch("default", 131072, 8 * 131072)
+    packer.pack(lengths, ids, offsets)
+    assert packer.thresholds == [35473, 43641]
+
+
+def _every_candidate(packer, sample, n_batches):
+    """The reference: every candidate set run to the end on the bootstrap stream, one by one
+    (what calibration did before it grouped candidates and had a budget)."""
+    from itertools import combinations
+
+    from wlb_opt.packer.calibrate import _choose, bootstrap_batches
+
+    tokens = min(int(np.sum(sample)), int(packer.capacity_tokens / 1.25))
+    batches = bootstrap_batches(np.asarray(sample), tokens, n_batches, packer.seed)
+    grid = packer.candidate_thresholds(np.asarray(sample), tokens)
+    results = []
+    for thresholds in combinations(grid, min(packer.n_queues, len(grid))):
+        trial = packer._trial(list(thresholds))
+        try:
+            plans = [trial.pack(batch) for batch in batches]
+        except ValueError:
+            continue
+        late = trial.drain()[:sum(plan is None for plan in plans)]
+        results.append(dict(thresholds=list(thresholds), imbalance=float(np.mean(
+            [p.imbalance for p in plans if p is not None] + [p.imbalance for p in late])),
+            delay_per_token=trial.stats()["delay_per_token"]))
+    return _choose(results, packer.delay_budget)["thresholds"], results
+
+
+@pytest.mark.parametrize("release, lookahead", [("paper", 0), ("balance", 0), ("group", 2), ("marginal", 0),
+                                                ("marginal", 1)])
+def test_one_run_per_class_of_candidates_gives_every_candidates_results(release, lookahead):
+    from wlb_opt.packer.calibrate import calibrate_thresholds
+
+    rng = np.random.default_rng(7)
+    sample = np.concatenate([rng.integers(1, 30, 40), rng.integers(40, 100, 8)])
+    packer = WLBPacker(2, 100, COST, dp=2, thresholds="auto", n_queues=2, max_delay=3, release=release,
+                       lookahead=lookahead, seed=1)
+    want, reference = _every_candidate(packer, sample, 5)
+    record = calibrate_thresholds(packer, sample, None, 5, budget=None)
+    assert record["thresholds"] == want and record["runs"] <= len(reference)
+    if release in ("group", "marginal"):  # one pool: only the first threshold counts
+        assert record["runs"] == len({r["thresholds"][0] for r in reference}) < len(reference)
+    got = [{k: r[k] for k in ("thresholds", "imbalance", "delay_per_token")} for r in record["candidates"]]
+    assert got == reference
+
+
+def test_a_small_budget_bounds_the_work_and_stays_deterministic():
+    from wlb_opt.packer.calibrate import calibrate_thresholds
+
+    packer, batch = _timed_case_a()
+    first = calibrate_thresholds(packer, batch, None, 32, budget=200)
+    again = calibrate_thresholds(packer, batch, None, 32, budget=200)
+    assert first["thresholds"] == again["thresholds"] and first["candidates"] == again["candidates"]
+    assert first["work"] <= 300 and first["budget"] == 200
+    assert min(r["batches"] for r in first["candidates"]) < 32  # the race dropped or stopped some runs
+    # a budget every run fits in changes nothing
+    rng = np.random.default_rng(3)
+    sample = np.concatenate([rng.integers(1, 30, 60), rng.integers(40, 100, 10)])
+    small = WLBPacker(2, 100, COST, thresholds="auto", n_queues=2, release="paper", max_delay=3)
+    bounded, free = calibrate_thresholds(small, sample, None, 8), calibrate_thresholds(small, sample, None, 8, None)
+    assert bounded["candidates"] == free["candidates"] and bounded["thresholds"] == free["thresholds"]
+    assert all(r["batches"] == 8 for r in bounded["candidates"])
