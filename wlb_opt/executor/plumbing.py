@@ -57,20 +57,21 @@ def micro_batch_digests(plan, shards=None, tokens=None) -> list[tuple[str, str |
     return out
 
 
-def token_digest(tokens: torch.Tensor, targets: torch.Tensor) -> str:
-    """SHA-256 of a micro-batch's token ids (as int64) and of which of them are targets (its
-    labels' mask): equal on two ranks exactly when they would train on the same tokens."""
+def token_digest(tokens: torch.Tensor, labels: torch.Tensor) -> str:
+    """SHA-256 of a micro-batch's token ids (as int64) and of which of them have a target
+    (`labels` != IGNORE, packed to bits): equal on two ranks exactly when they would train on
+    the same tokens with the same loss mask."""
     h = hashlib.sha256()
     h.update(_host_array(tokens.to(torch.int64)))
-    h.update(_host_array(targets.to(torch.bool)))
+    h.update(np.packbits(_host_array(labels) != IGNORE))
     return h.hexdigest()
 
 
-def piece_digests(tokens: torch.Tensor, targets: torch.Tensor, lengths) -> list[str]:
+def piece_digests(tokens: torch.Tensor, labels: torch.Tensor, lengths) -> list[str]:
     """`token_digest` of every piece of a packed micro-batch (`lengths` in packed order)."""
     out, start = [], 0
     for n in np.asarray(lengths, dtype=np.int64).tolist():
-        out.append(token_digest(tokens[start: start + n], targets[start: start + n]))
+        out.append(token_digest(tokens[start: start + n], labels[start: start + n]))
         start += n
     return out
 

@@ -224,10 +224,6 @@ def _chunks(model) -> list[torch.nn.Module]:
     return chunks
 
 
-def _token_digest(tokens: torch.Tensor, labels: torch.Tensor) -> str:
-    return token_digest(tokens, labels != IGNORE)
-
-
 _WEIGHTS_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
 """Stage modules whose replicated weights passed the check -> the load_state_dict hooks that
 forget them again (registered on every submodule that holds parameters, so that loading
@@ -382,12 +378,12 @@ def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce
     if check_plan or weights is not None:
         mine = [shards[j] if int(plan.replica_of[j]) == dp_rank else None  # the other replicas' are not run here
                 for j in range(len(plan.micro_batches))]
-        tokens = [_token_digest(*packed[j]) if j in packed else None
+        tokens = [token_digest(*packed[j]) if j in packed else None
                   for j in range(len(plan.micro_batches))] if check_plan and distributed else None
 
         def pieces_of(j: int) -> list[str]:
             tokens_j, labels_j = packed[j]
-            return piece_digests(tokens_j, labels_j != IGNORE, plan.lengths[plan.micro_batches[j]])
+            return piece_digests(tokens_j, labels_j, plan.lengths[plan.micro_batches[j]])
 
         agree_on_step(plan, mine, step=step, where=f"{step_words(label)}: ", tokens=tokens, pieces_of=pieces_of,
                       finding=finding, local_error=local_error, weights=weights, check_plan=check_plan,
