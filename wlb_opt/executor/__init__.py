@@ -5,6 +5,8 @@
 - `gather_packed`: the differentiable rank-major all-gather + order restore it uses.
 - `check_same_plan`: ranks compare `plan.digest()` before executing a step;
   `broadcast_plan`: plan on one rank (e.g. an exact solver) and send the plan to the others.
+  `train_step` checks more in the same exchange (tokens within a replica, the vocabulary,
+  replicated weights); a wait that fails raises `PeerWaitError` naming who did not arrive.
 - `make_mesh`, `train_step`: CP x PP x DP groups and one training step of a PackPlan
   (variable-length 1F1B or interleaved pipeline issuing `p2p_schedule`'s groups, CP
   attention, DP gradient sums) with the loss normalised over the whole global batch;
@@ -24,12 +26,13 @@ from .cp_attention import (CPContext, PendingKV, context_parallel_attention, cp_
 from .mesh import Mesh, make_mesh  # noqa: E402
 from .model import Stage, TinyLM, split_stages  # noqa: E402
 from .plumbing import broadcast_plan, check_same_plan, local_inputs  # noqa: E402
+from .rollcall import PeerWaitError  # noqa: E402
 from .fsdp import apply_fsdp, fsdp_mesh  # noqa: E402
 from .tp import apply_tensor_parallel, tp_plan  # noqa: E402
 from .train import (StageOutputs, activation_dtype, pack_tokens, packed_labels, packed_positions,  # noqa: E402
                     target_tokens, train_step)
 
-__all__ = ["CPContext", "Mesh", "PendingKV", "P2POp", "Stage", "StageOutputs", "TinyLM", "activation_dtype", "apply_fsdp", "apply_tensor_parallel", "broadcast_plan",
+__all__ = ["CPContext", "Mesh", "PeerWaitError", "PendingKV", "P2POp", "Stage", "StageOutputs", "TinyLM", "activation_dtype", "apply_fsdp", "apply_tensor_parallel", "broadcast_plan",
            "check_same_plan", "context_parallel_attention", "cp_context", "fsdp_mesh", "gather_packed", "local_inputs",
            "make_mesh", "p2p_schedule", "pack_tokens", "packed_labels", "packed_order_index", "packed_positions", "prefetch_kv",
            "split_stages", "target_tokens", "tp_plan", "train_step"]

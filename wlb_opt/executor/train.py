@@ -14,6 +14,11 @@ groups of sends and receives posted together (`batch_isend_irecv`) and waited on
 an order that is deadlock-free without any buffering (NCCL's rendezvous), with every
 shape known from the plan (no shape handshake). Every micro-batch slot is scheduled, an
 empty one with zero-row tensors, so what runs is always `p2p_schedule(pp, n_micro, v)`.
+
+Before any of it the ranks agree, in one exchange (`plumbing.agree_on_step`): same plan and
+shards, same tokens within a replica, token ids inside the vocabulary, and on a first step
+the same replicated weights. Every wait names the ranks that did not arrive if it fails
+(`rollcall`). docs/reliability.md lists what is checked and what it costs.
 """
 from __future__ import annotations
 
