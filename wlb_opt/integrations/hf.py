@@ -271,6 +271,8 @@ class HFStage(nn.Module):
         self.embed = decoder.embed_tokens if stage == 0 else None
         self.embedding_multiplier = _embedding_scale(model)
         self.blocks = nn.ModuleList(decoder.layers[bounds[stage]:bounds[stage + 1]])
+        names = {id(m): name for name, m in model.named_modules()}
+        self.block_names = [names.get(id(b), f"blocks.{i}") for i, b in enumerate(self.blocks)]  # for messages
         # the rotary module has no parameters (only its inverse frequencies): every stage uses it
         object.__setattr__(self, "_rotary", decoder.rotary_emb)
         last = stage == n_stages - 1
