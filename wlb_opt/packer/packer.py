@@ -56,7 +56,7 @@ from ..cost_memory import resolve_max_tokens
 from ..pack import get_method, solve_pack
 from ..plan import PackPlan
 from ..solvers.deal import deal_to_replicas
-from .calibrate import calibrate_thresholds, candidate_thresholds
+from .calibrate import CALIBRATION_BUDGET, calibrate_thresholds, candidate_thresholds
 from .defaults import (DEFAULT_CUTOFF_SHARE, DEFAULT_MAX_DELAY, MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, TARGET_SHARE,
                        TOLERANCE_HIGH, TOLERANCE_LOW, adaptive_tolerance, running_displacement)
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
@@ -521,20 +521,24 @@ class WLBPacker:
         `wlb_opt.packer.calibrate`)."""
         return candidate_thresholds(self.cost, sample, tokens_per_batch, self.dp * self.n_micro, self.max_tokens)
 
-    def calibrate(self, sample_lengths, tokens_per_batch: int | None = None, n_batches: int = 32) -> list[int]:
+    def calibrate(self, sample_lengths, tokens_per_batch: int | None = None, n_batches: int = 32,
+                  budget: float | None = CALIBRATION_BUDGET) -> list[int]:
         """Choose n_queues thresholds by running this packer on a bootstrap stream.
 
         The stream is `n_batches` global batches of `tokens_per_batch` tokens (default: the
         sample's tokens, capped at dp x n_micro x max_tokens / 1.25) resampled from the sample
-        with this packer's seed. Every increasing n_queues-subset of `candidate_thresholds` is
-        run (same max_delay, then drained); the choice minimises mean imbalance among
+        with this packer's seed. The increasing n_queues-subsets of `candidate_thresholds`
+        are run (same max_delay, then drained), once per group of subsets that queue the
+        bootstrap stream alike, within `budget` units of work (solver calls, so every rank
+        chooses alike; None: no bound; past it the worse half of the groups is dropped at
+        checkpoints, see `calibrate.py`). The choice minimises mean imbalance among
         candidates whose delay per token is within `delay_budget` (ties within 0.002: less
         delay), else the least delay. Resets the stream; call before the first `pack`.
         Returns the thresholds (also recorded in `state_dict()`).
         """
         if self._step and (self._stats.totals["pieces"] or self._held or self.thresholds is not None):
             raise ValueError(f"calibrate must be called before the first step; this packer is at step {self._step}")
-        record = calibrate_thresholds(self, sample_lengths, tokens_per_batch, n_batches)
+        record = calibrate_thresholds(self, sample_lengths, tokens_per_batch, n_batches, budget)
         if record is None:  # no queues: nothing to choose
             self.thresholds = []
             return []

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections import deque
 from typing import NamedTuple
 
@@ -78,8 +79,11 @@ def check_thresholds(thresholds) -> list[int]:
                          f"got {thresholds!r}") from None
     out = []
     for i, v in enumerate(values):
-        if (isinstance(v, bool) or not isinstance(v, (int, np.integer, float, np.floating)) or not np.isfinite(v)
-                or v != int(v) or v <= 0):
+        if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+            ok = 0 < v <= 2**63 - 1  # no float test: an int beyond float range would overflow it
+        else:
+            ok = (isinstance(v, (float, np.floating)) and math.isfinite(v) and v == int(v) and 0 < v <= 2**63 - 1)
+        if not ok:
             raise ValueError(f"thresholds[{i}] must be a positive integer token count, got {v!r}")
         out.append(int(v))
     if any(b <= a for a, b in zip(out, out[1:])):
