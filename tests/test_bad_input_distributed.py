@@ -8,6 +8,7 @@ that fails or stalls) are in tests/test_rank_agreement.py and tests/test_culprit
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -84,6 +85,8 @@ def _cases():
          "token ids must be integers, got dtype torch.float64"),
         ("train_step.bool_tokens", lambda: step(data=lambda i: doc_tokens(i) > 3), ValueError,
          "token ids must be integers, got dtype torch.bool"),
+        ("train_step.uint64_tokens", lambda: step(data=lambda i: torch.from_numpy(
+            (doc_tokens(i).numpy().astype(np.uint64) + np.uint64(2**63)))), ValueError, "token ids must fit in int64"),
         ("train_step.short_document", lambda: step(data=lambda i: doc_tokens(i)[:3]), ValueError,
          "a 1-D tensor of at least"),
         ("train_step.loss_mask_shape", lambda: step(data=lambda i: (doc_tokens(i), torch.ones(2, dtype=torch.bool))),
@@ -107,5 +110,11 @@ def test_the_vocabulary_check_passes_good_tokens_and_a_declared_vocabulary():
     import wlb_opt.executor as ex
 
     plan, cost = make_plan(1)
-    loss = ex.train_step(_Opaque(vocab_size=VOCAB), plan, make_shards(plan, cost, 1), data=doc_tokens, backend="torch")
+    shards = make_shards(plan, cost, 1)
+    loss = ex.train_step(_Opaque(vocab_size=VOCAB), plan, shards, data=doc_tokens, backend="torch")
     assert loss > 0
+    # unsigned token arrays (a tokenized dataset's uint16) train as their int64 values
+    plain = ex.train_step(make_model(), plan, shards, data=doc_tokens, backend="torch")
+    narrow = ex.train_step(make_model(), plan, shards, data=lambda i: doc_tokens(i).numpy().astype(np.uint16),
+                           backend="torch")
+    assert narrow == plain

@@ -306,11 +306,14 @@ def pack_micro_batch(plan, j: int, data) -> tuple[torch.Tensor, torch.Tensor]:
         kind = piece_tokens.dtype
         if kind == torch.bool or kind.is_floating_point or kind.is_complex:  # .long() would truncate silently
             raise ValueError(f"document {int(plan.doc_ids[i])}: token ids must be integers, got dtype {kind}")
-        tokens.append(piece_tokens)
+        if kind == torch.uint64 and bool((piece_tokens.view(torch.int64) < 0).any()):  # .long() would wrap
+            raise ValueError(f"document {int(plan.doc_ids[i])}: token ids must fit in int64, got a uint64 id of "
+                             "2**63 or more")
+        tokens.append(piece_tokens.long())
         masks.append(piece_mask)
     if not tokens:
         return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-    tokens_t, mask_t = torch.cat(tokens).long(), torch.cat(masks)
+    tokens_t, mask_t = torch.cat(tokens), torch.cat(masks)
     lengths = plan.lengths[plan.micro_batches[j]]
     labels = packed_labels(tokens_t, lengths)
     target_is_real = torch.cat([mask_t[1:], torch.zeros(1, dtype=torch.bool)])
