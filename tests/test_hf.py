@@ -35,6 +35,8 @@ def config(family: str):
     if family == "granite":  # a softmax scale that is not 1/sqrt(head_dim), and the other multipliers
         return transformers.GraniteConfig(**SIZES, attention_multiplier=0.3, embedding_multiplier=2.0,
                                           residual_multiplier=0.5, logits_scaling=4.0)
+    if family == "cohere":  # logits * logit_scale after the head
+        return transformers.CohereConfig(**SIZES, logit_scale=0.25)
     raise ValueError(family)
 
 
@@ -98,7 +100,7 @@ def test_the_models_own_packed_forward_equals_one_document_at_a_time(family):
     torch.testing.assert_close(packed, alone, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("family", ["llama", "granite"])
+@pytest.mark.parametrize("family", ["llama", "granite", "cohere"])
 def test_one_process_train_step_through_the_adapter_equals_hf(family):
     model, ref = models(family)
     step = first_step(1, 1, 1)
