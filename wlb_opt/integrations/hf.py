@@ -204,14 +204,8 @@ def _parts(model: nn.Module):
 def _embedding_scale(model: nn.Module) -> float:
     """The factor the model's decoder multiplies the token embeddings by before its first layer,
     outside `embed_tokens` (Gemma's scale sits inside its embedding module: nothing here)."""
-    cfg = model.config
-    for name in ("embedding_multiplier", "embedding_scale"):  # Granite, HyperCLOVA X; HRM
-        value = getattr(cfg, name, None)
-        if value is not None:
-            return float(value)
-    if getattr(cfg, "model_type", None) == "afmoe" and getattr(cfg, "mup_enabled", False):
-        return float(cfg.hidden_size) ** 0.5
-    return 1.0
+    value = getattr(model.config, "embedding_multiplier", None)  # Granite, HyperCLOVA X
+    return 1.0 if value is None else float(value)
 
 
 def _head_scaling(model: nn.Module) -> dict:
@@ -422,26 +416,18 @@ def _checkpoints(model: nn.Module, decoder: nn.Module) -> list[tuple[str, nn.Mod
     return points + [(names[id(decoder.norm)], decoder.norm, True)]
 
 
-def _recording(points, store: list[list]):
-    """Hooks that append each checkpoint's tensor, as [tokens, features], to store[i]."""
-    def flat(t):
-        t = t[0] if isinstance(t, (tuple, list)) else t
-        return t.detach().reshape(-1, t.shape[-1]).clone()
-
-    handles = []
-    for i, (_, module, output) in enumerate(points):
-        if output:
-            handles.append(module.register_forward_hook(lambda m, a, out, i=i: store[i].append(flat(out))))
-        else:
-            def pre(m, args, kwargs, i=i):
-                store[i].append(flat(args[0] if args else kwargs["hidden_states"]))
-            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-    return handles
-
-
-def _run_recorded(points, run) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _run_recorded(points, run) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+    """run()'s result, and each checkpoint's tensors over the run as [tokens, features]."""
     store = [[] for _ in points]
-    handles = _recording(points, store)
+
+    def keep(i, t):
+        t = t[0] if isinstance(t, (tuple, list)) else t
+        store[i].append(t.detach().reshape(-1, t.shape[-1]).clone())
+
+    handles = [module.register_forward_hook(lambda m, a, out, i=i: keep(i, out)) if output else
+               module.register_forward_pre_hook(lambda m, a, kw, i=i: keep(i, a[0] if a else kw["hidden_states"]),
+                                                with_kwargs=True)
+               for i, (_, module, output) in enumerate(points)]
     try:
         logits = run()
     finally:
