@@ -337,7 +337,8 @@ def test_a_changed_document_in_flight_raises_before_it_is_trained_as_a_mix():
 @pytest.mark.parametrize("tokens, match", [
     (np.array([1, -2, 3]), r"tokens\[1\] = -2 is negative"),
     (np.array([1, 2**63 + 5], dtype=np.uint64), r"does not fit in int64"),
-    ([1, 2**64], "representable in int64"),
+    ([1, 2**64], r"tokens\[1\] = 18446744073709551616 does not fit in int64"),
+    ([5, True, 7], r"tokens\[1\] = True is a boolean"),
     (np.array([True, False]), "loss mask goes third"),
     (np.array([1.0, 2.0]), "integer token ids"),
 ])
@@ -389,3 +390,104 @@ def test_the_state_of_a_resumed_stream_before_its_first_step_is_the_state_it_loa
         state = json.loads(json.dumps(step.state))
         again = resumed_from(state, docs, window=128, lookahead=lookahead)
         assert json.loads(json.dumps(again.state_dict())) == state, step.index
+
+
+# ---------------------------------------------------------------------- what a lengths-only state cannot show
+
+class LengthsData:
+    def __init__(self, lengths):
+        self.lengths = np.asarray(lengths)
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        return doc_tokens(i, int(self.lengths[i]))
+
+
+LENGTHS = [30, 500, 20, 90, 100, 110, 15, 70, 200, 5] * 4
+
+
+def lengths_stream():
+    packer = wlb.WLBPacker(2, 128, COST, max_delay=3, lookahead=1, thresholds=[80])
+    return wlb.WLBStream.from_dataset(LengthsData(LENGTHS), packer, 200, window=128)
+
+
+def lengths_state():
+    for step in lengths_stream():
+        state = json.loads(json.dumps(step.state))
+        buffer = state["packer"]["lookahead_buffer"]
+        if state["packer"]["queues"][0] and state["pending_from"] is not None and buffer and buffer[0]:
+            return state
+    raise AssertionError("no step with a queued piece, a buffered one and a document in flight")
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda s: s.update(pending_from=s["pending_from"] + (128 if s["pending_from"] < 128 else -128)),
+     "section 'position'"),
+    (lambda s: s["packer"]["queues"][0].pop(), "section 'packer'"),
+    (lambda s: s["packer"]["queues"][0][0].__setitem__(0, -27), "not a piece of the dataset's documents"),
+    (lambda s: s["packer"]["queues"][0][0].__setitem__(2, s["packer"]["queues"][0][0][2] - 1),
+     "not a piece of the dataset's documents"),
+    (lambda s: s["packer"].__setitem__("lookahead_buffer", [[]]), "section 'packer'"),
+])
+def test_a_lengths_only_state_that_was_changed_is_refused_and_leaves_the_stream_fresh(change, match):
+    good = lengths_state()
+    bad = json.loads(json.dumps(good))
+    change(bad)
+    stream = lengths_stream()
+    with pytest.raises(ValueError, match=match):
+        stream.load_state_dict(bad)
+    stream.load_state_dict(good)
+    fresh = lengths_stream()
+    fresh.load_state_dict(good)
+    assert [values(s) for s in stream] == [values(s) for s in fresh]
+
+
+def test_a_refused_load_leaves_an_auto_threshold_packer_unchanged():
+    docs = pairs(lengths_with_a_tail(np.random.default_rng(8), 150, 256))
+    settings = dict(thresholds="auto", n_queues=2, n_micro=2, max_tokens=128, per_step=256)
+    state = json.loads(json.dumps(list(make(docs, **settings))[3].state))
+    state["step"] += 1
+    stream = make(docs, **settings)
+    with pytest.raises(ValueError, match="state field step"):
+        stream.load_state_dict(state)
+    assert stream.packer.thresholds is None and stream.packer.step == 0
+    assert [values(s) for s in stream] == [values(s) for s in make(docs, **settings)]
+
+
+def test_after_a_source_error_the_stream_refuses_to_go_on():
+    docs = pairs([50] * 40)
+    docs[20] = (20, [1, -5, 3])
+    stream = make(docs)
+    steps = []
+    with pytest.raises(ValueError, match=r"tokens\[1\] = -5"):
+        for step in stream:
+            steps.append(step)
+    with pytest.raises(ValueError, match="stopped on an error of its source"):
+        iter(stream)
+    fixed = list(docs)
+    fixed[20] = (20, doc_tokens(20, 3))
+    resumed = resumed_from(steps[-1].state, fixed)
+    ledger = Ledger(fixed)
+    for step in steps + list(resumed):
+        ledger.add(step)
+    assert ledger.check() == (0, 0)
+
+
+def test_an_overloaded_stream_resumes_with_a_larger_backlog_limit():
+    from wlb_opt.data import sample_documents
+
+    lengths = np.minimum(sample_documents(400, "default", seed=4), 6000)
+    docs = pairs(lengths.tolist())
+    settings = dict(n_micro=2, max_tokens=1024, per_step=2048, max_delay=3, lookahead=3, release="paper")
+    stream, steps = make(docs, **settings), []
+    with pytest.raises(ValueError, match="overload"):
+        for step in stream:
+            steps.append(step)
+    resumed = make(docs, **settings)
+    resumed.load_state_dict(json.loads(json.dumps(steps[-1].state)), max_backlog_tokens=10**7)
+    ledger = Ledger(docs)
+    for step in steps + list(resumed):
+        ledger.add(step)
+    assert ledger.check() == (0, 0)

@@ -28,7 +28,9 @@ Hugging Face adapter converts at its boundary (`wlb_opt.integrations.hf`).
 """
 from __future__ import annotations
 
+import copy
 import hashlib
+import json
 import struct
 import time
 from collections import deque
@@ -47,9 +49,26 @@ _IGNORE = -100
 _INT64_MAX = 2**63 - 1
 
 
+def _first_bad_value(values) -> tuple[int, object] | None:
+    """The first entry of a Python sequence that is not an int64-representable integer."""
+    for k, v in enumerate(values):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not -2**63 <= v <= _INT64_MAX:
+            return k, v
+    return None
+
+
 def _as_array(doc_id, values, what: str) -> np.ndarray:
     if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor, without importing torch
         values = values.detach().cpu().numpy()
+    if isinstance(values, (list, tuple)) and what != "loss_mask":
+        # numpy would read True as 1 and turn ints beyond int64 into floats or objects: look first
+        bad = _first_bad_value(values)
+        if bad is not None and isinstance(bad[1], (bool, np.bool_)):
+            raise ValueError(f"document {doc_id}: {what}[{bad[0]}] = {bad[1]!r} is a boolean, not a token id (a loss "
+                             "mask goes third: (doc_id, tokens, loss_mask))")
+        if bad is not None and isinstance(bad[1], (int, np.integer)):
+            raise ValueError(f"document {doc_id}: {what}[{bad[0]}] = {bad[1]} does not fit in int64; token ids must be "
+                             f"in [0, {_INT64_MAX}]")
     try:
         arr = np.asarray(values)
     except (OverflowError, ValueError):
@@ -57,6 +76,12 @@ def _as_array(doc_id, values, what: str) -> np.ndarray:
                          f"got {type(values).__name__}") from None
     if arr.ndim != 1:
         raise ValueError(f"document {doc_id}: {what} must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind == "O" and arr.size:  # objects: integers only, each within int64
+        bad = _first_bad_value(arr.tolist())
+        if bad is not None:
+            raise ValueError(f"document {doc_id}: {what}[{bad[0]}] = {bad[1]!r} is not an integer representable in "
+                             "int64")
+        arr = arr.astype(np.int64)
     return arr
 
 
@@ -67,9 +92,6 @@ def _as_tokens(doc_id, tokens, what: str = "tokens") -> np.ndarray:
     arr = _as_array(doc_id, tokens, what)
     if arr.size == 0 and arr.dtype.kind in "fO":
         return np.zeros(0, dtype=np.int64)
-    if arr.dtype.kind == "O":  # Python ints beyond 64 bits, or mixed objects
-        raise ValueError(f"document {doc_id}: {what} must be integer token ids representable in int64, got "
-                         f"{[v for v in arr.tolist() if not isinstance(v, int) or not 0 <= v <= _INT64_MAX][:1]}")
     if arr.dtype.kind not in "iu":
         hint = " (a loss mask goes third: (doc_id, tokens, loss_mask))" if arr.dtype == bool else ""
         raise ValueError(f"document {doc_id}: {what} must be integer token ids, got dtype {arr.dtype}{hint}")
@@ -275,7 +297,36 @@ def _state_int(field: str, value, low: int = 0, high: int = _INT64_MAX) -> int:
 
 
 _STATE_FIELDS = {"config": dict, "packer": dict, "step": int, "consumed": int, "pending_from": (int, type(None)),
-                 "draining": bool, "ended": bool, "source": dict, "cache_digest": str, "cache": list}
+                 "draining": bool, "ended": bool, "source": dict, "cache_digest": str, "cache": list,
+                 "integrity": dict}
+# What the integrity digest covers, section by section (the cache has its own digest).
+_SECTIONS = {"position": ("step", "consumed", "pending_from", "draining", "ended"), "packer": ("packer",),
+             "source": ("source",)}
+
+
+def _integrity(state: dict) -> dict:
+    """One digest per section of the state: a value changed after the state was saved is
+    caught even where it is valid on its own (a counter moved within its range, a held piece
+    deleted)."""
+    out = {}
+    for name, keys in _SECTIONS.items():
+        # through JSON first, so that the digest is that of the saved form (int keys become strings)
+        plain = json.loads(json.dumps([state[k] for k in keys]))
+        text = json.dumps(plain, sort_keys=True, separators=(",", ":"))
+        out[name] = hashlib.blake2b(text.encode(), digest_size=_DIGEST_BYTES).hexdigest()
+    return out
+
+
+def _check_integrity(state: dict) -> None:
+    saved = state["integrity"]
+    if set(saved) != set(_SECTIONS):
+        raise ValueError(f"state field integrity must hold the digests of {sorted(_SECTIONS)}, got {sorted(saved)}")
+    now = _integrity(state)
+    for name, keys in _SECTIONS.items():
+        if now[name] != saved[name]:
+            fields = ", ".join(keys)
+            raise ValueError(f"state section {name!r} ({fields}) was changed after the state was saved: its digest is "
+                             f"{now[name]}, the state says {saved[name]!r}; resume from an unaltered state")
 
 
 def _check_state_fields(state: dict) -> dict:
@@ -520,6 +571,7 @@ class WLBStream:
         self._skip_offset: int | None = None  # on resume: pieces of item consumed-1 before it were fed
         self._draining = False  # no more reads from the source: feed what was read, then drain the packer
         self._finished = False  # this process has yielded the last step
+        self._broken: Exception | None = None  # the source raised: the stream cannot go on
         self._source_iter = None  # one reader of the source for every iter() of this stream
         self._generation = 0  # which iter() is current (an older one raises when advanced)
         self._fingerprint = _SourceFingerprint()
@@ -559,17 +611,27 @@ class WLBStream:
                              f"{self._consumed}: resume over the source the state was saved with")
 
     def _read_one(self) -> bool:
-        """Read the next document into `_pending`; False at the end of the source."""
+        """Read the next document into `_pending`; False at the end of the source. An error
+        while reading breaks the stream: a later iter() raises rather than take the dead
+        reader for the end of data."""
         if self._source_iter is None:
             self._source_iter = self._items()
+        try:
+            return self._read_next()
+        except Exception as exc:
+            self._broken = exc
+            raise
+
+    def _read_next(self) -> bool:
         for i, doc_id, tokens, mask, length in self._source_iter:
             if length == 0:
                 raise ValueError(f"document {doc_id} (item {i}) has no tokens; drop empty documents before the stream")
             pieces, _, offsets = split_documents([length], self.window)
             skip, self._skip_offset = self._skip_offset, None
-            if skip is not None and not 0 <= skip < length:
-                raise ValueError(f"document {doc_id} (item {i}) has {length} tokens, but the state being resumed had "
-                                 f"fed it up to offset {skip}: resume over the source the state was saved with")
+            if skip is not None and skip not in set(offsets.tolist()):
+                raise ValueError(f"document {doc_id} (item {i}) of {length} tokens has no piece at offset {skip}, "
+                                 f"where the state being resumed says it was fed up to: resume over the source the "
+                                 "state was saved with")
             self._fingerprint.read(i, doc_id, length, tokens, mask, offsets.tolist(), resumed_at=skip)
             for n, off in zip(pieces.tolist(), offsets.tolist()):
                 if skip is not None and off < skip:
@@ -666,6 +728,10 @@ class WLBStream:
             yield step
 
     def _start(self) -> Iterator[Step]:
+        if self._broken is not None:
+            raise ValueError(f"this stream stopped on an error of its source ({self._broken}); nothing after the last "
+                             "step yielded was trained: resume from that step's state over a corrected source") \
+                from self._broken
         if self._finished:
             raise ValueError("this stream has ended: every step has been yielded. Build a new stream to train "
                              "again (a stream resumed from its final state yields nothing)")
@@ -715,10 +781,12 @@ class WLBStream:
 
         def build() -> dict:
             items = sorted(cache.items())
-            return {"version": STREAM_STATE_VERSION, "config": config, "packer": packer_state, **position,
-                    "source": source, "cache_digest": _cache_digest(items),
-                    "cache": [[k[0], k[1], t.tolist() if t is not None else None,
-                               m.tolist() if m is not None else None] for k, (t, m) in items]}
+            state = {"version": STREAM_STATE_VERSION, "config": config, "packer": packer_state, **position,
+                     "source": source, "cache_digest": _cache_digest(items),
+                     "cache": [[k[0], k[1], t.tolist() if t is not None else None,
+                                m.tolist() if m is not None else None] for k, (t, m) in items]}
+            state["integrity"] = _integrity(state)
+            return state
         return build
 
     def _position(self) -> dict:
@@ -741,10 +809,12 @@ class WLBStream:
         """The stream's state now (JSON-serialisable)."""
         return self._snapshot()()
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, max_backlog_tokens: int | None = None) -> None:
         """Continue from `state` (from `state_dict()` or `step.state`). The stream must be
         fresh and built over the same source with the same settings; it re-reads the source
-        from the start and skips what the state had consumed.
+        from the start and skips what the state had consumed. `max_backlog_tokens` raises the
+        packer's limit on reload (`WLBPacker.load_state_dict`), to resume a stream that
+        overloaded.
 
         Every field is checked before anything changes (ValueError naming the field), as is
         the state's consistency with the packer state it carries (the cached pieces are the
@@ -780,13 +850,11 @@ class WLBStream:
         fingerprint = _SourceFingerprint.from_state(state["source"], consumed, pending_from)
         if self._lengths is not None:
             fingerprint.check_lengths(self._lengths, consumed)
-        before = self.packer.state_dict()
-        self.packer.load_state_dict(state["packer"])  # checks its own fields; unchanged if it raises
-        try:
-            self._check_against_packer(state, cache, fields)
-        except ValueError:
-            self.packer.load_state_dict(before)
-            raise
+        scratch = copy.deepcopy(self.packer)  # checked on a copy: a refused state changes nothing
+        scratch.load_state_dict(state["packer"], max_backlog_tokens)  # checks its own fields
+        self._check_against_packer(scratch, cache, fields)
+        _check_integrity(state)
+        self.packer.load_state_dict(state["packer"], max_backlog_tokens)
         self._cache = cache
         self._step, self._consumed = fields["step"], consumed
         self._draining = fields["draining"]
@@ -796,11 +864,18 @@ class WLBStream:
         if self._dataset is not None:  # indices are ids: the prefix is not read again
             self._fingerprint.adopt_prefix()
 
-    def _check_against_packer(self, state: dict, cache: dict, fields: dict) -> None:
-        held = {piece.key: piece.length for piece in self.packer.held_pieces()}
-        if self.packer.step != fields["step"]:
+    def _check_against_packer(self, packer, cache: dict, fields: dict) -> None:
+        held = {piece.key: piece.length for piece in packer.held_pieces()}
+        if packer.step != fields["step"]:
             raise ValueError(f"state field step={fields['step']} does not match its packer state's step "
-                             f"{self.packer.step}")
+                             f"{packer.step}")
+        if self._lengths is not None:  # the pieces the packer holds are pieces of the dataset's documents
+            for (doc_id, off), length in held.items():
+                n = int(self._lengths[doc_id]) if 0 <= doc_id < len(self._lengths) else None
+                if n is None or off % self.window or off + length != min(n, off + self.window):
+                    raise ValueError(f"state field packer holds piece (id {doc_id}, offset {off}, {length} tokens), "
+                                     f"which is not a piece of the dataset's documents (ids 0..{len(self._lengths) - 1} "
+                                     f"cut at window={self.window}): resume over the source the state was saved with")
         if self._lengths is None:
             missing = sorted(set(held) - set(cache))
             extra = sorted(set(cache) - set(held))

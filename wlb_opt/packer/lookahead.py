@@ -95,9 +95,11 @@ class LookaheadBuffer:
                     raise ValueError(f"state_dict field {STATE_KEY}[{k}] holds {row!r}; a piece is "
                                      "[id, offset, length, arrival] (4 ints)")
                 piece = HeldPiece(*row)
-                if piece.length < 1 or piece.offset < 0 or piece.arrival != next_step + k:
-                    raise ValueError(f"state_dict field {STATE_KEY}[{k}] holds {row!r}: a buffered piece needs "
-                                     f"length >= 1, offset >= 0 and arrival {next_step + k} (its batch's step)")
+                if (not -2**63 <= piece.id < 2**63 or not 0 <= piece.offset < 2**63 or not 1 <= piece.length < 2**63
+                        or piece.arrival != next_step + k):
+                    raise ValueError(f"state_dict field {STATE_KEY}[{k}] holds {row!r}: a buffered piece needs an "
+                                     f"int64 id, 0 <= offset < 2**63, length >= 1 and arrival {next_step + k} (its "
+                                     "batch's step)")
                 pieces.append(piece)
             batches.append(pieces)
         return cls(batches)
