@@ -76,7 +76,7 @@ def _redigested(state):
     """`state` with its cache digest recomputed, so that the consistency checks are reached."""
     from wlb_opt.stream import _cache_digest, _decode_cache
 
-    state["cache_digest"] = _cache_digest(sorted(_decode_cache(state["cache"], lengths_only=False).items()))
+    state["fingerprint"]["cached_tokens"] = _cache_digest(sorted(_decode_cache(state["cache"], lengths_only=False).items()))
     return state
 
 
@@ -88,7 +88,7 @@ STATE_CASES = [
     ("state.version_old", lambda: _load(_changed("version", 1)), ValueError, "got version 1"),
     ("state.not_dict", lambda: _load([1]), ValueError, "not a WLBStream state"),
     *[(f"state.missing.{k}", (lambda k=k: _load(_changed(k, _DELETE))), ValueError, f"no field {k!r}")
-      for k in ("config", "packer", "step", "consumed", "pending_from", "draining", "ended", "source", "cache_digest",
+      for k in ("config", "packer", "step", "consumed", "pending_from", "draining", "ended", "fingerprint",
                 "cache", "integrity")],
     ("state.step_negative", lambda: _load(_changed("step", -1)), ValueError, "state field step must be an integer"),
     ("state.step_float", lambda: _load(_changed("step", 2.0)), ValueError, "state field step must be of type int"),
@@ -111,9 +111,10 @@ STATE_CASES = [
     ("state.cache_mask_ints", lambda: _load(_changed("cache.0.3", [1, 0])), ValueError, "list of booleans"),
     ("state.cache_id_huge", lambda: _load(_changed("cache.0.0", 2**63)), ValueError, "cache[0] id"),
     ("state.cache_wrong_length", lambda: _load(_cache_row_length_mismatch()), ValueError, "cache holds tokens that"),
-    ("state.cache_digest_altered", lambda: _load(_changed("cache_digest", "0" * 32)), ValueError,
+    ("state.cache_digest_altered", lambda: _load(_changed("fingerprint.cached_tokens", "0" * 32)), ValueError,
      "differ from those the state was saved with"),
-    ("state.cache_digest_not_hex", lambda: _load(_changed("cache_digest", 5)), ValueError, "cache_digest"),
+    ("state.cache_digest_not_hex", lambda: _load(_changed("fingerprint.cached_tokens", 5)), ValueError,
+     "fingerprint.cached_tokens must be a digest"),
     ("state.cache_missing_held_piece", lambda: _load(_redigested(_changed("cache", GOOD["cache"][1:]))), ValueError,
      "no tokens for held piece"),
     ("state.cache_extra_piece", lambda: _load(_redigested(_changed("cache", GOOD["cache"] + [[999, 0, [1], None]]))),
@@ -122,13 +123,14 @@ STATE_CASES = [
      "its packer state holds it with"),
     ("state.cache_not_held",
      lambda: _load(_changed("cache", GOOD["cache"][1:])), ValueError, "differ from those"),
-    ("state.source_not_dict", lambda: _load(_changed("source", {"digest": "00"})), ValueError, "state field source"),
-    ("state.source_digest_short", lambda: _load(_changed("source.digest", "abc")), ValueError,
-     "source.digest must be a digest"),
-    ("state.source_in_flight_missing", lambda: _load(_changed("source.in_flight", None)), ValueError,
-     "source.in_flight=None does not match pending_from"),
-    ("state.source_in_flight_length", lambda: _load(_changed("source.in_flight.length", 1)), ValueError,
-     "source.in_flight.length"),
+    ("state.fingerprint_keys", lambda: _load(_changed("fingerprint", {"documents": "00"})), ValueError,
+     "state field fingerprint must be"),
+    ("state.fingerprint_digest_short", lambda: _load(_changed("fingerprint.documents", "abc")), ValueError,
+     "fingerprint.documents must be a digest"),
+    ("state.fingerprint_in_flight_missing", lambda: _load(_changed("fingerprint.in_flight", None)), ValueError,
+     "fingerprint.in_flight=None does not match pending_from"),
+    ("state.fingerprint_in_flight_length", lambda: _load(_changed("fingerprint.in_flight.length", 1)), ValueError,
+     "fingerprint.in_flight.length"),
     ("state.packer_missing_field", lambda: _load(_changed("packer.max_id", _DELETE)), ValueError,
      "no field 'max_id'"),
     ("state.packer_next_auto_id", lambda: _load(_changed("packer.next_auto_id", 0)), ValueError,
@@ -142,8 +144,8 @@ STATE_CASES = [
     ("state.draining_flipped", lambda: _load(_changed("draining", True)), ValueError, "section 'position'"),
     ("state.consumed_moved", lambda: _load(_changed("consumed", GOOD["consumed"] + 1)), ValueError,
      "section 'position'"),
-    ("state.in_flight_prefix_null", lambda: _load(_changed("source.in_flight.prefix", None)), ValueError,
-     "section 'source'"),
+    ("state.in_flight_prefix_null", lambda: _load(_changed("fingerprint.in_flight.prefix", None)), ValueError,
+     "section 'fingerprint'"),
     ("state.packer_piece_deleted", lambda: _load(_changed("packer.queues.0", [])), ValueError,
      "which its packer state does not hold"),
     ("state.packer_buffer_offset_huge", lambda: _load(_changed("packer.lookahead_buffer.0.0.1", 2**63)), ValueError,

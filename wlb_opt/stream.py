@@ -227,39 +227,41 @@ class _SourceFingerprint:
         if self._loaded is not None and (self._expect is not None or self._in_flight is not None):
             return self._loaded  # resumed, and the source not read up to the checkpoint yet
         if pending_from is None or self._last is None:
-            return {"digest": self.digest.hex(), "in_flight": None}
+            return {"documents": self.digest.hex(), "in_flight": None}
         doc_id, length, prefixes = self._last
         prefix = None if prefixes is None else prefixes[pending_from].hex()
-        return {"digest": self._before_last.hex(),
+        return {"documents": self._before_last.hex(),
                 "in_flight": {"id": doc_id, "length": length, "prefix": prefix}}
 
     @classmethod
     def from_state(cls, source, consumed: int, pending_from: int | None) -> "_SourceFingerprint":
         """Parse and check the state's fingerprint; it is verified against the source later."""
-        if not isinstance(source, dict) or set(source) != {"digest", "in_flight"}:
-            raise ValueError(f"state field source must be a dict with keys 'digest' and 'in_flight', got {source!r}")
-        digest = _hex_digest("source.digest", source["digest"])
+        if not isinstance(source, dict) or set(source) != {"documents", "in_flight", "cached_tokens"}:
+            raise ValueError(f"state field fingerprint must be a dict with keys 'documents', 'in_flight' and "
+                             f"'cached_tokens', got {source!r}")
+        digest = _hex_digest("fingerprint.documents", source["documents"])
+        _hex_digest("fingerprint.cached_tokens", source["cached_tokens"])
         record = source["in_flight"]
         if (record is None) != (pending_from is None):
-            raise ValueError(f"state field source.in_flight={record!r} does not match pending_from={pending_from!r} "
+            raise ValueError(f"state field fingerprint.in_flight={record!r} does not match pending_from={pending_from!r} "
                              "(a document is in flight exactly when pieces of it are pending)")
         if record is not None:
             if not isinstance(record, dict) or set(record) != {"id", "length", "prefix"}:
-                raise ValueError(f"state field source.in_flight must be a dict with keys 'id', 'length' and "
+                raise ValueError(f"state field fingerprint.in_flight must be a dict with keys 'id', 'length' and "
                                  f"'prefix', got {record!r}")
-            _state_int("source.in_flight.id", record["id"], -2**63)
-            _state_int("source.in_flight.length", record["length"], pending_from + 1)
+            _state_int("fingerprint.in_flight.id", record["id"], -2**63)
+            _state_int("fingerprint.in_flight.length", record["length"], pending_from + 1)
             if record["prefix"] is not None:
-                _hex_digest("source.in_flight.prefix", record["prefix"])
+                _hex_digest("fingerprint.in_flight.prefix", record["prefix"])
         before = consumed - (record is not None)
         if before == 0 and digest != _EMPTY_DIGEST:
-            raise ValueError(f"state field source.digest={source['digest']!r} is not the fingerprint of an empty "
+            raise ValueError(f"state field fingerprint.documents={source['documents']!r} is not the fingerprint of an empty "
                              "prefix, but the state had read no document before the one in flight")
         out = cls()
         out._expect = (before, digest) if before else None
         out._in_flight = record
         out._saved = digest
-        out._loaded = {"digest": source["digest"], "in_flight": None if record is None else dict(record)}
+        out._loaded = {"documents": source["documents"], "in_flight": None if record is None else dict(record)}
         return out
 
     def check_lengths(self, lengths: np.ndarray, consumed: int) -> None:
@@ -297,11 +299,11 @@ def _state_int(field: str, value, low: int = 0, high: int = _INT64_MAX) -> int:
 
 
 _STATE_FIELDS = {"config": dict, "packer": dict, "step": int, "consumed": int, "pending_from": (int, type(None)),
-                 "draining": bool, "ended": bool, "source": dict, "cache_digest": str, "cache": list,
+                 "draining": bool, "ended": bool, "fingerprint": dict, "cache": list,
                  "integrity": dict}
 # What the integrity digest covers, section by section (the cache has its own digest).
 _SECTIONS = {"position": ("step", "consumed", "pending_from", "draining", "ended"), "packer": ("packer",),
-             "source": ("source",)}
+             "fingerprint": ("fingerprint",)}
 
 
 def _integrity(state: dict) -> dict:
@@ -782,7 +784,7 @@ class WLBStream:
         def build() -> dict:
             items = sorted(cache.items())
             state = {"version": STREAM_STATE_VERSION, "config": config, "packer": packer_state, **position,
-                     "source": source, "cache_digest": _cache_digest(items),
+                     "fingerprint": {**source, "cached_tokens": _cache_digest(items)},
                      "cache": [[k[0], k[1], t.tolist() if t is not None else None,
                                 m.tolist() if m is not None else None] for k, (t, m) in items]}
             state["integrity"] = _integrity(state)
@@ -843,11 +845,11 @@ class WLBStream:
             raise ValueError(f"state field consumed={consumed} is past the end of the dataset ({len(self._dataset)} "
                              "documents): resume over the source the state was saved with")
         cache = _decode_cache(state["cache"], lengths_only=self._lengths is not None)
+        fingerprint = _SourceFingerprint.from_state(state["fingerprint"], consumed, pending_from)
         digest = _cache_digest(sorted(cache.items()))
-        if digest != state["cache_digest"]:
+        if digest != state["fingerprint"]["cached_tokens"]:
             raise ValueError(f"state field cache holds tokens that differ from those the state was saved with "
-                             f"(digest {digest}, the state says {state['cache_digest']})")
-        fingerprint = _SourceFingerprint.from_state(state["source"], consumed, pending_from)
+                             f"(digest {digest}, fingerprint.cached_tokens says {state['fingerprint']['cached_tokens']!r})")
         if self._lengths is not None:
             fingerprint.check_lengths(self._lengths, consumed)
         scratch = copy.deepcopy(self.packer)  # checked on a copy: a refused state changes nothing
