@@ -125,6 +125,22 @@ def test_lookahead_zero_reproduces_the_plans_of_the_packer_before_lookahead():
         assert digests == run_ref["digests"], name
 
 
+def test_the_no_tuning_defaults_reproduce_their_recorded_plans():
+    # WLBPacker(n_micro, max_tokens, cost) with no policy given, at lookahead 0, 2 and 4
+    # (tests/data/make_packer_default_digests.py)
+    ref = json.loads((Path(__file__).parent / "data" / "packer_default_digests.json").read_text())
+    cost, st_ = _cost_7b(), ref["stream"]
+    for name, run_ref in ref["runs"].items():
+        dist = name.split("/")[0]
+        batches = global_batches(dist, st_["window"], st_["n_micro"] * st_["window"], st_["steps"],
+                                 seed=DEFAULT_SEED + st_["seed_offset"])
+        packer = WLBPacker(st_["n_micro"], st_["max_tokens"], cost, lookahead=run_ref["lookahead"])
+        plans = [packer.pack(*b) for b in batches] + packer.drain()
+        digests = [p.digest() + f"/{p.step}/" + hashlib.sha256(p.arrival_step.tobytes()).hexdigest()[:16]
+                   for p in plans if p is not None]
+        assert digests == run_ref["digests"], name
+
+
 def test_lookahead_trains_an_outlier_early_to_complete_a_group():
     # three outliers now and one next step: with lookahead 1 the paper rule's queue holds
     # 4 = n_micro at step 0 and releases them together, one trained a step early
