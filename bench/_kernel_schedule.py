@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ from ..pack import solve_pack
 from ..shard import solve_shard
 from ..specs import HardwareSpec, ModelSpec, ParallelSpec
 from ..cost_args import count, natural
+from ._provenance import provenance
 
 # The first candidate configs for head dim 128 (kernels/launch.py); one program per SM each
 # (aot_check: 128-131 KB shared memory or 193-252 registers x 256 threads).
@@ -125,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{max(r['makespan_ratio_before'] for r in rows):.3f}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernel_schedule.json").write_text(json.dumps(dict(
+        provenance=provenance("kernel", ["--schedule", *(sys.argv[1:] if argv is None else argv)]),
         sms=args.sms, programs_per_sm=args.programs_per_sm, target=TARGET, rows=rows), indent=1))
     print(f"wrote {args.out / 'kernel_schedule.json'}")
     return 0

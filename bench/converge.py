@@ -44,6 +44,7 @@ import numpy as np
 
 from ._converge_plans import ORDERINGS
 from ._converge_train import ConvergeConfig, load_corpus, run_job
+from ._provenance import provenance
 
 QUICK = dict(window=256, n_micro=8, steps=48, layers=2, eval_every=8)
 """--quick: a 256-token window, 2 layers, 48 global batches."""
@@ -256,12 +257,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(command="wlb-opt bench converge " + " ".join(argv if argv is not None else sys.argv[1:]),
+    meta = dict(command=provenance("converge", argv)["command"],
                 config=config.to_dict(), corpus=stats, tokens_per_batch=config.tokens_per_batch,
                 wall_s=wall, cpu_s=sum(r["cpu_s"] for r in rows), workers=args.workers, cpus=os.cpu_count(),
                 load_average_before=load_before, load_average_after=os.getloadavg(), paper=PAPER,
                 cost=config.cost().to_dict())
-    (out / "converge.json").write_text(json.dumps(dict(meta=meta, runs=rows, summary=summary), indent=1))
+    (out / "converge.json").write_text(json.dumps(dict(provenance=provenance("converge", argv), meta=meta, runs=rows, summary=summary), indent=1))
     msg = f"wrote {out / 'converge.json'}"
     title = f"converge: {config.dim}x{config.layers} TinyLM, window {config.window}, {args.seeds} seeds"
     if plot(rows, summary, config.steps, out / "converge.png", title):

@@ -29,6 +29,7 @@ import numpy as np
 from ..data import DEFAULT_SEED, document_stream
 from ..shard import solve_shard
 from ..cost_args import count
+from ._provenance import provenance
 
 
 def micro_batch(n_tokens: int, seed: int, max_doc: int = 16384) -> np.ndarray:
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=count, default=None, help="--full head dim (default 128 on CUDA, 32 on CPU)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    result = dict(host=host_rows(tuple(args.tokens), device=args.device, repeats=args.repeats))
+    result = dict(provenance=provenance("cp_path", argv), host=host_rows(tuple(args.tokens), device=args.device, repeats=args.repeats))
     (args.out / "cp_path.json").write_text(json.dumps(result, indent=1))  # kept if --full times out
     print(f"{'tokens':>7} {'docs':>5} {'before ms':>10} {'after, 1st':>11} {'after, later':>13} {'speedup':>8}")
     for r in result["host"]:

@@ -41,6 +41,7 @@ from ..solvers.deal import refine_replicas
 from ..specs import HardwareSpec, ModelSpec, ParallelSpec
 from .data import carried_plans, run_packer
 from ..cost_args import count, natural
+from ._provenance import provenance
 
 METHODS = ("plain", "fixed", "wlb", "best")
 IMPROVED_METHOD = "wlb_ls"  # the library's improved packing heuristic (the "best" row re-packs with it)
@@ -127,10 +128,11 @@ def calibration_sample(cfg: Config, dist: str, seed: int, lengths=None, batches:
 
 
 def _wlb_plans(batches, cfg: Config, cost: CostModel, seed: int, sample=None) -> tuple[list[PackPlan], dict]:
-    from ..packer import WLBPacker
+    from ..packer import PackerConfig, WLBPacker
 
-    packer = WLBPacker(cfg.pp, int(1.25 * cfg.context), cost, dp=cfg.dp, thresholds="auto", n_queues=3,
-                       max_delay=8, seed=seed, release="balance", delay_budget=0.75, balance_tolerance=1.02)
+    config = PackerConfig(thresholds="auto", n_queues=3, max_delay=8, release="balance", delay_budget=0.75,
+                          balance_tolerance=1.02)
+    packer = WLBPacker(cfg.pp, int(1.25 * cfg.context), cost, dp=cfg.dp, seed=seed, config=config)
     if sample is not None:
         packer.calibrate(sample, tokens_per_batch=cfg.dp * cfg.pp * cfg.context, n_batches=32)
     run = run_packer(packer, batches)
@@ -498,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     for line in paper_comparison(rows):
         print(line)
-    payload = dict(rows=rows, steps=steps, source=source, schedule=SCHEDULE, virtual_stages=VIRTUAL_STAGES,
+    payload = dict(provenance=provenance("e2e", argv), rows=rows, steps=steps, source=source, schedule=SCHEDULE, virtual_stages=VIRTUAL_STAGES,
                    hardware=args.hardware, paper=PAPER)
     if not args.quick:
         print("\nbreakdown at 7B-128K (speedup over plain; paper in brackets)")

@@ -32,6 +32,7 @@ from ..cost_args import add_cost_args, cost_from_args, count, fraction, natural,
 from ..data import DEFAULT_SEED, DISTRIBUTIONS, document_stream, global_batches
 from ..pack import solve_pack
 from ..solvers.bounds import makespan_lower_bound
+from ._provenance import provenance
 
 DOCS = (64, 256, 1024, 4096)
 MICRO = (4, 8, 32)
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(max wall {t['wall_s_max']:.2f} s, max gap {t['gap_max']:.2e})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    payload = dict(args={k: v for k, v in vars(args).items()}, elapsed_s=elapsed, targets=tg, summary=summary,
+    payload = dict(provenance=provenance("exact", argv), args={k: v for k, v in vars(args).items()}, elapsed_s=elapsed, targets=tg, summary=summary,
                    rows=rows, cost=cost.describe() if hasattr(cost, "describe") else None)
     (out / "exact.json").write_text(json.dumps(payload, indent=2, default=str))
     msg = f"wrote {out / 'exact.json'}"

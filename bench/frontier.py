@@ -44,11 +44,12 @@ from ..cost_args import add_cost_args, cost_from_args, count, natural, seconds
 from ..data import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from ..docs import load_lengths
 from ..pack import solve_pack
-from ..packer import WLBPacker, per_step_imbalance
+from ..packer import PackerConfig, WLBPacker, per_step_imbalance
 from ..solvers.bounds import delay_floor
 from ..solvers.frontier import (aggregate_imbalance, frontier_problem, plan_solution, solution_violation,
                                 solve_frontier)
 from .data import run_packer
+from ._provenance import provenance
 
 WARMUP = 20
 EARLY, LATE = 4, 16  # the model's window at least; widened to what the heuristics do
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         skipped = {}
         for name, kw in heuristics(W).items():
             try:
-                run = run_packer(WLBPacker(N, max_tokens, cost, **kw), batches)
+                run = run_packer(WLBPacker(N, max_tokens, cost, config=PackerConfig(**kw)), batches)
             except ValueError as exc:  # an overload (e.g. max_delay=None on a stream of many outliers)
                 if "overload" not in str(exc):
                     raise
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                 outlier_min=args.outlier_min, early=early, late=late, n_slots=n_slots,
                 filler_classes=problem.class_edges.tolist(), time_limit=time_limit, delay_floor=floor,
                 seconds=time.perf_counter() - t0)
-    (out / "frontier.json").write_text(json.dumps(dict(meta=meta, frontier=frontier, heuristics=rows, skipped=skipped), indent=2))
+    (out / "frontier.json").write_text(json.dumps(dict(provenance=provenance("frontier", argv), meta=meta, frontier=frontier, heuristics=rows, skipped=skipped), indent=2))
     msg = f"wrote {out / 'frontier.json'}"
     if plot(frontier, rows, out / "frontier.png", f"frontier ({source}, {len(batches)} steps)"):
         msg += f" and {out / 'frontier.png'}"

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..data import document_stream
 from ..cost_args import count, natural, seconds
+from ._provenance import provenance
 
 _DEFAULT_PACKED = [8192, 16384, 32768, 65536, 131072]
 _DEFAULT_SINGLE = [4096, 16384, 65536, 131072]
@@ -335,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     timer = _timer(device)
 
     result = dict(
+        provenance=provenance("kernel", argv),
         device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         torch=torch.__version__, python=platform.python_version(),
         triton=_version("triton"), args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

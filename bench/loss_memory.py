@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from ..cost_args import count
+from ._provenance import provenance
 
 
 def peak_bytes(fn) -> int:
@@ -73,5 +74,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['method']:>12} chunk {str(r['chunk'] or '-'):>5}: peak {r['peak_mb']:8.1f} MB")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "loss_memory.json").write_text(json.dumps(rows, indent=1))
-    print(f"wrote {args.out / 'loss_memory.json'}")
+    (args.out / "loss_memory_meta.json").write_text(json.dumps(dict(provenance=provenance("loss_memory", argv)), indent=1))
+    print(f"wrote {args.out / 'loss_memory.json'} (rows), {args.out / 'loss_memory_meta.json'}")
     return 0

@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+from ._provenance import provenance
 
 
 def _shapes(window: int) -> dict[str, list[int]]:
@@ -124,6 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     for label, s in res["summary"].items():
         print(f"{label}: median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "memory.json").write_text(json.dumps(res, indent=1))
+    (args.out / "memory.json").write_text(json.dumps(dict(provenance=provenance("memory", argv), **res), indent=1))
     print(f"wrote {args.out / 'memory.json'}")
     return 0

@@ -16,6 +16,7 @@ import numpy as np
 from ..cost_args import add_cost_args, cost_from_args, count, natural
 from ..data import DISTRIBUTIONS, global_batch
 from ..pack import PACK_METHODS, solve_pack
+from ._provenance import provenance
 
 
 def measure(lengths, ids, offsets, n_micro, max_tokens, cost, method, repeats) -> dict:
@@ -62,6 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "pack_speed.json").write_text(json.dumps(rows, indent=2))
+        (out / "pack_speed.json").write_text(json.dumps(dict(provenance=provenance("pack_speed", argv), rows=rows), indent=2))
         print(f"wrote {out / 'pack_speed.json'}")
     return 0

@@ -32,9 +32,10 @@ import numpy as np
 from .._optional import progress
 from ..cost_args import add_cost_args, cost_from_args, count, natural
 from ..data import DEFAULT_SEED, DISTRIBUTIONS, global_batches
-from ..packer import WLBPacker, per_step_imbalance
+from ..packer import PackerConfig, WLBPacker, per_step_imbalance
 from ..solvers.bounds import delay_floor
 from .data import run_packer
+from ._provenance import provenance
 
 
 def settings(window: int) -> dict[str, dict]:
@@ -52,7 +53,7 @@ def run_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int = 20, *
     """One setting on one stream: mean forward imbalance of the stream's steps after
     `warmup`, displacement per token after the drain, median planning milliseconds per
     global batch (with lookahead the first K calls plan nothing and are left out)."""
-    packer = WLBPacker(n_micro, max_tokens, cost, **kw)
+    packer = WLBPacker(n_micro, max_tokens, cost, config=PackerConfig(**kw))
     run = run_packer(packer, batches)
     k = packer.lookahead
     plans = [plan for plan in run.plans if plan is not None] + list(run.drained[:k])
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
           "(least displacement of any plan without lookahead)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "parity.json").write_text(json.dumps(dict(dist=args.dist, seeds=seeds, steps=args.steps,
+    (out / "parity.json").write_text(json.dumps(dict(provenance=provenance("parity", argv), dist=args.dist, seeds=seeds, steps=args.steps,
                                                      streams=results, summary=summary,
                                                      delay_floor=floors), indent=2))
     print(f"wrote {out / 'parity.json'}")

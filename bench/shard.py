@@ -32,6 +32,7 @@ from ..data import DEFAULT_SEED, REAL_FILE, document_stream, global_batches, sam
 from ..docs import load_lengths, split_documents
 from ..pack import PACK_METHODS, solve_pack
 from ..shard import SHARD_STRATEGIES, cut_or_whole_lower_bound, solve_shard
+from ._provenance import provenance
 
 NOTE = ("predictions of the cost model; its attention-efficiency table is a placeholder "
         "(paper Fig. 10 shape, not measured) until wlb_opt.profile measures it")
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    payload = dict(note=NOTE, paper=PAPER, paper_comparison_cp4=paper, summary=summary, timing=timings,
+    payload = dict(provenance=provenance("shard", argv), note=NOTE, paper=PAPER, paper_comparison_cp4=paper, summary=summary, timing=timings,
                    cpsat_reference=ref, rows=rows,
                    config=dict(steps=args.steps, n_micro=args.n_micro, window=args.window, cps=cps,
                                pack_method=args.pack_method, model=args.model, tp=args.tp, hardware=args.hardware, lengths=args.lengths))

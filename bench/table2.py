@@ -48,9 +48,10 @@ from ..cost_args import add_cost_args, cost_from_args, count, natural, seconds
 from ..data import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from ..docs import load_lengths
 from ..pack import solve_pack
-from ..packer import WLBPacker, per_step_imbalance
+from ..packer import PackerConfig, WLBPacker, per_step_imbalance
 from ..plan import imbalance
 from .data import carried_plans, run_packer
+from ._provenance import provenance
 
 PAPER = {
     "original": (1.44, 0),
@@ -85,8 +86,9 @@ def wlb_row(batches, cost, n_micro: int, dp: int, max_tokens: int, thresholds, m
             balance_tolerance: float | str = 1.02, packer: WLBPacker | None = None) -> dict:
     """One WLB row; `packer` (if given) replaces the configuration arguments."""
     if packer is None:
-        packer = WLBPacker(n_micro, max_tokens, cost, dp=dp, thresholds=thresholds, max_delay=max_delay, seed=seed,
-                           release=release, balance_tolerance=balance_tolerance)
+        config = PackerConfig(thresholds=thresholds, max_delay=max_delay, release=release,
+                              balance_tolerance=balance_tolerance)
+        packer = WLBPacker(n_micro, max_tokens, cost, dp=dp, seed=seed, config=config)
     calib_s = None
     if calibration_sample is not None:
         t0 = time.perf_counter()
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         name = "WLB default" + (f", lookahead {k}" if k else "")
         rows.append(dict(row=name, **wlb_row(batches, cost, N, dp, max_tokens, None, None, args.seed, show, name,
                                              packer=WLBPacker(N, max_tokens, cost, dp=dp, seed=args.seed,
-                                                              lookahead=k))))
+                                                              config=PackerConfig(lookahead=k)))))
     print_table(rows)
     for r in rows:
         if "thresholds" in r:
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(source=source, steps=len(batches), window=W, n_micro=N, dp=dp, max_tokens=max_tokens,
                 exact_steps=args.exact_steps, exact_time_limit=args.exact_time_limit, cost=cost.to_dict(), paper=PAPER)
-    (out / "table2.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2, default=str))
+    (out / "table2.json").write_text(json.dumps(dict(provenance=provenance("table2", argv), meta=meta, rows=rows), indent=2, default=str))
     msg = f"wrote {out / 'table2.json'}"
     if plot(rows, out / "table2.png", f"Table 2 ({source}, {len(batches)} steps)"):
         msg += f" and {out / 'table2.png'}"

@@ -61,7 +61,10 @@ def test_unknown_command_and_benchmark(capsys):
 
 def test_pack_speed_benchmark_runs(tmp_path, capsys):
     assert main(["bench", "pack-speed", "--n-micro", "4", "--repeats", "2", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "pack_speed.json").read_text())
+    saved = json.loads((tmp_path / "pack_speed.json").read_text())
+    assert saved["provenance"]["command"].startswith("wlb-opt bench pack-speed --n-micro 4")
+    assert saved["provenance"]["machine"]["cpu_count"] >= 1
+    rows = saved["rows"]
     assert {r["method"] for r in rows} == {"wlb", "original", "fixed"}
     assert all(r["median_ms"] > 0 for r in rows)
 
@@ -138,3 +141,31 @@ def test_benchmarks_are_discovered_by_name(capsys):
     assert "data" not in names and "demo" not in names
     assert main(["bench", "--help"]) == 0
     assert "pack-speed" in capsys.readouterr().out
+
+
+def test_profile_writes_an_ignored_path_by_default():
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from wlb_opt.profile import DEFAULT_OUT
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    root = Path(__file__).resolve().parents[1]
+    tracked = subprocess.run(["git", "ls-files", "--error-unmatch", DEFAULT_OUT], cwd=root, capture_output=True)
+    assert tracked.returncode != 0, f"{DEFAULT_OUT} is tracked: a default profile run would overwrite it"
+    ignored = subprocess.run(["git", "check-ignore", "-q", DEFAULT_OUT], cwd=root, capture_output=True)
+    assert ignored.returncode in (0, 128), f"{DEFAULT_OUT} is not ignored by .gitignore"
+
+
+def test_the_version_is_written_once():
+    import re
+    from importlib import metadata
+    from pathlib import Path
+
+    import wlb_opt
+
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert not re.search(r"^version\s*=\s*\"", pyproject, re.M), "pyproject.toml writes the version a second time"
+    assert metadata.version("wlb-opt") == wlb_opt.__version__

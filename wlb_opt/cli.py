@@ -2,7 +2,7 @@
 
     wlb-opt demo                      the main job (see wlb_opt.bench.demo)
     wlb-opt pack --dist default --n-micro 4 --max-tokens 163840 --method wlb
-    wlb-opt profile --model tiny --out cost.json
+    wlb-opt profile --model tiny      writes results/profile/cost.json (--out to choose)
     wlb-opt bench NAME [args]         runs wlb_opt.bench.<NAME>.main(args); NAME may use '-'
 
 Benchmarks are discovered by module name, so adding bench/<name>.py with a

@@ -1,7 +1,7 @@
 """`wlb-opt profile`: measure one transformer block on this device, fit a CostModel, and say
 how good it is (paper §3: W_a, W_l "derived from offline profiling").
 
-    wlb-opt profile --model tiny --quick --out cost.json                 (CPU, well under 3 minutes)
+    wlb-opt profile --model tiny --quick                                 (CPU, well under 3 minutes)
     wlb-opt profile --hf-config config.json --device cuda --out cost.json
 
 Measurements, all with the real kernels (`wlb_opt.kernels.doc_attention`, backend auto) and
@@ -472,6 +472,10 @@ def comm_seconds(comm: dict, kind: str, n_bytes) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------- command line
+DEFAULT_OUT = "results/profile/cost.json"
+"""Where `wlb-opt profile` saves the fitted model without `--out`: a path the repository ignores."""
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -502,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=count, default=None, help="torch CPU threads (default 1 on CPU: a shared "
                    "machine's other load stalls multi-threaded kernels; untouched on GPU)")
     p.add_argument("--seed", type=natural, default=0, help="sampling seed (default 0)")
-    p.add_argument("--out", default="cost.json", help="where to save the fitted CostModel (default cost.json)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"where to save the fitted CostModel (default {DEFAULT_OUT}, "
+                   "under the ignored results/ folder, so that a run never overwrites a tracked file)")
     args = p.parse_args(argv)
     try:
         if args.hf_config:
@@ -535,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
                          budget_s=QUICK_BUDGET_S if args.quick else None)
     if args.comm:
         cost = dataclasses.replace(cost, meta=dict(cost.meta, comm=profile_comm()))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     cost.save(args.out)
     meta = cost.meta
     print(f"profiled {spec.name}: hidden {spec.hidden}, {spec.layers} layers, {spec.heads} heads "

@@ -1,0 +1,259 @@
+"""`wlb-opt bench report`: renders docs/results.md from the benchmarks' committed JSON.
+
+    wlb-opt bench report            writes docs/results.md from docs/results/*/*.json
+    wlb-opt bench report --check    exits 1 when docs/results.md is not what the JSON gives
+
+Run from the repository root. Each benchmark writes its JSON (with its command line and the
+machine under "provenance", see `bench._provenance`) into a folder named with `--out`;
+docs/results/<benchmark>/ holds the small summaries that the documentation shows. This
+command only reads them: regenerating docs/results.md runs no benchmark, and a figure reaches
+the documentation only with the command that produced it. PNGs in the same folder are linked.
+
+A table is a list of JSON objects: its columns are the keys whose values are numbers, strings
+or booleans (nested values are left to the JSON). `SECTIONS` names, per benchmark, which
+lists to show and which columns; a folder that `SECTIONS` does not name gets every top-level
+list of objects.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RESULTS = Path("docs/results")
+"""Folder of the committed summaries, one subfolder per benchmark (relative to the repository root)."""
+OUTPUT = Path("docs/results.md")
+"""The generated page."""
+MAX_ROWS = 40
+"""Rows shown per table; the rest stay in the JSON (the page says how many were left out)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    """One table of a section: the list at `path` inside the JSON file `file`."""
+
+    file: str
+    """JSON file inside the benchmark's folder."""
+    path: tuple[str, ...] = ()
+    """Keys from the file's top level down to the list (empty: the file is the list)."""
+    columns: tuple[str, ...] | None = None
+    """Columns in order; None: every scalar key of the first row."""
+    caption: str = ""
+    """One line above the table."""
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """A benchmark's part of the page."""
+
+    folder: str
+    """Subfolder of `RESULTS`."""
+    title: str
+    """Heading."""
+    what: str
+    """One sentence: what the benchmark measures."""
+    tables: tuple[Table, ...] = field(default_factory=tuple)
+    """Tables in order; empty: every top-level list of objects of every JSON file."""
+    meta_file: str | None = None
+    """File whose "provenance" key names the command and machine (default: the first table's file)."""
+
+
+SECTIONS = (
+    Section("e2e", "End-to-end step time (simulated)",
+            "Simulated step time of paper Table 1's eight configurations under four packing methods "
+            "(`wlb_opt.simulate`, the analytic cost model).",
+            (Table("e2e_meta.json", ("rows",), caption="One row per configuration and method.",
+                   columns=("config", "tp", "cp", "pp", "dp", "method", "step_time_s", "tokens_per_s", "imbalance_pp",
+                            "imbalance_cp", "bubble_fraction", "speedup_vs_plain", "delay_per_token",
+                            "cp_strategy")),),
+            meta_file="e2e_meta.json"),
+    Section("table2", "Packing balance and overhead (paper Table 2)",
+            "PP imbalance and displacement of the packers on one stream at 7B-128K.",
+            (Table("table2.json", ("rows",)),)),
+    Section("exact", "Heuristics against exact solvers",
+            "Gap of the heuristic packers to the CP-SAT / MILP optimum or its proven bound.",
+            (Table("exact.json", ("summary",)),)),
+    Section("frontier", "Certified imbalance-displacement frontier",
+            "Lower bound on imbalance at each displacement budget (HiGHS), with the heuristics beside it.",
+            (Table("frontier.json", ("frontier",), caption="The frontier."),
+             Table("frontier.json", ("heuristics",), caption="The heuristics on the same stream."))),
+    Section("shard", "CP sharding strategies",
+            "Attention imbalance across CP ranks of each sharding strategy on packed micro-batches.",
+            (Table("shard.json", ("summary",)),)),
+    Section("parity", "Outlier-delay settings over several streams",
+            "PP imbalance and displacement of the packer's settings over independent streams.",
+            (Table("parity.json", ("summary",)),)),
+    Section("pack_speed", "Packing speed",
+            "Wall time of `solve_pack` on one large global batch.",
+            (Table("pack_speed.json", ("rows",)),)),
+    Section("memory", "Memory model against measured peaks",
+            "Peak memory of one `train_step` on this CPU against the analytic and calibrated memory models.",
+            (Table("memory.json", ("rows",)),)),
+    Section("loss_memory", "Peak memory of the loss",
+            "Forward and backward of the next-token loss, full logits against chunked.",
+            (Table("loss_memory.json"),), meta_file="loss_memory_meta.json"),
+    Section("cp_path", "CP attention's host path",
+            "Host time of the index and copy path of CP attention, per layer.",
+            (Table("cp_path.json", ("host",)),)),
+    Section("converge", "Convergence on real text",
+            "Training loss and held-out loss of a small model under each batch ordering.",
+            (Table("converge.json", ("summary",)),)),
+    Section("kernel_schedule", "Launch order of the attention kernels (modelled)",
+            "Worst makespan over ideal of each CP rank's work lists, list-scheduled on the device's SMs, "
+            "for the heaviest-first 2-D grid ('before') and the current launch.",
+            (Table("kernel_schedule.json", ("rows",)),)),
+    Section("kernel", "Document-masked attention kernel",
+            "Useful TFLOP/s of `doc_attention` against SDPA and FlexAttention.",
+            (Table("kernel_bench.json", ("cases",)),)),
+)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        return f"{value:.4g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _scalar(value) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _columns(rows: list[dict], wanted: tuple[str, ...] | None) -> list[str]:
+    if wanted is not None:
+        return [c for c in wanted if any(c in r for r in rows)]
+    seen: list[str] = []
+    for r in rows:
+        for k, v in r.items():
+            if k not in seen and _scalar(v):
+                seen.append(k)
+    return [c for c in seen if all(_scalar(r.get(c)) for r in rows)]
+
+
+def render_table(rows, columns: tuple[str, ...] | None = None) -> list[str]:
+    """Markdown lines of a list of objects (a dict of objects reads as rows keyed by name)."""
+    if isinstance(rows, dict):
+        rows = [dict(name=k, **v) if isinstance(v, dict) else dict(name=k, value=v) for k, v in rows.items()]
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+        return []
+    cols = _columns(rows, columns)
+    if not cols:
+        return []
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows[:MAX_ROWS]:
+        lines.append("| " + " | ".join(_cell(r.get(c)) for c in cols) + " |")
+    if len(rows) > MAX_ROWS:
+        lines.append(f"\n{len(rows) - MAX_ROWS} more rows in the JSON.")
+    return lines
+
+
+def _dig(data, path: tuple[str, ...]):
+    for key in path:
+        if not isinstance(data, dict) or key not in data:
+            return None
+        data = data[key]
+    return data
+
+
+def _load(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def _provenance_lines(provenance: dict | None) -> list[str]:
+    if not isinstance(provenance, dict):
+        return ["Command and machine: not recorded in the JSON."]
+    m = provenance.get("machine") or {}
+    machine = ", ".join(f"{k} {m[k]}" for k in ("platform", "python", "cpu_count", "torch", "accelerator")
+                        if m.get(k) is not None)
+    return ["```bash", str(provenance.get("command", "?")), "```", "", f"Machine: {machine or 'not recorded'}."]
+
+
+def _auto_tables(folder: Path) -> tuple[Table, ...]:
+    tables = []
+    for f in sorted(folder.glob("*.json")):
+        data = _load(f)
+        if isinstance(data, list):
+            tables.append(Table(f.name))
+        elif isinstance(data, dict):
+            tables += [Table(f.name, (k,)) for k, v in data.items()
+                       if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
+    return tuple(tables)
+
+
+def render_section(section: Section, root: Path, link_base: str) -> list[str]:
+    """Lines of one benchmark's part of the page ([] when its folder holds no JSON)."""
+    folder = root / section.folder
+    if not folder.is_dir() or not any(folder.glob("*.json")):
+        return []
+    tables = section.tables or _auto_tables(folder)
+    meta_file = section.meta_file or (tables[0].file if tables else sorted(folder.glob("*.json"))[0].name)
+    meta = _load(folder / meta_file) if (folder / meta_file).exists() else None
+    lines = [f"## {section.title}", "", section.what, ""]
+    lines += _provenance_lines(meta.get("provenance") if isinstance(meta, dict) else None) + [""]
+    for t in tables:
+        path = folder / t.file
+        if not path.exists():
+            continue
+        body = render_table(_dig(_load(path), t.path), t.columns)
+        if body:
+            where = f"`{t.file}`" + (f" → `{'.'.join(t.path)}`" if t.path else "")
+            lines += ([t.caption + f" From {where}.", ""] if t.caption else [f"From {where}.", ""]) + body + [""]
+    for png in sorted(folder.glob("*.png")):
+        lines += [f"![{png.stem}]({link_base}/{section.folder}/{png.name})", ""]
+    return lines
+
+
+def render(root: Path = RESULTS, output: Path = OUTPUT) -> str:
+    """The text of docs/results.md for the JSON under `root` (links relative to `output`'s folder)."""
+    root = Path(root)
+    try:
+        link_base = root.resolve().relative_to(Path(output).resolve().parent).as_posix()
+    except ValueError:
+        link_base = root.resolve().as_posix()
+    named = {s.folder for s in SECTIONS}
+    extra = [Section(p.name, p.name.replace("_", " ").capitalize(), f"`wlb-opt bench {p.name.replace('_', '-')}`.")
+             for p in sorted(root.glob("*")) if p.is_dir() and p.name not in named]
+    lines = ["# Results", "",
+             "Generated by `wlb-opt bench report` from the JSON under "
+             f"[{link_base}/]({link_base}/); do not edit by hand. Each section names the command "
+             "that wrote its JSON (from the repository root) and the machine it ran on; rerunning "
+             "that command and then `wlb-opt bench report` updates it. "
+             "What each benchmark measures: [benchmarks.md](benchmarks.md).", ""]
+    for section in (*SECTIONS, *extra):
+        lines += render_section(section, root, link_base)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="wlb-opt bench report", description=__doc__.splitlines()[0])
+    p.add_argument("--results", type=Path, default=RESULTS, help=f"folder of the JSON summaries (default {RESULTS})")
+    p.add_argument("--output", type=Path, default=OUTPUT, help=f"the page to write or check (default {OUTPUT})")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 when the page differs from the JSON")
+    args = p.parse_args(argv)
+    if not args.results.is_dir():
+        raise ValueError(f"--results {args.results} is not a folder (run from the repository root)")
+    text = render(args.results, args.output)
+    if args.check:
+        current = args.output.read_text() if args.output.exists() else None
+        if current != text:
+            state = "is missing" if current is None else "differs from what the JSON gives"
+            print(f"wlb-opt bench report: {args.output} {state}; run `wlb-opt bench report` to regenerate it",
+                  file=sys.stderr)
+            return 1
+        print(f"{args.output} matches {args.results}")
+        return 0
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text)
+    print(f"wrote {args.output}")
+    return 0
