@@ -4,10 +4,10 @@
     wlb-opt bench cp-path --device cuda --full --out results/cp_path   (one GPU: the device hot path)
 
 CP attention needs, for every micro-batch, the permutation that restores packed order after
-the K/V all-gather. It used to be rebuilt on every call: a numpy sort to validate the shard,
-an argsort, and a pageable host-to-device copy (`packed_order_index`, kept as the "before").
-Now it is built once per ShardPlan and device (`cp_context`), uploaded pinned and
-non-blocking, and every later layer reuses it. For packed micro-batches of 32K and 128K
+the K/V all-gather. Built on every call, it costs a numpy sort to validate the shard, an
+argsort, and a pageable host-to-device copy (`packed_order_index`, timed as "before"); the
+executor builds it once per ShardPlan and device (`cp_context`), uploads it pinned and
+non-blocking, and every later layer reuses it ("after"). For packed micro-batches of 32K and 128K
 tokens (default distribution, documents of at most 16K tokens, per_doc shards of CP = 4,
 rank 0) this times, per call: before; after, first layer (the build); after, later layers.
 Medians of `--repeats` calls; the attention itself is not timed.

@@ -1,5 +1,5 @@
 """`wlb-opt bench frontier`: the certified imbalance-displacement frontier of one stream, with
-every outlier-delay heuristic on the same axes, and the order-bias check (issue 16).
+every outlier-delay heuristic on the same axes, and the order-bias check.
 
 Stream: 7B, (tp, cp, pp, dp) = (8, 2, 4, 1), H100, window W = 131072, N = 4, max_tokens
 1.25 W, 200 global batches (`--dist` or `--lengths`; `--quick`: 100 batches, three budgets,

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                    "at CP=4 (0: skip; default 6)")
     p.add_argument("--cpsat-time-limit", type=seconds, default=5.0, help="seconds per cpsat solve (default 5)")
     p.add_argument("--seed", type=natural, default=0, help="stream seed, an offset from DEFAULT_SEED (default 0)")
-    p.add_argument("--out", default="results/shard", help="folder for shard.json and shard.png")
+    p.add_argument("--out", default="results/shard", help="folder for shard.json (summary), shard_rows.json (per micro-batch) and shard.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_cost_args(p, layout=("tp",))  # CP comes from --cps; one replica, so dp and pp do not matter
     args = p.parse_args(argv)
@@ -267,13 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     payload = dict(provenance=provenance("shard", argv), note=NOTE, paper=PAPER, paper_comparison_cp4=paper, summary=summary, timing=timings,
-                   cpsat_reference=ref, rows=rows,
+                   cpsat_reference=ref,
                    config=dict(steps=args.steps, n_micro=args.n_micro, window=args.window, cps=cps,
                                pack_method=args.pack_method, model=args.model, tp=args.tp, hardware=args.hardware, lengths=args.lengths))
     (out / "shard.json").write_text(json.dumps(payload, indent=2))
+    (out / "shard_rows.json").write_text(json.dumps(rows))  # one row per micro-batch and strategy: the raw trace
     try:
         drawn = plot(summary, out / "shard.png", strategies)
-        print(f"wrote {out / 'shard.json'}" + (f" and {out / 'shard.png'}" if drawn else " (no per_seq: no PNG)"))
+        print(f"wrote {out / 'shard.json'}, {out / 'shard_rows.json'}" + (f" and {out / 'shard.png'}" if drawn else " (no per_seq: no PNG)"))
     except ImportError:
-        print(f"wrote {out / 'shard.json'} (matplotlib missing: no PNG)")
+        print(f"wrote {out / 'shard.json'}, {out / 'shard_rows.json'} (matplotlib missing: no PNG)")
     return 0

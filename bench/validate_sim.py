@@ -38,6 +38,7 @@ import numpy as np
 
 from ..pack import PACK_METHODS
 from ..cost_args import count, natural
+from ._provenance import provenance
 
 
 def _free_port() -> int:
@@ -104,12 +105,12 @@ def _single_worker(rank: int, world: int, barrier, args: dict, out_file: str) ->
     attention would take a default group for its CP group): a multiprocessing barrier."""
     import types
 
-    import wlb_opt.executor.train as train
+    import wlb_opt.executor.pipeline as pipeline
 
     model, _, plans = _setup(args)
     # the executor's op timer reads `time.perf_counter`; here it reads this thread's CPU time
     # (one torch thread: the compute runs in it), the uncontended compute time of each op
-    train.time = types.SimpleNamespace(perf_counter=time.thread_time)
+    pipeline.time = types.SimpleNamespace(perf_counter=time.thread_time)
     alone, twin = [], []
     for step, (small, plan, shards) in enumerate(plans):
         rounds = ("alone", "twin") if step % 2 == 0 else ("twin", "alone")
@@ -378,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("_pred_fwd", "_pred_bwd", "_schedule"):
             r.pop(key, None)
     result["rows"] = rows
-    (out / "validate_sim.json").write_text(json.dumps(result, indent=2))
+    (out / "validate_sim.json").write_text(json.dumps(dict(provenance=provenance("validate_sim", argv), **result),
+                                                       indent=2))
     print(f"wrote {out / 'validate_sim.json'}")
     return 0

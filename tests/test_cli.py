@@ -169,3 +169,24 @@ def test_the_version_is_written_once():
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert not re.search(r"^version\s*=\s*\"", pyproject, re.M), "pyproject.toml writes the version a second time"
     assert metadata.version("wlb-opt") == wlb_opt.__version__
+
+
+def test_the_demo_leaves_out_the_notice_about_its_own_thresholds(caplog):
+    import logging
+    import warnings
+
+    from wlb_opt.bench import demo
+
+    def run(argv):
+        logging.getLogger("wlb_opt").warning("step 3: 62% of the batch's tokens are in outliers; use thresholds='auto'")
+        warnings.warn("step 3: 62% of the batch's tokens are in outliers; use thresholds='auto'", UserWarning)
+        logging.getLogger("wlb_opt").warning("another notice")
+        return 0
+
+    before = list(logging.getLogger("wlb_opt").filters)
+    with warnings.catch_warnings(record=True) as seen, caplog.at_level(logging.INFO, logger="wlb_opt"):
+        warnings.simplefilter("always")
+        assert demo._quiet_about_own_settings(run, []) == 0
+    assert not seen
+    assert [r.getMessage() for r in caplog.records] == ["another notice"]
+    assert logging.getLogger("wlb_opt").filters == before  # the filter is gone after the run

@@ -1,0 +1,67 @@
+"""`wlb-opt bench report`: docs/results.md is what the committed JSON gives, and `--check` says when not."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from wlb_opt.bench import report
+from wlb_opt.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+PAGE = ROOT / "docs" / "results.md"
+
+
+def test_the_committed_results_page_matches_its_json(capsys):
+    rc = main(["bench", "report", "--check", "--results", str(RESULTS), "--output", str(PAGE)])
+    assert rc == 0, capsys.readouterr().err
+
+
+def test_every_committed_summary_names_its_command_and_machine():
+    files = sorted(RESULTS.glob("*/*.json"))
+    assert files, "docs/results holds no JSON"
+    for folder in sorted({f.parent for f in files}):
+        provenance = [json.loads(f.read_text()).get("provenance") for f in folder.glob("*.json")
+                      if isinstance(json.loads(f.read_text()), dict)]
+        found = [p for p in provenance if p]
+        assert found, f"{folder.name}: no JSON file carries 'provenance'"
+        assert found[0]["command"].startswith(f"wlb-opt bench {folder.name.replace('_', '-')}")
+        assert {"platform", "cpu_count", "torch"} <= set(found[0]["machine"])
+
+
+def test_check_fails_in_one_line_when_the_json_changes(tmp_path, capsys):
+    results = tmp_path / "docs" / "results"
+    shutil.copytree(RESULTS / "pack_speed", results / "pack_speed")
+    page = tmp_path / "docs" / "results.md"
+    assert main(["bench", "report", "--results", str(results), "--output", str(page)]) == 0
+    assert main(["bench", "report", "--check", "--results", str(results), "--output", str(page)]) == 0
+    saved = json.loads((results / "pack_speed" / "pack_speed.json").read_text())
+    saved["rows"][0]["median_ms"] += 1.0
+    (results / "pack_speed" / "pack_speed.json").write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert main(["bench", "report", "--check", "--results", str(results), "--output", str(page)]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "differs from what the JSON gives" in err
+    page.unlink()
+    assert main(["bench", "report", "--check", "--results", str(results), "--output", str(page)]) == 1
+    assert "is missing" in capsys.readouterr().err
+
+
+def test_a_page_names_the_command_and_links_the_pictures(tmp_path):
+    folder = tmp_path / "results" / "demo_bench"
+    folder.mkdir(parents=True)
+    provenance = dict(command="wlb-opt bench demo-bench --out x", machine=dict(platform="p", cpu_count=3, torch=None))
+    (folder / "demo_bench.json").write_text(json.dumps(dict(provenance=provenance, rows=[
+        dict(method="a", ms=1.23456, ok=True, nested=[1]), dict(method="b", ms=None, ok=False, nested=[2])])))
+    (folder / "plot.png").write_bytes(b"")
+    text = report.render(tmp_path / "results", tmp_path / "results.md")
+    assert "wlb-opt bench demo-bench --out x" in text and "cpu_count 3" in text
+    assert "| method | ms | ok |" in text and "| a | 1.235 | yes |" in text and "| b | - | no |" in text
+    assert "nested" not in text
+    assert "](results/demo_bench/plot.png)" in text
+
+
+def test_a_missing_results_folder_is_a_usage_error(tmp_path, capsys):
+    assert main(["bench", "report", "--results", str(tmp_path / "none"), "--output", str(tmp_path / "r.md")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
