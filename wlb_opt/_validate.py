@@ -38,12 +38,31 @@ def check_max_tokens(max_tokens) -> int:
     return check_int("max_tokens", max_tokens, 1, MAX_TOKENS - 1)
 
 
+def is_float(value) -> bool:
+    """Whether `value` is a real number (not a bool) that a float holds: an int beyond
+    float range (10**400) would raise OverflowError in the arithmetic that follows."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
+
+
+def _too_large(value) -> str:
+    """A note for an integer that no float holds (its digits alone do not say what is wrong)."""
+    too_large = isinstance(value, int) and not isinstance(value, bool) and not is_float(value)
+    return " (too large for a float)" if too_large else ""
+
+
 def check_positive_real(name: str, value, unit: str = "", allow_inf: bool = False) -> float:
     """`value` as a float if it is a real number > 0 (finite unless `allow_inf`)."""
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value)
+    if (not is_float(value) or math.isnan(value)
             or not value > 0 or (not allow_inf and math.isinf(value))):
         what = "a number" if allow_inf else "a finite number"
-        raise ValueError(f"{name} must be {what} > 0{' ' + unit if unit else ''}, got {value!r}")
+        raise ValueError(f"{name} must be {what} > 0{' ' + unit if unit else ''}, got {value!r}"
+                         f"{_too_large(value)}")
     return float(value)
 
 
@@ -51,13 +70,13 @@ def check_real(name: str, value, *, low: float = 0.0, strict: bool = False, high
                unit: str = "") -> float:
     """`value` as a float if it is a finite real number >= `low` (> `low` if `strict`) and, if
     given, <= `high` (bools and strings are not numbers here)."""
-    ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+    ok = (is_float(value) and math.isfinite(value)
           and (value > low if strict else value >= low) and (high is None or value <= high))
     if not ok:
         rel = ">" if strict else ">="
         limit = f" and <= {high:g}" if high is not None else ""
         raise ValueError(f"{name} must be a finite number {rel} {low:g}{limit}{' ' + unit if unit else ''}, "
-                         f"got {value!r}")
+                         f"got {value!r}{_too_large(value)}")
     return float(value)
 
 
@@ -66,6 +85,34 @@ def check_choice(name: str, value, choices) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
     return value
+
+
+def bool_position(values) -> tuple | None:
+    """Index of the first bool (Python or numpy) in nested lists/tuples `values`, else None.
+
+    numpy turns ``[True, 3]`` into an int array and ``[True, 2.5]`` into a float one, so a
+    bool among numbers is only visible in the sequence itself (an array of dtype bool is
+    caught by its dtype)."""
+    if isinstance(values, (bool, np.bool_)):
+        return ()
+    if isinstance(values, (list, tuple)):
+        for i, value in enumerate(values):
+            inner = bool_position(value)
+            if inner is not None:
+                return (i, *inner)
+    return None
+
+
+def _bool_index(values, arr: np.ndarray) -> int | None:
+    """Index of the first bool in a 1-D list/tuple `values` (read as `arr`), else None. A
+    bool becomes 0 or 1 in `arr`, so only those entries are looked at, and an array given
+    as such (the fast path) is not looked at at all."""
+    if not isinstance(values, (list, tuple)):
+        return None
+    for i in np.flatnonzero((arr == 0) | (arr == 1)).tolist():
+        if isinstance(values[i], (bool, np.bool_)):
+            return i
+    return None
 
 
 def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
@@ -89,7 +136,10 @@ def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
             raise ValueError(f"{name} must be token counts below 2**62, got {float(arr[i])} at index {i}")
     elif arr.dtype.kind not in "iu":
         raise ValueError(f"{name} must be integers, got dtype {arr.dtype}")
-    elif arr.dtype.kind == "u" and np.any(arr >= np.uint64(MAX_TOKENS)):
+    i = _bool_index(lengths, arr)
+    if i is not None:
+        raise ValueError(f"{name} must be integer token counts, got the bool {lengths[i]!r} at index {i}")
+    if arr.dtype.kind == "u" and np.any(arr >= np.uint64(MAX_TOKENS)):
         i = int(np.argmax(arr >= np.uint64(MAX_TOKENS)))
         raise ValueError(f"{name} must be token counts below 2**62, got {int(arr[i])} at index {i}")
     arr = arr.astype(np.int64)
@@ -123,6 +173,9 @@ def validate_ids(ids, n: int, name: str = "ids") -> np.ndarray:
                 raise ValueError(f"{name} must fit in int64 (-2**63 <= id < 2**63), got {value} at position {i}")
     if arr.size and arr.dtype.kind not in "iu":
         raise ValueError(f"{name} must be integers, got dtype {arr.dtype}")
+    i = _bool_index(ids, arr) if arr.size else None
+    if i is not None:
+        raise ValueError(f"{name} must be integers, got the bool {ids[i]!r} at position {i}")
     if arr.size and arr.dtype.kind == "u" and np.any(arr > np.uint64(2**63 - 1)):
         i = int(np.argmax(arr > np.uint64(2**63 - 1)))
         # a cast to int64 would wrap it to a negative id (and maybe onto another document's)

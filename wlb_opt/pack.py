@@ -50,6 +50,10 @@ _OPTIONS: dict[str, set] = {"original": set(), "fixed": set(), "wlb": set(), "wl
 # Methods that keep documents whole in fixed-length micro-batches balance tokens too.
 _BALANCE_REPLICAS = {"original": False, "fixed": False}
 
+MAX_MICRO_BATCHES = 2**22
+"""Most micro-batches (dp x n_micro) one step may plan: a plan holds an array per micro-batch
+and the solvers a bin per micro-batch (a real step has thousands)."""
+
 
 def register_method(name: str, solver: Callable[[PackProblem], PackResult] | str,
                     balance_replicas: bool = True) -> None:
@@ -133,6 +137,9 @@ def solve_pack(
     cost = cost if cost is not None else default_cost()
     max_tokens = resolve_max_tokens(max_tokens, cost, memory_bytes)
     dp = cost.degree("dp", dp)
+    if dp * n_micro > MAX_MICRO_BATCHES:
+        raise ValueError(f"dp x n_micro must be <= {MAX_MICRO_BATCHES} micro-batches per step (a plan holds an "
+                         f"array per micro-batch), got dp={dp} x n_micro={n_micro} = {dp * n_micro}")
     allowed = _OPTIONS.get(method)
     if allowed is not None and set(options) - allowed:
         raise ValueError(f"method {method!r} takes no option(s) {sorted(set(options) - allowed)}; "

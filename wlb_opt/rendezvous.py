@@ -17,10 +17,13 @@ any op of the group receives); then the rank runs its op.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from ._validate import is_float
 from .schedule import message_key, step_plan
-from .simulate import SimResult, _chunk_costs
+from .simulate import SimResult, _check_total, _chunk_costs
 
 
 def simulate_rendezvous(fwd, bwd, virtual_stages: int = 1, p2p_s: float = 0.0) -> SimResult:
@@ -38,8 +41,9 @@ def simulate_rendezvous(fwd, bwd, virtual_stages: int = 1, p2p_s: float = 0.0) -
     b = _chunk_costs(bwd, "bwd", virtual_stages)
     if f.shape != b.shape:
         raise ValueError(f"fwd and bwd must have the same shape, got {f.shape} and {b.shape}")
-    if not (np.isfinite(p2p_s) and p2p_s >= 0):
-        raise ValueError(f"p2p_s must be seconds >= 0, got {p2p_s!r}")
+    if not (is_float(p2p_s) and math.isfinite(p2p_s) and p2p_s >= 0):
+        raise ValueError(f"p2p_s must be seconds >= 0 (a finite real number), got {p2p_s!r}")
+    _check_total(f, b, np.asarray([float(p2p_s)] * f.shape[2]))
     pp, v, m = f.shape
     plans = [step_plan(r, pp, m, v) for r in range(pp)]
     # group index of every receive and send, by (rank, message): where a counterpart lives
@@ -85,6 +89,6 @@ def simulate_rendezvous(fwd, bwd, virtual_stages: int = 1, p2p_s: float = 0.0) -
     busy = np.zeros(pp)
     for row in timeline:
         busy[row["stage"]] += row["end_s"] - row["start_s"]
-    bubble = 1.0 - busy.sum() / (pp * step) if step > 0 else 0.0
+    bubble = 1.0 - busy.sum() / pp / step if step > 0 else 0.0  # pp x step could overflow
     return SimResult(step_time_s=step, bubble_fraction=float(bubble), stage_busy_s=busy, critical_path=[],
                      timeline=timeline)

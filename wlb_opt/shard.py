@@ -37,7 +37,7 @@ import numpy as np
 
 from typing import Literal
 
-from ._validate import check_choice, check_int, check_positive_real, validate_lengths, validate_offsets
+from ._validate import check_choice, check_int, check_positive_real, is_float, validate_lengths, validate_offsets
 from .cost import CostModel, default_cost
 from .plan import ShardPlan, SolveInfo, merge_chunks, shard_layout
 from .solvers.shard import hybrid_assign, hybrid_chunks, per_doc_chunk_sizes, per_doc_chunks, per_seq_chunks
@@ -75,12 +75,19 @@ class ShardCosts:
         return np.bincount(rank, weights=seg, minlength=self.cp)[: self.cp] + self.mb_const
 
 
+MAX_CP = 2**16
+"""Largest context-parallel degree solve_shard takes: it holds 2 x cp chunks per document."""
+
+
 def _validate(lengths, cp, strategy, offsets, cost):
     """(lengths, cp, offsets, cost) checked; cp None takes the cost model's."""
     if cost is not None and not isinstance(cost, CostModel):
         raise ValueError(f"cost must be a wlb_opt.CostModel or None, got {type(cost).__name__}")
     cost = cost if cost is not None else default_cost()
     cp = cost.degree("cp", cp)
+    if cp > MAX_CP:
+        raise ValueError(f"cp must be an integer >= 1 and <= {MAX_CP} (a document is cut into 2 x cp chunks), "
+                         f"got {cp}")
     check_choice("strategy", strategy, SHARD_STRATEGIES)
     lengths = validate_lengths(lengths)
     return lengths, cp, validate_offsets(offsets, len(lengths)), cost
@@ -114,7 +121,7 @@ def solve_shard(
     """
     t0 = time.perf_counter()
     lengths, cp, offsets, cost = _validate(lengths, cp, strategy, offsets, cost)
-    if not (isinstance(token_skew, (int, float)) and not isinstance(token_skew, bool) and token_skew >= 0):
+    if not (is_float(token_skew) and token_skew >= 0):
         raise ValueError(f"token_skew must be a number >= 0 (or math.inf), got {token_skew!r}")
     time_limit = check_positive_real("time_limit", time_limit, "seconds", allow_inf=True)
     workers = check_int("workers", workers, 1)
@@ -124,7 +131,8 @@ def solve_shard(
                          f"{len(lengths)}; use strategy='hybrid' for larger micro-batches")
     costs = ShardCosts(cost, cp)
     total = int(lengths.sum())
-    token_cap = math.ceil((1.0 + token_skew) * total / cp) if math.isfinite(token_skew) else math.inf
+    token_cap = (1.0 + float(token_skew)) * total / cp
+    token_cap = math.ceil(token_cap) if math.isfinite(token_cap) else math.inf  # a skew of 1e308: no cap
     extra: dict = {}
     status = "heuristic"
 

@@ -38,7 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ._validate import check_real
+from ._validate import INT64_MAX, bool_position, check_int, check_real
 from .plan import imbalance
 from .schedule import SCHEDULES, Op, Schedule, stage_order
 from .specs import ParallelSpec
@@ -66,19 +66,45 @@ class SimResult:
 
 
 # ---------------------------------------------------------------------- inputs
+MAX_OPERATIONS = 2**24
+"""Most (phase, micro-batch, virtual stage) operations one simulated pipeline may hold: the
+DAG and the event loop keep a Python object per operation (a real step has thousands)."""
+
+
 def _seconds_array(values, name: str) -> np.ndarray:
-    """`values` as float64 seconds, if they are real numbers (not bools, strings or objects)."""
+    """`values` as float64 seconds, if they are real numbers (not bools, strings or objects;
+    integers within int64, as everywhere else in the library)."""
     arr = np.asarray(values)
     if arr.dtype.kind not in "iuf":
         raise ValueError(f"{name} must hold seconds (real numbers), got dtype {arr.dtype} ({values!r:.60})")
+    at = bool_position(values)
+    if at is not None:  # numpy read [True, 1] as integers
+        raise ValueError(f"{name} must hold seconds (real numbers), got a bool at index {list(at)}")
+    if arr.dtype.kind == "u" and arr.size and arr.max() > INT64_MAX:
+        # most likely a negative number cast to unsigned
+        raise ValueError(f"{name} must hold seconds that fit in int64 as integers, got {int(arr.max())}")
     return arr.astype(np.float64)
+
+
+def _check_total(f: np.ndarray, b: np.ndarray, p2p: np.ndarray) -> None:
+    """A step is at most every operation and every send in a row: if that sum is finite,
+    so are the step time, the timeline and the bubble fraction."""
+    pp, v, m = f.shape
+    with np.errstate(over="ignore"):
+        total = f.sum() + b.sum() + 2.0 * pp * v * p2p.sum()
+    if not np.isfinite(total):
+        raise ValueError("fwd, bwd and p2p_s must add up to a finite number of seconds (their total "
+                         "overflows float64, so the step time would be inf)")
 
 
 def _chunk_costs(costs, name: str, virtual_stages: int) -> np.ndarray:
     """[pp, m] (split evenly over v chunks) or [pp, v, m] -> [pp, v, m] seconds."""
-    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, (int, np.integer)) or virtual_stages < 1:
-        raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
+    virtual_stages = check_int("virtual_stages", virtual_stages, 1)
     arr = _seconds_array(costs, name)
+    if arr.ndim in (2, 3) and 2 * virtual_stages * arr.shape[0] * arr.shape[-1] > MAX_OPERATIONS:
+        raise ValueError(f"{name} of shape {arr.shape} with virtual_stages={virtual_stages} makes "
+                         f"{2 * virtual_stages * arr.shape[0] * arr.shape[-1]} operations; the simulator "
+                         f"holds one object per operation and takes at most {MAX_OPERATIONS}")
     if arr.ndim == 2:
         arr = np.repeat(arr[:, None, :] / virtual_stages, virtual_stages, axis=1)
     elif arr.ndim != 3 or arr.shape[1] != virtual_stages:
@@ -94,8 +120,7 @@ def _chunk_costs(costs, name: str, virtual_stages: int) -> np.ndarray:
 def _validate(fwd, bwd, schedule: str, virtual_stages: int, p2p_s):
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, (int, np.integer)) or virtual_stages < 1:
-        raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
+    virtual_stages = check_int("virtual_stages", virtual_stages, 1)
     if schedule == "1f1b" and virtual_stages != 1:
         raise ValueError(f"schedule '1f1b' has one chunk per stage; use schedule='interleaved' for "
                          f"virtual_stages={virtual_stages}")
@@ -112,6 +137,7 @@ def _validate(fwd, bwd, schedule: str, virtual_stages: int, p2p_s):
     p2p = np.broadcast_to(p2p, (m,)) if p2p.ndim == 0 else p2p
     if p2p.shape != (m,) or not np.all(np.isfinite(p2p)) or np.any(p2p < 0):
         raise ValueError(f"p2p_s must be seconds >= 0, a scalar or one per micro-batch ({m}), got {p2p_s!r}")
+    _check_total(f, b, p2p)
     return f, b, p2p
 
 
@@ -135,13 +161,26 @@ def _durations(f: np.ndarray, b: np.ndarray) -> dict[Op, float]:
     return dur
 
 
+def _check_order(order, m: int) -> list[int]:
+    """`order` as a list of ints if it is a permutation of range(m) (integers, not bools or floats)."""
+    values = order.tolist() if isinstance(order, np.ndarray) else order
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"order must be a permutation of range({m}) (a sequence of integers), got {order!r:.80}")
+    values = list(values)
+    if any(isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) for x in values):
+        bad = next(x for x in values if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)))
+        raise ValueError(f"order must be a permutation of range({m}) (integers), got {bad!r} in {values!r:.80}")
+    perm = [int(x) for x in values]
+    if sorted(perm) != list(range(m)):
+        raise ValueError(f"order must be a permutation of range({m}), got {perm!r:.80}")
+    return perm
+
+
 def _orders(pp: int, m: int, v: int, order: Sequence[int] | None) -> list[list[Op]]:
     orders = [stage_order(s, pp, m, v) for s in range(pp)]
     if order is None:
         return orders
-    perm = [int(x) for x in order]
-    if sorted(perm) != list(range(m)):
-        raise ValueError(f"order must be a permutation of range({m}), got {list(order)!r}")
+    perm = _check_order(order, m)
     # slot k of the schedule runs micro-batch perm[k]
     return [[(ph, perm[k], vs) for ph, k, vs in o] for o in orders]
 
@@ -256,9 +295,7 @@ def _structure(pp: int, m: int, v: int) -> _Structure:
 def _permute(f, b, p2p, order, m):
     if order is None:
         return f, b, p2p, np.arange(m)
-    perm = np.asarray([int(x) for x in order], dtype=np.int64)
-    if sorted(perm.tolist()) != list(range(m)):
-        raise ValueError(f"order must be a permutation of range({m}), got {list(order)!r}")
+    perm = np.asarray(_check_order(order, m), dtype=np.int64)
     return f[:, :, perm], b[:, :, perm], p2p[perm], perm
 
 
@@ -306,7 +343,7 @@ def _result(step: float, timeline: list, pp: int, critical: list) -> SimResult:
     busy = np.zeros(pp)
     for r in timeline:
         busy[r["stage"]] += r["end_s"] - r["start_s"]
-    bubble = 1.0 - busy.sum() / (pp * step) if step > 0 else 0.0
+    bubble = 1.0 - busy.sum() / pp / step if step > 0 else 0.0  # pp x step could overflow
     return SimResult(step_time_s=step, bubble_fraction=float(bubble), stage_busy_s=busy,
                      critical_path=critical, timeline=timeline)
 
@@ -363,6 +400,7 @@ def best_order(fwd, bwd, schedule: Schedule = "1f1b", virtual_stages: int = 1, p
     pairwise-swap hill climbing from the heaviest-first order. Returns (order, step_time_s);
     the identity order is always a candidate, so the result is never worse than it.
     """
+    max_exhaustive = check_int("max_exhaustive", max_exhaustive, 0)
     f = _chunk_costs(fwd, "fwd", virtual_stages)
     m = f.shape[2]
 
@@ -504,6 +542,7 @@ def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, s
     parallel = step_layout(plan, cost, parallel)
     if schedule not in SCHEDULES:  # checked here too: with pp = 1 the schedule is not otherwise read
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    virtual_stages = check_int("virtual_stages", virtual_stages, 1)  # so is virtual_stages
     pp = parallel.pp
     n_mb = len(plan.micro_batches)
     if shards is not None and len(shards) != n_mb:

@@ -6,14 +6,33 @@ says where its numbers come from.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+from ._validate import INT64_MAX
+
+
+def _finite(value) -> bool:
+    """Whether a real number is finite as a float (an int too large for a float is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _check_count(owner: str, name: str, value, what: str = "an integer >= 1") -> None:
+    """An integer field >= 1 that fits in int64 (products and numpy arrays of it must not wrap)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}.{name} must be {what}, got {value!r}")
+    if value > INT64_MAX:
+        raise ValueError(f"{owner}.{name} must be {what} and <= 2**63 - 1 (int64), got {value!r}")
 
 
 def _check_positive(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not _finite(value):
             raise ValueError(f"{type(obj).__name__}.{name} must be a finite positive number, got {value!r}")
 
 
@@ -57,9 +76,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         for name in ("hidden", "layers", "heads", "ffn", "vocab"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModelSpec.{name} must be an integer >= 1, got {value!r}")
+            _check_count("ModelSpec", name, getattr(self, name))
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
         if (isinstance(self.kv_heads, bool) or not isinstance(self.kv_heads, int) or self.kv_heads < 1
@@ -72,8 +89,7 @@ class ModelSpec:
                 raise ValueError(f"ModelSpec.hidden={self.hidden} must be divisible by heads={self.heads} "
                                  f"(or give head_dim explicitly)")
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
-        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 1:
-            raise ValueError(f"ModelSpec.head_dim must be an integer >= 1 or None, got {self.head_dim!r}")
+        _check_count("ModelSpec", "head_dim", self.head_dim, "an integer >= 1 or None")
 
     @property
     def q_dim(self) -> int:
@@ -181,9 +197,10 @@ class ParallelSpec:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ParallelSpec.{f.name} must be an integer >= 1, got {value!r}")
+            _check_count("ParallelSpec", f.name, getattr(self, f.name))
+        if self.world_size > INT64_MAX:
+            raise ValueError(f"ParallelSpec world size tp x cp x pp x dp must be <= 2**63 - 1 (int64), got "
+                             f"{self.tp} x {self.cp} x {self.pp} x {self.dp} = {self.world_size}")
 
     @property
     def world_size(self) -> int:
@@ -217,7 +234,8 @@ class HardwareSpec:
         _check_positive(self, "peak_tflops", "hbm_gbps", "nvlink_gbps", "network_gbps")
         _check_fraction(self, "gemm_efficiency", "attn_efficiency")
         value = self.kernel_launch_s
-        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf")):
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0
+                or not _finite(value)):
             raise ValueError(f"HardwareSpec.kernel_launch_s must be a finite number of seconds >= 0, got {value!r}")
 
     @classmethod
