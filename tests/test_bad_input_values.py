@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import wlb_opt as wlb
-from test_bad_input import COST, LAID_OUT, PLAN, _check
+from test_bad_input import _POLICY, COST, LAID_OUT, PLAN, _check
 from wlb_opt.cli import main
 
 NAN, INF = math.nan, math.inf
@@ -35,7 +35,10 @@ def _pack(lengths=(5, 9, 3), n_micro=2, max_tokens=10, **kw):
 
 
 def _packer(**kw):
-    return wlb.WLBPacker(**{**dict(n_micro=2, max_tokens=100, cost=COST, thresholds=[50], max_delay=4), **kw})
+    """A WLBPacker from one set of keywords: the PackerConfig fields go in its config."""
+    kw = {**dict(n_micro=2, max_tokens=100, cost=COST, thresholds=[50], max_delay=4), **kw}
+    policy = {name: kw.pop(name) for name in list(kw) if name in _POLICY}
+    return wlb.WLBPacker(**kw, config=wlb.PackerConfig(**policy))
 
 
 def _pack_twice(first_ids):
@@ -161,12 +164,150 @@ BOOL_CASES = [
     ("calibrate_thresholds.budget_zero", lambda: _calibrate(budget=0), ValueError, "budget must be"),
 ]
 
-CASES = COST_CASES + IDS_CASES + MAX_TOKENS_CASES + BOOL_CASES
+ONES = np.ones((2, 2))
+
+BOOL_AMONG_NUMBERS_CASES = [
+    ("solve_pack.lengths_bool_in_list", lambda: wlb.solve_pack([True, 3], 2, 64, COST), ValueError,
+     "lengths must be integer token counts, got the bool True at index 0"),
+    ("solve_pack.lengths_false_in_list", lambda: _pack([5, False]), ValueError, "the bool False at index 1"),
+    ("solve_pack.lengths_numpy_bool_in_tuple", lambda: _pack((5, np.True_)), ValueError, "the bool True at index 1"),
+    ("solve_pack.lengths_bool_among_floats", lambda: _pack([5.0, True]), ValueError, "the bool True at index 1"),
+    ("solve_pack.lengths_bool_array", lambda: _pack(np.array([True, True])), ValueError,
+     "must be integers, got dtype bool"),
+    ("solve_pack.ids_bool_in_list", lambda: _pack([5, 3], ids=[True, 5]), ValueError,
+     "ids must be integers, got the bool True at position 0"),
+    ("solve_pack.offsets_bool_in_list", lambda: _pack([5, 3], offsets=[0, False]), ValueError,
+     "offsets must be integers, got the bool False at position 1"),
+    ("WLBPacker.pack.lengths_bool_in_list", lambda: _packer().pack([True, 3]), ValueError,
+     "lengths must be integer token counts, got the bool True"),
+    ("WLBPacker.pack.ids_bool_in_list", lambda: _packer().pack([5, 6], ids=[4, True]), ValueError,
+     "ids must be integers, got the bool True"),
+    ("solve_shard.lengths_bool_in_list", lambda: wlb.solve_shard([True, 3], 2), ValueError,
+     "lengths must be integer token counts, got the bool True"),
+    ("solve_shard.offsets_bool_in_list", lambda: wlb.solve_shard([4, 3], 2, offsets=[True, 0]), ValueError,
+     "offsets must be integers, got the bool True"),
+    ("simulate_pipeline.fwd_bool_in_list", lambda: wlb.simulate_pipeline([[True, 1]], [[1, 1]]), ValueError,
+     "fwd must hold seconds (real numbers), got a bool at index [0, 0]"),
+    ("simulate_pipeline.bwd_bool_among_floats", lambda: wlb.simulate_pipeline([[1, 1]], [[0.5, False]]),
+     ValueError, "bwd must hold seconds (real numbers), got a bool at index [0, 1]"),
+    ("simulate_pipeline.p2p_bool_in_list", lambda: wlb.simulate_pipeline(ONES, ONES, p2p_s=[True, 1]),
+     ValueError, "p2p_s must hold seconds (real numbers), got a bool"),
+    ("simulate_rendezvous.fwd_bool_in_list", lambda: wlb.simulate_rendezvous([[True, 1]], [[1, 1]]), ValueError,
+     "fwd must hold seconds (real numbers), got a bool"),
+    ("simulate_rendezvous.p2p_bool", lambda: wlb.simulate_rendezvous(ONES, ONES, p2p_s=True), ValueError,
+     "p2p_s must be seconds >= 0 (a finite real number), got True"),
+    ("simulate_rendezvous.p2p_string", lambda: wlb.simulate_rendezvous(ONES, ONES, p2p_s="1"), ValueError,
+     "p2p_s must be seconds >= 0"),
+    ("simulate_rendezvous.p2p_huge_int", lambda: wlb.simulate_rendezvous(ONES, ONES, p2p_s=10**400), ValueError,
+     "p2p_s must be seconds >= 0"),
+    ("simulate_rendezvous.virtual_stages_bool", lambda: wlb.simulate_rendezvous(ONES, ONES, virtual_stages=True),
+     ValueError, "virtual_stages must be an integer >= 1, got True"),
+    ("simulate_step.virtual_stages_bool", lambda: wlb.simulate_step(PLAN, None, COST, virtual_stages=True),
+     ValueError, "virtual_stages must be an integer >= 1, got True"),
+    ("simulate_step.virtual_stages_zero", lambda: wlb.simulate_step(PLAN, None, COST, virtual_stages=0),
+     ValueError, "virtual_stages must be an integer >= 1, got 0"),
+    ("simulate_step.p2p_bool_in_list", lambda: wlb.simulate_step(PLAN, None, COST, p2p_s=[0.1, True]),
+     ValueError, "p2p_s must hold seconds (real numbers), got a bool"),
+    ("simulate_pipeline.order_bools", lambda: wlb.simulate_pipeline(ONES, ONES, order=[True, False]), ValueError,
+     "order must be a permutation of range(2) (integers), got True"),
+    ("simulate_pipeline.order_floats", lambda: wlb.simulate_pipeline(ONES, ONES, order=[1.0, 0.0]), ValueError,
+     "order must be a permutation of range(2) (integers), got 1.0"),
+    ("simulate_pipeline.order_bool_array", lambda: wlb.simulate_pipeline(ONES, ONES, order=np.array([True, False])),
+     ValueError, "order must be a permutation of range(2) (integers)"),
+    ("simulate_pipeline.order_scalar", lambda: wlb.simulate_pipeline(ONES, ONES, order=1), ValueError,
+     "order must be a permutation of range(2)"),
+    ("simulate_pipeline.order_string", lambda: wlb.simulate_pipeline(ONES, ONES, order="10"), ValueError,
+     "order must be a permutation of range(2)"),
+    ("simulate_pipeline.order_2**63", lambda: wlb.simulate_pipeline(ONES, ONES, order=[2**63, 0]), ValueError,
+     "order must be a permutation of range(2), got [9223372036854775808, 0]"),
+    ("simulate_pipeline.order_uint64", lambda: wlb.simulate_pipeline(
+        ONES, ONES, order=np.array([2**63, 0], np.uint64)), ValueError, "order must be a permutation of range(2)"),
+    ("pipeline_recurrence.order_bools", lambda: wlb.simulate.pipeline_recurrence(ONES, ONES, order=[True, False]),
+     ValueError, "order must be a permutation of range(2) (integers)"),
+    ("build_dag.order_floats", lambda: wlb.simulate.build_dag(ONES, ONES, order=[1.0, 0.0]), ValueError,
+     "order must be a permutation of range(2) (integers)"),
+    ("best_order.max_exhaustive_string", lambda: wlb.simulate.best_order(ONES, ONES, max_exhaustive="6"),
+     ValueError, "max_exhaustive must be an integer >= 0"),
+    ("best_order.max_exhaustive_bool", lambda: wlb.simulate.best_order(ONES, ONES, max_exhaustive=True),
+     ValueError, "max_exhaustive must be an integer >= 0"),
+    ("compare_to_measured.busy_bool_in_list", lambda: wlb.simulate.compare_to_measured(
+        wlb.simulate_pipeline(ONES, ONES), 1.0, [True, 1.0]), ValueError,
+     "measured_stage_busy_s must hold seconds (real numbers), got a bool"),
+]
+
+HUGE = [[1e308, 1e308]]
+OVERFLOW_CASES = [
+    ("simulate_pipeline.seconds_sum_overflows", lambda: wlb.simulate_pipeline(HUGE, HUGE), ValueError,
+     "must add up to a finite number of seconds"),
+    ("simulate_pipeline.p2p_sum_overflows", lambda: wlb.simulate_pipeline(ONES, ONES, p2p_s=1e308), ValueError,
+     "must add up to a finite number of seconds"),
+    ("pipeline_recurrence.seconds_sum_overflows", lambda: wlb.simulate.pipeline_recurrence(HUGE, HUGE), ValueError,
+     "must add up to a finite number of seconds"),
+    ("simulate_rendezvous.seconds_sum_overflows", lambda: wlb.simulate_rendezvous(HUGE, HUGE), ValueError,
+     "must add up to a finite number of seconds"),
+    ("simulate_pipeline.fwd_uint64_2**64-1", lambda: wlb.simulate_pipeline(
+        np.array([[2**64 - 1, 1]], np.uint64), [[1, 1]]), ValueError,
+     "fwd must hold seconds that fit in int64 as integers, got 18446744073709551615"),
+    ("simulate_pipeline.p2p_uint64_huge", lambda: wlb.simulate_pipeline(
+        ONES, ONES, p2p_s=np.array([2**63, 0], np.uint64)), ValueError, "p2p_s must hold seconds that fit in int64"),
+    ("simulate_pipeline.virtual_stages_2**70", lambda: wlb.simulate_pipeline(
+        ONES, ONES, "interleaved", virtual_stages=2**70), ValueError, "virtual_stages must be an integer >= 1 and <="),
+    ("simulate_pipeline.virtual_stages_too_many_ops", lambda: wlb.simulate_pipeline(
+        ONES, ONES, "interleaved", virtual_stages=2**40), ValueError, "the simulator holds one object per operation"),
+    ("simulate_rendezvous.virtual_stages_too_many_ops", lambda: wlb.simulate_rendezvous(
+        ONES, ONES, virtual_stages=2**40), ValueError, "operations"),
+    ("ParallelSpec.gpus_per_node_2**70", lambda: wlb.ParallelSpec(gpus_per_node=2**70), ValueError,
+     "ParallelSpec.gpus_per_node must be an integer >= 1 and <= 2**63 - 1 (int64)"),
+    ("ParallelSpec.dp_2**63", lambda: wlb.ParallelSpec(dp=2**63), ValueError, "ParallelSpec.dp must be an integer"),
+    ("ParallelSpec.world_size_overflows", lambda: wlb.ParallelSpec(tp=2**62, cp=4), ValueError,
+     "world size tp x cp x pp x dp must be <= 2**63 - 1"),
+    ("ModelSpec.hidden_2**70", lambda: wlb.ModelSpec(hidden=2**70, layers=2, heads=2, ffn=4), ValueError,
+     "ModelSpec.hidden must be an integer >= 1 and <= 2**63 - 1"),
+    ("ModelSpec.head_dim_2**64", lambda: wlb.ModelSpec(hidden=64, layers=2, heads=2, ffn=4, head_dim=2**64),
+     ValueError, "ModelSpec.head_dim must be an integer >= 1 or None and <= 2**63 - 1"),
+    ("HardwareSpec.peak_beyond_float", lambda: _hardware(peak_tflops=10**400), ValueError,
+     "peak_tflops must be a finite positive number"),
+    ("HardwareSpec.kernel_launch_beyond_float", lambda: _hardware(kernel_launch_s=10**400), ValueError,
+     "kernel_launch_s must be a finite number"),
+    ("solve_pack.n_micro_huge", lambda: _pack(n_micro=2**62), ValueError, "dp x n_micro must be <= 4194304"),
+    ("solve_pack.dp_huge", lambda: _pack(dp=2**40), ValueError, "dp x n_micro must be <="),
+    ("solve_pack.n_micro_2**70", lambda: _pack(n_micro=2**70), ValueError, "n_micro must be an integer >= 1 and"),
+    ("solve_pack.time_limit_beyond_float", lambda: _pack(time_limit=10**400), ValueError, "too large for a float"),
+    ("solve_pack.memory_bytes_beyond_float", lambda: wlb.solve_pack([5], 1, "auto", LAID_OUT, memory_bytes=10**400),
+     ValueError, "memory_bytes must be a finite number"),
+    ("solve_shard.cp_huge", lambda: wlb.solve_shard([5, 9], 2**62), ValueError,
+     "cp must be an integer >= 1 and <= 65536"),
+    ("solve_shard.cp_2**70", lambda: wlb.solve_shard([5, 9], 2**70), ValueError, "cp must be an integer >= 1"),
+    ("per_doc_sizes.cp_huge", lambda: wlb.shard.per_doc_sizes([5, 9], 2**40), ValueError, "cp must be an integer"),
+    ("solve_shard.token_skew_beyond_float", lambda: wlb.solve_shard([5, 9], 2, "hybrid", COST, token_skew=10**400),
+     ValueError, "token_skew must be a number >= 0"),
+    ("solve_shard.time_limit_beyond_float", lambda: wlb.solve_shard([5, 9], 2, "cpsat", COST, time_limit=10**400),
+     ValueError, "time_limit must be a number > 0 seconds"),
+    ("solve_shard.seed_2**64", lambda: wlb.solve_shard([5, 9], 2, seed=2**64), ValueError,
+     "seed must be an integer >= 0 and <= 2**63 - 1"),
+    ("solve_shard.workers_2**64", lambda: wlb.solve_shard([5, 9], 2, "cpsat", COST, workers=2**64), ValueError,
+     "workers must be an integer >= 1 and"),
+]
+
+CASES = COST_CASES + IDS_CASES + MAX_TOKENS_CASES + BOOL_CASES + BOOL_AMONG_NUMBERS_CASES + OVERFLOW_CASES
 
 
 @pytest.mark.parametrize("call, exc_type, fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_value_raises_a_clear_error(call, exc_type, fragment):
     _check(call, exc_type, fragment)
+
+
+def test_valid_neighbours_of_the_refused_values_still_run():
+    """The checks above refuse bools and overflow, not the ordinary values next to them."""
+    assert wlb.solve_pack([1, 3], 2, 64, COST).tokens.sum() == 4  # a length of 1 given as an int
+    assert wlb.solve_pack(np.array([1, 3]), 2, 64, COST, ids=[0, 1], offsets=[0, 1]).tokens.sum() == 4
+    assert wlb.solve_shard([1, 3], 2).lengths.tolist() == [1, 3]
+    assert wlb.solve_shard([5, 9], 2, "hybrid", COST, token_skew=1e308).cp == 2  # no token cap
+    assert wlb.simulate_pipeline([[1, 1]], [[1, 1]], order=np.array([1, 0])).step_time_s == 4.0
+    assert wlb.simulate_pipeline([[1e300, 1]], [[1, 1]]).step_time_s == pytest.approx(1e300)
+    assert wlb.simulate_rendezvous(ONES, ONES, p2p_s=np.float64(0.5)).step_time_s > 0
+    assert wlb.simulate.best_order(ONES, ONES, max_exhaustive=100)[0] in ([0, 1], [1, 0])
+    assert wlb.ParallelSpec(tp=2**31, cp=2**31).world_size == 2**62
 
 
 def test_a_saved_cost_model_that_costs_nothing_is_refused_on_load(tmp_path):

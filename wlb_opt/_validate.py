@@ -138,7 +138,7 @@ def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
         raise ValueError(f"{name} must be integers, got dtype {arr.dtype}")
     i = _bool_index(lengths, arr)
     if i is not None:
-        raise ValueError(f"{name} must be integer token counts, got the bool {lengths[i]!r} at index {i}")
+        raise ValueError(f"{name} must be integer token counts, got the bool {bool(lengths[i])} at index {i}")
     if arr.dtype.kind == "u" and np.any(arr >= np.uint64(MAX_TOKENS)):
         i = int(np.argmax(arr >= np.uint64(MAX_TOKENS)))
         raise ValueError(f"{name} must be token counts below 2**62, got {int(arr[i])} at index {i}")
@@ -175,7 +175,7 @@ def validate_ids(ids, n: int, name: str = "ids") -> np.ndarray:
         raise ValueError(f"{name} must be integers, got dtype {arr.dtype}")
     i = _bool_index(ids, arr) if arr.size else None
     if i is not None:
-        raise ValueError(f"{name} must be integers, got the bool {ids[i]!r} at position {i}")
+        raise ValueError(f"{name} must be integers, got the bool {bool(ids[i])} at position {i}")
     if arr.size and arr.dtype.kind == "u" and np.any(arr > np.uint64(2**63 - 1)):
         i = int(np.argmax(arr > np.uint64(2**63 - 1)))
         # a cast to int64 would wrap it to a negative id (and maybe onto another document's)
