@@ -226,6 +226,10 @@ BOOL_AMONG_NUMBERS_CASES = [
      ValueError, "order must be a permutation of range(2) (integers)"),
     ("build_dag.order_floats", lambda: wlb.simulate.build_dag(ONES, ONES, order=[1.0, 0.0]), ValueError,
      "order must be a permutation of range(2) (integers)"),
+    ("simulate_pipeline.schedule_array", lambda: wlb.simulate_pipeline(
+        ONES, ONES, schedule=np.array(["1f1b", "interleaved"])), ValueError, "schedule must be one of"),
+    ("simulate_step.schedule_array", lambda: wlb.simulate_step(PLAN, None, COST, schedule=np.array(["1f1b"])),
+     ValueError, "schedule must be one of"),
     ("best_order.max_exhaustive_string", lambda: wlb.simulate.best_order(ONES, ONES, max_exhaustive="6"),
      ValueError, "max_exhaustive must be an integer >= 0"),
     ("best_order.max_exhaustive_bool", lambda: wlb.simulate.best_order(ONES, ONES, max_exhaustive=True),

@@ -118,7 +118,7 @@ def _chunk_costs(costs, name: str, virtual_stages: int) -> np.ndarray:
 
 
 def _validate(fwd, bwd, schedule: str, virtual_stages: int, p2p_s):
-    if schedule not in SCHEDULES:
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     virtual_stages = check_int("virtual_stages", virtual_stages, 1)
     if schedule == "1f1b" and virtual_stages != 1:
@@ -540,7 +540,8 @@ def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, s
     fwd / fwd_bwd ratio for that micro-batch (ShardPlan loads are fwd_bwd only).
     """
     parallel = step_layout(plan, cost, parallel)
-    if schedule not in SCHEDULES:  # checked here too: with pp = 1 the schedule is not otherwise read
+    # checked here too: with pp = 1 the schedule is not otherwise read
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     virtual_stages = check_int("virtual_stages", virtual_stages, 1)  # so is virtual_stages
     pp = parallel.pp
