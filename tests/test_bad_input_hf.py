@@ -38,9 +38,28 @@ def _labels(lengths, n: int = 6):
     return hf.to_hf_labels(torch.arange(n), lengths)
 
 
-def _tp(family: str, tp: int, **extra):
+def _tp(family: str, tp, **extra):
     stage = hf.split_hf_stages(_model(family, **extra), 1, self_check=False)[0]
     return apply_tensor_parallel(stage, SimpleNamespace(size=lambda: tp))
+
+
+def _built(make, **kw):
+    """A small model of config class `make` (not cached: some fields are dicts)."""
+    hf.register()
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(make(**SIZES, **kw), attn_implementation="wlb")
+
+
+def _split(make, **kw):
+    return hf.split_hf_stages(_built(make, **kw), 1)
+
+
+def _tp_of(make, tp: int, **kw):
+    stage = hf.split_hf_stages(_built(make, **kw), 1, self_check=False)[0]
+    return apply_tensor_parallel(stage, SimpleNamespace(size=lambda: tp))
+
+
+LLAMA4 = dict(head_dim=8, num_local_experts=2, intermediate_size_mlp=64)
 
 
 IDS = torch.zeros(1, 6, dtype=torch.long)
@@ -81,6 +100,19 @@ SPLIT_CASES = [
      "use_sliding_window=False alone does not clear it"),
     ("split_hf_stages.attn_softcap", lambda: hf.split_hf_stages(_model(attn_logit_softcapping=30.0), 1), ValueError,
      "attn_logit_softcapping=30.0"),
+    ("split_hf_stages.chunked_attention",
+     lambda: _split(transformers.Llama4TextConfig, **LLAMA4, attention_chunk_size=16), ValueError,
+     "attention_chunk_size=16"),
+    ("split_hf_stages.nope_temperature",
+     lambda: _split(transformers.Llama4TextConfig, **LLAMA4, attention_chunk_size=None, no_rope_layers=[1, 0]),
+     ValueError, "attn_temperature_tuning=True"),
+    ("split_hf_stages.dynamic_rope",
+     lambda: _split(transformers.LlamaConfig, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                              "rope_theta": 10000.0}), ValueError,
+     "rope_type 'dynamic' (rope_parameters)"),
+    ("split_hf_stages.router_aux_loss",
+     lambda: _split(transformers.MixtralConfig, sliding_window=None, num_local_experts=4, output_router_logits=True,
+                    router_aux_loss_coef=0.5), ValueError, "output_router_logits=True, router_aux_loss_coef=0.5"),
 ]
 
 FORWARD_CASES = [
@@ -92,6 +124,9 @@ FORWARD_CASES = [
      "padding attention_mask"),
     ("wlb_forward.dense_4d_mask",
      lambda: _model()(IDS, attention_mask=torch.zeros(1, 1, 6, 6)), ValueError, "dense attention mask"),
+    ("wlb_forward.pair_mask_with_zeros",
+     lambda: _model()(IDS, attention_mask=torch.tril(torch.ones(1, 6, 6))), ValueError,
+     "3-D attention_mask of shape (1, 6, 6)"),
     ("wlb_forward.batch_of_two", lambda: _model()(torch.zeros(2, 6, dtype=torch.long)), ValueError,
      "batch of one row"),
 ]
@@ -104,6 +139,17 @@ TP_CASES = [
      lambda: _tp("llama", 4, num_key_value_heads=4, intermediate_size=66), ValueError, "mlp.gate_proj (66)"),
     ("apply_tensor_parallel.cohere_qk_norm", lambda: _tp("cohere", 2, use_qk_norm=True), ValueError,
      "self_attn.q_norm"),
+    ("apply_tensor_parallel.mesh_size_zero", lambda: _tp("llama", 0), ValueError, "integer >= 1 (the TP ranks), got 0"),
+    ("apply_tensor_parallel.mesh_size_negative", lambda: _tp("llama", -2), ValueError, "got -2"),
+    ("apply_tensor_parallel.mesh_size_bool", lambda: _tp("llama", True), ValueError, "got True"),
+    ("apply_tensor_parallel.mesh_size_float", lambda: _tp("llama", 2.0), ValueError, "got 2.0"),
+    ("apply_tensor_parallel.stablelm_per_head_norms",
+     lambda: _tp_of(transformers.StableLmConfig, 2, qk_layernorm=True), ValueError,
+     "self_attn.q_layernorm.norms.0: per-head norms"),
+    ("apply_tensor_parallel.difflama_attention", lambda: _tp_of(transformers.DiffLlamaConfig, 2), ValueError,
+     "DiffLlamaAttention"),
+    ("apply_tensor_parallel.nemotron_mlp", lambda: _tp_of(transformers.NemotronConfig, 2), ValueError,
+     "an MLP without a gate projection"),
 ]
 
 CASES = LABEL_CASES + SPLIT_CASES + FORWARD_CASES + TP_CASES

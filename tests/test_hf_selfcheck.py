@@ -179,6 +179,74 @@ def test_sliding_windows_are_refused_at_the_split_with_a_hint_that_works():
     assert hf.split_hf_stages(build(transformers.Gemma2Config(**gemma, sliding_window=16, layer_types=FULL)), 1)
 
 
+def _llama4(**kw):
+    return transformers.Llama4TextConfig(**SMALL, head_dim=8, num_local_experts=2, intermediate_size_mlp=64, **kw)
+
+
+# what the stages cannot compute from a packed row as transformers does from one document:
+# (config, the field the message names, the config its hint gives, which must pass the check)
+POSITION_DEPENDENT = {
+    "chunked_attention": (lambda: _llama4(attention_chunk_size=16, attn_temperature_tuning=False),
+                          "attention_chunk_size=None",
+                          lambda: _llama4(attention_chunk_size=None, attn_temperature_tuning=False)),
+    "chunked_layer_types": (lambda: _llama4(attention_chunk_size=16, attn_temperature_tuning=False,
+                                            layer_types=["chunked_attention"] * 3),
+                            r"layer_types=\['full_attention'\] \* num_hidden_layers",
+                            lambda: _llama4(attention_chunk_size=16, attn_temperature_tuning=False, layer_types=FULL)),
+    "nope_temperature": (lambda: _llama4(attention_chunk_size=None, no_rope_layers=[1, 0, 1], floor_scale=4),
+                         "attn_temperature_tuning=False",
+                         lambda: _llama4(attention_chunk_size=None, no_rope_layers=[1, 0, 1], floor_scale=4,
+                                         attn_temperature_tuning=False)),
+    "dynamic_rope": (lambda: transformers.LlamaConfig(**SMALL, rope_parameters={
+                         "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), "rope_type 'dynamic'",
+                     lambda: transformers.LlamaConfig(**SMALL, rope_parameters={
+                         "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})),
+    "longrope": (lambda: transformers.Phi3Config(**SMALL, pad_token_id=0, rope_parameters={
+                     "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+                     "long_factor": [4.0] * 4, "original_max_position_embeddings": 16}), "rope_type 'longrope'",
+                 lambda: transformers.Phi3Config(**SMALL, pad_token_id=0)),
+    "router_aux_loss": (lambda: transformers.MixtralConfig(**SMALL, sliding_window=None, num_local_experts=4,
+                                                           output_router_logits=True, router_aux_loss_coef=0.5),
+                        "output_router_logits=False",
+                        lambda: transformers.MixtralConfig(**SMALL, sliding_window=None, num_local_experts=4,
+                                                           router_aux_loss_coef=0.5)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(POSITION_DEPENDENT))
+def test_what_packing_would_change_is_refused_with_a_hint_that_works(case):
+    make, hint, fixed = POSITION_DEPENDENT[case]
+    with pytest.raises(ValueError, match=hint):
+        hf.split_hf_stages(build(make(), dtype=torch.float32), 1)
+    assert len(hf.split_hf_stages(build(fixed(), dtype=torch.float32), 1)) == 1
+
+
+def test_the_check_restores_rotary_state_a_length_dependent_rope_changes(monkeypatch):
+    """Dynamic rope rewrites `inv_freq` and `max_seq_len_cached` on a sequence past
+    max_position_embeddings; with its refusal lifted, the check (which then fails) leaves both."""
+    monkeypatch.setattr(hf, "_STATIC_ROPE", hf._STATIC_ROPE + ("dynamic",))
+    cfg = transformers.LlamaConfig(**{**SMALL, "max_position_embeddings": 4}, rope_parameters={
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    model = build(cfg, dtype=torch.float32)
+    rotary = model.model.rotary_emb
+    buffer, values, cached = rotary.inv_freq, rotary.inv_freq.clone(), rotary.max_seq_len_cached
+    with pytest.raises(ValueError, match="self-check"):
+        hf.split_hf_stages(model, 1)
+    assert rotary.inv_freq is buffer and torch.equal(rotary.inv_freq, values)
+    assert rotary.max_seq_len_cached == cached
+
+
+def test_a_mask_of_any_rank_with_zeros_is_refused():
+    model = build(transformers.LlamaConfig(**SMALL))
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 6))
+    pairs = torch.ones(1, 6, 6)
+    pairs[0, 5, :3] = 0
+    with pytest.raises(ValueError, match=r"3-D attention_mask of shape \(1, 6, 6\) \(3 of 36 entries zero\)"):
+        model(ids, attention_mask=pairs)
+    torch.testing.assert_close(model(ids, attention_mask=torch.ones(1, 6, 6)).logits, model(ids).logits,
+                               rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------- tensor parallelism
 def _tp(stage, tp: int):
     """apply_tensor_parallel's checks over a tp-rank mesh stand-in: every refusal comes before
@@ -202,7 +270,18 @@ TP_REFUSALS = {  # id: (config, tp, what the message names)
                             "model.layers.0.self_attn.q_norm"),
     "per_head_norm_rows": (lambda: cohere(use_qk_norm=True), 2, "model.layers.0.self_attn.q_norm"),
     "moe_experts": (lambda: transformers.MixtralConfig(**SMALL, sliding_window=None, num_local_experts=4), 2,
-                    "model.layers.0.mlp.gate_proj"),
+                    "model.layers.0.mlp: a mixture-of-experts layer"),
+    "moe_feed_forward": (lambda: _llama4(attention_chunk_size=None, attn_temperature_tuning=False), 2,
+                         "model.layers.0.feed_forward: a mixture-of-experts layer"),
+    "per_head_norm_modules": (lambda: transformers.StableLmConfig(**SMALL, qk_layernorm=True), 2,
+                              "model.layers.0.self_attn.q_layernorm.norms.0: per-head norms"),
+    "untested_attention_class": (lambda: transformers.DiffLlamaConfig(**SMALL), 2,
+                                 "model.layers.0.self_attn: its class DiffLlamaAttention is not one"),
+    "mlp_without_gate": (lambda: transformers.NemotronConfig(**SMALL), 2,
+                         "model.layers.0.mlp: an MLP without a gate projection"),
+    "latent_attention": (lambda: transformers.DeepseekV3Config(**SMALL, n_routed_experts=2,
+                                                               first_k_dense_replace=3), 2,
+                         "model.layers.0.self_attn: multi-head latent attention"),
 }
 
 

@@ -37,27 +37,82 @@ def tp_plan() -> dict:
 def apply_tensor_parallel(stage: torch.nn.Module, tp_mesh) -> torch.nn.Module:
     """Shard every block of `stage` over the 1-D DeviceMesh `tp_mesh` (in place; returns it).
 
-    Every block is checked before any is sharded (a refusal leaves the stage as it was):
-    the query and key/value head counts and every sharded width (the MLP's included) must
-    divide by tp, every projection the plan names must be an `nn.Linear`, and the block may
-    hold no other weight that tensor parallelism would leave whole while its inputs are split
-    (a fused projection such as Phi-3's ``qkv_proj`` or ``gate_up_proj``, whose output
-    interleaves Q, K and V or gate and up, a per-head norm over all heads, MoE experts).
-    Each refusal is a ValueError naming the module."""
+    Every block is checked before any is sharded (a refusal leaves the stage as it was): the
+    mesh's size must be an integer >= 1, the query and key/value head counts and every sharded
+    width (the MLP's included) must divide by tp, every projection the plan names must be an
+    `nn.Linear`, and the block may hold no other weight that tensor parallelism would leave
+    whole while its inputs are split (a fused projection such as Phi-3's ``qkv_proj`` or
+    ``gate_up_proj``, whose output interleaves Q, K and V or gate and up; a norm over all
+    heads; per-head norms paired with heads by position; MoE experts and their router;
+    low-rank latent attention projections). A stage that names the module classes it is known
+    to shard correctly (`tp_module_classes`: {submodule: class names}, the Hugging Face
+    adapter's) has every other class refused. Each refusal is a ValueError naming the module
+    and the reason."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = tp_mesh.size()
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor parallelism needs a mesh whose size() is an integer >= 1 (the TP ranks), got "
+                         f"{tp!r}")
     # another model family's stage (e.g. the Hugging Face adapter's) brings its own block plan
     # and head counts: `block_tp_plan()` and `tp_heads` = (query heads, key/value heads)
     plan = stage.block_tp_plan() if hasattr(stage, "block_tp_plan") else tp_plan()
     heads = getattr(stage, "tp_heads", None)
+    known = getattr(stage, "tp_module_classes", None)
     blocks = list(getattr(stage, "blocks", []))
     names = list(getattr(stage, "block_names", None) or [f"blocks.{i}" for i in range(len(blocks))])
     for name, block in zip(names, blocks):
         _check_shardable(block, name, plan, tp, heads if heads is not None else (block.heads, block.kv_heads))
+        if known:
+            _check_known(block, name, known)
     for block in blocks:
         parallelize_module(block, tp_mesh, plan)
     return stage
+
+
+def _check_known(block: torch.nn.Module, where: str, known: dict) -> None:
+    """ValueError unless each submodule `known` names is of a class listed there: one whose
+    forward is known to work on a rank's share of the heads and channels (another class may
+    split, chunk or pair heads along the global head axis, DiffLlama's attention say, with
+    nothing in its weights to show it)."""
+    modules = dict(block.named_modules())
+    for path, classes in known.items():
+        kind = type(modules.get(path)).__name__
+        if kind not in classes:
+            raise ValueError(f"tensor parallelism cannot shard {where}.{path}: its class {kind} is not one the TP "
+                             f"plan is tested on ({', '.join(sorted(classes))}), and its forward may not work on a "
+                             "rank's share of the heads or channels; run this model with tp=1")
+
+
+def _why_missing(modules: dict, where: str, name: str) -> str:
+    """Why the block has no linear `name` where the plan needs one: the true layout in its place."""
+    parent = name.rsplit(".", 1)[0] if "." in name else ""
+    linears = [n for n, m in modules.items() if isinstance(m, torch.nn.Linear)]
+    fused = [n for n in linears if any(k in n.rsplit(".", 1)[-1] for k in ("qkv", "gate_up", "query_key_value"))]
+    if fused:  # e.g. Phi-3: self_attn.qkv_proj and mlp.gate_up_proj, no q_proj
+        return (f"tensor parallelism cannot shard {where}.{fused[0]}: a fused projection (its output concatenates "
+                "Q, K and V, or gate and up, so splitting its columns evenly would not give each rank whole heads "
+                f"or matching channels); the plan needs {name}, which the block does not have. Run this model with "
+                "tp=1")
+    moe = [n for n in modules if n.rsplit(".", 1)[-1] in ("experts", "router")]
+    if moe:
+        owner = moe[0].rsplit(".", 1)[0] if "." in moe[0] else moe[0]
+        return (f"tensor parallelism cannot shard {where}.{owner}: a mixture-of-experts layer ({type(modules[owner]).__name__}"
+                f": experts and a router), which the TP plan, one dense MLP split by channels, does not shard; "
+                "run this model with tp=1")
+    latent = [n for n in linears if n.rsplit(".", 1)[-1] in ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj")]
+    if latent:
+        return (f"tensor parallelism cannot shard {where}.{parent}: multi-head latent attention (low-rank "
+                f"projections {', '.join(latent)}, DeepSeek's), not the per-head Q, K and V projections the plan "
+                "splits; run this model with tp=1")
+    if name.endswith("gate_proj") and all(f"{parent}.{n}" in modules for n in ("up_proj", "down_proj")):
+        return (f"tensor parallelism cannot shard {where}.{parent}: an MLP without a gate projection (up_proj and "
+                "down_proj only, not SwiGLU), which the plan's gate_proj / up_proj / down_proj layout does not "
+                "match; run this model with tp=1")
+    there = f"linear projections {', '.join(linears[:4])}" if linears else "no linear projection"
+    return (f"tensor parallelism cannot shard {where}.{name}: the plan shards it as a linear projection, and the "
+            f"block has {'a ' + type(modules[name]).__name__ if name in modules else 'nothing'} there ({there}: a "
+            "layout the TP plan does not know); run this model with tp=1")
 
 
 def _check_shardable(block: torch.nn.Module, where: str, plan: dict, tp: int, heads: tuple[int, int]) -> None:
@@ -76,16 +131,7 @@ def _check_shardable(block: torch.nn.Module, where: str, plan: dict, tp: int, he
     for name, style in plan.items():
         module = modules.get(name)
         if not isinstance(module, torch.nn.Linear):
-            others = [n for n, m in modules.items() if isinstance(m, torch.nn.Linear) and n not in plan]
-            if module is None and others:  # e.g. Phi-3: self_attn.qkv_proj and mlp.gate_up_proj, no q_proj
-                raise ValueError(f"tensor parallelism cannot shard {where}.{others[0]}: a fused projection (its "
-                                 "output concatenates Q, K and V, or gate and up, so splitting its columns evenly "
-                                 f"would not give each rank whole heads or matching channels); the plan needs "
-                                 f"{name}, which the block does not have. Run this model with tp=1")
-            found = "nothing" if module is None else f"a {type(module).__name__}"
-            raise ValueError(f"tensor parallelism cannot shard {where}.{name}: the plan shards it as a linear "
-                             f"projection, and the block has {found} there (a layout the TP plan does not know, "
-                             "such as MoE experts); run this model with tp=1")
+            raise ValueError(_why_missing(modules, where, name))
         column = isinstance(style, ColwiseParallel)
         width = module.out_features if column else module.in_features
         if width % tp:
@@ -100,12 +146,22 @@ def _check_shardable(block: torch.nn.Module, where: str, plan: dict, tp: int, he
     for name, param in block.named_parameters():
         if id(param) in planned:
             continue
+        inside = bool(attention and name.startswith(attention))
+        owner = name.rsplit(".", 1)[0] if "." in name else name
+        per_head = inside and (param.dim() > 1 or any(part.isdigit() for part in name.split(".")))
+        if per_head:  # Cohere's q_norm rows, StableLM's ModuleList of LayerNorms: one per global head
+            raise ValueError(f"tensor parallelism cannot shard {where}.{owner}: per-head norms ({name} "
+                             f"{tuple(param.shape)}), one per head of the whole model and paired with the heads "
+                             "by position, so a rank holding a share of the heads would pair them wrongly; run "
+                             "this model with tp=1")
         # left whole on every rank: fine for a norm over one head, or over the residual stream
         # outside the attention (a norm over all heads' queries, OLMo 2's, is not)
-        if param.dim() == 1 and (param.numel() == head_dim or (
-                param.numel() == hidden and not (attention and name.startswith(attention)))):
+        if param.dim() == 1 and (param.numel() == head_dim or (param.numel() == hidden and not inside)):
             continue
-        owner = name.rsplit(".", 1)[0] if "." in name else name
+        if inside and param.dim() == 1:
+            raise ValueError(f"tensor parallelism cannot shard {where}.{owner}: a norm over all heads' features "
+                             f"({name} {tuple(param.shape)}), which a rank holding a share of the heads cannot "
+                             "compute; run this model with tp=1")
         raise ValueError(f"tensor parallelism cannot shard {where}.{owner}: its weight {name} "
                          f"{tuple(param.shape)} is not in the TP plan, which splits the heads and MLP channels "
                          "around it (a fused projection such as qkv_proj or gate_up_proj, a norm over all heads, "

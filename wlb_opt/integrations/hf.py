@@ -111,14 +111,20 @@ def wlb_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
 def _no_mask(*args, attention_mask=None, **kwargs):
     """The mask hook of ``"wlb"``: the segment table is the mask; no dense mask is built.
 
-    The attention never sees a 2-D `attention_mask`, so one that masks any token (padding)
-    is refused here rather than ignored; an all-ones mask changes nothing and is accepted."""
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-        hidden = int((~attention_mask.bool()).sum())
+    The attention never sees the `attention_mask` given to the model, so one of any rank with a
+    zero anywhere (padding, a 3-D token-pair mask) is refused here rather than ignored; an
+    all-ones mask changes nothing and is accepted."""
+    if not isinstance(attention_mask, torch.Tensor) or bool(attention_mask.all()):
+        return None
+    hidden = int((~attention_mask.bool()).sum())
+    if attention_mask.dim() == 2:
         raise ValueError(f"attn_implementation='wlb' does not apply a padding attention_mask ({hidden} of "
                          f"{attention_mask.numel()} tokens masked): pack the documents into one row without padding "
                          "(position_ids, or hf_batch) and drop attention_mask, or pass an all-ones mask")
-    return None
+    raise ValueError(f"attn_implementation='wlb' does not apply a {attention_mask.dim()}-D attention_mask of shape "
+                     f"{tuple(attention_mask.shape)} ({hidden} of {attention_mask.numel()} entries zero): it builds "
+                     "its mask from the documents (position_ids or cu_seq_lens_q); drop attention_mask, or pass an "
+                     "all-ones mask")
 
 
 def register() -> None:
@@ -198,7 +204,71 @@ def _parts(model: nn.Module):
         raise ValueError(f"{type(model).__name__} uses attention logit soft-capping (attn_logit_softcapping="
                          f"{cfg.attn_logit_softcapping}), which the adapter does not support; build it with "
                          "attn_logit_softcapping=None to train it without")
+    _refuse_position_dependent(model, decoder)
     return decoder, head
+
+
+# rotary types whose frequencies are fixed by the config: 'dynamic' rescales them, and 'longrope'
+# switches its factors, by the longest sequence the rotary module sees, which in a packed row is
+# the row, not the document (one long document would change the short ones' frequencies)
+_STATIC_ROPE = ("default", "linear", "yarn", "llama3")
+
+
+def _rope_types(model: nn.Module, decoder: nn.Module) -> set[str]:
+    """Every rope_type the model's rotary module or config names (per layer type where it has several)."""
+    found = set()
+    own = getattr(decoder.rotary_emb, "rope_type", None)
+    for value in (own.values() if isinstance(own, dict) else [own]):
+        if value is not None:
+            found.add(str(value))
+    params = getattr(model.config, "rope_parameters", None) or {}
+    if isinstance(params, dict):
+        nested = [v for v in params.values() if isinstance(v, dict)]
+        for entry in nested or [params]:
+            if entry.get("rope_type") is not None:
+                found.add(str(entry["rope_type"]))
+    return found
+
+
+def _refuse_position_dependent(model: nn.Module, decoder: nn.Module) -> None:
+    """ValueError for what the stages cannot compute from a packed row as transformers computes it
+    from one document: chunked or other non-full attention layers, a query temperature keyed on
+    the row index (Llama 4's NoPE layers), rotary frequencies that depend on the sequence length,
+    and a router auxiliary loss the stages' loss would drop (MoE)."""
+    cfg, kind = model.config, type(model).__name__
+    types = [str(t) for t in (getattr(cfg, "layer_types", None) or [])]
+    chunked = [i for i, t in enumerate(types) if "chunked" in t]
+    if chunked:
+        raise ValueError(f"{kind} uses chunked attention (layer_types 'chunked_attention' in {len(chunked)} of "
+                         f"{len(types)} layers, attention_chunk_size={getattr(cfg, 'attention_chunk_size', None)}), "
+                         "which attn_implementation='wlb' does not do (it attends over the whole document); build "
+                         "the model with attention_chunk_size=None in its config (its layer_types then follow), or "
+                         "with layer_types=['full_attention'] * num_hidden_layers")
+    other = sorted({t for t in types if t != "full_attention"})
+    if other:
+        raise ValueError(f"{kind} has layer_types {other}, which attn_implementation='wlb' does not do (it runs "
+                         "'full_attention' layers only); build the model with layer_types=['full_attention'] * "
+                         "num_hidden_layers")
+    nope = [i for i, layer in enumerate(decoder.layers)
+            if getattr(getattr(layer, "self_attn", None), "attn_temperature_tuning", False)
+            and not getattr(layer.self_attn, "use_rope", True)]
+    if nope:
+        raise ValueError(f"{kind} scales its NoPE layers' queries by a temperature of the token's index in the row "
+                         f"(attn_temperature_tuning=True, floor_scale={getattr(cfg, 'floor_scale', None)}, layers "
+                         f"{nope[:8]}), not of its position in its document, so packing would change it; build "
+                         "the model with attn_temperature_tuning=False in its config")
+    moving = sorted(_rope_types(model, decoder) - set(_STATIC_ROPE))
+    if moving:
+        raise ValueError(f"{kind} uses rope_type {moving[0]!r} (rope_parameters), whose rotary frequencies are not "
+                         "fixed by the config ('dynamic' and 'longrope' follow the longest sequence seen, which in a "
+                         "packed row is the row, not the document); build the model with a rope_type of "
+                         f"{list(_STATIC_ROPE)} in rope_parameters, e.g. rope_parameters={{'rope_type': 'default', "
+                         "'rope_theta': 10000.0}")
+    coef = getattr(cfg, "router_aux_loss_coef", None)
+    if getattr(cfg, "output_router_logits", False) and coef:
+        raise ValueError(f"{kind} adds the router's load-balancing loss to its training loss (output_router_logits="
+                         f"True, router_aux_loss_coef={coef}), which the stages do not compute (their loss is the "
+                         "token cross-entropy only); build the model with output_router_logits=False in its config")
 
 
 def _embedding_scale(model: nn.Module) -> float:
@@ -274,6 +344,14 @@ class HFStage(nn.Module):
         self.head = _ScaledHead(head, **_head_scaling(model)) if last else None
         self.tp_heads = (int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", None)
                                                            or cfg.num_attention_heads))
+
+    # the attention and MLP classes whose forward works on a rank's share of the heads and
+    # channels, each trained under TP against one process (tests/test_hf.py); `apply_tensor_parallel`
+    # refuses any other (DiffLlama's attention chunks along the global head axis, for one)
+    tp_module_classes = {
+        "self_attn": ("CohereAttention", "GraniteAttention", "LlamaAttention", "Qwen2Attention", "Qwen3Attention"),
+        "mlp": ("CohereMLP", "GraniteMLP", "LlamaMLP", "Qwen2MLP", "Qwen3MLP"),
+    }
 
     @staticmethod
     def block_tp_plan() -> dict:
@@ -378,9 +456,14 @@ _CHECK_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-5, torch.bfloat16: 1e
 
 @contextlib.contextmanager
 def _isolated(modules, device: torch.device):
-    """Eval mode and no autograd inside; the RNG streams (CPU, and the model's CUDA device) and
-    every module's training flag restored after."""
+    """Eval mode and no autograd inside; the RNG streams (CPU, and the model's CUDA device), every
+    module's training flag, and every buffer and plain attribute of a module that holds buffers
+    (a rotary module's `inv_freq`, `max_seq_len_cached`, ..., which a length-dependent rope
+    rewrites in its forward) restored after, also when the check raises."""
     flags = [(m, m.training) for root in modules for m in root.modules()]
+    held = {id(m): m for root in modules for m in root.modules() if m._buffers}
+    state = [(m, dict(m._buffers), {n: b.clone() for n, b in m._buffers.items() if b is not None},
+              {k: v for k, v in vars(m).items() if not k.startswith("_")}) for m in held.values()]
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=cuda), torch.no_grad():
@@ -390,6 +473,15 @@ def _isolated(modules, device: torch.device):
     finally:
         for m, flag in flags:
             m.training = flag
+        with torch.no_grad():
+            for m, buffers, values, attrs in state:
+                for key in [k for k in vars(m) if not k.startswith("_") and k not in attrs]:
+                    delattr(m, key)
+                vars(m).update(attrs)
+                m._buffers.clear()
+                m._buffers.update(buffers)
+                for name, value in values.items():
+                    buffers[name].copy_(value)
 
 
 @contextlib.contextmanager
@@ -580,7 +672,7 @@ def hf_batch(step, j: int) -> dict:
 
     Every piece is then its own sequence, as the executor trains it. The loss is a mean over
     the row's targets, which the order does not change."""
-    from ..executor.train import packed_positions
+    from ..batch import packed_positions
 
     mb = step.plan.micro_batches[j]
     lengths, offsets = step.plan.lengths[mb], step.plan.offsets[mb]
