@@ -109,7 +109,11 @@ def _bool_index(values, arr: np.ndarray) -> int | None:
     as such (the fast path) is not looked at at all."""
     if not isinstance(values, (list, tuple)):
         return None
-    for i in np.flatnonzero((arr == 0) | (arr == 1)).tolist():
+    maybe = (arr == 0) | (arr == 1)
+    n_maybe = int(np.count_nonzero(maybe))
+    if n_maybe == 0 or (n_maybe > 64 and not {bool, np.bool_} & set(map(type, values))):
+        return None  # many ones, none a bool: one C-level pass instead of a Python loop
+    for i in np.flatnonzero(maybe).tolist():
         if isinstance(values[i], (bool, np.bool_)):
             return i
     return None
