@@ -152,7 +152,7 @@ def evaluate(model, plan, data) -> float:
     import torch
     import torch.nn.functional as F
 
-    from ..executor.train import IGNORE, pack_micro_batch, packed_positions
+    from ..batch import IGNORE, pack_micro_batch, packed_positions
     from ..kernels import doc_attention
     from ..kernels.segments import segments_from_lengths
 
@@ -175,7 +175,8 @@ def run_job(config: ConvergeConfig, ordering: str, seed: int) -> dict:
     """Train one (ordering, seed) and return its row (curves, packing facts, timing)."""
     import torch
 
-    from ..executor import TinyLM, target_tokens, train_step
+    from ..batch import target_tokens
+    from ..executor import TinyLM, train_step
     from ..shard import solve_shard
 
     started, cpu_started = time.perf_counter(), time.process_time()

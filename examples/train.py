@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import wlb_opt as wlb
 import wlb_opt.executor as ex
+from wlb_opt.batch import pack_tokens, packed_labels, packed_positions, target_tokens
 from wlb_opt.data import sample_documents
 from wlb_opt.shard import SHARD_STRATEGIES
 
@@ -151,16 +152,16 @@ def reference_check(spec, plans, losses, trained: dict, doc_tokens, lr: float) -
     worst = 0.0
     for plan, dist_loss in zip(plans, losses):
         opt.zero_grad(set_to_none=True)
-        total, loss_sum = ex.target_tokens(plan), 0.0
+        total, loss_sum = target_tokens(plan), 0.0
         for j, mb in enumerate(plan.micro_batches):
             if not len(mb):
                 continue
             lengths = plan.lengths[mb]
-            tokens = ex.pack_tokens(plan, j, doc_tokens)
+            tokens = pack_tokens(plan, j, doc_tokens)
             seg = segments_from_lengths(lengths)
-            logits = model(tokens, torch.from_numpy(ex.packed_positions(lengths, plan.offsets[mb])),
+            logits = model(tokens, torch.from_numpy(packed_positions(lengths, plan.offsets[mb])),
                            lambda q, k, v, seg=seg: doc_attention(q, k, v, seg, backend="torch"))
-            loss = torch.nn.functional.cross_entropy(logits, ex.packed_labels(tokens, lengths), ignore_index=-100,
+            loss = torch.nn.functional.cross_entropy(logits, packed_labels(tokens, lengths), ignore_index=-100,
                                                      reduction="sum") / total
             loss.backward()
             loss_sum += float(loss.detach())

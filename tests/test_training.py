@@ -18,6 +18,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import wlb_opt as wlb  # noqa: E402
+from wlb_opt import batch  # noqa: E402
+from wlb_opt.executor.fsdp import fsdp_mesh  # noqa: E402
+from wlb_opt.executor.train import activation_dtype  # noqa: E402
 from wlb_opt.kernels import doc_attention  # noqa: E402
 from wlb_opt.kernels.segments import segments_from_lengths  # noqa: E402
 
@@ -100,7 +103,7 @@ def masked_doc(doc_id: int):
 
 
 def reference(plan, masked: bool = False):
-    from wlb_opt.executor import pack_tokens, packed_labels, packed_positions, target_tokens
+    from wlb_opt.batch import pack_tokens, packed_labels, packed_positions, target_tokens
 
     model = make_model()
     total = target_tokens(plan)
@@ -114,7 +117,7 @@ def reference(plan, masked: bool = False):
         lengths = plan.lengths[mb]
         tokens = pack_tokens(plan, j, doc_tokens)
         seg = segments_from_lengths(lengths)
-        logits = model(tokens, torch.from_numpy(wlb.executor.packed_positions(lengths, plan.offsets[mb])),
+        logits = model(tokens, torch.from_numpy(packed_positions(lengths, plan.offsets[mb])),
                        lambda q, k, v: doc_attention(q, k, v, seg, backend="torch"))
         labels = packed_labels(tokens, lengths)
         if masked:
@@ -292,7 +295,7 @@ def _worker(rank, world, port):
             fmesh = ex.Mesh.from_device_mesh(flipped, names={"context": "cp", "batch": "dp"})
             assert (fmesh.dp, fmesh.cp) == (2, 2) and fmesh.rank == rank
             assert fmesh.global_rank(fmesh.dp_rank, 0, fmesh.cp_rank) == rank
-            assert ex.fsdp_mesh(fmesh).size() == 4
+            assert fsdp_mesh(fmesh).size() == 4
             plan, cost = make_plan(2, 2, 1)
             model = make_model()
             stage = ex.split_stages(model, 1)[0]
@@ -329,7 +332,7 @@ def _worker(rank, world, port):
             model = make_model(torch.float32)
             stage = ex.split_stages(model, 2)[mesh.pp_rank]
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                assert ex.activation_dtype(next(stage.parameters())) == torch.bfloat16
+                assert activation_dtype(next(stage.parameters())) == torch.bfloat16
                 loss = ex.train_step(stage, plan, make_shards(plan, cost, 1), data=doc_tokens, mesh=mesh,
                                      backend="torch")
             ref_loss, _ = reference(plan)
@@ -355,7 +358,7 @@ def test_a_stage_that_sends_the_wrong_dtype_is_a_clear_error():
 
 
 def test_loss_is_normalised_over_the_global_batch_not_per_micro_batch():
-    from wlb_opt.executor import target_tokens
+    from wlb_opt.batch import target_tokens
 
     plan, _ = make_plan(dp=1)
     # every placed piece of length d contributes d - 1 targets
@@ -363,7 +366,7 @@ def test_loss_is_normalised_over_the_global_batch_not_per_micro_batch():
 
 
 def test_positions_and_labels():
-    from wlb_opt.executor import packed_labels, packed_positions
+    from wlb_opt.batch import packed_labels, packed_positions
 
     assert packed_positions([3, 2], [0, 32]).tolist() == [0, 1, 2, 32, 33]
     assert packed_labels(torch.tensor([5, 6, 7, 8, 9]), [3, 2]).tolist() == [6, 7, -100, 9, -100]
@@ -434,15 +437,15 @@ def test_train_step_takes_the_users_loss_and_the_models_softmax_scale():
 
     stage = Scaled(ex.split_stages(make_model(), 1)[0])
     loss = ex.train_step(stage, plan, shards, data=doc_tokens, backend="torch", check_plan=False)
-    by_hand, total = 0.0, ex.target_tokens(plan)
+    by_hand, total = 0.0, batch.target_tokens(plan)
     model = make_model()
     for j, mb in enumerate(plan.micro_batches):
         lengths = plan.lengths[mb]
-        tokens = ex.pack_tokens(plan, j, doc_tokens)
+        tokens = batch.pack_tokens(plan, j, doc_tokens)
         seg = segments_from_lengths(lengths)
-        logits = model(tokens, torch.from_numpy(ex.packed_positions(lengths, plan.offsets[mb])),
+        logits = model(tokens, torch.from_numpy(batch.packed_positions(lengths, plan.offsets[mb])),
                        lambda q, k, v: doc_attention(q, k, v, seg, softmax_scale=0.05, backend="torch"))
-        by_hand += float(torch.nn.functional.cross_entropy(logits.detach(), ex.packed_labels(tokens, lengths),
+        by_hand += float(torch.nn.functional.cross_entropy(logits.detach(), batch.packed_labels(tokens, lengths),
                                                            ignore_index=-100, reduction="sum")) / total
     assert abs(loss - by_hand) < 1e-12 and abs(loss - ref_loss) > 1e-6
 
@@ -454,3 +457,30 @@ def test_loss_memory_bench_runs_small(tmp_path):
     rows = __import__("json").loads((tmp_path / "loss_memory.json").read_text())
     assert [r["method"] for r in rows] == ["full logits", "chunked", "chunked", "chunked"]
     assert all(r["peak_mb"] > 0 for r in rows)
+
+
+_RECORDED = __import__("json").loads(
+    (__import__("pathlib").Path(__file__).parent / "data" / "train_reference_losses.json").read_text())["layouts"]
+
+
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=() if name == "pp2v2" else pytest.mark.slow)
+                                    for name in _RECORDED])
+def test_example_losses_and_gradients_are_the_recorded_ones_to_the_bit(layout, tmp_path):
+    """examples/train.py --check-reference: every rank's loss (float.hex) and gradient bits of
+    every step equal the recorded ones (tests/data/train_reference_losses.json)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    want = _RECORDED[layout]
+    out = tmp_path / "losses.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(want["nproc"]),
+           str(root / "tests" / "data" / "record_train_losses.py"), str(out), "--", *want["args"]]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    for rank, records in want["ranks"].items():
+        assert json.loads(Path(f"{out}.rank{rank}").read_text()) == records, f"rank {rank}"

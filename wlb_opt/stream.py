@@ -448,7 +448,7 @@ class Step:
 
     def tokens(self, j: int):
         """The packed token ids of micro-batch j (all CP ranks), as a LongTensor."""
-        from .executor.train import pack_micro_batch
+        from .batch import pack_micro_batch  # torch, imported only when tensors are asked for
 
         return pack_micro_batch(self.plan, self._check_micro(j), self)[0]
 
@@ -460,7 +460,7 @@ class Step:
         segment table for `doc_attention`)."""
         import torch
 
-        from .executor.train import pack_micro_batch, packed_positions
+        from .batch import pack_micro_batch, rank_inputs  # torch, imported only when tensors are asked for
 
         j = self._check_micro(j)
         cp_rank = _check_index("cp_rank", cp_rank, self._cp)
@@ -469,12 +469,10 @@ class Step:
             empty = torch.zeros(0, dtype=torch.long)
             return {"input_ids": empty, "labels": empty.clone(), "position_ids": empty.clone(),
                     "segments": torch.zeros((0, 4), dtype=torch.int32)}
-        tokens, labels = pack_micro_batch(self.plan, j, self)
-        positions = torch.from_numpy(packed_positions(self.plan.lengths[mb], self.plan.offsets[mb]))
         shard = self.shards[j]
-        idx = torch.from_numpy(np.array(shard.rank_indices[cp_rank], dtype=np.int64))
+        rows = rank_inputs(*pack_micro_batch(self.plan, j, self), shard, cp_rank)  # positions: shard.positions
         segments = torch.from_numpy(np.array(shard.segments[cp_rank], dtype=np.int32).reshape(-1, 4))
-        return {"input_ids": tokens[idx], "labels": labels[idx], "position_ids": positions[idx], "segments": segments}
+        return {"input_ids": rows.tokens, "labels": rows.labels, "position_ids": rows.positions, "segments": segments}
 
     def local(self, dp_rank: int = 0, cp_rank: int = 0) -> list[int]:
         """Indices of the micro-batches DP replica `dp_rank` runs, in order (every CP rank of

@@ -8,9 +8,9 @@ waits that say who did not arrive.
   among the ranks of one model replica), a rank's own finding about its input (a token
   outside the vocabulary, a document it could not read) and, on a first step, one checksum
   per class of replicated parameters (`weight_checksums`). Every rank raises alike.
-- `pack_micro_batch`, `read_micro_batches`, `vocabulary`, `out_of_vocabulary`: a rank's own
-  micro-batches (token ids and labels), read on the host before the step, and the first
-  stage's check of their token ids.
+- `read_micro_batches`, `vocabulary`, `out_of_vocabulary`: a rank's own micro-batches
+  (token ids and labels, packed by `wlb_opt.batch`), read on the host before the step, and
+  the first stage's check of their token ids.
 - `reporting_waits` (from `rollcall`): a wait that fails names who did not arrive.
 """
 from __future__ import annotations
@@ -19,12 +19,12 @@ import hashlib
 import logging
 import weakref
 from contextlib import nullcontext
-from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..batch import IGNORE
 from .rollcall import _is_comm_failure, reporting_waits  # noqa: F401 - re-exported, their home until now
 from .tp import local_tensor
 
@@ -239,87 +239,6 @@ def _token_difference(plan, j: int, per_rank: list) -> str:
 
 
 # ---------------------------------------------------------------- a rank's own input
-IGNORE = -100
-"""The label of a token that is not a training target."""
-
-
-def packed_labels(tokens: torch.Tensor, lengths) -> torch.Tensor:
-    """Next-token targets inside each piece; IGNORE at the last token of every piece."""
-    labels = torch.full_like(tokens, IGNORE)
-    start = 0
-    for d in np.asarray(lengths, dtype=np.int64).tolist():
-        labels[start: start + d - 1] = tokens[start + 1: start + d]
-        start += d
-    return labels
-
-
-def _document(data, doc_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(token ids, loss mask or None) of a document: `data(id)` returns the token ids, or a
-    pair (token ids, loss mask), the mask True where a token is a training target."""
-    got = data(doc_id)
-    if isinstance(got, (tuple, list)):
-        tokens, mask = got
-        mask = torch.as_tensor(mask, dtype=torch.bool)
-        if mask.shape != tokens.shape:
-            raise ValueError(f"document {doc_id}: loss mask of shape {tuple(mask.shape)} for {tuple(tokens.shape)} tokens")
-        return tokens, mask
-    return got, None
-
-
-def pack_tokens(plan, j: int, doc_tokens: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """Token ids of micro-batch j in packed order; doc_tokens(id) returns a whole document."""
-    return pack_micro_batch(plan, j, doc_tokens)[0]
-
-
-def _piece(data, doc_id: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids, loss mask) of tokens [lo, hi) of a document, from `data(id)` (the whole
-    document) or from `data.piece(id, offset, length)` (a `WLBStream` step holds pieces)."""
-    piece = getattr(data, "piece", None)
-    if callable(piece):
-        tokens, mask = piece(doc_id, lo, hi - lo)
-        tokens = torch.as_tensor(tokens)
-        got = tokens.shape[0] if tokens.dim() == 1 else None
-        if got != hi - lo:
-            raise ValueError(f"document {doc_id}: the piece at offset {lo} should have {hi - lo} tokens, got "
-                             f"{got if got is not None else tuple(tokens.shape)}")
-    else:
-        doc, mask = _document(data, doc_id)
-        doc = torch.as_tensor(doc)
-        if doc.dim() != 1 or doc.shape[0] < hi:
-            raise ValueError(f"document {doc_id}: data({doc_id}) returned {tuple(doc.shape)} tokens, but the plan "
-                             f"holds its tokens [{lo}, {hi}) (a 1-D tensor of at least {hi} tokens is needed)")
-        tokens = doc[lo:hi]
-        mask = mask[lo:hi] if mask is not None else None
-    if mask is None:
-        mask = torch.ones(hi - lo, dtype=torch.bool)
-    return tokens, torch.as_tensor(mask, dtype=torch.bool)
-
-
-def pack_micro_batch(plan, j: int, data) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids, next-token labels) of micro-batch j in packed order. Labels are -100 at the
-    last token of every piece and wherever the next token is not a target (its loss mask,
-    when `data` gives one, is False)."""
-    tokens, masks = [], []
-    for i in plan.micro_batches[j]:
-        lo, hi = int(plan.offsets[i]), int(plan.offsets[i] + plan.lengths[i])
-        piece_tokens, piece_mask = _piece(data, int(plan.doc_ids[i]), lo, hi)
-        kind = piece_tokens.dtype
-        if kind == torch.bool or kind.is_floating_point or kind.is_complex:  # .long() would truncate silently
-            raise ValueError(f"document {int(plan.doc_ids[i])}: token ids must be integers, got dtype {kind}")
-        if kind == torch.uint64 and bool((piece_tokens.view(torch.int64) < 0).any()):  # .long() would wrap
-            raise ValueError(f"document {int(plan.doc_ids[i])}: token ids must fit in int64, got a uint64 id of "
-                             "2**63 or more")
-        tokens.append(piece_tokens.long())
-        masks.append(piece_mask)
-    if not tokens:
-        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-    tokens_t, mask_t = torch.cat(tokens), torch.cat(masks)
-    lengths = plan.lengths[plan.micro_batches[j]]
-    labels = packed_labels(tokens_t, lengths)
-    target_is_real = torch.cat([mask_t[1:], torch.zeros(1, dtype=torch.bool)])
-    return tokens_t, labels.masked_fill(~target_is_real, IGNORE)
-
-
 def read_micro_batches(plan, mbs, read, report: bool):
     """(packed, finding, error): `read(j)` ((token ids, labels)) of every non-empty micro-batch
     of `mbs`, on the host before the step. With `report`, an error while reading is returned
@@ -494,14 +413,3 @@ def _from_dict(d: dict):
     from ..plan import PackPlan, ShardPlan
 
     return ShardPlan.from_dict(d) if "chunks" in d else PackPlan.from_dict(d)
-
-
-def local_inputs(tokens: torch.Tensor, shard, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids, RoPE positions) of CP rank `rank` for one packed micro-batch.
-
-    `tokens` is the micro-batch in packed order; the result is in shard.rank_indices[rank]
-    order, the order context_parallel_attention expects for q, k and v.
-    """
-    idx = torch.tensor(shard.rank_indices[rank], dtype=torch.int64).to(tokens.device)
-    pos = torch.tensor(shard.positions[rank], dtype=torch.int64).to(tokens.device)
-    return tokens.index_select(0, idx), pos

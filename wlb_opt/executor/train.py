@@ -22,8 +22,8 @@ the same replicated weights. Every wait names the ranks that did not arrive if i
 """
 from __future__ import annotations
 
-import time
 import weakref
+from contextlib import nullcontext
 from typing import Callable
 
 import numpy as np
@@ -31,95 +31,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..schedule import P2POp, message_key, step_plan
+from .. import batch as _batch
+from ..batch import RankInputs, rank_inputs
 from .cp_attention import context_parallel_attention, prefetch_kv
 from .mesh import SELF_GROUP, Mesh
 from .fsdp import is_fsdp
+from .pipeline import DistTransport, PipelineRunner, StageOutputs, check_boundary_dtype  # noqa: F401
 from .tp import local_tensor
-from .plumbing import (IGNORE, agree_on_step, out_of_vocabulary, pack_micro_batch, pack_tokens,  # noqa: F401
-                       packed_labels, piece_digests, read_micro_batches, token_digest, vocabulary, weight_checksums)
+from .plumbing import (agree_on_step, out_of_vocabulary, piece_digests, read_micro_batches, token_digest,
+                       vocabulary, weight_checksums)
 from .rollcall import ROLLCALL_GRACE_S, PeerWaitError, RollCall, reporting_waits, step_words
-
-
-def packed_positions(lengths, offsets) -> np.ndarray:
-    """Position of every packed token inside its document (piece offset + index in the piece)."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return np.arange(int(lengths.sum()), dtype=np.int64) - starts + np.repeat(np.asarray(offsets, np.int64), lengths)
-
-
-def target_tokens(plan) -> int:
-    """Target tokens of the whole global batch (all replicas and micro-batches of the plan)."""
-    placed = np.concatenate(plan.micro_batches) if plan.micro_batches else np.zeros(0, np.int64)
-    return int((plan.lengths[placed] - 1).sum())
-
-
-class StageOutputs:
-    """Per-step record of what a rank ran.
-
-    - `ops`: (phase, micro-batch, virtual stage, seconds) per compute operation. Seconds count
-      compute only (after the op's inputs arrived, to the end of the op), so they are the
-      per-operation durations `simulate_pipeline` takes; waiting for a neighbour is bubble.
-      On a GPU they come from CUDA events (read at the end of the step), not host clocks.
-    - `groups`: the point-to-point groups the rank issued, in order (lists of `P2POp`).
-    - `peak_live`: the most boundary tensors (received or still to be sent) alive at once,
-      per direction ("fwd" activations, "bwd" gradients), counted with weak references.
-    """
-
-    def __init__(self) -> None:
-        self.ops: list[tuple[str, int, int, float]] = []
-        self.groups: list[list[P2POp]] = []
-        self.peak_live: dict[str, int] = {"fwd": 0, "bwd": 0}
-
-    def busy_s(self) -> float:
-        return float(sum(op[-1] for op in self.ops))
-
-
-class _Timer:
-    """Compute-time spans: CUDA events on a GPU (resolved once at the end), else perf_counter."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.spans: list = []
-
-    def start(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def stop(self, started) -> None:
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.spans.append((started, end))
-        else:
-            self.spans.append(time.perf_counter() - started)
-
-    def seconds(self) -> list[float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in self.spans]
-        return list(self.spans)
-
-
-class _Boundary:
-    """Weak references to the boundary tensors of a step, to count how many are alive."""
-
-    def __init__(self) -> None:
-        self.refs: dict[str, list] = {"fwd": [], "bwd": []}
-
-    def add(self, direction: str, t: torch.Tensor) -> None:
-        self.refs[direction].append(weakref.ref(t))
-
-    def alive(self) -> dict[str, int]:
-        for d in self.refs:
-            self.refs[d] = [r for r in self.refs[d] if r() is not None]
-        return {d: len(r) for d, r in self.refs.items()}
-
 
 def activation_dtype(param: torch.Tensor) -> torch.dtype:
     """The dtype of what a stage sends and receives: the autocast dtype when autocast is on for
@@ -151,41 +72,6 @@ class CPAttend:
                                           softmax_scale=softmax_scale, deterministic=deterministic)
 
 
-def _all_reduce_flat(tensors: list[torch.Tensor], group, bucket_bytes: int = 32 << 20) -> None:
-    """Sum `tensors` over `group` in place, one collective per flat bucket of at most
-    `bucket_bytes` (tensors of one dtype and device share a bucket), not one per tensor."""
-    bucket: list[torch.Tensor] = []
-    size = 0
-
-    def flush():
-        if bucket:
-            flat = torch.cat([local_tensor(t).reshape(-1) for t in bucket])
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for t in bucket:
-                lt = local_tensor(t)
-                lt.copy_(flat[offset: offset + lt.numel()].view_as(lt))
-                offset += lt.numel()
-            bucket.clear()
-
-    for t in tensors:
-        n_bytes = local_tensor(t).numel() * t.element_size()
-        if bucket and (t.dtype != bucket[0].dtype or t.device != bucket[0].device or size + n_bytes > bucket_bytes):
-            flush()
-            size = 0
-        bucket.append(t)
-        size += n_bytes
-    flush()
-
-
-def check_boundary_dtype(t: torch.Tensor, expected: torch.dtype, direction: str, stage: int) -> None:
-    """ValueError unless a tensor a stage sends has the dtype the pipeline carries."""
-    if t.dtype != expected:
-        raise ValueError(f"virtual stage {stage} produced a {direction} tensor of dtype {t.dtype} but the pipeline "
-                         f"carries {expected} (the autocast dtype when autocast is on, else the parameters'); "
-                         "cast the stage's output, or run every stage under the same autocast")
-
-
 DEFAULT_LOSS_CHUNK = 8192
 """Tokens of logits the default loss materialises at once (fp32: 8192 x a 128K vocabulary is
 4 GiB; the full 128K-token micro-batch would be 64 GiB)."""
@@ -205,7 +91,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: torc
     def piece(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = head(h)
         logits = logits if logits.dtype == torch.float64 else logits.float()
-        return F.cross_entropy(logits, y, ignore_index=IGNORE, reduction="sum")
+        return F.cross_entropy(logits, y, ignore_index=_batch.IGNORE, reduction="sum")
 
     # start from the graph (zero rows still back-propagate, so CP peers meet in backward)
     total = 0.0 * hidden.sum().to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
@@ -248,6 +134,139 @@ def _remember_weights_checked(modules) -> None:
 
         _WEIGHTS_CHECKED[module] = [m.register_load_state_dict_post_hook(forget) for m in module.modules()
                                     if next(m.parameters(recurse=False), None) is not None]
+
+
+class StepInputs:
+    """This CP rank's inputs of the micro-batches it runs (`RankInputs`, on `device`), built
+    once per micro-batch on first use from the host-side `packed` (token ids, labels) and the
+    micro-batch's ShardPlan; an empty slot has zero rows. Target tokens are counted on the
+    host, before the upload (no device read-back)."""
+
+    def __init__(self, plan, shards: list, packed: dict, cp_rank: int, device: torch.device):
+        self.plan, self.shards, self.packed, self.cp_rank, self.device = plan, shards, packed, cp_rank, device
+        self._of: dict[int, RankInputs] = {}
+
+    def rows(self, j: int) -> int:
+        """This rank's tokens of micro-batch j (0 for an empty slot)."""
+        return len(self.shards[j].rank_indices[self.cp_rank]) if len(self.plan.micro_batches[j]) else 0
+
+    def of(self, j: int) -> RankInputs:
+        if j not in self._of:
+            if not len(self.plan.micro_batches[j]):
+                self._of[j] = RankInputs.empty(self.device)
+            else:
+                tokens, labels = self.packed[j]
+                self._of[j] = rank_inputs(tokens, labels, self.shards[j], self.cp_rank).to(self.device)
+        return self._of[j]
+
+
+def check_shards(plan, shards: list, mbs, cp: int, where: str = "") -> None:
+    """ValueError unless every non-empty micro-batch of `mbs` has a ShardPlan over `cp` ranks
+    built for its pieces (their lengths and offsets, the source of its RoPE positions)."""
+    for j in mbs:
+        mb = plan.micro_batches[j]
+        if not len(mb):
+            continue
+        if shards[j] is None or len(shards[j].rank_indices) != cp:
+            got = None if shards[j] is None else len(shards[j].rank_indices)
+            raise ValueError(f"{where}shard of micro-batch {j} has {got} CP ranks, mesh has {cp}")
+        if not (np.array_equal(shards[j].lengths, plan.lengths[mb]) and np.array_equal(shards[j].offsets,
+                                                                                        plan.offsets[mb])):
+            raise ValueError(f"{where}the shard of micro-batch {j} was built for other pieces (lengths "
+                             f"{shards[j].lengths.tolist()}, offsets {shards[j].offsets.tolist()}) than the plan's "
+                             f"(lengths {plan.lengths[mb].tolist()}, offsets {plan.offsets[mb].tolist()}); build it "
+                             "with solve_shard(plan.lengths[mb], ..., offsets=plan.offsets[mb])")
+
+
+def global_target_count(local_count: int, mesh: Mesh | None, device: torch.device, waiting=None) -> float:
+    """Target tokens of the whole global batch: each last-stage rank (TP rank 0) passes its own
+    micro-batches' count (labels are -100 elsewhere, loss masks included), the others 0, and
+    one all-reduce sums them (none without a mesh)."""
+    total = torch.tensor(float(local_count), dtype=torch.float64, device=device)
+    if mesh is not None and dist.is_initialized():
+        with (waiting or _no_report)("the all-reduce of the global batch's target-token count"):
+            dist.all_reduce(total)
+    return float(total)
+
+
+def _no_report(operation):
+    return nullcontext()
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor], group, bucket_bytes: int = 32 << 20) -> None:
+    """Sum `tensors` over `group` in place, one collective per flat bucket of at most
+    `bucket_bytes` (tensors of one dtype and device share a bucket), not one per tensor."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        n_bytes = local_tensor(t).numel() * t.element_size()
+        if bucket and (t.dtype != bucket[0].dtype or t.device != bucket[0].device or size + n_bytes > bucket_bytes):
+            _reduce_bucket(bucket, group)
+            bucket, size = [], 0
+        bucket.append(t)
+        size += n_bytes
+    _reduce_bucket(bucket, group)
+
+
+def _reduce_bucket(bucket: list[torch.Tensor], group) -> None:
+    if not bucket:
+        return
+    flat = torch.cat([local_tensor(t).reshape(-1) for t in bucket])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in bucket:
+        lt = local_tensor(t)
+        lt.copy_(flat[offset: offset + lt.numel()].view_as(lt))
+        offset += lt.numel()
+
+
+def reduce_gradients(chunks: list[torch.nn.Module], mesh: Mesh, *, skip=(), waiting=None) -> None:
+    """Sum the gradients of `chunks` (but the indices in `skip`: FSDP2 chunks reduce their own)
+    over the ranks that hold the same stage (`mesh.stage_group`), in flat buckets. A parameter
+    without a gradient takes zeros, so every rank of the group makes the same collectives."""
+    grads = []
+    for c, chunk in enumerate(chunks):
+        if c in skip:
+            continue
+        for p in chunk.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # a DTensor parameter gets a DTensor zero
+            grads.append(p.grad)
+    if mesh.stage_group != SELF_GROUP:
+        with (waiting or _no_report)("the gradient all-reduce over the ranks that hold this stage"):
+            _all_reduce_flat(grads, mesh.stage_group)
+
+
+class _StageForward:
+    """`forward(k, vs, x)` of the pipeline runner: virtual stage vs on slot k with CP attention
+    over the micro-batch's ShardPlan; on the last virtual stage the micro-batch's summed loss
+    divided by the global batch's target tokens (`total`), accumulated in `loss_sum`."""
+
+    def __init__(self, chunks, inputs: StepInputs, mbs, *, pp: int, cp_group, backend, regather_kv, prefetch,
+                 loss_fn, loss_chunk, total: float):
+        self.chunks, self.inputs, self.mbs, self.pp, self.cp_group = chunks, inputs, mbs, pp, cp_group
+        self.backend, self.regather_kv, self.prefetch = backend, regather_kv, prefetch
+        self.loss_fn, self.loss_chunk, self.total = loss_fn, loss_chunk, total
+        self.n_virtual = pp * len(chunks)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
+
+    def __call__(self, k: int, vs: int, x: torch.Tensor | None) -> torch.Tensor:
+        j, chunk = self.mbs[k], self.chunks[vs // self.pp]
+        inputs = self.inputs.of(j)
+        attend = CPAttend(self.inputs.shards[j], self.cp_group, self.backend, self.regather_kv, self.prefetch)
+        out = chunk(inputs.tokens if x is None else x, inputs.positions, attend)
+        if vs != self.n_virtual - 1:
+            return out
+        head = getattr(chunk, "head", None)
+        if head is None:
+            raise ValueError("the last pipeline stage must return hidden states and expose its output "
+                             "projection as `.head` (split_stages does)")
+        if self.loss_fn is None:
+            out = chunked_cross_entropy(out, inputs.labels, head, self.loss_chunk) / self.total
+        else:
+            out = self.loss_fn(out, inputs.labels, head) / self.total
+        self.loss_sum += out.detach().to(torch.float64)
+        return out
 
 
 def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
@@ -341,34 +360,11 @@ def _check_step_arguments(stages, plan, shards, data, mesh, check_weights) -> No
                          f"got {check_weights!r}")
 
 
-def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce_grads, regather_kv, step, backend,
-                check_plan, check_weights, record, prefetch, rollcall) -> float:
-    model = stages
-    doc_tokens = data
-    _check_step_arguments(stages, plan, shards, data, mesh, check_weights)
-    step = plan.step if step is None else step
-    where = "" if step is None else f"step {step}: "
-    label = step if step is not None else f"the step of plan {plan.digest()[:12]}"
-    chunks = _chunks(model)
-    v = len(chunks)
-    cp, pp = (mesh.cp, mesh.pp) if mesh else (1, 1)
-    cp_rank, pp_rank, dp_rank = (mesh.cp_rank, mesh.pp_rank, mesh.dp_rank) if mesh else (0, 0, 0)
-    n_virtual = pp * v
-    if mesh and plan.dp != mesh.dp:
-        raise ValueError(f"{where}plan has dp={plan.dp} replicas but the mesh has dp={mesh.dp}")
-    param = next(iter(chunks[0].parameters()), None)
-    if param is None:
-        raise ValueError(f"the stage {type(chunks[0]).__name__} has no parameters: train_step needs one to know "
-                         "the device and dtype")
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
-    def waiting(operation):  # a wait that names the operation and who did not arrive if it fails
-        return reporting_waits(label, rank, operation, rollcall)
-
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    mbs = plan.replica_micro_batches(dp_rank)  # every slot, empty ones too
-    packed, finding, local_error = read_micro_batches(plan, mbs, lambda j: pack_micro_batch(plan, j, doc_tokens),
-                                                      report=check_plan and distributed)
+def _agree_before_step(stages, chunks, plan, shards, packed, finding, local_error, *, mbs, mesh, dp_rank, pp_rank,
+                       pp, step, label, check_plan, check_weights, distributed, waiting) -> None:
+    """The first stage's vocabulary check, then the one exchange of `agree_on_step` (plan and
+    shard digests, token digests within a replica, findings, replicated weights)."""
     if finding is None and pp_rank == 0:
         vocab = vocabulary(chunks[0])
         problem = out_of_vocabulary(plan, packed, vocab, f"{step_words(label)}: ") if vocab else None
@@ -395,168 +391,75 @@ def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce
                       waits=lambda: waiting("the plan check (all_gather_object of the plan digests)"))
     if weights is not None:
         _remember_weights_checked(owners)
+
+
+def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce_grads, regather_kv, step, backend,
+                check_plan, check_weights, record, prefetch, rollcall) -> float:
+    _check_step_arguments(stages, plan, shards, data, mesh, check_weights)
+    step = plan.step if step is None else step
+    where = "" if step is None else f"step {step}: "
+    label = step if step is not None else f"the step of plan {plan.digest()[:12]}"
+    chunks = _chunks(stages)
+    cp, pp = (mesh.cp, mesh.pp) if mesh else (1, 1)
+    cp_rank, pp_rank, dp_rank = (mesh.cp_rank, mesh.pp_rank, mesh.dp_rank) if mesh else (0, 0, 0)
+    if mesh and plan.dp != mesh.dp:
+        raise ValueError(f"{where}plan has dp={plan.dp} replicas but the mesh has dp={mesh.dp}")
+    param = next(iter(chunks[0].parameters()), None)
+    if param is None:
+        raise ValueError(f"the stage {type(chunks[0]).__name__} has no parameters: train_step needs one to know "
+                         "the device and dtype")
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def waiting(operation):  # a wait that names the operation and who did not arrive if it fails
+        return reporting_waits(label, rank, operation, rollcall)
+
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    mbs = plan.replica_micro_batches(dp_rank)  # every slot, empty ones too
+    packed, finding, local_error = read_micro_batches(plan, mbs, lambda j: _batch.pack_micro_batch(plan, j, data),
+                                                      report=check_plan and distributed)
+    _agree_before_step(stages, chunks, plan, shards, packed, finding, local_error, mbs=mbs, mesh=mesh,
+                       dp_rank=dp_rank, pp_rank=pp_rank, pp=pp, step=step, label=label, check_plan=check_plan,
+                       check_weights=check_weights, distributed=distributed, waiting=waiting)
     device, act_dtype = param.device, activation_dtype(param)
     hidden = getattr(chunks[0], "hidden", None)
-    if n_virtual > 1 and hidden is None:
+    if pp * len(chunks) > 1 and hidden is None:
         raise ValueError("pipeline stages need a `hidden` attribute (activation width); use split_stages")
+    check_shards(plan, shards, mbs, cp, where)
 
-    for j in mbs:
-        if len(plan.micro_batches[j]) and (shards[j] is None or len(shards[j].rank_indices) != cp):
-            got = None if shards[j] is None else len(shards[j].rank_indices)
-            raise ValueError(f"{where}shard of micro-batch {j} has {got} CP ranks, mesh has {cp}")
-
-    def rows(j: int) -> int:
-        return len(shards[j].rank_indices[cp_rank]) if len(plan.micro_batches[j]) else 0
-
-    inputs_of: dict[int, tuple] = {}
-    targets_of: dict[int, int] = {}  # counted on the host, before the upload (no device read-back)
-
-    def local(j: int):
-        if j not in inputs_of and not len(plan.micro_batches[j]):  # an empty slot: zero rows
-            empty = torch.zeros(0, dtype=torch.long, device=device)
-            inputs_of[j], targets_of[j] = (empty, empty, empty, empty), 0
-        if j not in inputs_of:
-            lengths = plan.lengths[plan.micro_batches[j]]
-            idx = torch.tensor(shards[j].rank_indices[cp_rank], dtype=torch.int64)
-            tokens, labels = packed[j]
-            positions = torch.from_numpy(packed_positions(lengths, plan.offsets[plan.micro_batches[j]]))
-            targets_of[j] = int((labels[idx] != IGNORE).sum())
-            inputs_of[j] = tuple(t.to(device) for t in (idx, tokens[idx], positions[idx], labels[idx]))
-        return inputs_of[j]
-
-    # The loss is divided by the target tokens of the whole global batch: each last-stage
-    # rank (TP rank 0) counts its own micro-batches' targets (labels are -100 elsewhere, loss
-    # masks included), and one all-reduce sums the counts.
+    inputs = StepInputs(plan, shards, packed, cp_rank, device)
     holds_loss = pp_rank == pp - 1 and (mesh is None or mesh.tp_rank == 0)
-    if holds_loss:
-        for j in mbs:
-            local(j)
-    count = sum(targets_of[j] for j in mbs) if holds_loss else 0
-    total_t = torch.tensor(float(count), dtype=torch.float64, device=device)
-    if mesh is not None and dist.is_initialized():
-        with waiting("the all-reduce of the global batch's target-token count"):
-            dist.all_reduce(total_t)
-    total = float(total_t)
+    total = global_target_count(sum(inputs.of(j).targets for j in mbs) if holds_loss else 0, mesh, device, waiting)
     if total == 0:
         raise ValueError(f"{where}the global batch has no target tokens (every piece has length 1, or every "
                          "target is masked)")
-
-    def peer_rank(p: int) -> int:
-        return mesh.global_rank(dp_rank, p, cp_rank)
-
-    timer = _Timer(device)
-    boundary = _Boundary()
-    inbox: dict[tuple, torch.Tensor] = {}
-    outbox: dict[tuple, torch.Tensor] = {}
-    saved: dict[tuple[int, int], tuple] = {}
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    timed: list[tuple[str, int, int]] = []
-
-    def post(group: list[P2POp]) -> None:
-        if not group:
-            return
-        ops = []
-        for op in group:
-            key = message_key(op, pp_rank, pp)
-            if op.kind == "send":
-                t = outbox.pop(key)
-                ops.append(dist.P2POp(dist.isend, t, peer_rank(op.peer)))
-            else:
-                t = torch.empty(rows(mbs[op.micro]), hidden, dtype=act_dtype, device=device)
-                boundary.add(op.direction, t)
-                inbox[key] = t
-                ops.append(dist.P2POp(dist.irecv, t, peer_rank(op.peer)))
-        if record is not None:  # the peak: this group's sends and its new receive buffers coexist
-            record.groups.append(list(group))
-            live = boundary.alive()
-            for d in live:
-                record.peak_live[d] = max(record.peak_live[d], live[d])
-        with waiting(lambda: "the pipeline p2p group " + ", ".join(
-                f"{op.kind} {op.direction} of micro-batch {mbs[op.micro]} with rank {peer_rank(op.peer)}"
-                for op in group)):
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
-        del ops, t  # the sends' tensors are free once their group completed
-
-    def send_later(direction: str, k: int, vs: int, t: torch.Tensor) -> None:
-        check_boundary_dtype(t, act_dtype, direction, vs)
-        if t.shape[0] != rows(mbs[k]):  # a short send would leave an NCCL receive waiting forever
-            raise ValueError(f"virtual stage {vs} produced a {direction} tensor of {t.shape[0]} rows for micro-batch "
-                             f"{mbs[k]}, but this CP rank holds {rows(mbs[k])} of its tokens")
-        t = t.detach().contiguous()
-        boundary.add(direction, t)
-        outbox[(direction, k, vs)] = t
-
-    plan_ops = step_plan(pp_rank, pp, len(mbs), v)
-    fsdp_chunks = [c for c in range(v) if is_fsdp(chunks[c])]
-    last_backward = {}  # chunk -> its last backward op (empty slots run too): FSDP2 syncs there
-    for i, (_, op) in enumerate(plan_ops):
-        if op is not None and op[0] == "B":
-            last_backward[op[2] // pp] = i
-    for c in fsdp_chunks:
-        chunks[c].set_requires_gradient_sync(False)
-    for i, (group, op) in enumerate(plan_ops):
-        post(group)
-        if op is None:  # a group of sends alone
-            continue
-        phase, k, vs = op
-        j, chunk = mbs[k], chunks[vs // pp]
-        first, last = vs == 0, vs == n_virtual - 1
-        started = timer.start()
-        waited = (f"the {'forward' if phase == 'F' else 'backward'} of micro-batch {j} on virtual stage {vs} "
-                  "(its CP all-gather / reduce-scatter, TP or FSDP collectives)")
-        with waiting(waited):
-            # an empty slot runs too, on zero rows: every rank then makes the same collectives
-            # (FSDP2's gathers, TP's all-reduces) and sends the zero-row tensors the schedule has
-            if phase == "F":
-                idx, tok, pos, lab = local(j)
-                x = tok if first else inbox.pop(("fwd", k, vs - 1)).requires_grad_()
-
-                attend = CPAttend(shards[j], mesh.cp_group if mesh else None, backend, regather_kv, prefetch)
-                out = chunk(x, pos, attend)
-                if last:
-                    head = getattr(chunk, "head", None)
-                    if head is None:
-                        raise ValueError("the last pipeline stage must return hidden states and expose its output "
-                                         "projection as `.head` (split_stages does)")
-                    if loss_fn is None:
-                        out = chunked_cross_entropy(out, lab, head, loss_chunk) / total
-                    else:
-                        out = loss_fn(out, lab, head) / total
-                    loss_sum += out.detach().to(torch.float64)
-                else:
-                    send_later("fwd", k, vs, out)
-                saved[(k, vs)] = (x, out)
-            else:
-                if vs // pp in fsdp_chunks and last_backward.get(vs // pp) == i:
-                    chunk.set_requires_gradient_sync(True)  # this backward reduce-scatters the step's gradients
-                x, out = saved.pop((k, vs))
-                if last:
-                    out.backward()
-                else:
-                    torch.autograd.backward(out, inbox.pop(("bwd", k, vs + 1)))
-                if not first:
-                    send_later("bwd", k, vs, x.grad if x.grad is not None else torch.zeros_like(x))
-                del x, out
-        timer.stop(started)
-        timed.append((phase, j, vs))
-    if inbox or outbox or saved:  # pragma: no cover - the schedule guarantees it
-        raise RuntimeError(f"pipeline step left messages behind: {sorted(inbox)} {sorted(outbox)} {sorted(saved)}")
-    if record is not None:
-        record.ops.extend((phase, j, vs, secs) for (phase, j, vs), secs in zip(timed, timer.seconds()))
+    forward = _StageForward(chunks, inputs, mbs, pp=pp, cp_group=mesh.cp_group if mesh else None, backend=backend,
+                            regather_kv=regather_kv, prefetch=prefetch, loss_fn=loss_fn, loss_chunk=loss_chunk,
+                            total=total)
+    transport = DistTransport(lambda p: mesh.global_rank(dp_rank, p, cp_rank), mbs, waiting)
+    PipelineRunner(chunks, pp_rank=pp_rank, pp=pp, mbs=mbs, rows=[inputs.rows(j) for j in mbs], hidden=hidden,
+                   dtype=act_dtype, device=device, transport=transport, waiting=waiting, record=record).run(forward)
+    loss_sum = forward.loss_sum
     if mesh is not None and dist.is_initialized():
-        grads = []
-        for c, chunk in enumerate(chunks):
-            if not reduce_grads or c in fsdp_chunks:
-                continue
-            for p in chunk.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)  # a DTensor parameter gets a DTensor zero
-                grads.append(p.grad)
-        if mesh.stage_group != SELF_GROUP:
-            with waiting("the gradient all-reduce over the ranks that hold this stage"):
-                _all_reduce_flat(grads, mesh.stage_group)
+        if reduce_grads:  # else every gradient stays local (the user's own DDP or FSDP wrapper)
+            reduce_gradients(chunks, mesh, skip={c for c in range(len(chunks)) if is_fsdp(chunks[c])},
+                             waiting=waiting)
         with waiting("the all-reduce of the loss"):
             dist.all_reduce(loss_sum)  # only last-stage ranks hold a share of the loss ...
         loss_sum /= mesh.tp  # ... and every TP rank of a stage holds the same one
     return float(loss_sum)
+
+
+_MOVED = {name: "wlb_opt.batch" for name in ("IGNORE", "pack_micro_batch", "pack_tokens", "packed_labels",
+                                              "packed_positions", "target_tokens")}
+
+
+def __getattr__(name: str):
+    """Names that moved to `wlb_opt.batch`: still importable from here for one release."""
+    if name in _MOVED:
+        import importlib
+        import warnings
+
+        warnings.warn(f"wlb_opt.executor.train.{name} moved to {_MOVED[name]}.{name}; import it from there",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,149 @@
+"""wlb_opt.batch: packing, pre-shifted labels, positions (ShardPlan.positions against its
+one-process twin), one CP rank's rows; the module stays off `import wlb_opt`; old import
+paths still work with a DeprecationWarning."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import wlb_opt as wlb  # noqa: E402
+from wlb_opt import batch  # noqa: E402
+
+
+def doc_tokens(doc_id: int) -> torch.Tensor:
+    return torch.arange(100 * doc_id, 100 * doc_id + 40)
+
+
+def test_positions_labels_and_targets():
+    assert batch.packed_positions([3, 2], [0, 32]).tolist() == [0, 1, 2, 32, 33]
+    assert batch.packed_positions([], []).tolist() == []
+    assert batch.packed_labels(torch.tensor([5, 6, 7, 8, 9]), [3, 2]).tolist() == [6, 7, -100, 9, -100]
+    plan = wlb.solve_pack([5, 9, 3], 2, 16, method="wlb", ids=[1, 2, 3])
+    assert batch.target_tokens(plan) == 5 + 9 + 3 - 3
+
+
+def _plan_with_pieces(doc_ids, offsets, lengths):
+    """One micro-batch holding the given pieces, in that order."""
+    n = len(lengths)
+    return wlb.PackPlan(doc_ids=np.array(doc_ids), lengths=np.array(lengths), offsets=np.array(offsets),
+                        micro_batches=(np.arange(n),), replica_of=np.zeros(1, np.int64),
+                        deferred=np.zeros(0, np.int64), loads=np.zeros(1), tokens=np.array([sum(lengths)]),
+                        n_micro=1, max_tokens=64)
+
+
+def test_pack_micro_batch_with_a_loss_mask_and_offsets():
+    plan = _plan_with_pieces([1, 2], [2, 0], [4, 3])
+
+    def masked(doc_id):  # the first three tokens of every document are a prompt
+        mask = torch.ones(40, dtype=torch.bool)
+        mask[:3] = False
+        return doc_tokens(doc_id), mask
+
+    tokens, labels = batch.pack_micro_batch(plan, 0, masked)
+    want_tokens, want_labels = [], []
+    for doc_id, lo, n in ((1, 2, 4), (2, 0, 3)):
+        doc = doc_tokens(doc_id)[lo: lo + n].tolist()
+        want_tokens += doc
+        # the next token within the piece, where that token is a target (position >= 3)
+        want_labels += [doc[t + 1] if lo + t + 1 >= 3 else -100 for t in range(n - 1)] + [-100]
+    assert tokens.tolist() == want_tokens and labels.tolist() == want_labels
+    assert torch.equal(batch.pack_tokens(plan, 0, doc_tokens), tokens)
+    assert batch.packed_positions(plan.lengths, plan.offsets).tolist() == [2, 3, 4, 5, 0, 1, 2]
+    with pytest.raises(ValueError, match=r"document 2: data\(2\) returned \(2,\) tokens"):
+        batch.pack_micro_batch(plan, 0, lambda i: doc_tokens(i)[:2] if i == 2 else doc_tokens(i))
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        batch.pack_micro_batch(plan, 0, lambda i: doc_tokens(i).float())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=6), st.integers(1, 4),
+       st.sampled_from(["per_seq", "per_doc", "hybrid"]), st.integers(0, 2**16))
+def test_shard_positions_are_the_packed_positions_of_the_ranks_rows(lengths, cp, strategy, seed):
+    """ShardPlan.positions, the one source of positions, against its one-process twin."""
+    offsets = np.random.default_rng(seed).integers(0, 500, len(lengths))
+    shard = wlb.solve_shard(lengths, cp, strategy, offsets=offsets)
+    whole = batch.packed_positions(lengths, offsets)
+    tokens = torch.arange(sum(lengths)) * 3 + 1
+    labels = batch.packed_labels(tokens, lengths)
+    for r in range(cp):
+        idx = np.array(shard.rank_indices[r], dtype=np.int64)
+        assert np.array_equal(shard.positions[r], whole[idx])
+        rows = batch.rank_inputs(tokens, labels, shard, r)
+        assert rows.index.tolist() == idx.tolist()
+        assert rows.tokens.tolist() == tokens[idx].tolist() and rows.labels.tolist() == labels[idx].tolist()
+        assert rows.positions.dtype == torch.int64 and rows.positions.tolist() == whole[idx].tolist()
+        assert rows.targets == int((labels[idx] != batch.IGNORE).sum())
+        toks, pos = batch.local_inputs(tokens, shard, r)
+        assert torch.equal(toks, rows.tokens) and torch.equal(pos, rows.positions)
+
+
+def test_empty_rank_inputs():
+    rows = batch.RankInputs.empty()
+    assert rows.targets == 0 and all(t.numel() == 0 and t.dtype == torch.long
+                                     for t in (rows.index, rows.tokens, rows.positions, rows.labels))
+
+
+def test_batch_is_not_imported_by_wlb_opt_and_imports_no_executor():
+    code = ("import sys, wlb_opt; assert 'wlb_opt.batch' not in sys.modules, 'import wlb_opt imported it'; "
+            "import wlb_opt.batch; bad = sorted(m for m in sys.modules if m.startswith('wlb_opt.executor')); "
+            "assert not bad, bad")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_the_stream_plans_and_packs_without_the_executor():
+    code = ("import sys, numpy as np, torch, wlb_opt as wlb\n"
+            "docs = [(i, np.arange(n) % 50) for i, n in enumerate([30, 50, 7, 21, 12])]\n"
+            "stream = wlb.WLBStream(docs, wlb.WLBPacker(2, 64, thresholds=[]), 100, cp=2)\n"
+            "step = next(iter(stream)); step.tokens(0); step.inputs(0, 1)\n"
+            "bad = sorted(m for m in sys.modules if m.startswith('wlb_opt.executor'))\n"
+            "assert not bad, bad\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("module, name, home", [
+    ("wlb_opt.executor", "packed_positions", "wlb_opt.batch"),
+    ("wlb_opt.executor", "packed_labels", "wlb_opt.batch"),
+    ("wlb_opt.executor", "pack_tokens", "wlb_opt.batch"),
+    ("wlb_opt.executor", "target_tokens", "wlb_opt.batch"),
+    ("wlb_opt.executor", "local_inputs", "wlb_opt.batch"),
+    ("wlb_opt.executor", "cp_context", "wlb_opt.executor.cp_attention"),
+    ("wlb_opt.executor", "CPContext", "wlb_opt.executor.cp_attention"),
+    ("wlb_opt.executor", "packed_order_index", "wlb_opt.executor.cp_attention"),
+    ("wlb_opt.executor", "activation_dtype", "wlb_opt.executor.train"),
+    ("wlb_opt.executor", "fsdp_mesh", "wlb_opt.executor.fsdp"),
+    ("wlb_opt.executor", "tp_plan", "wlb_opt.executor.tp"),
+    ("wlb_opt.executor.train", "pack_micro_batch", "wlb_opt.batch"),
+    ("wlb_opt.executor.train", "packed_positions", "wlb_opt.batch"),
+    ("wlb_opt.executor.train", "IGNORE", "wlb_opt.batch"),
+])
+def test_old_import_paths_still_work_with_a_deprecation_warning(module, name, home):
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match=home.replace(".", r"\.")):
+        got = getattr(importlib.import_module(module), name)
+    assert got is getattr(importlib.import_module(home), name)
+
+
+def test_the_executor_exports_its_public_names_only():
+    import wlb_opt.executor as ex
+
+    public = {"context_parallel_attention", "prefetch_kv", "PendingKV", "gather_packed", "train_step", "make_mesh",
+              "Mesh", "split_stages", "Stage", "TinyLM", "StageOutputs", "check_same_plan", "broadcast_plan",
+              "apply_tensor_parallel", "apply_fsdp", "PeerWaitError", "p2p_schedule", "P2POp"}
+    assert set(ex.__all__) == public
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in public:
+            getattr(ex, name)
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        ex.nonexistent  # noqa: B018
