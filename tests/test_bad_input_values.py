@@ -172,6 +172,8 @@ BOOL_AMONG_NUMBERS_CASES = [
     ("solve_pack.lengths_false_in_list", lambda: _pack([5, False]), ValueError, "the bool False at index 1"),
     ("solve_pack.lengths_numpy_bool_in_tuple", lambda: _pack((5, np.True_)), ValueError, "the bool True at index 1"),
     ("solve_pack.lengths_bool_among_floats", lambda: _pack([5.0, True]), ValueError, "the bool True at index 1"),
+    ("solve_pack.lengths_bool_after_many_ones", lambda: _pack([1] * 100 + [True], max_tokens=200), ValueError,
+     "the bool True at index 100"),
     ("solve_pack.lengths_bool_array", lambda: _pack(np.array([True, True])), ValueError,
      "must be integers, got dtype bool"),
     ("solve_pack.ids_bool_in_list", lambda: _pack([5, 3], ids=[True, 5]), ValueError,
