@@ -21,6 +21,13 @@ def test_the_readme_training_loop_runs_as_printed(capsys):
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+def test_the_readme_code_block_runs_as_printed(capsys):
+    block = re.search(r"<!-- readme-code -->\s*```python\n(.*?)```\s*<!-- /readme-code -->", README.read_text(), re.S)
+    assert block, "README.md lost its code block"
+    exec(compile(block.group(1), "README.md", "exec"), {"__name__": "readme"})
+    assert capsys.readouterr().out.startswith("imbalance ")
+
+
 def test_the_readme_is_a_front_door():
     text = README.read_text()
     assert len(text.encode()) <= 15_000, f"README.md is {len(text.encode())} bytes; detail belongs in docs/"
