@@ -19,11 +19,16 @@ Before any of it the ranks agree, in one exchange (`plumbing.agree_on_step`): sa
 shards, same tokens within a replica, token ids inside the vocabulary, and on a first step
 the same replicated weights. Every wait names the ranks that did not arrive if it fails
 (`rollcall`). docs/reliability.md lists what is checked and what it costs.
+
+The step in parts, each testable in one process (tests/test_step_parts.py,
+tests/test_pipeline_runner.py): `StepInputs`, a rank's rows of its micro-batches
+(`wlb_opt.batch`; positions from the ShardPlan); `global_target_count`, the loss
+denominator; `PipelineRunner` (`pipeline.py`), the schedule over a transport;
+`reduce_gradients`, the sums over the ranks that hold a stage. `train_step` wires them.
 """
 from __future__ import annotations
 
 import weakref
-from contextlib import nullcontext
 from typing import Callable
 
 import numpy as np
@@ -36,11 +41,13 @@ from ..batch import RankInputs, rank_inputs
 from .cp_attention import context_parallel_attention, prefetch_kv
 from .mesh import SELF_GROUP, Mesh
 from .fsdp import is_fsdp
-from .pipeline import DistTransport, PipelineRunner, StageOutputs, check_boundary_dtype  # noqa: F401
+from .pipeline import (DistTransport, PipelineRunner, StageOutputs, _no_wait_report,  # noqa: F401 - re-exported
+                       check_boundary_dtype)
 from .tp import local_tensor
 from .plumbing import (agree_on_step, out_of_vocabulary, piece_digests, read_micro_batches, token_digest,
                        vocabulary, weight_checksums)
 from .rollcall import ROLLCALL_GRACE_S, PeerWaitError, RollCall, reporting_waits, step_words
+
 
 def activation_dtype(param: torch.Tensor) -> torch.dtype:
     """The dtype of what a stage sends and receives: the autocast dtype when autocast is on for
@@ -184,13 +191,9 @@ def global_target_count(local_count: int, mesh: Mesh | None, device: torch.devic
     one all-reduce sums them (none without a mesh)."""
     total = torch.tensor(float(local_count), dtype=torch.float64, device=device)
     if mesh is not None and dist.is_initialized():
-        with (waiting or _no_report)("the all-reduce of the global batch's target-token count"):
+        with (waiting or _no_wait_report)("the all-reduce of the global batch's target-token count"):
             dist.all_reduce(total)
     return float(total)
-
-
-def _no_report(operation):
-    return nullcontext()
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group, bucket_bytes: int = 32 << 20) -> None:
@@ -233,7 +236,7 @@ def reduce_gradients(chunks: list[torch.nn.Module], mesh: Mesh, *, skip=(), wait
                 p.grad = torch.zeros_like(p)  # a DTensor parameter gets a DTensor zero
             grads.append(p.grad)
     if mesh.stage_group != SELF_GROUP:
-        with (waiting or _no_report)("the gradient all-reduce over the ranks that hold this stage"):
+        with (waiting or _no_wait_report)("the gradient all-reduce over the ranks that hold this stage"):
             _all_reduce_flat(grads, mesh.stage_group)
 
 
