@@ -11,6 +11,7 @@ To add an API, append a list of case tuples and add it to `ALL_CASES`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -337,8 +338,14 @@ PLAN_CASES = [
 
 
 # ---------------------------------------------------------------- WLBPacker
+_POLICY = {field.name for field in dataclasses.fields(wlb.PackerConfig)}
+
+
 def _packer(**kw):
-    return wlb.WLBPacker(**{**dict(n_micro=2, max_tokens=100, cost=COST, thresholds=[50], max_delay=4), **kw})
+    """A WLBPacker from one set of keywords: the PackerConfig fields go in its config."""
+    kw = {**dict(n_micro=2, max_tokens=100, cost=COST, thresholds=[50], max_delay=4), **kw}
+    policy = {name: kw.pop(name) for name in list(kw) if name in _POLICY}
+    return wlb.WLBPacker(**kw, config=wlb.PackerConfig(**policy))
 
 
 def _packed():
@@ -535,8 +542,8 @@ def _torch_cases():
 
 # ---------------------------------------------------------------- WLBStream
 def _stream(docs=((0, [1, 2]),), tokens_per_step=100, **kw):
-    return wlb.WLBStream(list(docs), wlb.WLBPacker(2, 64, thresholds=[], **kw.pop("packer", {})), tokens_per_step,
-                         **kw)
+    packer = wlb.WLBPacker(2, 64, config=wlb.PackerConfig(thresholds=[], **kw.pop("packer", {})))
+    return wlb.WLBStream(list(docs), packer, tokens_per_step, **kw)
 
 
 def _drain_stream(docs, **kw):

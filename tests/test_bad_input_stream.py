@@ -17,14 +17,14 @@ import pytest
 import wlb_opt as wlb
 from test_bad_input import _check
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*outliers:UserWarning")
 
 COST = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), None, wlb.HardwareSpec.preset("cpu")).without_layout()
 DOCS = [(i, (np.arange(n) * (i + 3)) % 997) for i, n in enumerate([30, 500, 20, 90, 100, 110, 15, 70] * 6)]
 
 
 def _stream(docs=DOCS, lookahead=1):
-    return wlb.WLBStream(docs, wlb.WLBPacker(2, 128, COST, max_delay=3, lookahead=lookahead), 200, window=128)
+    packer = wlb.WLBPacker(2, 128, COST, config=wlb.PackerConfig(max_delay=3, lookahead=lookahead))
+    return wlb.WLBStream(docs, packer, 200, window=128)
 
 
 def _good_state() -> dict:

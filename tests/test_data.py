@@ -133,7 +133,7 @@ def test_run_packer_streams_then_drains():
 
     cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), wlb.ParallelSpec(pp=2))
     batches = data.global_batches("default", 4096, 2 * 4096, 5, seed=2)
-    run = run_packer(wlb.WLBPacker(2, 5120, cost, thresholds=[2048], max_delay=4), batches)
+    run = run_packer(wlb.WLBPacker(2, 5120, cost, config=wlb.PackerConfig(thresholds=[2048], max_delay=4)), batches)
     assert len(run.plans) == len(run.seconds) == 5
     total = sum(p.placed_tokens for p in run.plans + run.drained)
     assert total == sum(int(b[0].sum()) for b in batches)

@@ -7,7 +7,7 @@ from conftest import unit_cost
 
 import wlb_opt as wlb
 from wlb_opt import data
-from wlb_opt.packer import WLBPacker
+from wlb_opt.packer import PackerConfig, WLBPacker
 from wlb_opt.packer import defaults as d
 from wlb_opt.packer.state import HeldPiece
 
@@ -20,10 +20,10 @@ def test_the_defaults_are_one_pool_marginal_release_and_the_feedback_tolerance()
     assert packer.release == "marginal" and packer.max_delay == d.DEFAULT_MAX_DELAY == 16
     assert packer._release.price == d.MARGINAL_PRICE and packer._release.capacity_tokens == 4 * 163840
     # with lookahead the default is "group", which holds the displacement budget (defaults.py)
-    assert WLBPacker(4, 163840, COST, lookahead=2).release == "group"
-    assert WLBPacker(4, 163840, COST, lookahead=2, release="marginal").release == "marginal"
+    assert WLBPacker(4, 163840, COST, config=PackerConfig(lookahead=2)).release == "group"
+    assert WLBPacker(4, 163840, COST, config=PackerConfig(lookahead=2, release="marginal")).release == "marginal"
     assert packer.balance_tolerance == "auto" and packer.lookahead == 0 and packer.calibration is None
-    assert WLBPacker(4, 163840, COST, n_queues=1).thresholds == [49152]
+    assert WLBPacker(4, 163840, COST, config=PackerConfig(n_queues=1)).thresholds == [49152]
 
 
 def test_adaptive_tolerance_rises_with_displacement_between_its_bounds():
@@ -71,7 +71,7 @@ def test_the_feedback_keeps_displacement_near_the_budget_it_is_given(release, hi
     batches = _stream(np.random.default_rng(3), 150)
     got = {}
     for budget in (0.1, 1.0):
-        packer = WLBPacker(2, 200, COST, thresholds=[60], delay_budget=budget, release=release)
+        packer = WLBPacker(2, 200, COST, config=PackerConfig(thresholds=[60], delay_budget=budget, release=release))
         plans = [packer.pack(*b) for b in batches] + packer.drain()
         tolerances = [p.info.extra["balance_tolerance"] for p in plans[:len(batches)]]
         assert min(tolerances) >= d.TOLERANCE_LOW and max(tolerances) <= high
@@ -81,7 +81,7 @@ def test_the_feedback_keeps_displacement_near_the_budget_it_is_given(release, hi
 
 def test_a_fixed_tolerance_is_used_as_given():
     batches = _stream(np.random.default_rng(4), 20)
-    packer = WLBPacker(2, 200, COST, thresholds=[60], balance_tolerance=1.3)
+    packer = WLBPacker(2, 200, COST, config=PackerConfig(thresholds=[60], balance_tolerance=1.3))
     assert {packer.pack(*b).info.extra["balance_tolerance"] for b in batches} == {1.3}
 
 
@@ -93,7 +93,7 @@ def test_a_fixed_tolerance_is_used_as_given():
 ])
 def test_bad_default_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        WLBPacker(2, 200, COST, **kwargs)
+        WLBPacker(2, 200, COST, config=PackerConfig(**kwargs))
 
 
 def test_default_packer_trains_every_document_once_on_the_default_distribution():
@@ -143,7 +143,7 @@ def test_group_release_never_carries_an_outlier_it_released_early(release):
     # the next step, often alone; "group" only lets a group leave if the step places all of it.
     rng = np.random.default_rng(7)
     batches = [(b[0], b[1], np.zeros(len(b[0]), np.int64)) for b in _stream(rng, 120)]
-    packer = WLBPacker(2, 200, COST, thresholds=[60], max_delay=6, release=release)
+    packer = WLBPacker(2, 200, COST, config=PackerConfig(thresholds=[60], max_delay=6, release=release))
     plans = [packer.pack(*b) for b in batches] + packer.drain()
     for plan in plans[:len(batches)]:
         for i in plan.deferred.tolist():
@@ -163,7 +163,7 @@ def test_group_skips_only_candidates_that_cannot_pass_the_tolerance(seed, lookah
     batches = _stream(np.random.default_rng(seed), 80)
     runs = []
     for prefilter in (True, False):
-        packer = WLBPacker(2, 200, cost, thresholds=[60], lookahead=lookahead, release=release)
+        packer = WLBPacker(2, 200, cost, config=PackerConfig(thresholds=[60], lookahead=lookahead, release=release))
         if not prefilter:
             packer._release = dataclasses.replace(packer._release, piece_cost=None)
         calls = [0]
@@ -191,7 +191,8 @@ def test_marginal_holds_what_would_unbalance_a_step_that_group_takes():
     batch = ([100, 60] + [5] * 20, list(range(22)))
     got = {}
     for release in ("group", "marginal"):
-        packer = WLBPacker(2, 200, cost, thresholds=[50], max_delay=None, release=release, balance_tolerance=2.0)
+        packer = WLBPacker(2, 200, cost,
+                           config=PackerConfig(thresholds=[50], max_delay=None, release=release, balance_tolerance=2.0))
         got[release] = (packer.pack(*batch), sorted(packer.queued_ids().tolist()), packer)
     plan, queued, _ = got["group"]
     assert sorted(plan.placed_ids().tolist()) == list(range(22)) and queued == []
@@ -212,7 +213,7 @@ def test_marginal_defers_a_short_document_that_outweighs_the_rest_of_a_starved_s
     # 0.025 < 2.37, so the 40 waits one step (carried) and trains with the next batch.
     cost = unit_cost(attn=1.0, linear=0.0)
     batch = ([40] + [4] * 10, list(range(11)))
-    packer = WLBPacker(4, 200, cost, thresholds=[50], release="marginal", balance_tolerance=2.0)
+    packer = WLBPacker(4, 200, cost, config=PackerConfig(thresholds=[50], release="marginal", balance_tolerance=2.0))
     plan = packer.pack(*batch)
     assert plan.deferred_ids().tolist() == [0] and packer.carried_ids().tolist() == [0]
     assert plan.imbalance == pytest.approx(30 / 25)
@@ -220,13 +221,15 @@ def test_marginal_defers_a_short_document_that_outweighs_the_rest_of_a_starved_s
     assert sorted(nxt.placed_ids().tolist()) == [0, 11, 12, 13] and nxt.imbalance == pytest.approx(1.0)
     assert packer.stats()["displacement_per_token"] == pytest.approx(40 / (80 + 120))
     # "group" (no trim) trains it at once
-    group = WLBPacker(4, 200, cost, thresholds=[50], release="group", balance_tolerance=2.0).pack(*batch)
+    group = WLBPacker(4, 200, cost,
+                      config=PackerConfig(thresholds=[50], release="group", balance_tolerance=2.0)).pack(*batch)
     assert group.deferred_ids().tolist() == [] and group.imbalance == pytest.approx(820 / 230)
 
 
 def test_marginal_does_not_defer_a_piece_at_its_deadline():
     cost = unit_cost(attn=1.0, linear=0.0)
-    packer = WLBPacker(4, 200, cost, thresholds=[50], release="marginal", balance_tolerance=2.0, max_delay=1)
+    packer = WLBPacker(4, 200, cost,
+                       config=PackerConfig(thresholds=[50], release="marginal", balance_tolerance=2.0, max_delay=1))
     packer.pack([40] + [4] * 10, list(range(11)))  # the 40 is deferred (above)
     plan = packer.pack([4] * 10, list(range(11, 21)))  # one step late: at max_delay, placed first
     assert 0 in plan.placed_ids().tolist() and plan.deferred_ids().tolist() == []
@@ -234,7 +237,8 @@ def test_marginal_does_not_defer_a_piece_at_its_deadline():
 
 def test_marginal_without_max_delay_defers_a_piece_once_only():
     cost = unit_cost(attn=1.0, linear=0.0)
-    packer = WLBPacker(4, 200, cost, thresholds=[50], release="marginal", balance_tolerance=2.0, max_delay=None)
+    packer = WLBPacker(4, 200, cost,
+                       config=PackerConfig(thresholds=[50], release="marginal", balance_tolerance=2.0, max_delay=None))
     assert packer.pack([40] + [4] * 10, list(range(11))).deferred_ids().tolist() == [0]
     # the same starved step again: the carried 40 is not deferred a second time
     plan = packer.pack([4] * 10, list(range(11, 21)))
@@ -244,7 +248,8 @@ def test_marginal_without_max_delay_defers_a_piece_once_only():
 def test_marginal_trims_only_within_the_carry_limit():
     # the trim would defer the 40 (above), but half the backlog limit is 15 tokens: it stays
     cost = unit_cost(attn=1.0, linear=0.0)
-    packer = WLBPacker(4, 200, cost, thresholds=[50], release="marginal", balance_tolerance=2.0, max_backlog_tokens=30)
+    packer = WLBPacker(4, 200, cost, max_backlog_tokens=30,
+                       config=PackerConfig(thresholds=[50], release="marginal", balance_tolerance=2.0))
     plan = packer.pack([40] + [4] * 10, list(range(11)))
     assert plan.deferred_ids().tolist() == [] and sorted(plan.placed_ids().tolist()) == list(range(11))
 
@@ -253,8 +258,8 @@ def test_marginal_trims_only_within_the_carry_limit():
 def _timed_case_a():
     """The packer and first batch whose calibration took 10.7 s of CPU before it had a budget."""
     tiny = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), None, wlb.HardwareSpec.preset("cpu")).without_layout()
-    packer = WLBPacker(3, 33, cost=tiny, dp=2, thresholds="auto", n_queues=2, lookahead=3, release="marginal",
-                       max_delay=2)
+    packer = WLBPacker(3, 33, cost=tiny, dp=2,
+                       config=PackerConfig(thresholds="auto", n_queues=2, lookahead=3, release="marginal", max_delay=2))
     return packer, np.random.default_rng(0).integers(1, 34, 12)
 
 
@@ -266,7 +271,8 @@ def test_calibration_on_the_timed_cases_chooses_what_running_every_candidate_cho
     assert packer.calibration["work"] <= 1.25 * packer.calibration["budget"]
     cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=2),
                                   wlb.HardwareSpec.preset("h100"))
-    packer = WLBPacker(4, 163840, cost, thresholds="auto", n_queues=2, lookahead=3, release="marginal", max_delay=2)
+    packer = WLBPacker(4, 163840, cost,
+                       config=PackerConfig(thresholds="auto", n_queues=2, lookahead=3, release="marginal", max_delay=2))
     lengths, ids, offsets = data.global_batch("default", 131072, 8 * 131072)
     packer.pack(lengths, ids, offsets)
     assert packer.thresholds == [35473, 43641]
@@ -303,8 +309,9 @@ def test_one_run_per_class_of_candidates_gives_every_candidates_results(release,
 
     rng = np.random.default_rng(7)
     sample = np.concatenate([rng.integers(1, 30, 40), rng.integers(40, 100, 8)])
-    packer = WLBPacker(2, 100, COST, dp=2, thresholds="auto", n_queues=2, max_delay=3, release=release,
-                       lookahead=lookahead, seed=1)
+    packer = WLBPacker(2, 100, COST, dp=2, seed=1,
+                       config=PackerConfig(thresholds="auto", n_queues=2, max_delay=3, release=release,
+                                           lookahead=lookahead))
     want, reference = _every_candidate(packer, sample, 5)
     record = calibrate_thresholds(packer, sample, None, 5, budget=None)
     assert record["thresholds"] == want and record["runs"] <= len(reference)
@@ -326,7 +333,7 @@ def test_a_small_budget_bounds_the_work_and_stays_deterministic():
     # a budget every run fits in changes nothing
     rng = np.random.default_rng(3)
     sample = np.concatenate([rng.integers(1, 30, 60), rng.integers(40, 100, 10)])
-    small = WLBPacker(2, 100, COST, thresholds="auto", n_queues=2, release="paper", max_delay=3)
+    small = WLBPacker(2, 100, COST, config=PackerConfig(thresholds="auto", n_queues=2, release="paper", max_delay=3))
     bounded, free = calibrate_thresholds(small, sample, None, 8), calibrate_thresholds(small, sample, None, 8, None)
     assert bounded["candidates"] == free["candidates"] and bounded["thresholds"] == free["thresholds"]
     assert all(r["batches"] == 8 for r in bounded["candidates"])

@@ -14,7 +14,7 @@ from conftest import unit_cost
 
 pytest.importorskip("highspy")
 
-from wlb_opt.packer import WLBPacker  # noqa: E402
+from wlb_opt.packer import PackerConfig, WLBPacker  # noqa: E402
 from wlb_opt.solvers.frontier import (aggregate_imbalance, brute_force_frontier, filler_classes,  # noqa: E402
                                       frontier_problem, plan_solution, solution_violation, solve_frontier)
 
@@ -105,7 +105,7 @@ def test_every_packer_plan_is_a_feasible_point_below_which_the_bound_lies():
     for kw in (dict(thresholds=[40], max_delay=4), dict(thresholds=[40], max_delay=4, lookahead=2),
                dict(thresholds=[40], max_delay=4, release="group", balance_tolerance=1.2),
                dict(thresholds=[20, 60], max_delay=6, release="balance")):
-        packer = WLBPacker(2, 120, COST, **kw)
+        packer = WLBPacker(2, 120, COST, config=PackerConfig(**kw))
         plans = [p for p in (packer.pack(*b) for b in batches) if p is not None] + packer.drain()
         disp = packer.stats()["displacement_per_token"]
         problem = frontier_problem(batches, fwd, n_micro=2, max_tokens=120, outlier_min=40, early=2, late=6,
@@ -195,7 +195,7 @@ def test_random_whole_piece_plans_satisfy_every_row_of_the_model(seed, monkeypat
 def test_plan_solution_names_what_does_not_fit():
     rng = np.random.default_rng(3)
     batches = tiny_stream(rng, n_steps=6, n_outliers=4)
-    packer = WLBPacker(2, 120, COST, thresholds=[40], max_delay=4)
+    packer = WLBPacker(2, 120, COST, config=PackerConfig(thresholds=[40], max_delay=4))
     plans = [packer.pack(*b) for b in batches] + packer.drain()
     narrow = frontier_problem(batches, fwd, 2, 120, outlier_min=40, early=0, late=0,
                               n_slots=max(p.step for p in plans) + 1)

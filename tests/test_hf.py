@@ -62,7 +62,7 @@ def documents(n: int = 14, seed: int = 0):
 def first_step(dp: int, cp: int, pp: int):
     cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), wlb.ParallelSpec(dp=dp, cp=cp, pp=pp),
                                   wlb.HardwareSpec.preset("cpu"))
-    packer = wlb.WLBPacker(2 * pp, 64, cost, thresholds=[])
+    packer = wlb.WLBPacker(2 * pp, 64, cost, config=wlb.PackerConfig(thresholds=[]))
     stream = wlb.WLBStream(documents(), packer, 64 * 2 * pp * dp, window=32, strategy="hybrid" if cp > 1 else "adaptive")
     return next(iter(stream))
 

@@ -15,7 +15,7 @@ from conftest import unit_cost as _unit_cost
 
 import wlb_opt as wlb
 from wlb_opt.data import DEFAULT_SEED, global_batches
-from wlb_opt.packer import WLBPacker
+from wlb_opt.packer import PackerConfig, WLBPacker
 
 COST = _unit_cost(1e-6, 1e-3, backward=True)
 CAP = 100
@@ -72,8 +72,8 @@ def run(packer, batches):
 def test_lookahead_stream_trains_every_id_once_within_its_window(seed, k, n_micro, max_delay, release, n_batches):
     rng = np.random.default_rng(seed)
     batches = stream(rng, n_batches, mean_docs=2 * n_micro)
-    packer = WLBPacker(n_micro, 2 * CAP, COST, thresholds=[34, 67], max_delay=max_delay, release=release,
-                       lookahead=k, max_backlog_tokens=10**9)
+    packer = WLBPacker(n_micro, 2 * CAP, COST, max_backlog_tokens=10**9,
+                       config=PackerConfig(thresholds=[34, 67], max_delay=max_delay, release=release, lookahead=k))
     streamed, drained = run(packer, batches)
     assert all(p is None for p in streamed[:k]) and all(p is not None for p in streamed[k:])
     plans = [p for p in streamed if p is not None] + drained
@@ -88,15 +88,15 @@ def test_lookahead_stream_trains_every_id_once_within_its_window(seed, k, n_micr
 def test_checkpoint_at_a_random_step_resumes_identically(seed, k, cut, release, max_delay):
     rng = np.random.default_rng(seed)
     batches = stream(rng, 100, mean_docs=6)
-    kw = dict(thresholds=[34, 67], max_delay=max_delay, release=release, lookahead=k)
-    whole = WLBPacker(2, 2 * CAP, COST, **kw)
+    config = PackerConfig(thresholds=[34, 67], max_delay=max_delay, release=release, lookahead=k)
+    whole = WLBPacker(2, 2 * CAP, COST, config=config)
     streamed, drained = run(whole, batches)
     expected = [p.digest() if p is not None else None for p in streamed] + [p.digest() for p in drained]
-    first = WLBPacker(2, 2 * CAP, COST, **kw)
+    first = WLBPacker(2, 2 * CAP, COST, config=config)
     got = [first.pack(*b) for b in batches[:cut]]
     state = json.loads(json.dumps(first.state_dict()))  # through JSON, as a checkpoint would
     assert len(state["lookahead_buffer"]) == min(k, cut)
-    second = WLBPacker(2, 2 * CAP, COST, **kw)
+    second = WLBPacker(2, 2 * CAP, COST, config=config)
     second.load_state_dict(state)
     assert second.step == first.step and second.arrival_step == first.arrival_step == cut
     got += [second.pack(*b) for b in batches[cut:]]
@@ -118,11 +118,31 @@ def test_lookahead_zero_reproduces_the_plans_of_the_packer_before_lookahead():
         dist = name.split("/")[0]
         batches = global_batches(dist, st_["window"], st_["n_micro"] * st_["window"], st_["steps"],
                                  seed=DEFAULT_SEED + st_["seed_offset"])
-        packer = WLBPacker(st_["n_micro"], st_["max_tokens"], cost, lookahead=0, **run_ref["config"])
+        packer = WLBPacker(st_["n_micro"], st_["max_tokens"], cost,
+                           config=PackerConfig(lookahead=0, **run_ref["config"]))
         plans = [packer.pack(*b) for b in batches] + packer.drain()
         digests = [p.digest() + f"/{p.step}/" + hashlib.sha256(p.arrival_step.tobytes()).hexdigest()[:16]
                    for p in plans]
         assert digests == run_ref["digests"], name
+
+
+def test_the_presets_reproduce_the_recorded_paper_and_earlier_default_plans():
+    ref = json.loads((Path(__file__).parent / "data" / "packer_k0_digests.json").read_text())
+    cost, st_ = _cost_7b(), ref["stream"]
+    for dist in ("default", "real"):
+        batches = global_batches(dist, st_["window"], st_["n_micro"] * st_["window"], st_["steps"],
+                                 seed=DEFAULT_SEED + st_["seed_offset"])
+        paper = ref["runs"][f"{dist}/paper_none"]
+        presets = {"paper_none": PackerConfig.paper(paper["config"]["thresholds"]),
+                   "old_defaults": PackerConfig.legacy()}
+        for name, config in presets.items():
+            run_ref = ref["runs"][f"{dist}/{name}"]
+            assert config == PackerConfig(**run_ref["config"]), name
+            packer = WLBPacker(st_["n_micro"], st_["max_tokens"], cost, config=config)
+            plans = [packer.pack(*b) for b in batches] + packer.drain()
+            digests = [p.digest() + f"/{p.step}/" + hashlib.sha256(p.arrival_step.tobytes()).hexdigest()[:16]
+                       for p in plans]
+            assert digests == run_ref["digests"], f"{dist}/{name}"
 
 
 def test_the_no_tuning_defaults_reproduce_their_recorded_plans():
@@ -134,7 +154,8 @@ def test_the_no_tuning_defaults_reproduce_their_recorded_plans():
         dist = name.split("/")[0]
         batches = global_batches(dist, st_["window"], st_["n_micro"] * st_["window"], st_["steps"],
                                  seed=DEFAULT_SEED + st_["seed_offset"])
-        packer = WLBPacker(st_["n_micro"], st_["max_tokens"], cost, lookahead=run_ref["lookahead"])
+        packer = WLBPacker(st_["n_micro"], st_["max_tokens"], cost,
+                           config=PackerConfig(lookahead=run_ref["lookahead"]))
         plans = [packer.pack(*b) for b in batches] + packer.drain()
         digests = [p.digest() + f"/{p.step}/" + hashlib.sha256(p.arrival_step.tobytes()).hexdigest()[:16]
                    for p in plans if p is not None]
@@ -144,7 +165,8 @@ def test_the_no_tuning_defaults_reproduce_their_recorded_plans():
 def test_lookahead_trains_an_outlier_early_to_complete_a_group():
     # three outliers now and one next step: with lookahead 1 the paper rule's queue holds
     # 4 = n_micro at step 0 and releases them together, one trained a step early
-    packer = WLBPacker(4, 2 * CAP, COST, thresholds=[50], max_delay=None, release="paper", lookahead=1)
+    packer = WLBPacker(4, 2 * CAP, COST,
+                       config=PackerConfig(thresholds=[50], max_delay=None, release="paper", lookahead=1))
     assert packer.pack([90, 91, 92, 5, 5], [0, 1, 2, 3, 4]) is None
     plan = packer.pack([93, 6], [5, 6])
     assert plan.step == 0 and set(plan.placed_ids().tolist()) == {0, 1, 2, 3, 4, 5}
@@ -156,7 +178,7 @@ def test_lookahead_trains_an_outlier_early_to_complete_a_group():
     assert s["late_token_share"] == 0.0 and s["late_pieces"] == 0
     assert s["displacement_per_token"] == pytest.approx(s["early_token_share"])
     # without lookahead the group waits: 3 outliers stay queued at step 0
-    plain = WLBPacker(4, 2 * CAP, COST, thresholds=[50], max_delay=None, release="paper")
+    plain = WLBPacker(4, 2 * CAP, COST, config=PackerConfig(thresholds=[50], max_delay=None, release="paper"))
     assert set(plain.pack([90, 91, 92, 5, 5], [0, 1, 2, 3, 4]).placed_ids().tolist()) == {3, 4}
 
 
@@ -175,7 +197,7 @@ def test_lookahead_holds_the_displacement_budget_on_a_lumpy_stream():
     # displacement per token on this stream); ranked by relief the budget holds
     W = 131072
     batches = global_batches("prose", W, 4 * W, 80, seed=DEFAULT_SEED + 200)
-    packer = WLBPacker(4, int(1.25 * W), _cost_7b(), lookahead=4)
+    packer = WLBPacker(4, int(1.25 * W), _cost_7b(), config=PackerConfig(lookahead=4))
     plans = [packer.pack(*b) for b in batches]
     plans = [p for p in plans if p is not None] + packer.drain()
     placed = sorted((int(p.doc_ids[i]), int(p.offsets[i])) for p in plans for mb in p.micro_batches for i in mb)
@@ -187,7 +209,7 @@ def test_lookahead_holds_the_displacement_budget_on_a_lumpy_stream():
 
 def test_stats_keys_and_calibration_with_lookahead():
     batches = stream(np.random.default_rng(0), 30)
-    packer = WLBPacker(2, 2 * CAP, COST, thresholds="auto", lookahead=2)
+    packer = WLBPacker(2, 2 * CAP, COST, config=PackerConfig(thresholds="auto", lookahead=2))
     run(packer, batches)
     s = packer.stats()
     for key in ("displacement_per_token", "early_token_share", "late_token_share", "late_pieces",
@@ -198,15 +220,15 @@ def test_stats_keys_and_calibration_with_lookahead():
 
 def test_a_state_of_another_lookahead_or_a_bad_buffer_is_refused():
     batches = stream(np.random.default_rng(1), 5)
-    packer = WLBPacker(2, 2 * CAP, COST, thresholds=[34], lookahead=2)
+    packer = WLBPacker(2, 2 * CAP, COST, config=PackerConfig(thresholds=[34], lookahead=2))
     for b in batches[:3]:
         packer.pack(*b)
     state = packer.state_dict()
     with pytest.raises(ValueError, match="config.lookahead"):
-        WLBPacker(2, 2 * CAP, COST, thresholds=[34], lookahead=1).load_state_dict(state)
+        WLBPacker(2, 2 * CAP, COST, config=PackerConfig(thresholds=[34], lookahead=1)).load_state_dict(state)
     bad = json.loads(json.dumps(state))
     bad["lookahead_buffer"] = [[[1, 0, 5, 99]]] * 2
-    fresh = WLBPacker(2, 2 * CAP, COST, thresholds=[34], lookahead=2)
+    fresh = WLBPacker(2, 2 * CAP, COST, config=PackerConfig(thresholds=[34], lookahead=2))
     with pytest.raises(ValueError, match="lookahead_buffer"):
         fresh.load_state_dict(bad)
     assert fresh.step == 0 and fresh.arrival_step == 0  # unchanged
@@ -222,4 +244,4 @@ def test_a_state_of_another_lookahead_or_a_bad_buffer_is_refused():
 @pytest.mark.parametrize("value", [-1, 1.5, "2", True, None])
 def test_bad_lookahead(value):
     with pytest.raises(ValueError, match="lookahead must be an integer >= 0"):
-        WLBPacker(2, 2 * CAP, COST, lookahead=value)
+        WLBPacker(2, 2 * CAP, COST, config=PackerConfig(lookahead=value))

@@ -1,5 +1,6 @@
 """WLBPacker: nothing lost over long streams, FIFO queues, exact release counts, max_delay,
 overload, checkpoint/resume, determinism across processes, DP refinement, bad input."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -23,13 +24,17 @@ def unit_cost(attn=1e-6, linear=1e-3, parallel=None):
 COST = unit_cost()
 
 OLD_DEFAULTS = dict(thresholds="auto", n_queues=None, max_delay=8, release="paper", balance_tolerance=1.02)
-"""The packer's defaults before issue 16. These tests pin the paper's rule; the no-tuning
-defaults (release="group", balance_tolerance="auto") are tested in test_defaults.py."""
+"""The packer's earlier defaults (`PackerConfig.legacy()`, n_queues left to follow explicit
+thresholds). These tests pin the paper's rule; the no-tuning defaults (release="marginal",
+balance_tolerance="auto") are tested in test_defaults.py."""
+_POLICY = {field.name for field in dataclasses.fields(wlb.PackerConfig)}
 
 
 def PaperPacker(*args, **kw) -> wlb.WLBPacker:
-    """A WLBPacker with the old defaults for every argument the test leaves out."""
-    return wlb.WLBPacker(*args, **{**OLD_DEFAULTS, **kw})
+    """A WLBPacker with the old defaults for every policy field the test leaves out (the
+    PackerConfig fields of `kw` go in its config, the rest are WLBPacker's)."""
+    policy = {**OLD_DEFAULTS, **{name: kw.pop(name) for name in list(kw) if name in _POLICY}}
+    return wlb.WLBPacker(*args, **kw, config=wlb.PackerConfig(**policy))
 
 
 def stream(rng, n_batches, mean_docs=12, outlier_p=0.1, cap=100):
@@ -488,7 +493,7 @@ def test_held_pieces_are_typed_records_and_the_state_keeps_lists_of_four():
                                        HeldPiece(id=2, offset=10, length=70, arrival=0)]
     assert packer._queues[0][1].key == (2, 10)
     state = packer.state_dict()
-    assert state["version"] == STATE_VERSION == 4
+    assert state["version"] == STATE_VERSION == 5
     assert state["queues"] == [[[1, 0, 60, 0], [2, 10, 70, 0]]] and state["carry"] == []
     resumed = PaperPacker(4, 100, COST, thresholds=[50], max_delay=None)
     resumed.load_state_dict(json.loads(json.dumps(state)))
@@ -548,3 +553,112 @@ def test_release_policies_are_strategy_objects():
     assert all(issubclass(k, ReleasePolicy) for k in kinds + [DrainRelease])
     packer = PaperPacker(2, 100, COST, thresholds=[50], release="group", balance_tolerance=1.1)
     assert isinstance(packer._release, GroupRelease) and isinstance(packer._drain_release, DrainRelease)
+
+
+# ---------------------------------------------------------------- PackerConfig
+def test_packer_config_is_frozen_keyword_only_and_normalises_its_fields():
+    config = wlb.PackerConfig(thresholds=[np.int64(30), 60], balance_tolerance=1, delay_budget=1)
+    assert config.thresholds == (30, 60) and config.balance_tolerance == 1.0 and config.delay_budget == 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_delay = 3
+    with pytest.raises(TypeError):
+        wlb.PackerConfig([30, 60])
+    assert config.replace(max_delay=None).max_delay is None and config.max_delay == 16
+    assert wlb.PackerConfig().resolved_release == "marginal"
+    assert wlb.PackerConfig(lookahead=2).resolved_release == "group"
+    assert wlb.PackerConfig(lookahead=2, release="paper").resolved_release == "paper"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(thresholds="manual"), "thresholds must be None, 'auto' or"),
+    (dict(thresholds=[0]), r"thresholds\[0\] must be a positive integer"),
+    (dict(thresholds=[True]), r"thresholds\[0\] must be a positive integer"),
+    (dict(thresholds=[60, 50]), "strictly increasing"),
+    (dict(n_queues=2), "does not match thresholds=None"),
+    (dict(n_queues=True), "n_queues must be None or an integer"),
+    (dict(thresholds=[30], n_queues=2), "does not match the 1 thresholds"),
+    (dict(thresholds="auto", n_queues=0), "n_queues must be an integer >= 1"),
+    (dict(release="eager"), "release must be one of"),
+    (dict(max_delay=0), "max_delay must be an integer >= 1"),
+    (dict(max_delay=True), "max_delay must be an integer >= 1"),
+    (dict(balance_tolerance=0.9), "balance_tolerance must be 'auto' or"),
+    (dict(balance_tolerance=True), "balance_tolerance must be 'auto' or"),
+    (dict(delay_budget=-1.0), "delay_budget must be a finite number"),
+    (dict(delay_budget=False), "delay_budget must be a finite number"),
+    (dict(method="original"), "cannot run method='original'"),
+    (dict(method=3), "method must be a solve_pack method name"),
+    (dict(lookahead=-1), "lookahead must be an integer >= 0"),
+    (dict(lookahead=True), "lookahead must be an integer >= 0"),
+])
+def test_packer_config_names_the_bad_field_and_what_is_valid(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        wlb.PackerConfig(**kwargs)
+
+
+def test_the_layout_rules_of_a_config_are_checked_when_the_packer_is_built():
+    config = wlb.PackerConfig(thresholds=[50, 2**70])  # valid alone: no piece length bound without a layout
+    with pytest.raises(ValueError, match="must be <= max_tokens=100"):
+        wlb.WLBPacker(2, 100, COST, config=config)
+    assert wlb.WLBPacker(2, 200, COST, config=wlb.PackerConfig()).thresholds == [60]  # 0.3 x max_tokens
+
+
+def test_presets_are_the_paper_rule_and_the_earlier_defaults():
+    assert wlb.PackerConfig.paper([32768, 73728]) == wlb.PackerConfig(thresholds=[32768, 73728], max_delay=None,
+                                                                     release="paper")
+    assert wlb.PackerConfig.legacy() == wlb.PackerConfig(thresholds="auto", n_queues=2, max_delay=8, release="paper",
+                                                         balance_tolerance=1.02, delay_budget=0.5)
+    assert wlb.PackerConfig.legacy(lookahead=2).lookahead == 2
+
+
+def test_the_old_policy_keywords_warn_and_give_the_same_plans():
+    rng = np.random.default_rng(5)
+    batches = stream(rng, 40)
+    config = wlb.PackerConfig(thresholds=[40, 70], max_delay=5, release="group", balance_tolerance=1.2, lookahead=1)
+    with pytest.warns(DeprecationWarning, match=r"config=wlb_opt.PackerConfig\(thresholds=\[40, 70\]"):
+        old = wlb.WLBPacker(2, 100, COST, thresholds=[40, 70], max_delay=5, release="group", balance_tolerance=1.2,
+                            lookahead=1)
+    new = wlb.WLBPacker(2, 100, COST, config=config)
+    assert old.config == new.config
+    digests = [[p.digest() for p in (packer.pack(*b) for b in batches) if p is not None] +
+               [p.digest() for p in packer.drain()] for packer in (old, new)]
+    assert digests[0] == digests[1] and len(digests[0]) >= 40
+    assert old.state_dict() == new.state_dict()
+
+
+def test_config_and_policy_keywords_do_not_mix_and_unknown_keywords_are_refused():
+    with pytest.raises(TypeError, match="config= and the policy keywords"):
+        wlb.WLBPacker(2, 100, COST, config=wlb.PackerConfig(), max_delay=3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_dealy'"):
+        wlb.WLBPacker(2, 100, COST, max_dealy=3)
+    with pytest.raises(ValueError, match="config must be a wlb_opt.PackerConfig"):
+        wlb.WLBPacker(2, 100, COST, config=dict(max_delay=3))
+
+
+def test_the_state_carries_the_config_and_refuses_another_on_load():
+    packer = wlb.WLBPacker(2, 100, COST, config=wlb.PackerConfig(thresholds=[50], delay_budget=0.3))
+    packer.pack([60, 5, 7])
+    state = json.loads(json.dumps(packer.state_dict()))
+    assert state["config"]["delay_budget"] == 0.3 and state["config"]["lookahead"] == 0
+    assert state["config"]["release"] == "marginal" and state["thresholds"] == [50]
+    for other in (dict(delay_budget=0.5), dict(release="group"), dict(max_delay=4)):
+        fresh = wlb.WLBPacker(2, 100, COST, config=packer.config.replace(**other))
+        name = next(iter(other))
+        with pytest.raises(ValueError, match=f"config.{name}="):
+            fresh.load_state_dict(state)
+    same = wlb.WLBPacker(2, 100, COST, config=packer.config)
+    same.load_state_dict(state)
+    assert same.state_dict() == packer.state_dict()
+
+
+def test_the_outlier_notice_is_logged_once(caplog):
+    import logging
+    import warnings
+
+    packer = wlb.WLBPacker(2, 100, COST, config=wlb.PackerConfig(thresholds=[10]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the notice is no warning
+        with caplog.at_level(logging.INFO, logger="wlb_opt"):
+            for _ in range(3):
+                packer.pack([60, 70, 5])
+    notices = [r for r in caplog.records if "tokens are in outliers" in r.getMessage()]
+    assert len(notices) == 1 and notices[0].name == "wlb_opt" and notices[0].levelno == logging.WARNING

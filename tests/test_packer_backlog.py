@@ -19,8 +19,6 @@ import wlb_opt as wlb
 from conftest import unit_cost
 
 COST = unit_cost(attn=1e-6, linear=1e-3)
-# these streams are outlier-heavy on purpose: the packer's advice to raise the thresholds is expected
-pytestmark = pytest.mark.filterwarnings("ignore:.*of the batch's tokens are in outliers:UserWarning")
 
 
 def _placed(plans) -> list[tuple[int, int, int]]:
@@ -35,7 +33,8 @@ def _placed(plans) -> list[tuple[int, int, int]]:
 def test_pack_of_nothing_progresses_after_an_outlier_is_released_into_a_full_carry():
     # An outlier released into a nearly full carry used to push the carry over the limit
     # with no new input; every later pack(), even of nothing, then raised.
-    p = wlb.WLBPacker(n_micro=1, max_tokens=4096, thresholds=[2048], max_delay=None, release="paper")
+    p = wlb.WLBPacker(n_micro=1, max_tokens=4096,
+                      config=wlb.PackerConfig(thresholds=[2048], max_delay=None, release="paper"))
     batch = [4096, 4096, 2000, 2000, 2000, 2000, 192]
     plans = [p.pack(batch)]
     while p.held_tokens:
@@ -49,8 +48,8 @@ def test_pack_of_nothing_progresses_after_an_outlier_is_released_into_a_full_car
 def test_queues_with_max_delay_none_are_bounded_by_max_backlog_tokens():
     # 3 outliers of 990 tokens per step into 2 x 1000-token micro-batches: the paper's rule
     # releases 2 per step, so the queue grows by one outlier per step until the guard says so.
-    p = wlb.WLBPacker(n_micro=2, max_tokens=1000, cost=COST, thresholds=[900], max_delay=None,
-                      max_backlog_tokens=4000)
+    p = wlb.WLBPacker(n_micro=2, max_tokens=1000, cost=COST, max_backlog_tokens=4000,
+                      config=wlb.PackerConfig(thresholds=[900], max_delay=None))
     sent, plans = [], []
     with pytest.raises(ValueError, match=r"max_backlog_tokens=4000.*set max_delay") as err:
         for step in range(2000):
@@ -68,7 +67,7 @@ def test_queues_with_max_delay_none_are_bounded_by_max_backlog_tokens():
 
 
 def test_overload_raises_once_and_the_stream_continues_with_smaller_batches():
-    p = wlb.WLBPacker(2, 100, COST, thresholds=[], max_delay=None, max_backlog_tokens=150)
+    p = wlb.WLBPacker(2, 100, COST, max_backlog_tokens=150, config=wlb.PackerConfig(thresholds=[], max_delay=None))
     p.pack([90] * 3, [0, 1, 2])
     with pytest.raises(ValueError, match="overload"):
         p.pack([90] * 3, [3, 4, 5])
@@ -77,17 +76,17 @@ def test_overload_raises_once_and_the_stream_continues_with_smaller_batches():
 
 
 def test_backlog_limit_can_be_raised_when_a_state_is_reloaded():
-    p = wlb.WLBPacker(2, 100, COST, thresholds=[], max_delay=None, max_backlog_tokens=150)
+    p = wlb.WLBPacker(2, 100, COST, max_backlog_tokens=150, config=wlb.PackerConfig(thresholds=[], max_delay=None))
     p.pack([90] * 3, [0, 1, 2])
     state = json.loads(json.dumps(p.state_dict()))
-    same = wlb.WLBPacker(2, 100, COST, thresholds=[], max_delay=None, max_backlog_tokens=150)
+    same = wlb.WLBPacker(2, 100, COST, max_backlog_tokens=150, config=wlb.PackerConfig(thresholds=[], max_delay=None))
     with pytest.raises(ValueError, match="config.max_backlog_tokens"):
-        wlb.WLBPacker(2, 100, COST, thresholds=[], max_delay=None).load_state_dict(state)
+        wlb.WLBPacker(2, 100, COST, config=wlb.PackerConfig(thresholds=[], max_delay=None)).load_state_dict(state)
     same.load_state_dict(state, max_backlog_tokens=1000)
     assert same.max_backlog_tokens == 1000 and same.state_dict()["config"]["max_backlog_tokens"] == 1000
     same.pack([90] * 3, [3, 4, 5])  # the batch that overloaded under 150 now fits
     assert same.held_tokens == 180
-    lower = wlb.WLBPacker(2, 100, COST, thresholds=[], max_delay=None, max_backlog_tokens=150)
+    lower = wlb.WLBPacker(2, 100, COST, max_backlog_tokens=150, config=wlb.PackerConfig(thresholds=[], max_delay=None))
     lower.load_state_dict(same.state_dict(), max_backlog_tokens=10)  # above the new limit: still drains
     plans = [lower.pack([])] + lower.drain()
     assert sorted(i for i, _, _ in _placed(plans)) == sorted(same.carried_ids().tolist())
@@ -96,7 +95,7 @@ def test_backlog_limit_can_be_raised_when_a_state_is_reloaded():
 
 
 def test_default_backlog_limit_counts_one_release_per_queue():
-    p = wlb.WLBPacker(2, 100, COST, dp=1, thresholds=[40, 70], max_delay=4)
+    p = wlb.WLBPacker(2, 100, COST, dp=1, config=wlb.PackerConfig(thresholds=[40, 70], max_delay=4))
     assert p.max_backlog_tokens == (2 + 2) * 2 * 100
 
 
@@ -105,8 +104,8 @@ def test_default_backlog_limit_counts_one_release_per_queue():
        release=st.sampled_from(["paper", "balance", "group", "marginal"]), limit=st.sampled_from([100, 300, 1000]))
 def test_a_rejected_step_never_blocks_the_packer(seed, max_delay, release, limit):
     rng = np.random.default_rng(seed)
-    p = wlb.WLBPacker(2, 100, COST, thresholds=[50, 80], max_delay=max_delay, release=release,
-                      max_backlog_tokens=limit)
+    p = wlb.WLBPacker(2, 100, COST, max_backlog_tokens=limit,
+                      config=wlb.PackerConfig(thresholds=[50, 80], max_delay=max_delay, release=release))
     sent, plans, next_id = [], [], 0
     for _ in range(25):
         lengths = rng.integers(1, 101, size=int(rng.integers(0, 6))).tolist()
@@ -128,7 +127,7 @@ def test_a_rejected_step_never_blocks_the_packer(seed, max_delay, release, limit
 
 # ---------------------------------------------------------------- a loaded state is checked
 def _state_with_held_pieces() -> dict:
-    p = wlb.WLBPacker(2, 100, COST, thresholds=[50], max_delay=None)
+    p = wlb.WLBPacker(2, 100, COST, config=wlb.PackerConfig(thresholds=[50], max_delay=None))
     p.pack([60, 95, 95, 45, 45, 45, 45], [0, 1, 2, 3, 4, 5, 6])
     state = json.loads(json.dumps(p.state_dict()))
     assert state["queues"][0] and state["carry"]
@@ -136,7 +135,7 @@ def _state_with_held_pieces() -> dict:
 
 
 def _fresh() -> wlb.WLBPacker:
-    return wlb.WLBPacker(2, 100, COST, thresholds=[50], max_delay=None)
+    return wlb.WLBPacker(2, 100, COST, config=wlb.PackerConfig(thresholds=[50], max_delay=None))
 
 
 def _edit(change):

@@ -174,7 +174,7 @@ def test_former_raw_exceptions_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="cost must be a wlb_opt.CostModel"):
         wlb.simulate_step(wlb.solve_pack([5], 1, 10, COST), None, "7b")
     with pytest.raises(ValueError, match="thresholds\\[0\\]"):
-        wlb.WLBPacker(2, 100, COST, thresholds=[float("inf")])
+        wlb.WLBPacker(2, 100, COST, config=wlb.PackerConfig(thresholds=[float("inf")]))
     with pytest.raises(ValueError, match="is not a file"):
         wlb.load_lengths(tmp_path)
     np.savez(tmp_path / "a.npz", x=np.arange(3))

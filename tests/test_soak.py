@@ -34,9 +34,6 @@ import pytest
 import wlb_opt as wlb
 from conftest import unit_cost
 
-# adversarial streams are outlier-heavy on purpose: the packer's advice to raise the
-# thresholds is expected here
-pytestmark = pytest.mark.filterwarnings("ignore:.*of the batch's tokens are in outliers:UserWarning")
 
 COST = unit_cost(attn=1e-6, linear=1e-3, doc_const=1e-4)
 MAX_TOKENS = 256
@@ -140,8 +137,8 @@ class Ledger:
 def run_stream(n_queues: int, max_delay, dp: int, release: str, steps: int, seed: int) -> dict:
     """One configuration's stream; returns its counts. Raises AssertionError on a violation."""
     rng = np.random.default_rng(seed)
-    kw = dict(n_micro=2, max_tokens=MAX_TOKENS, cost=COST, dp=dp, thresholds=THRESHOLDS[n_queues],
-              max_delay=max_delay, release=release, seed=seed % 1000)
+    kw = dict(n_micro=2, max_tokens=MAX_TOKENS, cost=COST, dp=dp, seed=seed % 1000,
+              config=wlb.PackerConfig(thresholds=THRESHOLDS[n_queues], max_delay=max_delay, release=release))
     packer = wlb.WLBPacker(**kw)
     stream = Stream(rng, packer.capacity_tokens, THRESHOLDS[n_queues])
     ledger = Ledger(dp * 2)

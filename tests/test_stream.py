@@ -3,7 +3,7 @@ the DataLoader-worker path, and clear errors for sources that lie about their do
 from __future__ import annotations
 
 import json
-import warnings
+import logging
 
 import numpy as np
 import pytest
@@ -11,9 +11,6 @@ import pytest
 import wlb_opt as wlb
 
 torch = pytest.importorskip("torch")
-# auto thresholds on these small long-tail streams put most tokens in outliers (pieces of documents
-# longer than a step are all outliers); the warning itself is tested below
-pytestmark = pytest.mark.filterwarnings("ignore:.*outliers:UserWarning")
 
 WINDOW, N_MICRO, MAX_TOKENS, PER_STEP = 512, 4, 512, 1536
 
@@ -34,7 +31,7 @@ def long_tail(n_docs: int, seed: int = 0) -> list[int]:
 def make_stream(docs, cp: int = 2, lookahead: int = 0):
     cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), wlb.ParallelSpec(cp=cp),
                                   wlb.HardwareSpec.preset("cpu"))
-    packer = wlb.WLBPacker(N_MICRO, MAX_TOKENS, cost, max_delay=4, lookahead=lookahead)
+    packer = wlb.WLBPacker(N_MICRO, MAX_TOKENS, cost, config=wlb.PackerConfig(max_delay=4, lookahead=lookahead))
     return wlb.WLBStream(docs, packer, PER_STEP, window=WINDOW)
 
 
@@ -57,11 +54,9 @@ def long_run():
     lengths = long_tail(10_000)
     stream = make_stream(pairs(lengths))
     steps, bounds = [], []
-    with warnings.catch_warnings():  # pieces of documents larger than a step are all outliers
-        warnings.simplefilter("ignore", UserWarning)
-        for step in stream:
-            steps.append(step)
-            bounds.append((stream.cached_tokens, stream.held_tokens + PER_STEP + WINDOW))
+    for step in stream:
+        steps.append(step)
+        bounds.append((stream.cached_tokens, stream.held_tokens + PER_STEP + WINDOW))
     return lengths, steps, bounds
 
 
@@ -186,7 +181,8 @@ def test_from_dataset_reads_tokens_only_for_the_micro_batches_asked():
 
     ds = Dataset()
     cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), wlb.ParallelSpec(cp=2), wlb.HardwareSpec.preset("cpu"))
-    stream = wlb.WLBStream.from_dataset(ds, wlb.WLBPacker(N_MICRO, MAX_TOKENS, cost, max_delay=4), PER_STEP,
+    stream = wlb.WLBStream.from_dataset(ds, wlb.WLBPacker(N_MICRO, MAX_TOKENS, cost,
+                                                          config=wlb.PackerConfig(max_delay=4)), PER_STEP,
                                         window=WINDOW)
     steps = list(stream)
     assert ds.reads == 0 and stream.cached_tokens == 0  # planned from the lengths alone
@@ -204,7 +200,8 @@ def test_a_dataset_that_returns_the_wrong_length_names_the_document():
     lengths = [30, 40, 50]
     ds = [doc_tokens(i, n) for i, n in enumerate(lengths)]
     ds[1] = ds[1][:-3]
-    stream = wlb.WLBStream.from_dataset(ds, wlb.WLBPacker(2, 64, thresholds=[]), 100, lengths=lengths)
+    packer = wlb.WLBPacker(2, 64, config=wlb.PackerConfig(thresholds=[]))
+    stream = wlb.WLBStream.from_dataset(ds, packer, 100, lengths=lengths)
     with pytest.raises(ValueError, match=r"document 1: the dataset returned 37 tokens, but its length is 40"):
         for step in stream:
             for j in range(len(step.plan.micro_batches)):
@@ -230,7 +227,7 @@ def test_train_step_data_that_returns_too_few_tokens_names_the_document():
     (lambda p: wlb.WLBStream.from_dataset([[1], [2]], p, 100, lengths=[1]), "lengths has 1 entries"),
 ])
 def test_bad_stream_arguments_are_clear_errors(make, match):
-    packer = wlb.WLBPacker(2, 64, thresholds=[])
+    packer = wlb.WLBPacker(2, 64, config=wlb.PackerConfig(thresholds=[]))
     with pytest.raises(ValueError, match=match):
         make(packer)
 
@@ -245,7 +242,7 @@ def test_bad_stream_arguments_are_clear_errors(make, match):
     ([(3, [1, 2]), (3, [4, 5])], "already held|repeated"),
 ])
 def test_bad_documents_are_clear_errors(docs, match):
-    stream = wlb.WLBStream(docs, wlb.WLBPacker(2, 64, thresholds=[], max_delay=1), 100)
+    stream = wlb.WLBStream(docs, wlb.WLBPacker(2, 64, config=wlb.PackerConfig(thresholds=[], max_delay=1)), 100)
     with pytest.raises(ValueError, match=match):
         list(stream)
 
@@ -253,8 +250,8 @@ def test_bad_documents_are_clear_errors(docs, match):
 def test_loss_masks_travel_with_their_pieces():
     tokens = np.arange(20)
     mask = np.arange(20) >= 5
-    stream = wlb.WLBStream([(0, tokens, mask), (1, np.arange(8))], wlb.WLBPacker(2, 16, thresholds=[]), 32,
-                           window=16, cp=1)
+    packer = wlb.WLBPacker(2, 16, config=wlb.PackerConfig(thresholds=[]))
+    stream = wlb.WLBStream([(0, tokens, mask), (1, np.arange(8))], packer, 32, window=16, cp=1)
     steps = list(stream)
     assert sum(s.target_tokens for s in steps) == 11 + 3 + 7  # piece [0,16): targets 5..15; [16,20): 3; doc 1: 7
     labels = torch.cat([s.inputs(j)["labels"] for s in steps for j in range(len(s.plan.micro_batches))])
@@ -273,10 +270,9 @@ def test_resume_needs_a_re_iterable_source_and_matching_settings():
         other.load_state_dict(state)
 
 
-def test_bare_half_window_thresholds_warn_once():
-    packer = wlb.WLBPacker(4, 512, thresholds=[256], max_delay=2)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+def test_bare_half_window_thresholds_log_a_notice_once(caplog):
+    packer = wlb.WLBPacker(4, 512, config=wlb.PackerConfig(thresholds=[256], max_delay=2))
+    with caplog.at_level(logging.INFO, logger="wlb_opt"):
         packer.pack([300, 300, 300, 20])
         packer.pack([300, 300, 300, 20])
-    assert sum("outliers" in str(w.message) for w in caught) == 1
+    assert sum("outliers" in r.getMessage() for r in caplog.records if r.name == "wlb_opt") == 1

@@ -19,8 +19,6 @@ import wlb_opt as wlb
 from wlb_opt.stream import cache_bound
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.filterwarnings("ignore:.*outliers:UserWarning")
-
 
 
 def cost_for(dp: int = 1):
@@ -35,8 +33,9 @@ def doc_tokens(doc_id: int, length: int) -> np.ndarray:
     return (doc_id * 7919 + np.arange(length, dtype=np.int64)) % 50_021
 
 
-def make(docs, *, lookahead=0, n_micro=2, max_tokens=256, per_step=384, dp=1, max_delay=3, window=None, **kw):
-    packer = wlb.WLBPacker(n_micro, max_tokens, cost_for(dp), dp=dp, max_delay=max_delay, lookahead=lookahead, **kw)
+def make(docs, *, lookahead=0, n_micro=2, max_tokens=256, per_step=384, dp=1, max_delay=3, window=None, **policy):
+    packer = wlb.WLBPacker(n_micro, max_tokens, cost_for(dp), dp=dp,
+                           config=wlb.PackerConfig(max_delay=max_delay, lookahead=lookahead, **policy))
     return wlb.WLBStream(docs, packer, per_step, window=window)
 
 
@@ -200,7 +199,7 @@ def capacity_run(lookahead: int, n_steps: int) -> None:
 
     lengths = sample_documents(6 * n_steps, "default", seed=17 + lookahead)
     docs = ((i, np.full(int(n), i % 1000, dtype=np.int64)) for i, n in enumerate(lengths))
-    packer = wlb.WLBPacker(4, 1024, COST, lookahead=lookahead)
+    packer = wlb.WLBPacker(4, 1024, COST, config=wlb.PackerConfig(lookahead=lookahead))
     stream = wlb.WLBStream(list(docs), packer, packer.capacity_tokens)
     for n, step in enumerate(stream):
         assert stream.cached_tokens <= cache_bound(stream), (lookahead, step.index)
@@ -297,7 +296,7 @@ def test_a_dataset_with_lengths_is_checked_at_load():
             return doc_tokens(i, int(self.lengths[i]))
 
     def stream(data):
-        return wlb.WLBStream.from_dataset(data, wlb.WLBPacker(2, 256, COST, max_delay=3), 384)
+        return wlb.WLBStream.from_dataset(data, wlb.WLBPacker(2, 256, COST, config=wlb.PackerConfig(max_delay=3)), 384)
 
     steps = list(stream(Data(lengths)))
     state = json.loads(json.dumps(steps[4].state))
@@ -362,7 +361,7 @@ def test_document_ids_outside_int64_are_refused_by_name():
 
 
 def test_the_packer_state_checks_its_id_record():
-    packer = wlb.WLBPacker(2, 64, COST, max_delay=3, lookahead=1)
+    packer = wlb.WLBPacker(2, 64, COST, config=wlb.PackerConfig(max_delay=3, lookahead=1))
     packer.pack([10, 20], [5, 9])
     state = json.loads(json.dumps(packer.state_dict()))
     assert state["max_id"] == 9 and state["next_auto_id"] == 10
@@ -371,16 +370,16 @@ def test_the_packer_state_checks_its_id_record():
                           ({"max_id": None}, "max_id is null")]:
         bad = {**state, **change}
         with pytest.raises(ValueError, match=match):
-            wlb.WLBPacker(2, 64, COST, max_delay=3, lookahead=1).load_state_dict(bad)
+            wlb.WLBPacker(2, 64, COST, config=wlb.PackerConfig(max_delay=3, lookahead=1)).load_state_dict(bad)
     bad = json.loads(json.dumps(state))
     bad["lookahead_buffer"][0][0][2] = 65  # a buffered piece longer than max_tokens: refused at load
     with pytest.raises(ValueError, match="65 tokens > max_tokens=64"):
-        wlb.WLBPacker(2, 64, COST, max_delay=3, lookahead=1).load_state_dict(bad)
+        wlb.WLBPacker(2, 64, COST, config=wlb.PackerConfig(max_delay=3, lookahead=1)).load_state_dict(bad)
     bad["lookahead_buffer"][0].append(list(bad["lookahead_buffer"][0][0]))
     bad["lookahead_buffer"][0][0][2] = 10
     bad["lookahead_buffer"][0][1][2] = 10
     with pytest.raises(ValueError, match="twice"):
-        wlb.WLBPacker(2, 64, COST, max_delay=3, lookahead=1).load_state_dict(bad)
+        wlb.WLBPacker(2, 64, COST, config=wlb.PackerConfig(max_delay=3, lookahead=1)).load_state_dict(bad)
 
 
 @pytest.mark.parametrize("lookahead", [0, 2])
@@ -409,7 +408,7 @@ LENGTHS = [30, 500, 20, 90, 100, 110, 15, 70, 200, 5] * 4
 
 
 def lengths_stream():
-    packer = wlb.WLBPacker(2, 128, COST, max_delay=3, lookahead=1, thresholds=[80])
+    packer = wlb.WLBPacker(2, 128, COST, config=wlb.PackerConfig(max_delay=3, lookahead=1, thresholds=[80]))
     return wlb.WLBStream.from_dataset(LengthsData(LENGTHS), packer, 200, window=128)
 
 

@@ -31,6 +31,7 @@ _EXPORTS = {
     "solve_pack": "pack",
     "PACK_METHODS": "pack",
     "WLBPacker": "packer",
+    "PackerConfig": "packer",
     "WLBStream": "stream",
     "Step": "stream",
     "solve_shard": "shard",

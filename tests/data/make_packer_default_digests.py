@@ -1,5 +1,5 @@
 """Builds tests/data/packer_default_digests.json: the plans of the no-tuning defaults
-(`WLBPacker(4, int(1.25 * W), cost)` with no policy given) at lookahead 0, 2 and 4, on the
+(`WLBPacker(4, int(1.25 * W), cost)` with no policy but the lookahead given) at lookahead 0, 2 and 4, on the
 streams of make_packer_k0_digests.py (same cost, window, batches). Run it from the
 repository root: `PYTHONPATH=. python tests/data/make_packer_default_digests.py >
 tests/data/packer_default_digests.json`. Each entry: plan.digest() / plan.step /
@@ -9,7 +9,7 @@ import json
 
 import wlb_opt as wlb
 from wlb_opt.data import DEFAULT_SEED, global_batches
-from wlb_opt.packer import WLBPacker
+from wlb_opt.packer import PackerConfig, WLBPacker
 
 cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=1),
                               wlb.HardwareSpec.preset("h100"))
@@ -19,7 +19,7 @@ out = {}
 for dist in ("default", "real"):
     batches = global_batches(dist, W, 4 * W, 40, seed=DEFAULT_SEED + 5)
     for k in LOOKAHEADS:
-        p = WLBPacker(4, int(1.25 * W), cost, lookahead=k)
+        p = WLBPacker(4, int(1.25 * W), cost, config=PackerConfig(lookahead=k))
         plans = [p.pack(*b) for b in batches] + p.drain()
         digests = [pl.digest() + f"/{pl.step}/" + hashlib.sha256(pl.arrival_step.tobytes()).hexdigest()[:16]
                    for pl in plans if pl is not None]

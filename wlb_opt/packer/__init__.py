@@ -9,22 +9,26 @@ then packs the carried documents first and the rest longest-first.
 
 What the paper leaves open is settled in the module that owns each rule:
 
+- config.py: `PackerConfig`, the policy (thresholds, queues, release, max_delay, tolerance,
+  delay budget, method, lookahead), validated once, and its presets `paper` and `legacy`.
 - packer.py: the `WLBPacker` class and one step (queue, release, pack, deal to DP
   replicas by modelled 1F1B time, commit); overload (`max_backlog_tokens`), `drain()`,
   the identity of a piece (id, offset), `plan.step` and `plan.arrival_step`.
 - release.py: when held outliers leave: the paper's rule, `max_delay`, and the policies
-  beyond the paper, `release="balance"`, `release="group"` and `release="marginal"` (the
-  default; defaults.py says why).
+  beyond the paper, `release="balance"`, `release="group"` and `release="marginal"`.
+- defaults.py: the no-tuning defaults ("marginal", "group" with lookahead) and the feedback
+  rule of balance_tolerance="auto"; docs/tuning.md says how they were chosen.
 - calibrate.py: `calibrate(sample)` and `thresholds="auto"`: thresholds chosen by running
   the packer on a bootstrap stream (the paper chose them by hand).
 - state.py: the typed held-piece record `HeldPiece` and the JSON `state_dict()`; a resumed
   run emits the same plans.
 - stats.py: `stats()`: delay and balance of the stream so far; `per_step_imbalance`.
 """
-from .packer import PackerMethod, WLBPacker
+from .config import PackerConfig, PackerMethod
+from .packer import WLBPacker
 from .release import RELEASE_POLICIES, ReleaseName
 from .state import STATE_VERSION, HeldPiece
 from .stats import per_step_imbalance
 
-__all__ = ["WLBPacker", "per_step_imbalance", "HeldPiece", "RELEASE_POLICIES", "STATE_VERSION", "PackerMethod",
+__all__ = ["WLBPacker", "PackerConfig", "per_step_imbalance", "HeldPiece", "RELEASE_POLICIES", "STATE_VERSION", "PackerMethod",
            "ReleaseName"]

@@ -2,7 +2,7 @@
 
 Every real data loader prefetches. With K > 0, `pack(batch s)` takes step s's global batch
 and returns the plan of step s - K (None while the first K batches arrive); `drain()`
-returns the rest. The rules (beyond the paper, issue 16):
+returns the rest. The rules (beyond the paper):
 
 - an outlier (length >= L1) joins its queue when its batch arrives, with its arrival step,
   so the queues of step t = s - K already hold the outliers of batches t+1..s. Every

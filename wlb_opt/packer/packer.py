@@ -39,38 +39,60 @@ Plans are frozen: each step's plan is built once, from `solve_pack`'s, with `pla
 from __future__ import annotations
 
 import dataclasses
-import math
+import logging
 import time
 import warnings
 from bisect import bisect_right
 from collections import deque
 from itertools import chain
-from typing import Literal, Sequence
+from typing import Literal
 
 import numpy as np
 
-from .._validate import (INT64_MAX, check_choice, check_int, check_max_tokens, check_unique_pieces, validate_ids,
-                         validate_lengths, validate_offsets)
+from .._validate import (INT64_MAX, check_int, check_max_tokens, check_unique_pieces, validate_ids, validate_lengths,
+                         validate_offsets)
 from ..cost import CostModel, default_cost
 from ..cost_memory import resolve_max_tokens
-from ..pack import get_method, solve_pack
+from ..pack import solve_pack
 from ..plan import PackPlan
 from ..solvers.deal import deal_to_replicas
 from .calibrate import CALIBRATION_BUDGET, calibrate_thresholds, candidate_thresholds
-from .defaults import (DEFAULT_CUTOFF_SHARE, DEFAULT_MAX_DELAY, MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, TARGET_SHARE,
-                       TOLERANCE_HIGH, TOLERANCE_LOW, adaptive_tolerance, running_displacement)
+from .config import PackerConfig, PackerMethod, queue_thresholds
+from .defaults import (MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, TARGET_SHARE, TOLERANCE_HIGH, TOLERANCE_LOW,
+                       adaptive_tolerance, running_displacement)
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
-from .release import RELEASE_POLICIES, DrainRelease, ReleaseName, ReleasePolicy, make_release_policy
-from .state import (HeldPiece, check_ids_issued, check_thresholds, cost_fingerprint, decode_state, encode_state,
-                    held_keys, held_tokens)
+from .release import DrainRelease, ReleasePolicy, make_release_policy
+from .state import (HeldPiece, check_ids_issued, cost_fingerprint, decode_state, encode_state, held_keys,
+                    held_tokens)
 from .stats import StreamStats
 
-PackerMethod = Literal["wlb", "wlb_ls", "fixed", "cpsat", "milp"]
-"""`solve_pack` methods that keep pieces whole (the packer tracks pieces across steps)."""
+_log = logging.getLogger("wlb_opt")
+
+_POLICY_KEYWORDS = tuple(field.name for field in dataclasses.fields(PackerConfig))
+"""The policy keywords `WLBPacker` still accepts, deprecated, in place of `config=`."""
 
 # Rounds of 1F1B-priced pairwise swaps when dealing micro-batches to replicas.
 _DEAL_PASSES = 50
+
+
+def _config_from_keywords(config: PackerConfig | None, policy: dict) -> PackerConfig:
+    """The packer's config: `config`, or one built from the deprecated policy keywords
+    (`WLBPacker(..., thresholds=..., max_delay=...)`), with a DeprecationWarning."""
+    unknown = sorted(set(policy) - set(_POLICY_KEYWORDS))
+    if unknown:
+        raise TypeError(f"WLBPacker() got an unexpected keyword argument {unknown[0]!r}")
+    if config is not None and not isinstance(config, PackerConfig):
+        raise ValueError(f"config must be a wlb_opt.PackerConfig, got {type(config).__name__}")
+    if not policy:
+        return config if config is not None else PackerConfig()
+    if config is not None:
+        raise TypeError(f"WLBPacker got config= and the policy keywords {sorted(policy)}; put them in the "
+                        "config: config=PackerConfig(...) or config.replace(...)")
+    given = ", ".join(f"{name}={policy[name]!r}" for name in _POLICY_KEYWORDS if name in policy)
+    warnings.warn(f"WLBPacker's policy keywords are deprecated and will be removed: pass "
+                  f"config=wlb_opt.PackerConfig({given}) instead", DeprecationWarning, stacklevel=3)
+    return PackerConfig(**policy)
 
 
 class WLBPacker:
@@ -85,56 +107,26 @@ class WLBPacker:
         cost: the cost model that weighs documents (default: `default_cost()`).
         dp: data-parallel replicas; dp x n_micro micro-batches are packed jointly (None: the
             cost model's `parallel.dp`, 1 without a layout; a disagreeing value raises).
-        thresholds: None (default: one queue of the pieces >= 0.3 x max_tokens, see
-            `wlb_opt.packer.defaults`), "auto" (calibrate on the first global batch), or
-            increasing positive lengths [L1, L2, ...], one queue each (an empty list disables
-            the queues).
-        n_queues: number of queues for "auto" / `calibrate` (default 2); with explicit
-            thresholds it must be None or len(thresholds) (None or 1 with thresholds=None).
-        max_delay: the most steps a document may wait (>= 1; default 16), or None
-            (paper-faithful: a queue waits until it holds dp x n_micro documents).
+        config: the policy (`PackerConfig`: thresholds, queues, release, max_delay, tolerance,
+            delay budget, method, lookahead); default `PackerConfig()`, the no-tuning defaults.
+            Its rules that depend on this layout (thresholds <= max_tokens) are checked here.
         seed: seeds the calibration's bootstrap stream (planning is otherwise deterministic).
+        pp: pipeline stages for the DP refinement's 1F1B model (None: the cost model's
+            `parallel.pp`, 1 without a layout; a disagreeing value raises).
         max_backlog_tokens: held tokens (queued + carried) above which `pack` raises (default
             (2 + n_queues) x dp x n_micro x max_tokens: two steps' capacity of carry plus one
             full release per queue; a batch with more tokens than one step's capacity may
             exceed the default by that excess, since a long document cut into pieces arrives
             whole; an explicit limit is strict).
-        pp: pipeline stages for the DP refinement's 1F1B model (None: the cost model's
-            `parallel.pp`, 1 without a layout; a disagreeing value raises).
-        delay_budget: calibration's limit on delay per token, in steps (default 0.5, paper §3.2).
-        method: the `solve_pack` method that packs each step: "wlb" (Algorithm 1, default)
-            or any deterministic heuristic that honours `carried` (e.g. "wlb_ls").
-        release: None (default): "marginal" with lookahead=0, "group" with lookahead > 0
-            (`wlb_opt.packer.defaults`); or "marginal" (beyond the paper: one pool of
-            outliers; a group of similar ones, or a single one, leaves when the imbalance it
-            adds to the step is worth the tokens it stops holding, at a price set by
-            `balance_tolerance`),
-            "group" (the same pool; groups leave, most tokens first, as soon as the step
-            stays within `balance_tolerance`, even if short documents move to the next step), "paper"
-            (a queue leaves only when full, or at max_delay), or "balance" (beyond the
-            paper: also take held outliers, FIFO heads, into a step whenever the step's
-            predicted imbalance stays within `balance_tolerance`). See
-            `wlb_opt.packer.release`.
-        balance_tolerance: the predicted max / mean load a "balance", "group" or "marginal" step
-            may reach by taking outliers early ("marginal" also prices a step's capacity at
-            `MARGINAL_PRICE` x (tolerance - 1) imbalance): a number >= 1.0, or "auto" (default: set each step from
-            the stream's displacement so far against `delay_budget`; see
-            `wlb_opt.packer.defaults`). The defaults before issue 16 were
-            thresholds="auto", n_queues=2, max_delay=8, release="paper", balance_tolerance=1.02.
-        lookahead: global batches the packer sees ahead (K >= 0, default 0: the paper's
-            behaviour). With K > 0, `pack(batch s)` returns the plan of step s - K, or None
-            while the first K batches arrive, and outliers may be trained up to K steps
-            early (see `wlb_opt.packer.lookahead`).
         memory_bytes: bytes of memory per GPU, read with max_tokens="auto" only.
+        **policy: deprecated: the fields of `PackerConfig` as keywords (`thresholds=`,
+            `max_delay=`, ...), accepted with a DeprecationWarning; not together with `config`.
     """
 
     def __init__(self, n_micro: int, max_tokens: int | Literal["auto"], cost: CostModel | None = None,
-                 dp: int | None = None,
-                 thresholds: Sequence[int] | Literal["auto"] | None = None, n_queues: int | None = None,
-                 max_delay: int | None = DEFAULT_MAX_DELAY, seed: int = 0, *, max_backlog_tokens: int | None = None,
-                 pp: int | None = None, delay_budget: float = 0.5, method: PackerMethod = "wlb",
-                 release: ReleaseName | None = None, balance_tolerance: float | Literal["auto"] = "auto",
-                 lookahead: int = 0, memory_bytes: float | None = None):
+                 dp: int | None = None, *, config: PackerConfig | None = None, seed: int = 0, pp: int | None = None,
+                 max_backlog_tokens: int | None = None, memory_bytes: float | None = None, **policy):
+        self.config = _config_from_keywords(config, policy)
         self.n_micro = check_int("n_micro", n_micro, 1)
         self.cost = cost if cost is not None else default_cost()
         if not isinstance(self.cost, CostModel):
@@ -142,56 +134,13 @@ class WLBPacker:
         # "auto": the largest max_tokens whose worst case fits in memory_bytes (cost_memory.py)
         self.max_tokens = check_max_tokens(resolve_max_tokens(max_tokens, self.cost, memory_bytes))
         self.dp = self.cost.degree("dp", dp)
-        self.max_delay = None if max_delay is None else check_int("max_delay", max_delay, 1)
         self.seed = check_int("seed", seed, 0)
         self.pp = self.cost.degree("pp", pp)
-        if not (isinstance(delay_budget, (int, float)) and not isinstance(delay_budget, bool) and delay_budget >= 0
-                and math.isfinite(delay_budget)):
-            raise ValueError(f"delay_budget must be a finite number of steps >= 0, got {delay_budget!r}")
-        self.delay_budget = float(delay_budget)
-        self.method = self._check_method(method)
-        lookahead = check_int("lookahead", lookahead, 0)
-        if release is None:  # the default (defaults.py): "group" holds the budget when pieces may leave early
-            release = "marginal" if lookahead == 0 else "group"
-        self.release = check_choice("release", release, RELEASE_POLICIES)
-        if balance_tolerance == "auto" and isinstance(balance_tolerance, str):
-            self.balance_tolerance: float | str = "auto"
-        elif not (isinstance(balance_tolerance, (int, float)) and not isinstance(balance_tolerance, bool)
-                  and math.isfinite(balance_tolerance) and balance_tolerance >= 1.0):
-            raise ValueError(f"balance_tolerance must be 'auto' or a finite imbalance >= 1.0 (max / mean), "
-                             f"got {balance_tolerance!r}")
-        else:
-            self.balance_tolerance = float(balance_tolerance)
-        self.lookahead = check_int("lookahead", lookahead, 0)
-        default_pool = thresholds is None
-        if thresholds is None:  # the no-tuning default (defaults.py)
-            if n_queues not in (None, 1):
-                raise ValueError(f"n_queues={n_queues!r} does not match thresholds=None (one queue of pieces >= "
-                                 f"{DEFAULT_CUTOFF_SHARE} x max_tokens); pass n_queues=None or 1")
-            thresholds = [max(1, int(DEFAULT_CUTOFF_SHARE * self.max_tokens))]
-        if isinstance(thresholds, str):
-            if thresholds != "auto":
-                raise ValueError(f"thresholds must be 'auto' or an increasing list of positive lengths, "
-                                 f"got {thresholds!r}")
-            self.n_queues = 2 if n_queues is None else check_int("n_queues", n_queues, 1)
-            self.thresholds: list[int] | None = None
-        else:
-            # no piece is longer than max_tokens: a queue above it would never hold anything (checked
-            # first too, for an integer too large for check_thresholds' float test)
-            above = [v for v in (thresholds if isinstance(thresholds, (list, tuple)) else ())
-                     if isinstance(v, int) and not isinstance(v, bool) and v > self.max_tokens]
-            self.thresholds = list(thresholds) if above else check_thresholds(thresholds)
-            if above or (self.thresholds and self.thresholds[-1] > self.max_tokens):
-                raise ValueError(f"thresholds {self.thresholds} must be <= max_tokens={self.max_tokens} (pieces are "
-                                 f"at most max_tokens long, so a queue above it stays empty)")
-            if n_queues is not None and n_queues != len(self.thresholds):
-                raise ValueError(f"n_queues={n_queues!r} does not match the {len(self.thresholds)} thresholds "
-                                 f"{self.thresholds}; pass n_queues=None or {len(self.thresholds)}")
-            self.n_queues = len(self.thresholds)
+        self.thresholds, self.n_queues = queue_thresholds(self.config, self.max_tokens)
         self._auto = self.thresholds is None
-        # The warning advises other thresholds; the default pool is meant to hold a majority of
-        # outliers when the data has them (e.g. prose: 71% of tokens in pieces >= 49152).
-        self._warned_outliers = default_pool
+        # The notice advises other thresholds; the default pool is meant to hold a majority of
+        # outliers when the data has them (docs/tuning.md: prose).
+        self._warned_outliers = self.config.thresholds is None
         self._fingerprint = cost_fingerprint(self.cost)
         # With the default limit a batch may exceed it by its own tokens beyond one step's
         # capacity (a long document arrives whole; see `pack`); an explicit limit is strict.
@@ -202,6 +151,32 @@ class WLBPacker:
         else:
             self._set_backlog_limit(check_int("max_backlog_tokens", max_backlog_tokens, 0))
         self._reset_stream()
+
+    # ------------------------------------------------------------------ policy (PackerConfig)
+    @property
+    def release(self) -> str:
+        """The release policy this packer runs (`PackerConfig.resolved_release`)."""
+        return self.config.resolved_release
+
+    @property
+    def max_delay(self) -> int | None:
+        return self.config.max_delay
+
+    @property
+    def balance_tolerance(self) -> float | str:
+        return self.config.balance_tolerance
+
+    @property
+    def delay_budget(self) -> float:
+        return self.config.delay_budget
+
+    @property
+    def method(self) -> str:
+        return self.config.method
+
+    @property
+    def lookahead(self) -> int:
+        return self.config.lookahead
 
     def _set_backlog_limit(self, max_backlog_tokens: int, carry_limit: int | None = None) -> None:
         """Adopt the backlog limit and build the release policies; `carry_limit` (default:
@@ -216,19 +191,6 @@ class WLBPacker:
             marginal = dict(price=MARGINAL_PRICE, capacity_tokens=self.capacity_tokens)
         self._release: ReleasePolicy = make_release_policy(self.release, **rules, **marginal)
         self._drain_release: ReleasePolicy = DrainRelease(**rules)
-
-    @staticmethod
-    def _check_method(method) -> str:
-        if not isinstance(method, str):
-            raise ValueError(f"method must be a solve_pack method name, got {method!r}")
-        get_method(method)  # ValueError naming the valid methods
-        if method == "original":
-            # Plain-4D cuts documents at sequence boundaries; the packer tracks whole pieces
-            # (queues, carry, arrival steps), so it only runs methods that keep pieces whole.
-            raise ValueError("WLBPacker cannot run method='original' (it cuts documents at sequence "
-                             "boundaries); use solve_pack(..., method='original') per global batch, or a "
-                             "method that keeps pieces whole: 'wlb', 'wlb_ls', 'fixed', 'cpsat', 'milp'")
-        return method
 
     # ------------------------------------------------------------------ state
     def _reset_stream(self) -> None:
@@ -253,10 +215,13 @@ class WLBPacker:
         return self.dp * self.n_micro * self.max_tokens
 
     def _config(self) -> dict:
+        """The state's config section: the layout, the limits and the policy (the thresholds
+        are a field of their own, with whether they were calibrated)."""
         return dict(n_micro=self.n_micro, max_tokens=self.max_tokens, dp=self.dp, n_queues=self.n_queues,
                     max_delay=self.max_delay, seed=self.seed, max_backlog_tokens=self.max_backlog_tokens,
                     pp=self.pp, method=self.method, release=self.release,
-                    balance_tolerance=self.balance_tolerance, cost_fingerprint=self._fingerprint)
+                    balance_tolerance=self.balance_tolerance, delay_budget=self.delay_budget,
+                    lookahead=self.lookahead, cost_fingerprint=self._fingerprint)
 
     @property
     def held_tokens(self) -> int:
@@ -388,7 +353,7 @@ class WLBPacker:
         if self._auto and self.thresholds is None and len(lengths):
             before = (self.thresholds, self.n_queues, self._queues, self._calibration)
             self.calibrate(lengths)  # on the first non-empty global batch
-        self._warn_if_mostly_outliers(lengths)
+        self._notice_if_mostly_outliers(lengths)
         step = self._step
         arrival = self.arrival_step
         entries = [HeldPiece(*piece) for piece in zip(ids.tolist(), offsets.tolist(), lengths.tolist(),
@@ -461,18 +426,19 @@ class WLBPacker:
         in_plan = int(plan.lengths[plan.arrival_step == step].sum()) if len(plan.lengths) else 0
         return in_plan + sum(piece.length for q in queues for piece in q if piece.arrival == step)
 
-    def _warn_if_mostly_outliers(self, lengths: np.ndarray) -> None:
-        """Warn once when more than half of a batch's tokens are outliers: the thresholds are
-        then too low for the data (e.g. a bare window // 2), and most tokens would wait. Not
-        with the default pool (thresholds=None), which suits such data."""
+    def _notice_if_mostly_outliers(self, lengths: np.ndarray) -> None:
+        """Log once (logger "wlb_opt", WARNING) when more than half of a batch's tokens are
+        outliers: the thresholds are then too low for the data (e.g. a bare window // 2), and
+        most tokens would wait. Not with the default pool (thresholds=None), which suits such
+        data."""
         if self._warned_outliers or not self.thresholds or not len(lengths):
             return
         share = float(lengths[lengths >= self.thresholds[0]].sum()) / float(lengths.sum())
         if share > 0.5:
             self._warned_outliers = True
-            warnings.warn(f"step {self._step}: {share:.0%} of the batch's tokens are in outliers (length >= "
-                          f"{self.thresholds[0]}, thresholds {self.thresholds}), so most tokens wait in queues; "
-                          "use thresholds='auto' or higher thresholds", stacklevel=3)
+            _log.warning("step %d: %.0f%% of the batch's tokens are in outliers (length >= %d, thresholds %s), so "
+                         "most tokens wait in queues; use thresholds='auto' or higher thresholds",
+                         self._step, 100 * share, self.thresholds[0], self.thresholds)
 
     def drain(self) -> list[PackPlan]:
         """End of data: plan the batches seen ahead (their steps, by the release policy),
@@ -550,10 +516,9 @@ class WLBPacker:
 
     def _trial(self, thresholds: list[int]) -> "WLBPacker":
         """A fresh packer configured like this one, with explicit `thresholds` (calibration)."""
-        trial = WLBPacker(self.n_micro, self.max_tokens, self.cost, self.dp, thresholds, max_delay=self.max_delay,
-                          seed=self.seed, max_backlog_tokens=self.max_backlog_tokens, pp=self.pp,
-                          delay_budget=self.delay_budget, method=self.method, release=self.release,
-                          balance_tolerance=self.balance_tolerance, lookahead=self.lookahead)
+        config = self.config.replace(thresholds=thresholds, n_queues=None, release=self.release)
+        trial = WLBPacker(self.n_micro, self.max_tokens, self.cost, self.dp, config=config, seed=self.seed,
+                          max_backlog_tokens=self.max_backlog_tokens, pp=self.pp)
         trial._warned_outliers = True  # trying low thresholds is calibration's job, not a user's mistake
         return trial
 
@@ -569,7 +534,6 @@ class WLBPacker:
         state = encode_state(config=self._config(), auto=self._auto, thresholds=self.thresholds, step=self._step,
                              next_auto_id=self._next_auto_id, max_id=self._max_id, queues=self._queues, carry=self._carry,
                              calibration=self._calibration, stats=self._stats)
-        state["config"]["lookahead"] = self.lookahead  # lookahead.py: the buffer of batches seen ahead
         state[LOOKAHEAD_STATE_KEY] = self._ahead.to_json()
         return state
 

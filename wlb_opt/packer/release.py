@@ -5,7 +5,10 @@ L_i <= d < L_{i+1}; the last queue is open above). Each step a policy decides wh
 outliers join the step's fresh documents and the carried ones, and packs them through the
 packer's `solve` callback (Algorithm 1 by default: carried first, the rest longest first).
 
-- "paper" (default, paper §3.2 / Algorithm 1): a queue that holds dp x n_micro outliers
+The default is "marginal" with lookahead 0 and "group" with lookahead > 0
+(`PackerConfig.resolved_release`; defaults.py says why).
+
+- "paper" (paper §3.2 / Algorithm 1; `PackerConfig.paper`): a queue that holds dp x n_micro outliers
   releases exactly that many, FIFO, once per step, so that every micro-batch gets one
   outlier of similar length.
 - `max_delay=K` (every policy): a queue whose head has waited K steps is released even if
@@ -32,16 +35,9 @@ packer's `solve` callback (Algorithm 1 by default: carried first, the rest longe
   Candidates whose imbalance is surely above the limit (the group's heaviest piece against
   the largest possible mean load) are not packed at all: the same plans, about half the
   planning time. Tolerance ~1.3 (fwd + bwd loads) suits the default stream.
-- "marginal" (default since issue 16's second round; beyond the paper): the pool and the
-  candidates of "group", chosen at the margin. A group is worth the tokens it stops holding
-  and costs the imbalance it adds: the step takes the group with the lowest score
-  (imbalance with it - imbalance without it - lambda x its tokens / a step's capacity,
-  lambda = `MARGINAL_PRICE` x (tolerance - 1)) while the score is <= 0; the most promising
-  rejected group is also tried with a second one (three windows and the mediums that fill the
-  fourth micro-batch). Carried pieces that are not at their deadline are packed with the rest,
-  longest first, not first (carried short documents spread over every micro-batch leave no
-  room for a window). Last, the step may defer the longest fresh or carried piece of its
-  heaviest micro-batch, at the same price (`MarginalRelease._trim`). See `MarginalRelease`.
+- "marginal" (beyond the paper): the pool and the candidates of "group", chosen at the
+  margin: a group leaves while the imbalance it adds is worth the tokens it stops holding.
+  `MarginalRelease` states the rule (score, price, pairs, carried pieces, trim).
 - `drain()` (end of data) releases every queue whatever the policy (`DrainRelease`).
 - lookahead (`WLBPacker(..., lookahead=K)`, lookahead.py): the queues also hold outliers that
   arrive up to K steps later. A group (a full queue's dp x n_micro, a "balance" or "group"
@@ -110,8 +106,7 @@ def displacement_relief(group, step: int) -> int:
     its lead, (arrival - step) x tokens. Without lookahead this is the group's tokens. With
     lookahead, ranking groups by tokens took early pieces as readily as waiting ones, and
     the displacement feedback (which raises the tolerance when the stream is over its
-    target) then released still more early ones (issue 16, prose calibration seeds, K = 4:
-    0.79 displacement per token against a target of 0.45; ranked by relief, 0.45)."""
+    target) then released still more early ones, past the budget (docs/tuning.md)."""
     return sum(piece.length if piece.arrival <= step else -piece.length * (piece.arrival - step)
                for piece in group)
 
@@ -279,8 +274,8 @@ class GroupRelease(ReleasePolicy):
     A group leaves only if the step places all of it. A released outlier that the packing
     defers would be carried, and a carried piece is placed first in the next step whatever
     joins it: often alone, one window among short documents (imbalance ~2). It stays in the
-    pool instead, to leave with similar ones (issue 16: real calibration streams 1.044 ->
-    1.036 mean imbalance at the same displacement)."""
+    pool instead, to leave with similar ones (less imbalance at the same displacement;
+    docs/tuning.md)."""
 
     def _costs(self, pieces: list[HeldPiece]) -> dict:
         """Cost of each piece by key (empty without `piece_cost`)."""
@@ -423,7 +418,7 @@ class MarginalRelease(GroupRelease):
     within the tolerance", a starved step takes what lowers its imbalance, and a pair of
     windows waits unless the tokens it frees are worth the imbalance it adds. With
     balance_tolerance="auto" the feedback of `wlb_opt.packer.defaults` sets the tolerance,
-    hence the price.
+    hence the price (`MARGINAL_PRICE` x (tolerance - 1); docs/tuning.md gives what was tried).
 
     Pairs: a group that balances only with a second one (three windows and the two mediums
     that fill the fourth micro-batch) scores > 0 alone. The best-scoring rejected group is
@@ -432,8 +427,9 @@ class MarginalRelease(GroupRelease):
 
     Trim: after the groups, the longest fresh or carried (not due) piece of the heaviest
     micro-batch is deferred to the next step if the imbalance that removes is worth its
-    tokens at the same price (`_trim`; issue 16, fourth round: prose calibration 1.069 ->
-    1.062). A carried piece may be trimmed again while that pays, until its deadline.
+    tokens at the same price (`_trim`): a starved step keeps a few short documents, one of
+    which can outweigh the rest together. A carried piece may be trimmed again while that
+    pays, until its deadline.
 
     Carried pieces: "group" packs the carried pieces first (Algorithm 1), spread over the
     micro-batches, which leaves less than a window's room in each; here only pieces at their

@@ -4,9 +4,12 @@ A held piece (queued in an outlier queue, or carried to the next step) is a `Hel
 record. The JSON state writes each as a list of 4 ints [id, offset, length, arrival]. A state
 records a fingerprint of what planning reads from the cost model (its coefficients, kernel
 model and layout; not its labels or provenance), so a state saved under other costs is
-refused (`config.cost_fingerprint`). STATE_VERSION 4 records `max_id`, the largest id any
-batch has brought, so that a loaded `next_auto_id` is checked to be past every id the packer
-has issued (not only past the pieces it holds); older states are refused with a version error.
+refused (`config.cost_fingerprint`). The config section holds the layout, the limits and every
+field of the packer's `PackerConfig` (the thresholds in a field of their own); a state loads
+only into a packer configured alike. `max_id`, the largest id any batch has brought, lets a
+loaded `next_auto_id` be checked to be past every id the packer has issued (not only past the
+pieces it holds). STATE_VERSION 5 added `config.delay_budget`; older states are refused with
+a version error.
 
 `state_dict()` is JSON-serialisable and a packer built with the same configuration that
 loads it emits the same plans as the one that wrote it. The state does not remember the
@@ -29,9 +32,9 @@ import numpy as np
 from ..cost import CostModel
 from .stats import StreamStats
 
-STATE_VERSION = 4
+STATE_VERSION = 5
 CONFIG_FIELDS = ("n_micro", "max_tokens", "dp", "n_queues", "max_delay", "seed", "max_backlog_tokens", "pp",
-                 "method", "release", "balance_tolerance", "cost_fingerprint")
+                 "method", "release", "balance_tolerance", "delay_budget", "lookahead", "cost_fingerprint")
 
 
 class HeldPiece(NamedTuple):

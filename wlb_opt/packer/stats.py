@@ -31,7 +31,7 @@ from ..plan import PackPlan, imbalance
 TOTALS = ("pieces", "tokens", "delay_sum", "delay_token_sum", "delayed_tokens", "delay_max", "queue_wait_max",
           "late_pieces", "displacement_token_sum", "early_tokens")
 """Integer totals over the placed pieces (delays in steps, tokens in tokens)."""
-# Totals added with lookahead (issue 16); a state written before them has no early pieces,
+# Totals added with lookahead; a state written before them has no early pieces,
 # so |displacement| = delay there: (total, the total it defaults to, else 0).
 _LOOKAHEAD_TOTALS = {"displacement_token_sum": "delay_token_sum", "early_tokens": None}
 # Sums of signed delays: negative once lookahead trains pieces early.
