@@ -147,7 +147,7 @@ TP_CASES = [
      lambda: _tp_of(transformers.StableLmConfig, 2, qk_layernorm=True), ValueError,
      "self_attn.q_layernorm.norms.0: per-head norms"),
     ("apply_tensor_parallel.difflama_attention", lambda: _tp_of(transformers.DiffLlamaConfig, 2), ValueError,
-     "DiffLlamaAttention"),
+     "self_attn.lambda_q1"),
     ("apply_tensor_parallel.nemotron_mlp", lambda: _tp_of(transformers.NemotronConfig, 2), ValueError,
      "an MLP without a gate projection"),
 ]

@@ -216,7 +216,8 @@ def free_port() -> int:
 
 # (family, dp, cp, pp, tp, fsdp) per world size
 CASES = {2: [("llama", 1, 2, 1, 1, False), ("llama", 1, 1, 2, 1, False), ("granite", 1, 2, 1, 1, False),
-             ("llama", 1, 1, 1, 2, False)],
+             ("llama", 1, 1, 1, 2, False), ("qwen2", 1, 1, 1, 2, False), ("granite", 1, 1, 1, 2, False),
+             ("cohere", 1, 1, 1, 2, False)],  # each attention / MLP class TP accepts
          4: [("llama", 1, 2, 2, 1, False), ("qwen2", 1, 2, 2, 1, False), ("llama", 2, 2, 1, 1, True)]}
 
 

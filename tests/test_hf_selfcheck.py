@@ -273,10 +273,14 @@ TP_REFUSALS = {  # id: (config, tp, what the message names)
                     "model.layers.0.mlp: a mixture-of-experts layer"),
     "moe_feed_forward": (lambda: _llama4(attention_chunk_size=None, attn_temperature_tuning=False), 2,
                          "model.layers.0.feed_forward: a mixture-of-experts layer"),
+    "norm_shared_by_all_heads": (lambda: transformers.Qwen3Config(**SMALL, head_dim=8), 2,  # its gradient is partial
+                                 "model.layers.0.self_attn.q_norm: a weight shared by all heads"),
     "per_head_norm_modules": (lambda: transformers.StableLmConfig(**SMALL, qk_layernorm=True), 2,
                               "model.layers.0.self_attn.q_layernorm.norms.0: per-head norms"),
-    "untested_attention_class": (lambda: transformers.DiffLlamaConfig(**SMALL), 2,
-                                 "model.layers.0.self_attn: its class DiffLlamaAttention is not one"),
+    "untested_attention_class": (lambda: transformers.GemmaConfig(**SMALL, head_dim=8), 2,
+                                 "model.layers.0.self_attn: its class GemmaAttention is not one"),
+    "head_axis_weights": (lambda: transformers.DiffLlamaConfig(**SMALL), 2,  # it also chunks the global head axis
+                          "model.layers.0.self_attn: a weight shared by all heads (self_attn.lambda_q1"),
     "mlp_without_gate": (lambda: transformers.NemotronConfig(**SMALL), 2,
                          "model.layers.0.mlp: an MLP without a gate projection"),
     "latent_attention": (lambda: transformers.DeepseekV3Config(**SMALL, n_routed_experts=2,
@@ -306,14 +310,13 @@ def test_a_fused_gate_up_projection_is_refused_by_name():
         _tp(stage, 2)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_tensor_parallelism_accepts_what_it_shards(family, monkeypatch):
     import torch.distributed.tensor.parallel as parallel
 
     calls = []
     monkeypatch.setattr(parallel, "parallelize_module", lambda block, mesh, plan: calls.append(block))
-    cfg = (transformers.LlamaConfig(**SMALL) if family == "llama"
-           else transformers.Qwen3Config(**SMALL, head_dim=8))  # per-head q/k norms stay whole
+    cfg = transformers.LlamaConfig(**SMALL) if family == "llama" else transformers.Qwen2Config(**SMALL)
     stage = _stage(cfg)
     _tp(stage, 2)
     assert calls == list(stage.blocks)

@@ -154,10 +154,15 @@ def _check_shardable(block: torch.nn.Module, where: str, plan: dict, tp: int, he
                              f"{tuple(param.shape)}), one per head of the whole model and paired with the heads "
                              "by position, so a rank holding a share of the heads would pair them wrongly; run "
                              "this model with tp=1")
-        # left whole on every rank: fine for a norm over one head, or over the residual stream
-        # outside the attention (a norm over all heads' queries, OLMo 2's, is not)
-        if param.dim() == 1 and (param.numel() == head_dim or (param.numel() == hidden and not inside)):
+        # left whole on every rank: fine for a norm over the residual stream outside the attention
+        # (its input's gradient is all-reduced by the column-parallel projections after it)
+        if param.dim() == 1 and param.numel() == hidden and not inside:
             continue
+        if inside and param.dim() == 1 and param.numel() == head_dim:  # Qwen 3's q_norm, DiffLlama's lambda_q1
+            raise ValueError(f"tensor parallelism cannot shard {where}.{owner}: a weight shared by all heads ({name} "
+                             f"{tuple(param.shape)}), left whole on every rank while each rank runs a share of the "
+                             "heads, so each rank's gradient of it covers its own heads only (the plan does not "
+                             "all-reduce it over TP); run this model with tp=1")
         if inside and param.dim() == 1:
             raise ValueError(f"tensor parallelism cannot shard {where}.{owner}: a norm over all heads' features "
                              f"({name} {tuple(param.shape)}), which a rank holding a share of the heads cannot "

@@ -349,8 +349,8 @@ class HFStage(nn.Module):
     # channels, each trained under TP against one process (tests/test_hf.py); `apply_tensor_parallel`
     # refuses any other (DiffLlama's attention chunks along the global head axis, for one)
     tp_module_classes = {
-        "self_attn": ("CohereAttention", "GraniteAttention", "LlamaAttention", "Qwen2Attention", "Qwen3Attention"),
-        "mlp": ("CohereMLP", "GraniteMLP", "LlamaMLP", "Qwen2MLP", "Qwen3MLP"),
+        "self_attn": ("CohereAttention", "GraniteAttention", "LlamaAttention", "Qwen2Attention"),
+        "mlp": ("CohereMLP", "GraniteMLP", "LlamaMLP", "Qwen2MLP"),
     }
 
     @staticmethod
