@@ -9,8 +9,8 @@ The model is built from a config (`--config CONFIG.json`, a transformers config.
 `--preset tiny-llama`), never downloaded, with ``attn_implementation="wlb"``. The corpus is
 every text file under `--corpus DIR` (default: this Python's standard library sources),
 bytes as tokens (vocabulary 256), in the order of their sorted paths. Every rank reads the
-same stream and plans it with `WLBPacker` (defaults: `thresholds="auto"`) inside a
-DataLoader worker, so planning runs off the training loop; `train_step` checks that all ranks
+same stream and plans it with `WLBPacker` (the no-tuning defaults) inside a DataLoader
+worker, so planning runs off the training loop; `train_step` checks that all ranks
 hold the same plan. Each step prints its loss, tokens, PP imbalance, delay and tokens/s.
 
 `--check-reference` trains in fp64 with SGD, then rank 0 reruns the same documents and steps

@@ -209,7 +209,7 @@ def test_a_dataset_that_returns_the_wrong_length_names_the_document():
 
 
 def test_train_step_data_that_returns_too_few_tokens_names_the_document():
-    from wlb_opt.executor.train import pack_micro_batch
+    from wlb_opt.batch import pack_micro_batch
 
     plan = wlb.solve_pack([5, 9], 1, 16, method="wlb", ids=[7, 8])
     with pytest.raises(ValueError, match=r"document 8: data\(8\) returned \(4,\) tokens"):
