@@ -16,8 +16,11 @@
   with -100 at each sequence's first token, the loss shifting inside; `hf_batch(step, j)`
   gives a micro-batch in that convention for a model's own forward, `to_hf_labels` converts.
 
-Sliding-window attention and attention-logit soft-capping are not document-masked attention
-as this library computes it: a model that uses either gets a ValueError, not a silently
+Sliding-window and chunked attention and attention-logit soft-capping are not document-masked
+attention as this library computes it, and some things a model computes from the row rather
+than the document (Llama 4's NoPE temperature, 'dynamic' and 'longrope' rotary frequencies) or
+adds to its loss (an MoE router's auxiliary loss) the stages would get wrong: a model that uses
+any of them gets a ValueError at `split_hf_stages` naming the config field, not a silently
 different model. What a family does around its layers (Granite's and HyperCLOVA X's embedding
 multiplier, Cohere's `logit_scale`, Granite's `logits_scaling`, Gemma 2's final logit
 soft-capping, ...) the stages re-apply, and `split_hf_stages` proves the result: before it
