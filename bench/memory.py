@@ -46,7 +46,7 @@ def measure_step(model, lengths, loss_chunk: int) -> int:
     lengths = np.asarray(lengths, dtype=np.int64)
     cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny")).without_layout()
     plan = wlb.solve_pack(lengths, 1, int(lengths.sum()), cost, "wlb")
-    shards = [wlb.solve_shard(plan.lengths[mb], 1, "per_seq", cost) for mb in plan.micro_batches]
+    shards = [wlb.solve_shard(plan.lengths[mb], 1, "per_seq", cost, offsets=plan.offsets[mb]) for mb in plan.micro_batches]
     vocab = model.head.out_features
 
     def doc_tokens(i: int) -> torch.Tensor:

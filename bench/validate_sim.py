@@ -68,7 +68,7 @@ def _setup(args: dict):
     for lengths, _, _ in global_batches("default", 131072, n_micro * 131072, args["steps"] + 1, seed=args["seed"]):
         small = np.minimum(np.maximum(1, lengths // scale), max_tokens)
         plan = wlb.solve_pack(small, n_micro, max_tokens, cost, args["method"], ids=np.arange(len(small)))
-        shards = [wlb.solve_shard(plan.lengths[mb], 1, "per_seq", cost) if len(mb) else None
+        shards = [wlb.solve_shard(plan.lengths[mb], 1, "per_seq", cost, offsets=plan.offsets[mb]) if len(mb) else None
                   for mb in plan.micro_batches]
         plans.append((small, plan, shards))
     return model, spec, plans
