@@ -74,9 +74,9 @@ def _cache_row_length_mismatch():
 
 def _redigested(state):
     """`state` with its cache digest recomputed, so that the consistency checks are reached."""
-    from wlb_opt.stream import _cache_digest, _decode_cache
+    from wlb_opt.stream_state import cache_digest, decode_cache
 
-    state["fingerprint"]["cached_tokens"] = _cache_digest(sorted(_decode_cache(state["cache"], lengths_only=False).items()))
+    state["fingerprint"]["cached_tokens"] = cache_digest(sorted(decode_cache(state["cache"], lengths_only=False).items()))
     return state
 
 

@@ -29,9 +29,6 @@ Hugging Face adapter converts at its boundary (`wlb_opt.integrations.hf`).
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
-import struct
 import time
 from collections import deque
 from typing import Iterable, Iterator
@@ -41,87 +38,12 @@ import numpy as np
 from ._validate import check_int
 from .docs import split_documents
 from .shard import solve_shard
+from .stream_state import (SourceFingerprint, cache_digest, check_integrity, check_state_fields, decode_cache,
+                           integrity)
+from .tokens import _INT64_MAX, as_mask, as_tokens
 
 STREAM_STATE_VERSION = 2
 _IGNORE = -100
-
-
-_INT64_MAX = 2**63 - 1
-
-
-def _first_bad_value(values) -> tuple[int, object] | None:
-    """The first entry of a Python sequence that is not an int64-representable integer."""
-    for k, v in enumerate(values):
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not -2**63 <= v <= _INT64_MAX:
-            return k, v
-    return None
-
-
-def _as_array(doc_id, values, what: str) -> np.ndarray:
-    if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor, without importing torch
-        values = values.detach().cpu().numpy()
-    if isinstance(values, (list, tuple)) and what != "loss_mask":
-        # numpy would read True as 1 and turn ints beyond int64 into floats or objects: look first
-        bad = _first_bad_value(values)
-        if bad is not None and isinstance(bad[1], (bool, np.bool_)):
-            raise ValueError(f"document {doc_id}: {what}[{bad[0]}] = {bad[1]!r} is a boolean, not a token id (a loss "
-                             "mask goes third: (doc_id, tokens, loss_mask))")
-        if bad is not None and isinstance(bad[1], (int, np.integer)):
-            raise ValueError(f"document {doc_id}: {what}[{bad[0]}] = {bad[1]} does not fit in int64; token ids must be "
-                             f"in [0, {_INT64_MAX}]")
-    try:
-        arr = np.asarray(values)
-    except (OverflowError, ValueError):
-        raise ValueError(f"document {doc_id}: {what} must be a 1-D sequence of integers representable in int64, "
-                         f"got {type(values).__name__}") from None
-    if arr.ndim != 1:
-        raise ValueError(f"document {doc_id}: {what} must be 1-D, got shape {arr.shape}")
-    if arr.dtype.kind == "O" and arr.size:  # objects: integers only, each within int64
-        bad = _first_bad_value(arr.tolist())
-        if bad is not None:
-            raise ValueError(f"document {doc_id}: {what}[{bad[0]}] = {bad[1]!r} is not an integer representable in "
-                             "int64")
-        arr = arr.astype(np.int64)
-    return arr
-
-
-def _as_tokens(doc_id, tokens, what: str = "tokens") -> np.ndarray:
-    """A document's token ids as a 1-D int64 array, checked where they enter: integers,
-    non-negative and representable in int64 (an unsigned array is not wrapped). ValueError
-    naming the document and the offending value otherwise."""
-    arr = _as_array(doc_id, tokens, what)
-    if arr.size == 0 and arr.dtype.kind in "fO":
-        return np.zeros(0, dtype=np.int64)
-    if arr.dtype.kind not in "iu":
-        hint = " (a loss mask goes third: (doc_id, tokens, loss_mask))" if arr.dtype == bool else ""
-        raise ValueError(f"document {doc_id}: {what} must be integer token ids, got dtype {arr.dtype}{hint}")
-    if arr.size:
-        if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _INT64_MAX:
-            k = int(np.argmax(arr > _INT64_MAX))
-            raise ValueError(f"document {doc_id}: {what}[{k}] = {int(arr[k])} does not fit in int64; token ids "
-                             f"must be in [0, {_INT64_MAX}]")
-        if arr.dtype.kind == "i" and int(arr.min()) < 0:
-            k = int(np.argmax(arr < 0))
-            raise ValueError(f"document {doc_id}: {what}[{k}] = {int(arr[k])} is negative; token ids must be >= 0")
-    return arr.astype(np.int64, copy=False)
-
-
-def _as_mask(doc_id, mask, n: int) -> np.ndarray:
-    """A loss mask: booleans (or 0/1 integers) of the document's length."""
-    arr = _as_array(doc_id, mask, "loss_mask")
-    if arr.dtype != bool:
-        if arr.dtype.kind not in "iu" and arr.size:
-            raise ValueError(f"document {doc_id}: loss_mask must be booleans (True where a token is a target), got "
-                             f"dtype {arr.dtype}")
-        bad = (arr != 0) & (arr != 1)
-        if bad.any():
-            k = int(np.argmax(bad))
-            raise ValueError(f"document {doc_id}: loss_mask[{k}] = {arr[k].item()!r}; a loss mask holds booleans or 0/1 "
-                             "(True where a token is a target)")
-        arr = arr.astype(bool)
-    if len(arr) != n:
-        raise ValueError(f"document {doc_id}: loss mask of {len(arr)} entries for {n} tokens")
-    return arr
 
 
 def _check_index(name: str, value, n: int) -> int:
@@ -138,244 +60,6 @@ def _doc_id(doc_id) -> int:
     return int(doc_id)
 
 
-# ---------------------------------------------------------------------- state checks
-_DIGEST_BYTES = 16
-_EMPTY_DIGEST = bytes(_DIGEST_BYTES)
-
-
-def _hash(*parts: bytes) -> bytes:
-    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    for part in parts:
-        h.update(part)
-    return h.digest()
-
-
-def _cache_digest(items) -> str:
-    """Digest of the cached pieces, (id, offset) sorted: their tokens and loss masks."""
-    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    for (doc_id, off), (tokens, mask) in items:
-        h.update(struct.pack("<qq", doc_id, off))
-        h.update(b"-" if tokens is None else np.ascontiguousarray(tokens, dtype="<i8").tobytes())
-        h.update(b"|" if mask is None else b"m" + np.ascontiguousarray(mask, dtype=bool).tobytes())
-    return h.hexdigest()
-
-
-class _SourceFingerprint:
-    """Which source a stream has read: a running digest of the (id, length) pairs of the
-    documents read (O(1) per document), and, for the document in flight (cut across steps,
-    partly fed), its id, length and a digest of the tokens fed so far.
-
-    The state holds the digest of the documents before the one in flight (all of them when
-    none is in flight); on resume it is compared when the skipped prefix has been read again
-    (`skip`), or at load from `lengths` (`check_lengths`); the document in flight is compared
-    when it is read again (`read`)."""
-
-    def __init__(self) -> None:
-        self.digest = _EMPTY_DIGEST  # over every document read
-        self._before_last = _EMPTY_DIGEST  # over every document read but the last
-        self._last: tuple | None = None  # (id, length, {piece offset: digest of the tokens before it})
-        self._expect: tuple[int, bytes] | None = None  # (documents before the one in flight, their digest)
-        self._in_flight: dict | None = None  # the state's record of the document in flight
-        self._loaded: dict | None = None  # the fingerprint of the state loaded, as it was
-
-    @staticmethod
-    def _next(digest: bytes, doc_id: int, length: int) -> bytes:
-        return _hash(digest, struct.pack("<qq", doc_id, length))
-
-    def _verify(self, n: int) -> None:
-        if self._expect is not None and self._expect[0] == n:
-            if self.digest != self._expect[1]:
-                raise ValueError(f"the source differs from the one the state was saved with: the (id, length) "
-                                 f"pairs of its first {n} documents do not match the state's fingerprint "
-                                 f"(digest {self.digest.hex()}, the state says {self._expect[1].hex()})")
-            self._expect = None
-
-    def skip(self, index: int, doc_id: int, length: int) -> None:
-        """A document before the checkpoint, read again (an iterable source)."""
-        self.digest = self._next(self.digest, doc_id, length)
-        self._verify(index + 1)
-
-    def read(self, index: int, doc_id: int, length: int, tokens, mask, offsets: list[int], resumed_at) -> None:
-        """A document read for training; `resumed_at` is the offset it had been fed up to
-        when it was in flight at the checkpoint (None otherwise)."""
-        self._verify(index)
-        prefixes = {0: _EMPTY_DIGEST}
-        if len(offsets) > 1 and tokens is not None:  # a document in one piece is never in flight part-fed
-            h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-            for lo, hi in zip(offsets, offsets[1:] + [length]):
-                h.update(np.ascontiguousarray(tokens[lo:hi], dtype="<i8").tobytes())
-                if mask is not None:
-                    h.update(np.ascontiguousarray(mask[lo:hi], dtype=bool).tobytes())
-                prefixes[hi] = h.digest()
-        if resumed_at is not None and self._in_flight is not None:
-            record, self._in_flight = self._in_flight, None
-            prefix = prefixes.get(resumed_at)
-            if (record["id"], record["length"]) != (doc_id, length):
-                raise ValueError(f"the source differs from the one the state was saved with: the document in flight "
-                                 f"at the checkpoint (item {index}) was id {record['id']} of {record['length']} "
-                                 f"tokens, the source now gives id {doc_id} of {length} tokens")
-            if record["prefix"] is not None and tokens is not None and (
-                    prefix is None or prefix.hex() != record["prefix"]):
-                raise ValueError(f"the source differs from the one the state was saved with: document {doc_id}'s "
-                                 f"tokens before offset {resumed_at} (trained before the checkpoint) have changed; "
-                                 "it would be trained as a mix of two sources")
-        self._before_last = self.digest
-        self.digest = self._next(self.digest, doc_id, length)
-        self._last = (doc_id, length, prefixes if tokens is not None else None)
-
-    def state(self, pending_from: int | None) -> dict:
-        if self._loaded is not None and (self._expect is not None or self._in_flight is not None):
-            return self._loaded  # resumed, and the source not read up to the checkpoint yet
-        if pending_from is None or self._last is None:
-            return {"documents": self.digest.hex(), "in_flight": None}
-        doc_id, length, prefixes = self._last
-        prefix = None if prefixes is None else prefixes[pending_from].hex()
-        return {"documents": self._before_last.hex(),
-                "in_flight": {"id": doc_id, "length": length, "prefix": prefix}}
-
-    @classmethod
-    def from_state(cls, source, consumed: int, pending_from: int | None) -> "_SourceFingerprint":
-        """Parse and check the state's fingerprint; it is verified against the source later."""
-        if not isinstance(source, dict) or set(source) != {"documents", "in_flight", "cached_tokens"}:
-            raise ValueError(f"state field fingerprint must be a dict with keys 'documents', 'in_flight' and "
-                             f"'cached_tokens', got {source!r}")
-        digest = _hex_digest("fingerprint.documents", source["documents"])
-        _hex_digest("fingerprint.cached_tokens", source["cached_tokens"])
-        record = source["in_flight"]
-        if (record is None) != (pending_from is None):
-            raise ValueError(f"state field fingerprint.in_flight={record!r} does not match pending_from={pending_from!r} "
-                             "(a document is in flight exactly when pieces of it are pending)")
-        if record is not None:
-            if not isinstance(record, dict) or set(record) != {"id", "length", "prefix"}:
-                raise ValueError(f"state field fingerprint.in_flight must be a dict with keys 'id', 'length' and "
-                                 f"'prefix', got {record!r}")
-            _state_int("fingerprint.in_flight.id", record["id"], -2**63)
-            _state_int("fingerprint.in_flight.length", record["length"], pending_from + 1)
-            if record["prefix"] is not None:
-                _hex_digest("fingerprint.in_flight.prefix", record["prefix"])
-        before = consumed - (record is not None)
-        if before == 0 and digest != _EMPTY_DIGEST:
-            raise ValueError(f"state field fingerprint.documents={source['documents']!r} is not the fingerprint of an empty "
-                             "prefix, but the state had read no document before the one in flight")
-        out = cls()
-        out._expect = (before, digest) if before else None
-        out._in_flight = record
-        out._saved = digest
-        out._loaded = {"documents": source["documents"], "in_flight": None if record is None else dict(record)}
-        return out
-
-    def check_lengths(self, lengths: np.ndarray, consumed: int) -> None:
-        """Verify the prefix at load from the dataset's lengths (ids are the indices)."""
-        if self._expect is None:
-            return
-        n, expected = self._expect
-        digest = _EMPTY_DIGEST
-        for i, length in enumerate(lengths[:n].tolist()):
-            digest = self._next(digest, i, length)
-        self.digest = digest
-        self._verify(n)
-
-    def adopt_prefix(self) -> None:
-        """A dataset is not read before the checkpoint: start from the state's digest (checked
-        by `check_lengths` when the lengths are known)."""
-        if self._expect is not None:
-            self.digest, self._expect = self._saved, None
-
-
-def _hex_digest(field: str, value) -> bytes:
-    try:
-        raw = bytes.fromhex(value) if isinstance(value, str) else None
-    except ValueError:
-        raw = None
-    if raw is None or len(raw) != _DIGEST_BYTES:
-        raise ValueError(f"state field {field} must be a digest of {2 * _DIGEST_BYTES} hex digits, got {value!r}")
-    return raw
-
-
-def _state_int(field: str, value, low: int = 0, high: int = _INT64_MAX) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
-        raise ValueError(f"state field {field} must be an integer in [{low}, {high}], got {value!r}")
-    return int(value)
-
-
-_STATE_FIELDS = {"config": dict, "packer": dict, "step": int, "consumed": int, "pending_from": (int, type(None)),
-                 "draining": bool, "ended": bool, "fingerprint": dict, "cache": list,
-                 "integrity": dict}
-# What the integrity digest covers, section by section (the cache has its own digest).
-_SECTIONS = {"position": ("step", "consumed", "pending_from", "draining", "ended"), "packer": ("packer",),
-             "fingerprint": ("fingerprint",)}
-
-
-def _integrity(state: dict) -> dict:
-    """One digest per section of the state: a value changed after the state was saved is
-    caught even where it is valid on its own (a counter moved within its range, a held piece
-    deleted)."""
-    out = {}
-    for name, keys in _SECTIONS.items():
-        # through JSON first, so that the digest is that of the saved form (int keys become strings)
-        plain = json.loads(json.dumps([state[k] for k in keys]))
-        text = json.dumps(plain, sort_keys=True, separators=(",", ":"))
-        out[name] = hashlib.blake2b(text.encode(), digest_size=_DIGEST_BYTES).hexdigest()
-    return out
-
-
-def _check_integrity(state: dict) -> None:
-    saved = state["integrity"]
-    if set(saved) != set(_SECTIONS):
-        raise ValueError(f"state field integrity must hold the digests of {sorted(_SECTIONS)}, got {sorted(saved)}")
-    now = _integrity(state)
-    for name, keys in _SECTIONS.items():
-        if now[name] != saved[name]:
-            fields = ", ".join(keys)
-            raise ValueError(f"state section {name!r} ({fields}) was changed after the state was saved: its digest is "
-                             f"{now[name]}, the state says {saved[name]!r}; resume from an unaltered state")
-
-
-def _check_state_fields(state: dict) -> dict:
-    """Every field present, of its type and range (ValueError naming the field)."""
-    for name, kind in _STATE_FIELDS.items():
-        if name not in state:
-            raise ValueError(f"state has no field {name!r} (a WLBStream state has {', '.join(_STATE_FIELDS)})")
-        value = state[name]
-        if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
-            raise ValueError(f"state field {name} must be of type {getattr(kind, '__name__', 'int or null')}, got "
-                             f"{value!r}")
-    fields = {"step": _state_int("step", state["step"]), "consumed": _state_int("consumed", state["consumed"]),
-              "draining": state["draining"], "ended": state["ended"], "pending_from": state["pending_from"]}
-    if fields["pending_from"] is not None:
-        _state_int("pending_from", fields["pending_from"])
-        if fields["consumed"] == 0:
-            raise ValueError(f"state field pending_from={fields['pending_from']} needs a document in flight, but "
-                             "consumed=0")
-    return fields
-
-
-def _decode_cache(rows: list, *, lengths_only: bool) -> dict:
-    """The cached pieces of a state, each checked: [id, offset, tokens, loss mask or null]."""
-    if lengths_only and rows:
-        raise ValueError(f"state field cache holds {len(rows)} pieces, but a stream over a dataset with lengths "
-                         "caches no tokens")
-    cache = {}
-    for k, row in enumerate(rows):
-        where = f"cache[{k}]"
-        if not isinstance(row, list) or len(row) != 4:
-            raise ValueError(f"state field {where} must be [id, offset, tokens, loss mask or null], got {row!r}")
-        doc_id = _state_int(f"{where} id", row[0], -2**63)
-        off = _state_int(f"{where} offset", row[1])
-        if not isinstance(row[2], list) or not row[2]:
-            raise ValueError(f"state field {where} tokens must be a non-empty list of token ids, got {row[2]!r}")
-        tokens = _as_tokens(doc_id, row[2], f"state field {where} tokens")
-        mask = None
-        if row[3] is not None:
-            if not isinstance(row[3], list) or not all(isinstance(x, bool) for x in row[3]):
-                raise ValueError(f"state field {where} loss mask must be a list of booleans or null, got {row[3]!r}")
-            mask = _as_mask(doc_id, row[3], len(tokens))
-        if (doc_id, off) in cache:
-            raise ValueError(f"state field {where} repeats piece (id {doc_id}, offset {off})")
-        cache[(doc_id, off)] = (tokens, mask)
-    return cache
-
-
 class _DatasetReader:
     """Reads a piece from a map-style dataset on demand, checking the document's length."""
 
@@ -383,7 +67,7 @@ class _DatasetReader:
         self.dataset, self.lengths = dataset, lengths
 
     def __call__(self, doc_id: int, offset: int, length: int):
-        tokens = _as_tokens(doc_id, self.dataset[doc_id])
+        tokens = as_tokens(doc_id, self.dataset[doc_id])
         expected = int(self.lengths[doc_id])
         if len(tokens) != expected:
             raise ValueError(f"document {doc_id}: the dataset returned {len(tokens)} tokens, but its length is "
@@ -574,7 +258,7 @@ class WLBStream:
         self._broken: Exception | None = None  # the source raised: the stream cannot go on
         self._source_iter = None  # one reader of the source for every iter() of this stream
         self._generation = 0  # which iter() is current (an older one raises when advanced)
-        self._fingerprint = _SourceFingerprint()
+        self._fingerprint = SourceFingerprint()
 
     # ------------------------------------------------------------------ reading
     def _items(self) -> Iterator[tuple[int, int, np.ndarray | None, np.ndarray | None, int]]:
@@ -588,7 +272,7 @@ class WLBStream:
                 if self._lengths is not None:
                     yield i, i, None, None, int(self._lengths[i])
                 else:
-                    tokens = _as_tokens(i, self._dataset[i])
+                    tokens = as_tokens(i, self._dataset[i])
                     yield i, i, tokens, None, len(tokens)
             return
         n_read = 0
@@ -601,10 +285,10 @@ class WLBStream:
             if i < start:  # before the checkpoint: only its (id, length) counts, for the fingerprint
                 self._fingerprint.skip(i, doc_id, len(item[1]))
                 continue
-            tokens = _as_tokens(doc_id, item[1])
+            tokens = as_tokens(doc_id, item[1])
             mask = None
             if len(item) == 3 and item[2] is not None:
-                mask = _as_mask(doc_id, item[2], len(tokens))
+                mask = as_mask(doc_id, item[2], len(tokens))
             yield i, doc_id, tokens, mask, len(tokens)
         if n_read < start:
             raise ValueError(f"the source ended after {n_read} documents, but the state being resumed had read "
@@ -782,10 +466,10 @@ class WLBStream:
         def build() -> dict:
             items = sorted(cache.items())
             state = {"version": STREAM_STATE_VERSION, "config": config, "packer": packer_state, **position,
-                     "fingerprint": {**source, "cached_tokens": _cache_digest(items)},
+                     "fingerprint": {**source, "cached_tokens": cache_digest(items)},
                      "cache": [[k[0], k[1], t.tolist() if t is not None else None,
                                 m.tolist() if m is not None else None] for k, (t, m) in items]}
-            state["integrity"] = _integrity(state)
+            state["integrity"] = integrity(state)
             return state
         return build
 
@@ -831,7 +515,7 @@ class WLBStream:
                              "states of other versions cannot be resumed")
         if self._step or self._consumed or self._generation:
             raise ValueError("load_state_dict needs a fresh stream (this one has already produced steps)")
-        fields = _check_state_fields(state)
+        fields = check_state_fields(state)
         if state["config"] != self._config():
             raise ValueError(f"the state was saved by a stream with settings {state['config']}, this one has "
                              f"{self._config()}")
@@ -842,9 +526,9 @@ class WLBStream:
         if self._dataset is not None and consumed > len(self._dataset):
             raise ValueError(f"state field consumed={consumed} is past the end of the dataset ({len(self._dataset)} "
                              "documents): resume over the source the state was saved with")
-        cache = _decode_cache(state["cache"], lengths_only=self._lengths is not None)
-        fingerprint = _SourceFingerprint.from_state(state["fingerprint"], consumed, pending_from)
-        digest = _cache_digest(sorted(cache.items()))
+        cache = decode_cache(state["cache"], lengths_only=self._lengths is not None)
+        fingerprint = SourceFingerprint.from_state(state["fingerprint"], consumed, pending_from)
+        digest = cache_digest(sorted(cache.items()))
         if digest != state["fingerprint"]["cached_tokens"]:
             raise ValueError(f"state field cache holds tokens that differ from those the state was saved with "
                              f"(digest {digest}, fingerprint.cached_tokens says {state['fingerprint']['cached_tokens']!r})")
@@ -853,7 +537,7 @@ class WLBStream:
         scratch = copy.deepcopy(self.packer)  # checked on a copy: a refused state changes nothing
         scratch.load_state_dict(state["packer"], max_backlog_tokens)  # checks its own fields
         self._check_against_packer(scratch, cache, fields)
-        _check_integrity(state)
+        check_integrity(state)
         self.packer.load_state_dict(state["packer"], max_backlog_tokens)
         self._cache = cache
         self._step, self._consumed = fields["step"], consumed
