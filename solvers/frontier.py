@@ -1,4 +1,4 @@
-"""The certified imbalance-displacement frontier of a whole stream (issue 16): a MILP, solved
+"""The certified imbalance-displacement frontier of a whole stream: a MILP, solved
 by HiGHS, whose optimum (and HiGHS's dual bound) no plan within the displacement budget beats.
 
 A plan places every piece of every global batch in a training step t and a micro-batch j,

@@ -1,6 +1,6 @@
 """The memory model: peak bytes of one pipeline rank, and the largest `max_tokens` that fits.
 
-What bounds S_max (`max_tokens`) in practice is memory (issue 18): the activations that the
+What bounds S_max (`max_tokens`) in practice is memory: the activations that the
 pipeline schedule keeps in flight on a rank, plus one operation's working memory, plus the
 static part (weights, gradients, optimizer state). Per rank, for micro-batches of T tokens
 whose documents are d_1..d_k (all in flight assumed as large as this one: the worst case):

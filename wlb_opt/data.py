@@ -22,8 +22,8 @@ window-sized pieces (`wlb_opt.split_documents`), the same for every method.
 "light": lognormal with median 2000 and sigma 0.6, no tail: a light-tailed control.
 "heavy": the default body with a heavier, longer tail: with probability 0.003 a document is
          log-uniform on [32768, 524288] tokens (up to four windows), so about 40% of tokens
-         are in documents >= 32768 (default: 18%). Fixed before any packer was run on it
-         (issue 16): a third shape the outlier-delay defaults were not tuned on.
+         are in documents >= 32768 (default: 18%). Fixed before any packer was run on it:
+         a third shape the outlier-delay defaults were not tuned on.
 "real":  lengths of text files found on the build machine (`REAL_FILE`, shipped next to this
          module; rebuilt by `python -m wlb_opt.bench.data --make-real`), sampled with
          replacement.
@@ -32,7 +32,7 @@ window-sized pieces (`wlb_opt.split_documents`), the same for every method.
          changelogs of /usr/share/doc: median ~240 tokens, a heavier tail, 2.5% >= 32K)
          of the same kind of machine, shipped in `wlb_opt/bench/` (`KIND_FILES`; rebuilt by
          `python -m wlb_opt.bench.data --make-kinds`), sampled with replacement. Two shapes
-         the outlier-delay defaults were not tuned on (issue 16).
+         the outlier-delay defaults were not tuned on.
 """
 from __future__ import annotations
 

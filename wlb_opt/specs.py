@@ -246,7 +246,7 @@ class HardwareSpec:
           900 GB/s bidirectional (450 one way), 400 Gb/s RoCE/IB per GPU (50 GB/s).
           Efficiencies: 0.75 for GEMM and 0.25 for the document-masked attention kernel. These
           are not measured: they were chosen so that the default length distribution
-          reproduces the paper's Plain-4D imbalance of 1.44 at 7B-128K (README, "calibration");
+          reproduces the paper's Plain-4D imbalance of 1.44 at 7B-128K (docs/profiling.md);
           with FA2-class values such as 0.60 / 0.45 no distribution with the paper's short-
           document share exceeds about 1.3. Replace them with `wlb-opt profile` on a GPU.
         - "h200": same compute as H100, HBM3e 4.8 TB/s.
