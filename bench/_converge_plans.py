@@ -2,7 +2,7 @@
 
 Every ordering gets the same global batches (`stream_batches`: the training documents of the
 corpus in a seeded order, cut into batches of `tokens_per_batch` tokens, documents longer than
-the window cut into window-sized pieces, `wlb_opt.data.global_batches`) and returns the plans
+the window cut into window-sized pieces, `wlb_opt.workloads.global_batches`) and returns the plans
 of its training steps, each a PackPlan holding that step's micro-batches:
 
 - "single":   `solve_pack(method="fixed")` on each global batch alone: fixed-length micro-batches
@@ -28,10 +28,10 @@ from typing import Sequence
 import numpy as np
 
 from ..cost import CostModel
-from ..data import GlobalBatch, global_batches
-from ..pack import solve_pack
 from ..packer import WLBPacker
 from ..plan import PackPlan, imbalance
+from ..step_pack import solve_pack
+from ..workloads import GlobalBatch, global_batches
 from .data import run_packer
 
 ORDERINGS = ("single", "fixed-8", "wlb", "original")

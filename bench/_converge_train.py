@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..cost import CostModel
-from ..docs import split_documents
-from ..pack import solve_pack
+from ..documents import split_documents
 from ..specs import HardwareSpec, ModelSpec, ParallelSpec
+from ..step_pack import solve_pack
 from . import _converge_plans as plans_mod
 from .corpus import TextCorpus, read_corpus
 

@@ -28,12 +28,12 @@ from pathlib import Path
 import numpy as np
 
 from ..cost import CostModel
-from ..data import DEFAULT_SEED, global_batches
+from ..cost_args import count, natural
 from ..kernels import work_model as wm
-from ..pack import solve_pack
 from ..shard import solve_shard
 from ..specs import HardwareSpec, ModelSpec, ParallelSpec
-from ..cost_args import count, natural
+from ..step_pack import solve_pack
+from ..workloads import DEFAULT_SEED, global_batches
 from ._provenance import provenance
 
 # The first candidate configs for head dim 128 (kernels/launch.py); one program per SM each

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data import DEFAULT_SEED, document_stream
-from ..shard import solve_shard
 from ..cost_args import count
+from ..shard import solve_shard
+from ..workloads import DEFAULT_SEED, document_stream
 from ._provenance import provenance
 
 

@@ -2,9 +2,9 @@
 calibration report of the length data, and the builder of the real length file.
 
 The distributions themselves (`sample_documents`, `document_stream`, `global_batches`, the
-"real" file) live in the core module `wlb_opt.data`, so the CLI and the examples use them
-without importing the benchmarks. What sits here needs the planners, which the core data
-module may not import:
+"real" file) live in the core module `wlb_opt.workloads`, so the CLI and the examples use them
+without importing the benchmarks. What sits here needs the planners, which that module may
+not import:
 
 - `carried_plans`: one `solve_pack` per global batch (or pool of k batches), the deferred
   pieces carried to the front of the next one (Table 2's pooled rows, e2e's Plain-4D and
@@ -31,12 +31,12 @@ import numpy as np
 
 from .._optional import progress
 from ..cost import CostModel
-from ..data import DEFAULT_SEED, REAL_FILE, GlobalBatch, document_stream, kind_file
-from ..docs import split_documents
-from ..pack import solve_pack
+from ..cost_args import count, natural
+from ..documents import split_documents
 from ..plan import PackPlan, imbalance
 from ..specs import HardwareSpec, ModelSpec, ParallelSpec
-from ..cost_args import count, natural
+from ..step_pack import solve_pack
+from ..workloads import DEFAULT_SEED, REAL_FILE, GlobalBatch, document_stream, kind_file
 
 CALIBRATION_TARGETS = dict(short_doc_token_share="> 0.75 (paper §2)", original_imbalance_mean="1.44 (paper Table 2)")
 
@@ -164,7 +164,7 @@ def make_kind_lengths(roots=None) -> dict[str, np.ndarray]:
 
 
 def calibration_report(steps: int = 300, seed: int = 0) -> dict:
-    """The two calibration targets of the default distribution (see `wlb_opt.data`):
+    """The two calibration targets of the default distribution (see `wlb_opt.workloads`):
     the token share of documents under half the window, and the mean PP imbalance of
     Plain-4D on consecutive sequences of the stream (7B, (8, 2, 4, 1), H100, N = 4)."""
 

@@ -32,13 +32,13 @@ import numpy as np
 
 from .._optional import progress
 from ..cost import CostModel
-from ..data import DEFAULT_SEED, DISTRIBUTIONS, document_stream, global_batches
-from ..docs import load_lengths, split_documents
-from ..pack import PACK_METHODS, solve_pack
+from ..documents import load_lengths, split_documents
 from ..plan import PackPlan
 from ..simulate import simulate_step
 from ..solvers.deal import refine_replicas
 from ..specs import HardwareSpec, ModelSpec, ParallelSpec
+from ..step_pack import PACK_METHODS, solve_pack
+from ..workloads import DEFAULT_SEED, DISTRIBUTIONS, document_stream, global_batches
 from .data import carried_plans, run_packer
 from ..cost_args import count, natural
 from ._provenance import provenance

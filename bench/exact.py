@@ -29,9 +29,9 @@ import numpy as np
 
 from .._optional import progress
 from ..cost_args import add_cost_args, cost_from_args, count, fraction, natural, seconds
-from ..data import DEFAULT_SEED, DISTRIBUTIONS, document_stream, global_batches
-from ..pack import solve_pack
 from ..solvers.bounds import makespan_lower_bound
+from ..step_pack import solve_pack
+from ..workloads import DEFAULT_SEED, DISTRIBUTIONS, document_stream, global_batches
 from ._provenance import provenance
 
 DOCS = (64, 256, 1024, 4096)
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     file_lengths = None
     if args.lengths:
-        from ..docs import load_lengths
+        from ..documents import load_lengths
 
         file_lengths = load_lengths(args.lengths)
         dists = ["file"]

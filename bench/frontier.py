@@ -8,7 +8,7 @@ of them (early = the largest lookahead, late = the longest wait of an outlier, a
 so that each heuristic's plans are a point of the model: `plan_solution` maps them exactly
 and `solution_violation` checks the point against every row (a violation aborts the run),
 and the points are the MIP starts. For each displacement budget the MILP of
-`wlb_opt.solvers.frontier` (HiGHS, `--time-limit` seconds) gives a proven lower bound on the
+`wlb_opt.solvers.frontier_milp` (HiGHS, `--time-limit` seconds) gives a proven lower bound on the
 sum over steps of the largest micro-batch's forward cost, valid for every plan within the
 budget and window, including plans that move short documents (see that module).
 
@@ -41,13 +41,13 @@ from pathlib import Path
 import numpy as np
 
 from ..cost_args import add_cost_args, cost_from_args, count, natural, seconds
-from ..data import DEFAULT_SEED, DISTRIBUTIONS, global_batches
-from ..docs import load_lengths
-from ..pack import solve_pack
+from ..documents import load_lengths
 from ..packer import PackerConfig, WLBPacker, per_step_imbalance
 from ..solvers.bounds import delay_floor
-from ..solvers.frontier import (aggregate_imbalance, frontier_problem, plan_solution, solution_violation,
-                                solve_frontier)
+from ..solvers.frontier_milp import (aggregate_imbalance, frontier_problem, plan_solution, solution_violation,
+                                     solve_frontier)
+from ..step_pack import solve_pack
+from ..workloads import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from .data import run_packer
 from ._provenance import provenance
 

@@ -6,7 +6,7 @@
 
 Cases (same tensors for every method, bf16, Hq=32, Hkv=8, head dim 128 by default):
   packed  micro-batches of 8K..128K tokens cut from the "default" length distribution
-          (wlb_opt.data), one segment per document;
+          (wlb_opt.workloads), one segment per document;
   single  one causal document of 4K..128K tokens;
   scaling 32K tokens of equal documents of 512..32K tokens: time should follow sum(d^2).
 Methods: ours (Triton), SDPA called once per document (is_causal, K/V expanded for GQA),
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data import document_stream
 from ..cost_args import count, natural, seconds
+from ..workloads import document_stream
 from ._provenance import provenance
 
 _DEFAULT_PACKED = [8192, 16384, 32768, 65536, 131072]

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from ..cost_args import add_cost_args, cost_from_args, count, natural
-from ..data import DISTRIBUTIONS, global_batch
-from ..pack import PACK_METHODS, solve_pack
+from ..step_pack import PACK_METHODS, solve_pack
+from ..workloads import DISTRIBUTIONS, global_batch
 from ._provenance import provenance
 
 

@@ -2,7 +2,7 @@
 
 Table 2 runs one 200-step stream; a single stream holds only ~100 outliers, so one stream's
 imbalance and delay are noisy. This runs each setting on `--seeds` independent streams of
-the same distribution (the global batches of `wlb_opt.data.global_batches`, seed
+the same distribution (the global batches of `wlb_opt.workloads.global_batches`, seed
 DEFAULT_SEED + s) and reports per-stream and mean PP imbalance (max/mean forward time per
 step, averaged over the steps after a `--warmup` of 20) and displacement per token (mean
 |training step - arrival step|, token-weighted, after `drain()`; the delay per token without
@@ -31,9 +31,9 @@ import numpy as np
 
 from .._optional import progress
 from ..cost_args import add_cost_args, cost_from_args, count, natural
-from ..data import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from ..packer import PackerConfig, WLBPacker, per_step_imbalance
 from ..solvers.bounds import delay_floor
+from ..workloads import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from .data import run_packer
 from ._provenance import provenance
 

@@ -28,10 +28,10 @@ import numpy as np
 
 from .._optional import progress
 from ..cost_args import add_cost_args, cost_from_args, count, natural, seconds
-from ..data import DEFAULT_SEED, REAL_FILE, document_stream, global_batches, sample_documents
-from ..docs import load_lengths, split_documents
-from ..pack import PACK_METHODS, solve_pack
+from ..documents import load_lengths, split_documents
 from ..shard import SHARD_STRATEGIES, cut_or_whole_lower_bound, solve_shard
+from ..step_pack import PACK_METHODS, solve_pack
+from ..workloads import DEFAULT_SEED, REAL_FILE, document_stream, global_batches, sample_documents
 from ._provenance import provenance
 
 NOTE = ("predictions of the cost model; its attention-efficiency table is a placeholder "

@@ -2,7 +2,7 @@
 
 Setup (paper §7.4): the 7B model with (tp, cp, pp, dp) = (8, 2, 4, 1) on H100, window 131072,
 N = 4 micro-batches per step, variable-length S_max = 1.25 x window. One stream of global
-batches (N x window tokens each, `wlb_opt.data.global_batches`) feeds every row:
+batches (N x window tokens each, `wlb_opt.workloads.global_batches`) feeds every row:
 
 - original:            data order, fixed-length sequences ("original"), deferred pieces carried.
 - fixed greedy k:      pool k global batches (plus the carry), pack k x N fixed-length
@@ -45,11 +45,11 @@ from pathlib import Path
 import numpy as np
 
 from ..cost_args import add_cost_args, cost_from_args, count, natural, seconds
-from ..data import DEFAULT_SEED, DISTRIBUTIONS, global_batches
-from ..docs import load_lengths
-from ..pack import solve_pack
+from ..documents import load_lengths
 from ..packer import PackerConfig, WLBPacker, per_step_imbalance
 from ..plan import imbalance
+from ..step_pack import solve_pack
+from ..workloads import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from .data import carried_plans, run_packer
 from ._provenance import provenance
 

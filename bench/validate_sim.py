@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..pack import PACK_METHODS
 from ..cost_args import count, natural
+from ..step_pack import PACK_METHODS
 from ._provenance import provenance
 
 
@@ -53,7 +53,7 @@ def _setup(args: dict):
 
     import wlb_opt as wlb
     import wlb_opt.executor as ex
-    from wlb_opt.data import global_batches
+    from wlb_opt.workloads import global_batches
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ Every rank runs the same deterministic planner (WLBPacker: variable-length packi
 outlier delay) on the same document stream, checks that all ranks hold the same plan, shards
 each micro-batch for CP (solve_shard, adaptive), and runs one training step whose loss is
 normalised over the whole global batch. Documents are synthetic token sequences, with
-lengths from the built-in "default" distribution (`wlb_opt.data`) scaled to the window.
+lengths from the built-in "default" distribution (`wlb_opt.workloads`) scaled to the window.
 The layout is built once (a ParallelSpec inside the cost model); the packer and the sharding
 read their degrees from `cost.parallel`. `--virtual-stages v` runs the interleaved 1F1B
 schedule with v model chunks per rank. `--check-reference` trains in fp64 with SGD and then
@@ -32,7 +32,7 @@ import torch.distributed as dist
 import wlb_opt as wlb
 import wlb_opt.executor as ex
 from wlb_opt.batch import pack_tokens, packed_labels, packed_positions, target_tokens
-from wlb_opt.data import sample_documents
+from wlb_opt.workloads import sample_documents
 from wlb_opt.shard import SHARD_STRATEGIES
 
 

@@ -4,12 +4,12 @@
 triton: triton is imported on the first call that uses the Triton backend, so CPU-only
 processes and the torch backend never pay for it (and a missing triton only fails there).
 
-Note: the name ``doc_attention`` here is the function; the module that defines it is
-``importlib.import_module("wlb_opt.kernels.doc_attention")``.
+``wlb_opt.kernels.doc_attention`` is the function; the module that defines it, with its
+``torch.library`` custom ops, is ``wlb_opt.kernels.attention_ops``.
 """
 from __future__ import annotations
 
-from .doc_attention import BACKENDS, TRITON_HEAD_DIMS, doc_attention
+from .attention_ops import BACKENDS, TRITON_HEAD_DIMS, doc_attention
 from .reference import attention_per_segment, attention_reference, segment_mask
 from .segments import attention_flops, segments_from_lengths, validate_segments, visible_pairs
 

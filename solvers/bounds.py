@@ -134,7 +134,7 @@ def delay_floor(batches, n_micro: int, max_tokens: int) -> float:
     piece trains at or after the step it arrives in), whatever it does about balance.
 
     `batches` are the stream's global batches in order (arrays of piece lengths, or the
-    (pieces, ids, offsets) tuples of `wlb_opt.data.global_batches`); `n_micro` is the
+    (pieces, ids, offsets) tuples of `wlb_opt.workloads.global_batches`); `n_micro` is the
     micro-batches of one step (with dp replicas: dp x n_micro). Two capacity limits force
     waiting, and the floor is the larger of the two:
 

@@ -87,26 +87,26 @@ class ExactOptions:
 
 
 def validate_hint(problem: PackProblem, bins, allow_defer: bool) -> np.ndarray:
-    """Check a user hint; returns the deferred positions it implies."""
+    """Check a user hint; returns the deferred piece indices it implies."""
     n, m = problem.n_items, problem.n_bins
     if len(bins) != m:
         raise ValueError(f"hint must list {m} micro-batches (dp * n_micro), got {len(bins)}")
     count = np.zeros(n, dtype=np.int64)
     for j, b in enumerate(bins):
         if b.size and (b.min() < 0 or b.max() >= n):
-            raise ValueError(f"hint micro-batch {j} has positions outside 0..{n - 1}: {b.tolist()}")
+            raise ValueError(f"hint micro-batch {j} has piece indices outside 0..{n - 1}: {b.tolist()}")
         np.add.at(count, b, 1)
         tok = int(problem.lengths[b].sum())
         if tok > problem.max_tokens:
             raise ValueError(f"hint micro-batch {j} holds {tok} tokens > max_tokens={problem.max_tokens}")
     if (count > 1).any():
-        raise ValueError(f"hint places positions {np.flatnonzero(count > 1).tolist()} more than once")
+        raise ValueError(f"hint places piece indices {np.flatnonzero(count > 1).tolist()} more than once")
     deferred = np.flatnonzero(count == 0)
     if deferred.size and not allow_defer:
-        raise ValueError(f"hint leaves positions {deferred.tolist()} unplaced; every document must be placed "
+        raise ValueError(f"hint leaves piece indices {deferred.tolist()} unplaced; every document must be placed "
                          "unless allow_defer=True")
     if deferred.size and (deferred < problem.carried).any():
-        raise ValueError(f"hint defers carried positions {deferred[deferred < problem.carried].tolist()}")
+        raise ValueError(f"hint defers carried piece indices {deferred[deferred < problem.carried].tolist()}")
     return deferred
 
 

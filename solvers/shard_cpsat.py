@@ -1,6 +1,6 @@
 """Exact cut-or-whole CP sharding with OR-Tools CP-SAT: the quality reference for "hybrid".
 
-The decision is hybrid's (see `solvers.shard.hybrid_assign`): each document is either cut
+The decision is hybrid's (see `solvers.chunk_rules.hybrid_assign`): each document is either cut
 per document, adding the fixed row cut_cost[i, :] to the ranks, or placed whole on one rank
 r, adding whole_cost[i] to rank r only. Minimise the largest rank load, with every rank
 holding at most `token_cap` tokens.
@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from .._optional import require
-from .shard import decision_arrays
+from .chunk_rules import decision_arrays
 
 SCALE_TARGET = 1e8
 

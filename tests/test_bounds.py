@@ -149,7 +149,7 @@ def test_delay_floor_serves_the_longest_waiting_piece_first_and_carries_the_toke
 
 
 def test_delay_floor_counts_tokens_over_a_steps_capacity_and_takes_global_batches():
-    from wlb_opt.data import global_batches
+    from wlb_opt.workloads import global_batches
     # 30 short pieces of 4 tokens into one step of 2 x 10 tokens: 100 tokens wait 1 step, 80 wait 2, ...
     batches = [np.full(30, 4)]
     assert bounds.delay_floor(batches, 2, 10) == pytest.approx((100 + 80 + 60 + 40 + 20) / 120)

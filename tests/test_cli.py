@@ -130,7 +130,7 @@ def test_imports_point_one_way():
             if folder != "bench":
                 bad |= {m for m in mods if m == "wlb_opt.bench" or m.startswith("wlb_opt.bench.")}
             assert not bad, f"{path.relative_to(root)} imports {sorted(bad)}"
-    assert "wlb_opt.data" in _imports_of(root / "wlb_opt" / "cli.py")
+    assert "wlb_opt.workloads" in _imports_of(root / "wlb_opt" / "cli.py")
 
 
 def test_benchmarks_are_discovered_by_name(capsys):

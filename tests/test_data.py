@@ -1,4 +1,4 @@
-"""Length data (`wlb_opt.data`), the shared cost-model options (`wlb_opt.cost_args`), and the
+"""Length data (`wlb_opt.workloads`), the shared cost-model options (`wlb_opt.cost_args`), and the
 bench-side stream helpers (`wlb_opt.bench.data`)."""
 import argparse
 import json
@@ -9,25 +9,26 @@ import numpy as np
 import pytest
 
 import wlb_opt as wlb
-from wlb_opt import data
+from wlb_opt import workloads
 from wlb_opt.cost_args import add_cost_args, cost_from_args, layout_from_args
 
 
 def test_core_data_module_imports_no_planner_or_benchmark():
-    code = ("import sys, wlb_opt.data as d; d.global_batch('default', 4096, 16384); "
-            "bad = [m for m in sys.modules if m.startswith(('wlb_opt.bench', 'wlb_opt.pack', 'wlb_opt.solvers', "
-            "'wlb_opt.cli', 'wlb_opt.shard', 'wlb_opt.simulate'))]; print(bad); sys.exit(1 if bad else 0)")
+    code = ("import sys, wlb_opt.workloads as d; d.global_batch('default', 4096, 16384); "
+            "bad = [m for m in sys.modules if m.startswith(('wlb_opt.bench', 'wlb_opt.pack', 'wlb_opt.step_pack', "
+            "'wlb_opt.solvers', 'wlb_opt.cli', 'wlb_opt.shard', 'wlb_opt.simulate'))]; print(bad); "
+            "sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_global_batches_cut_one_stream_into_consecutive_batches():
     window, per_batch = 8192, 4 * 8192
-    batches = data.global_batches("default", window, per_batch, 5, seed=3)
+    batches = workloads.global_batches("default", window, per_batch, 5, seed=3)
     assert len(batches) == 5
     per_batch_ids = [set(np.unique(b[1]).tolist()) for b in batches]
     assert sum(map(len, per_batch_ids)) == len(set().union(*per_batch_ids))  # a document is in one batch only
-    stream = data.document_stream(per_batch * 5, "default", 3)
+    stream = workloads.document_stream(per_batch * 5, "default", 3)
     for pieces, piece_ids, offsets in batches:
         assert pieces.max() <= window and pieces.min() >= 1
         # every document of the batch is there, cut into pieces that add up to it
@@ -35,20 +36,20 @@ def test_global_batches_cut_one_stream_into_consecutive_batches():
             assert pieces[piece_ids == doc].sum() == stream[doc]
             assert offsets[piece_ids == doc][0] == 0
     # the same seed gives the same batches
-    again = data.global_batch("default", window, per_batch, seed=3)
+    again = workloads.global_batch("default", window, per_batch, seed=3)
     assert all(np.array_equal(a, b) for a, b in zip(again, batches[0]))
 
 
 def test_distributions_and_errors():
-    assert set(data.DISTRIBUTIONS) == {"default", "light", "heavy", "real", "code", "prose"}
-    assert data.sample_documents(100, "light", seed=1).min() >= 1
+    assert set(workloads.DISTRIBUTIONS) == {"default", "light", "heavy", "real", "code", "prose"}
+    assert workloads.sample_documents(100, "light", seed=1).min() >= 1
     with pytest.raises(ValueError, match="unknown length distribution"):
-        data.sample_documents(10, "pareto")
+        workloads.sample_documents(10, "pareto")
 
 
 def test_heavy_has_the_default_body_and_a_heavier_longer_tail():
     n = 200_000
-    default, heavy = data.sample_documents(n, "default", seed=5), data.sample_documents(n, "heavy", seed=5)
+    default, heavy = workloads.sample_documents(n, "default", seed=5), workloads.sample_documents(n, "heavy", seed=5)
     # the same body: the medians agree (the tail holds well under 1% of documents)
     assert abs(np.median(heavy) / np.median(default) - 1) < 0.05
     # twice the tail probability, spanning [32768, 524288] (documents up to four windows)
@@ -58,10 +59,10 @@ def test_heavy_has_the_default_body_and_a_heavier_longer_tail():
 
 
 def test_real_distribution_reads_the_file_shipped_inside_the_package():
-    assert data.REAL_FILE.parent.name == "wlb_opt" and data.REAL_FILE.exists()
-    real = data.real_lengths()
+    assert workloads.REAL_FILE.parent.name == "wlb_opt" and workloads.REAL_FILE.exists()
+    real = workloads.real_lengths()
     assert real.dtype == np.int64 and len(real) > 1000
-    assert set(data.sample_documents(200, "real", seed=0)) <= set(real.tolist())
+    assert set(workloads.sample_documents(200, "real", seed=0)) <= set(real.tolist())
 
 
 def _parser(**kw) -> argparse.ArgumentParser:
@@ -121,7 +122,7 @@ def test_carried_plans_place_every_token_once():
     from wlb_opt.bench.data import carried_plans
 
     cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), wlb.ParallelSpec(pp=2))
-    batches = data.global_batches("default", 4096, 2 * 4096, 6, seed=1)
+    batches = workloads.global_batches("default", 4096, 2 * 4096, 6, seed=1)
     plans = [plan for plan, seconds in carried_plans(batches, 2, 4096, cost, "original", pool=2)]
     assert len(plans) == 3
     placed = sum(p.placed_tokens for p in plans) + plans[-1].deferred_tokens
@@ -132,7 +133,7 @@ def test_run_packer_streams_then_drains():
     from wlb_opt.bench.data import run_packer
 
     cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), wlb.ParallelSpec(pp=2))
-    batches = data.global_batches("default", 4096, 2 * 4096, 5, seed=2)
+    batches = workloads.global_batches("default", 4096, 2 * 4096, 5, seed=2)
     run = run_packer(wlb.WLBPacker(2, 5120, cost, config=wlb.PackerConfig(thresholds=[2048], max_delay=4)), batches)
     assert len(run.plans) == len(run.seconds) == 5
     total = sum(p.placed_tokens for p in run.plans + run.drained)
@@ -143,17 +144,17 @@ def test_run_packer_streams_then_drains():
 
 @pytest.mark.parametrize("kind", ["code", "prose"])
 def test_code_and_prose_distributions_read_the_files_shipped_in_bench(kind):
-    path = data.kind_file(kind)
+    path = workloads.kind_file(kind)
     assert path.parent.name == "bench" and path.exists()
-    lengths = data.kind_lengths(kind)
+    lengths = workloads.kind_lengths(kind)
     assert lengths.dtype == np.int64 and len(lengths) > 1000 and lengths.min() >= 16
-    assert set(data.sample_documents(200, kind, seed=0)) <= set(lengths.tolist())
+    assert set(workloads.sample_documents(200, kind, seed=0)) <= set(lengths.tolist())
     with pytest.raises(ValueError, match="kind must be one of"):
-        data.kind_file("poetry")
+        workloads.kind_file("poetry")
 
 
 def test_code_and_prose_differ_in_shape():
-    code, prose = data.kind_lengths("code"), data.kind_lengths("prose")
+    code, prose = workloads.kind_lengths("code"), workloads.kind_lengths("prose")
     # prose: shorter typical file, heavier tail (more of its files are outliers)
     assert np.median(prose) < 0.6 * np.median(code)
     assert np.mean(prose >= 32768) > 2 * np.mean(code >= 32768)

@@ -6,7 +6,7 @@ import pytest
 from conftest import unit_cost
 
 import wlb_opt as wlb
-from wlb_opt import data
+from wlb_opt import workloads
 from wlb_opt.packer import PackerConfig, WLBPacker
 from wlb_opt.packer import defaults as d
 from wlb_opt.packer.state import HeldPiece
@@ -99,7 +99,7 @@ def test_bad_default_arguments(kwargs, match):
 def test_default_packer_trains_every_document_once_on_the_default_distribution():
     cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=1),
                                   wlb.HardwareSpec.preset("h100"))
-    batches = data.global_batches("default", 131072, 4 * 131072, 12, seed=data.DEFAULT_SEED + 100)
+    batches = workloads.global_batches("default", 131072, 4 * 131072, 12, seed=workloads.DEFAULT_SEED + 100)
     packer = WLBPacker(4, 163840, cost)
     plans = [packer.pack(*b) for b in batches] + packer.drain()
     placed = sorted((int(p.doc_ids[i]), int(p.offsets[i])) for p in plans for mb in p.micro_batches for i in mb)
@@ -273,7 +273,7 @@ def test_calibration_on_the_timed_cases_chooses_what_running_every_candidate_cho
                                   wlb.HardwareSpec.preset("h100"))
     packer = WLBPacker(4, 163840, cost,
                        config=PackerConfig(thresholds="auto", n_queues=2, lookahead=3, release="marginal", max_delay=2))
-    lengths, ids, offsets = data.global_batch("default", 131072, 8 * 131072)
+    lengths, ids, offsets = workloads.global_batch("default", 131072, 8 * 131072)
     packer.pack(lengths, ids, offsets)
     assert packer.thresholds == [35473, 43641]
 

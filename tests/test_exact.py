@@ -338,7 +338,7 @@ def test_bad_exact_options():
         wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", alow_defer=True)
     with pytest.raises(ValueError, match="gap_limit"):
         wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", gap_limit=2.0)
-    with pytest.raises(ValueError, match="hint leaves positions \\[1\\]"):
+    with pytest.raises(ValueError, match="hint leaves piece indices \\[1\\]"):
         wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", hint=[[0], []])
     with pytest.raises(ValueError, match="more than once"):
         wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", hint=[[0, 1], [1]])

@@ -1,4 +1,4 @@
-"""The frontier MILP (`wlb_opt.solvers.frontier`): its bound never exceeds the optimum of
+"""The frontier MILP (`wlb_opt.solvers.frontier_milp`): its bound never exceeds the optimum of
 whole-piece plans found by enumerating every (step, micro-batch) of every piece (an
 independent reference), its optimum equals the enumeration of its own outlier steps, every
 packer plan maps onto a feasible point of the model whose value is the plan's own sum of
@@ -15,8 +15,8 @@ from conftest import unit_cost
 pytest.importorskip("highspy")
 
 from wlb_opt.packer import PackerConfig, WLBPacker  # noqa: E402
-from wlb_opt.solvers.frontier import (aggregate_imbalance, brute_force_frontier, filler_classes,  # noqa: E402
-                                      frontier_problem, plan_solution, solution_violation, solve_frontier)
+from wlb_opt.solvers.frontier_milp import (aggregate_imbalance, brute_force_frontier, filler_classes,  # noqa: E402
+                                           frontier_problem, plan_solution, solution_violation, solve_frontier)
 
 COST = unit_cost(attn=1e-4, linear=1e-3, doc_const=1e-3)
 
@@ -165,21 +165,21 @@ def test_random_whole_piece_plans_satisfy_every_row_of_the_model(seed, monkeypat
     """Validity row by row, the grouping cuts included (the stream is dense enough that a
     group of big outliers pushes filler out of its step): random plans that move outliers
     and short pieces alike, early and late, map onto points the model admits."""
-    from wlb_opt.solvers import frontier
+    from wlb_opt.solvers import frontier_milp
 
     rng = np.random.default_rng(seed)
     batches = tiny_stream(rng, n_steps=8, n_outliers=10, n_short=(8, 14))
     n_micro, cap, early, late = 2, 120, 2, 3
     problem = frontier_problem(batches, fwd, n_micro, cap, outlier_min=40, early=early, late=late)
     cuts = []
-    real_cuts = frontier._grouping_cuts
+    real_cuts = frontier_milp._grouping_cuts
 
     def counting(m, *args):
         before = len(m.row_lo)
         real_cuts(m, *args)
         cuts.append(len(m.row_lo) - before)
 
-    monkeypatch.setattr(frontier, "_grouping_cuts", counting)
+    monkeypatch.setattr(frontier_milp, "_grouping_cuts", counting)
     found = 0
     for _ in range(40):
         plans = random_plans(rng, batches, n_micro, cap, early, problem.n_slots, late)

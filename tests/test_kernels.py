@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from wlb_opt.kernels import attention_reference, doc_attention, segment_mask, segments_from_lengths  # noqa: E402
 from wlb_opt.kernels.launch import forced_configs
 
-da = importlib.import_module("wlb_opt.kernels.doc_attention")
+da = importlib.import_module("wlb_opt.kernels.attention_ops")
 
 BACKENDS = ["triton", "torch"]
 DTYPES = [torch.float32, torch.float16]

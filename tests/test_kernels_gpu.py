@@ -24,7 +24,7 @@ pytestmark = [
                        reason="GPU tests need TRITON_INTERPRET=0 (compiled kernels)"),
 ]
 launch = importlib.import_module("wlb_opt.kernels.launch")
-da = importlib.import_module("wlb_opt.kernels.doc_attention")
+da = importlib.import_module("wlb_opt.kernels.attention_ops")
 
 
 def _qkv(n_q, n_k, hq, hkv, d, dtype, seed=0):

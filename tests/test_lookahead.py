@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from conftest import unit_cost as _unit_cost
 
 import wlb_opt as wlb
-from wlb_opt.data import DEFAULT_SEED, global_batches
+from wlb_opt.workloads import DEFAULT_SEED, global_batches
 from wlb_opt.packer import PackerConfig, WLBPacker
 
 COST = _unit_cost(1e-6, 1e-3, backward=True)

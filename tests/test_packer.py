@@ -209,7 +209,7 @@ def test_checkpoint_at_any_step_resumes_to_identical_plans(seed, cut, max_delay,
 def test_two_processes_with_the_same_seed_agree():
     code = (
         "import numpy as np, wlb_opt as wlb\n"
-        "from wlb_opt.data import global_batches\n"
+        "from wlb_opt.workloads import global_batches\n"
         "cost = wlb.CostModel.analytic(wlb.ModelSpec.preset('7b'), wlb.ParallelSpec(tp=8, cp=2, pp=4), "
         "wlb.HardwareSpec.preset('h100'))\n"
         "p = wlb.WLBPacker(4, 163840, cost, thresholds='auto', seed=5)\n"
@@ -232,7 +232,7 @@ def test_calibration_is_deterministic_and_recorded():
 
 
 def test_delay_reduces_imbalance_on_the_default_distribution():
-    from wlb_opt.data import global_batches
+    from wlb_opt.workloads import global_batches
     from wlb_opt.packer import per_step_imbalance
 
     cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4),

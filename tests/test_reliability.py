@@ -18,7 +18,7 @@ COST = unit_cost(attn=1e-3, linear=1e-2)
 # ---------------------------------------------------------------- kernels
 def test_triton_path_refuses_int64_segments_that_would_wrap_in_int32():
     torch = pytest.importorskip("torch")
-    from wlb_opt.kernels.doc_attention import _segments_tensor
+    from wlb_opt.kernels.attention_ops import _segments_tensor
 
     # (0, 16, 2**32, 16) used to run as (0, 16, 0, 16), and k_len = 2**32 + 16 as 16
     for row in ([0, 16, 2**32, 16], [0, 16, 0, 2**32 + 16], [-2**32, 16, 0, 16]):

@@ -194,7 +194,7 @@ def test_stream_soak_ten_thousand_steps_with_resumes():
 # ---------------------------------------------------------------------- capacity
 
 def capacity_run(lookahead: int, n_steps: int) -> None:
-    from wlb_opt.data import sample_documents
+    from wlb_opt.workloads import sample_documents
 
     lengths = sample_documents(6 * n_steps, "default", seed=17 + lookahead)
     docs = ((i, np.full(int(n), i % 1000, dtype=np.int64)) for i, n in enumerate(lengths))
@@ -474,7 +474,7 @@ def test_after_a_source_error_the_stream_refuses_to_go_on():
 
 
 def test_an_overloaded_stream_resumes_with_a_larger_backlog_limit():
-    from wlb_opt.data import sample_documents
+    from wlb_opt.workloads import sample_documents
 
     lengths = np.minimum(sample_documents(400, "default", seed=4), 6000)
     docs = pairs(lengths.tolist())

@@ -41,9 +41,9 @@ def _bench_names() -> list[str]:
 
 def _pack(argv: list[str]) -> int:
     from .cost_args import add_cost_args, cost_from_args
-    from .data import DISTRIBUTIONS, global_batch
-    from .docs import load_lengths, split_documents
-    from .pack import PACK_METHODS, solve_pack
+    from .documents import load_lengths, split_documents
+    from .step_pack import PACK_METHODS, solve_pack
+    from .workloads import DISTRIBUTIONS, global_batch
 
     p = argparse.ArgumentParser(prog="wlb-opt pack", description="Pack one global batch and print the micro-batches.")
     src = p.add_mutually_exclusive_group(required=True)

@@ -84,13 +84,13 @@ class SolveInfo:
 
 @dataclass(frozen=True)
 class PackPlan:
-    """One step's packing. Positions index the plan's own arrays (doc_ids, lengths, offsets).
+    """One step's packing. Piece indices index the plan's own arrays (doc_ids, lengths, offsets).
 
     - `doc_ids[i]`, `lengths[i]`, `offsets[i]`: piece i is tokens [offsets[i], offsets[i] +
       lengths[i]) of document doc_ids[i]. Pieces of one document share its id.
-    - `micro_batches[j]`: positions of the pieces in micro-batch j, in packed order
+    - `micro_batches[j]`: piece indices of micro-batch j, in packed order
       (dp * n_micro of them; `replica_of[j]` is the DP replica that runs it).
-    - `deferred`: positions not placed this step (carried to the next).
+    - `deferred`: piece indices not placed this step (carried to the next).
     - `loads[j]`: modelled seconds of micro-batch j (cost.micro_batch_cost), `tokens[j]` its
       token count; `imbalance` = max / mean of loads.
     - `step`: the training step the plan is for (set by `WLBPacker`), `arrival_step[i]`: the
@@ -259,7 +259,7 @@ def check_pack(plan: PackPlan, lengths, max_tokens: int, ids=None, offsets=None,
     """Check `plan` against the input it was made from; raise PlanError on any violation.
 
     Independent of every solver: it only counts tokens (in exact integers). It checks that
-    - micro-batch and deferred positions are valid, and every piece is used exactly once;
+    - micro-batch and deferred piece indices are valid, and every piece is used exactly once;
     - there are dp * n_micro micro-batches, n_micro per replica;
     - no micro-batch holds more than `max_tokens` tokens, and `plan.tokens` matches;
     - the plan's pieces are the input's pieces, (id, offset, length) for (id, offset, length):
@@ -295,7 +295,7 @@ def check_pack(plan: PackPlan, lengths, max_tokens: int, ids=None, offsets=None,
     for j, mb in enumerate(plan.micro_batches):
         mb = np.asarray(mb, dtype=np.int64)
         if mb.size and (mb.min() < 0 or mb.max() >= n_pieces):
-            raise PlanError(f"micro-batch {j} has positions outside [0, {n_pieces})")
+            raise PlanError(f"micro-batch {j} has piece indices outside [0, {n_pieces})")
         np.add.at(used, mb, 1)
         tok = sum(plan.lengths[mb].tolist())  # Python ints: an int64 sum could wrap past max_tokens
         if tok != int(plan.tokens[j]):
@@ -308,7 +308,7 @@ def check_pack(plan: PackPlan, lengths, max_tokens: int, ids=None, offsets=None,
                 raise PlanError(f"micro-batch {j}: load {plan.loads[j]} != micro_batch_cost {expect}")
     deferred = np.asarray(plan.deferred, dtype=np.int64)
     if deferred.size and (deferred.min() < 0 or deferred.max() >= n_pieces):
-        raise PlanError(f"deferred has positions outside [0, {n_pieces})")
+        raise PlanError(f"deferred has piece indices outside [0, {n_pieces})")
     np.add.at(used, deferred, 1)
     if np.any(used != 1):
         bad = np.flatnonzero(used != 1)[:5]
@@ -431,7 +431,7 @@ class ShardPlan:
       `requested`: the one asked for ("adaptive" may take "per_seq" or "per_doc").
     - `chunks`: the compact description every other field is derived from: int64 rows
       (rank, doc, start, length), tokens [start, start + length) of document `doc`
-      (`CHUNK_COLUMNS`; the chunk rules in `wlb_opt.solvers.shard` use the same order).
+      (`CHUNK_COLUMNS`; the chunk rules in `wlb_opt.solvers.chunk_rules` use the same order).
 
     Frozen like PackPlan: arrays read-only, per-rank lists are tuples.
     """

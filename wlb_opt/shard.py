@@ -2,14 +2,14 @@
 
 Paper §4. Context parallelism with an all-gather of K/V (Llama 3 style) gives every rank a
 share of the queries; ranks are synchronous, so the micro-batch takes as long as its slowest
-rank. Strategies (all padding-free; the chunk rules are in `wlb_opt.solvers.shard`):
+rank. Strategies (all padding-free; the chunk rules are in `wlb_opt.solvers.chunk_rules`):
 
 - "per_seq":  head-tail over the whole packed sequence (Llama 3, Plain-4D's CP).
 - "per_doc":  head-tail inside every document, remainders round-robin (§4.1).
 - "adaptive": per micro-batch, the one of per_seq / per_doc with the lower predicted
               max-rank time (§4.3; the prediction takes the max over ranks).
 - "hybrid":   beyond the paper: per document, cut it (per_doc) or place it whole on one
-              rank (`solvers.shard.hybrid_assign`); never predicts worse than "adaptive",
+              rank (`solvers.chunk_rules.hybrid_assign`); never predicts worse than "adaptive",
               because the best of {hybrid decision, per_doc, per_seq} is returned.
 - "cpsat":    the exact version of hybrid's decision (OR-Tools CP-SAT, <= 48 documents),
               the quality reference for "hybrid".
@@ -40,7 +40,7 @@ from typing import Literal
 from ._validate import check_choice, check_int, check_positive_real, is_float, validate_lengths, validate_offsets
 from .cost import CostModel, default_cost
 from .plan import ShardPlan, SolveInfo, merge_chunks, shard_layout
-from .solvers.shard import hybrid_assign, hybrid_chunks, per_doc_chunk_sizes, per_doc_chunks, per_seq_chunks
+from .solvers.chunk_rules import hybrid_assign, hybrid_chunks, per_doc_chunk_sizes, per_doc_chunks, per_seq_chunks
 
 ShardStrategy = Literal["per_seq", "per_doc", "adaptive", "hybrid", "cpsat"]
 SHARD_STRATEGIES: tuple[str, ...] = ("per_seq", "per_doc", "adaptive", "hybrid", "cpsat")

@@ -36,7 +36,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from ._validate import check_int
-from .docs import split_documents
+from .documents import split_documents
 from .shard import solve_shard
 from .stream_state import (SourceFingerprint, cache_digest, check_integrity, check_state_fields, decode_cache,
                            integrity)

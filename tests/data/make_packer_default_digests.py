@@ -8,7 +8,7 @@ import hashlib
 import json
 
 import wlb_opt as wlb
-from wlb_opt.data import DEFAULT_SEED, global_batches
+from wlb_opt.workloads import DEFAULT_SEED, global_batches
 from wlb_opt.packer import PackerConfig, WLBPacker
 
 cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=1),

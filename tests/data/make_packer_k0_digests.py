@@ -3,7 +3,7 @@ lookahead and the new defaults): run it from a checkout of that commit,
 `PYTHONPATH=. python tests/data/make_packer_k0_digests.py > tests/data/packer_k0_digests.json`.
 Each entry: plan.digest() / plan.step / sha256(arrival_step) of every plan, drain included."""
 import hashlib, json, numpy as np, wlb_opt as wlb
-from wlb_opt.data import global_batches, DEFAULT_SEED
+from wlb_opt.workloads import global_batches, DEFAULT_SEED
 from wlb_opt.packer import WLBPacker
 cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=1), wlb.HardwareSpec.preset("h100"))
 W = 131072

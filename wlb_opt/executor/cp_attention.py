@@ -38,7 +38,6 @@ path stays synchronous.
 """
 from __future__ import annotations
 
-import importlib
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -260,7 +259,7 @@ def gather_packed(x: torch.Tensor, shard, group=None) -> torch.Tensor:
 
 
 def _attention_forward(q, k_full, v_full, cpx, scale, backend, deterministic):
-    _da = importlib.import_module("wlb_opt.kernels.doc_attention")  # the module: the package exports a function of that name
+    from ..kernels import attention_ops as _da
     from ..kernels.reference import attention_per_segment
 
     if backend == "torch":
@@ -273,7 +272,7 @@ def _attention_forward(q, k_full, v_full, cpx, scale, backend, deterministic):
 
 
 def _attention_backward(dout, q, k_full, v_full, out, lse, cpx, scale, backend, deterministic, on_dkdv=None):
-    _da = importlib.import_module("wlb_opt.kernels.doc_attention")  # the module: the package exports a function of that name
+    from ..kernels import attention_ops as _da
     from ..kernels.reference import attention_per_segment
 
     if backend == "torch":  # recompute the per-segment path under autograd

@@ -22,7 +22,7 @@ from typing import Literal, Sequence
 import numpy as np
 
 from .._validate import check_choice, check_int
-from ..pack import get_method
+from ..step_pack import get_method
 from .defaults import DEFAULT_CUTOFF_SHARE, DEFAULT_MAX_DELAY
 from .release import RELEASE_POLICIES, ReleaseName
 

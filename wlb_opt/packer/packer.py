@@ -53,9 +53,9 @@ from .._validate import (INT64_MAX, check_int, check_max_tokens, check_unique_pi
                          validate_offsets)
 from ..cost import CostModel, default_cost
 from ..cost_memory import resolve_max_tokens
-from ..pack import solve_pack
 from ..plan import PackPlan
 from ..solvers.deal import deal_to_replicas
+from ..step_pack import solve_pack
 from .calibrate import CALIBRATION_BUDGET, calibrate_thresholds, candidate_thresholds
 from .config import PackerConfig, PackerMethod, queue_thresholds
 from .defaults import (MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, TARGET_SHARE, TOLERANCE_HIGH, TOLERANCE_LOW,

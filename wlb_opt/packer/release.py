@@ -76,7 +76,7 @@ class StepRelease(NamedTuple):
     """What a policy decided for one step."""
 
     pending: list[HeldPiece]
-    """Every piece the plan holds, in the plan's positions (placed or deferred)."""
+    """Every piece the plan holds, by the plan's piece indices (placed or deferred)."""
     plan: PackPlan
     arrival: np.ndarray
     """int64 arrival step of each pending piece."""

@@ -2,7 +2,7 @@
 of a document stream into global batches.
 
 The planner core, the CLI (`wlb-opt pack --dist`), the examples and the benchmarks all draw
-their workloads from here, so this module imports only `docs` (numpy otherwise).
+their workloads from here, so this module imports only `documents` (numpy otherwise).
 
 The stream model: documents arrive i.i.d. from a distribution; the data loader cuts
 consecutive global batches of `tokens_per_batch` tokens from the stream (a document belongs to
@@ -43,7 +43,7 @@ from typing import Literal
 
 import numpy as np
 
-from .docs import split_documents
+from .documents import split_documents
 
 Distribution = Literal["default", "light", "heavy", "real", "code", "prose"]
 DEFAULT_SEED = 20250301

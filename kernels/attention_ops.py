@@ -1,4 +1,5 @@
-"""Document-masked attention over a segment table: the public ``doc_attention`` function.
+"""Document-masked attention over a segment table: its ``torch.library`` custom ops and the
+public ``doc_attention`` function.
 
 Layering (docs/architecture.md, "Kernels"): ``triton_kernels.py`` (jit kernels) -> ``launch.py``
 (launchers, config choice) -> the ``torch.library`` custom ops below, whose autograd
