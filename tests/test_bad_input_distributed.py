@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_bad_input import _check  # noqa: E402
+from test_rank_agreement import _changed  # noqa: E402
 from test_training import VOCAB, doc_tokens, make_model, make_plan, make_shards  # noqa: E402
 
 
@@ -38,16 +39,6 @@ class _Opaque(torch.nn.Module):
 class _Empty(torch.nn.Module):
     def forward(self, x, pos, attend):  # pragma: no cover - never reached
         return x
-
-
-def _changed(doc_id: int, position: int, value):
-    def data(i):
-        tokens = doc_tokens(i)
-        if i == doc_id:
-            tokens = tokens.clone()
-            tokens[position] = value
-        return tokens
-    return data
 
 
 def _cases():

@@ -106,6 +106,14 @@ def test_checkpoint_at_a_random_step_resumes_identically(seed, k, cut, release, 
     assert second.stats() == whole.stats()
 
 
+def _stream_digests(packer, batches) -> list[str]:
+    """What tests/data/make_packer_*_digests.py records of each plan, drain included (with
+    lookahead, `pack` returns None while the first batches arrive)."""
+    plans = [packer.pack(*b) for b in batches] + packer.drain()
+    return [p.digest() + f"/{p.step}/" + hashlib.sha256(p.arrival_step.tobytes()).hexdigest()[:16]
+            for p in plans if p is not None]
+
+
 def _cost_7b():
     return wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=1),
                                   wlb.HardwareSpec.preset("h100"))
@@ -120,9 +128,7 @@ def test_lookahead_zero_reproduces_the_plans_of_the_packer_before_lookahead():
                                  seed=DEFAULT_SEED + st_["seed_offset"])
         packer = WLBPacker(st_["n_micro"], st_["max_tokens"], cost,
                            config=PackerConfig(lookahead=0, **run_ref["config"]))
-        plans = [packer.pack(*b) for b in batches] + packer.drain()
-        digests = [p.digest() + f"/{p.step}/" + hashlib.sha256(p.arrival_step.tobytes()).hexdigest()[:16]
-                   for p in plans]
+        digests = _stream_digests(packer, batches)
         assert digests == run_ref["digests"], name
 
 
@@ -139,9 +145,7 @@ def test_the_presets_reproduce_the_recorded_paper_and_earlier_default_plans():
             run_ref = ref["runs"][f"{dist}/{name}"]
             assert config == PackerConfig(**run_ref["config"]), name
             packer = WLBPacker(st_["n_micro"], st_["max_tokens"], cost, config=config)
-            plans = [packer.pack(*b) for b in batches] + packer.drain()
-            digests = [p.digest() + f"/{p.step}/" + hashlib.sha256(p.arrival_step.tobytes()).hexdigest()[:16]
-                       for p in plans]
+            digests = _stream_digests(packer, batches)
             assert digests == run_ref["digests"], f"{dist}/{name}"
 
 
@@ -156,9 +160,7 @@ def test_the_no_tuning_defaults_reproduce_their_recorded_plans():
                                  seed=DEFAULT_SEED + st_["seed_offset"])
         packer = WLBPacker(st_["n_micro"], st_["max_tokens"], cost,
                            config=PackerConfig(lookahead=run_ref["lookahead"]))
-        plans = [packer.pack(*b) for b in batches] + packer.drain()
-        digests = [p.digest() + f"/{p.step}/" + hashlib.sha256(p.arrival_step.tobytes()).hexdigest()[:16]
-                   for p in plans if p is not None]
+        digests = _stream_digests(packer, batches)
         assert digests == run_ref["digests"], name
 
 

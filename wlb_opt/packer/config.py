@@ -25,6 +25,7 @@ from .._validate import check_choice, check_int
 from ..step_pack import get_method
 from .defaults import DEFAULT_CUTOFF_SHARE, DEFAULT_MAX_DELAY
 from .release import RELEASE_POLICIES, ReleaseName
+from .state import check_thresholds
 
 PackerMethod = Literal["wlb", "wlb_ls", "fixed", "cpsat", "milp"]
 """`solve_pack` methods that keep pieces whole (the packer tracks pieces across steps)."""
@@ -141,18 +142,7 @@ def _check_thresholds(thresholds):
     except TypeError:
         raise ValueError(f"thresholds must be None, 'auto' or an increasing list of positive lengths, "
                          f"got {thresholds!r}") from None
-    out = []
-    for i, v in enumerate(values):
-        if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
-            ok = v > 0  # no float test: an int beyond float range would overflow it
-        else:
-            ok = isinstance(v, (float, np.floating)) and math.isfinite(v) and v == int(v) and 0 < v <= 2**63 - 1
-        if not ok:
-            raise ValueError(f"thresholds[{i}] must be a positive integer token count, got {v!r}")
-        out.append(int(v))
-    if any(b <= a for a, b in zip(out, out[1:])):
-        raise ValueError(f"thresholds must be strictly increasing, got {out}")
-    return tuple(out)
+    return tuple(check_thresholds(values, high=None))
 
 
 def _check_n_queues(thresholds, n_queues) -> None:

@@ -73,8 +73,9 @@ def cost_fingerprint(cost: CostModel) -> str:
     return hashlib.sha256(json.dumps({k: d[k] for k in _PLANNING_FIELDS}, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def check_thresholds(thresholds) -> list[int]:
-    """Strictly increasing positive integer token counts, as ints."""
+def check_thresholds(thresholds, high: int | None = 2**63 - 1) -> list[int]:
+    """Strictly increasing positive integer token counts, as ints (at most `high`; None: no
+    bound, for a config whose bound is the packer's max_tokens)."""
     try:
         values = [v for v in thresholds]
     except TypeError:
@@ -83,7 +84,7 @@ def check_thresholds(thresholds) -> list[int]:
     out = []
     for i, v in enumerate(values):
         if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
-            ok = 0 < v <= 2**63 - 1  # no float test: an int beyond float range would overflow it
+            ok = 0 < v and (high is None or v <= high)  # no float test: an int beyond float range would overflow it
         else:
             ok = (isinstance(v, (float, np.floating)) and math.isfinite(v) and v == int(v) and 0 < v <= 2**63 - 1)
         if not ok:
