@@ -1,4 +1,11 @@
-"""Test configuration shared by every test module.
+"""Test configuration shared by every test module, in every tier.
+
+The tiers: `unit/` (one process, no spawn, fast: the whole tier runs in about a minute),
+`integration/` (one process, whole components: Hugging Face model families, the Triton
+interpreter, exact solvers, streams over many steps), `distributed/` (gloo process groups)
+and `bench/` (the benchmarks, the CLI, the examples and scripts as processes). A module may
+import another test module's helpers by its name (`from test_training import make_model`):
+every tier's folder is on the import path.
 
 TRITON_INTERPRET must be set before any Triton kernel module is imported, so it is set here,
 at collection time, for CPU runs. Hypothesis runs with no deadline and capped examples so the
@@ -8,6 +15,14 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+from pathlib import Path
+
+TIERS = ("unit", "integration", "distributed", "bench")
+for _tier in TIERS:
+    _path = str(Path(__file__).resolve().parent / _tier)
+    if _path not in sys.path:
+        sys.path.append(_path)
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 

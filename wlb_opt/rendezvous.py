@@ -83,7 +83,7 @@ def simulate_rendezvous(fwd, bwd, virtual_stages: int = 1, p2p_s: float = 0.0) -
                                      start_s=t, end_s=t + dur))
                 t += dur
             clock[r], pos[r], moved = t, pos[r] + 1, True
-        if not moved:  # pragma: no cover - p2p_schedule is deadlock-free (tests/test_schedule.py)
+        if not moved:  # pragma: no cover - p2p_schedule is deadlock-free (tests/unit/test_schedule.py)
             raise RuntimeError(f"pipeline replay is stuck at groups {pos}")
     step = max(clock)
     busy = np.zeros(pp)

@@ -212,6 +212,6 @@ def p2p_schedule(pp: int, n_micro: int, virtual_stages: int = 1) -> list[list[li
     groups -> ops). A group is issued whole (`batch_isend_irecv`) and waited on whole before
     the next; the executor issues exactly these. Deadlock-free under rendezvous semantics (no
     buffering), and every send meets exactly one receive, in the same order on both ends of
-    each pair of ranks (tests/test_schedule.py replays every shape)."""
+    each pair of ranks (tests/unit/test_schedule.py replays every shape)."""
     check_pipeline_shape(pp, n_micro, virtual_stages)
     return [[list(g) for g, _ in _plans(pp, n_micro, virtual_stages)[r] if g] for r in range(pp)]

@@ -5,19 +5,26 @@ executor to the bit.
     python -m torch.distributed.run --standalone --nproc_per_node N tests/data/record_train_losses.py OUT.json -- ARGS
 
 ARGS are examples/train.py's; each rank writes OUT.json.rank<r>.
+
+Bits depend on the CPU's vector instructions (ATen's kernels and MKL's BLAS pick their code
+path from the CPU), so the script pins both to paths every x86-64 CPU runs alike before torch
+is imported: one thread, ATen's scalar kernels, MKL's compatible code path.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import runpy
 import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+PINNED_ENV = {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
+os.environ.update(PINNED_ENV)
 
-import wlb_opt.executor as ex
+import torch  # noqa: E402
+
+import wlb_opt.executor as ex  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +56,6 @@ def main() -> None:
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
     finally:
-        import os
         rank = int(os.environ.get("RANK", 0))
         Path(f"{out}.rank{rank}").write_text(json.dumps(records))
 

@@ -9,7 +9,7 @@ scatters dK/dV back to the rank-major layout and reduce-scatters them, so each r
 the summed gradient of exactly its own tokens.
 
 The released WLB-LLM code reduce-scatters dK/dV while they are still in packed order, which
-hands gradients to the wrong ranks (docs/architecture.md, "Invariants"); tests/test_executor.py
+hands gradients to the wrong ranks (docs/architecture.md, "Invariants"); tests/distributed/test_executor.py
 compares this path with a single-process reference, never with itself.
 
 Hot path: everything that depends only on the ShardPlan (the packed-order permutation into

@@ -20,8 +20,8 @@ shards, same tokens within a replica, token ids inside the vocabulary, and on a 
 the same replicated weights. Every wait names the ranks that did not arrive if it fails
 (`rollcall`). docs/reliability.md lists what is checked and what it costs.
 
-The step in parts, each testable in one process (tests/test_step_parts.py,
-tests/test_pipeline_runner.py): `StepInputs`, a rank's rows of its micro-batches
+The step in parts, each testable in one process (tests/unit/test_step_parts.py,
+tests/unit/test_pipeline_runner.py): `StepInputs`, a rank's rows of its micro-batches
 (`wlb_opt.batch`; positions from the ShardPlan); `global_target_count`, the loss
 denominator; `PipelineRunner` (`pipeline.py`), the schedule over a transport;
 `reduce_gradients`, the sums over the ranks that hold a stage. `train_step` wires them.

@@ -349,7 +349,7 @@ class HFStage(nn.Module):
                                                            or cfg.num_attention_heads))
 
     # the attention and MLP classes whose forward works on a rank's share of the heads and
-    # channels, each trained under TP against one process (tests/test_hf.py); `apply_tensor_parallel`
+    # channels, each trained under TP against one process (tests/integration/test_hf.py); `apply_tensor_parallel`
     # refuses any other (DiffLlama's attention chunks along the global head axis, for one)
     tp_module_classes = {
         "self_attn": ("CohereAttention", "GraniteAttention", "LlamaAttention", "Qwen2Attention"),

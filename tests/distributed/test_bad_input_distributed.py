@@ -1,10 +1,10 @@
 """Bad input to the executor's step answers with a clear error of the library's own.
 
-The same table form as tests/test_bad_input.py (id, call, exception type, message fragment),
+The same table form as tests/unit/test_bad_input.py (id, call, exception type, message fragment),
 checked by its `_check`: the type, a fragment that names the value or what would be valid,
 and an exception raised by this library's code. These run on one process; the cases that
 need several ranks (tokens that differ between ranks, replicas with other weights, a rank
-that fails or stalls) are in tests/test_rank_agreement.py and tests/test_culprit.py.
+that fails or stalls) are in tests/distributed/test_rank_agreement.py and tests/distributed/test_culprit.py.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bad numeric values, rows of the bad-input table (`tests/test_bad_input.py` holds the checker):
+"""Bad numeric values, rows of the bad-input table (`tests/unit/test_bad_input.py` holds the checker):
 cost models that cost nothing, ids outside int64, caps and memory sizes out of range,
 thresholds above max_tokens, booleans where numbers go, and a profiling device this machine
 lacks. Each case is (id, call, exception type, message fragment); the fragment names what

@@ -8,7 +8,7 @@ from pathlib import Path
 from wlb_opt.bench import report
 from wlb_opt.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
 PAGE = ROOT / "docs" / "results.md"
 

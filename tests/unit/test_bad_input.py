@@ -15,8 +15,6 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +24,7 @@ import wlb_opt as wlb
 from bad_input_cli_cases import CLI_CASES, SUBPROCESS_CASES, _write, cli_file_cases
 from wlb_opt.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LIBRARY_DIRS = tuple(str(ROOT / d) + os.sep for d in ("wlb_opt", "kernels", "solvers", "bench"))
 INSTALLED = tuple(str(Path(m.__file__).parent) + os.sep for m in (wlb,))
 
@@ -662,11 +660,3 @@ def test_bad_input_suite_has_at_least_300_cases():
 
 
 
-@pytest.mark.parametrize("argv, fragment", SUBPROCESS_CASES, ids=["table2_steps", "profile_dtype", "cost_missing",
-                                                                 "lengths_dir"])
-def test_the_real_process_exits_2_without_a_traceback(argv, fragment):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    res = subprocess.run([sys.executable, "-m", "wlb_opt.cli", *argv], capture_output=True, text=True, timeout=120,
-                         env=env)
-    assert res.returncode == 2, res.stdout + res.stderr
-    assert "Traceback" not in res.stderr and fragment in res.stderr, res.stderr

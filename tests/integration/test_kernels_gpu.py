@@ -1,7 +1,7 @@
 """GPU tier of the kernel tests: compiled Triton, bf16, autotuning, torch.compile, large offsets.
 
 Skipped without CUDA (conftest). Run on a GPU with ``TRITON_INTERPRET=0``:
-``TRITON_INTERPRET=0 pytest -m gpu tests/test_kernels_gpu.py`` (scripts/gpu_check.sh does).
+``TRITON_INTERPRET=0 pytest -m gpu tests/integration/test_kernels_gpu.py`` (scripts/gpu_check.sh does).
 Numerics use FlashAttention's error-ratio rule against an fp32 reference, with the
 explicit-mask torch reference run in the test dtype as the low-precision yardstick.
 """

@@ -15,8 +15,8 @@ more than max_tokens, a plan holds the right number of micro-batches, what the p
 still holds is exactly what was sent and not yet placed, and after `drain()` nothing is
 left.
 
-    pytest -m slow tests/test_soak.py -s          # the full soak (>= 100,000 global batches)
-    WLB_SOAK_STEPS=200 pytest -m slow tests/test_soak.py -s   # shorter streams
+    pytest -m slow tests/integration/test_soak.py -s          # the full soak (>= 100,000 global batches)
+    WLB_SOAK_STEPS=200 pytest -m slow tests/integration/test_soak.py -s   # shorter streams
 
 The default run keeps a small smoke of the same code (`test_soak_smoke`).
 """

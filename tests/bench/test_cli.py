@@ -100,7 +100,7 @@ def _imports_of(path) -> set[str]:
     import ast
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     rel = path.relative_to(root)
     pkg = {"solvers": "wlb_opt.solvers", "kernels": "wlb_opt.kernels", "bench": "wlb_opt.bench"}.get(
         rel.parts[0], ".".join(rel.parts[:-1]))
@@ -120,7 +120,7 @@ def test_imports_point_one_way():
     # no module outside bench and cli imports wlb_opt.bench or wlb_opt.cli; bench never imports cli
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     for folder in ("wlb_opt", "solvers", "kernels", "bench", "examples"):
         for path in sorted((root / folder).rglob("*.py")):
             mods = _imports_of(path)
@@ -152,7 +152,7 @@ def test_profile_writes_an_ignored_path_by_default():
 
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     tracked = subprocess.run(["git", "ls-files", "--error-unmatch", DEFAULT_OUT], cwd=root, capture_output=True)
     assert tracked.returncode != 0, f"{DEFAULT_OUT} is tracked: a default profile run would overwrite it"
     ignored = subprocess.run(["git", "check-ignore", "-q", DEFAULT_OUT], cwd=root, capture_output=True)
@@ -166,7 +166,7 @@ def test_the_version_is_written_once():
 
     import wlb_opt
 
-    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert not re.search(r"^version\s*=\s*\"", pyproject, re.M), "pyproject.toml writes the version a second time"
     assert metadata.version("wlb-opt") == wlb_opt.__version__
 

@@ -1,6 +1,6 @@
 """Bad input to the Hugging Face adapter and to tensor parallelism: clear errors of the library's own.
 
-Same contract as `tests/test_bad_input.py` (whose checker this reuses): each case is (id, call,
+Same contract as `tests/unit/test_bad_input.py` (whose checker this reuses): each case is (id, call,
 exception type, message fragment); the fragment names the offending value or what would be
 valid, and the exception is raised by this library's code. Models are small and built lazily,
 inside the call.

@@ -5,7 +5,7 @@ on one, `per_seq` on the other) make the same collectives and used to train sile
 wrong gradient; `train_step` compares one digest per micro-batch over the PackPlan and the
 ShardPlans and raises on every rank, naming the step and the micro-batch. A rank that
 never arrives makes the other's wait fail after the group's timeout with the step, the
-rank, the operation and the rank that did not arrive in the message (tests/test_culprit.py
+rank, the operation and the rank that did not arrive in the message (tests/distributed/test_culprit.py
 has the other ways a rank fails).
 """
 from __future__ import annotations
@@ -77,8 +77,12 @@ def _stall_worker(rank: int, port: int, out_dir: str) -> None:
 
     _init(rank, port, 3)
     mesh = ex.make_mesh(timeout=3)
-    if rank == 1:  # the stalled rank: never reaches the step
-        time.sleep(8)
+    if rank == 1:  # the stalled rank: never reaches the step, until rank 0 has its error (at most 60 s)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(out_dir, "rank0.txt")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with open(os.path.join(out_dir, "rank1.txt"), "w") as f:
+            f.write("released" if os.path.exists(os.path.join(out_dir, "rank0.txt")) else "gave up")
         os._exit(0)
     plan, cost = make_plan(dp=2)
     started = time.monotonic()
@@ -98,7 +102,9 @@ def test_a_stalled_rank_is_reported_with_step_rank_and_operation(tmp_path):
     assert message.startswith("step 7, rank 0: the plan check"), message
     assert "did not complete" in message and "make_mesh(timeout=...)" in message
     assert "Rank 1 did not arrive (never started this step" in message
-    assert float(waited) < 7.5  # failed after the 3 s timeout, before the stalled rank woke up (8 s)
+    # rank 0 failed while rank 1 was still stalled (it waits for rank 0's report), after the 3 s timeout
+    assert (tmp_path / "rank1.txt").read_text() == "released"
+    assert 2.5 <= float(waited) < 60
 
 
 def test_first_difference_names_the_first_differing_micro_batch():

@@ -86,7 +86,7 @@ def test_a_rank_that_exits_is_named_and_a_plan_without_a_step_by_its_digest(tmp_
     assert "Rank 1 did not arrive (started it but reported neither an error nor a failed wait" in message
 
 
-@pytest.mark.slow  # the default run has its twin: tests/test_plan_agreement.py's stalled rank
+@pytest.mark.slow  # the default run has its twin: tests/distributed/test_plan_agreement.py's stalled rank
 def test_a_rank_that_stalls_before_the_step_is_named(tmp_path):
     message = _run(tmp_path, 1, "stalls")
     assert message.startswith("PeerWaitError: step 7, rank 0: the plan check"), message

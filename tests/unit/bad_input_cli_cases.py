@@ -1,4 +1,4 @@
-"""The command-line rows of the bad-input table (`tests/test_bad_input.py` runs them).
+"""The command-line rows of the bad-input table (`tests/unit/test_bad_input.py` runs them).
 
 `CLI_CASES`: (id, argv, stderr fragment) for `wlb_opt.cli.main(argv)` in-process, which
 must return 2 with no traceback. `cli_file_cases(cost)`: the same for arguments that need a

@@ -10,7 +10,7 @@ import pytest
 def test_the_readme_training_loop_runs_as_printed(capsys):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = re.search(r"<!-- readme-loop -->\s*```python\n(.*?)```\s*<!-- /readme-loop -->", text, re.S)
     assert block, "README.md lost its runnable loop"
     exec(compile(block.group(1), "README.md", "exec"), {"__name__": "readme"})
@@ -18,7 +18,7 @@ def test_the_readme_training_loop_runs_as_printed(capsys):
     assert len(lines) >= 3 and all("loss" in ln for ln in lines)
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_the_readme_code_block_runs_as_printed(capsys):

@@ -120,7 +120,7 @@ def _cost_7b():
 
 
 def test_lookahead_zero_reproduces_the_plans_of_the_packer_before_lookahead():
-    ref = json.loads((Path(__file__).parent / "data" / "packer_k0_digests.json").read_text())
+    ref = json.loads((Path(__file__).parents[1] / "data" / "packer_k0_digests.json").read_text())
     cost, st_ = _cost_7b(), ref["stream"]
     for name, run_ref in ref["runs"].items():
         dist = name.split("/")[0]
@@ -133,7 +133,7 @@ def test_lookahead_zero_reproduces_the_plans_of_the_packer_before_lookahead():
 
 
 def test_the_presets_reproduce_the_recorded_paper_and_earlier_default_plans():
-    ref = json.loads((Path(__file__).parent / "data" / "packer_k0_digests.json").read_text())
+    ref = json.loads((Path(__file__).parents[1] / "data" / "packer_k0_digests.json").read_text())
     cost, st_ = _cost_7b(), ref["stream"]
     for dist in ("default", "real"):
         batches = global_batches(dist, st_["window"], st_["n_micro"] * st_["window"], st_["steps"],
@@ -152,7 +152,7 @@ def test_the_presets_reproduce_the_recorded_paper_and_earlier_default_plans():
 def test_the_no_tuning_defaults_reproduce_their_recorded_plans():
     # WLBPacker(n_micro, max_tokens, cost) with no policy given, at lookahead 0, 2 and 4
     # (tests/data/make_packer_default_digests.py)
-    ref = json.loads((Path(__file__).parent / "data" / "packer_default_digests.json").read_text())
+    ref = json.loads((Path(__file__).parents[1] / "data" / "packer_default_digests.json").read_text())
     cost, st_ = _cost_7b(), ref["stream"]
     for name, run_ref in ref["runs"].items():
         dist = name.split("/")[0]

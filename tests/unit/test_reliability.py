@@ -1,7 +1,7 @@
 """Regressions for silent wrong results: each test names the behaviour it holds.
 
 These are the inputs that used to be accepted with a wrong or odd result (or ended in a
-raw exception from deep inside); `tests/test_bad_input.py` holds the full table of bad
+raw exception from deep inside); `tests/unit/test_bad_input.py` holds the full table of bad
 inputs, this file the cases where the right answer is worth spelling out.
 """
 from __future__ import annotations

@@ -1,0 +1,85 @@
+"""Calibration of the no-tuning defaults and the release rules over whole streams."""
+
+import numpy as np
+import pytest
+
+import wlb_opt as wlb
+from conftest import unit_cost
+from test_defaults import COST, _every_candidate, _stream, _timed_case_a
+from wlb_opt import workloads
+from wlb_opt.packer import PackerConfig, WLBPacker
+from wlb_opt.packer import defaults as d
+
+
+@pytest.mark.parametrize("release, high", [("marginal", d.MARGINAL_TOLERANCE_HIGH), ("group", d.TOLERANCE_HIGH)])
+def test_the_feedback_keeps_displacement_near_the_budget_it_is_given(release, high):
+    batches = _stream(np.random.default_rng(3), 150)
+    got = {}
+    for budget in (0.1, 1.0):
+        packer = WLBPacker(2, 200, COST, config=PackerConfig(thresholds=[60], delay_budget=budget, release=release))
+        plans = [packer.pack(*b) for b in batches] + packer.drain()
+        tolerances = [p.info.extra["balance_tolerance"] for p in plans[:len(batches)]]
+        assert min(tolerances) >= d.TOLERANCE_LOW and max(tolerances) <= high
+        got[budget] = packer.stats()["displacement_per_token"]
+    assert got[0.1] < got[1.0]  # a tighter budget makes the rule take outliers sooner
+
+
+@pytest.mark.parametrize("release", ["group", "marginal"])
+@pytest.mark.parametrize("seed, lookahead, mb_const", [(11, 0, 0.0), (12, 2, 0.0), (13, 0, 2e-3)])
+def test_group_skips_only_candidates_that_cannot_pass_the_tolerance(seed, lookahead, mb_const, release):
+    # "group" skips a candidate whose imbalance is surely above the limit (a lower bound
+    # from piece costs); the plans must be exactly those of trying every candidate.
+    import dataclasses
+    cost = unit_cost(1e-6, 1e-3, mb_const=mb_const, backward=True)
+    batches = _stream(np.random.default_rng(seed), 80)
+    runs = []
+    for prefilter in (True, False):
+        packer = WLBPacker(2, 200, cost, config=PackerConfig(thresholds=[60], lookahead=lookahead, release=release))
+        if not prefilter:
+            packer._release = dataclasses.replace(packer._release, piece_cost=None)
+        calls = [0]
+        solve = packer._solve
+
+        def counted(first, rest, solve=solve, calls=calls):
+            calls[0] += 1
+            return solve(first, rest)
+        packer._solve = counted
+        plans = [packer.pack(*b) for b in batches] + packer.drain()
+        runs.append(([[p.doc_ids[mb].tolist() for mb in p.micro_batches] + [p.doc_ids[p.deferred].tolist()]
+                      for p in plans if p is not None], calls[0]))
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1] < runs[1][1]  # the bound did skip candidates
+
+
+@pytest.mark.filterwarnings("ignore:step 0")
+def test_calibration_on_the_timed_cases_chooses_what_running_every_candidate_chose():
+    # the thresholds every candidate's full run chose (recorded before the budget existed)
+    packer, batch = _timed_case_a()
+    assert packer.pack(batch) is None and packer.thresholds == [7, 10]
+    assert packer.calibration["work"] <= 1.25 * packer.calibration["budget"]
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=2),
+                                  wlb.HardwareSpec.preset("h100"))
+    packer = WLBPacker(4, 163840, cost,
+                       config=PackerConfig(thresholds="auto", n_queues=2, lookahead=3, release="marginal", max_delay=2))
+    lengths, ids, offsets = workloads.global_batch("default", 131072, 8 * 131072)
+    packer.pack(lengths, ids, offsets)
+    assert packer.thresholds == [35473, 43641]
+
+
+@pytest.mark.parametrize("release, lookahead", [("paper", 0), ("balance", 0), ("group", 2), ("marginal", 0),
+                                                ("marginal", 1)])
+def test_one_run_per_class_of_candidates_gives_every_candidates_results(release, lookahead):
+    from wlb_opt.packer.calibrate import calibrate_thresholds
+
+    rng = np.random.default_rng(7)
+    sample = np.concatenate([rng.integers(1, 30, 40), rng.integers(40, 100, 8)])
+    packer = WLBPacker(2, 100, COST, dp=2, seed=1,
+                       config=PackerConfig(thresholds="auto", n_queues=2, max_delay=3, release=release,
+                                           lookahead=lookahead))
+    want, reference = _every_candidate(packer, sample, 5)
+    record = calibrate_thresholds(packer, sample, None, 5, budget=None)
+    assert record["thresholds"] == want and record["runs"] <= len(reference)
+    if release in ("group", "marginal"):  # one pool: only the first threshold counts
+        assert record["runs"] == len({r["thresholds"][0] for r in reference}) < len(reference)
+    got = [{k: r[k] for k in ("thresholds", "imbalance", "delay_per_token")} for r in record["candidates"]]
+    assert got == reference
