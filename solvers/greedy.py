@@ -28,30 +28,54 @@ def placement_order(problem: PackProblem, key: np.ndarray) -> np.ndarray:
 
 def wlb_greedy(problem: PackProblem) -> PackResult:
     """Algorithm 1: minimum workload first, minimum tokens as fallback, else defer."""
-    n = problem.n_bins
-    cap = int(problem.max_tokens)
-    lengths = problem.lengths.tolist()
-    weights = problem.weights.tolist()
-    order = placement_order(problem, problem.lengths).tolist()
-    toks = [0] * n
-    placed_bin = [-1] * len(order)  # bin of the k-th item in placement order, -1 = deferred
-    heap = [(0.0, b) for b in range(n)]  # (load, bin): a heap orders ties by the lowest bin index
+    order = placement_order(problem, problem.lengths)
+    placed_bin = wlb_assign(order, problem.lengths, problem.weights, problem.n_bins, int(problem.max_tokens))
+    return _group(order, placed_bin, problem.n_bins)
+
+
+def wlb_assign(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, n_bins: int, cap: int) -> np.ndarray:
+    """Algorithm 1's bin of each item of `order` (placement order), -1 = deferred.
+
+    Each item goes to the bin of least load (ties: lowest index) if it fits under `cap`
+    tokens, else to the bin of fewest tokens (ties: lowest index) if it fits there, else it
+    is deferred. Loads accumulate in placement order (the same float sums as a plain loop).
+
+    Both heaps hold one entry per bin whose key may lag behind the bin's value (a bin filled
+    by the fallback is not re-keyed in the load heap, nor any bin in the token heap): values
+    only grow, so a lagging key is never above its value, and the top is re-keyed until it
+    is current, which makes it the true minimum. The fallback is then O(log N) per item
+    instead of a scan of every bin plus a rebuilt heap, which matters on overloaded steps
+    where most short items fall back.
+    """
+    lengths_of = lengths.tolist()
+    weights_of = weights.tolist()
+    toks = [0] * n_bins
+    loads = [0.0] * n_bins
+    placed_bin = [-1] * len(order)
+    heap = [(0.0, b) for b in range(n_bins)]  # (load, bin): a heap orders ties by the lowest bin index
+    tok_heap = [(0, b) for b in range(n_bins)]  # (tokens, bin), keys may lag
     replace = heapq.heapreplace
-    for k, i in enumerate(order):
-        d = lengths[i]
+    for k, i in enumerate(order.tolist()):
+        d = lengths_of[i]
         load, b = heap[0]
+        while load != loads[b]:  # a key left behind by the fallback
+            replace(heap, (loads[b], b))
+            load, b = heap[0]
         if toks[b] + d <= cap:
             toks[b] += d
-            replace(heap, (load + weights[i], b))
+            loads[b] = load = load + weights_of[i]
+            replace(heap, (load, b))
             placed_bin[k] = b
             continue
-        b = min(range(n), key=toks.__getitem__)  # fallback: fewest tokens (rare)
-        if toks[b] + d <= cap:
-            toks[b] += d
-            heap = [(load + weights[i], j) if j == b else (load, j) for load, j in heap]
-            heapq.heapify(heap)
+        tok, b = tok_heap[0]
+        while tok != toks[b]:
+            replace(tok_heap, (toks[b], b))
+            tok, b = tok_heap[0]
+        if tok + d <= cap:  # fallback: fewest tokens (rare but for overloaded steps)
+            toks[b] = tok + d
+            loads[b] += weights_of[i]
             placed_bin[k] = b
-    return _group(np.asarray(order, dtype=np.int64), np.asarray(placed_bin, dtype=np.int64), n)
+    return np.asarray(placed_bin, dtype=np.int64)
 
 
 def _group(order: np.ndarray, placed_bin: np.ndarray, n_bins: int) -> PackResult:

@@ -66,6 +66,7 @@ from .release import DrainRelease, ReleasePolicy, make_release_policy
 from .state import (HeldPiece, check_ids_issued, cost_fingerprint, decode_state, encode_state, held_keys,
                     held_tokens)
 from .stats import StreamStats
+from .trial import StepSolver, as_pack_plan
 
 _log = logging.getLogger("wlb_opt")
 
@@ -145,6 +146,7 @@ class WLBPacker:
         # With the default limit a batch may exceed it by its own tokens beyond one step's
         # capacity (a long document arrives whole; see `pack`); an explicit limit is strict.
         self._burst_allowed = max_backlog_tokens is None
+        self._step_solver: StepSolver | None = None  # set inside a step (`_plan_step`)
         if max_backlog_tokens is None:
             # release="group" / "marginal" keep reading the carry limit "group" was tuned with (two steps)
             self._set_backlog_limit((2 + self.n_queues) * self.capacity_tokens, carry_limit=2 * self.capacity_tokens)
@@ -294,7 +296,12 @@ class WLBPacker:
                 queues[level].append(piece)
             else:
                 fresh.append(piece)
-        pending, plan, arrival, released, n_early = policy.plan_step(fresh, queues, carry, step, self._solve)
+        self._step_solver = self._make_step_solver(carry + fresh + [piece for q in queues for piece in q])
+        try:
+            pending, plan, arrival, released, n_early = policy.plan_step(fresh, queues, carry, step, self._solve)
+        finally:
+            self._step_solver = None
+        plan = as_pack_plan(plan)
         extra = {**plan.info.extra, "released": len(released), "released_early": n_early,
                  "carried_in": len(carry), "thresholds": list(self.thresholds or []),
                  "balance_tolerance": policy.balance_tolerance,
@@ -317,9 +324,23 @@ class WLBPacker:
         high = MARGINAL_TOLERANCE_HIGH if self.release == "marginal" else TOLERANCE_HIGH
         return dataclasses.replace(self._release, balance_tolerance=adaptive_tolerance(shown, self.delay_budget, high))
 
-    def _solve(self, first: list[HeldPiece], rest: list[HeldPiece]):
-        """Pack `first` (placed first) then `rest`; returns (pending, plan, arrival steps)."""
-        pending = first + rest
+    def _make_step_solver(self, pieces: list[HeldPiece]) -> StepSolver | None:
+        """The step's candidate packer (trial.py) for method "wlb"; None for the other
+        methods, which go through `solve_pack` for every candidate."""
+        if self.method != "wlb":
+            return None
+        lengths = np.fromiter((piece.length for piece in pieces), dtype=np.int64, count=len(pieces))
+        weights = self.cost.doc_cost(lengths) if len(pieces) else np.zeros(0)
+        return StepSolver(pieces, weights, n_micro=self.n_micro, dp=self.dp, max_tokens=self.max_tokens,
+                          bin_const=self.cost.mb_const(), method=self.method)
+
+    def _solve(self, first: list[HeldPiece], rest: list[HeldPiece], tail: list[HeldPiece] = ()):
+        """Pack `first` (placed first) then `rest` + `tail` longest first; returns (pending,
+        plan, arrival steps). Inside a step with method "wlb" the step's `StepSolver` packs,
+        pieces validated once per step; otherwise `solve_pack`."""
+        if self._step_solver is not None:
+            return self._step_solver.solve(first, rest, tail)
+        pending = first + rest + list(tail)
         if pending:  # fromiter: 4x faster than np.array on a list of tuples (called per candidate)
             ids, offsets, lengths, arrival = np.fromiter(chain.from_iterable(pending), dtype=np.int64,
                                                          count=4 * len(pending)).reshape(-1, 4).T

@@ -1,0 +1,159 @@
+"""One step's candidate packings, evaluated without building a plan for each.
+
+A release policy (release.py) packs the step once per candidate group of outliers and keeps
+one of them. Through `solve_pack` every candidate would validate the step's pieces again,
+weigh them with the cost model, sort all of them and build a frozen PackPlan, though most
+candidates are only read for their imbalance and deferred tokens. `StepSolver` does that
+work once per step: it holds the step's pieces (carried, fresh and queued) as arrays with
+their costs, sorts the fresh documents once, and packs a candidate by merging its few other
+pieces into that order and running Algorithm 1's assignment (`wlb_assign`). A `TrialPack`
+answers what the policies read (imbalance, deferred tokens, micro-batches) and builds the
+PackPlan only when asked, for the candidate the step keeps.
+
+The plans are those of `solve_pack(method="wlb")` on the same pieces in the same order: the
+same placement order (placed-first pieces as given, then the others longest first, stable),
+the same assignment, and loads summed the same way (each micro-batch's piece costs in
+placement order, plus the per-micro-batch constant).
+"""
+from __future__ import annotations
+
+from functools import cached_property
+from itertools import chain
+
+import numpy as np
+
+from ..plan import PackPlan, SolveInfo, imbalance
+from ..solvers.greedy import wlb_assign
+from .state import HeldPiece
+
+
+class StepSolver:
+    """Packs candidate sets of one step's pieces (`solve(first, rest, tail)`).
+
+    Args:
+        pieces: every piece a candidate of this step may hold (carried, fresh, queued).
+        weights: cost of each piece (seconds), as `cost.doc_cost` gives it.
+        n_micro, dp, max_tokens: the step's layout; dp x n_micro micro-batches.
+        bin_const: cost every micro-batch adds (`cost.mb_const()`).
+        method: the name the plans report in `info.method`.
+    """
+
+    def __init__(self, pieces: list[HeldPiece], weights: np.ndarray, *, n_micro: int, dp: int, max_tokens: int,
+                 bin_const: float, method: str = "wlb"):
+        table = np.fromiter(chain.from_iterable(pieces), dtype=np.int64, count=4 * len(pieces)).reshape(-1, 4).T
+        self.ids, self.offsets, self.lengths, self.arrival = table
+        self.weights = np.asarray(weights, dtype=np.float64)
+        self.index = dict(zip(zip(self.ids.tolist(), self.offsets.tolist()), range(len(pieces))))
+        self.n_micro, self.dp, self.max_tokens = n_micro, dp, max_tokens
+        self.bin_const = float(bin_const)
+        self.method = method
+        self._tail: tuple[list, np.ndarray, np.ndarray] | None = None  # (list, indices, indices longest first)
+
+    def _indices(self, pieces: list[HeldPiece]) -> np.ndarray:
+        index = self.index
+        return np.array([index[piece[0], piece[1]] for piece in pieces], dtype=np.int64)
+
+    def _sorted_tail(self, tail: list[HeldPiece]) -> tuple[np.ndarray, np.ndarray]:
+        """(indices of `tail`, the same longest first, stable), cached for the last tail given."""
+        if self._tail is None or self._tail[0] is not tail:
+            idx = self._indices(tail)
+            self._tail = (tail, idx, idx[np.argsort(-self.lengths[idx], kind="stable")])
+        return self._tail[1], self._tail[2]
+
+    def solve(self, first: list[HeldPiece], rest: list[HeldPiece], tail: list[HeldPiece] = ()):
+        """Pack `first` (in this order), then `rest` + `tail` longest first (stable: `rest`
+        before `tail` among equal lengths). Returns (pending = first + rest + tail, TrialPack,
+        arrival step of each pending piece)."""
+        first_idx, rest_idx = self._indices(first), self._indices(rest)
+        tail_idx, tail_sorted = self._sorted_tail(tail) if len(tail) else (np.zeros(0, np.int64),) * 2
+        rest_sorted = rest_idx[np.argsort(-self.lengths[rest_idx], kind="stable")]
+        # rest before tail among equal lengths: insert at the left end of each run of equals
+        at = np.searchsorted(-self.lengths[tail_sorted], -self.lengths[rest_sorted], side="left")
+        order = np.concatenate([first_idx, np.insert(tail_sorted, at, rest_sorted)])
+        pending_idx = np.concatenate([first_idx, rest_idx, tail_idx])
+        placed_bin = wlb_assign(order, self.lengths, self.weights, self.dp * self.n_micro, self.max_tokens)
+        pending = list(first) + list(rest) + list(tail)
+        return pending, TrialPack(self, pending_idx, order, placed_bin), self.arrival[pending_idx]
+
+
+class TrialPack:
+    """A candidate packing of a step: what the release policies read, and `plan()`.
+
+    Positions (`micro_batches`, `deferred`) index the candidate's pending pieces, as a
+    PackPlan's do."""
+
+    def __init__(self, solver: StepSolver, pending_idx: np.ndarray, order: np.ndarray, placed_bin: np.ndarray):
+        self._solver = solver
+        self._pending_idx = pending_idx
+        self._order = order
+        self._placed_bin = placed_bin
+
+    @cached_property
+    def _positions(self) -> np.ndarray:
+        """Position in the pending list of each item of the placement order."""
+        where = np.empty(len(self._solver.lengths), dtype=np.int64)
+        where[self._pending_idx] = np.arange(len(self._pending_idx), dtype=np.int64)
+        return where[self._order]
+
+    @cached_property
+    def _bins(self) -> list[np.ndarray]:
+        """Global piece indices of each micro-batch, in placement order."""
+        keep = self._placed_bin >= 0
+        items, bins_of = self._order[keep], self._placed_bin[keep]
+        by_bin = np.argsort(bins_of, kind="stable")
+        counts = np.bincount(bins_of, minlength=self._solver.dp * self._solver.n_micro)
+        return np.split(items[by_bin], np.cumsum(counts)[:-1])
+
+    @cached_property
+    def loads(self) -> np.ndarray:
+        """Seconds of each micro-batch: its piece costs summed as `solve_pack` sums them."""
+        weights, const = self._solver.weights, self._solver.bin_const
+        return np.array([weights[b].sum() + const for b in self._bins], dtype=np.float64)
+
+    @cached_property
+    def imbalance(self) -> float:
+        return imbalance(self.loads)
+
+    @cached_property
+    def deferred(self) -> np.ndarray:
+        """Positions (in the pending list) of the pieces not placed, in placement order."""
+        return self._positions[self._placed_bin < 0]
+
+    @cached_property
+    def deferred_tokens(self) -> int:
+        return int(self._solver.lengths[self._order[self._placed_bin < 0]].sum())
+
+    @cached_property
+    def micro_batches(self) -> tuple[np.ndarray, ...]:
+        """Positions (in the pending list) of each micro-batch's pieces, in placement order."""
+        keep = self._placed_bin >= 0
+        positions, bins_of = self._positions[keep], self._placed_bin[keep]
+        by_bin = np.argsort(bins_of, kind="stable")
+        counts = np.bincount(bins_of, minlength=self._solver.dp * self._solver.n_micro)
+        return tuple(np.split(positions[by_bin], np.cumsum(counts)[:-1]))
+
+    def defers_any(self, pieces: list[HeldPiece]) -> bool:
+        """Whether any of `pieces` (pending pieces of this candidate) is deferred."""
+        if not len(pieces) or self._placed_bin.min(initial=0) >= 0:
+            return False
+        deferred = np.zeros(len(self._solver.lengths), dtype=bool)
+        deferred[self._order[self._placed_bin < 0]] = True
+        return bool(deferred[self._solver._indices(pieces)].any())
+
+    def plan(self) -> PackPlan:
+        """The PackPlan `solve_pack` would return for these pieces. `replica_of` is the plain
+        split (n_micro per replica): the packer deals the micro-batches itself."""
+        s, idx = self._solver, self._pending_idx
+        loads = self.loads
+        tokens = np.array([int(s.lengths[b].sum()) for b in self._bins], dtype=np.int64)
+        n_bins = s.dp * s.n_micro
+        info = SolveInfo(method=s.method, status="heuristic", objective=float(loads.max()) if len(loads) else 0.0)
+        return PackPlan(doc_ids=s.ids[idx], lengths=s.lengths[idx], offsets=s.offsets[idx],
+                        micro_batches=self.micro_batches, replica_of=np.arange(n_bins, dtype=np.int64) // s.n_micro,
+                        deferred=self.deferred, loads=loads, tokens=tokens, n_micro=s.n_micro, dp=s.dp,
+                        max_tokens=s.max_tokens, info=info)
+
+
+def as_pack_plan(plan: PackPlan | TrialPack) -> PackPlan:
+    """`plan` as a PackPlan (a TrialPack builds its own)."""
+    return plan.plan() if isinstance(plan, TrialPack) else plan
