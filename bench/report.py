@@ -93,8 +93,15 @@ SECTIONS = (
             "PP imbalance and displacement of the packer's settings over independent streams.",
             (Table("parity.json", ("summary",)),)),
     Section("pack_speed", "Packing speed",
-            "Wall time of `solve_pack` on one large global batch.",
+            "CPU time of `solve_pack` on one large global batch.",
             (Table("pack_speed.json", ("rows",)),)),
+    Section("stream_speed", "Streaming planner speed",
+            "CPU time of `WLBPacker.pack` per step with the no-tuning defaults, lookahead 0 and 4; "
+            "`solve_shard` of each step's micro-batches apart.",
+            (Table("stream_speed.json", ("rows",), caption="Per step, over every step of every seed.",
+                   columns=("n_micro", "dist", "lookahead", "steps", "seeds", "median_ms", "p99_ms", "worst_ms",
+                            "mean_ms", "median_vs_k0")),
+             Table("stream_speed.json", ("shard",), caption="`solve_shard` of all micro-batches of a step."))),
     Section("validate_sim", "The simulator against real execution",
             "Predicted step time against measured steps of a 2-stage gloo pipeline, per schedule "
             "(error = predicted / measured - 1).",

@@ -1,0 +1,118 @@
+"""`wlb-opt bench stream-speed`: CPU time per step of the streaming planner.
+
+`WLBPacker` with the no-tuning defaults (`PackerConfig()`, lookahead 0 and 4) plans a
+stream of global batches of n_micro x window tokens, one `pack` per step. Only `pack` is
+timed, as CPU time of this process (`time.process_time`, so other processes on a shared
+machine are not counted); the median, p99 and worst step are over every step of every seed.
+`solve_shard` (CP sharding of each micro-batch, strategy "adaptive") is timed apart, per
+step, on the plans of the first seed. Streams: `real` and the heavy-tailed `heavy`
+(`wlb_opt.workloads`), seeds DEFAULT_SEED + 300 + i (not the calibration seeds).
+
+    wlb-opt bench stream-speed --n-micro 32                 2,000 steps x 3 seeds per stream
+    wlb-opt bench stream-speed --n-micro 4 --quick          200 steps x 1 seed
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..cost_args import add_cost_args, cost_from_args, count
+from ..packer import PackerConfig, WLBPacker
+from ..shard import solve_shard
+from ..workloads import DEFAULT_SEED, DISTRIBUTIONS, global_batches
+from ._provenance import provenance
+
+SEED_OFFSET = 300
+"""Streams of this benchmark start at DEFAULT_SEED + SEED_OFFSET (away from calibration seeds)."""
+
+
+def _percentiles(times_s: list[float]) -> dict:
+    t = np.asarray(times_s, dtype=np.float64) * 1e3
+    return dict(median_ms=float(np.median(t)), p99_ms=float(np.percentile(t, 99)), worst_ms=float(t.max()),
+                mean_ms=float(t.mean()))
+
+
+def time_stream(batches, n_micro: int, max_tokens: int, cost, lookahead: int, shard_cp: int | None) -> tuple:
+    """(CPU seconds of each `pack`, CPU seconds of sharding each emitted plan or [])."""
+    packer = WLBPacker(n_micro, max_tokens, cost, config=PackerConfig(lookahead=lookahead))
+    pack_s, shard_s = [], []
+    for batch in batches:
+        t0 = time.process_time()
+        plan = packer.pack(*batch)
+        pack_s.append(time.process_time() - t0)
+        if shard_cp is not None and plan is not None:
+            t0 = time.process_time()
+            for mb in plan.micro_batches:
+                solve_shard(plan.lengths[mb], shard_cp, "adaptive", cost, offsets=plan.offsets[mb])
+            shard_s.append(time.process_time() - t0)
+    return pack_s, shard_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="wlb-opt bench stream-speed", description=__doc__.splitlines()[0])
+    p.add_argument("--n-micro", default="32", help="micro-batches per step, comma-separated (default 32)")
+    p.add_argument("--dists", default="real,heavy", help="comma-separated length distributions (default real,heavy)")
+    p.add_argument("--lookaheads", default="0,4", help="comma-separated lookaheads (default 0,4)")
+    p.add_argument("--steps", type=count, default=2000, help="steps per stream (default 2000)")
+    p.add_argument("--seeds", type=count, default=3, help="streams per distribution (default 3)")
+    p.add_argument("--quick", action="store_true", help="200 steps x 1 seed")
+    p.add_argument("--window", type=count, default=131072, help="training context length (default 131072)")
+    p.add_argument("--no-shard", action="store_true", help="do not time solve_shard")
+    p.add_argument("--out", default=None, help="folder for stream_speed.json (default: print only)")
+    add_cost_args(p, layout=("tp", "cp", "pp"))  # one replica: dp stays 1
+    args = p.parse_args(argv)
+    dists = args.dists.split(",")
+    bad = [d for d in dists if d not in DISTRIBUTIONS]
+    if bad:
+        p.error(f"unknown distributions {bad}; valid: {', '.join(sorted(DISTRIBUTIONS))}")
+    try:
+        lookaheads = [int(k) for k in args.lookaheads.split(",")]
+    except ValueError:
+        p.error(f"--lookaheads must be comma-separated integers >= 0, got {args.lookaheads!r}")
+    if any(k < 0 for k in lookaheads):
+        p.error(f"--lookaheads must be >= 0, got {args.lookaheads!r}")
+    try:
+        n_micros = [count(n) for n in args.n_micro.split(",")]
+    except argparse.ArgumentTypeError:
+        p.error(f"--n-micro must be comma-separated integers >= 1, got {args.n_micro!r}")
+    steps, seeds = (200, 1) if args.quick else (args.steps, args.seeds)
+    cost = cost_from_args(args, parser=p)
+    cp = cost.parallel.cp if cost.parallel is not None else 1
+    max_tokens = int(1.25 * args.window)
+    rows, shard_rows = [], []
+    print(f"max_tokens={max_tokens}, {steps} steps x {seeds} seeds, CPU ms per pack()")
+    print(f"{'N':>3} {'dist':>6} {'K':>2} {'median':>8} {'p99':>8} {'worst':>8} {'vs K=0':>7}")
+    for n_micro, dist in [(n, d) for n in n_micros for d in dists]:
+        streams = [global_batches(dist, args.window, n_micro * args.window, steps,
+                                  seed=DEFAULT_SEED + SEED_OFFSET + i) for i in range(seeds)]
+        k0_median = None
+        for k in lookaheads:
+            pack_s = []
+            for i, batches in enumerate(streams):
+                shard_cp = cp if (i == 0 and k == lookaheads[0] and not args.no_shard) else None
+                times, shard_s = time_stream(batches, n_micro, max_tokens, cost, k, shard_cp)
+                pack_s += times
+                if shard_s:
+                    shard_rows.append(dict(dist=dist, n_micro=n_micro, cp=cp, strategy="adaptive",
+                                           steps=len(shard_s), clock="cpu", **_percentiles(shard_s)))
+            row = dict(dist=dist, lookahead=k, n_micro=n_micro, max_tokens=max_tokens, steps=steps, seeds=seeds,
+                       clock="cpu", **_percentiles(pack_s))
+            k0_median = row["median_ms"] if k == 0 else k0_median
+            row["median_vs_k0"] = row["median_ms"] / k0_median if k0_median else None
+            rows.append(row)
+            ratio = f"{row['median_vs_k0']:.2f}" if row["median_vs_k0"] is not None else "-"
+            print(f"{n_micro:>3} {dist:>6} {k:>2} {row['median_ms']:>8.2f} {row['p99_ms']:>8.2f} {row['worst_ms']:>8.2f} {ratio:>7}")
+    for r in shard_rows:
+        print(f"solve_shard (N={r['n_micro']}, {r['dist']}, cp={r['cp']}, all micro-batches of a step): median {r['median_ms']:.2f} ms, "
+              f"p99 {r['p99_ms']:.2f}, worst {r['worst_ms']:.2f}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        data = dict(provenance=provenance("stream_speed", argv), rows=rows, shard=shard_rows)
+        (out / "stream_speed.json").write_text(json.dumps(data, indent=2))
+        print(f"wrote {out / 'stream_speed.json'}")
+    return 0
