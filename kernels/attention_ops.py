@@ -8,7 +8,8 @@ formula is registered with ``register_autograd`` (the custom-op form of an
 implementations, so a training loop under ``torch.compile`` can call the kernel without a
 graph break; ``torch.library.opcheck`` checks the registration in the tests.
 
-``backend="torch"`` runs reference.py's per-segment path instead (plain torch autograd).
+``backend="torch"`` runs torch_attention.py instead: torch's fused CPU attention kernel over
+the segment table, bucketed (reference.py's per-segment loop off CPU).
 """
 # No ``from __future__ import annotations`` here: torch.library infers the custom ops' schemas
 # from real annotation objects (string annotations need a newer torch to be understood).
@@ -20,7 +21,7 @@ from typing import Any, Literal, Optional
 import torch
 
 from . import launch as _launch
-from .reference import attention_per_segment
+from .torch_attention import attention_sdpa
 from .segments import as_segment_array, validate_segments
 
 __all__ = ["doc_attention", "BACKENDS", "TRITON_HEAD_DIMS"]
@@ -175,12 +176,14 @@ def doc_attention(
         return_lse: also return the log-sum-exp, ``[Hq, Tq]`` fp32, natural log, ``-inf`` on
             uncovered rows (FlashAttention's varlen layout); it is differentiable.
         backend: "auto" (Triton on CUDA, torch on CPU), "triton" (on CPU only under
-            ``TRITON_INTERPRET=1``; head dims 16/32/64/128), or "torch" (per-segment torch).
+            ``TRITON_INTERPRET=1``; head dims 16/32/64/128), or "torch" (torch's fused CPU
+            attention kernel over length buckets of the table; off CPU, a per-segment loop).
         deterministic: True (default): the Triton backward adds every gradient in a fixed
             order (bitwise reproducible for a given kernel config; see launch.py for pinning
             configs across ranks). False: dQ is accumulated with fp32 atomics inside the
             dK/dV kernel (FlashAttention's five-matmul backward, about 30% fewer matmuls;
-            results vary in the last bits between runs). The torch backend ignores it.
+            results vary in the last bits between runs). The torch backend ignores it: on CPU
+            its kernels add in a fixed order; off CPU it runs plain matmuls per segment.
 
     Returns:
         ``out [Tq, Hq, D]`` in q's dtype, zeros on rows no segment covers (whose gradients
@@ -204,7 +207,7 @@ def doc_attention(
 
     if backend == "torch":
         seg = validate_segments(segments, q.shape[0], k.shape[0])
-        out, lse = attention_per_segment(q, k, v, seg, scale)
+        out, lse = attention_sdpa(q, k, v, seg, scale)
         return (out, lse) if return_lse else out
 
     seg = _segments_tensor(segments)  # range-checked before any narrowing to int32

@@ -260,10 +260,13 @@ def gather_packed(x: torch.Tensor, shard, group=None) -> torch.Tensor:
 
 def _attention_forward(q, k_full, v_full, cpx, scale, backend, deterministic):
     from ..kernels import attention_ops as _da
+    from ..kernels import torch_attention as _ta
     from ..kernels.reference import attention_per_segment
 
     if backend == "torch":
         with torch.no_grad():
+            if q.device.type == "cpu":  # the fused kernel's forward, its lse kept for the backward
+                return _ta.sdpa_forward(q, k_full, v_full, cpx.segments.numpy(), scale)
             return attention_per_segment(q, k_full, v_full, cpx.segments.numpy(), scale)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or q.shape[-1] not in _da.TRITON_HEAD_DIMS:
         raise ValueError(f"the Triton backend takes fp16/bf16/fp32 and head dims {_da.TRITON_HEAD_DIMS}, got "
@@ -273,8 +276,11 @@ def _attention_forward(q, k_full, v_full, cpx, scale, backend, deterministic):
 
 def _attention_backward(dout, q, k_full, v_full, out, lse, cpx, scale, backend, deterministic, on_dkdv=None):
     from ..kernels import attention_ops as _da
+    from ..kernels import torch_attention as _ta
     from ..kernels.reference import attention_per_segment
 
+    if backend == "torch" and q.device.type == "cpu":  # the fused kernel's backward, no recompute
+        return _ta.sdpa_backward(dout, q, k_full, v_full, out, lse, None, cpx.segments.numpy(), scale)
     if backend == "torch":  # recompute the per-segment path under autograd
         with torch.enable_grad():
             qd, kd, vd = (t.detach().requires_grad_() for t in (q, k_full, v_full))
