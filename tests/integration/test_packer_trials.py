@@ -1,0 +1,68 @@
+"""The packer's per-step candidate packing (`StepSolver`, trial.py) gives the plans of
+`solve_pack(method="wlb")`, and the no-tuning defaults keep their recorded plans at 32
+micro-batches (tests/data/make_packer_n32_digests.py), lookahead 0 and 4."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import wlb_opt as wlb
+from wlb_opt.packer import PackerConfig, WLBPacker
+from wlb_opt.packer.state import HeldPiece
+from wlb_opt.packer.trial import StepSolver, as_pack_plan
+from wlb_opt.workloads import DEFAULT_SEED, global_batches
+
+COST = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=1),
+                              wlb.HardwareSpec.preset("h100"))
+
+
+@st.composite
+def steps(draw):
+    n_micro = draw(st.integers(1, 6))
+    cap = draw(st.integers(8, 400))
+    n = draw(st.integers(0, 3 * n_micro * cap // 40 + 3))  # up to ~3x capacity: overloaded steps defer
+    lengths = draw(st.lists(st.integers(1, cap), min_size=n, max_size=n))
+    pieces = [HeldPiece(id=i // 2, offset=(i % 2) * 1000, length=d, arrival=draw(st.integers(0, 3)))
+              for i, d in enumerate(lengths)]
+    cut = sorted(draw(st.lists(st.integers(0, n), min_size=2, max_size=2)))
+    return n_micro, cap, pieces, pieces[:cut[0]], pieces[cut[0]:cut[1]], pieces[cut[1]:]
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps())
+def test_a_candidate_packs_as_solve_pack_does(step):
+    n_micro, cap, pieces, first, rest, tail = step
+    lengths = np.array([piece.length for piece in pieces], dtype=np.int64)
+    solver = StepSolver(pieces, COST.doc_cost(lengths) if len(pieces) else np.zeros(0), n_micro=n_micro, dp=1,
+                        max_tokens=cap, bin_const=COST.mb_const())
+    for _ in range(2):  # the second call reuses the sorted tail
+        pending, trial, arrival = solver.solve(first, rest, tail)
+        assert pending == first + rest + tail
+        assert arrival.tolist() == [piece.arrival for piece in pending]
+        got = as_pack_plan(trial)
+        want = wlb.solve_pack([piece.length for piece in pending], n_micro, cap, COST, "wlb",
+                              ids=[piece.id for piece in pending], offsets=[piece.offset for piece in pending],
+                              carried=len(first))
+        assert got.digest() == want.digest()
+        assert np.array_equal(got.loads, want.loads) and np.array_equal(got.tokens, want.tokens)
+        assert trial.imbalance == want.imbalance and trial.deferred_tokens == want.deferred_tokens
+        assert solver.solve(first, rest, tail)[1].defers_any(pending) == bool(len(want.deferred))
+
+
+def test_the_defaults_keep_their_recorded_plans_at_32_micro_batches():
+    ref = json.loads((Path(__file__).parents[1] / "data" / "packer_n32_digests.json").read_text())
+    st_ = ref["stream"]
+    for name, run_ref in ref["runs"].items():
+        dist = name.split("/")[0]
+        batches = global_batches(dist, st_["window"], st_["n_micro"] * st_["window"], st_["steps"],
+                                 seed=DEFAULT_SEED + st_["seed_offset"])
+        packer = WLBPacker(st_["n_micro"], st_["max_tokens"], COST, config=PackerConfig(lookahead=run_ref["lookahead"]))
+        plans = [packer.pack(*b) for b in batches] + packer.drain()
+        digests = [p.digest() + f"/{p.step}/" + hashlib.sha256(p.arrival_step.tobytes()).hexdigest()[:16]
+                   for p in plans if p is not None]
+        assert digests == run_ref["digests"], name
