@@ -13,6 +13,7 @@ _EXTRA_OF = {
     "matplotlib": "plot",
     "tqdm": "plot",
     "transformers": "hf",
+    "torchtitan": "titan",
 }
 
 

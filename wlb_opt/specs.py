@@ -167,6 +167,17 @@ class ModelSpec:
                 raise
             raise ValueError(f"HF config gives an invalid model shape: {exc}") from None
 
+    @classmethod
+    def from_torchtitan(cls, config) -> "ModelSpec":
+        """The ModelSpec of a torchtitan 0.3 dense decoder config (`Llama3Model.Config` or
+        `Qwen3Model.Config`, e.g. the trainer's `model_config`): width, layer count, query and
+        K/V heads, head width and SwiGLU width from its per-layer list, the vocabulary from
+        the config. MoE, hybrid (qwen3_5) and other families, and layers of different shapes,
+        are refused with a ValueError naming them (needs the ``titan`` extra)."""
+        from .integrations.torchtitan import model_spec_kwargs
+
+        return cls(**model_spec_kwargs(config))
+
     def to_dict(self) -> dict:
         return asdict(self)
 

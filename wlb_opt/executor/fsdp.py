@@ -49,6 +49,9 @@ def apply_fsdp(stage: torch.nn.Module, mesh, reshard_after_forward: bool = True)
 
 
 def is_fsdp(module: torch.nn.Module) -> bool:
+    """Whether `module` is sharded with FSDP2, itself or through the FSDP2 module it names
+    as `fsdp_root` (an adapter stage over a model part sharded elsewhere, e.g. by
+    torchtitan; such a stage forwards `set_requires_gradient_sync` to it)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(module, FSDPModule)
+    return isinstance(module, FSDPModule) or isinstance(getattr(module, "fsdp_root", None), FSDPModule)

@@ -25,6 +25,17 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> tor
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+def without_dummy_row(attend: Attend) -> Attend:
+    """`attend` for a stage that runs one dummy row in place of zero rows (an empty slot or
+    a zero-row CP shard still runs, for its peers' collectives, but layers that reshape with
+    -1 cannot take zero elements): attention sees the real (zero) rows only, so every
+    collective matches its peers', and the dummy row's output is a constant zero."""
+    def call(q, k, v, **kwargs):
+        out = attend(q[:0], k[:0], v[:0], **kwargs)
+        return torch.cat([out, out.new_zeros((1,) + tuple(out.shape[1:]))])
+    return call
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, kv_heads: int, ffn: int, head_dim: int | None = None):
         super().__init__()

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from .._optional import require, unshadow_kernels
+from ..executor.model import without_dummy_row
 
 unshadow_kernels()  # before transformers probes for a `kernels` package (see the function)
 require("transformers", "wlb_opt.integrations.hf")
@@ -374,7 +375,7 @@ class HFStage(nn.Module):
             x = (torch.zeros(1, dtype=torch.long, device=x.device) if self.embed is not None
                  else x.new_zeros((1,) + tuple(x.shape[1:])))
             positions = torch.zeros(1, dtype=torch.long, device=x.device)
-            attend = _without_dummy_row(attend)
+            attend = without_dummy_row(attend)
         if self.embed is not None:
             x = self.embed(x)
             if self.embedding_multiplier != 1.0:
@@ -396,15 +397,6 @@ class HFStage(nn.Module):
             return self.norm(h)
         kind = h.device.type
         return h.to(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else h
-
-
-def _without_dummy_row(attend):
-    """`attend` for a stage run on one dummy row: attention sees the real (zero) rows only,
-    and the dummy row's output is a constant zero."""
-    def call(q, k, v, **kwargs):
-        out = attend(q[:0], k[:0], v[:0], **kwargs)
-        return torch.cat([out, out.new_zeros((1,) + tuple(out.shape[1:]))])
-    return call
 
 
 def split_hf_stages(model: nn.Module, pp: int, virtual_stages: int = 1, *, self_check: bool = True) -> list[HFStage]:
