@@ -38,11 +38,12 @@ def steps(draw):
 def test_a_candidate_packs_as_solve_pack_does(step):
     n_micro, cap, pieces, first, rest, tail = step
     lengths = np.array([piece.length for piece in pieces], dtype=np.int64)
-    solver = StepSolver(pieces, COST.doc_cost(lengths) if len(pieces) else np.zeros(0), n_micro=n_micro, dp=1,
-                        max_tokens=cap, bin_const=COST.mb_const())
-    for _ in range(2):  # the second call reuses the sorted tail
-        pending, trial, arrival = solver.solve(first, rest, tail)
-        assert pending == first + rest + tail
+    solver = StepSolver(pieces, COST.doc_cost(lengths) if len(pieces) else np.zeros(0), tail, n_micro=n_micro,
+                        dp=1, max_tokens=cap, bin_const=COST.mb_const())
+    # rest ending with the step's fresh pieces (sorted once, reused), and any other rest
+    for rest_given in (rest + tail, rest + tail, tail[1:] + rest):
+        pending, trial, arrival = solver.solve(first, rest_given)
+        assert pending == first + rest_given
         assert arrival.tolist() == [piece.arrival for piece in pending]
         got = as_pack_plan(trial)
         want = wlb.solve_pack([piece.length for piece in pending], n_micro, cap, COST, "wlb",
@@ -51,7 +52,7 @@ def test_a_candidate_packs_as_solve_pack_does(step):
         assert got.digest() == want.digest()
         assert np.array_equal(got.loads, want.loads) and np.array_equal(got.tokens, want.tokens)
         assert trial.imbalance == want.imbalance and trial.deferred_tokens == want.deferred_tokens
-        assert solver.solve(first, rest, tail)[1].defers_any(pending) == bool(len(want.deferred))
+        assert solver.solve(first, rest_given)[1].defers_any(pending) == bool(len(want.deferred))
 
 
 def test_the_defaults_keep_their_recorded_plans_at_32_micro_batches():

@@ -157,9 +157,9 @@ class _Metered:
     def __init__(self, solve, meter: _Meter):
         self.solve, self.meter = solve, meter
 
-    def __call__(self, first, rest, tail=()):
-        self.meter.work += 1.0 + (len(first) + len(rest) + len(tail)) / WORK_PIECES
-        return self.solve(first, rest, tail)
+    def __call__(self, first, rest):
+        self.meter.work += 1.0 + (len(first) + len(rest)) / WORK_PIECES
+        return self.solve(first, rest)
 
 
 class _Trial:

@@ -296,7 +296,7 @@ class WLBPacker:
                 queues[level].append(piece)
             else:
                 fresh.append(piece)
-        self._step_solver = self._make_step_solver(carry + fresh + [piece for q in queues for piece in q])
+        self._step_solver = self._make_step_solver(carry + [piece for q in queues for piece in q], fresh)
         try:
             pending, plan, arrival, released, n_early = policy.plan_step(fresh, queues, carry, step, self._solve)
         finally:
@@ -324,23 +324,24 @@ class WLBPacker:
         high = MARGINAL_TOLERANCE_HIGH if self.release == "marginal" else TOLERANCE_HIGH
         return dataclasses.replace(self._release, balance_tolerance=adaptive_tolerance(shown, self.delay_budget, high))
 
-    def _make_step_solver(self, pieces: list[HeldPiece]) -> StepSolver | None:
+    def _make_step_solver(self, held: list[HeldPiece], fresh: list[HeldPiece]) -> StepSolver | None:
         """The step's candidate packer (trial.py) for method "wlb"; None for the other
         methods, which go through `solve_pack` for every candidate."""
         if self.method != "wlb":
             return None
+        pieces = held + fresh
         lengths = np.fromiter((piece.length for piece in pieces), dtype=np.int64, count=len(pieces))
         weights = self.cost.doc_cost(lengths) if len(pieces) else np.zeros(0)
-        return StepSolver(pieces, weights, n_micro=self.n_micro, dp=self.dp, max_tokens=self.max_tokens,
+        return StepSolver(pieces, weights, fresh, n_micro=self.n_micro, dp=self.dp, max_tokens=self.max_tokens,
                           bin_const=self.cost.mb_const(), method=self.method)
 
-    def _solve(self, first: list[HeldPiece], rest: list[HeldPiece], tail: list[HeldPiece] = ()):
-        """Pack `first` (placed first) then `rest` + `tail` longest first; returns (pending,
-        plan, arrival steps). Inside a step with method "wlb" the step's `StepSolver` packs,
-        pieces validated once per step; otherwise `solve_pack`."""
+    def _solve(self, first: list[HeldPiece], rest: list[HeldPiece]):
+        """Pack `first` (placed first) then `rest`; returns (pending, plan, arrival steps).
+        Inside a step with method "wlb" the step's `StepSolver` packs (pieces validated and
+        weighed once per step); otherwise `solve_pack`."""
         if self._step_solver is not None:
-            return self._step_solver.solve(first, rest, tail)
-        pending = first + rest + list(tail)
+            return self._step_solver.solve(first, rest)
+        pending = first + rest
         if pending:  # fromiter: 4x faster than np.array on a list of tuples (called per candidate)
             ids, offsets, lengths, arrival = np.fromiter(chain.from_iterable(pending), dtype=np.int64,
                                                          count=4 * len(pending)).reshape(-1, 4).T

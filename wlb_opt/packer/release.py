@@ -65,12 +65,11 @@ from .trial import TrialPack, as_pack_plan
 
 ReleaseName = Literal["paper", "balance", "group", "marginal"]
 
-SolveStep = Callable[..., tuple[list[HeldPiece], "PackPlan | TrialPack", np.ndarray]]
-"""The packer's `solve(first, rest, tail=())`: packs `first` (placed first) then `rest` +
-`tail` longest first (stable); returns (pending = first + rest + tail, plan, arrival step of
-each pending piece). `tail` is the step's fresh documents, the same list for every
-candidate of a step, so the packer sorts it once. The plan is a PackPlan or a `TrialPack`
-(trial.py), which answers the same questions and builds its PackPlan with `as_pack_plan`."""
+SolveStep = Callable[[list[HeldPiece], list[HeldPiece]], tuple[list[HeldPiece], "PackPlan | TrialPack", np.ndarray]]
+"""The packer's `solve(first, rest)`: packs `first` (placed first) then `rest`; returns
+(pending = first + rest, plan, arrival step of each pending piece). The plan is a PackPlan
+or a `TrialPack` (trial.py), which answers the same questions and builds its PackPlan with
+`as_pack_plan`."""
 
 # Slack on the imbalance limit, so that a candidate equal to it in exact arithmetic is kept.
 _TOLERANCE_SLACK = 1e-12
@@ -92,20 +91,19 @@ class StepRelease(NamedTuple):
 
 
 def split_due(carry: list[HeldPiece], released: list[HeldPiece], fresh: list[HeldPiece], step: int,
-              max_delay: int | None) -> tuple[list[HeldPiece], list[HeldPiece], list[HeldPiece]]:
-    """(first, rest, tail) of a step: the pieces at their deadline (carried or released)
-    first, longest first, then the other carried pieces; the other released outliers (rest)
-    and the fresh documents (tail, the list given) after. Without max_delay: the carried
-    pieces first."""
+              max_delay: int | None) -> tuple[list[HeldPiece], list[HeldPiece]]:
+    """(first, rest) of a step: the pieces at their deadline (carried or released) first,
+    longest first, then the other carried pieces; the other released outliers and the
+    fresh documents after. Without max_delay: the carried pieces first."""
     if max_delay is None:
-        return list(carry), list(released), fresh
+        return list(carry), released + fresh
     due = [piece for piece in carry + released if step - piece.arrival >= max_delay]
     if not due:
-        return list(carry), list(released), fresh
+        return list(carry), released + fresh
     due.sort(key=lambda piece: -piece.length)  # stable: longest first among the due ones
     due_keys = {piece.key for piece in due}
     first = due + [piece for piece in carry if piece.key not in due_keys]
-    return first, [piece for piece in released if piece.key not in due_keys], fresh
+    return first, [piece for piece in released if piece.key not in due_keys] + fresh
 
 
 def displacement_relief(group, step: int) -> int:
@@ -169,9 +167,9 @@ class PaperRelease(ReleasePolicy):
     def _scheduled_step(self, fresh, queues, carry, step, solve):
         """(first, rest, StepRelease) of the paper's releases alone."""
         released = self._scheduled_releases(queues, step)
-        first, rest, tail = split_due(carry, released, fresh, step, self.max_delay)
-        pending, plan, arrival = solve(first, rest, tail)
-        return first, rest + tail, StepRelease(pending, plan, arrival, released, n_early=0)
+        first, rest = split_due(carry, released, fresh, step, self.max_delay)
+        pending, plan, arrival = solve(first, rest)
+        return first, rest, StepRelease(pending, plan, arrival, released, n_early=0)
 
     def _scheduled_releases(self, queues: list[deque], step: int) -> list[HeldPiece]:
         released: list[HeldPiece] = []
@@ -315,7 +313,7 @@ class GroupRelease(ReleasePolicy):
         return any(pending[i].key in keys for i in plan.deferred.tolist())
 
     def _split(self, carry, released, fresh, step):
-        """(first, rest, tail) that `solve` packs: `split_due` (Algorithm 1: carried pieces first)."""
+        """(first, rest) that `solve` packs: `split_due` (Algorithm 1: carried pieces first)."""
         return split_due(carry, released, fresh, step, self.max_delay)
 
     def _candidates(self, remaining: list[HeldPiece], ctx: "_StepContext", extra_tokens: int = 0, hopeless=None):
@@ -502,11 +500,11 @@ class MarginalRelease(GroupRelease):
                            result.n_early)
 
     def _split(self, carry, released, fresh, step):
-        first, rest, tail = split_due(carry, released, fresh, step, self.max_delay)
+        first, rest = split_due(carry, released, fresh, step, self.max_delay)
         if self.max_delay is None:
-            return first, rest, tail
+            return first, rest
         n_due = sum(1 for piece in first if step - piece.arrival >= self.max_delay)  # due pieces lead `first`
-        return first[:n_due], first[n_due:] + rest, tail
+        return first[:n_due], first[n_due:] + rest
 
     def _choose(self, remaining, ctx):
         if ctx.idle:

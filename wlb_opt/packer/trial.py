@@ -28,17 +28,19 @@ from .state import HeldPiece
 
 
 class StepSolver:
-    """Packs candidate sets of one step's pieces (`solve(first, rest, tail)`).
+    """Packs candidate sets of one step's pieces (`solve(first, rest)`).
 
     Args:
-        pieces: every piece a candidate of this step may hold (carried, fresh, queued).
+        pieces: every piece a candidate of this step may hold (carried, queued, fresh).
+        fresh: the step's fresh documents, the list every candidate's `rest` ends with (the
+            release policies append it whole): sorted once per step.
         weights: cost of each piece (seconds), as `cost.doc_cost` gives it.
         n_micro, dp, max_tokens: the step's layout; dp x n_micro micro-batches.
         bin_const: cost every micro-batch adds (`cost.mb_const()`).
         method: the name the plans report in `info.method`.
     """
 
-    def __init__(self, pieces: list[HeldPiece], weights: np.ndarray, *, n_micro: int, dp: int, max_tokens: int,
+    def __init__(self, pieces: list[HeldPiece], weights: np.ndarray, fresh: list[HeldPiece], *, n_micro: int, dp: int, max_tokens: int,
                  bin_const: float, method: str = "wlb"):
         table = np.fromiter(chain.from_iterable(pieces), dtype=np.int64, count=4 * len(pieces)).reshape(-1, 4).T
         self.ids, self.offsets, self.lengths, self.arrival = table
@@ -47,6 +49,7 @@ class StepSolver:
         self.n_micro, self.dp, self.max_tokens = n_micro, dp, max_tokens
         self.bin_const = float(bin_const)
         self.method = method
+        self.fresh = fresh
         self._tail: tuple[list, np.ndarray, np.ndarray] | None = None  # (list, indices, indices longest first)
 
     def _indices(self, pieces: list[HeldPiece]) -> np.ndarray:
@@ -60,10 +63,15 @@ class StepSolver:
             self._tail = (tail, idx, idx[np.argsort(-self.lengths[idx], kind="stable")])
         return self._tail[1], self._tail[2]
 
-    def solve(self, first: list[HeldPiece], rest: list[HeldPiece], tail: list[HeldPiece] = ()):
-        """Pack `first` (in this order), then `rest` + `tail` longest first (stable: `rest`
-        before `tail` among equal lengths). Returns (pending = first + rest + tail, TrialPack,
-        arrival step of each pending piece)."""
+    def solve(self, first: list[HeldPiece], rest: list[HeldPiece]):
+        """Pack `first` (in this order), then `rest` longest first (stable), as `solve_pack`
+        with carried=len(first). Returns (pending = first + rest, TrialPack, arrival step of
+        each pending piece)."""
+        m = len(self.fresh)
+        if m and len(rest) >= m and rest[len(rest) - m:] == self.fresh:  # the usual case: rest ends with fresh
+            rest, tail = rest[:len(rest) - m], self.fresh
+        else:
+            tail = ()
         first_idx, rest_idx = self._indices(first), self._indices(rest)
         tail_idx, tail_sorted = self._sorted_tail(tail) if len(tail) else (np.zeros(0, np.int64),) * 2
         rest_sorted = rest_idx[np.argsort(-self.lengths[rest_idx], kind="stable")]
