@@ -278,8 +278,11 @@ def full_logits_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module
     (as torchtitan's CrossEntropyLoss does), in fp32 (fp64 stays fp64). Under FSDP the head
     must run exactly once per micro-batch on every rank of its group (each call is a
     collective), which the executor's chunked loss does not promise when ranks hold
-    different token counts."""
+    different token counts. Under TP the head's vocabulary-sharded output is gathered (the
+    full logits, on every TP rank)."""
     logits = head(hidden)
+    if hasattr(logits, "full_tensor"):  # torchtitan's TP plan shards the head's output over the vocabulary
+        logits = logits.full_tensor()
     logits = logits if logits.dtype == torch.float64 else logits.float()
     return torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
 
@@ -561,7 +564,7 @@ def wlb_mesh(parallel_dims):
     dims = [d for d, size in sizes.items() if size > 1]
     if not dims:
         return None
-    return Mesh.from_device_mesh(parallel_dims.get_mesh(dims), names={"batch": "dp"})
+    return Mesh.from_device_mesh(parallel_dims.get_mesh(dims), names={"batch": "dp"} if "batch" in dims else None)
 
 
 class WLBTrainer(Trainer):
@@ -676,3 +679,62 @@ def check_trainer_config(config) -> None:
         raise ValueError("WLBTrainer: weight tying with pipeline parallelism is not supported (torchtitan refuses it)")
     if isinstance(config.virtual_stages, bool) or not isinstance(config.virtual_stages, int) or config.virtual_stages < 1:
         raise ValueError(f"WLBTrainer.Config.virtual_stages must be an integer >= 1, got {config.virtual_stages!r}")
+
+
+# ---------------------------------------------------------------------- small configs
+def small_config(family: str = "llama3", *, dim: int = 64, layers: int = 4, heads: int = 4, kv_heads: int = 2,
+                 vocab: int = 256, max_seq_len: int = 4096, fuse_qkv: bool = True):
+    """A small torchtitan model config of `family` ("llama3" or "qwen3"), built with
+    torchtitan's own layer builders (the ones its registered flavors use), for tests and
+    examples on a CPU. Real runs take a registered flavor (`model_registry("8B")`)."""
+    from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+
+    if family == "llama3":
+        from torchtitan.models import llama3
+
+        init = llama3._EMBEDDING_INIT
+        return llama3.Llama3Model.Config(
+            dim=dim, vocab_size=vocab,
+            tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=init),
+            norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
+            lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)),
+            layers=llama3._build_llama3_layers(
+                n_layers=layers, dim=dim, n_heads=heads, n_kv_heads=kv_heads,
+                hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=32),
+                rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=max_seq_len, theta=500000, scaling="llama"),
+                attn_backend="flex", fuse_qkv=fuse_qkv))
+    if family == "qwen3":
+        from torchtitan.models import qwen3
+
+        head_dim = dim // heads
+        return qwen3.Qwen3Model.Config(
+            vocab_size=vocab, dim=dim, norm=qwen3._qwen3_norm(dim), enable_weight_tying=False,
+            tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
+            lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=qwen3._LINEAR_INIT),
+            layers=qwen3._build_qwen3_layers(
+                fuse_qkv=fuse_qkv, n_layers=layers, dim=dim, n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
+                hidden_dim=4 * dim, attn_backend="flex",
+                rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=max_seq_len, theta=1e6)))
+    raise ValueError(f"small_config: family must be one of {list(SUPPORTED)}, got {family!r}")
+
+
+def reference_model(config, seq_len: int | None = None, device="cpu"):
+    """torchtitan's own decoder for `config` (a copy; the copy's inner attention is torchtitan's
+    causal SDPA, its RoPE table `seq_len` long when given), built and initialised on
+    `device`: the model `reference_loss` runs, before the trained model's weights are loaded
+    into it."""
+    import copy
+
+    from torchtitan.models.common import ScaledDotProductAttention
+
+    config = copy.deepcopy(config)
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        if seq_len is not None:
+            layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=seq_len)
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device(device))
+    return model
