@@ -7,7 +7,10 @@ forward and backward ops, which take and return the log-sum-exp: so the backward
 recomputed forward, and the lse the API exposes comes from the kernel. reference.py's
 per-segment loop stays the slow twin the tests compare against.
 
-How a segment table becomes a few batched calls (segment-table contract: docs/kernels.md):
+How a segment table becomes kernel calls (segment-table contract: docs/kernels.md). A short
+micro-batch (``Tq * Tk <= _DENSE_MAX_PAIRS``) is **one call** over the packed tensors with
+an additive ``[Tq, Tk]`` block-diagonal mask, bottom-right aligned per segment: for small
+tables the per-call and gather overheads outweigh the masked work. Longer ones are bucketed:
 
 * Every segment ``(q_start, q_len, k_start, k_len)`` is split into a **causal square**, its
   query rows against the last ``q_len`` keys of its range, where bottom-right and top-left
@@ -37,7 +40,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -57,6 +60,8 @@ _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 _BUCKET_RATIO = 1.25
 # Parts this short share one bucket whatever their lengths: per-call overhead dominates them.
 _SHORT_PART = 32
+# Up to this many (query, key) pairs a micro-batch is one dense masked call (see above).
+_DENSE_MAX_PAIRS = 384 * 384
 _PLAN_CACHE_SIZE = 16
 
 
@@ -81,8 +86,27 @@ class _Bucket:
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    squares: tuple[_Bucket, ...]
-    rectangles: tuple[_Bucket, ...]
+    """How one table runs: bucketed parts, or (short micro-batches) one dense masked call.
+
+    ``visible`` (``[n_q, n_k]`` bool) is the dense call's mask, with key 0 made visible to
+    rows no segment covers (a row with no key would give NaN); ``uncovered`` (``[n_q]``
+    bool, None when every row is covered) names those rows, whose results are then
+    replaced by zeros and lse ``-inf``.
+    ``additive`` caches the mask as ``0 / -inf`` per dtype.
+    """
+
+    squares: tuple[_Bucket, ...] = ()
+    rectangles: tuple[_Bucket, ...] = ()
+    visible: torch.Tensor | None = None
+    uncovered: torch.Tensor | None = None
+    additive: dict = field(default_factory=dict)
+
+    def dense_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        mask = self.additive.get(dtype)
+        if mask is None:
+            mask = torch.zeros(self.visible.shape, dtype=dtype, device=self.visible.device)
+            mask = self.additive[dtype] = mask.masked_fill_(~self.visible, float("-inf"))
+        return mask
 
 
 def _groups(lengths: np.ndarray) -> list[np.ndarray]:
@@ -119,7 +143,20 @@ def _bucket(parts: np.ndarray, causal: bool, n_q: int, n_k: int, device) -> _Buc
                    as_tensor(_padded_index(k_start, k_len, width_k, n_k)), key_pad)
 
 
-def _build_plan(seg: np.ndarray, n_q: int, n_k: int, device) -> _Plan:
+def _dense_plan(seg: np.ndarray, n_q: int, n_k: int, device) -> _Plan:
+    visible = np.zeros((n_q, n_k), dtype=bool)
+    for q_start, q_len, k_start, k_len in seg.tolist():
+        rows = np.arange(q_len)[:, None]
+        visible[q_start:q_start + q_len, k_start:k_start + k_len] = np.arange(k_len)[None, :] <= rows + (k_len - q_len)
+    uncovered = ~visible.any(axis=1)
+    visible[uncovered, 0] = True
+    return _Plan(visible=torch.from_numpy(visible).to(device),
+                 uncovered=torch.from_numpy(uncovered).to(device) if uncovered.any() else None)
+
+
+def _build_plan(seg: np.ndarray, n_q: int, n_k: int, device, dense: bool) -> _Plan:
+    if dense:
+        return _dense_plan(seg, n_q, n_k, device)
     q_start, q_len, k_start, k_len = seg.T
     squares = np.stack([q_start, q_len, k_start + k_len - q_len, q_len], axis=1)
     wide = k_len > q_len
@@ -134,12 +171,13 @@ _PLANS: OrderedDict[tuple, _Plan] = OrderedDict()
 
 
 def _plan(seg: np.ndarray, n_q: int, n_k: int, device: torch.device) -> _Plan:
-    """The bucket plan of a table, cached: every layer of a micro-batch reuses its table."""
+    """The plan of a table, cached: every layer of a micro-batch reuses its table."""
+    dense = n_q * n_k <= _DENSE_MAX_PAIRS
     key = (hashlib.blake2b(np.ascontiguousarray(seg, dtype=np.int64).tobytes(), digest_size=16).digest(),
-           n_q, n_k, str(device))
+           n_q, n_k, str(device), dense)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = _build_plan(seg, n_q, n_k, device)
+        plan = _PLANS[key] = _build_plan(seg, n_q, n_k, device, dense)
         if len(_PLANS) > _PLAN_CACHE_SIZE:
             _PLANS.popitem(last=False)
     else:
@@ -151,11 +189,11 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def _extended(x: torch.Tensor, dtype: torch.dtype, fill: float = 0.0, dim: int = 0) -> torch.Tensor:
-    """``x`` in ``dtype`` with one row (along ``dim``) of ``fill`` appended: the padding row."""
+def _extended(x: torch.Tensor, fill: float = 0.0, dim: int = 0) -> torch.Tensor:
+    """``x`` with one row (along ``dim``) of ``fill`` appended: the padding row."""
     shape = list(x.shape)
     shape[dim] = 1
-    return torch.cat([x.to(dtype), x.new_full(shape, fill, dtype=dtype)], dim=dim)
+    return torch.cat([x, x.new_full(shape, fill)], dim=dim)
 
 
 def _gather(x_ext: torch.Tensor, index: torch.Tensor, n_seq: int) -> torch.Tensor:
@@ -185,6 +223,35 @@ def _run_parts(buckets, q_ext, k_ext, v_ext, n_q: int, scale: float):
     return out[:n_q], lse[:, :n_q]
 
 
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """Packed ``[T, H, D]`` -> ``[1, H, T, D]`` (a view): the dense call's layout."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _dense_forward(plan: _Plan, q, k, v, scale: float):
+    o, lse = _FWD(_heads_first(q), _heads_first(k), _heads_first(v), 0.0, False,
+                  attn_mask=plan.dense_mask(q.dtype), scale=scale)
+    out, lse = o[0].transpose(0, 1), lse[0]
+    if plan.uncovered is not None:
+        out = out.masked_fill(plan.uncovered[:, None, None], 0.0)
+        lse = lse.masked_fill(plan.uncovered[None, :], float("-inf"))
+    return out, lse
+
+
+def _bucketed_forward(plan: _Plan, q, k, v, scale: float):
+    n_q = q.shape[0]
+    q_ext, k_ext, v_ext = _extended(q), _extended(k), _extended(v)
+    out, lse = _run_parts(plan.squares, q_ext, k_ext, v_ext, n_q, scale)
+    if plan.rectangles:
+        out_r, lse_r = _run_parts(plan.rectangles, q_ext, k_ext, v_ext, n_q, scale)
+        merged = torch.logaddexp(lse, lse_r)
+        covered = torch.isfinite(merged)
+        weight = lambda part: torch.where(covered, torch.exp(part - merged), 0.0).t()[:, :, None]  # noqa: E731
+        out = out * weight(lse) + out_r * weight(lse_r)
+        lse = merged
+    return out, lse
+
+
 def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Any,
                  softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out ``[Tq, Hq, D]`` in q's dtype, lse ``[Hq, Tq]`` in the compute dtype), no autograd.
@@ -195,20 +262,39 @@ def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: An
     """
     seg = as_segment_array(segments)
     dtype = _compute_dtype(q.dtype)
-    n_q = q.shape[0]
     if len(seg) == 0:
-        return q.new_zeros(q.shape), q.new_full((q.shape[1], n_q), float("-inf"), dtype=dtype)
-    plan = _plan(seg, n_q, k.shape[0], q.device)
-    q_ext, k_ext, v_ext = _extended(q, dtype), _extended(k, dtype), _extended(v, dtype)
-    out, lse = _run_parts(plan.squares, q_ext, k_ext, v_ext, n_q, softmax_scale)
-    if plan.rectangles:
-        out_r, lse_r = _run_parts(plan.rectangles, q_ext, k_ext, v_ext, n_q, softmax_scale)
-        merged = torch.logaddexp(lse, lse_r)
-        covered = torch.isfinite(merged)
-        weight = lambda part: torch.where(covered, torch.exp(part - merged), 0.0).t()[:, :, None]  # noqa: E731
-        out = out * weight(lse) + out_r * weight(lse_r)
-        lse = merged
+        return q.new_zeros(q.shape), q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=dtype)
+    plan = _plan(seg, q.shape[0], k.shape[0], q.device)
+    run = _dense_forward if plan.visible is not None else _bucketed_forward
+    out, lse = run(plan, q.to(dtype), k.to(dtype), v.to(dtype), softmax_scale)
     return out.to(q.dtype), lse
+
+
+def _dense_backward(plan: _Plan, dout, q, k, v, out, lse, scale: float):
+    if plan.uncovered is not None:
+        dout = dout.masked_fill(plan.uncovered[:, None, None], 0.0)
+        lse = lse.masked_fill(plan.uncovered[None, :], float("inf"))  # P = 0 on uncovered rows
+    grads = _BWD(_heads_first(dout), _heads_first(q), _heads_first(k), _heads_first(v), _heads_first(out),
+                 lse[None], 0.0, False, attn_mask=plan.dense_mask(q.dtype), scale=scale)
+    return tuple(g[0].transpose(0, 1) for g in grads)
+
+
+def _bucketed_backward(plan: _Plan, dout, q, k, v, out, lse, scale: float):
+    q_ext, k_ext, v_ext, out_ext, dout_ext = (_extended(t) for t in (q, k, v, out, dout))
+    lse_ext = _extended(lse, fill=float("inf"), dim=1)  # padded rows: P = 0
+    dq = q_ext.new_zeros(q_ext.shape)
+    dk, dv = k_ext.new_zeros(k_ext.shape), v_ext.new_zeros(v_ext.shape)
+    for b in plan.squares + plan.rectangles:
+        q_b, k_b, v_b = (_gather(x, ix, b.n_seq) for x, ix in ((q_ext, b.q_index), (k_ext, b.k_index),
+                                                              (v_ext, b.k_index)))
+        lse_b = lse_ext.index_select(1, b.q_index).view(-1, b.n_seq, b.q_len).transpose(0, 1)
+        g_q, g_k, g_v = _BWD(_gather(dout_ext, b.q_index, b.n_seq), q_b, k_b, v_b,
+                             _gather(out_ext, b.q_index, b.n_seq), lse_b, 0.0, b.causal,
+                             attn_mask=_mask(b, q.dtype), scale=scale)
+        dq.index_add_(0, b.q_index, g_q.transpose(1, 2).reshape(-1, *dq.shape[1:]))
+        dk.index_add_(0, b.k_index, g_k.transpose(1, 2).reshape(-1, *dk.shape[1:]))
+        dv.index_add_(0, b.k_index, g_v.transpose(1, 2).reshape(-1, *dv.shape[1:]))
+    return dq[:-1], dk[:-1], dv[:-1]
 
 
 def sdpa_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -223,29 +309,17 @@ def sdpa_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     dtype = _compute_dtype(q.dtype)
     if len(seg) == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    n_q, n_k, d = q.shape[0], k.shape[0], q.shape[2]
-    plan = _plan(seg, n_q, n_k, q.device)
+    d = q.shape[2]
+    plan = _plan(seg, q.shape[0], k.shape[0], q.device)
     q_, k_, v_, out_, dout_ = (t.to(dtype) for t in (q, k, v, out, dout))
     if dlse is not None:  # one extra head-dim column carries dlse into the kernel's delta
         dlse_ = torch.nan_to_num(dlse.to(dtype), posinf=0.0, neginf=0.0).t()[:, :, None]
         q_, k_, v_ = (torch.nn.functional.pad(t, (0, 1)) for t in (q_, k_, v_))
         out_ = torch.cat([out_, -dlse_], dim=-1)
         dout_ = torch.cat([dout_, torch.ones_like(dlse_)], dim=-1)
-    q_ext, k_ext, v_ext, out_ext, dout_ext = (_extended(t, dtype) for t in (q_, k_, v_, out_, dout_))
-    lse_ext = _extended(lse, dtype, fill=float("inf"), dim=1)
-    dq = q_ext.new_zeros(q_ext.shape)
-    dk, dv = k_ext.new_zeros(k_ext.shape), v_ext.new_zeros(v_ext.shape)
-    for b in plan.squares + plan.rectangles:
-        q_b, k_b, v_b = (_gather(x, ix, b.n_seq) for x, ix in ((q_ext, b.q_index), (k_ext, b.k_index),
-                                                              (v_ext, b.k_index)))
-        lse_b = lse_ext.index_select(1, b.q_index).view(-1, b.n_seq, b.q_len).transpose(0, 1)
-        g_q, g_k, g_v = _BWD(_gather(dout_ext, b.q_index, b.n_seq), q_b, k_b, v_b,
-                             _gather(out_ext, b.q_index, b.n_seq), lse_b, 0.0, b.causal,
-                             attn_mask=_mask(b, dtype), scale=softmax_scale)
-        dq.index_add_(0, b.q_index, g_q.transpose(1, 2).reshape(-1, *dq.shape[1:]))
-        dk.index_add_(0, b.k_index, g_k.transpose(1, 2).reshape(-1, *dk.shape[1:]))
-        dv.index_add_(0, b.k_index, g_v.transpose(1, 2).reshape(-1, *dv.shape[1:]))
-    return dq[:n_q, :, :d].to(q.dtype), dk[:n_k, :, :d].to(k.dtype), dv[:n_k, :, :d].to(v.dtype)
+    run = _dense_backward if plan.visible is not None else _bucketed_backward
+    dq, dk, dv = run(plan, dout_, q_, k_, v_, out_, lse.to(dtype), softmax_scale)
+    return dq[..., :d].to(q.dtype), dk[..., :d].to(k.dtype), dv[..., :d].to(v.dtype)
 
 
 class _SegmentSDPA(torch.autograd.Function):

@@ -9,13 +9,21 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from wlb_opt.kernels import attention_reference, doc_attention, segments_from_lengths, validate_segments  # noqa: E402
 from wlb_opt.kernels import torch_attention as ta  # noqa: E402
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
+# The two ways a table runs: every micro-batch bucketed, or every one a single dense call.
+MODES = {"bucketed": 0, "dense": 10**9}
+
+
+@pytest.fixture(params=sorted(MODES))
+def mode(request, monkeypatch):  # one value for all of a hypothesis test's examples
+    monkeypatch.setattr(ta, "_DENSE_MAX_PAIRS", MODES[request.param])
+    return request.param
 
 
 def _qkv(n_q, n_k, hq, hkv, d, dtype, seed=0):
@@ -89,19 +97,19 @@ def segment_tables(draw):
     return np.array(rows, dtype=np.int64).reshape(-1, 4), max(n_q, 1), max(n_k, 1)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(table=segment_tables(), heads=st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3)]),
        dtype=st.sampled_from([torch.float64, torch.float32]), scale=st.sampled_from([None, 0.07]))
-def test_random_tables_match_reference(table, heads, dtype, scale):
+def test_random_tables_match_reference(mode, table, heads, dtype, scale):
     seg, n_q, n_k = table
     validate_segments(seg, n_q, n_k)
     _check(*_qkv(n_q, n_k, *heads, 8, dtype), seg, scale=scale)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.integers(1, 90), min_size=1, max_size=6), cp=st.sampled_from([2, 3]),
        dtype=st.sampled_from([torch.float64, torch.float32]))
-def test_cp_shards_with_overlapping_keys_match_reference(lengths, cp, dtype):
+def test_cp_shards_with_overlapping_keys_match_reference(mode, lengths, cp, dtype):
     for rank in range(cp):
         seg, n_q, n_k = _cp_shard_table(lengths, cp, rank)
         if len(seg):
@@ -109,18 +117,19 @@ def test_cp_shards_with_overlapping_keys_match_reference(lengths, cp, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_many_lengths_fill_several_buckets(dtype):
+def test_many_lengths_fill_several_buckets(dtype, monkeypatch):
     # lengths 1..64 and a few long ones: short parts share a bucket, long ones split by ratio
     lengths = list(range(1, 65)) + [150, 170, 300]
     seg = segments_from_lengths(lengths)
     n = sum(lengths)
-    plan = ta._build_plan(validate_segments(seg, n, n), n, n, torch.device("cpu"))
+    monkeypatch.setattr(ta, "_DENSE_MAX_PAIRS", 0)
+    plan = ta._build_plan(validate_segments(seg, n, n), n, n, torch.device("cpu"), dense=False)
     assert len(plan.squares) >= 3 and not plan.rectangles
     _check(*_qkv(n, n, 2, 1, 16, dtype), seg, with_lse=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_length_one_documents_and_uncovered_rows(dtype):
+def test_length_one_documents_and_uncovered_rows(mode, dtype):
     seg = segments_from_lengths([1, 1, 37, 1, 70, 3, 1, 33])
     q, k, v = _qkv(160, 160, 2, 2, 32, dtype)
     out, lse, (dq, dk, dv) = _check(q, k, v, seg)
@@ -128,7 +137,7 @@ def test_length_one_documents_and_uncovered_rows(dtype):
     assert torch.all(dq[147:] == 0) and torch.all(dk[147:] == 0) and torch.all(dv[147:] == 0)
 
 
-def test_empty_table_gives_zeros_and_zero_gradients():
+def test_empty_table_gives_zeros_and_zero_gradients(mode):
     q, k, v = _qkv(12, 9, 2, 1, 8, torch.float64)
     out, lse = doc_attention(q, k, v, np.zeros((0, 4), dtype=np.int32), return_lse=True, backend="torch")
     assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
@@ -137,7 +146,7 @@ def test_empty_table_gives_zeros_and_zero_gradients():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_inputs_compute_in_fp32(dtype):
+def test_half_precision_inputs_compute_in_fp32(mode, dtype):
     """fp16/bf16 run in fp32: the result is the fp32 result rounded once to the input dtype."""
     seg = np.array([[0, 40, 0, 40], [40, 30, 20, 50], [70, 26, 70, 26]])
     q, k, v = _qkv(96, 96, 4, 2, 16, dtype)
@@ -151,7 +160,7 @@ def test_half_precision_inputs_compute_in_fp32(dtype):
         assert g.dtype == dtype and _rel_err(g, g_ref) <= 4 * torch.finfo(dtype).eps
 
 
-def test_functional_pair_matches_reference():
+def test_functional_pair_matches_reference(mode):
     """sdpa_forward / sdpa_backward (what the executor's CP attention calls, no autograd)."""
     seg, n_q, n_k = _cp_shard_table([50, 23, 64], 2, 1)
     q, k, v = _qkv(n_q, n_k, 4, 1, 16, torch.float64)
@@ -166,7 +175,7 @@ def test_functional_pair_matches_reference():
         assert _rel_err(g, g_ref) <= 1e-12
 
 
-def test_bucket_padding_is_invisible():
+def test_bucket_padding_is_invisible(mode):
     """Two documents of lengths 40 and 33 share a bucket padded to 40: the shorter one's
     padded keys must not leak into its queries (compared with each document alone)."""
     q, k, v = _qkv(73, 73, 1, 1, 8, torch.float64)
