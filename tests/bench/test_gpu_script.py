@@ -45,7 +45,7 @@ def test_cpu_smoke_runs_every_stage_from_the_repo_root(tmp_path):
     assert [r["q_len"] for r in cost.meta["attention_latency"]] == [16, 32, 64, 128]
     assert "validation MAPE:" in (out / "profile.log").read_text()
     cp_path = json.loads((out / "cp_path" / "cp_path.json").read_text())
-    assert {"before_ms", "after_first_layer_ms", "after_later_layers_ms"} <= set(cp_path["host"][0])
+    assert {"before_cpu_ms", "after_first_layer_cpu_ms", "after_later_layers_cpu_ms"} <= set(cp_path["host"][0])
     assert cp_path["full"][0]["backend"] == "gloo"
 
 
