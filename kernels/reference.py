@@ -7,7 +7,8 @@ has one):
   softmax attention. Tests use it in fp64 as ground truth and in the low precision
   (fp32/fp16) for FlashAttention's error-ratio rule. Memory is O(Hq * Tq * Tk).
 * :func:`attention_per_segment` loops over segments and only materialises each segment's
-  ``[Hq, q_len, k_len]`` scores: the ``backend="torch"`` path of ``doc_attention``.
+  ``[Hq, q_len, k_len]`` scores: the ``backend="torch"`` path of ``doc_attention`` off CPU
+  (on CPU that path is torch_attention.py's fused kernel calls).
 
 Both align the causal mask bottom-right (query row i of a segment sees the first
 ``k_len - q_len + i + 1`` keys of its range). SDPA's ``is_causal`` aligns top-left, which is
