@@ -77,7 +77,8 @@ def trainer_config(args, spec, stream, n_micro: int, dump: str):
         model_spec=spec, dump_folder=dump, dataloader=tt.WLBDataLoader.Config(stream=stream),
         optimizer=optimizer,
         lr_scheduler=LRSchedulersContainer.Config(  # constant under --check-reference (min_lr_factor 1)
-            warmup_steps=0, total_steps=args.steps, min_lr_factor=1.0 if args.check_reference else 0.0),
+            warmup_steps=0, total_steps=args.schedule_steps or args.steps,
+            min_lr_factor=1.0 if args.check_reference else 0.0),
         training=TrainingConfig(local_batch_size=n_micro, seq_len=args.seq_len, steps=args.steps,
                                 max_norm=1e9 if args.check_reference else 1.0, mixed_precision_param="float32",
                                 disable_cuda_graphs=not torch.cuda.is_available()),
@@ -143,6 +144,8 @@ def main() -> None:
     p.add_argument("--fsdp", action="store_true", help="shard over dp (torchtitan's dp_shard) instead of replicating")
     p.add_argument("--virtual-stages", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--schedule-steps", type=int, default=None,
+                   help="steps of the LR schedule (default --steps; keep it fixed across a resume)")
     p.add_argument("--family", choices=tt.SUPPORTED, default="llama3")
     p.add_argument("--flavor", default=None, help="a registered torchtitan flavor instead of the small config")
     p.add_argument("--separate-qkv", action="store_true", help="separate Q/K/V projections (default: fused)")

@@ -383,7 +383,8 @@ class WLBDataLoader(BaseDataLoader):
     `WLBTrainer` runs; iterating the loader itself yields what a stock torchtitan Trainer
     consumes: this DP rank's micro-batches one at a time, as ``({"input", "positions"},
     labels)`` of batch 1 with positions restarting at 0 at each piece (torchtitan's document
-    convention; that gives a stock Trainer WLB's balanced DP packing, not its PP or CP).
+    convention; that gives a stock Trainer WLB's balanced DP packing, not its PP or CP; an
+    empty slot is one token with no target).
 
     `state_dict()` is the stream's state after the last step handed out in full, which
     torchtitan's checkpointer saves after training that step: a checkpoint at step k
@@ -446,6 +447,10 @@ class WLBDataLoader(BaseDataLoader):
         for step in self.steps():
             plan = step.plan
             for j in step.local(self.dp_rank):
+                if not len(plan.micro_batches[j]):  # an empty slot: one ignored token keeps the count
+                    zero = torch.zeros(1, 1, dtype=torch.long)
+                    yield {"input": zero, "positions": zero.clone()}, torch.full((1, 1), -100, dtype=torch.long)
+                    continue
                 tokens, labels = pack_micro_batch(plan, j, step)
                 positions = torch.cat([torch.arange(int(n)) for n in plan.lengths[plan.micro_batches[j]]])
                 yield {"input": tokens[None], "positions": positions[None]}, labels[None]
@@ -655,7 +660,8 @@ def check_trainer_config(config) -> None:
     """The ValueErrors of `WLBTrainer` (see its docstring), raised before anything is built."""
     loader = config.dataloader
     if not isinstance(loader, WLBDataLoader.Config):
-        raise ValueError(f"WLBTrainer needs dataloader=WLBDataLoader.Config(stream=...), got {type(loader).__qualname__}")
+        raise ValueError(f"WLBTrainer needs dataloader=WLBDataLoader.Config(stream=...), got "
+                         f"{type(loader).__qualname__}")
     if loader.stream is None:
         raise ValueError("WLBTrainer: WLBDataLoader.Config.stream is None; give it the WLBStream")
     check_family(config.model_spec.model)
@@ -671,13 +677,14 @@ def check_trainer_config(config) -> None:
         raise ValueError(f"WLBTrainer: parallelism.spmd_backend={parallelism.spmd_backend!r} is not supported; use one "
                          f"of {list(SPMD_BACKENDS)}")
     if parallelism.tensor_parallel_degree > 1 and parallelism.enable_sequence_parallel:
-        raise ValueError("WLBTrainer: parallelism.enable_sequence_parallel needs each rank's tokens divisible by the TP "
-                         "degree, which variable-length micro-batches are not; set it to False")
+        raise ValueError("WLBTrainer: parallelism.enable_sequence_parallel needs each rank's tokens divisible by the "
+                         "TP degree, which variable-length micro-batches are not; set it to False")
     if parallelism.expert_parallel_degree > 1:
         raise ValueError("WLBTrainer: expert parallelism is not supported (dense models only)")
     if getattr(config.model_spec.model, "enable_weight_tying", False) and parallelism.pipeline_parallel_degree > 1:
         raise ValueError("WLBTrainer: weight tying with pipeline parallelism is not supported (torchtitan refuses it)")
-    if isinstance(config.virtual_stages, bool) or not isinstance(config.virtual_stages, int) or config.virtual_stages < 1:
+    v = config.virtual_stages
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"WLBTrainer.Config.virtual_stages must be an integer >= 1, got {config.virtual_stages!r}")
 
 
