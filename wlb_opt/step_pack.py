@@ -31,7 +31,7 @@ from .cost import CostModel, default_cost
 from .cost_memory import resolve_max_tokens
 from .plan import PackPlan, SolveInfo
 from .solvers.deal import deal_to_replicas
-from .solvers.greedy import fixed_greedy, original_sequential, wlb_greedy
+from .solvers.greedy import bin_tokens, fixed_greedy, original_sequential, wlb_greedy
 from .solvers.problem import PackProblem, PackResult
 
 PackMethod = Literal["original", "fixed", "wlb", "wlb_ls", "cpsat", "milp"]
@@ -162,11 +162,14 @@ def solve_pack(
     else:
         p_ids, p_len, p_off = ids, lengths, offsets
     bins = [np.asarray(b, dtype=np.int64) for b in result.bins]
-    piece_cost = cost.doc_cost(p_len) if len(p_len) else np.zeros(0)
+    if result.pieces is None:
+        piece_cost = problem.weights  # the documents are the pieces
+    else:
+        piece_cost = cost.doc_cost(p_len) if len(p_len) else np.zeros(0)
     mb_const = cost.mb_const()
     # Same values as cost.micro_batch_cost(p_len[b]) (same terms, same summation order).
     loads = np.array([piece_cost[b].sum() + mb_const for b in bins], dtype=np.float64)
-    tokens = np.array([int(p_len[b].sum()) for b in bins], dtype=np.int64)
+    tokens = bin_tokens(p_len, bins)
     if _BALANCE_REPLICAS.get(method, True):
         replica_of = deal_to_replicas(loads, dp, n_micro)
     else:

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +16,7 @@ import wlb_opt as wlb
 from wlb_opt.packer import PackerConfig, WLBPacker
 from wlb_opt.packer.state import HeldPiece
 from wlb_opt.packer.trial import StepSolver, as_pack_plan
+from wlb_opt.solvers.greedy import compiled_available, use_compiled
 from wlb_opt.workloads import DEFAULT_SEED, global_batches
 
 COST = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=1),
@@ -55,7 +57,14 @@ def test_a_candidate_packs_as_solve_pack_does(step):
         assert solver.solve(first, rest_given)[1].defers_any(pending) == bool(len(want.deferred))
 
 
-def test_the_defaults_keep_their_recorded_plans_at_32_micro_batches():
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not compiled_available(), reason="numba (the `fast` extra) is not installed"))], ids=["python", "compiled"])
+def test_the_defaults_keep_their_recorded_plans_at_32_micro_batches(compiled):
+    with use_compiled(compiled):
+        _check_n32_digests()
+
+
+def _check_n32_digests():
     ref = json.loads((Path(__file__).parents[1] / "data" / "packer_n32_digests.json").read_text())
     st_ = ref["stream"]
     for name, run_ref in ref["runs"].items():

@@ -1,15 +1,18 @@
 """Algorithm 1 (`wlb_greedy`) against a plain twin: the same plans on random batches,
 overloaded ones included (items that fit nowhere are deferred, most of the short ones fall
-back to the bin of fewest tokens)."""
+back to the bin of fewest tokens), through the Python loop and through the compiled one (the
+`fast` extra, skipped without numba); the sorting and grouping helpers against numpy's."""
 from __future__ import annotations
 
 import heapq
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wlb_opt.solvers.greedy import placement_order, wlb_greedy
+from wlb_opt.solvers.greedy import (argsort_descending, bin_tokens, compiled_available, placement_order,
+                                    split_by_bin, use_compiled, wlb_greedy)
 from wlb_opt.solvers.problem import PackProblem
 
 
@@ -50,10 +53,17 @@ def problems(draw):
                        carried=draw(st.integers(0, n)))
 
 
+needs_numba = pytest.mark.skipif(not compiled_available(), reason="numba (the `fast` extra) is not installed")
+BOTH_LOOPS = pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_numba)],
+                                     ids=["python", "compiled"])
+
+
+@BOTH_LOOPS
 @settings(max_examples=300, deadline=None)
-@given(problems())
-def test_algorithm_1_places_like_its_plain_twin(problem):
-    result = wlb_greedy(problem)
+@given(problem=problems())
+def test_algorithm_1_places_like_its_plain_twin(compiled, problem):
+    with use_compiled(compiled):
+        result = wlb_greedy(problem)
     bins, deferred = reference_wlb_greedy(problem)
     assert len(result.bins) == len(bins)
     for got, want in zip(result.bins, bins):
@@ -61,12 +71,51 @@ def test_algorithm_1_places_like_its_plain_twin(problem):
     assert np.array_equal(result.deferred, deferred)
 
 
-def test_an_overloaded_batch_falls_back_to_the_bin_of_fewest_tokens():
+@BOTH_LOOPS
+def test_an_overloaded_batch_falls_back_to_the_bin_of_fewest_tokens(compiled):
     # 9 -> bin 0, 8 -> bin 1; 3 is due to bin 0 (least load, lowest index) but fits neither
     # bin 0 nor bin 1 (fewest tokens): deferred; 2 does not fit bin 0 and falls back to bin 1
     problem = PackProblem(lengths=np.array([9, 8, 3, 2], dtype=np.int64), weights=np.array([0.1, 0.1, 0.1, 5.0]),
                           n_bins=2, max_tokens=10)
-    result = wlb_greedy(problem)
+    with use_compiled(compiled):
+        result = wlb_greedy(problem)
     assert [b.tolist() for b in result.bins] == [[0], [1, 3]] and result.deferred.tolist() == [2]
     bins, deferred = reference_wlb_greedy(problem)
     assert [b.tolist() for b in bins] == [[0], [1, 3]] and deferred.tolist() == [2]
+
+
+@needs_numba
+def test_the_compiled_loop_places_a_large_batch_as_the_python_loop():
+    # many bins (a tree of several levels, padded: 37 -> 64 leaves), float loads with ties
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 5000, 6000).astype(np.int64)
+    weights = np.round(lengths.astype(float) ** 2 / 1e4 + lengths, 0)
+    problem = PackProblem(lengths=lengths, weights=weights, n_bins=37, max_tokens=600_000, carried=50)
+    with use_compiled(False):
+        python = wlb_greedy(problem)
+    with use_compiled(True):
+        compiled = wlb_greedy(problem)
+    assert all(np.array_equal(a, b) for a, b in zip(python.bins, compiled.bins))
+    assert np.array_equal(python.deferred, compiled.deferred)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2**33), max_size=300), st.sampled_from([3, 200, 70_000, 2**31, 2**33]))
+def test_argsort_descending_is_numpys_stable_sort(values, modulus):
+    key = np.asarray(values, dtype=np.int64) % modulus
+    assert np.array_equal(argsort_descending(key), np.argsort(-key, kind="stable"))
+    floats = key.astype(np.float64) / 7
+    assert np.array_equal(argsort_descending(floats), np.argsort(-floats, kind="stable"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.lists(st.integers(0, 39), max_size=200))
+def test_split_by_bin_and_bin_tokens_match_a_stable_sort(n_bins, bins):
+    bins_of = np.asarray(bins, dtype=np.int64) % n_bins
+    items = np.arange(len(bins_of), dtype=np.int64)[::-1].copy()
+    want = [items[bins_of == b] for b in range(n_bins)]
+    got = split_by_bin(items, bins_of, n_bins)
+    assert len(got) == n_bins and all(np.array_equal(g, w) for g, w in zip(got, want))
+    lengths = (items * 7 + 3)[::-1].copy()
+    groups = [np.flatnonzero(bins_of == b) for b in range(n_bins)]
+    assert bin_tokens(lengths, groups).tolist() == [int(lengths[g].sum()) for g in groups]

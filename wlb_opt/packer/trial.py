@@ -23,7 +23,7 @@ from itertools import chain
 import numpy as np
 
 from ..plan import PackPlan, SolveInfo, imbalance
-from ..solvers.greedy import wlb_assign
+from ..solvers.greedy import argsort_descending, bin_tokens, split_by_bin, wlb_assign
 from .state import HeldPiece
 
 
@@ -60,7 +60,7 @@ class StepSolver:
         """(indices of `tail`, the same longest first, stable), cached for the last tail given."""
         if self._tail is None or self._tail[0] is not tail:
             idx = self._indices(tail)
-            self._tail = (tail, idx, idx[np.argsort(-self.lengths[idx], kind="stable")])
+            self._tail = (tail, idx, idx[argsort_descending(self.lengths[idx])])
         return self._tail[1], self._tail[2]
 
     def solve(self, first: list[HeldPiece], rest: list[HeldPiece]):
@@ -74,7 +74,7 @@ class StepSolver:
             tail = ()
         first_idx, rest_idx = self._indices(first), self._indices(rest)
         tail_idx, tail_sorted = self._sorted_tail(tail) if len(tail) else (np.zeros(0, np.int64),) * 2
-        rest_sorted = rest_idx[np.argsort(-self.lengths[rest_idx], kind="stable")]
+        rest_sorted = rest_idx[argsort_descending(self.lengths[rest_idx])]
         # rest before tail among equal lengths: insert at the left end of each run of equals
         at = np.searchsorted(-self.lengths[tail_sorted], -self.lengths[rest_sorted], side="left")
         order = np.concatenate([first_idx, np.insert(tail_sorted, at, rest_sorted)])
@@ -107,10 +107,7 @@ class TrialPack:
     def _bins(self) -> list[np.ndarray]:
         """Global piece indices of each micro-batch, in placement order."""
         keep = self._placed_bin >= 0
-        items, bins_of = self._order[keep], self._placed_bin[keep]
-        by_bin = np.argsort(bins_of, kind="stable")
-        counts = np.bincount(bins_of, minlength=self._solver.dp * self._solver.n_micro)
-        return np.split(items[by_bin], np.cumsum(counts)[:-1])
+        return split_by_bin(self._order[keep], self._placed_bin[keep], self._solver.dp * self._solver.n_micro)
 
     @cached_property
     def loads(self) -> np.ndarray:
@@ -135,10 +132,7 @@ class TrialPack:
     def micro_batches(self) -> tuple[np.ndarray, ...]:
         """Positions (in the pending list) of each micro-batch's pieces, in placement order."""
         keep = self._placed_bin >= 0
-        positions, bins_of = self._positions[keep], self._placed_bin[keep]
-        by_bin = np.argsort(bins_of, kind="stable")
-        counts = np.bincount(bins_of, minlength=self._solver.dp * self._solver.n_micro)
-        return tuple(np.split(positions[by_bin], np.cumsum(counts)[:-1]))
+        return tuple(split_by_bin(self._positions[keep], self._placed_bin[keep], self._solver.dp * self._solver.n_micro))
 
     def defers_any(self, pieces: list[HeldPiece]) -> bool:
         """Whether any of `pieces` (pending pieces of this candidate) is deferred."""
@@ -153,7 +147,7 @@ class TrialPack:
         split (n_micro per replica): the packer deals the micro-batches itself."""
         s, idx = self._solver, self._pending_idx
         loads = self.loads
-        tokens = np.array([int(s.lengths[b].sum()) for b in self._bins], dtype=np.int64)
+        tokens = bin_tokens(s.lengths, self._bins)
         n_bins = s.dp * s.n_micro
         info = SolveInfo(method=s.method, status="heuristic", objective=float(loads.max()) if len(loads) else 0.0)
         return PackPlan(doc_ids=s.ids[idx], lengths=s.lengths[idx], offsets=s.offsets[idx],
