@@ -114,8 +114,18 @@ SECTIONS = (
             "Forward and backward of the next-token loss, full logits against chunked.",
             (Table("loss_memory.json"),), meta_file="loss_memory_meta.json"),
     Section("cp_path", "CP attention's host path",
-            "Host time of the index and copy path of CP attention, per layer.",
+            "Host time of the index and copy path of CP attention, per layer: CPU time and wall time, "
+            "medians of interleaved repeats, the load average beside them.",
             (Table("cp_path.json", ("host",)),)),
+    Section("step_speed", "Training step against transformers' packed path",
+            "Tokens/s of `train_step` (default chunked loss, and a full-logits loss like transformers') "
+            "against transformers' sdpa forward and backward on the same micro-batches, one process on CPU: "
+            "CPU time and wall time, medians over steps timed in rotating order, the load average beside them.",
+            (Table("step_speed.json", ("rows",), columns=(
+                "workload", "steps", "tokens_per_step", "wlb_cpu_tokens_per_s", "wlb_full_cpu_tokens_per_s",
+                "transformers_cpu_tokens_per_s", "ratio_wlb_cpu", "ratio_wlb_full_cpu", "wlb_wall_tokens_per_s",
+                "wlb_full_wall_tokens_per_s", "transformers_wall_tokens_per_s", "ratio_wlb_wall",
+                "ratio_wlb_full_wall", "max_loss_rel_diff", "load_average")),)),
     Section("converge", "Convergence on real text",
             "Training loss and held-out loss of a small model under each batch ordering.",
             (Table("converge.json", ("summary",)),)),
