@@ -2,7 +2,9 @@
 
 The paper reports 20 ms per batch for WLB-LLM with 2 queues (Table 2). Timed as CPU time of
 this process (`time.process_time`), so that other processes on a shared machine are not
-counted; reports the median of repeated runs with p10 and p90. The streaming planner
+counted; reports the median of repeated runs with p10 and p90. Methods built on Algorithm 1
+("wlb", "wlb_ls") are timed twice when numba is installed (the `fast` extra): with the
+compiled loop and with the pure-Python one (column `loop`). The streaming planner
 (`WLBPacker.pack` step after step) is timed by `wlb-opt bench stream-speed`.
 """
 from __future__ import annotations
@@ -15,20 +17,27 @@ from pathlib import Path
 import numpy as np
 
 from ..cost_args import add_cost_args, cost_from_args, count, natural
+from ..solvers.greedy import compiled_available, use_compiled
 from ..step_pack import PACK_METHODS, solve_pack
 from ..workloads import DISTRIBUTIONS, global_batch
 from ._provenance import provenance
 
 
-def measure(lengths, ids, offsets, n_micro, max_tokens, cost, method, repeats) -> dict:
-    solve_pack(lengths, n_micro, max_tokens, cost, method, ids=ids, offsets=offsets)  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.process_time()
-        plan = solve_pack(lengths, n_micro, max_tokens, cost, method, ids=ids, offsets=offsets)
-        times.append(time.process_time() - t0)
+_ALGORITHM_1 = ("wlb", "wlb_ls")
+"""Methods whose time depends on which loop runs Algorithm 1."""
+
+
+def measure(lengths, ids, offsets, n_micro, max_tokens, cost, method, repeats, compiled: bool) -> dict:
+    with use_compiled(compiled):
+        solve_pack(lengths, n_micro, max_tokens, cost, method, ids=ids, offsets=offsets)  # warm-up (and compile)
+        times = []
+        for _ in range(repeats):
+            t0 = time.process_time()
+            plan = solve_pack(lengths, n_micro, max_tokens, cost, method, ids=ids, offsets=offsets)
+            times.append(time.process_time() - t0)
     t = np.array(times) * 1e3
-    return dict(method=method, documents=int(len(lengths)), micro_batches=n_micro, max_tokens=max_tokens,
+    loop = ("compiled" if compiled else "python") if method in _ALGORITHM_1 else "-"
+    return dict(method=method, loop=loop, documents=int(len(lengths)), micro_batches=n_micro, max_tokens=max_tokens,
                 clock="cpu", median_ms=float(np.median(t)), p10_ms=float(np.percentile(t, 10)),
                 p90_ms=float(np.percentile(t, 90)), imbalance=plan.imbalance, repeats=repeats)
 
@@ -54,13 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{len(lengths)} documents, {int(lengths.sum())} tokens, {args.n_micro} micro-batches, "
           f"dist={args.dist}, {args.repeats} repeats")
-    print(f"{'method':>10} {'max_tokens':>10} {'median ms':>10} {'p10':>7} {'p90':>7} {'imbalance':>10}")
+    print(f"{'method':>10} {'loop':>9} {'max_tokens':>10} {'median ms':>10} {'p10':>7} {'p90':>7} {'imbalance':>10}")
     for method in args.methods.split(","):
         max_tokens = int(1.25 * args.window) if method not in ("original", "fixed") else args.window
-        r = measure(lengths, ids, offsets, args.n_micro, max_tokens, cost, method, args.repeats)
-        rows.append(r)
-        print(f"{method:>10} {max_tokens:>10} {r['median_ms']:>10.2f} {r['p10_ms']:>7.2f} {r['p90_ms']:>7.2f} "
-              f"{r['imbalance']:>10.3f}")
+        loops = [True, False] if method in _ALGORITHM_1 and compiled_available() else [False]
+        for compiled in loops:
+            r = measure(lengths, ids, offsets, args.n_micro, max_tokens, cost, method, args.repeats, compiled)
+            rows.append(r)
+            print(f"{method:>10} {r['loop']:>9} {max_tokens:>10} {r['median_ms']:>10.2f} {r['p10_ms']:>7.2f} "
+                  f"{r['p90_ms']:>7.2f} {r['imbalance']:>10.3f}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,8 @@ order, as the Python loop adds them. The minima come from two tournament trees (
 loads, one for tokens) over the bins padded to a power of two: each internal node holds the
 bin of least value below it, the left child on ties (left subtrees hold lower indices), so
 the root is the minimum with the lowest-index tie-break, and a bin's update walks up
-log2(bins) nodes.
+log2(bins) nodes. The token tree is built at the first fallback (most batches have none)
+and kept current from then on.
 
 The first call compiles (about a second); `cache=True` keeps the machine code on disk for
 later processes.
@@ -61,19 +62,24 @@ def wlb_assign_compiled(order, lengths, weights, n_bins, cap):
         loads[b] = 0.0
         toks[b] = 0
     load_tree = _build(loads, n_leaves)
-    tok_tree = _build(toks, n_leaves)
+    tok_tree = load_tree  # built at the first fallback, kept current from then on
+    tok_tree_built = False
     placed_bin = np.full(len(order), -1, dtype=np.int64)
     for k in range(len(order)):
         i = order[k]
         d = lengths[i]
         b = load_tree[1]
         if toks[b] + d > cap:
+            if not tok_tree_built:
+                tok_tree = _build(toks, n_leaves)
+                tok_tree_built = True
             b = tok_tree[1]  # fallback: fewest tokens (rare but for overloaded steps)
             if toks[b] + d > cap:
                 continue
         toks[b] += d
         loads[b] = loads[b] + weights[i]
         _update(load_tree, loads, n_leaves, b)
-        _update(tok_tree, toks, n_leaves, b)
+        if tok_tree_built:
+            _update(tok_tree, toks, n_leaves, b)
         placed_bin[k] = b
     return placed_bin
