@@ -40,3 +40,32 @@ def test_the_readme_links_resolve():
     for target in re.findall(r"\]\(([^)#\s]+)\)", README.read_text()):
         if "://" not in target:
             assert (root / target).exists(), f"README.md links to {target}, which does not exist"
+
+
+def _titan_snippet() -> str:
+    block = re.search(r"<!-- readme-titan -->\s*```python\n(.*?)```\s*<!-- /readme-titan -->", README.read_text(), re.S)
+    assert block, "README.md lost its torchtitan snippet"
+    return block.group(1)
+
+
+def test_the_torchtitan_snippet_is_at_most_15_lines():
+    lines = [ln for ln in _titan_snippet().splitlines() if ln.strip()]
+    assert len(lines) <= 15, f"{len(lines)} non-blank lines"
+    compile(_titan_snippet(), "README.md", "exec")
+
+
+@pytest.mark.slow
+def test_the_torchtitan_snippet_trains_as_printed(tmp_path):
+    """The snippet under torchrun on one gloo process (torchtitan's debugmodel on CPU)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchtitan")
+    script = tmp_path / "train.py"
+    script.write_text(_titan_snippet())
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                          str(script)], capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert re.search(r"^step 2: loss \d", res.stdout, re.M), res.stdout[-2000:]

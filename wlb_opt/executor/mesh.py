@@ -92,9 +92,12 @@ class Mesh:
     def from_device_mesh(cls, device_mesh, names: dict[str, str] | None = None) -> "Mesh":
         """Our Mesh over a user's DeviceMesh with any subset of the dimensions dp, pp, cp, tp,
         in any order. `names` maps the user's dimension names onto ours; several of the
-        user's may map onto one of ours (torchtitan's ``{"dp_replicate": "dp", "dp_shard":
-        "dp"}``: they are flattened, in the mesh's order). Dimensions it does not have are of
-        size 1. Checks the names before any collective; a ValueError names what is wrong."""
+        user's may map onto one of ours (``{"dp_replicate": "dp", "dp_shard": "dp"}``: they
+        are flattened, in the mesh's order). torchtitan 0.3's named sub-mesh of ("pp",
+        "batch", "cp", "tp") needs ``names={"batch": "dp"}``
+        (`wlb_opt.integrations.torchtitan.wlb_mesh` builds it from its ParallelDims).
+        Dimensions it does not have are of size 1. Checks the names before any collective; a
+        ValueError names what is wrong."""
         own = tuple(device_mesh.mesh_dim_names or ())
         if len(own) != device_mesh.ndim:
             raise ValueError("the DeviceMesh needs mesh_dim_names (init_device_mesh(..., mesh_dim_names=...))")

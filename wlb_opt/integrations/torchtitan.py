@@ -342,10 +342,13 @@ def run_on_cpu() -> None:
     found (`tools.utils.device_type`, copied by several of its modules at import), its
     metrics read CUDA memory statistics, and `set_pg_timeouts` calls a barrier with device
     ids. Patches those three points, in every torchtitan module already imported; call it
-    before building a Trainer, and only on a machine without GPUs (tests, examples). The
+    before building a Trainer on a machine without GPUs (tests, examples). The
     fourth point, FlexAttention having no CPU backward, does not arise: WLB's stages use
-    `WLBAttention`. On a GPU nothing here is used."""
+    `WLBAttention`. Where CUDA is available it does nothing."""
     import sys
+
+    if torch.cuda.is_available():
+        return
 
     import torchtitan.components.metrics as metrics
     import torchtitan.distributed.utils as dist_utils
@@ -367,6 +370,7 @@ def run_on_cpu() -> None:
 # ---------------------------------------------------------------------- data loader
 from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
 from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
+from torchtitan.components.optimizer import OptimizersContainer, default_adamw  # noqa: E402
 from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
@@ -597,6 +601,8 @@ class WLBTrainer(Trainer):
         tokenizer: BaseTokenizer.Config = dataclasses.field(default_factory=NoTokenizer.Config)
         dataloader: BaseDataLoader.Config = dataclasses.field(default_factory=WLBDataLoader.Config)
         loss: CrossEntropyLoss.Config = dataclasses.field(default_factory=CrossEntropyLoss.Config)
+        optimizer: OptimizersContainer.Config = dataclasses.field(default_factory=default_adamw)
+        """torchtitan's AdamW (its own default has no parameter groups and cannot be built)."""
         virtual_stages: int = 1
         """Model chunks per pipeline rank (1: 1F1B; more: interleaved 1F1B)."""
         attention_backend: str = "auto"
