@@ -66,6 +66,18 @@ class Qwen3_5Model:
         layers: list = []
 
 
+def _chunked_loss():
+    from torchtitan.components.loss import ChunkedLossWrapper
+
+    return ChunkedLossWrapper.Config()
+
+
+def _validator():
+    from torchtitan.components.validate import Validator
+
+    return Validator.Config(enable=True)
+
+
 def _moe_qwen3():
     return _registry("qwen3", "debugmodel_moe")
 
@@ -112,6 +124,13 @@ CASES = [
      "enable_sequence_parallel"),
     ("trainer.expert_parallel", lambda: tt.check_trainer_config(_trainer_config(
         parallelism={"expert_parallel_degree": 2})), ValueError, "expert parallelism is not supported"),
+    ("trainer.chunked_loss", lambda: tt.check_trainer_config(_trainer_config(loss=_chunked_loss())), ValueError,
+     "leave loss at CrossEntropyLoss.Config(), got ChunkedLossWrapper.Config"),
+    ("trainer.validator", lambda: tt.check_trainer_config(_trainer_config(validator=_validator())), ValueError,
+     "validator.enable"),
+    ("trainer.layer_split", lambda: tt.check_trainer_config(_trainer_config(
+        parallelism={"pipeline_parallel_layers_per_stage": 1})), ValueError,
+     "leave parallelism.pipeline_parallel_layers_per_stage at None"),
     ("trainer.virtual_stages", lambda: tt.check_trainer_config(_trainer_config(virtual_stages=0)), ValueError,
      "virtual_stages must be an integer >= 1, got 0"),
     ("attention.no_boundaries", lambda: tt.WLBAttention()(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4),

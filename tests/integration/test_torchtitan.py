@@ -150,7 +150,7 @@ def test_the_loader_resumes_at_the_step_after_the_one_it_handed_out():
         next(steps)
     saved = json.loads(json.dumps(loader.state_dict()))  # what DCP stores: a string
     fourth = next(steps)
-    again = tt.WLBDataLoader(tt.WLBDataLoader.Config(stream=stream(config, LENGTHS * 3)), seq_len=512)
+    again = tt.WLBDataLoader(stream(config, LENGTHS * 3), seq_len=512)  # the stream itself: the same loader
     again.load_state_dict(saved)
     resumed = next(again.steps())
     assert resumed.index == fourth.index

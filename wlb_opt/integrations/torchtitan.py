@@ -392,7 +392,8 @@ class WLBDataLoader(BaseDataLoader):
 
     `state_dict()` is the stream's state after the last step handed out in full, which
     torchtitan's checkpointer saves after training that step: a checkpoint at step k
-    resumes at step k + 1. Refused by name: a stream whose packer has another DP degree than
+    resumes at step k + 1. Built by torchtitan from `WLBDataLoader.Config(stream=...)`, or
+    directly as ``WLBDataLoader(stream, dp_world_size=, dp_rank=, seq_len=)``. Refused by name: a stream whose packer has another DP degree than
     the trainer's batch degree, a stock-Trainer batch size other than 1, a piece that reaches
     past ``training.seq_len`` (the size of torchtitan's RoPE table)."""
 
@@ -401,10 +402,12 @@ class WLBDataLoader(BaseDataLoader):
         stream: object = None
         """The `WLBStream` (its packer's dp must equal the trainer's DP degree)."""
 
-    def __init__(self, config: "WLBDataLoader.Config", *, dp_world_size: int = 1, dp_rank: int = 0,
+    def __init__(self, config: "WLBDataLoader.Config | WLBStream", *, dp_world_size: int = 1, dp_rank: int = 0,
                  tokenizer=None, seq_len: int | None = None, local_batch_size: int | None = None, **kwargs):
         from ..stream import WLBStream
 
+        if isinstance(config, WLBStream):  # WLBDataLoader(stream, ...): the config built here
+            config = WLBDataLoader.Config(stream=config)
         stream = config.stream
         if not isinstance(stream, WLBStream):
             raise ValueError(f"WLBDataLoader.Config.stream must be a wlb_opt.WLBStream, got {type(stream).__name__}")
@@ -590,11 +593,15 @@ class WLBTrainer(Trainer):
     `full_logits_loss` over the global batch's target tokens (torchtitan's `loss` config is
     not used). Gradients are reduced by torchtitan's FSDP2 over dp x cp.
 
+    torchtitan's `pipeline_parallel_schedule` is not used (the executor's schedule is 1F1B,
+    interleaved when `virtual_stages` > 1), nor is its CP (`_WithoutTitanCP`).
+
     Refused by name, before anything is built: a data loader that is not a `WLBDataLoader`,
     a model family `check_family` refuses, `training.local_batch_size` other than the
     packer's n_micro (one packed sequence per micro-batch), gradient accumulation, an
     `spmd_backend` outside `SPMD_BACKENDS`, sequence parallelism with TP > 1, expert
-    parallelism, weight tying with PP."""
+    parallelism, weight tying with PP, a loss other than `CrossEntropyLoss` (chunked
+    included), the validator, a custom layer split per pipeline stage."""
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -689,6 +696,16 @@ def check_trainer_config(config) -> None:
         raise ValueError("WLBTrainer: expert parallelism is not supported (dense models only)")
     if getattr(config.model_spec.model, "enable_weight_tying", False) and parallelism.pipeline_parallel_degree > 1:
         raise ValueError("WLBTrainer: weight tying with pipeline parallelism is not supported (torchtitan refuses it)")
+    if type(config.loss) is not CrossEntropyLoss.Config:
+        raise ValueError(f"WLBTrainer computes the loss itself (full_logits_loss over the global batch's target "
+                         f"tokens); leave loss at CrossEntropyLoss.Config(), got {type(config.loss).__qualname__}")
+    if getattr(config.validator, "enable", False):
+        raise ValueError("WLBTrainer: validator.enable runs the model through torchtitan's own forward, which has no "
+                         "document boundaries for WLBAttention; validate with train_step-free code or disable it")
+    for name in ("module_fqns_per_model_part", "pipeline_parallel_layers_per_stage"):
+        if getattr(parallelism, name, None) is not None:
+            raise ValueError(f"WLBTrainer splits the layers evenly (titan_stages, as the cost model assumes); leave "
+                             f"parallelism.{name} at None")
     v = config.virtual_stages
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"WLBTrainer.Config.virtual_stages must be an integer >= 1, got {config.virtual_stages!r}")
