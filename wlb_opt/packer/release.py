@@ -316,22 +316,56 @@ class GroupRelease(ReleasePolicy):
         """(first, rest) that `solve` packs: `split_due` (Algorithm 1: carried pieces first)."""
         return split_due(carry, released, fresh, step, self.max_delay)
 
+    def _windows(self, remaining: list[HeldPiece], ctx: "_StepContext"):
+        """The groups of `remaining` that `_candidates` packs before `hopeless`, by size then
+        start: yields (size, starts, tokens, imbalance_at_least), the last two indexed by start
+        (imbalance_at_least None without costs). A group is left out when too early
+        (`_not_too_early`) or, with costs and a step that is not idle, surely above ctx.limit
+        (`_cannot_pass`). The window sums grow one piece at a time, left to right, so each
+        equals the Python sum over the group (the same floats, the same decisions)."""
+        lengths = np.fromiter((piece.length for piece in remaining), dtype=np.int64, count=len(remaining))
+        tokens = lengths
+        early = None
+        if self.lookahead:
+            is_early = np.fromiter((piece.arrival > ctx.step for piece in remaining), dtype=np.int64,
+                                   count=len(remaining))
+            early = is_early
+        costs = None
+        if ctx.costs:
+            costs = np.fromiter((ctx.costs[piece.key] for piece in remaining), dtype=np.float64,
+                                count=len(remaining))
+            total, heaviest_cost = costs, costs
+        for size in range(1, min(self.need, len(remaining)) + 1):
+            if size > 1:  # windows of `size` from those of size - 1 and the piece after them
+                tokens = tokens[:-1] + lengths[size - 1:]
+                if early is not None:
+                    early = early[:-1] + is_early[size - 1:]
+                if costs is not None:
+                    total = total[:-1] + costs[size - 1:]
+                    heaviest_cost = np.maximum(heaviest_cost[:-1], costs[size - 1:])
+            keep = np.ones(len(tokens), dtype=bool) if early is None else 2 * early <= size
+            at_least = None
+            if costs is not None:
+                heaviest = heaviest_cost + self.bin_const
+                mean_at_most = (ctx.base_cost + total) / self.need + self.bin_const
+                at_least = heaviest / mean_at_most
+                if not ctx.idle:
+                    keep &= ~(heaviest > (ctx.limit + 1e-9) * mean_at_most)
+            yield size, np.flatnonzero(keep).tolist(), tokens.tolist(), (None if at_least is None else at_least.tolist())
+
     def _candidates(self, remaining: list[HeldPiece], ctx: "_StepContext", extra_tokens: int = 0, hopeless=None):
         """Each admissible group of `remaining` (1 to need pieces adjacent in (length, arrival)
         order), packed with ctx's released pieces: yields (i, group, tokens, pending, plan,
         arrival). Admissible: within ctx.limit (unless the step is idle), deferring fewer short
         tokens than the group (+ `extra_tokens`, pieces joining with it) brings, at most half the
         carry limit, and no early-released outlier deferred (see the class docstring).
-        `hopeless(group, tokens)`, if given, skips a group before it is packed."""
-        for size in range(1, min(self.need, len(remaining)) + 1):
-            for i in range(len(remaining) - size + 1):
+        `hopeless(group, tokens, imbalance_at_least)`, if given, skips a group before it is
+        packed (imbalance_at_least: `_imbalance_at_least` of the group, None without costs)."""
+        for size, starts, tokens_of, at_least_of in self._windows(remaining, ctx):
+            for i in starts:
                 group = remaining[i:i + size]
-                if not self._not_too_early(group, ctx.step):
-                    continue
-                if ctx.costs and not ctx.idle and self._cannot_pass(group, ctx.costs, ctx.base_cost, ctx.limit):
-                    continue
-                tokens = sum(piece.length for piece in group)
-                if hopeless is not None and hopeless(group, tokens):
+                tokens = tokens_of[i]
+                if hopeless is not None and hopeless(group, tokens, None if at_least_of is None else at_least_of[i]):
                     continue
                 t_pending, t_plan, t_arrival = ctx.solve(*self._split(ctx.carry, ctx.released + group, ctx.fresh,
                                                                       ctx.step))
@@ -512,12 +546,12 @@ class MarginalRelease(GroupRelease):
         lam = self._token_price()
         best, rejected = None, None
 
-        def hopeless(group, tokens):
+        def hopeless(group, tokens, imbalance_at_least):
             # its score is surely > 0 and above the best rejected one (its relief is at most its
             # tokens): neither taken nor paired
-            if not ctx.costs:
+            if imbalance_at_least is None:
                 return False
-            low = self._imbalance_at_least(group, ctx.costs, ctx.base_cost) - ctx.plan.imbalance - lam * tokens
+            low = imbalance_at_least - ctx.plan.imbalance - lam * tokens
             return low > _TOLERANCE_SLACK and (rejected is not None and low > rejected[0][0] + _TOLERANCE_SLACK)
 
         for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(remaining, ctx, hopeless=hopeless):
@@ -543,9 +577,9 @@ class MarginalRelease(GroupRelease):
             ctx, released=ctx.released + first_group,
             base_cost=ctx.base_cost + (sum(costs[piece.key] for piece in first_group) if costs else 0.0))
 
-        def hopeless(group, tokens):  # the pair's score is surely > 0 (relief <= tokens)
-            return bool(costs) and (self._imbalance_at_least(group, costs, with_first.base_cost) - ctx.plan.imbalance
-                                    - lam * (first_relief + tokens)) > _TOLERANCE_SLACK
+        def hopeless(group, tokens, imbalance_at_least):  # the pair's score is surely > 0 (relief <= tokens)
+            return imbalance_at_least is not None and (imbalance_at_least - ctx.plan.imbalance
+                                                       - lam * (first_relief + tokens)) > _TOLERANCE_SLACK
 
         for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(rest, with_first, first_tokens,
                                                                                 hopeless):

@@ -51,6 +51,8 @@ class StepSolver:
         self.method = method
         self.fresh = fresh
         self._tail: tuple[list, np.ndarray, np.ndarray] | None = None  # (list, indices, indices longest first)
+        self._head: tuple[list, np.ndarray, np.ndarray] = ([], np.zeros(0, np.int64), np.zeros(0, np.int64))
+        self._last_rest: list[HeldPiece] = []
 
     def _indices(self, pieces: list[HeldPiece]) -> np.ndarray:
         index = self.index
@@ -63,6 +65,31 @@ class StepSolver:
             self._tail = (tail, idx, idx[argsort_descending(self.lengths[idx])])
         return self._tail[1], self._tail[2]
 
+    def _sorted_rest(self, rest: list[HeldPiece]) -> tuple[np.ndarray, np.ndarray]:
+        """(indices of `rest`, the same longest first, stable). Candidates of one round share
+        a head (carried and released pieces) and differ in the group after it: the head found
+        in common with the previous call is indexed and sorted once, and each call merges its
+        few other pieces into it (after the head's among equal lengths, as a stable sort)."""
+        head, head_idx, head_sorted = self._head
+        n = len(head)
+        if not (n and len(rest) >= n and rest[:n] == head):
+            last, n = self._last_rest, 0
+            for a, b in zip(rest, last):  # the prefix this call shares with the previous one
+                if a is not b:
+                    break
+                n += 1
+            self._last_rest = rest
+            head = rest[:n]
+            head_idx = self._indices(head)
+            head_sorted = head_idx[argsort_descending(self.lengths[head_idx])]
+            self._head = (head, head_idx, head_sorted)
+        more_idx = self._indices(rest[n:])
+        if not len(more_idx):
+            return head_idx, head_sorted
+        more_sorted = more_idx[argsort_descending(self.lengths[more_idx])]
+        at = np.searchsorted(-self.lengths[head_sorted], -self.lengths[more_sorted], side="right")
+        return np.concatenate([head_idx, more_idx]), np.insert(head_sorted, at, more_sorted)
+
     def solve(self, first: list[HeldPiece], rest: list[HeldPiece]):
         """Pack `first` (in this order), then `rest` longest first (stable), as `solve_pack`
         with carried=len(first). Returns (pending = first + rest, TrialPack, arrival step of
@@ -72,9 +99,9 @@ class StepSolver:
             rest, tail = rest[:len(rest) - m], self.fresh
         else:
             tail = ()
-        first_idx, rest_idx = self._indices(first), self._indices(rest)
+        first_idx = self._indices(first)
+        rest_idx, rest_sorted = self._sorted_rest(rest)
         tail_idx, tail_sorted = self._sorted_tail(tail) if len(tail) else (np.zeros(0, np.int64),) * 2
-        rest_sorted = rest_idx[argsort_descending(self.lengths[rest_idx])]
         # rest before tail among equal lengths: insert at the left end of each run of equals
         at = np.searchsorted(-self.lengths[tail_sorted], -self.lengths[rest_sorted], side="left")
         order = np.concatenate([first_idx, np.insert(tail_sorted, at, rest_sorted)])
