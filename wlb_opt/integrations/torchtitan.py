@@ -393,17 +393,18 @@ class WLBDataLoader(BaseDataLoader):
     `state_dict()` is the stream's state after the last step handed out in full, which
     torchtitan's checkpointer saves after training that step: a checkpoint at step k
     resumes at step k + 1. Built by torchtitan from `WLBDataLoader.Config(stream=...)`, or
-    directly as ``WLBDataLoader(stream, dp_world_size=, dp_rank=, seq_len=)``. Refused by name: a stream whose packer has another DP degree than
-    the trainer's batch degree, a stock-Trainer batch size other than 1, a piece that reaches
-    past ``training.seq_len`` (the size of torchtitan's RoPE table)."""
+    directly as ``WLBDataLoader(stream, dp_world_size=, dp_rank=, seq_len=)``. Refused by
+    name: a stream whose packer has another DP degree than the trainer's batch degree, a
+    stock-Trainer batch size other than 1, a piece that reaches past ``training.seq_len``
+    (the size of torchtitan's RoPE table)."""
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
         stream: object = None
         """The `WLBStream` (its packer's dp must equal the trainer's DP degree)."""
 
-    def __init__(self, config: "WLBDataLoader.Config | WLBStream", *, dp_world_size: int = 1, dp_rank: int = 0,
-                 tokenizer=None, seq_len: int | None = None, local_batch_size: int | None = None, **kwargs):
+    def __init__(self, config, *, dp_world_size: int = 1, dp_rank: int = 0, tokenizer=None,
+                 seq_len: int | None = None, local_batch_size: int | None = None, **kwargs):
         from ..stream import WLBStream
 
         if isinstance(config, WLBStream):  # WLBDataLoader(stream, ...): the config built here
