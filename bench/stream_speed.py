@@ -5,7 +5,9 @@ stream of global batches of n_micro x window tokens, one `pack` per step. Only `
 timed, as CPU time of this process (`time.process_time`, so other processes on a shared
 machine are not counted); the median, p99 and worst step are over every step of every seed.
 `solve_shard` (CP sharding of each micro-batch, strategy "adaptive") is timed apart, per
-step, on the plans of the first seed. Streams: `real` and the heavy-tailed `heavy`
+step, on the plans of the first seed. Each stream is timed with Algorithm 1's pure-Python
+loop (the default install) and, when numba is installed (the `fast` extra), the compiled
+one (`--loops`). Streams: `real` and the heavy-tailed `heavy`
 (`wlb_opt.workloads`), seeds DEFAULT_SEED + 300 + i (not the calibration seeds).
 
     wlb-opt bench stream-speed --n-micro 32                 2,000 steps x 3 seeds per stream
@@ -23,6 +25,8 @@ import numpy as np
 from ..cost_args import add_cost_args, cost_from_args, count
 from ..packer import PackerConfig, WLBPacker
 from ..shard import solve_shard
+from ..solvers.greedy import compiled_available, use_compiled
+from ..step_pack import solve_pack
 from ..workloads import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from ._provenance import provenance
 
@@ -62,10 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="200 steps x 1 seed")
     p.add_argument("--window", type=count, default=131072, help="training context length (default 131072)")
     p.add_argument("--no-shard", action="store_true", help="do not time solve_shard")
+    p.add_argument("--loops", default="python,compiled",
+                   help="Algorithm 1's loops to time, comma-separated: python (the default install), compiled "
+                        "(the `fast` extra, skipped without numba); default python,compiled")
     p.add_argument("--out", default=None, help="folder for stream_speed.json (default: print only)")
     add_cost_args(p, layout=("tp", "cp", "pp"))  # one replica: dp stays 1
     args = p.parse_args(argv)
     dists = args.dists.split(",")
+    bad_loops = [loop for loop in args.loops.split(",") if loop not in ("python", "compiled")]
+    if bad_loops:
+        p.error(f"unknown loops {bad_loops}; valid: python, compiled")
     bad = [d for d in dists if d not in DISTRIBUTIONS]
     if bad:
         p.error(f"unknown distributions {bad}; valid: {', '.join(sorted(DISTRIBUTIONS))}")
@@ -85,27 +95,37 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = int(1.25 * args.window)
     rows, shard_rows = [], []
     print(f"max_tokens={max_tokens}, {steps} steps x {seeds} seeds, CPU ms per pack()")
-    print(f"{'N':>3} {'dist':>6} {'K':>2} {'median':>8} {'p99':>8} {'worst':>8} {'vs K=0':>7}")
+    loops = [loop for loop in args.loops.split(",") if loop == "python" or compiled_available()]
+    if len(loops) < len(args.loops.split(",")):
+        print("numba is not installed (the `fast` extra): the compiled loop is not timed")
+    if "compiled" in loops:  # compile (or load from numba's cache) before anything is timed
+        with use_compiled(True):
+            solve_pack([3, 2, 1], 2, 4, cost)
+    print(f"{'N':>3} {'dist':>6} {'K':>2} {'loop':>9} {'median':>8} {'p99':>8} {'worst':>8} {'vs K=0':>7}")
     for n_micro, dist in [(n, d) for n in n_micros for d in dists]:
         streams = [global_batches(dist, args.window, n_micro * args.window, steps,
                                   seed=DEFAULT_SEED + SEED_OFFSET + i) for i in range(seeds)]
-        k0_median = None
-        for k in lookaheads:
-            pack_s = []
-            for i, batches in enumerate(streams):
-                shard_cp = cp if (i == 0 and k == lookaheads[0] and not args.no_shard) else None
-                times, shard_s = time_stream(batches, n_micro, max_tokens, cost, k, shard_cp)
-                pack_s += times
-                if shard_s:
-                    shard_rows.append(dict(dist=dist, n_micro=n_micro, cp=cp, strategy="adaptive",
-                                           steps=len(shard_s), clock="cpu", **_percentiles(shard_s)))
-            row = dict(dist=dist, lookahead=k, n_micro=n_micro, max_tokens=max_tokens, steps=steps, seeds=seeds,
-                       clock="cpu", **_percentiles(pack_s))
-            k0_median = row["median_ms"] if k == 0 else k0_median
-            row["median_vs_k0"] = row["median_ms"] / k0_median if k0_median else None
-            rows.append(row)
-            ratio = f"{row['median_vs_k0']:.2f}" if row["median_vs_k0"] is not None else "-"
-            print(f"{n_micro:>3} {dist:>6} {k:>2} {row['median_ms']:>8.2f} {row['p99_ms']:>8.2f} {row['worst_ms']:>8.2f} {ratio:>7}")
+        for loop in loops:
+            k0_median = None
+            for k in lookaheads:
+                pack_s = []
+                with use_compiled(loop == "compiled"):
+                    for i, batches in enumerate(streams):
+                        shard_cp = (cp if (i == 0 and k == lookaheads[0] and loop == loops[0] and not args.no_shard)
+                                    else None)
+                        times, shard_s = time_stream(batches, n_micro, max_tokens, cost, k, shard_cp)
+                        pack_s += times
+                        if shard_s:
+                            shard_rows.append(dict(dist=dist, n_micro=n_micro, cp=cp, strategy="adaptive",
+                                                   steps=len(shard_s), clock="cpu", **_percentiles(shard_s)))
+                row = dict(dist=dist, lookahead=k, n_micro=n_micro, loop=loop, max_tokens=max_tokens, steps=steps,
+                           seeds=seeds, clock="cpu", **_percentiles(pack_s))
+                k0_median = row["median_ms"] if k == 0 else k0_median
+                row["median_vs_k0"] = row["median_ms"] / k0_median if k0_median else None
+                rows.append(row)
+                ratio = f"{row['median_vs_k0']:.2f}" if row["median_vs_k0"] is not None else "-"
+                print(f"{n_micro:>3} {dist:>6} {k:>2} {loop:>9} {row['median_ms']:>8.2f} {row['p99_ms']:>8.2f} "
+                      f"{row['worst_ms']:>8.2f} {ratio:>7}")
     for r in shard_rows:
         print(f"solve_shard (N={r['n_micro']}, {r['dist']}, cp={r['cp']}, all micro-batches of a step): median {r['median_ms']:.2f} ms, "
               f"p99 {r['p99_ms']:.2f}, worst {r['worst_ms']:.2f}")
