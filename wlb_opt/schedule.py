@@ -114,33 +114,93 @@ def _initial_plan(rank: int, pp: int, n_micro: int, virtual_stages: int) -> list
     return plan
 
 
-@functools.lru_cache(maxsize=256)
-def _plans(pp: int, n_micro: int, virtual_stages: int) -> tuple:
-    """Every rank's (group, op) pairs, made deadlock-free under rendezvous semantics.
+def _nominal_timeline(pp: int, n_micro: int, virtual_stages: int) -> list[list[tuple[float, float]]]:
+    """(start, end) of every op of `stage_order`, per rank, in the ideal pipeline (an op starts
+    once its rank is free and its input exists; sends never wait) with every forward of a chunk
+    taking 1 and every backward 2: the shape of the schedule the executor should follow."""
+    n_virtual = pp * virtual_stages
+    orders = [stage_order(r, pp, n_micro, virtual_stages) for r in range(pp)]
+    end: dict[Op, float] = {}
+    times: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
+    free, ptr = [0.0] * pp, [0] * pp
+    while any(ptr[r] < len(orders[r]) for r in range(pp)):
+        for r in range(pp):
+            while ptr[r] < len(orders[r]):
+                phase, micro, vs = op = orders[r][ptr[r]]
+                if phase == "F":
+                    dep = ("F", micro, vs - 1) if vs > 0 else None
+                else:
+                    dep = ("B", micro, vs + 1) if vs < n_virtual - 1 else ("F", micro, vs)
+                if dep is not None and dep not in end:
+                    break
+                start = max(free[r], end[dep] if dep is not None else 0.0)
+                free[r] = end[op] = start + (1.0 if phase == "F" else 2.0)
+                times[r].append((start, free[r]))
+                ptr[r] += 1
+    return times
 
-    Starting from `_initial_plan`, the ranks are run jointly: a rank posts its current group
-    and moves on when all of it has met its counterparts. When no rank can move, a send is
-    waiting for a receive its peer has planned for later; that receive is moved into the
-    peer's current group (its buffer is allocated earlier; nothing else changes). Receives can
-    always move earlier, because every shape is known from the plan; sends cannot (they carry
-    what an op computed). The result is a fixed, deterministic function of (pp, n_micro,
-    virtual_stages), so every rank derives the same schedule. Inside a group, sends are in
-    message order and receives in their sender's issue order, so both ends of every pair of
-    ranks see their messages in the same order (NCCL matches point-to-point in issue order).
-    """
-    check_pipeline_shape(pp, n_micro, virtual_stages)
-    plans = [[[list(g), op] for g, op in _initial_plan(r, pp, n_micro, virtual_stages)] for r in range(pp)]
+
+def _meeting(sender_gaps, lo_s: int, receiver_gaps, hi_r: int) -> tuple[int, int]:
+    """(sender boundary, receiver boundary) for one message: boundary k of a rank is the gap
+    before its op k, `gaps[k]` its (from, to) in the nominal timeline. The sender may use
+    boundaries >= lo_s (after the op that made the message), the receiver boundaries <= hi_r
+    (before the op that needs it). A pair whose gaps overlap lets both ranks post their halves
+    at the same moment, so neither waits for the other to take or give; of those the latest is
+    taken (the receiver gets the message just before it needs it, so a receive posted early
+    never holds its rank). Without an overlap, the pair that leaves the shortest wait."""
+    best, best_key = (lo_s, hi_r), None
+    i, j = lo_s, 0
+    while i < len(sender_gaps) and j <= hi_r:  # two sorted interval lists, merged
+        (s_from, s_to), (r_from, r_to) = sender_gaps[i], receiver_gaps[j]
+        wait = max(s_from, r_from) - min(s_to, r_to)
+        key = (max(wait, 0.0), -max(s_from, r_from))
+        if best_key is None or key < best_key:
+            best, best_key = (i, j), key
+        if s_to < r_to:
+            i += 1
+        else:
+            j += 1
+    return best
+
+
+def _derived_plan(pp: int, n_micro: int, virtual_stages: int) -> list[list[list]]:
+    """Every rank's (group, op) pairs for v >= 2, read off the nominal ideal timeline: each
+    message is exchanged at the boundaries `_meeting` picks on its two ranks."""
+    n_virtual = pp * virtual_stages
+    orders = [stage_order(r, pp, n_micro, virtual_stages) for r in range(pp)]
+    times = _nominal_timeline(pp, n_micro, virtual_stages)
+    gaps = [[(times[r][k - 1][1] if k else 0.0, times[r][k][0] if k < len(times[r]) else float("inf"))
+             for k in range(len(times[r]) + 1)] for r in range(pp)]
+    index = [{op: k for k, op in enumerate(o)} for o in orders]
+    groups: list[list[list[P2POp]]] = [[[] for _ in range(len(o) + 1)] for o in orders]
+    for r in range(pp):
+        for k, op in enumerate(orders[r]):
+            _, micro, vs = op
+            for direction, _, peer in _makes(op, pp, n_virtual):
+                other = vs + 1 if direction == "fwd" else vs - 1
+                consumer = index[peer][("F" if direction == "fwd" else "B", micro, other)]
+                at_sender, at_receiver = _meeting(gaps[r], k + 1, gaps[peer], consumer)
+                groups[r][at_sender].append(P2POp("send", peer, direction, micro, vs // pp))
+                groups[peer][at_receiver].append(P2POp("recv", r, direction, micro, other // pp))
+    return [[[g, op] for g, op in zip(groups[r], orders[r] + [None])] for r in range(pp)]
+
+
+def _unblock(plans: list, pp: int, shape: tuple) -> None:
+    """Run the ranks' groups jointly under rendezvous semantics (a rank moves on when its whole
+    group has met its counterparts); when no rank can move, a send is waiting for a receive its
+    peer has planned for later, and that receive is moved into the peer's current group (its
+    buffer is allocated earlier; nothing else changes). Receives can always move earlier,
+    because every shape is known from the plan; sends cannot (they carry what an op computed).
+    Raises RuntimeError if that does not help (no shape the library accepts gets there)."""
     current, done = [0] * pp, [set() for _ in range(pp)]
 
     def group(r):
         return plans[r][current[r]][0] if current[r] < len(plans[r]) else None
 
-    def match(r, i, op):
+    def match(r, op):
         peer_group = group(op.peer)
-        if peer_group is None:
-            return None
         key = message_key(op, r, pp)
-        for j, other in enumerate(peer_group):
+        for j, other in enumerate(peer_group or []):
             if other.peer == r and other.kind != op.kind and j not in done[op.peer] and \
                     message_key(other, op.peer, pp) == key:
                 return j
@@ -149,11 +209,8 @@ def _plans(pp: int, n_micro: int, virtual_stages: int) -> tuple:
     while any(current[r] < len(plans[r]) for r in range(pp)):
         progress = False
         for r in range(pp):
-            g = group(r)
-            for i, op in enumerate(g or []):
-                if i in done[r]:
-                    continue
-                j = match(r, i, op)
+            for i, op in enumerate(group(r) or []):
+                j = None if i in done[r] else match(r, op)
                 if j is not None:
                     done[r].add(i)
                     done[op.peer].add(j)
@@ -164,39 +221,69 @@ def _plans(pp: int, n_micro: int, virtual_stages: int) -> tuple:
                 current[r] += 1
                 done[r] = set()
                 progress = True
-        if progress:
-            continue
-        moved = False
-        for r in range(pp):  # a stuck send: bring its receive forward on the peer
-            for i, op in enumerate(group(r) or []):
-                if op.kind != "send" or i in done[r]:
-                    continue
-                key = message_key(op, r, pp)
-                for later in range(current[op.peer] + 1, len(plans[op.peer])):
-                    ops = plans[op.peer][later][0]
-                    hit = [o for o in ops if o.kind == "recv" and o.peer == r and message_key(o, op.peer, pp) == key]
-                    if hit:
-                        ops.remove(hit[0])
-                        plans[op.peer][current[op.peer]][0].append(hit[0])
-                        moved = True
-                        break
-                if moved:
-                    break
-            if moved:
-                break
-        if not moved:
+        if not progress and not _pull_receive(plans, pp, current, done, group):
             stuck = {r: group(r) for r in range(pp) if group(r) is not None}
-            raise RuntimeError(f"pipeline schedule ({pp}, {n_micro}, {virtual_stages}) cannot progress: {stuck}")
+            raise RuntimeError(f"pipeline schedule {shape} cannot progress: {stuck}")
+
+
+def _pull_receive(plans, pp: int, current: list, done: list, group) -> bool:
+    """Move the receive one stuck send waits for into its peer's current group; False if none."""
+    for r in range(pp):
+        for i, op in enumerate(group(r) or []):
+            if op.kind != "send" or i in done[r]:
+                continue
+            key = message_key(op, r, pp)
+            for later in range(current[op.peer] + 1, len(plans[op.peer])):
+                ops = plans[op.peer][later][0]
+                hit = [o for o in ops if o.kind == "recv" and o.peer == r and message_key(o, op.peer, pp) == key]
+                if hit:
+                    ops.remove(hit[0])
+                    plans[op.peer][current[op.peer]][0].append(hit[0])
+                    return True
+    return False
+
+
+@functools.lru_cache(maxsize=256)
+def _plans(pp: int, n_micro: int, virtual_stages: int) -> tuple:
+    """Every rank's (group, op) pairs, deadlock-free under rendezvous semantics.
+
+    1F1B (v = 1) starts from `_initial_plan`: Megatron's pairing of each op's sends with the
+    receives the next op needs, which in 1F1B are exactly the messages the two neighbours
+    exchange when both are ready. The interleaved schedule has slack: an input is made well
+    before it is needed, so that pairing has ranks wait for neighbours to take what they send
+    (a blocking send is a meeting of both ranks). There each message is placed where both
+    ranks are idle at the same moment in the nominal ideal timeline (`_derived_plan`).
+    `_unblock` then checks the plan under rendezvous semantics (and repairs it, for 1F1B).
+    The result is a fixed, deterministic function of (pp, n_micro, virtual_stages), so every
+    rank derives the same schedule. Inside a group, sends are in message order (those to
+    one peer in the order it receives them) and receives in their sender's issue order, so both
+    ends of every pair of ranks see their messages in the same order (NCCL matches
+    point-to-point in issue order).
+    """
+    check_pipeline_shape(pp, n_micro, virtual_stages)
+    if virtual_stages == 1:
+        plans = [[[list(g), op] for g, op in _initial_plan(r, pp, n_micro, 1)] for r in range(pp)]
+    else:
+        plans = _derived_plan(pp, n_micro, virtual_stages)
+    _unblock(plans, pp, (pp, n_micro, virtual_stages))
+    taken = {message_key(o, r, pp): gi for r in range(pp) for gi, (g, _) in enumerate(plans[r])
+             for o in g if o.kind == "recv"}  # message key -> receiver's group index
     order: dict[tuple, tuple[int, int]] = {}  # message key -> (sender's group index, position)
-    # final in-group order: sends by message key, receives by their sender's issue order
+    # final in-group order: sends by message key, except that the sends to one peer go in the
+    # order that peer receives them; receives by their sender's issue order
     for r in range(pp):
         for gi, (g, _) in enumerate(plans[r]):
             sends = sorted((o for o in g if o.kind == "send"), key=lambda o: message_key(o, r, pp))
+            for peer in {o.peer for o in sends}:  # a peer's slots, in the order it receives
+                slots = [pos for pos, o in enumerate(sends) if o.peer == peer]
+                mine = sorted((sends[pos] for pos in slots), key=lambda o: taken[message_key(o, r, pp)])
+                for pos, o in zip(slots, mine):
+                    sends[pos] = o
             for pos, o in enumerate(sends):
                 order[message_key(o, r, pp)] = (gi, pos)
     for r in range(pp):
         for g, _ in plans[r]:
-            g.sort(key=lambda o: (0, message_key(o, r, pp), 0) if o.kind == "send"
+            g.sort(key=lambda o: (0, order[message_key(o, r, pp)], 0) if o.kind == "send"
                    else (1, order[message_key(o, r, pp)], o.peer))
     return tuple(tuple((tuple(g), op) for g, op in plans[r]) for r in range(pp))
 

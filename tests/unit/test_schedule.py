@@ -173,8 +173,40 @@ def _valid(pp: int, n_micro: int, v: int) -> bool:
 
 
 @pytest.mark.parametrize("pp, n_micro, v", [s for s in SHAPES if _valid(*s)])
-def test_every_schedule_keeps_at_most_one_boundary_tensor_beyond_those_in_flight(pp, n_micro, v):
+def test_every_schedule_keeps_few_boundary_tensors_beyond_those_in_flight(pp, n_micro, v):
+    # 1F1B: one (the output being sent); interleaved: two (a message waits for the moment its
+    # receiver is free to take it, so an output can still be unsent when the next one is made)
     for rank in range(pp):
         peak_live, peak_gap = _live_boundary_tensors(rank, pp, n_micro, v)
-        assert max(peak_gap.values()) <= 1, (rank, peak_live, peak_gap)
+        assert max(peak_gap.values()) <= (1 if v == 1 else 2), (rank, peak_live, peak_gap)
         assert peak_live["fwd"] >= (1 if n_micro else 0)  # the walk sees the traffic at all
+
+
+def test_the_1f1b_groups_are_pinned():
+    # 1F1B's groups (Megatron's pairing of each op's sends with the next op's receives) are what
+    # the recorded example losses ran with; the interleaved schedule is derived separately
+    import hashlib
+
+    digest = hashlib.sha256()
+    for pp in range(1, 9):
+        for n_micro in range(0, 17):
+            groups = p2p_schedule(pp, n_micro, 1)
+            digest.update(repr([[[tuple(op) for op in g] for g in rank] for rank in groups]).encode())
+    assert digest.hexdigest() == "4f9ff206f58ca087fad403fe48ddb1217d61b81a37fe365ac8651682e7e41107"
+
+
+@pytest.mark.parametrize("pp, n_micro, v", [(2, 4, 2), (4, 8, 2), (4, 4, 4), (8, 16, 2)])
+def test_interleaved_replay_stays_near_the_ideal_pipeline(pp, n_micro, v):
+    # a regression guard on the model, not on wall time: the replay of fixed random op times is
+    # a pure function; the bound is loose (docs/results.md has the measured figures)
+    import numpy as np
+
+    from wlb_opt.rendezvous import simulate_rendezvous
+    from wlb_opt.simulate import pipeline_step_time
+
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        f = rng.lognormal(0.0, 0.3, (pp, v, n_micro)) / v
+        b = 2.0 * rng.lognormal(0.0, 0.3, (pp, v, n_micro)) / v
+        ratio = simulate_rendezvous(f, b, v).step_time_s / pipeline_step_time(f, b, "interleaved", v)
+        assert 1.0 - 1e-12 <= ratio <= 1.3
