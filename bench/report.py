@@ -96,11 +96,12 @@ SECTIONS = (
             "CPU time of `solve_pack` on one large global batch.",
             (Table("pack_speed.json", ("rows",)),)),
     Section("stream_speed", "Streaming planner speed",
-            "CPU time of `WLBPacker.pack` per step with the no-tuning defaults, lookahead 0 and 4; "
+            "CPU time of `WLBPacker.pack` per step with the no-tuning defaults, lookahead 0 and 4, with "
+            "Algorithm 1's pure-Python loop (the default install) and its compiled loop (the `fast` extra); "
             "`solve_shard` of each step's micro-batches apart.",
             (Table("stream_speed.json", ("rows",), caption="Per step, over every step of every seed.",
-                   columns=("n_micro", "dist", "lookahead", "steps", "seeds", "median_ms", "p99_ms", "worst_ms",
-                            "mean_ms", "median_vs_k0")),
+                   columns=("n_micro", "dist", "lookahead", "loop", "steps", "seeds", "median_ms", "p99_ms",
+                            "worst_ms", "mean_ms", "median_vs_k0")),
              Table("stream_speed.json", ("shard",), caption="`solve_shard` of all micro-batches of a step."))),
     Section("validate_sim", "The simulator against real execution",
             "Predicted step time against measured steps of a 2-stage gloo pipeline, per schedule "
