@@ -108,6 +108,14 @@ SECTIONS = (
             "(error = predicted / measured - 1).",
             (Table("validate_sim.json", ("rows",)), Table("validate_sim.json", ("breakdown",)),
              Table("validate_sim.json", ("single_rank",)))),
+    Section("pipeline_replay", "The executor's pipeline under rendezvous semantics",
+            "Largest replay / ideal pipeline over random op times (log-normal around the cost model's), per "
+            "shape: the rendezvous replay of the executor's p2p groups (`after`; `before`: Megatron's pairing "
+            "of each op's sends with the next op's receives) against the DAG in which sends never wait.",
+            (Table("pipeline_replay.json", ("summary",), caption="Per v, over every shape."),
+             Table("pipeline_replay.json", ("bounds",), caption="Lower bounds over every schedule of blocking "
+                   "groups on the same draws (CP-SAT; `best_placement` is the best placement it found)."),
+             Table("pipeline_replay.json", ("rows",), caption="Per shape."))),
     Section("memory", "Memory model against measured peaks",
             "Peak memory of one `train_step` on a CPU against the analytic and calibrated memory models.",
             (Table("memory.json", ("rows",)), Table("memory.json", ("summary",)))),

@@ -178,19 +178,27 @@ def analyse_single(records: list[dict], cost) -> list[dict]:
     return rows
 
 
+def predicted_pipeline_s(f: np.ndarray, b: np.ndarray, v: int, p2p_s=0.0) -> float:
+    """The simulator's estimate of a pipeline step, as `simulate_step` makes it: the ideal DAG
+    for 1F1B, the rendezvous replay of the executor's groups for the interleaved schedule
+    (where sends that wait for their receivers lengthen the step)."""
+    from ..simulate import _replayed, simulate_pipeline
+
+    if v > 1:
+        return _replayed(np.asarray(f, dtype=np.float64), np.asarray(b, dtype=np.float64), v,
+                         np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (np.shape(f)[-1],)), None).step_time_s
+    return simulate_pipeline(f, b, schedule="1f1b", virtual_stages=1, p2p_s=p2p_s).step_time_s
+
+
 def breakdown(pipeline_rows: list[dict], contention: float, p2p_s_per_mb) -> list[dict]:
     """The pipeline's prediction from the plan alone, then x the measured contention factor,
     then + the profiled p2p per micro-batch boundary: errors against the measured step."""
     out = []
     for r in pipeline_rows:
-        f, b, schedule, v = r["_pred_fwd"], r["_pred_bwd"], r["_schedule"], r["virtual_stages"]
-        from ..simulate import simulate_pipeline
-
+        f, b, v = r["_pred_fwd"], r["_pred_bwd"], r["virtual_stages"]
         p2p = np.asarray(p2p_s_per_mb(r["tokens"]), dtype=np.float64)
-        with_contention = simulate_pipeline(f * contention, b * contention, schedule=schedule,
-                                            virtual_stages=v).step_time_s
-        with_comm = simulate_pipeline(f * contention, b * contention, schedule=schedule, virtual_stages=v,
-                                      p2p_s=p2p).step_time_s
+        with_contention = predicted_pipeline_s(f * contention, b * contention, v)
+        with_comm = predicted_pipeline_s(f * contention, b * contention, v, p2p)
         m = r["measured_s"]
         out.append(dict(virtual_stages=v, step=r["step"], measured_s=m, cost_model_error=r["predicted_rel_error"],
                         with_contention_error=with_contention / m - 1.0, with_comm_error=with_comm / m - 1.0,
@@ -230,8 +238,8 @@ def analyse(gathered: list, pp: int, cost=None, virtual_stages: int = 1) -> list
             f = np.array([cost.micro_batch_cost(d, "fwd") / pp if d else 0.0 for d in lengths])
             b = np.array([cost.micro_batch_cost(d, "bwd") / pp if d else 0.0 for d in lengths])
             f, b = np.tile(f, (pp, 1)), np.tile(b, (pp, 1))
-            pred = simulate_pipeline(f, b, schedule=schedule, virtual_stages=v)
-            row.update(predicted_s=pred.step_time_s, predicted_rel_error=pred.step_time_s / measured - 1.0,
+            pred_s = predicted_pipeline_s(f, b, v)
+            row.update(predicted_s=pred_s, predicted_rel_error=pred_s / measured - 1.0,
                        _pred_fwd=f, _pred_bwd=b, _schedule=schedule,
                        dag_gap_s=measured - sim.step_time_s)
         rows.append(row)

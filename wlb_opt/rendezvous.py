@@ -45,7 +45,16 @@ def simulate_rendezvous(fwd, bwd, virtual_stages: int = 1, p2p_s: float = 0.0) -
         raise ValueError(f"p2p_s must be seconds >= 0 (a finite real number), got {p2p_s!r}")
     _check_total(f, b, np.asarray([float(p2p_s)] * f.shape[2]))
     pp, v, m = f.shape
-    plans = [step_plan(r, pp, m, v) for r in range(pp)]
+    return _replay(f, b, [step_plan(r, pp, m, v) for r in range(pp)], np.full(m, float(p2p_s)))
+
+
+def _replay(f: np.ndarray, b: np.ndarray, plans: list, p2p_s) -> SimResult:
+    """The replay itself: `plans[r]` is rank r's list of (group, op) pairs (`step_plan`), f and b
+    are [pp, v, m] seconds, `p2p_s` seconds per micro-batch (a scalar for all) that a group
+    waits for the data of each micro-batch it receives (the largest of them) once both sides
+    are posted. Raises RuntimeError if the groups deadlock."""
+    pp, m = f.shape[0], f.shape[2]
+    p2p_mb = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (m,))
     # group index of every receive and send, by (rank, message): where a counterpart lives
     where: dict[tuple, int] = {}
     for r, plan in enumerate(plans):
@@ -75,7 +84,7 @@ def simulate_rendezvous(fwd, bwd, virtual_stages: int = 1, p2p_s: float = 0.0) -
             if not ready:
                 continue
             if any(p2p.kind == "recv" for p2p in group):
-                t += p2p_s
+                t += max(float(p2p_mb[o.micro]) for o in group if o.kind == "recv")
             if op is not None:
                 phase, micro, vs = op
                 dur = float((f if phase == "F" else b)[vs % pp, vs // pp, micro])
@@ -83,7 +92,7 @@ def simulate_rendezvous(fwd, bwd, virtual_stages: int = 1, p2p_s: float = 0.0) -
                                      start_s=t, end_s=t + dur))
                 t += dur
             clock[r], pos[r], moved = t, pos[r] + 1, True
-        if not moved:  # pragma: no cover - p2p_schedule is deadlock-free (tests/unit/test_schedule.py)
+        if not moved:  # p2p_schedule never gets here (tests/unit/test_schedule.py)
             raise RuntimeError(f"pipeline replay is stuck at groups {pos}")
     step = max(clock)
     busy = np.zeros(pp)

@@ -244,7 +244,7 @@ def _pull_receive(plans, pp: int, current: list, done: list, group) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _plans(pp: int, n_micro: int, virtual_stages: int) -> tuple:
+def _plans(pp: int, n_micro: int, virtual_stages: int, placement: str = "auto") -> tuple:
     """Every rank's (group, op) pairs, deadlock-free under rendezvous semantics.
 
     1F1B (v = 1) starts from `_initial_plan`: Megatron's pairing of each op's sends with the
@@ -258,11 +258,12 @@ def _plans(pp: int, n_micro: int, virtual_stages: int) -> tuple:
     rank derives the same schedule. Inside a group, sends are in message order (those to
     one peer in the order it receives them) and receives in their sender's issue order, so both
     ends of every pair of ranks see their messages in the same order (NCCL matches
-    point-to-point in issue order).
+    point-to-point in issue order). `placement="next_op"` gives the interleaved schedule
+    Megatron's pairing instead (the baseline of `wlb-opt bench pipeline-replay`).
     """
     check_pipeline_shape(pp, n_micro, virtual_stages)
-    if virtual_stages == 1:
-        plans = [[[list(g), op] for g, op in _initial_plan(r, pp, n_micro, 1)] for r in range(pp)]
+    if virtual_stages == 1 or placement == "next_op":
+        plans = [[[list(g), op] for g, op in _initial_plan(r, pp, n_micro, virtual_stages)] for r in range(pp)]
     else:
         plans = _derived_plan(pp, n_micro, virtual_stages)
     _unblock(plans, pp, (pp, n_micro, virtual_stages))

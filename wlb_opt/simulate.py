@@ -339,6 +339,23 @@ def pipeline_step_time(fwd, bwd, schedule: Schedule = "1f1b", virtual_stages: in
     return float(st.longest_path(st.durations(f, b), p2p)[0])
 
 
+def _replayed(f: np.ndarray, b: np.ndarray, v: int, p2p: np.ndarray, order) -> SimResult:
+    """The rendezvous replay of the executor's interleaved groups ([pp, m] seconds split over v
+    chunks), slot k running micro-batch order[k]; the timeline names micro-batches as
+    `simulate_pipeline`'s does."""
+    from .rendezvous import _replay
+    from .schedule import step_plan
+
+    fc, bc, p2p = _validate(f, b, "interleaved", v, p2p)
+    pp, _, m = fc.shape
+    fc, bc, p2p, perm = _permute(fc, bc, p2p, order, m)
+    res = _replay(fc, bc, [step_plan(r, pp, m, v) for r in range(pp)], p2p)
+    for row in res.timeline:
+        row["micro_batch"] = int(perm[row["micro_batch"]])
+    res.timeline.sort(key=lambda r: (r["stage"], r["start_s"]))
+    return res
+
+
 def _result(step: float, timeline: list, pp: int, critical: list) -> SimResult:
     busy = np.zeros(pp)
     for r in timeline:
@@ -519,7 +536,7 @@ def step_layout(plan, cost, parallel: ParallelSpec | None = None) -> ParallelSpe
 
 def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, schedule: Schedule = "interleaved", virtual_stages: int = 2,
                   p2p_s=None, allreduce_s: float | None = None, search_order: bool = False,
-                  use_dag: bool = True) -> StepResult:
+                  use_dag: bool = True, blocking_p2p: bool = True) -> StepResult:
     """Simulate one training step of a PackPlan under a 4D layout.
 
     Args:
@@ -535,6 +552,11 @@ def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, s
         allreduce_s: DP gradient sync seconds (default from `allreduce_seconds`).
         search_order: pick each replica's micro-batch order by simulation (`best_order`).
         use_dag: networkx DAG (with critical path) or the recurrence twin (faster).
+        blocking_p2p: the interleaved pipeline (v > 1) as the executor runs it, the rendezvous
+            replay of its p2p groups (`wlb_opt.rendezvous`: a send waits for its receive); False:
+            the ideal DAG, in which sends never wait. 1F1B is the DAG either way (its groups
+            pair each send with the receive the peer needs next, so the two agree). The micro-
+            batch order search runs on the DAG.
 
     A micro-batch's forward and backward split its fwd_bwd load by the cost model's own
     fwd / fwd_bwd ratio for that micro-batch (ShardPlan loads are fwd_bwd only).
@@ -574,7 +596,7 @@ def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, s
         allreduce_s = allreduce_seconds(cost, parallel)
     else:
         allreduce_s = check_real("allreduce_s", allreduce_s, unit="seconds")
-    for flag, value in (("search_order", search_order), ("use_dag", use_dag)):
+    for flag, value in (("search_order", search_order), ("use_dag", use_dag), ("blocking_p2p", blocking_p2p)):
         if not isinstance(value, (bool, np.bool_)):
             raise ValueError(f"{flag} must be True or False, got {value!r}")
     v = virtual_stages if (schedule == "interleaved" and pp > 1) else 1
@@ -588,7 +610,10 @@ def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, s
         order = None
         if search_order and len(idx) > 1:
             order, _ = best_order(f, b, sched, v, p2p_all[idx])
-        res = sim(f, b, sched, v, p2p_all[idx], order)
+        if v > 1 and blocking_p2p:
+            res = _replayed(f, b, v, p2p_all[idx], order)
+        else:
+            res = sim(f, b, sched, v, p2p_all[idx], order)
         pipelines.append(res)
         replica_times.append(res.step_time_s)
         orders.append([idx[k] for k in (order or range(len(idx)))])

@@ -76,3 +76,27 @@ def test_single_rank_errors_and_the_breakdown():
     (out,) = breakdown(pipe, 2.0, lambda tokens: [0.5] * len(tokens))
     assert out["with_contention_error"] == pytest.approx(0.0)
     assert out["with_comm_error"] > 0 and out["comm_s"] == pytest.approx(out["with_comm_error"] * 18.0)
+
+
+def test_the_interleaved_prediction_is_the_rendezvous_replay():
+    import numpy as np
+
+    import wlb_opt as wlb
+    from wlb_opt.bench.validate_sim import predicted_pipeline_s
+    from wlb_opt.rendezvous import simulate_rendezvous
+
+    zero = dict(attn=0.0, linear=0.0, comm=0.0, doc_const=0.0, mb_const=0.0)
+    cost = wlb.CostModel(coef={"fwd": dict(zero, linear=1.0), "bwd": dict(zero, linear=2.0)}, attn_flops_per_pair=1.0)
+    pp, v, m = 2, 2, 4
+    lengths = [[1], [2], [3], [1]]
+    gathered = []
+    for r in range(pp):
+        ops = [(ph, j, c * pp + r, 0.1) for ph in "FB" for c in range(v) for j in range(m)]
+        gathered.append([dict(step=1, wall=10.0, ops=ops, micro_batches=list(range(m)), lengths=lengths,
+                              tokens=[1, 2, 3, 1])])
+    (row,) = analyse(gathered, pp=pp, cost=cost, virtual_stages=v)
+    f = np.tile([cost.micro_batch_cost(d, "fwd") / pp for d in lengths], (pp, 1))
+    b = np.tile([cost.micro_batch_cost(d, "bwd") / pp for d in lengths], (pp, 1))
+    want = simulate_rendezvous(f, b, v).step_time_s
+    assert row["predicted_s"] == pytest.approx(want, rel=1e-12)
+    assert predicted_pipeline_s(f, b, v, 0.25) == pytest.approx(simulate_rendezvous(f, b, v, 0.25).step_time_s)

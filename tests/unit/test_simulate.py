@@ -268,3 +268,28 @@ def test_rendezvous_replay_by_hand_and_against_the_dag():
         assert wlb.simulate_rendezvous(f, b, v).stage_busy_s.sum() == pytest.approx(f.sum() + b.sum())
     with pytest.raises(ValueError, match="p2p_s"):
         wlb.simulate_rendezvous(np.ones((2, 2)), np.ones((2, 2)), p2p_s=-1.0)
+
+
+def test_simulate_step_times_the_interleaved_pipeline_as_the_executor_runs_it(cost7b):
+    import wlb_opt as wlb
+    from wlb_opt.rendezvous import simulate_rendezvous
+
+    pp = cost7b.parallel.pp
+    rng = np.random.default_rng(3)
+    plan = wlb.solve_pack(rng.integers(500, 20000, 60), 8, 131072, cost7b, "wlb", dp=cost7b.parallel.dp)
+    kw = dict(virtual_stages=2, p2p_s=0.0, allreduce_s=0.0)
+    step = simulate_step(plan, None, cost7b, **kw)
+    ideal = simulate_step(plan, None, cost7b, blocking_p2p=False, **kw)
+    idx = plan.replica_micro_batches(0)
+    f = np.tile(step.mb_fwd_s[idx] / pp, (pp, 1))
+    b = np.tile(step.mb_bwd_s[idx] / pp, (pp, 1))
+    assert step.replica_step_s[0] == pytest.approx(simulate_rendezvous(f, b, 2).step_time_s, rel=1e-12)
+    assert ideal.replica_step_s[0] == pytest.approx(pipeline_recurrence(f, b, "interleaved", 2).step_time_s, rel=1e-12)
+    assert step.step_time_s >= ideal.step_time_s * (1 - 1e-12)
+    # a searched order runs the same replay on the micro-batches in that order
+    searched = simulate_step(plan, None, cost7b, search_order=True, **kw)
+    order = [idx.index(j) for j in searched.orders[0]]
+    assert searched.replica_step_s[0] == pytest.approx(
+        simulate_rendezvous(f[:, order], b[:, order], 2).step_time_s, rel=1e-12)
+    assert sorted(r["micro_batch"] for r in searched.pipelines[0].timeline if r["phase"] == "F" and
+                  r["virtual_stage"] == 0) == list(range(len(idx)))

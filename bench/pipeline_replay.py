@@ -1,0 +1,193 @@
+"""`wlb-opt bench pipeline-replay`: the executor's pipeline under rendezvous semantics against
+the ideal pipeline, on random operation times.
+
+    wlb-opt bench pipeline-replay --out docs/results/pipeline_replay          (CPU, under a minute)
+    wlb-opt bench pipeline-replay --bound 2,4,2 --bound 2,2,2 --out ...     (+ CP-SAT lower bounds)
+
+For every shape (pp 2-8, every n_micro that is a multiple of pp up to --max-micro, v 1, 2, 4)
+it draws --draws sets of operation times: each forward and backward of each (stage, chunk,
+micro-batch) is the cost model's per-micro-batch time split over pp x v chunks, times a
+log-normal factor (median 1, --sigma). The ideal pipeline (`simulate_pipeline`: an op starts
+once its device is free and its input exists; a send never waits) and the rendezvous replay
+of the executor's p2p groups (`simulate_rendezvous`: a send completes only when its receive
+is posted, a group is waited on whole) run on the same times; the statistic is the largest
+replay / ideal over the draws. `before` replays the interleaved schedule with Megatron's
+pairing (each op's sends with the next op's receives), the executor's previous groups.
+
+`--bound pp,n_micro,v` adds, for that shape and the same draws, a lower bound on that
+statistic over every schedule of blocking groups (CP-SAT, `--bound-time` seconds): each
+message is handed over at one moment when both its ranks are between operations, after the
+op that makes it and before the op that needs it, with one placement of every message on its
+two ranks shared by all draws and every op time rounded down. Any group schedule is such a
+placement (deadlock-freedom and message order only remove placements), so no schedule of
+paired sends and receives does better than the bound on these draws.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..cost_args import count, natural
+from ._provenance import provenance
+
+
+def draws(pp: int, n_micro: int, v: int, fwd_s: float, bwd_s: float, n: int, sigma: float, seed: int):
+    """`n` pairs of [pp, v, n_micro] forward and backward seconds (seeded by the shape)."""
+    rng = np.random.default_rng([seed, pp, n_micro, v])
+    out = []
+    for _ in range(n):
+        f = fwd_s / (pp * v) * rng.lognormal(0.0, sigma, (pp, v, n_micro))
+        b = bwd_s / (pp * v) * rng.lognormal(0.0, sigma, (pp, v, n_micro))
+        out.append((f, b))
+    return out
+
+
+def replay_ratios(pp: int, n_micro: int, v: int, samples) -> dict:
+    """Per draw replay / ideal, for the executor's groups and (v > 1) Megatron's pairing."""
+    from ..rendezvous import _replay
+    from ..schedule import _plans
+    from ..simulate import pipeline_step_time
+
+    placements = {"after": "auto", "before": "next_op"} if v > 1 else {"after": "auto"}
+    ratios: dict[str, list[float]] = {k: [] for k in placements}
+    for f, b in samples:
+        ideal = pipeline_step_time(f, b, "interleaved" if v > 1 else "1f1b", v)
+        for name, placement in placements.items():
+            plans = [[(list(g), op) for g, op in rank] for rank in _plans(pp, n_micro, v, placement)]
+            ratios[name].append(_replay(f, b, plans, 0.0).step_time_s / ideal)
+    return ratios
+
+
+def placement_bound(pp: int, n_micro: int, v: int, samples, time_limit: float, scale: float = 1000.0) -> dict:
+    """CP-SAT lower bound on max over `samples` of (best replay / ideal) for one placement of
+    every message shared by all samples (see the module docstring). Times in 1/scale units of
+    the median op, rounded down; the ideal rounded up, so the bound stays a bound."""
+    from ortools.sat.python import cp_model
+
+    from ..schedule import _makes, stage_order
+    from ..simulate import pipeline_step_time
+
+    orders = [stage_order(r, pp, n_micro, v) for r in range(pp)]
+    index = [{op: i for i, op in enumerate(o)} for o in orders]
+    unit = float(np.median([np.median(f) for f, _ in samples]))
+    model = cp_model.CpModel()
+    messages = []  # (sender, receiver, {boundary: literal}, {boundary: literal})
+    for r in range(pp):
+        for i, op in enumerate(orders[r]):
+            _, micro, vs = op
+            for direction, _, peer in _makes(op, pp, pp * v):
+                need = index[peer][("F", micro, vs + 1) if direction == "fwd" else ("B", micro, vs - 1)]
+                at_sender = {k: model.NewBoolVar("") for k in range(i + 1, len(orders[r]) + 1)}
+                at_receiver = {k: model.NewBoolVar("") for k in range(need + 1)}
+                model.AddExactlyOne(at_sender.values())
+                model.AddExactlyOne(at_receiver.values())
+                messages.append((r, peer, at_sender, at_receiver))
+    ratio = model.NewIntVar(1000, 100000, "ratio_permille")
+    for f, b in samples:
+        dur = [[int(math.floor((f if ph == "F" else b)[vs % pp, vs // pp, mb] / unit * scale)) for ph, mb, vs in o]
+               for o in orders]
+        ideal = int(math.ceil(pipeline_step_time(f, b, "interleaved" if v > 1 else "1f1b", v) / unit * scale))
+        horizon = sum(map(sum, dur)) + 1
+        start = [[model.NewIntVar(0, horizon, "") for _ in o] for o in orders]
+        span = model.NewIntVar(0, horizon, "")
+        for r in range(pp):
+            for k in range(1, len(orders[r])):
+                model.Add(start[r][k] >= start[r][k - 1] + dur[r][k - 1])
+            model.Add(span >= start[r][-1] + dur[r][-1])
+        model.Add(1000 * span <= ratio * ideal)
+
+        def between_ops(r, k, t, lit):  # t lies in the gap before op k of rank r
+            if k > 0:
+                model.Add(t >= start[r][k - 1] + dur[r][k - 1]).OnlyEnforceIf(lit)
+            if k < len(orders[r]):
+                model.Add(t <= start[r][k]).OnlyEnforceIf(lit)
+
+        for sender, receiver, at_sender, at_receiver in messages:
+            t = model.NewIntVar(0, horizon, "")
+            for k, lit in at_sender.items():
+                between_ops(sender, k, t, lit)
+            for k, lit in at_receiver.items():
+                between_ops(receiver, k, t, lit)
+    model.Minimize(ratio)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit
+    solver.parameters.num_workers = 1
+    started = time.process_time()
+    status = solver.Solve(model)
+    found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    return dict(pp=pp, n_micro=n_micro, v=v, draws=len(samples), lower_bound=solver.BestObjectiveBound() / 1000,
+                best_placement=solver.ObjectiveValue() / 1000 if found else None, status=solver.StatusName(status),
+                cpu_s=round(time.process_time() - started, 1))
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        pp, n_micro, v = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is pp,n_micro,v (three integers), got {text!r}") from None
+    if pp < 2 or v < 1 or n_micro < 1 or (v > 1 and n_micro % pp):
+        raise argparse.ArgumentTypeError(f"shape {text!r}: pp >= 2, n_micro >= 1 (a multiple of pp when v > 1)")
+    return pp, n_micro, v
+
+
+def main(argv: list[str] | None = None) -> int:
+    import wlb_opt as wlb
+
+    p = argparse.ArgumentParser(prog="wlb-opt bench pipeline-replay", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="7b", help="ModelSpec preset of the cost model (default 7b)")
+    p.add_argument("--hardware", default="h100", help="HardwareSpec preset (default h100)")
+    p.add_argument("--tokens", type=count, default=16384, help="tokens per micro-batch (default 16384)")
+    p.add_argument("--docs", type=count, default=4, help="equal documents per micro-batch (default 4)")
+    p.add_argument("--draws", type=count, default=20, help="random op-time draws per shape (default 20)")
+    p.add_argument("--sigma", type=float, default=0.3, help="log-normal sigma of each op's time (default 0.3)")
+    p.add_argument("--max-pp", type=count, default=8, help="largest pp (default 8)")
+    p.add_argument("--max-micro", type=count, default=16, help="largest n_micro (default 16)")
+    p.add_argument("--seed", type=natural, default=0, help="seed of the draws (default 0)")
+    p.add_argument("--bound", type=_shape, action="append", default=[],
+                   help="pp,n_micro,v: add the CP-SAT lower bound for this shape (repeatable; needs ortools)")
+    p.add_argument("--bound-time", type=float, default=120.0, help="CP-SAT seconds per bound (default 120)")
+    p.add_argument("--out", default="results/pipeline_replay", help="folder for pipeline_replay.json")
+    args = p.parse_args(argv)
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset(args.model), hardware=wlb.HardwareSpec.preset(args.hardware))
+    lengths = [args.tokens // args.docs] * args.docs
+    fwd_s, bwd_s = cost.micro_batch_cost(lengths, "fwd"), cost.micro_batch_cost(lengths, "bwd")
+    rows = []
+    print(f"{'v':>2} {'pp':>3} {'n_micro':>7} {'before max':>10} {'after max':>9} {'after mean':>10}")
+    for v in (1, 2, 4):
+        for pp in range(2, args.max_pp + 1):
+            for n_micro in range(pp, args.max_micro + 1, pp):
+                ratios = replay_ratios(pp, n_micro, v, draws(pp, n_micro, v, fwd_s, bwd_s, args.draws, args.sigma,
+                                                             args.seed))
+                row = dict(v=v, pp=pp, n_micro=n_micro, draws=args.draws,
+                           before_max=round(max(ratios.get("before", ratios["after"])), 4),
+                           after_max=round(max(ratios["after"]), 4),
+                           after_mean=round(float(np.mean(ratios["after"])), 4))
+                rows.append(row)
+                print(f"{v:>2} {pp:>3} {n_micro:>7} {row['before_max']:>10.3f} {row['after_max']:>9.3f} "
+                      f"{row['after_mean']:>10.3f}", flush=True)
+    bounds = []
+    for pp, n_micro, v in args.bound:
+        samples = draws(pp, n_micro, v, fwd_s, bwd_s, args.draws, args.sigma, args.seed)
+        bounds.append(placement_bound(pp, n_micro, v, samples, args.bound_time))
+        after = next((r["after_max"] for r in rows if (r["pp"], r["n_micro"], r["v"]) == (pp, n_micro, v)), None)
+        bounds[-1]["after_max"] = after
+        print(f"bound pp={pp} n_micro={n_micro} v={v}: every schedule of blocking groups >= "
+              f"{bounds[-1]['lower_bound']:.3f} x ideal on these draws ({bounds[-1]['status']}); this one {after}")
+    worst = {v: max(r["after_max"] for r in rows if r["v"] == v) for v in (1, 2, 4)}
+    summary = [dict(v=v, shapes=sum(r["v"] == v for r in rows), after_worst=worst[v],
+                    before_worst=max(r["before_max"] for r in rows if r["v"] == v),
+                    shapes_within_1_05=sum(r["v"] == v and r["after_max"] <= 1.05 for r in rows)) for v in (1, 2, 4)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = dict(provenance=provenance("pipeline_replay", argv),
+                  config=dict(model=args.model, hardware=args.hardware, tokens=args.tokens, docs=args.docs,
+                              fwd_s=fwd_s, bwd_s=bwd_s, draws=args.draws, sigma=args.sigma, seed=args.seed),
+                  summary=summary, rows=rows, bounds=bounds)
+    (out / "pipeline_replay.json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {out / 'pipeline_replay.json'}")
+    return 0
