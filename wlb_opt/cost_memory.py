@@ -19,9 +19,9 @@ layer being recomputed adds its full stored activations to the transient.
 Coefficients (bytes per layer on this rank) are analytic (`MemoryModel.analytic`, counted
 from what the executor's Block saves for backward) or calibrated on a device by
 `wlb_opt.profile` (fitted to peaks measured with torch's memory statistics). The executor's
-attention saves no score matrix on either path; the torch path (CPU; a HardwareSpec named
-"cpu" selects it) recomputes each document's [heads, d, d] scores in backward, a transient
-quadratic term, which a flash-style kernel (GPU, Triton) does not have.
+attention saves no score matrix and builds none in backward on either path: Triton on a GPU,
+torch's fused CPU attention on CPU (a HardwareSpec named "cpu" selects the torch path), both
+flash-style, so the quadratic terms are zero unless a calibration finds otherwise.
 
 Static bytes per parameter follow the ZeRO paper's convention (Rajbhandari et al. 2020):
 16-bit weights and gradients (2 + 2) plus an fp32 master copy and Adam's two moments (12);
@@ -116,10 +116,10 @@ class MemoryModel:
         output (2 q_dim), k and v (2 kv_dim), the SwiGLU's w1 and w3 outputs, silu(w1) and
         their product (4 ffn), plus fp32 norm statistics and log-sum-exp. The attention
         (`context_parallel_attention`) saves no score matrix: on a GPU it re-gathers K/V in
-        backward; on CPU it keeps the gathered K/V (2 kv_dim more) and its torch path
-        recomputes every document's scores in backward, two fp32 [heads, d, d] matrices and
-        a boolean mask per document at once (transient, quadratic). Calibrate on a device
-        (`wlb-opt profile`) to replace the count by measurements.
+        backward; on CPU it keeps the gathered K/V (2 kv_dim more), and torch's fused CPU
+        attention keeps only its output and log-sum-exp, as the flash kernel does (no
+        quadratic term). Calibrate on a device (`wlb-opt profile`) to replace the count by
+        measurements.
         """
         parallel = parallel or ParallelSpec()
         hardware = hardware or HardwareSpec.preset("h100")
@@ -135,7 +135,7 @@ class MemoryModel:
             stored_tok += b * 2 * m.head_dim  # RoPE cos/sin of q and k, per token
         # backward of one layer: gradients of the activations (hidden states, q/k/v, ffn)
         transient_tok = b * (2 * m.hidden + 2 * m.q_dim + 2 * m.kv_dim + 3 * m.ffn) / tp
-        transient_sq = (2 * 4 * m.heads / tp + 1) if torch_path else 0.0
+        transient_sq = 0.0
         return cls(model=model, parallel=parallel, stored_per_token=stored_tok, stored_per_square=0.0,
                    transient_per_token=transient_tok, transient_per_square=transient_sq,
                    recompute_per_token=b * m.hidden / tp, attention=attention, source="analytic", **options)
