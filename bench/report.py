@@ -135,6 +135,16 @@ SECTIONS = (
                 "transformers_cpu_tokens_per_s", "ratio_wlb_cpu", "ratio_wlb_full_cpu", "wlb_wall_tokens_per_s",
                 "wlb_full_wall_tokens_per_s", "transformers_wall_tokens_per_s", "ratio_wlb_wall",
                 "ratio_wlb_full_wall", "max_loss_rel_diff", "load_average")),)),
+    Section("hf_throughput", "examples/train_hf.py on gloo ranks against its --hf-packed baseline",
+            "Tokens/s of examples/train_hf.py under torch.distributed.run (gloo, CPU) against the same example's "
+            "`--hf-packed` baseline (transformers' sdpa, one process) on the same documents and steps: CPU time "
+            "(summed over the ranks) and wall time (the slowest rank), medians over steps of runs in rotating "
+            "order, one thread per process, the 1-minute load average before and after each run beside them; "
+            "on a machine with fewer cores than ranks the wall figures measure time-sharing.",
+            (Table("hf_throughput.json", ("rows",), columns=(
+                "config", "ranks", "steps", "tokens_per_step", "wlb_cpu_tokens_per_s", "hf_cpu_tokens_per_s",
+                "ratio_cpu", "wlb_wall_tokens_per_s", "hf_wall_tokens_per_s", "ratio_wall", "max_loss_rel_diff",
+                "load_average", "hf_load_average", "command", "hf_command")),)),
     Section("converge", "Convergence on real text",
             "Training loss and held-out loss of a small model under each batch ordering.",
             (Table("converge.json", ("summary",)),)),

@@ -18,6 +18,12 @@ in one process through transformers' own path (``attn_implementation="sdpa"``, o
 time with ``position_ids = offset + arange(length)``), and prints as its last line
 ``reference check: max abs diff <x>`` over the losses and the parameters, exiting non-zero
 above 1e-4.
+
+`--json DIR` also writes one JSON object per step to DIR/rank<r>.jsonl (the baseline:
+DIR/hf_packed.jsonl): step, tokens (the global step's), loss, wall_s and cpu_s, the step's
+wall seconds and this process's CPU seconds (``time.process_time``, all its threads; the
+DataLoader worker that plans is another process and is not counted). `wlb-opt bench
+hf-throughput` reads these.
 """
 from __future__ import annotations
 
@@ -103,6 +109,8 @@ def main() -> None:
     p.add_argument("--hf-packed", action="store_true",
                    help="baseline, one process without torchrun: the same steps through transformers' own packed "
                         "path (sdpa, position_ids mark the documents), for tokens/s at equal tokens")
+    p.add_argument("--json", type=Path, metavar="DIR",
+                   help="also write each step's tokens, wall and CPU seconds to DIR/rank<r>.jsonl")
     args = p.parse_args()
     if args.hf_packed:
         return hf_packed_baseline(args)
@@ -146,12 +154,12 @@ def main() -> None:
     for step in loader:
         if step.index >= args.steps:
             break
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)
         loss = ex.train_step(chunks, step.plan, step.shards, data=step, mesh=mesh, step=step.index,
                              backend="torch" if args.check_reference else "auto")
         opt.step()
-        seconds = time.perf_counter() - t0
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
         plan = step.plan
         placed = np.concatenate([np.asarray(mb, dtype=np.int64) for mb in plan.micro_batches])
         tokens = int(plan.lengths[placed].sum())
@@ -162,6 +170,8 @@ def main() -> None:
             print(f"step {step.index}: loss {loss:.4f}, tokens {tokens}, PP imbalance {plan.imbalance:.3f}, "
                   f"delay {delay:.2f} steps/token, {tokens / seconds:,.0f} tokens/s, planning "
                   f"{step.planning_s * 1e3:.1f} ms (in the loader)", flush=True)
+        if args.json:
+            _log_step(args.json / f"rank{dist.get_rank()}.jsonl", step.index, tokens, loss, seconds, cpu_seconds)
     failed = False
     if args.check_reference:
         names = {id(q): n for n, q in model.named_parameters()}
@@ -197,7 +207,7 @@ def hf_packed_baseline(args) -> None:
     for step in stream:
         if step.index >= args.steps:
             break
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)
         loss_sum, tokens = 0.0, 0
         for j, mb in enumerate(step.plan.micro_batches):
@@ -211,9 +221,18 @@ def hf_packed_baseline(args) -> None:
             loss_sum += float(loss.detach())
             tokens += batch["input_ids"].shape[1]
         opt.step()
-        seconds = time.perf_counter() - t0
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
         print(f"step {step.index}: loss {loss_sum:.4f}, tokens {tokens}, {tokens / seconds:,.0f} tokens/s "
               "(transformers' packed path, one process)", flush=True)
+        if args.json:
+            _log_step(args.json / "hf_packed.jsonl", step.index, tokens, loss_sum, seconds, cpu_seconds)
+
+
+def _log_step(path: Path, index: int, tokens: int, loss: float, wall_s: float, cpu_s: float) -> None:
+    """Appends one step's line to `path` (the `--json` output)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(dict(step=index, tokens=tokens, loss=float(loss), wall_s=wall_s, cpu_s=cpu_s)) + "\n")
 
 
 def reference_check(cfg, initial: dict, steps, losses, trained: dict, lr: float) -> float:
