@@ -16,6 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from cp_tables import cp_shard_table  # noqa: E402
+
 from wlb_opt.kernels import attention_reference, doc_attention, segments_from_lengths  # noqa: E402
 
 pytestmark = [
@@ -31,19 +33,6 @@ def _qkv(n_q, n_k, hq, hkv, d, dtype, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     mk = lambda n, h: torch.randn(n, h, d, device="cuda", generator=gen).to(dtype).requires_grad_()  # noqa: E731
     return mk(n_q, hq), mk(n_k, hkv), mk(n_k, hkv)
-
-
-def _cp_segments(lengths, cp=2, rank=0):
-    rows, local, k_off = [], 0, 0
-    for d in lengths:
-        cuts = np.linspace(0, d, 2 * cp + 1).astype(int)
-        for c in (rank, 2 * cp - 1 - rank):
-            q_len = int(cuts[c + 1] - cuts[c])
-            if q_len:
-                rows.append((local, q_len, k_off, int(cuts[c + 1])))
-                local += q_len
-        k_off += d
-    return np.array(rows), local, k_off
 
 
 def _check(q, k, v, seg, check_lse=False, deterministic=True):
@@ -81,24 +70,24 @@ def test_packed_documents(dtype, head_dim):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cp_shards_gqa(dtype):
-    seg, n_q, n_k = _cp_segments([1000, 333, 2048, 5], cp=2, rank=1)
+    seg, n_q, n_k = cp_shard_table([1000, 333, 2048, 5], cp=2, rank=1)
     _check(*_qkv(n_q, n_k, 8, 1, 128, dtype), seg)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_atomic_dq_backward(dtype):
-    seg, n_q, n_k = _cp_segments([1000, 333, 2048, 5], cp=2, rank=0)
+    seg, n_q, n_k = cp_shard_table([1000, 333, 2048, 5], cp=2, rank=0)
     _check(*_qkv(n_q, n_k, 8, 2, 128, dtype), seg, deterministic=False)
 
 
 def test_dkdv_split_on_few_key_tiles():
     # one KV head, a group of 8 and ~30 key tiles: the model splits the group into shares
-    seg, n_q, n_k = _cp_segments([2000, 1800], cp=2, rank=1)
+    seg, n_q, n_k = cp_shard_table([2000, 1800], cp=2, rank=1)
     _check(*_qkv(n_q, n_k, 8, 1, 128, torch.bfloat16), seg)
 
 
 def test_deterministic_backward_and_zero_segments():
-    seg, n_q, n_k = _cp_segments([1500, 700], cp=2, rank=0)
+    seg, n_q, n_k = cp_shard_table([1500, 700], cp=2, rank=0)
     q, k, v = _qkv(n_q, n_k, 4, 2, 64, torch.bfloat16)
     runs = []
     for _ in range(2):

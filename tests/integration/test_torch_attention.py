@@ -14,6 +14,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from wlb_opt.kernels import attention_reference, doc_attention, segments_from_lengths, validate_segments  # noqa: E402
 from wlb_opt.kernels import torch_attention as ta  # noqa: E402
+from cp_tables import cp_shard_table  # noqa: E402
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
 # The two ways a table runs: every micro-batch bucketed, or every one a single dense call.
@@ -67,21 +68,6 @@ def _check(q, k, v, seg, scale=None, with_lse=True, seed=1):
     return out, lse, grads
 
 
-def _cp_shard_table(lengths, cp, rank):
-    """Rank ``rank``'s segment table of per-document CP sharding: chunks rank and 2cp-1-rank
-    of every document, K all-gathered in packed order (overlapping key ranges)."""
-    rows, local, k_off = [], 0, 0
-    for d in lengths:
-        cuts = np.linspace(0, d, 2 * cp + 1).astype(int)
-        for c in (rank, 2 * cp - 1 - rank):
-            q_len = int(cuts[c + 1] - cuts[c])
-            if q_len:
-                rows.append((local, q_len, k_off, int(cuts[c + 1])))
-                local += q_len
-        k_off += d
-    return np.array(rows, dtype=np.int64).reshape(-1, 4), local, k_off
-
-
 @st.composite
 def segment_tables(draw):
     """Random tables of the contract: q ranges disjoint with gaps (uncovered rows), key ranges
@@ -113,7 +99,7 @@ def test_random_tables_match_reference(mode, table, heads, dtype, scale):
        dtype=st.sampled_from([torch.float64, torch.float32]))
 def test_cp_shards_with_overlapping_keys_match_reference(mode, lengths, cp, dtype):
     for rank in range(cp):
-        seg, n_q, n_k = _cp_shard_table(lengths, cp, rank)
+        seg, n_q, n_k = cp_shard_table(lengths, cp, rank)
         if len(seg):
             _check(*_qkv(n_q, n_k, 4, 2, 16, dtype, seed=rank), seg)
 
@@ -164,7 +150,7 @@ def test_half_precision_inputs_compute_in_fp32(mode, dtype):
 
 def test_functional_pair_matches_reference(mode):
     """sdpa_forward / sdpa_backward (what the executor's CP attention calls, no autograd)."""
-    seg, n_q, n_k = _cp_shard_table([50, 23, 64], 2, 1)
+    seg, n_q, n_k = cp_shard_table([50, 23, 64], 2, 1)
     q, k, v = _qkv(n_q, n_k, 4, 1, 16, torch.float64)
     with torch.no_grad():
         out, lse = ta.sdpa_forward(q, k, v, seg, 0.25)
@@ -189,7 +175,7 @@ def test_bucket_padding_is_invisible(mode):
 
 def test_backward_is_bitwise_reproducible(mode):
     """The CPU kernels and the index_add of overlapping key ranges add in a fixed order."""
-    seg, n_q, n_k = _cp_shard_table([150, 70, 33, 200], 2, 0)
+    seg, n_q, n_k = cp_shard_table([150, 70, 33, 200], 2, 0)
     q, k, v = _qkv(n_q, n_k, 4, 2, 16, torch.float32)
     runs = []
     for _ in range(2):
