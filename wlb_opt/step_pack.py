@@ -8,6 +8,8 @@ loads are recomputed from the cost model, never taken from the solver. Methods:
 - "fixed":    Fixed-4D, greedy fixed-length packing balanced on modelled cost.
 - "wlb":      WLB-LLM Algorithm 1, variable length up to max_tokens.
 - "wlb_ls":   Algorithm 1 plus a deterministic move/swap local search (wlb_opt.solvers.local_search).
+- "wlb_fill": large documents balanced first (moves and swaps among them), short ones into
+              the gaps by Algorithm 1's rule, then a move/swap polish (wlb_opt.solvers.fill).
 - "cpsat", "milp": exact models (`wlb-opt[exact]`), see wlb_opt.solvers.cpsat / .milp.
 
 More methods can be added with `register_method`. The stateful streaming packer with
@@ -34,7 +36,7 @@ from .solvers.deal import deal_to_replicas
 from .solvers.greedy import bin_tokens, fixed_greedy, original_sequential, wlb_greedy
 from .solvers.problem import PackProblem, PackResult
 
-PackMethod = Literal["original", "fixed", "wlb", "wlb_ls", "cpsat", "milp"]
+PackMethod = Literal["original", "fixed", "wlb", "wlb_ls", "wlb_fill", "cpsat", "milp"]
 
 # name -> solver callable, or "module:function" resolved on first use (optional deps).
 PACK_METHODS: dict[str, Callable[[PackProblem], PackResult] | str] = {
@@ -44,9 +46,10 @@ PACK_METHODS: dict[str, Callable[[PackProblem], PackResult] | str] = {
     "cpsat": "wlb_opt.solvers.cpsat:solve",
     "milp": "wlb_opt.solvers.milp:solve",
     "wlb_ls": "wlb_opt.solvers.local_search:wlb_local_search",
+    "wlb_fill": "wlb_opt.solvers.fill:wlb_fill",
 }
 # Options each heuristic understands (exact methods validate their own option names).
-_OPTIONS: dict[str, set] = {"original": set(), "fixed": set(), "wlb": set(), "wlb_ls": {"max_iter"}}
+_OPTIONS: dict[str, set] = {"original": set(), "fixed": set(), "wlb": set(), "wlb_ls": {"max_iter"}, "wlb_fill": set()}
 # Methods that keep documents whole in fixed-length micro-batches balance tokens too.
 _BALANCE_REPLICAS = {"original": False, "fixed": False}
 

@@ -60,3 +60,40 @@ def test_checkpoint_at_any_step_resumes_to_identical_plans(seed, cut, max_delay,
     plans, tail = run(resumed, batches[cut:])
     assert [p.digest() for p in plans + tail] == [p.digest() for p in ref_plans[cut:] + ref_tail]
     assert resumed.stats() == ref.stats()
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**31), n_micro=st.integers(1, 4), dp=st.integers(1, 2), lookahead=st.sampled_from([0, 2]),
+       release=st.sampled_from(["group", "marginal"]))
+def test_wlb_fill_packer_places_every_id_exactly_once(seed, n_micro, dp, lookahead, release):
+    rng = np.random.default_rng(seed)
+    cap = 100
+    batches = stream(rng, 120, mean_docs=int(0.8 * dp * n_micro * cap / 25) + 1, cap=cap)
+    packer = PaperPacker(n_micro, cap, COST, dp=dp, thresholds=[34, 60], max_delay=3, max_backlog_tokens=10**9,
+                         release=release, method="wlb_fill", lookahead=lookahead)
+    plans, tail = run(packer, batches)
+    plans = [p for p in plans if p is not None]
+    for plan in plans + tail:
+        check_plan(plan, cap)
+        assert plan.info.method == "wlb_fill"
+    got = placed_ids(plans + tail)
+    assert np.array_equal(np.sort(got), np.sort(np.concatenate([ids for _, ids in batches])))
+
+
+def test_wlb_fill_step_prediction_is_close_to_the_packed_plan():
+    # The release policies read a step's predicted imbalance (large pieces placed, short ones
+    # as a fluid); the plan kept is packed by wlb_fill. On a real-length stream the two agree.
+    import wlb_opt as wlb
+    from wlb_opt.workloads import global_batches
+
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4),
+                                  wlb.HardwareSpec.preset("h100"))
+    window = 131072
+    packer = wlb.WLBPacker(4, int(1.25 * window), cost, config=wlb.PackerConfig(method="wlb_fill"))
+    errors = []
+    for batch in global_batches("real", window, 4 * window, 60, seed=7):
+        plan = packer.pack(*batch)
+        errors.append(plan.imbalance - plan.info.extra["predicted_imbalance"])
+    errors = np.array(errors)
+    assert np.median(np.abs(errors)) < 0.005
+    assert np.mean(errors) < 0.01  # the polish only lowers the largest load; the fluid rarely undershoots much

@@ -27,7 +27,7 @@ from .defaults import DEFAULT_CUTOFF_SHARE, DEFAULT_MAX_DELAY
 from .release import RELEASE_POLICIES, ReleaseName
 from .state import check_thresholds
 
-PackerMethod = Literal["wlb", "wlb_ls", "fixed", "cpsat", "milp"]
+PackerMethod = Literal["wlb", "wlb_fill", "wlb_ls", "fixed", "cpsat", "milp"]
 """`solve_pack` methods that keep pieces whole (the packer tracks pieces across steps)."""
 
 
@@ -179,4 +179,4 @@ def _check_method(method) -> None:
         # (queues, carry, arrival steps), so it only runs methods that keep pieces whole.
         raise ValueError("WLBPacker cannot run method='original' (it cuts documents at sequence "
                          "boundaries); use solve_pack(..., method='original') per global batch, or a "
-                         "method that keeps pieces whole: 'wlb', 'wlb_ls', 'fixed', 'cpsat', 'milp'")
+                         "method that keeps pieces whole: 'wlb', 'wlb_fill', 'wlb_ls', 'fixed', 'cpsat', 'milp'")

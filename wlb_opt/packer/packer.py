@@ -60,6 +60,7 @@ from .calibrate import CALIBRATION_BUDGET, calibrate_thresholds, candidate_thres
 from .config import PackerConfig, PackerMethod, queue_thresholds
 from .defaults import (MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, TARGET_SHARE, TOLERANCE_HIGH, TOLERANCE_LOW,
                        adaptive_tolerance, running_displacement)
+from .fill_trial import FillStepSolver
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
 from .release import DrainRelease, ReleasePolicy, make_release_policy
@@ -325,20 +326,23 @@ class WLBPacker:
         return dataclasses.replace(self._release, balance_tolerance=adaptive_tolerance(shown, self.delay_budget, high))
 
     def _make_step_solver(self, held: list[HeldPiece], fresh: list[HeldPiece]) -> StepSolver | None:
-        """The step's candidate packer (trial.py) for method "wlb"; None for the other
-        methods, which go through `solve_pack` for every candidate."""
-        if self.method != "wlb":
+        """The step's candidate packer: trial.py's for method "wlb" (the plans of `solve_pack`),
+        fill_trial.py's for "wlb_fill" (candidates scored from their large pieces, the kept
+        one packed by `wlb_fill`); None for the other methods, which go through `solve_pack`
+        for every candidate."""
+        if self.method not in ("wlb", "wlb_fill"):
             return None
         pieces = held + fresh
         lengths = np.fromiter((piece.length for piece in pieces), dtype=np.int64, count=len(pieces))
         weights = self.cost.doc_cost(lengths) if len(pieces) else np.zeros(0)
-        return StepSolver(pieces, weights, fresh, n_micro=self.n_micro, dp=self.dp, max_tokens=self.max_tokens,
-                          bin_const=self.cost.mb_const(), method=self.method)
+        solver = FillStepSolver if self.method == "wlb_fill" else StepSolver
+        return solver(pieces, weights, fresh, n_micro=self.n_micro, dp=self.dp, max_tokens=self.max_tokens,
+                      bin_const=self.cost.mb_const(), method=self.method)
 
     def _solve(self, first: list[HeldPiece], rest: list[HeldPiece]):
         """Pack `first` (placed first) then `rest`; returns (pending, plan, arrival steps).
-        Inside a step with method "wlb" the step's `StepSolver` packs (pieces validated and
-        weighed once per step); otherwise `solve_pack`."""
+        Inside a step with method "wlb" or "wlb_fill" the step's solver packs or scores
+        (pieces validated and weighed once per step); otherwise `solve_pack`."""
         if self._step_solver is not None:
             return self._step_solver.solve(first, rest)
         pending = first + rest

@@ -90,6 +90,12 @@ class StepRelease(NamedTuple):
     """How many of `released` left before the paper's rule (full queue or max_delay) sent them."""
 
 
+def is_idle(plan) -> bool:
+    """Whether a step's packing places nothing (a predicted packing says so without packing)."""
+    n_placed = getattr(plan, "n_placed", None)
+    return n_placed == 0 if n_placed is not None else not any(len(mb) for mb in plan.micro_batches)
+
+
 def split_due(carry: list[HeldPiece], released: list[HeldPiece], fresh: list[HeldPiece], step: int,
               max_delay: int | None) -> tuple[list[HeldPiece], list[HeldPiece]]:
     """(first, rest) of a step: the pieces at their deadline (carried or released) first,
@@ -216,7 +222,7 @@ class BalanceRelease(PaperRelease):
         for _ in range(self.need + len(queues)):
             limit = max(self.balance_tolerance, plan.imbalance) + _TOLERANCE_SLACK
             # a step that would train nothing takes its most balanced group whatever the tolerance
-            idle = not any(len(mb) for mb in plan.micro_batches)
+            idle = is_idle(plan)
             best = None
             for group in self._early_candidates(queues):
                 entries = [queues[level][j] for level, count in group for j in range(count)]
@@ -307,7 +313,7 @@ class GroupRelease(ReleasePolicy):
     @staticmethod
     def _defers_any(group, pending, plan) -> bool:
         """Whether the packed step defers a piece of `group` (see the class docstring)."""
-        if isinstance(plan, TrialPack):
+        if hasattr(plan, "defers_any"):  # TrialPack, FillTrial
             return plan.defers_any(group)
         keys = {piece.key for piece in group}
         return any(pending[i].key in keys for i in plan.deferred.tolist())
@@ -408,7 +414,7 @@ class GroupRelease(ReleasePolicy):
                 base_deferred=plan.deferred_tokens, costs=costs, base_cost=base_cost,
                 limit=max(self.balance_tolerance, plan.imbalance) + _TOLERANCE_SLACK,
                 # a step that would train nothing takes its most balanced group whatever the tolerance
-                idle=not any(len(mb) for mb in plan.micro_batches))
+                idle=is_idle(plan))
             chosen = self._choose(remaining, ctx)
             if chosen is None:
                 break

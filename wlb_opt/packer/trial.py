@@ -184,5 +184,5 @@ class TrialPack:
 
 
 def as_pack_plan(plan: PackPlan | TrialPack) -> PackPlan:
-    """`plan` as a PackPlan (a TrialPack builds its own)."""
-    return plan.plan() if isinstance(plan, TrialPack) else plan
+    """`plan` as a PackPlan (a TrialPack or FillTrial builds its own)."""
+    return plan if isinstance(plan, PackPlan) else plan.plan()
