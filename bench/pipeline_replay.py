@@ -11,8 +11,11 @@ log-normal factor (median 1, --sigma). The ideal pipeline (`simulate_pipeline`: 
 once its device is free and its input exists; a send never waits) and the rendezvous replay
 of the executor's p2p groups (`simulate_rendezvous`: a send completes only when its receive
 is posted, a group is waited on whole) run on the same times; the statistic is the largest
-replay / ideal over the draws. `before` replays the interleaved schedule with Megatron's
-pairing (each op's sends with the next op's receives), the executor's previous groups.
+replay / ideal over the draws. `after` replays the executor's groups (for v > 1 the searched
+meetings of wlb_opt/p2p_meetings.json, found on other draws: `wlb_opt.p2p_search`);
+`before` the interleaved schedule with Megatron's pairing (each op's sends with the next op's
+receives), `nominal` each message placed where both ranks are idle at once in the nominal
+ideal timeline (the placement the search starts from).
 
 `--bound pp,n_micro,v` adds, for that shape and the same draws, a lower bound on that
 statistic over every schedule of blocking groups (CP-SAT, `--bound-time` seconds): each
@@ -48,12 +51,13 @@ def draws(pp: int, n_micro: int, v: int, fwd_s: float, bwd_s: float, n: int, sig
 
 
 def replay_ratios(pp: int, n_micro: int, v: int, samples) -> dict:
-    """Per draw replay / ideal, for the executor's groups and (v > 1) Megatron's pairing."""
+    """Per draw replay / ideal, for the executor's groups and (v > 1) Megatron's pairing and the
+    nominal placement."""
     from ..rendezvous import _replay
     from ..schedule import _plans
     from ..simulate import pipeline_step_time
 
-    placements = {"after": "auto", "before": "next_op"} if v > 1 else {"after": "auto"}
+    placements = {"after": "auto", "before": "next_op", "nominal": "nominal"} if v > 1 else {"after": "auto"}
     ratios: dict[str, list[float]] = {k: [] for k in placements}
     for f, b in samples:
         ideal = pipeline_step_time(f, b, "interleaved" if v > 1 else "1f1b", v)
@@ -157,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [args.tokens // args.docs] * args.docs
     fwd_s, bwd_s = cost.micro_batch_cost(lengths, "fwd"), cost.micro_batch_cost(lengths, "bwd")
     rows = []
-    print(f"{'v':>2} {'pp':>3} {'n_micro':>7} {'before max':>10} {'after max':>9} {'after mean':>10}")
+    print(f"{'v':>2} {'pp':>3} {'n_micro':>7} {'before max':>10} {'nominal max':>11} {'after max':>9} "
+          f"{'after mean':>10}")
     for v in (1, 2, 4):
         for pp in range(2, args.max_pp + 1):
             for n_micro in range(pp, args.max_micro + 1, pp):
@@ -165,10 +170,12 @@ def main(argv: list[str] | None = None) -> int:
                                                              args.seed))
                 row = dict(v=v, pp=pp, n_micro=n_micro, draws=args.draws,
                            before_max=round(max(ratios.get("before", ratios["after"])), 4),
+                           nominal_max=round(max(ratios.get("nominal", ratios["after"])), 4),
                            after_max=round(max(ratios["after"]), 4),
                            after_mean=round(float(np.mean(ratios["after"])), 4))
                 rows.append(row)
-                print(f"{v:>2} {pp:>3} {n_micro:>7} {row['before_max']:>10.3f} {row['after_max']:>9.3f} "
+                print(f"{v:>2} {pp:>3} {n_micro:>7} {row['before_max']:>10.3f} {row['nominal_max']:>11.3f} "
+                      f"{row['after_max']:>9.3f} "
                       f"{row['after_mean']:>10.3f}", flush=True)
     bounds = []
     for pp, n_micro, v in args.bound:
@@ -181,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = {v: max(r["after_max"] for r in rows if r["v"] == v) for v in (1, 2, 4)}
     summary = [dict(v=v, shapes=sum(r["v"] == v for r in rows), after_worst=worst[v],
                     before_worst=max(r["before_max"] for r in rows if r["v"] == v),
+                    nominal_worst=max(r["nominal_max"] for r in rows if r["v"] == v),
                     shapes_within_1_05=sum(r["v"] == v and r["after_max"] <= 1.05 for r in rows)) for v in (1, 2, 4)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,8 @@ from typing import Literal, NamedTuple
 
 Schedule = Literal["1f1b", "interleaved"]
 SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved")
+PLACEMENTS: tuple[str, ...] = ("auto", "searched", "nominal", "next_op")
+"""Where the interleaved schedule's messages meet (see `_plans`)."""
 
 # An operation: (phase "F" | "B", micro-batch, virtual stage). Device = virtual stage % pp.
 Op = tuple[str, int, int]
@@ -163,26 +165,114 @@ def _meeting(sender_gaps, lo_s: int, receiver_gaps, hi_r: int) -> tuple[int, int
     return best
 
 
-def _derived_plan(pp: int, n_micro: int, virtual_stages: int) -> list[list[list]]:
-    """Every rank's (group, op) pairs for v >= 2, read off the nominal ideal timeline: each
-    message is exchanged at the boundaries `_meeting` picks on its two ranks."""
+def _messages(pp: int, n_micro: int, virtual_stages: int) -> list[tuple[int, int, int, int, P2POp, P2POp]]:
+    """Every message of a step: (sender, index of the op that makes it in the sender's
+    `stage_order`, receiver, index of the op that needs it, the send, the receive), in the
+    sender's op order, ranks in turn."""
     n_virtual = pp * virtual_stages
     orders = [stage_order(r, pp, n_micro, virtual_stages) for r in range(pp)]
-    times = _nominal_timeline(pp, n_micro, virtual_stages)
-    gaps = [[(times[r][k - 1][1] if k else 0.0, times[r][k][0] if k < len(times[r]) else float("inf"))
-             for k in range(len(times[r]) + 1)] for r in range(pp)]
     index = [{op: k for k, op in enumerate(o)} for o in orders]
-    groups: list[list[list[P2POp]]] = [[[] for _ in range(len(o) + 1)] for o in orders]
+    out = []
     for r in range(pp):
         for k, op in enumerate(orders[r]):
             _, micro, vs = op
             for direction, _, peer in _makes(op, pp, n_virtual):
                 other = vs + 1 if direction == "fwd" else vs - 1
                 consumer = index[peer][("F" if direction == "fwd" else "B", micro, other)]
-                at_sender, at_receiver = _meeting(gaps[r], k + 1, gaps[peer], consumer)
-                groups[r][at_sender].append(P2POp("send", peer, direction, micro, vs // pp))
-                groups[peer][at_receiver].append(P2POp("recv", r, direction, micro, other // pp))
+                out.append((r, k, peer, consumer, P2POp("send", peer, direction, micro, vs // pp),
+                            P2POp("recv", r, direction, micro, other // pp)))
+    return out
+
+
+def _grouped(pp: int, n_micro: int, virtual_stages: int, at_sender, at_receiver) -> list[list[list]]:
+    """Every rank's (group, op) pairs with message i of `_messages` sent in the group before
+    op at_sender[i] of its sender and received in the group before op at_receiver[i] of its
+    receiver (index len(ops): after the last op)."""
+    orders = [stage_order(r, pp, n_micro, virtual_stages) for r in range(pp)]
+    groups: list[list[list[P2POp]]] = [[[] for _ in range(len(o) + 1)] for o in orders]
+    for (sender, _, receiver, _, send, recv), s, r in zip(_messages(pp, n_micro, virtual_stages), at_sender,
+                                                          at_receiver):
+        groups[sender][int(s)].append(send)
+        groups[receiver][int(r)].append(recv)
     return [[[g, op] for g, op in zip(groups[r], orders[r] + [None])] for r in range(pp)]
+
+
+def _derived_plan(pp: int, n_micro: int, virtual_stages: int) -> list[list[list]]:
+    """Every rank's (group, op) pairs for v >= 2, read off the nominal ideal timeline: each
+    message is exchanged at the boundaries `_meeting` picks on its two ranks."""
+    times = _nominal_timeline(pp, n_micro, virtual_stages)
+    gaps = [[(times[r][k - 1][1] if k else 0.0, times[r][k][0] if k < len(times[r]) else float("inf"))
+             for k in range(len(times[r]) + 1)] for r in range(pp)]
+    at_sender, at_receiver = [], []
+    for sender, made, receiver, needed, _, _ in _messages(pp, n_micro, virtual_stages):
+        s, r = _meeting(gaps[sender], made + 1, gaps[receiver], needed)
+        at_sender.append(s)
+        at_receiver.append(r)
+    return _grouped(pp, n_micro, virtual_stages, at_sender, at_receiver)
+
+
+def meeting_pairs(pp: int, n_micro: int, virtual_stages: int):
+    """Per pair of ranks (low, high) that exchange messages: the indices into `_messages` of
+    its messages, whether each goes from low to high, the first boundary its sender may send
+    it at (after the op that makes it) and the last its receiver may take it at (before the op
+    that needs it). Boundary k of a rank is the moment before its op k."""
+    import numpy as np
+
+    pairs: dict[tuple[int, int], list] = {}
+    for i, (sender, made, receiver, needed, _, _) in enumerate(_messages(pp, n_micro, virtual_stages)):
+        pairs.setdefault((min(sender, receiver), max(sender, receiver)), []).append(
+            (i, sender < receiver, made + 1, needed))
+    return {pair: tuple(np.array(col) for col in zip(*rows)) for pair, rows in sorted(pairs.items())}
+
+
+def place_messages(pair_messages, low_at, high_at):
+    """(sender boundary, receiver boundary) of each message of one pair of ranks (`meeting_pairs`)
+    given its meetings: meeting j is the low rank's boundary low_at[j] with the high rank's
+    high_at[j], both non-decreasing in j. A message goes to the first meeting at or after the
+    boundary its sender may send it at (the output leaves as soon as it can); None if that
+    meeting comes after the boundary its receiver needs it by (or there is none)."""
+    import numpy as np
+
+    _, low_to_high, first, last = pair_messages
+    low_at, high_at = np.asarray(low_at), np.asarray(high_at)
+    j = np.where(low_to_high, np.searchsorted(low_at, first), np.searchsorted(high_at, first))
+    if np.any(j >= len(low_at)):
+        return None
+    own = np.where(low_to_high, low_at[j], high_at[j])
+    other = np.where(low_to_high, high_at[j], low_at[j])
+    if np.any(other > last):
+        return None
+    return own, other
+
+
+@functools.cache
+def _meeting_table() -> dict:
+    """The searched meetings (wlb_opt/p2p_meetings.json, written by `python -m
+    wlb_opt.p2p_search`): "pp,n_micro,v" -> "low,high" -> [low boundaries, high boundaries]."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).with_name("p2p_meetings.json")
+    return json.loads(path.read_text())["meetings"] if path.exists() else {}
+
+
+def _searched_plan(pp: int, n_micro: int, virtual_stages: int) -> list[list[list]] | None:
+    """Every rank's (group, op) pairs from the searched meetings of this shape; None if the
+    table has no such shape."""
+    import numpy as np
+
+    table = _meeting_table().get(f"{pp},{n_micro},{virtual_stages}")
+    if table is None:
+        return None
+    n_messages = len(_messages(pp, n_micro, virtual_stages))
+    at_sender, at_receiver = np.zeros(n_messages, dtype=int), np.zeros(n_messages, dtype=int)
+    for (low, high), msgs in meeting_pairs(pp, n_micro, virtual_stages).items():
+        placed = place_messages(msgs, *table[f"{low},{high}"])
+        if placed is None:
+            raise RuntimeError(f"p2p_meetings.json: shape {(pp, n_micro, virtual_stages)} leaves a message of "
+                               f"ranks {low},{high} without a meeting; regenerate it with python -m wlb_opt.p2p_search")
+        at_sender[msgs[0]], at_receiver[msgs[0]] = placed
+    return _grouped(pp, n_micro, virtual_stages, at_sender, at_receiver)
 
 
 def _unblock(plans: list, pp: int, shape: tuple) -> None:
@@ -251,21 +341,38 @@ def _plans(pp: int, n_micro: int, virtual_stages: int, placement: str = "auto") 
     receives the next op needs, which in 1F1B are exactly the messages the two neighbours
     exchange when both are ready. The interleaved schedule has slack: an input is made well
     before it is needed, so that pairing has ranks wait for neighbours to take what they send
-    (a blocking send is a meeting of both ranks). There each message is placed where both
-    ranks are idle at the same moment in the nominal ideal timeline (`_derived_plan`).
+    (a blocking send is a meeting of both ranks, and each meeting costs the earlier rank the
+    gap). `placement` chooses the interleaved groups:
+
+    - "auto" (the executor's): "searched" for the shapes wlb_opt/p2p_meetings.json holds (pp
+      2..8, v 2 and 4, n_micro a multiple of pp up to 16), else "nominal";
+    - "searched": each pair of ranks meets at the boundaries `wlb_opt.p2p_search` found by
+      replaying candidate schedules on random op times (fewer, well-placed meetings); every
+      message goes to the first meeting after the op that makes it (`place_messages`);
+    - "nominal": each message where both ranks are idle at the same moment in the nominal
+      ideal timeline (`_derived_plan`);
+    - "next_op": Megatron's pairing (the baseline of `wlb-opt bench pipeline-replay`).
+
     `_unblock` then checks the plan under rendezvous semantics (and repairs it, for 1F1B).
     The result is a fixed, deterministic function of (pp, n_micro, virtual_stages), so every
     rank derives the same schedule. Inside a group, sends are in message order (those to
     one peer in the order it receives them) and receives in their sender's issue order, so both
     ends of every pair of ranks see their messages in the same order (NCCL matches
-    point-to-point in issue order). `placement="next_op"` gives the interleaved schedule
-    Megatron's pairing instead (the baseline of `wlb-opt bench pipeline-replay`).
+    point-to-point in issue order; the meetings of a pair are ordered on both ranks, so no two
+    messages cross).
     """
     check_pipeline_shape(pp, n_micro, virtual_stages)
-    if virtual_stages == 1 or placement == "next_op":
-        plans = [[[list(g), op] for g, op in _initial_plan(r, pp, n_micro, virtual_stages)] for r in range(pp)]
-    else:
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    plans = None
+    if virtual_stages > 1 and placement in ("auto", "searched"):
+        plans = _searched_plan(pp, n_micro, virtual_stages)
+        if plans is None and placement == "searched":
+            raise ValueError(f"no searched meetings for shape {(pp, n_micro, virtual_stages)}")
+    if plans is None and virtual_stages > 1 and placement != "next_op":
         plans = _derived_plan(pp, n_micro, virtual_stages)
+    if plans is None:
+        plans = [[[list(g), op] for g, op in _initial_plan(r, pp, n_micro, virtual_stages)] for r in range(pp)]
     _unblock(plans, pp, (pp, n_micro, virtual_stages))
     taken = {message_key(o, r, pp): gi for r in range(pp) for gi, (g, _) in enumerate(plans[r])
              for o in g if o.kind == "recv"}  # message key -> receiver's group index

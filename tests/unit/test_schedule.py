@@ -196,9 +196,9 @@ def test_the_1f1b_groups_are_pinned():
 
 
 @pytest.mark.parametrize("pp, n_micro, v", [(2, 4, 2), (4, 8, 2), (4, 4, 4), (8, 16, 2)])
-def test_interleaved_replay_stays_near_the_ideal_pipeline(pp, n_micro, v):
-    # a regression guard on the model, not on wall time: the replay of fixed random op times is
-    # a pure function; the bound is loose (docs/results.md has the measured figures)
+def test_interleaved_replay_is_never_faster_than_the_ideal_pipeline(pp, n_micro, v):
+    # the DAG lets a send complete without its receive, so blocking groups can only wait longer;
+    # how much longer is measured by `wlb-opt bench pipeline-replay`, not asserted here
     import numpy as np
 
     from wlb_opt.rendezvous import simulate_rendezvous
@@ -208,5 +208,4 @@ def test_interleaved_replay_stays_near_the_ideal_pipeline(pp, n_micro, v):
     for _ in range(3):
         f = rng.lognormal(0.0, 0.3, (pp, v, n_micro)) / v
         b = 2.0 * rng.lognormal(0.0, 0.3, (pp, v, n_micro)) / v
-        ratio = simulate_rendezvous(f, b, v).step_time_s / pipeline_step_time(f, b, "interleaved", v)
-        assert 1.0 - 1e-12 <= ratio <= 1.3
+        assert simulate_rendezvous(f, b, v).step_time_s >= pipeline_step_time(f, b, "interleaved", v) * (1 - 1e-12)
