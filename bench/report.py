@@ -92,6 +92,13 @@ SECTIONS = (
     Section("parity", "Outlier-delay settings over several streams",
             "PP imbalance and displacement of the packer's settings over independent streams.",
             (Table("parity.json", ("summary",)),)),
+    Section("step_packers", "Step packers at unchanged pieces, and in the loop",
+            "Each step of the defaults' plans re-packed by every step packer (its pieces, hence the displacement, "
+            "unchanged), with CP-SAT's optimum and proven bound on some steps; then the packer run with each method "
+            "as its step packer.",
+            (Table("step_packers.json", ("summary",), caption="Means over the streams of each kind (Table 2 "
+                   "imbalance; `_packing`: max / mean of the packing cost; `loop_*`: imbalance / displacement / "
+                   "median CPU ms per step)."),)),
     Section("pack_speed", "Packing speed",
             "CPU time of `solve_pack` on one large global batch.",
             (Table("pack_speed.json", ("rows",)),)),
@@ -110,8 +117,10 @@ SECTIONS = (
              Table("validate_sim.json", ("single_rank",)))),
     Section("pipeline_replay", "The executor's pipeline under rendezvous semantics",
             "Largest replay / ideal pipeline over random op times (log-normal around the cost model's), per "
-            "shape: the rendezvous replay of the executor's p2p groups (`after`; `before`: Megatron's pairing "
-            "of each op's sends with the next op's receives) against the DAG in which sends never wait.",
+            "shape: the rendezvous replay of the executor's p2p groups (`after`: for v > 1 the searched meetings "
+            "of wlb_opt/p2p_meetings.json, found on other draws; `nominal`: each message where both ranks are "
+            "idle at once in the nominal ideal timeline; `before`: Megatron's pairing of each op's sends with "
+            "the next op's receives) against the DAG in which sends never wait.",
             (Table("pipeline_replay.json", ("summary",), caption="Per v, over every shape."),
              Table("pipeline_replay.json", ("bounds",), caption="Lower bounds over every schedule of blocking "
                    "groups on the same draws (CP-SAT; `best_placement` is the best placement it found)."),

@@ -1,0 +1,176 @@
+"""`wlb-opt bench step-packers`: how much a stronger step packer can lower the imbalance.
+
+The streaming packer decides two things each step: which pieces train in it (the release of
+held outliers, the carry) and how those pieces are packed into micro-batches (the step
+packer, `PackerConfig.method`). This benchmark separates the two.
+
+- **Re-pack** (unchanged displacement): the no-tuning defaults (`PackerConfig()`, Algorithm
+  1) plan each stream; every step after the warm-up keeps exactly the pieces the defaults
+  placed in it, and is packed again by each step packer ("wlb" = Algorithm 1, "wlb_ls",
+  "wlb_fill"). With `--exact-steps K`, the first K steps of each stream are also solved by
+  CP-SAT (`--time-limit` seconds each; the `exact` extra): its best plan and its proven
+  bound on the largest micro-batch bracket what ANY step packer can reach on those pieces.
+- **In the loop**: the packer runs with each method as its step packer (the release rule
+  then sees that packer's plans; "wlb_fill" scores candidates by its prediction,
+  wlb_opt/packer/fill_trial.py): imbalance, displacement and CPU ms per step.
+
+Imbalance is the Table 2 measure (max / mean forward cost per step, mean over the steps
+after a 20-step warm-up); "packing" is max / mean of the packing cost (forward + backward,
+what the step packers balance). Streams: the scored ones (seeds DEFAULT_SEED + 0, 1, 2) and
+the calibration ones (DEFAULT_SEED + 100, 101, 102) on which the defaults were tuned.
+
+    wlb-opt bench step-packers                              real, default, heavy, code, prose at N = 4
+    wlb-opt bench step-packers --quick                      real, 60 steps, one scored and one calibration seed
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .._optional import progress
+from ..cost_args import add_cost_args, cost_from_args, count, natural, seconds
+from ..packer import PackerConfig, WLBPacker, per_step_imbalance
+from ..step_pack import solve_pack
+from ..workloads import DEFAULT_SEED, DISTRIBUTIONS, global_batches
+from ._provenance import provenance
+
+METHODS = ("wlb", "wlb_ls", "wlb_fill")
+SCORED, CALIBRATION = (0, 1, 2), (100, 101, 102)
+
+
+def _has_exact() -> bool:
+    try:
+        import ortools  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def repack_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, exact_steps: int,
+                  time_limit: float) -> dict:
+    """Re-pack each step of the defaults' plans with every method (module docstring)."""
+    packer = WLBPacker(n_micro, max_tokens, cost, config=PackerConfig())
+    plans = [packer.pack(*batch) for batch in batches]
+    plans = [plan for plan in plans if plan is not None][warmup:]
+    fwd = {m: [] for m in ("defaults", *METHODS)}
+    packing = {m: [] for m in METHODS}
+    exact = dict(steps=0, wlb=[], cpsat=[], bound=[])
+    for k, plan in enumerate(plans):
+        placed = np.concatenate(plan.micro_batches) if plan.micro_batches else np.zeros(0, np.int64)
+        if not len(placed):
+            continue
+        lengths = plan.lengths[placed]
+        fwd["defaults"].append(per_step_imbalance(plan, cost, "fwd"))
+        for m in METHODS:
+            q = solve_pack(lengths, n_micro, max_tokens, cost, m)
+            fwd[m].append(per_step_imbalance(q, cost, "fwd"))
+            packing[m].append(q.imbalance)
+        if k < exact_steps:
+            q = solve_pack(lengths, n_micro, max_tokens, cost, "cpsat", time_limit=time_limit)
+            alg1 = solve_pack(lengths, n_micro, max_tokens, cost, "wlb")
+            mean = float(q.loads.mean())
+            exact["steps"] += 1
+            exact["wlb"].append(alg1.imbalance)
+            exact["cpsat"].append(q.imbalance)
+            exact["bound"].append(q.info.bound / mean if q.info.bound is not None else float("nan"))
+    row = {f"{m}_imbalance": float(np.mean(v)) for m, v in fwd.items()}
+    row |= {f"{m}_packing": float(np.mean(v)) for m, v in packing.items()}
+    row["steps"] = len(fwd["wlb"])
+    row["displacement_per_token"] = float(packer.stats()["displacement_per_token"])
+    if exact["steps"]:
+        row |= dict(exact_steps=exact["steps"], exact_wlb_packing=float(np.mean(exact["wlb"])),
+                    exact_cpsat_packing=float(np.mean(exact["cpsat"])),
+                    exact_bound_packing=float(np.nanmean(exact["bound"])))
+    return row
+
+
+def loop_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, method: str) -> dict:
+    """The packer with `method` as its step packer: imbalance, displacement, CPU ms per step."""
+    packer = WLBPacker(n_micro, max_tokens, cost, config=PackerConfig(method=method))
+    plans, cpu = [], []
+    for batch in batches:
+        t0 = time.process_time()
+        plans.append(packer.pack(*batch))
+        cpu.append(time.process_time() - t0)
+    plans = [plan for plan in plans if plan is not None] + list(packer.drain())
+    imbs = [per_step_imbalance(plan, cost, "fwd") for plan in plans]
+    return dict(imbalance=float(np.mean(imbs[warmup:] or imbs)),
+                displacement_per_token=float(packer.stats()["displacement_per_token"]),
+                median_ms=1e3 * float(np.median(cpu)), p99_ms=1e3 * float(np.percentile(cpu, 99)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="wlb-opt bench step-packers", description=__doc__.splitlines()[0])
+    p.add_argument("--dists", default="real,default,heavy,code,prose",
+                   help="comma-separated length distributions (default real,default,heavy,code,prose)")
+    p.add_argument("--n-micro", type=count, default=4, help="micro-batches per step (default 4)")
+    p.add_argument("--steps", type=count, default=None, help="global batches per stream (default 200; --quick 60)")
+    p.add_argument("--window", type=count, default=131072, help="training context length (default 131072)")
+    p.add_argument("--warmup", type=natural, default=20, help="steps left out of the means (default 20)")
+    p.add_argument("--exact-steps", type=natural, default=None,
+                   help="steps per stream also solved by CP-SAT (default 10, --quick 3; 0: none; needs the exact extra)")
+    p.add_argument("--time-limit", type=seconds, default=5.0, help="CP-SAT seconds per step (default 5)")
+    p.add_argument("--quick", action="store_true", help="real only, seeds 0 and 100; 60 steps, 3 exact steps")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--out", default=None, help="folder for step_packers.json (default: print only)")
+    add_cost_args(p, layout=("tp", "cp", "pp"))
+    args = p.parse_args(argv)
+    dists = ["real"] if args.quick else args.dists.split(",")
+    bad = [d for d in dists if d not in DISTRIBUTIONS]
+    if bad:
+        p.error(f"unknown distributions {bad}; valid: {', '.join(sorted(DISTRIBUTIONS))}")
+    steps = args.steps or (60 if args.quick else 200)
+    seeds = [(0, "scored"), (100, "calibration")] if args.quick else \
+        [(s, "scored") for s in SCORED] + [(s, "calibration") for s in CALIBRATION]
+    exact_steps = args.exact_steps if args.exact_steps is not None else (3 if args.quick else 10)
+    if exact_steps and not _has_exact():
+        exact_steps = 0
+        print("ortools is not installed (the `exact` extra): no CP-SAT bracket")
+    cost = cost_from_args(args, parser=p)
+    N, W = args.n_micro, args.window
+    max_tokens = int(1.25 * W)
+    repack, loop = [], []
+    jobs = [(d, s, kind) for d in dists for s, kind in seeds]
+    for dist, seed, kind in progress(jobs, desc="streams", enable=not args.no_progress):
+        batches = global_batches(dist, W, N * W, steps, seed=DEFAULT_SEED + seed)
+        repack.append(dict(dist=dist, seed=seed, streams=kind, n_micro=N,
+                           **repack_stream(batches, cost, N, max_tokens, args.warmup, exact_steps, args.time_limit)))
+        for method in ("wlb", "wlb_fill"):
+            loop.append(dict(dist=dist, seed=seed, streams=kind, n_micro=N, method=method,
+                             **loop_stream(batches, cost, N, max_tokens, args.warmup, method)))
+    summary = []
+    for dist in dists:
+        for kind in ("scored", "calibration"):
+            rows = [r for r in repack if r["dist"] == dist and r["streams"] == kind]
+            if not rows:
+                continue
+            keys = [k for k in rows[0] if k.endswith(("_imbalance", "_packing"))]
+            out = dict(dist=dist, streams=kind, seeds=len(rows), n_micro=N,
+                       displacement_per_token=float(np.mean([r["displacement_per_token"] for r in rows])))
+            out |= {k: float(np.mean([r[k] for r in rows if k in r])) for k in keys}
+            for method in ("wlb", "wlb_fill"):
+                lrows = [r for r in loop if r["dist"] == dist and r["streams"] == kind and r["method"] == method]
+                out[f"loop_{method}"] = (f"{np.mean([r['imbalance'] for r in lrows]):.4f} / "
+                                         f"{np.mean([r['displacement_per_token'] for r in lrows]):.3f} / "
+                                         f"{np.median([r['median_ms'] for r in lrows]):.2f} ms")
+            summary.append(out)
+    print(f"N={N}, {steps} steps; re-pack at unchanged pieces: mean Table 2 imbalance (packing imbalance); "
+          "in the loop: imbalance / displacement / median CPU ms")
+    for r in summary:
+        cells = " ".join(f"{m}={r[m + '_imbalance']:.4f}({r[m + '_packing']:.4f})" for m in METHODS)
+        exact = (f" | CP-SAT on {exact_steps}/stream: wlb {r['exact_wlb_packing']:.4f}, cpsat "
+                 f"{r['exact_cpsat_packing']:.4f}, bound {r['exact_bound_packing']:.4f}"
+                 if "exact_cpsat_packing" in r else "")
+        print(f"{r['dist']:>7} {r['streams']:>11} disp {r['displacement_per_token']:.3f}: {cells}{exact}")
+        print(f"{'':>20} loop wlb {r['loop_wlb']}, loop wlb_fill {r['loop_wlb_fill']}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        data = dict(provenance=provenance("step_packers", argv), summary=summary, repack=repack, loop=loop)
+        (out / "step_packers.json").write_text(json.dumps(data, indent=2))
+        print(f"wrote {out / 'step_packers.json'}")
+    return 0
