@@ -136,7 +136,7 @@ class FillTrial:
         order = np.concatenate([first, rest_large])
         loads = np.zeros(n_bins, dtype=np.float64)
         toks = np.zeros(n_bins, dtype=np.int64)
-        placed = fill_assign(order, lengths, w, loads, toks, cap)
+        placed = fill_assign(np.arange(len(order)), lengths[order], w[order], loads, toks, cap)
         deferred_large = order[placed < 0]
         large_w = float(w[order].sum())
         large_tok = int(lengths[order].sum())
