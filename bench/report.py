@@ -107,7 +107,7 @@ SECTIONS = (
             "Algorithm 1's pure-Python loop (the default install) and its compiled loop (the `fast` extra); "
             "`solve_shard` of each step's micro-batches apart.",
             (Table("stream_speed.json", ("rows",), caption="Per step, over every step of every seed.",
-                   columns=("n_micro", "dist", "lookahead", "loop", "steps", "seeds", "median_ms", "p99_ms",
+                   columns=("n_micro", "dist", "method", "lookahead", "loop", "steps", "seeds", "median_ms", "p99_ms",
                             "worst_ms", "mean_ms", "median_vs_k0")),
              Table("stream_speed.json", ("shard",), caption="`solve_shard` of all micro-batches of a step."))),
     Section("validate_sim", "The simulator against real execution",

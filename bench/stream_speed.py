@@ -7,7 +7,8 @@ machine are not counted); the median, p99 and worst step are over every step of 
 `solve_shard` (CP sharding of each micro-batch, strategy "adaptive") is timed apart, per
 step, on the plans of the first seed. Each stream is timed with Algorithm 1's pure-Python
 loop (the default install) and, when numba is installed (the `fast` extra), the compiled
-one (`--loops`). Streams: `real` and the heavy-tailed `heavy`
+one (`--loops`); `--methods wlb,wlb_fill` also times the `wlb_fill` step packer, whose
+release candidates are scored without packing. Streams: `real` and the heavy-tailed `heavy`
 (`wlb_opt.workloads`), seeds DEFAULT_SEED + 300 + i (not the calibration seeds).
 
     wlb-opt bench stream-speed --n-micro 32                 2,000 steps x 3 seeds per stream
@@ -40,9 +41,10 @@ def _percentiles(times_s: list[float]) -> dict:
                 mean_ms=float(t.mean()))
 
 
-def time_stream(batches, n_micro: int, max_tokens: int, cost, lookahead: int, shard_cp: int | None) -> tuple:
+def time_stream(batches, n_micro: int, max_tokens: int, cost, lookahead: int, shard_cp: int | None,
+                method: str = "wlb") -> tuple:
     """(CPU seconds of each `pack`, CPU seconds of sharding each emitted plan or [])."""
-    packer = WLBPacker(n_micro, max_tokens, cost, config=PackerConfig(lookahead=lookahead))
+    packer = WLBPacker(n_micro, max_tokens, cost, config=PackerConfig(lookahead=lookahead, method=method))
     pack_s, shard_s = [], []
     for batch in batches:
         t0 = time.process_time()
@@ -69,10 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loops", default="python,compiled",
                    help="Algorithm 1's loops to time, comma-separated: python (the default install), compiled "
                         "(the `fast` extra, skipped without numba); default python,compiled")
+    p.add_argument("--methods", default="wlb",
+                   help="step packers (PackerConfig.method), comma-separated: wlb (the default), wlb_fill")
     p.add_argument("--out", default=None, help="folder for stream_speed.json (default: print only)")
     add_cost_args(p, layout=("tp", "cp", "pp"))  # one replica: dp stays 1
     args = p.parse_args(argv)
     dists = args.dists.split(",")
+    methods = args.methods.split(",")
+    if [m for m in methods if m not in ("wlb", "wlb_fill")]:
+        p.error(f"--methods must name wlb and/or wlb_fill, got {args.methods!r}")
     bad_loops = [loop for loop in args.loops.split(",") if loop not in ("python", "compiled")]
     if bad_loops:
         p.error(f"unknown loops {bad_loops}; valid: python, compiled")
@@ -101,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     if "compiled" in loops:  # compile (or load from numba's cache) before anything is timed
         with use_compiled(True):
             solve_pack([3, 2, 1], 2, 4, cost)
-    print(f"{'N':>3} {'dist':>6} {'K':>2} {'loop':>9} {'median':>8} {'p99':>8} {'worst':>8} {'vs K=0':>7}")
-    for n_micro, dist in [(n, d) for n in n_micros for d in dists]:
+    print(f"{'N':>3} {'dist':>6} {'method':>8} {'K':>2} {'loop':>9} {'median':>8} {'p99':>8} {'worst':>8} {'vs K=0':>7}")
+    for n_micro, dist, method in [(n, d, m) for n in n_micros for d in dists for m in methods]:
         streams = [global_batches(dist, args.window, n_micro * args.window, steps,
                                   seed=DEFAULT_SEED + SEED_OFFSET + i) for i in range(seeds)]
         for loop in loops:
@@ -111,20 +118,21 @@ def main(argv: list[str] | None = None) -> int:
                 pack_s = []
                 with use_compiled(loop == "compiled"):
                     for i, batches in enumerate(streams):
-                        shard_cp = (cp if (i == 0 and k == lookaheads[0] and loop == loops[0] and not args.no_shard)
-                                    else None)
-                        times, shard_s = time_stream(batches, n_micro, max_tokens, cost, k, shard_cp)
+                        shard_cp = (cp if (i == 0 and k == lookaheads[0] and loop == loops[0] and method == methods[0]
+                                           and not args.no_shard) else None)
+                        times, shard_s = time_stream(batches, n_micro, max_tokens, cost, k, shard_cp, method)
                         pack_s += times
                         if shard_s:
                             shard_rows.append(dict(dist=dist, n_micro=n_micro, cp=cp, strategy="adaptive",
                                                    steps=len(shard_s), clock="cpu", **_percentiles(shard_s)))
-                row = dict(dist=dist, lookahead=k, n_micro=n_micro, loop=loop, max_tokens=max_tokens, steps=steps,
+                row = dict(dist=dist, method=method, lookahead=k, n_micro=n_micro, loop=loop, max_tokens=max_tokens,
+                           steps=steps,
                            seeds=seeds, clock="cpu", **_percentiles(pack_s))
                 k0_median = row["median_ms"] if k == 0 else k0_median
                 row["median_vs_k0"] = row["median_ms"] / k0_median if k0_median else None
                 rows.append(row)
                 ratio = f"{row['median_vs_k0']:.2f}" if row["median_vs_k0"] is not None else "-"
-                print(f"{n_micro:>3} {dist:>6} {k:>2} {loop:>9} {row['median_ms']:>8.2f} {row['p99_ms']:>8.2f} "
+                print(f"{n_micro:>3} {dist:>6} {method:>8} {k:>2} {loop:>9} {row['median_ms']:>8.2f} {row['p99_ms']:>8.2f} "
                       f"{row['worst_ms']:>8.2f} {ratio:>7}")
     for r in shard_rows:
         print(f"solve_shard (N={r['n_micro']}, {r['dist']}, cp={r['cp']}, all micro-batches of a step): median {r['median_ms']:.2f} ms, "
