@@ -59,8 +59,10 @@ class PackerConfig:
     """Delay per token, in steps, that calibration and balance_tolerance="auto" aim to stay
     within (>= 0; paper §3.2)."""
     method: PackerMethod = "wlb"
-    """The `solve_pack` method that packs each step: "wlb" (Algorithm 1) or another method
-    that keeps pieces whole and honours `carried`."""
+    """The `solve_pack` method that packs each step: "wlb" (Algorithm 1), "wlb_fill" (large
+    pieces balanced first, short ones into the gaps; release candidates scored without packing
+    their short pieces, docs/tuning.md says when it helps) or another method that keeps pieces
+    whole and honours `carried`."""
     lookahead: int = 0
     """Global batches the packer sees ahead (>= 0). With K > 0, `pack(batch s)` returns the
     plan of step s - K and outliers may train up to K steps early (lookahead.py)."""
