@@ -5,16 +5,17 @@ ones fill the gaps they leave. A release candidate (a group of held outliers joi
 step) changes the large pieces, not the thousands of short ones, so `FillStepSolver` scores
 a candidate from its large pieces alone:
 
-- the large pieces (placed-first ones, and every piece costing at least
-  `fill.LARGE_SHARE` x the step's mean micro-batch cost) are placed by Algorithm 1's rule,
-  as `wlb_fill` places them before its descent;
-- the short pieces are taken as a fluid: they raise the lightest micro-batches to the
-  water level W that their total cost fills (sum_b max(0, W - large_b) = short cost), so
-  micro-batch b is predicted at max(large_b, W); the short tokens beyond the token room the
-  large pieces leave are predicted deferred.
+- the placed-first pieces and every piece costing at least `PREDICT_SHARE` x the step's mean
+  micro-batch cost are placed by Algorithm 1's rule, as `wlb_fill`'s first two phases place
+  them (its descent and polish aside);
+- the cheaper pieces are taken as a fluid: they raise the lightest micro-batches to the
+  water level W that their total cost fills, each by at most what its token room holds at
+  their mean cost per token (`water_level`), so micro-batch b is predicted at
+  min(max(large_b, W), large_b + room_b); the short tokens beyond the token room the large
+  pieces leave are predicted deferred.
 
 The short pieces of a step are its fresh documents in every candidate: their costs are
-sorted and summed once per step, and a candidate costs a heap pass over its few large
+sorted and summed once per step, and a candidate costs a heap pass over its large
 pieces and a sort of dp x n_micro loads. `FillTrial` answers what the release policies read
 (imbalance, deferred tokens, whether a piece is deferred, whether the step is idle) from
 that prediction, and packs the candidate the step keeps with `wlb_fill` itself
@@ -25,6 +26,7 @@ exactly; its descent and polish only lower the largest load.
 from __future__ import annotations
 
 from functools import cached_property
+from operator import is_
 
 import numpy as np
 
@@ -88,7 +90,7 @@ class FillStepSolver(StepSolver):
         step of each pending piece)."""
         m = len(self.fresh)
         # the release policies append the step's fresh list whole: recognised by identity
-        with_fresh = bool(m) and len(rest) >= m and rest[len(rest) - m] is self.fresh[0] and rest[-1] is self.fresh[-1]
+        with_fresh = bool(m) and len(rest) >= m and all(map(is_, rest[len(rest) - m:], self.fresh))
         extra = rest[:len(rest) - m] if with_fresh else rest
         first_idx = self._indices(first)
         extra_idx = self._indices(extra)
