@@ -121,8 +121,6 @@ class OfflineSchedule:
 
 def _check_args(stream, n_micro, max_tokens, mb_const, budgets, early, late, outlier_min, weights, prices, sweeps,
                 n_slots):
-    if not isinstance(stream, OfflineStream):
-        raise TypeError(f"stream must be an OfflineStream (see offline_stream), got {type(stream).__name__}")
     for name, value, low in (("n_micro", n_micro, 1), ("max_tokens", max_tokens, 1), ("early", early, 0),
                              ("late", late, 0), ("outlier_min", outlier_min, 1), ("sweeps", sweeps, 0)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
@@ -287,12 +285,12 @@ class _Search:
         if over <= 0:
             return out
         if b + 1 < self.T:  # the last pieces of b go first into b + 1
-            q2 = bisect.bisect_right(self.SL, self.SL[q] - over, p, q + 1) - 1
+            q2 = max(bisect.bisect_right(self.SL, self.SL[q] - over, p, q + 1) - 1, p)
             if q2 < q:
                 nb = changes.get(b + 1, (self.bigs[b + 1], self.P[b + 1], self.P[b + 2]))
                 out.append({**changes, b: (bigs, p, q2), b + 1: (nb[0], q2, nb[2])})
         if b > 0:  # the first pieces of b go to the end of b - 1
-            p2 = bisect.bisect_left(self.SL, self.SL[p] + over, p, q + 1)
+            p2 = min(bisect.bisect_left(self.SL, self.SL[p] + over, p, q + 1), q)
             if p2 > p:
                 nb = changes.get(b - 1, (self.bigs[b - 1], self.P[b - 1], self.P[b]))
                 out.append({**changes, b: (bigs, p2, q), b - 1: (nb[0], nb[1], p2)})
@@ -333,7 +331,7 @@ class _Search:
                 if v < best[0]:
                     best = (v, {a: (without, P[a], P[a + 1]), b: (at_b, P[b], P[b + 1])}, dd)
             for k2 in self.bigs[b]:
-                if not self.barr[k2] - self.late <= a <= self.barr[k2] + self.early:
+                if not self.barr[k2] - self.early <= a <= self.barr[k2] + self.late:
                     continue
                 d2 = dd + bd(k2, a) - bd(k2, b)
                 if d2 > room or floor_a + floor_b + unit * d2 >= best[0]:
@@ -395,7 +393,7 @@ class _Search:
         PARTITION_MAX costliest that keeps each in its window)."""
         P, bd, unit = self.P, self.big_disp, price / self.tokens_per_step
         both = sorted(self.bigs[a] + self.bigs[b])
-        flexible = [k for k in both if self.barr[k] - self.late <= min(a, b) and max(a, b) <= self.barr[k] + self.early]
+        flexible = [k for k in both if self.barr[k] - self.early <= min(a, b) and max(a, b) <= self.barr[k] + self.late]
         flexible = flexible[:PARTITION_MAX]
         fixed_a = tuple(k for k in self.bigs[a] if k not in flexible)
         fixed_b = tuple(k for k in self.bigs[b] if k not in flexible)
@@ -535,8 +533,10 @@ def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_co
     `starts`: schedules to start from and never do worse than (a training step per piece, each
     within the window); the schedule that trains every piece at its arrival is always one.
     `step_weights`: weight of each step in the objective (default 1 each). `on_budget` is
-    called with each schedule as it is found (progress). Raises ValueError when no start
-    fits a budget (a budget of 0 on a stream whose arrivals overflow a step)."""
+    called with each schedule as it is found (progress). Raises ValueError when no schedule
+    is found within a budget (a budget of 0 on a stream whose arrivals overflow a step)."""
+    if not isinstance(stream, OfflineStream):
+        raise TypeError(f"stream must be an OfflineStream (see offline_stream), got {type(stream).__name__}")
     budgets = sorted(budgets)
     n_slots = stream.n_steps if n_slots is None else n_slots
     weights = np.ones(n_slots if isinstance(n_slots, (int, np.integer)) else 0) if step_weights is None else \
@@ -552,17 +552,21 @@ def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_co
             raise ValueError(f"start {i} must give each of the {len(arrival)} pieces a step within "
                              f"[arrival - {early}, arrival + {late}] and [0, {n_slots - 1}]")
         candidates.append(s)
-    # Exact measure of every start, packed the way the search's results are.
+    def in_window(step):
+        return bool(((step >= arrival - early) & (step <= arrival + late)).all())
+
+    # Exact measure of every start, packed the way the search's results are (a piece that a
+    # full step passes on may leave its window: such a schedule is no candidate).
     exact = []
     for i, s in enumerate(candidates):
         r = realise(stream, s, n_micro, max_tokens, mb_const, outlier_min, n_slots)
-        if r is not None:
+        if r is not None and in_window(r[0]):
             imb, disp = measure(stream, *r, n_micro, mb_const, n_slots)
             exact.append((f"start {i}" if i else "arrival", r, imb, disp))
     search = _Search(stream, n_micro, max_tokens, mb_const, early, late, outlier_min, weights)
     rng = np.random.default_rng(seed)
     d_cap = [int(math.floor(b * stream.total_tokens + 1e-9)) for b in budgets]
-    starts_at = [(e[3], search.start_state(e[1][0])) for e in exact]
+    starts_at = [(e[3], search.start_state(e[1][0])) for e in exact] or [(0.0, search.start_state(arrival))]
     # One descent path for every budget: the price falls phase by phase, displacement grows up
     # to the largest budget, and the state after each phase is kept.
     search.load(*min(starts_at, key=lambda s: s[0])[1])
@@ -573,8 +577,6 @@ def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_co
     out, warm = [], None
     for budget, d_max in zip(budgets, d_cap):
         within = [e for e in exact if e[3] <= budget + 1e-12] + ([warm] if warm is not None else [])
-        if not within:
-            raise ValueError(f"no start fits the displacement budget {budget}: the arrivals alone overflow a step")
         # finish from the best state of the path within the budget, at the price where the
         # path left the budget (its Lagrange multiplier), the budget now a hard cap
         inside = [i for i, p in enumerate(path) if p[1] <= d_max]
@@ -590,9 +592,12 @@ def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_co
             if beyond:
                 moves = search.run([beyond[0], 0.0] if beyond[0] > 0 else [0.0], sweeps, d_max, rng)
             r = realise(stream, search.piece_steps(), n_micro, max_tokens, mb_const, outlier_min, n_slots)
-            if r is not None:
+            if r is not None and in_window(r[0]):
                 imb, disp = measure(stream, *r, n_micro, mb_const, n_slots)
                 within.append(("search", r, imb, disp))
+        if not any(e[3] <= budget + 1e-12 for e in within):
+            raise ValueError(f"no schedule found within the displacement budget {budget}: the arrivals overflow a "
+                             f"step and the search found no way out within the budget and window")
         source, (step, micro), imb, disp = min((e for e in within if e[3] <= budget + 1e-12),
                                                key=lambda e: float(np.dot(weights, e[2])))
         warm = ("warm", (step, micro), imb, disp)
