@@ -1,5 +1,6 @@
 """`wlb-opt bench frontier`: the certified imbalance-displacement frontier of one stream, with
-every outlier-delay heuristic on the same axes, and the order-bias check.
+every outlier-delay heuristic on the same axes, and the order-bias check. `--offline`: the
+achievable side, offline schedules checked and set beside the bound (bench/frontier_offline.py).
 
 Stream: 7B, (tp, cp, pp, dp) = (8, 2, 4, 1), H100, window W = 131072, N = 4, max_tokens
 1.25 W, 200 global batches (`--dist` or `--lengths`; `--quick`: 100 batches, three budgets,
@@ -50,6 +51,8 @@ from ..step_pack import solve_pack
 from ..workloads import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from .data import run_packer
 from ._provenance import provenance
+from .frontier_offline import OFFLINE_DISTS
+from .frontier_offline import main as offline_main
 
 WARMUP = 20
 EARLY, LATE = 4, 16  # the model's window at least; widened to what the heuristics do
@@ -83,6 +86,18 @@ def sum_of_max(plans, cost) -> float:
     mbc = cost.mb_const("fwd")
     return float(sum(max(cost.micro_batch_cost(p.lengths[mb], "fwd") - mbc for mb in p.micro_batches)
                      for p in plans))
+
+
+def model_window(plan_lists, n_steps: int, outlier_min: int) -> tuple[int, int, int]:
+    """(early, late, n_slots) of a window that covers every heuristic: early = the largest
+    lookahead (>= EARLY), late = the longest wait of an outlier (>= LATE), slots up to the
+    last step any heuristic uses."""
+    outlier_delays = [d for plans in plan_lists for plan in plans
+                      for d in plan.delays()[plan.lengths >= outlier_min].tolist()]
+    early = max([EARLY] + [-d for d in outlier_delays])
+    late = max([LATE] + outlier_delays)
+    n_slots = max([n_steps + late] + [plan.step + 1 for plans in plan_lists for plan in plans])
+    return early, late, n_slots
 
 
 def order_bias(plans, n_steps: int) -> dict:
@@ -165,14 +180,33 @@ def main(argv: list[str] | None = None) -> int:
                                                    f"{QUICK_BUDGETS})")
     p.add_argument("--time-limit", type=seconds, default=None,
                    help=f"HiGHS seconds per budget (default {TIME_LIMIT:g}; --quick {QUICK_TIME_LIMIT:g})")
-    p.add_argument("--quick", action="store_true", help="fewer steps and budgets, shorter solves (about 2 minutes)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer steps and budgets, shorter solves (about 2 minutes; with --offline under 3)")
     p.add_argument("--outlier-min", type=count, default=32768, help="pieces this long are whole (default 32768)")
     p.add_argument("--window", type=count, default=131072, help="training context length (default 131072)")
     p.add_argument("--n-micro", type=count, default=4, help="micro-batches per step (default 4)")
     p.add_argument("--seed", type=natural, default=0, help="stream seed, an offset from DEFAULT_SEED (default 0)")
     p.add_argument("--out", default="results/frontier", help="folder for frontier.json and frontier.png")
+    p.add_argument("--offline", action="store_true",
+                   help="the achievable side: offline schedules per budget, checked, beside the bound and the defaults "
+                        "(bench/frontier_offline.py; writes offline.json and offline_<dist>.png)")
+    p.add_argument("--dists", default=None,
+                   help=f"with --offline: comma-separated distributions (default {','.join(OFFLINE_DISTS)})")
     add_cost_args(p, layout=("tp", "cp", "pp"))
     args = p.parse_args(argv)
+    if args.offline:
+        if args.lengths:
+            p.error("--offline runs the built-in distributions of --dists, not --lengths")
+        unknown = [d for d in (args.dists or "").split(",") if d.strip() and d.strip() not in DISTRIBUTIONS]
+        if unknown:
+            p.error(f"--dists: unknown distribution(s) {unknown}; valid: {sorted(DISTRIBUTIONS)}")
+        try:
+            budgets = parse_budgets(args.budgets) if args.budgets else None
+        except ValueError as exc:
+            p.error(str(exc))
+        return offline_main(args, argv, cost_from_args(args, parser=p), budgets)
+    if args.dists:
+        p.error("--dists needs --offline (use --dist for the certified frontier)")
     steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else STEPS)
     time_limit = args.time_limit if args.time_limit is not None else (QUICK_TIME_LIMIT if args.quick else TIME_LIMIT)
     try:
@@ -202,13 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                 skipped[name] = str(exc).split(";")[0]
                 continue
             runs[name] = (kw, run, stream_plans(run))
-    # The model's window covers every heuristic: early = the largest lookahead, late = the
-    # longest wait of an outlier (>= LATE), steps up to the last one any heuristic uses.
-    outlier_delays = [d for _, _, plans in runs.values() for plan in plans
-                      for d in plan.delays()[plan.lengths >= args.outlier_min].tolist()]
-    early = max([EARLY] + [-d for d in outlier_delays])
-    late = max([LATE] + outlier_delays)
-    n_slots = max([len(batches) + late] + [plan.step + 1 for _, _, plans in runs.values() for plan in plans])
+    early, late, n_slots = model_window([plans for _, _, plans in runs.values()], len(batches), args.outlier_min)
     problem = frontier_problem(batches, lambda d: cost.doc_cost(d, "fwd"), N, max_tokens,
                                outlier_min=args.outlier_min, early=early, late=late, n_slots=n_slots)
     print(f"frontier: {len(batches)} steps ({source}), {len(problem.outlier_length)} outliers >= "
@@ -288,7 +316,9 @@ def _fmt(x) -> str:
     return f"{'-':>6}" if x is None else f"{x:>6.3f}"
 
 
-def plot(frontier, rows, path: Path, title: str) -> bool:
+def plot(frontier, rows, path: Path, title: str, offline=None) -> bool:
+    """The bound, the best plans and each heuristic on (displacement, aggregate imbalance);
+    `offline`: (displacement, aggregate) points of offline schedules, drawn as a line."""
     try:
         import matplotlib
 
@@ -307,6 +337,9 @@ def plot(frontier, rows, path: Path, title: str) -> bool:
             if f["realised"] is not None]
     if real:
         ax.plot(*zip(*real), "kx", label="model's placements, realised whole")
+    if offline:
+        ax.plot(*zip(*sorted(offline)), "-s", color="0.45", ms=4,
+                label="offline schedule (full knowledge of the stream, checked)")
     markers = "osD^v<>p*hXdP"
     for i, r in enumerate(rows):
         ax.plot(r["displacement_per_token"], r["aggregate"], markers[i % len(markers)], color=f"C{i % 10}",

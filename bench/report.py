@@ -59,6 +59,8 @@ class Section:
     """Tables in order; empty: every top-level list of objects of every JSON file."""
     meta_file: str | None = None
     """File whose "provenance" key names the command and machine (default: the first table's file)."""
+    images: str = "*.png"
+    """Glob of the folder's PNGs the section links."""
 
 
 SECTIONS = (
@@ -81,7 +83,20 @@ SECTIONS = (
     Section("frontier", "Certified imbalance-displacement frontier",
             "Lower bound on imbalance at each displacement budget (HiGHS), with the heuristics beside it.",
             (Table("frontier.json", ("frontier",), caption="The frontier."),
-             Table("frontier.json", ("heuristics",), caption="The heuristics on the same stream."))),
+             Table("frontier.json", ("heuristics",), caption="The heuristics on the same stream.")),
+            images="frontier.png"),
+    Section("frontier", "Achievable imbalance-displacement frontier (offline schedules)",
+            "Per distribution, the best schedule an offline search finds with the whole stream known, at each "
+            "displacement budget, checked independently, beside the proven bound; each default bracketed between "
+            "the two.",
+            (Table("offline.json", ("offline",), caption="Offline schedules (checked) and the bound at each budget.",
+                   columns=("dist", "budget", "displacement_per_token", "imbalance", "aggregate", "bound", "source")),
+             Table("offline.json", ("brackets",), caption="The defaults: achievable = their imbalance minus the best "
+                   "offline schedule's at no more displacement; lower = their aggregate minus the bound.",
+                   columns=("dist", "method", "imbalance", "displacement_per_token", "offline_imbalance",
+                            "offline_displacement", "gap_achievable", "aggregate", "gap_achievable_aggregate",
+                            "bound", "gap_lower_aggregate"))),
+            meta_file="offline.json", images="offline_*.png"),
     Section("shard", "CP sharding strategies",
             "Attention imbalance across CP ranks of each sharding strategy on packed micro-batches.",
             (Table("shard.json", ("summary",), caption="Per source, CP size and strategy, over all micro-batches.",
@@ -252,6 +267,8 @@ def render_section(section: Section, root: Path, link_base: str) -> list[str]:
     folder = root / section.folder
     if not folder.is_dir() or not any(folder.glob("*.json")):
         return []
+    if section.meta_file and not (folder / section.meta_file).exists():
+        return []  # a section of a file this folder does not hold (yet)
     tables = section.tables or _auto_tables(folder)
     meta_file = section.meta_file or (tables[0].file if tables else sorted(folder.glob("*.json"))[0].name)
     meta = _load(folder / meta_file) if (folder / meta_file).exists() else None
@@ -265,7 +282,7 @@ def render_section(section: Section, root: Path, link_base: str) -> list[str]:
         if body:
             where = f"`{t.file}`" + (f" → `{'.'.join(t.path)}`" if t.path else "")
             lines += ([t.caption + f" From {where}.", ""] if t.caption else [f"From {where}.", ""]) + body + [""]
-    for png in sorted(folder.glob("*.png")):
+    for png in sorted(folder.glob(section.images)):
         lines += [f"![{png.stem}]({link_base}/{section.folder}/{png.name})", ""]
     return lines
 

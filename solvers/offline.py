@@ -530,8 +530,9 @@ def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_co
                      seed: int = 0, on_budget: Callable[[OfflineSchedule], None] | None = None) -> list[OfflineSchedule]:
     """One `OfflineSchedule` per budget (displacement per token), in ascending budget order.
 
-    `starts`: schedules to start from and never do worse than (a training step per piece, each
-    within the window); the schedule that trains every piece at its arrival is always one.
+    `starts`: schedules to start from and never do worse than: a training step per piece (each
+    within the window), or a (step, micro-batch) pair of arrays, then also measured as given;
+    the schedule that trains every piece at its arrival is always one.
     `step_weights`: weight of each step in the objective (default 1 each). `on_budget` is
     called with each schedule as it is found (progress). Raises ValueError when no schedule
     is found within a budget (a budget of 0 on a stream whose arrivals overflow a step)."""
@@ -544,25 +545,40 @@ def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_co
     _check_args(stream, n_micro, max_tokens, mb_const, budgets, early, late, outlier_min, weights, tuple(prices), sweeps,
                 n_slots)
     arrival = stream.arrival
-    candidates = [np.asarray(arrival, dtype=np.int64)]
+    candidates = [(np.asarray(arrival, dtype=np.int64), None)]
     for i, s in enumerate(starts):
+        s, micro = (s if isinstance(s, tuple) else (s, None))
         s = np.asarray(s, dtype=np.int64)
         if s.shape != arrival.shape or (s < np.maximum(arrival - early, 0)).any() or \
                 (s > np.minimum(arrival + late, n_slots - 1)).any():
             raise ValueError(f"start {i} must give each of the {len(arrival)} pieces a step within "
                              f"[arrival - {early}, arrival + {late}] and [0, {n_slots - 1}]")
-        candidates.append(s)
+        if micro is not None:
+            micro = np.asarray(micro, dtype=np.int64)
+            tokens = np.zeros((n_slots, n_micro), dtype=np.int64)
+            if micro.shape != arrival.shape or micro.min(initial=0) < 0 or micro.max(initial=0) >= n_micro:
+                raise ValueError(f"start {i}: micro-batches must be one per piece in [0, {n_micro})")
+            np.add.at(tokens, (s, micro), stream.lengths)
+            if tokens.max(initial=0) > max_tokens:
+                raise ValueError(f"start {i} puts {int(tokens.max())} tokens in a micro-batch > max_tokens={max_tokens}")
+        candidates.append((s, micro))
+
     def in_window(step):
         return bool(((step >= arrival - early) & (step <= arrival + late)).all())
 
-    # Exact measure of every start, packed the way the search's results are (a piece that a
-    # full step passes on may leave its window: such a schedule is no candidate).
+    # Exact measure of every start: as given when it comes with micro-batches, else packed the
+    # way the search's results are (a piece that a full step passes on may leave its window:
+    # such a schedule is no candidate).
     exact = []
-    for i, s in enumerate(candidates):
+    for i, (s, micro) in enumerate(candidates):
+        name = f"start {i}" if i else "arrival"
+        if micro is not None:
+            imb, disp = measure(stream, s, micro, n_micro, mb_const, n_slots)
+            exact.append((name, (s, micro), imb, disp))
         r = realise(stream, s, n_micro, max_tokens, mb_const, outlier_min, n_slots)
         if r is not None and in_window(r[0]):
             imb, disp = measure(stream, *r, n_micro, mb_const, n_slots)
-            exact.append((f"start {i}" if i else "arrival", r, imb, disp))
+            exact.append((name, r, imb, disp))
     search = _Search(stream, n_micro, max_tokens, mb_const, early, late, outlier_min, weights)
     rng = np.random.default_rng(seed)
     d_cap = [int(math.floor(b * stream.total_tokens + 1e-9)) for b in budgets]

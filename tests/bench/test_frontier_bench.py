@@ -25,3 +25,25 @@ def test_bench_frontier_runs_on_a_short_stream(tmp_path, capsys):
     assert "gap" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         frontier.main(["--steps", "4", "--budgets", "x", "--out", str(tmp_path)])
+
+
+def test_bench_frontier_offline_checks_its_schedules_and_brackets_the_defaults(tmp_path, capsys):
+    from wlb_opt.bench import frontier
+
+    assert frontier.main(["--offline", "--quick", "--steps", "24", "--dists", "real", "--budgets", "0.3",
+                          "--time-limit", "1", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "offline.json").read_text())
+    curve = out["offline"]
+    assert curve and all(c["checked"] and c["displacement_per_token"] <= c["budget"] + 1e-9 for c in curve)
+    assert all(c["aggregate"] >= c["bound"] - 1e-6 for c in curve)  # no schedule beats the proven bound
+    assert {b["method"] for b in out["brackets"]} == {"default (no tuning)", "default, lookahead 2",
+                                                      "default, lookahead 4"}
+    for b in out["brackets"]:
+        # each heuristic meets an offline schedule of at most its displacement; the bound is below both
+        assert b["offline_displacement"] <= b["displacement_per_token"] + 1e-12
+        assert b["gap_lower_aggregate"] >= b["gap_achievable_aggregate"] - 1e-6
+    assert "achievable" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        frontier.main(["--offline", "--dists", "nope", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        frontier.main(["--dists", "real", "--out", str(tmp_path)])

@@ -1,0 +1,252 @@
+"""`wlb-opt bench frontier --offline`: the achievable side of the frontier. With the whole
+stream known, `wlb_opt.solvers.offline` finds a schedule at each displacement budget; each
+one is checked here, independently of the search, and set beside the proven bound of
+`frontier_milp` and the streaming planner's points, so that each heuristic's distance to the
+best schedule is bracketed: at least (heuristic - offline schedule) is achievable, at most
+(heuristic - bound) is possible.
+
+Streams: per distribution (`--dists`, default default, real, code, heavy, prose), the
+frontier's settings: 7B, (tp, cp, pp, dp) = (8, 2, 4, 1), H100, window W = 131072, N = 4,
+max_tokens 1.25 W, 200 global batches (`--quick`: 100, two budgets, a shorter price path).
+Heuristics: the no-tuning defaults (`PackerConfig()`, whatever step method they use when
+this runs) and the same with lookahead 2 and 4.
+
+Measures (as `bench parity`): imbalance = mean over steps 20 .. T - 1 of the step's max /
+mean forward micro-batch cost (the "Table 2" imbalance; steps after the stream's last batch
+only drain and are not counted, for the heuristics as for the offline schedules); aggregate =
+sum over all steps of the largest forward cost x N / total (the MILP's objective as a ratio,
+`frontier_milp.aggregate_imbalance`); displacement per token = token-weighted mean |training
+step - arrival step|. The offline search weights steps 20 .. T - 1 by 1 and the warm-up and
+drain steps by `EDGE_WEIGHT`. Window: every piece within [arrival - w, arrival + w], w the
+larger of the frontier's early and late (`frontier.model_window`: at least 16, widened to cover
+the heuristics), as far ahead as behind since the whole stream is known; the bound's model
+uses the same window, so the bound holds for every offline schedule and every heuristic.
+
+Budgets: `--budgets` plus each heuristic's own displacement, so that each heuristic meets an
+offline schedule of at most its displacement. Bracket per heuristic: "lower" = its aggregate
+minus the bound at the smallest budget >= its displacement (aggregate measure: the bound is
+on the aggregate); "achievable" = its imbalance minus that of the best offline schedule whose
+displacement is at most its own (and the same on the aggregate).
+
+The checker (`check_schedule`) reads the global batches and the cost model, not the search:
+every piece of every batch trained exactly once (by (document id, offset, length)), each step
+a `PackPlan` that `wlb_opt.plan.check_pack` accepts (token caps, loads = the cost model's),
+and the imbalance and displacement recomputed from those plans.
+"""
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from ..packer import PackerConfig, WLBPacker, per_step_imbalance
+from ..plan import PackPlan, SolveInfo, check_pack
+from ..solvers.frontier_milp import aggregate_imbalance, frontier_problem, plan_solution, solve_frontier
+from ..solvers.offline import PRICES, offline_frontier, offline_stream
+from ..workloads import DEFAULT_SEED, global_batches
+from .data import run_packer
+from ._provenance import provenance
+
+OFFLINE_DISTS = ("default", "real", "code", "heavy", "prose")
+BRACKETED = {"default (no tuning)": {}, "default, lookahead 2": dict(lookahead=2),
+             "default, lookahead 4": dict(lookahead=4)}
+BUDGETS, QUICK_BUDGETS = "0.1,0.2,0.3,0.44", "0.2,0.44"
+TIME_LIMIT, QUICK_TIME_LIMIT = 4.0, 2.0  # HiGHS seconds per budget: the bound is what HiGHS proves by then
+QUICK_PRICES = (1.0, 0.25, 0.06, 0.0)
+EDGE_WEIGHT = 0.1
+"""Objective weight of a warm-up or drain step in the offline search (the measured steps weigh 1)."""
+
+
+def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: int, max_tokens: int, n_slots: int,
+                   warmup: int) -> dict:
+    """Check a schedule of the pieces (ids, offsets, lengths) against `batches` and measure it;
+    raise AssertionError on any violation. Returns imbalance, aggregate sum of maxima,
+    displacement per token and the number of steps used."""
+    arrival = {}
+    for t, (lb, ib, ob) in enumerate(batches):
+        for key in zip(ib.tolist(), ob.tolist(), lb.tolist()):
+            if key in arrival:
+                raise AssertionError(f"piece {key} is twice in the stream")
+            arrival[key] = t
+    keys = list(zip(np.asarray(ids).tolist(), np.asarray(offsets).tolist(), np.asarray(lengths).tolist()))
+    if len(keys) != len(arrival) or set(keys) != set(arrival) or len(set(keys)) != len(keys):
+        raise AssertionError(f"the schedule trains {len(set(keys))} distinct pieces of {len(keys)}, the stream has "
+                             f"{len(arrival)}: a piece is missing, repeated or not the stream's")
+    step, micro, lengths = (np.asarray(a, dtype=np.int64) for a in (step, micro, lengths))
+    if step.min() < 0 or step.max() >= n_slots or micro.min() < 0 or micro.max() >= n_micro:
+        raise AssertionError(f"steps must lie in [0, {n_slots}) and micro-batches in [0, {n_micro})")
+    ids, offsets = np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
+    mbc = cost.mb_const("fwd")
+    imbs, sum_max, disp = [], 0.0, 0
+    for t in range(n_slots):
+        here = np.flatnonzero(step == t)
+        if not len(here):
+            continue
+        mbs = [np.flatnonzero(micro[here] == j) for j in range(n_micro)]
+        L = lengths[here]
+        plan = PackPlan(doc_ids=ids[here], lengths=L, offsets=offsets[here], micro_batches=mbs,
+                        replica_of=np.zeros(n_micro, dtype=np.int64), deferred=np.zeros(0, dtype=np.int64),
+                        loads=np.array([cost.micro_batch_cost(L[mb]) for mb in mbs]),
+                        tokens=np.array([int(L[mb].sum()) for mb in mbs]), n_micro=n_micro, max_tokens=max_tokens,
+                        info=SolveInfo(method="offline"), step=t)
+        check_pack(plan, L, max_tokens, ids=ids[here], offsets=offsets[here], cost=cost)
+        if t < len(batches):
+            imbs.append((t, per_step_imbalance(plan, cost, "fwd")))
+        sum_max += max(cost.micro_batch_cost(L[mb], "fwd") - mbc for mb in mbs)
+        disp += sum(n * abs(t - arrival[k]) for k, n in
+                    zip(zip(ids[here].tolist(), offsets[here].tolist(), L.tolist()), L.tolist()))
+    measured = [x for t, x in imbs if t >= warmup] or [x for _, x in imbs]
+    return dict(imbalance=float(np.mean(measured)), sum_of_max=sum_max,
+                displacement_per_token=disp / max(int(lengths.sum()), 1), steps_used=int(len(np.unique(step))))
+
+
+def _piece_steps(plans, stream) -> tuple[np.ndarray, np.ndarray]:
+    """Training step and micro-batch of each stream piece in a heuristic's plans."""
+    where = {}
+    for plan in plans:
+        for j, mb in enumerate(plan.micro_batches):
+            for i in mb.tolist():
+                where[(int(plan.doc_ids[i]), int(plan.offsets[i]))] = (plan.step, j)
+    at = [where[k] for k in zip(stream.doc_ids.tolist(), stream.offsets.tolist())]
+    return np.array([a[0] for a in at], dtype=np.int64), np.array([a[1] for a in at], dtype=np.int64)
+
+
+def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, budgets: list[float],
+                     time_limit: float, outlier_min: int, seed: int, prices, warmup: int, show) -> dict:
+    """Heuristics, bounds and offline schedules of one distribution's stream; see the module docstring."""
+    from .frontier import model_window, stream_plans, sum_of_max
+
+    t0 = time.perf_counter()
+    W, N = window, n_micro
+    max_tokens = int(1.25 * W)
+    batches = global_batches(dist, W, N * W, steps, seed=DEFAULT_SEED + seed)
+    runs, displacement = {}, {}
+    for name, kw in BRACKETED.items():
+        run = run_packer(WLBPacker(N, max_tokens, cost, config=PackerConfig(**kw)), batches)
+        runs[name] = stream_plans(run)
+        displacement[name] = float(run.stats["displacement_per_token"])
+    early, late, n_slots = model_window(list(runs.values()), len(batches), outlier_min)
+    early = late = max(early, late)  # full knowledge of the stream: as far ahead as behind
+    problem = frontier_problem(batches, lambda d: cost.doc_cost(d, "fwd"), N, max_tokens, outlier_min=outlier_min,
+                               early=early, late=late, n_slots=n_slots)
+    rows, starts = [], []
+    stream = offline_stream(batches, lambda d: cost.doc_cost(d, "fwd"))
+    for name, plans in runs.items():
+        imbs = [per_step_imbalance(plan, cost, "fwd") for plan in plans[:len(batches)]]
+        rows.append(dict(dist=dist, method=name, settings=BRACKETED[name],
+                         imbalance=float(np.mean(imbs[warmup:] or imbs)),
+                         aggregate=aggregate_imbalance(sum_of_max(plans, cost), problem),
+                         displacement_per_token=displacement[name]))
+        starts.append(_piece_steps(plans, stream))
+    in_window = [s for s in starts if ((s[0] >= stream.arrival - early) & (s[0] <= stream.arrival + late)
+                                       & (s[0] < n_slots)).all()]
+    all_budgets = sorted(set(budgets) | {r["displacement_per_token"] for r in rows})
+    show(f"{dist}: {len(batches)} steps, window [-{early}, +{late}], {n_slots} slots; bounds ({time_limit:g} s each)")
+    bounds, previous = {}, None
+    mip_starts = [plan_solution(problem, plans)[0] for plans in runs.values()]
+    for b in all_budgets:
+        r = solve_frontier(problem, b, time_limit, starts=mip_starts + [previous])
+        previous = r.values
+        bounds[b] = aggregate_imbalance(r.bound, problem)
+    weights = np.full(n_slots, EDGE_WEIGHT)
+    weights[warmup:len(batches)] = 1.0
+    found = []
+
+    def progress(s):
+        show(f"  {dist}: budget {s.budget:.3f}: offline schedule found ({time.perf_counter() - t0:.0f} s)")
+        found.append(s)
+
+    t1 = time.perf_counter()
+    offline_frontier(stream, N, max_tokens, cost.mb_const("fwd"), all_budgets, early=early, late=late,
+                     outlier_min=outlier_min, starts=in_window, n_slots=n_slots, step_weights=weights, prices=prices,
+                     on_budget=progress)
+    search_s = time.perf_counter() - t1
+    curve = []
+    for s in found:
+        check = check_schedule(batches, cost, s.step, s.micro_batch, stream.doc_ids, stream.offsets, stream.lengths,
+                               N, max_tokens, n_slots, warmup)
+        if check["displacement_per_token"] > s.budget + 1e-9:
+            raise AssertionError(f"{dist}: the offline schedule at budget {s.budget} displaces "
+                                 f"{check['displacement_per_token']:.6f} per token")
+        agg = aggregate_imbalance(check["sum_of_max"], problem)
+        if agg < bounds[s.budget] - 1e-6:
+            raise AssertionError(f"{dist}: the offline schedule at budget {s.budget} ({agg:.6f}) beats the proven "
+                                 f"bound {bounds[s.budget]:.6f}: the window or the check is wrong")
+        curve.append(dict(dist=dist, budget=s.budget, imbalance=check["imbalance"], aggregate=agg,
+                          displacement_per_token=check["displacement_per_token"], bound=bounds[s.budget],
+                          source=s.source, checked=True))
+    for r in rows:
+        d = r["displacement_per_token"]
+        above = [b for b in all_budgets if b >= d - 1e-12]
+        r["bound"] = bounds[above[0]] if above else None
+        within = [c for c in curve if c["displacement_per_token"] <= d + 1e-12]
+        best = min(within, key=lambda c: c["imbalance"]) if within else None
+        best_agg = min((c["aggregate"] for c in within), default=None)
+        r["offline_imbalance"] = None if best is None else best["imbalance"]
+        r["offline_displacement"] = None if best is None else best["displacement_per_token"]
+        r["gap_lower_aggregate"] = None if r["bound"] is None else r["aggregate"] - r["bound"]
+        r["gap_achievable"] = None if best is None else r["imbalance"] - best["imbalance"]
+        r["gap_achievable_aggregate"] = None if best_agg is None else r["aggregate"] - best_agg
+    meta = dict(dist=dist, steps=len(batches), early=early, late=late, n_slots=n_slots,
+                search_seconds=search_s, seconds=time.perf_counter() - t0)
+    return dict(meta=meta, offline=curve, brackets=rows)
+
+
+def _fmt(x, width=6, digits=3) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:>{width}.{digits}f}"
+
+
+def main(args, argv, cost, budgets: list[float] | None) -> int:
+    """The `--offline` run of `wlb-opt bench frontier` (arguments parsed there)."""
+    from .frontier import QUICK_STEPS, STEPS, plot
+
+    dists = [d.strip() for d in (args.dists or ",".join(OFFLINE_DISTS)).split(",") if d.strip()]
+    steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else STEPS)
+    time_limit = args.time_limit if args.time_limit is not None else (QUICK_TIME_LIMIT if args.quick else TIME_LIMIT)
+    budgets = budgets if budgets is not None else [float(x) for x in (QUICK_BUDGETS if args.quick else BUDGETS).split(",")]
+    prices = QUICK_PRICES if args.quick else PRICES
+    t0 = time.perf_counter()
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for dist in dists:
+            results.append(run_distribution(dist, cost, steps=steps, window=args.window, n_micro=args.n_micro,
+                                            budgets=budgets, time_limit=time_limit, outlier_min=args.outlier_min,
+                                            seed=args.seed, prices=prices, warmup=20,
+                                            show=lambda m: print(m, flush=True)))
+    print(f"\noffline schedules (checked): imbalance = mean max/mean forward cost per step after 20 steps; agg = "
+          f"aggregate imbalance; bound = proven lower bound on agg")
+    print(f"{'dist':<8} {'budget':>6} {'disp':>6} {'imb':>6} {'agg':>6} {'bound':>6} {'from':<8}")
+    for res in results:
+        for c in res["offline"]:
+            print(f"{c['dist']:<8} {c['budget']:>6.3f} {c['displacement_per_token']:>6.3f} {c['imbalance']:>6.3f} "
+                  f"{c['aggregate']:>6.3f} {c['bound']:>6.3f} {c['source']:<8}")
+    print(f"\nbrackets: achievable = heuristic - best offline schedule of at most its displacement (imbalance; agg); "
+          f"lower = heuristic agg - bound")
+    print(f"{'dist':<8} {'method':<22} {'imb':>6} {'disp':>6} {'offline':>7} {'achievable':>10} {'agg':>6} "
+          f"{'ach.agg':>7} {'lower':>6}")
+    for res in results:
+        for r in res["brackets"]:
+            print(f"{r['dist']:<8} {r['method']:<22} {r['imbalance']:>6.3f} {r['displacement_per_token']:>6.3f} "
+                  f"{_fmt(r['offline_imbalance'], 7)} {_fmt(r['gap_achievable'], 10)} {r['aggregate']:>6.3f} "
+                  f"{_fmt(r['gap_achievable_aggregate'], 7)} {_fmt(r['gap_lower_aggregate'])}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    seconds = time.perf_counter() - t0
+    meta = dict(steps=steps, window=args.window, n_micro=args.n_micro, max_tokens=int(1.25 * args.window),
+                outlier_min=args.outlier_min, time_limit=time_limit, budgets=budgets, prices=list(prices),
+                edge_weight=EDGE_WEIGHT, seconds=seconds, streams=[r["meta"] for r in results])
+    (out / "offline.json").write_text(json.dumps(dict(
+        provenance=provenance("frontier", argv), meta=meta, offline=[c for r in results for c in r["offline"]],
+        brackets=[b for r in results for b in r["brackets"]]), indent=2))
+    for res in results:
+        dist = res["meta"]["dist"]
+        frontier = [dict(budget=c["budget"], bound=c["bound"], best_plan=None, realised=None) for c in res["offline"]]
+        plot(frontier, res["brackets"], out / f"offline_{dist}.png", f"offline frontier (dist={dist}, "
+             f"{res['meta']['steps']} steps)", offline=[(c["displacement_per_token"], c["aggregate"])
+                                                       for c in res["offline"]])
+    print(f"wrote {out / 'offline.json'} ({seconds:.0f} s)")
+    return 0
