@@ -138,7 +138,9 @@ SECTIONS = (
             "the next op's receives) against the DAG in which sends never wait.",
             (Table("pipeline_replay.json", ("summary",), caption="Per v, over every shape."),
              Table("pipeline_replay.json", ("bounds",), caption="Lower bounds over every schedule of blocking "
-                   "groups on the same draws (CP-SAT; `best_placement` is the best placement it found)."),
+                   "groups on the same draws (CP-SAT; `best_placement` is the best placement it found, fitted to "
+                   "these draws; `best_placement_fresh` and `after_fresh`: that placement and the executor's groups "
+                   "on other draws)."),
              Table("pipeline_replay.json", ("rows",), caption="Per shape."))),
     Section("memory", "Memory model against measured peaks",
             "Peak memory of one `train_step` on a CPU against the analytic and calibrated memory models.",
