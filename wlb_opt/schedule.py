@@ -3,11 +3,20 @@
 One module owns the order of operations, so that the simulator (`wlb_opt.simulate`) and the
 executor (`wlb_opt.executor.train`) run the same schedule. An operation is a tuple
 (phase "F" | "B", micro-batch, virtual stage); its device is virtual stage % pp.
+
+It also owns the point-to-point groups every rank issues around those operations
+(`p2p_schedule`): Megatron's pairing for 1F1B, and for the interleaved schedule meetings per
+pair of ranks, read from wlb_opt/p2p_meetings.json (written offline by `wlb_opt.p2p_search`)
+where it holds the shape, else read off the nominal ideal timeline.
 """
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 from typing import Literal, NamedTuple
+
+import numpy as np
 
 Schedule = Literal["1f1b", "interleaved"]
 SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved")
@@ -216,8 +225,6 @@ def meeting_pairs(pp: int, n_micro: int, virtual_stages: int):
     its messages, whether each goes from low to high, the first boundary its sender may send
     it at (after the op that makes it) and the last its receiver may take it at (before the op
     that needs it). Boundary k of a rank is the moment before its op k."""
-    import numpy as np
-
     pairs: dict[tuple[int, int], list] = {}
     for i, (sender, made, receiver, needed, _, _) in enumerate(_messages(pp, n_micro, virtual_stages)):
         pairs.setdefault((min(sender, receiver), max(sender, receiver)), []).append(
@@ -231,8 +238,6 @@ def place_messages(pair_messages, low_at, high_at):
     high_at[j], both non-decreasing in j. A message goes to the first meeting at or after the
     boundary its sender may send it at (the output leaves as soon as it can); None if that
     meeting comes after the boundary its receiver needs it by (or there is none)."""
-    import numpy as np
-
     _, low_to_high, first, last = pair_messages
     low_at, high_at = np.asarray(low_at), np.asarray(high_at)
     j = np.where(low_to_high, np.searchsorted(low_at, first), np.searchsorted(high_at, first))
@@ -249,9 +254,6 @@ def place_messages(pair_messages, low_at, high_at):
 def _meeting_table() -> dict:
     """The searched meetings (wlb_opt/p2p_meetings.json, written by `python -m
     wlb_opt.p2p_search`): "pp,n_micro,v" -> "low,high" -> [low boundaries, high boundaries]."""
-    import json
-    from pathlib import Path
-
     path = Path(__file__).with_name("p2p_meetings.json")
     return json.loads(path.read_text())["meetings"] if path.exists() else {}
 
@@ -259,8 +261,6 @@ def _meeting_table() -> dict:
 def _searched_plan(pp: int, n_micro: int, virtual_stages: int) -> list[list[list]] | None:
     """Every rank's (group, op) pairs from the searched meetings of this shape; None if the
     table has no such shape."""
-    import numpy as np
-
     table = _meeting_table().get(f"{pp},{n_micro},{virtual_stages}")
     if table is None:
         return None
