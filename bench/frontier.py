@@ -1,6 +1,6 @@
 """`wlb-opt bench frontier`: the certified imbalance-displacement frontier of one stream, with
 every outlier-delay heuristic on the same axes, and the order-bias check. `--offline`: the
-achievable side, offline schedules checked and set beside the bound (bench/frontier_offline.py).
+achievable side, offline schedules checked and set beside the bound (bench/_frontier_offline.py).
 
 Stream: 7B, (tp, cp, pp, dp) = (8, 2, 4, 1), H100, window W = 131072, N = 4, max_tokens
 1.25 W, 200 global batches (`--dist` or `--lengths`; `--quick`: 100 batches, three budgets,
@@ -51,8 +51,8 @@ from ..step_pack import solve_pack
 from ..workloads import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from .data import run_packer
 from ._provenance import provenance
-from .frontier_offline import OFFLINE_DISTS
-from .frontier_offline import main as offline_main
+from ._frontier_offline import OFFLINE_DISTS
+from ._frontier_offline import main as offline_main
 
 WARMUP = 20
 EARLY, LATE = 4, 16  # the model's window at least; widened to what the heuristics do
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/frontier", help="folder for frontier.json and frontier.png")
     p.add_argument("--offline", action="store_true",
                    help="the achievable side: offline schedules per budget, checked, beside the bound and the defaults "
-                        "(bench/frontier_offline.py; writes offline.json and offline_<dist>.png)")
+                        "(bench/_frontier_offline.py; writes offline.json and offline_<dist>.png)")
     p.add_argument("--dists", default=None,
                    help=f"with --offline: comma-separated distributions (default {','.join(OFFLINE_DISTS)})")
     add_cost_args(p, layout=("tp", "cp", "pp"))
