@@ -164,6 +164,7 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
                      outlier_min=outlier_min, starts=in_window, n_slots=n_slots, step_weights=weights, prices=prices,
                      on_budget=progress)
     search_s = time.perf_counter() - t1
+    names = [n for n, s in zip(runs, starts) if any(s is w for w in in_window)]
     curve = []
     for s in found:
         check = check_schedule(batches, cost, s.step, s.micro_batch, stream.doc_ids, stream.offsets, stream.lengths,
@@ -177,7 +178,8 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
                                  f"bound {bounds[s.budget]:.6f}: the window or the check is wrong")
         curve.append(dict(dist=dist, budget=s.budget, imbalance=check["imbalance"], aggregate=agg,
                           displacement_per_token=check["displacement_per_token"], bound=bounds[s.budget],
-                          source=s.source, checked=True))
+                          source=names[int(s.source.split()[1]) - 1] if s.source.startswith("start ") else s.source,
+                          checked=True))
     for r in rows:
         d = r["displacement_per_token"]
         above = [b for b in all_budgets if b >= d - 1e-12]
