@@ -23,11 +23,9 @@ strict improvements of the largest load only).
 """
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 
-from .greedy import placement_order, wlb_assign
+from .greedy import placement_order, wlb_assign, wlb_assign_python
 from .local_search import improve
 from .problem import PackProblem, PackResult
 
@@ -43,40 +41,7 @@ def fill_assign(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, loa
     """Algorithm 1's rule from given bin loads and tokens (both updated in place): each item
     of `order` to the least-loaded bin (ties: lowest index) if it fits under `cap`, else to
     the bin of fewest tokens if it fits there, else deferred (-1). Returns each item's bin."""
-    n_bins = len(loads)
-    lengths_of = lengths.tolist()
-    weights_of = weights.tolist()
-    load_of = loads.tolist()
-    tok_of = toks.tolist()
-    placed = [-1] * len(order)
-    heap = [(load_of[b], b) for b in range(n_bins)]
-    heapq.heapify(heap)
-    tok_heap = [(tok_of[b], b) for b in range(n_bins)]
-    heapq.heapify(tok_heap)
-    replace = heapq.heapreplace
-    for k, i in enumerate(order.tolist()):
-        d = lengths_of[i]
-        load, b = heap[0]
-        while load != load_of[b]:  # a key left behind by the fallback (values only grow)
-            replace(heap, (load_of[b], b))
-            load, b = heap[0]
-        if tok_of[b] + d <= cap:
-            tok_of[b] += d
-            load_of[b] = load = load + weights_of[i]
-            replace(heap, (load, b))
-            placed[k] = b
-            continue
-        tok, b = tok_heap[0]
-        while tok != tok_of[b]:
-            replace(tok_heap, (tok_of[b], b))
-            tok, b = tok_heap[0]
-        if tok + d <= cap:
-            tok_of[b] = tok + d
-            load_of[b] += weights_of[i]
-            placed[k] = b
-    loads[:] = load_of
-    toks[:] = tok_of
-    return np.asarray(placed, dtype=np.int64)
+    return wlb_assign_python(order, lengths, weights, len(loads), cap, loads=loads, toks=toks)
 
 
 def large_mask(weights: np.ndarray, n_bins: int, carried: int = 0) -> np.ndarray:

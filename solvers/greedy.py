@@ -106,8 +106,12 @@ def use_compiled(enabled: bool):
 
 
 def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, n_bins: int,
-                      cap: int) -> np.ndarray:
+                      cap: int, loads: np.ndarray | None = None, toks: np.ndarray | None = None) -> np.ndarray:
     """Algorithm 1's bin of each item of `order` (placement order), -1 = deferred.
+
+    `loads` and `toks` (float64 and int64 per bin), when given, are the bins' starting state
+    and are updated in place (`fill.fill_assign` continues a plan this way); default: empty
+    bins.
 
     Each item goes to the bin of least load (ties: lowest index) if it fits under `cap`
     tokens, else to the bin of fewest tokens (ties: lowest index) if it fits there, else it
@@ -122,11 +126,15 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
     """
     lengths_of = lengths.tolist()
     weights_of = weights.tolist()
-    toks = [0] * n_bins
-    loads = [0.0] * n_bins
+    start_loads, start_toks = loads, toks
+    toks = [0] * n_bins if start_toks is None else start_toks.tolist()
+    loads = [0.0] * n_bins if start_loads is None else start_loads.tolist()
     placed_bin = [-1] * len(order)
-    heap = [(0.0, b) for b in range(n_bins)]  # (load, bin): a heap orders ties by the lowest bin index
-    tok_heap = [(0, b) for b in range(n_bins)]  # (tokens, bin), keys may lag
+    heap = [(loads[b], b) for b in range(n_bins)]  # (load, bin): a heap orders ties by the lowest bin index
+    tok_heap = [(toks[b], b) for b in range(n_bins)]  # (tokens, bin), keys may lag
+    if start_loads is not None or start_toks is not None:
+        heapq.heapify(heap)
+        heapq.heapify(tok_heap)
     replace = heapq.heapreplace
     for k, i in enumerate(order.tolist()):
         d = lengths_of[i]
@@ -148,6 +156,10 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
             toks[b] = tok + d
             loads[b] += weights_of[i]
             placed_bin[k] = b
+    if start_loads is not None:
+        start_loads[:] = loads
+    if start_toks is not None:
+        start_toks[:] = toks
     return np.asarray(placed_bin, dtype=np.int64)
 
 
