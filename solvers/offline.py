@@ -300,14 +300,19 @@ class _Search:
         """Weighted model change of step t holding outliers `bigs` (its short pieces unchanged)."""
         return self.w[t] * (self.model(bigs, self.P[t], self.P[t + 1]) - self.f[t])
 
+    def _leaving(self, k: int, d_max: int) -> tuple:
+        """Outlier k leaving its step a: (a, a's outliers without k, k's displacement at a, the
+        weighted model change of a without k, the displacement budget left, the most a's
+        model can fall)."""
+        a = self.bstep[k]
+        without = tuple(x for x in self.bigs[a] if x != k)
+        return (a, without, self.big_disp(k, a), self._gain(a, without), d_max - self.D,
+                self.w[a] * (1.0 - self.f[a]))
+
     def improve_outlier(self, k: int, price: float, d_max: int) -> bool:
         """The best move of outlier k to another step, or swap with an outlier there."""
-        a = self.bstep[k]
+        a, without, here, leave, room, floor_a = self._leaving(k, d_max)
         P, bd, unit = self.P, self.big_disp, price / self.tokens_per_step
-        without = tuple(x for x in self.bigs[a] if x != k)
-        here, leave = bd(k, a), self._gain(a, without)
-        room = d_max - self.D
-        floor_a = self.w[a] * (1.0 - self.f[a])
         # a swap brings back at most what an outlier of the window gives when it leaves (bound below)
         swap_relief = max(0.0, unit * max((bd(k2, self.bstep[k2]) for t in self._window(k) for k2 in self.bigs[t]),
                                           default=0))
@@ -348,12 +353,8 @@ class _Search:
 
     def chain_outlier(self, k: int, price: float, d_max: int) -> bool:
         """Ejection chain: k from a to b and an outlier k2 of b from b to c (c may be a)."""
-        a = self.bstep[k]
+        a, without, here, leave, room, floor_a = self._leaving(k, d_max)
         P, bd, unit = self.P, self.big_disp, price / self.tokens_per_step
-        without = tuple(x for x in self.bigs[a] if x != k)
-        here, leave = bd(k, a), self._gain(a, without)
-        room = d_max - self.D
-        floor_a = self.w[a] * (1.0 - self.f[a])
         excess = max(w * (f - 1.0) for w, f in zip(self.w, self.f))  # the most a step can improve
         best = (-1e-12, None, 0)
         for b in self._window(k):
