@@ -16,12 +16,23 @@ Four measured runs of the same steps (same plans, same model, one thread per pro
    `wlb_opt.profile.profile_comm` (latency + bytes x s/byte), priced per micro-batch
    boundary; and the measured pipeline's wall time minus the DAG on its own op times.
 4. **The pipeline** (`--pp` gloo processes, one stage each, or v interleaved chunks): the
-   simulator fed the measured per-op times (`simulate_pipeline`, the rendezvous replay of
-   the executor's groups), and the prediction from the plan alone, then with the measured
-   contention factor, then with the profiled p2p: the breakdown of the prediction error.
+   simulator fed the measured per-op times, as `simulate_step` times a pipeline (the ideal
+   DAG for 1F1B, the rendezvous replay of the executor's p2p groups for the interleaved
+   schedule; the DAG beside it), and the prediction from the plan alone, then with the
+   measured contention factor, then with the profiled p2p: the breakdown of the prediction
+   error.
 
 Run 4 checks the simulator's schedule and dependency model (bubbles, warm-up, 1F1B order)
 independently of the cost model; runs 1-3 say where the cost model's prediction goes wrong.
+The op times leave out what a step does outside its operations, and run 4 measures that too
+(the executor's clocks are read around its pipeline and each p2p group; the ranks share one
+machine, hence one monotonic clock): the work before the pipeline (reading the inputs, the
+plan check, the target count) and after it (the final all-reduces), and each group's
+transfer time, its completion minus the later of its own post and its counterparts'. The
+replay is then fed those too: each rank starts when its pipeline did, every group that
+receives waits for its data (the profiled p2p per message, and apart the median measured
+transfer), and the step ends with the last rank's work after the pipeline. What the replay
+still predicts is every wait.
 On a shared machine other processes load the cores too: every figure is a median over steps.
 """
 from __future__ import annotations
@@ -74,12 +85,35 @@ def _setup(args: dict):
     return model, spec, plans
 
 
+def _clock_pipeline(spans: list) -> None:
+    """Wrap the executor's pipeline run and p2p exchange to append (kind, start, end)
+    perf_counter spans to `spans`: ("pipeline", ...) once per step, ("group", post, done) per
+    group of p2p operations in the order posted (the non-empty groups of `step_plan`)."""
+    import wlb_opt.executor.pipeline as pipeline
+
+    exchange, run = pipeline.DistTransport.exchange, pipeline.PipelineRunner.run
+
+    def timed_exchange(self, group, tensors):
+        t = time.perf_counter()
+        exchange(self, group, tensors)
+        spans.append(("group", t, time.perf_counter()))
+
+    def timed_run(self, forward):
+        t = time.perf_counter()
+        run(self, forward)
+        spans.append(("pipeline", t, time.perf_counter()))
+
+    pipeline.DistTransport.exchange, pipeline.PipelineRunner.run = timed_exchange, timed_run
+
+
 def _worker(rank: int, world: int, port: int, args: dict, out_file: str) -> None:
     """One pipeline rank: for each v of args["virtual_stages"], run the steps and record."""
     import torch.distributed as dist
 
     import wlb_opt.executor as ex
 
+    spans: list = []
+    _clock_pipeline(spans)
     model, _, plans = _setup(args)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
@@ -88,7 +122,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out_file: str) -> None
         records = {}
         for v in args["virtual_stages"]:
             chunks = ex.split_stages(model, mesh.pp, v)[mesh.pp_rank::mesh.pp]
-            records[v] = _run(chunks, plans, mesh, dist.barrier)
+            records[v] = _run(chunks, plans, mesh, dist.barrier, spans)
         gathered: list = [None] * world
         dist.all_gather_object(gathered, records)
         if rank == 0:
@@ -124,7 +158,7 @@ def _single_worker(rank: int, world: int, barrier, args: dict, out_file: str) ->
     Path(f"{out_file}.{rank}").write_text(json.dumps(dict(alone=alone, twin=twin)))
 
 
-def _step(chunks, small, plan, shards, mesh) -> dict:
+def _step(chunks, small, plan, shards, mesh, spans: list | None = None) -> dict:
     import torch
 
     import wlb_opt.executor as ex
@@ -134,22 +168,29 @@ def _step(chunks, small, plan, shards, mesh) -> dict:
         return torch.randint(0, 512, (int(small[i]),), generator=g)
 
     rec = ex.StageOutputs()
+    if spans is not None:
+        spans.clear()
     t0, c0 = time.perf_counter(), time.thread_time()
     ex.train_step(chunks if mesh is not None else chunks[0], plan, shards, data=doc_tokens, mesh=mesh,
                   backend="torch", record=rec, check_plan=False)
-    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    t1, cpu = time.perf_counter(), time.thread_time() - c0
     for chunk in chunks:
         chunk.zero_grad(set_to_none=True)
-    return dict(wall=wall, cpu=cpu, ops=rec.ops, micro_batches=list(range(len(plan.micro_batches))),
-                lengths=[plan.lengths[mb].tolist() for mb in plan.micro_batches], tokens=plan.tokens.tolist())
+    out = dict(wall=t1 - t0, cpu=cpu, load_average=os.getloadavg()[0], ops=rec.ops,
+               micro_batches=list(range(len(plan.micro_batches))),
+               lengths=[plan.lengths[mb].tolist() for mb in plan.micro_batches], tokens=plan.tokens.tolist())
+    if spans:  # absolute perf_counter seconds: the step, its pipeline and its groups
+        out.update(clock=[t0, t1], pipeline=[list(s[1:]) for s in spans if s[0] == "pipeline"][0],
+                   groups=[list(s[1:]) for s in spans if s[0] == "group"])
+    return out
 
 
-def _run(chunks, plans, mesh, barrier) -> list[dict]:
+def _run(chunks, plans, mesh, barrier, spans: list | None = None) -> list[dict]:
     """The steps on this rank (the first is a warm-up); barrier-aligned across processes."""
     records = []
     for step, (small, plan, shards) in enumerate(plans):
         barrier()
-        rec = _step(chunks, small, plan, shards, mesh)
+        rec = _step(chunks, small, plan, shards, mesh, spans)
         if step > 0:
             records.append(dict(step=step, **rec))
     return records
@@ -206,12 +247,66 @@ def breakdown(pipeline_rows: list[dict], contention: float, p2p_s_per_mb) -> lis
     return out
 
 
-def analyse(gathered: list, pp: int, cost=None, virtual_stages: int = 1) -> list[dict]:
-    """Per step: simulated step time from measured op durations vs the measured wall time;
-    with a cost model, also the step predicted from the plan's lengths alone. `gathered[r]`
-    holds rank r's step records; ops are (phase, micro-batch, virtual stage, seconds)."""
-    from ..rendezvous import simulate_rendezvous
-    from ..simulate import compare_to_measured, simulate_pipeline
+def step_overheads(ranks: list[dict], pp: int, v: int) -> dict | None:
+    """What one step did outside its operations, from every rank's clocks (`_step`'s `clock`,
+    `pipeline` and `groups`; None if a record has none): `start_s[r]` the seconds from rank
+    r's step start to its pipeline's, `setup_s` the largest of them, `teardown_s` the shortest
+    time from a pipeline's end to its step's end (the last rank out waits for no one in the
+    final all-reduces), `transfer_s` the median over the groups that receive of the group's
+    completion minus the later of its own post and its counterparts' posts (the time the data
+    took once both sides were there)."""
+    from ..schedule import message_key, step_plan
+
+    if not all("clock" in r and "groups" in r for r in ranks):
+        return None
+    m = len(ranks[0]["micro_batches"])
+    plans = [[group for group, _ in step_plan(r, pp, m, v) if group] for r in range(pp)]
+    where = {}
+    for r, groups in enumerate(plans):
+        if len(groups) != len(ranks[r]["groups"]):
+            raise ValueError(f"rank {r} recorded {len(ranks[r]['groups'])} p2p groups, but its schedule has "
+                             f"{len(groups)} (pp={pp}, v={v}, {m} micro-batches)")
+        for gi, group in enumerate(groups):
+            for op in group:
+                where[(r, op.kind, message_key(op, r, pp))] = gi
+    transfers = []
+    for r, groups in enumerate(plans):
+        for gi, group in enumerate(groups):
+            post, done = ranks[r]["groups"][gi]
+            for op in group:
+                other = "recv" if op.kind == "send" else "send"
+                post = max(post, ranks[op.peer]["groups"][where[(op.peer, other, message_key(op, r, pp))]][0])
+            if any(op.kind == "recv" for op in group):
+                transfers.append(done - post)
+    start = [rec["pipeline"][0] - rec["clock"][0] for rec in ranks]
+    teardown = min(rec["clock"][1] - rec["pipeline"][1] for rec in ranks)
+    return dict(start_s=start, setup_s=max(start), teardown_s=teardown,
+                transfer_s=float(np.median(transfers)) if transfers else 0.0)
+
+
+def replay_with_overheads(fwd: np.ndarray, bwd: np.ndarray, v: int, overheads: dict, p2p_s) -> float:
+    """The step the replay of the executor's groups predicts from measured op times ([pp, v, m]
+    seconds) and `step_overheads`: each rank starts at its `start_s`, every group that
+    receives waits `p2p_s` (seconds, a scalar or one per micro-batch) for its data once both
+    sides are posted, and the step ends `teardown_s` after the last rank's pipeline. For 1F1B
+    this replay and the DAG agree (`wlb_opt.rendezvous`)."""
+    from ..rendezvous import _replay
+    from ..schedule import step_plan
+
+    pp, m = fwd.shape[0], fwd.shape[2]
+    plans = [step_plan(r, pp, m, v) for r in range(pp)]
+    return _replay(fwd, bwd, plans, p2p_s, overheads["start_s"]).step_time_s + overheads["teardown_s"]
+
+
+def analyse(gathered: list, pp: int, cost=None, virtual_stages: int = 1, p2p_s_per_mb=None) -> list[dict]:
+    """Per step: the simulator's step time from measured op durations (as `simulate_step` times
+    a pipeline: `predicted_pipeline_s`) and the ideal DAG's, against the measured wall time;
+    with the ranks' clocks, the replay fed the measured work outside the ops too
+    (`step_overheads`: measured transfer; and with `p2p_s_per_mb(tokens)`, seconds per
+    micro-batch, the profiled one); with a cost model, also the step predicted from the
+    plan's lengths alone. `gathered[r]` holds rank r's step records; ops are (phase,
+    micro-batch, virtual stage, seconds)."""
+    from ..simulate import _replayed, compare_to_measured, simulate_pipeline
 
     v = virtual_stages
     schedule = "interleaved" if v > 1 else "1f1b"
@@ -224,15 +319,27 @@ def analyse(gathered: list, pp: int, cost=None, virtual_stages: int = 1) -> list
         for stage in range(pp):
             for phase, j, vs, secs in gathered[stage][s]["ops"]:
                 (fwd if phase == "F" else bwd)[vs % pp, vs // pp, col[j]] = secs
-        sim = simulate_pipeline(fwd, bwd, schedule=schedule, virtual_stages=v)
+        dag = simulate_pipeline(fwd, bwd, schedule=schedule, virtual_stages=v)
+        sim = _replayed(fwd, bwd, v, np.zeros(len(mbs)), None) if v > 1 else dag
         measured = max(gathered[stage][s]["wall"] for stage in range(pp))
         busy = fwd.sum(axis=(1, 2)) + bwd.sum(axis=(1, 2))
         err = compare_to_measured(sim, measured, busy)
-        rdv = simulate_rendezvous(fwd, bwd, virtual_stages=v).step_time_s
         row = dict(virtual_stages=v, step=gathered[0][s]["step"], measured_s=measured, simulated_s=sim.step_time_s,
                    rel_error=err["step_rel_error"], bubble_fraction=sim.bubble_fraction,
-                   rendezvous_s=rdv, rendezvous_rel_error=rdv / measured - 1.0,
+                   dag_s=dag.step_time_s, dag_rel_error=dag.step_time_s / measured - 1.0,
                    tokens=gathered[0][s]["tokens"])
+        if "load_average" in gathered[0][s]:
+            row["load_average"] = gathered[0][s]["load_average"]
+        over = step_overheads([gathered[stage][s] for stage in range(pp)], pp, v)
+        if over is not None:
+            with_measured = replay_with_overheads(fwd, bwd, v, over, over["transfer_s"])
+            row.update(setup_s=over["setup_s"], teardown_s=over["teardown_s"], transfer_ms=1e3 * over["transfer_s"],
+                       replay_measured_p2p_s=with_measured,
+                       replay_measured_p2p_rel_error=with_measured / measured - 1.0)
+            if p2p_s_per_mb is not None:
+                with_profiled = replay_with_overheads(fwd, bwd, v, over, np.asarray(
+                    p2p_s_per_mb(row["tokens"]), dtype=np.float64))
+                row.update(replay_s=with_profiled, replay_rel_error=with_profiled / measured - 1.0)
         if cost is not None:
             lengths = gathered[0][s]["lengths"]
             f = np.array([cost.micro_batch_cost(d, "fwd") / pp if d else 0.0 for d in lengths])
@@ -240,8 +347,7 @@ def analyse(gathered: list, pp: int, cost=None, virtual_stages: int = 1) -> list
             f, b = np.tile(f, (pp, 1)), np.tile(b, (pp, 1))
             pred_s = predicted_pipeline_s(f, b, v)
             row.update(predicted_s=pred_s, predicted_rel_error=pred_s / measured - 1.0,
-                       _pred_fwd=f, _pred_bwd=b, _schedule=schedule,
-                       dag_gap_s=measured - sim.step_time_s)
+                       _pred_fwd=f, _pred_bwd=b, _schedule=schedule)
         rows.append(row)
     return rows
 
@@ -320,8 +426,14 @@ def main(argv: list[str] | None = None) -> int:
         contention = float(np.median([t["measured_s"] / a["measured_s"] for a, t in zip(alone, twin_rows[0])]))
         result.update(validation=cost.meta["validation"], comm=comm, single_rank=alone,
                       contention=dict(alone_s=alone_s, twin_s=twin_s, factor=contention))
+    p2p_s = None
+    if comm is not None:  # fp32 activations of `dim` per token: latency + bytes x s/byte per message
+        p2p_fit, act_bytes = comm["p2p"], 4 * args.dim
+        p2p_s = lambda tokens: [float(x) for x in  # noqa: E731
+                                p2p_fit["latency_s"] + p2p_fit["s_per_byte"] * act_bytes * np.asarray(tokens)]
+    load_before = os.getloadavg()[0]
     raw_all = _spawn(_worker, args.pp, cfg, out / "validate_sim_raw.json")
-    rows = [r for v in vs_list for r in analyse(raw_all[str(v)], args.pp, cost, v)]
+    rows = [r for v in vs_list for r in analyse(raw_all[str(v)], args.pp, cost, v, p2p_s)]
     if cost is not None:  # contention seen inside the pipeline: its ranks' busy time against one rank's
         pipe_busy = [sum(op[3] for rank in raw_all[str(vs_list[0])] for op in rank[s]["ops"])
                      for s in range(len(raw_all[str(vs_list[0])][0]))]
@@ -345,29 +457,36 @@ def main(argv: list[str] | None = None) -> int:
               f"the pipeline's ranks were busy x{c['pipeline_busy_ratio']:.2f} the single rank's compute time "
               f"(v={vs_list[0]})")
         p2p_fit = comm["p2p"]
-        act_bytes = 4 * args.dim
-        p2p_s = lambda tokens: [float(x) for x in  # noqa: E731
-                                p2p_fit["latency_s"] + p2p_fit["s_per_byte"] * act_bytes * np.asarray(tokens)]
         print(f"3. communication (2 gloo ranks): p2p {1e6 * p2p_fit['latency_s']:.0f} us + "
               f"{1e9 * p2p_fit['s_per_byte']:.2f} ns/byte: {1e3 * p2p_s([args.window])[0]:.1f} ms per "
               f"{args.window}-token activation; all-reduce {1e6 * comm['all_reduce']['latency_s']:.0f} us + "
               f"{1e9 * comm['all_reduce']['s_per_byte']:.2f} ns/byte")
         result["breakdown"] = breakdown(rows, c["factor"], p2p_s)
-    print("4. pipeline:")
-    print(f"{'v':>2} {'step':>4} {'measured s':>10} {'sim(measured ops) s':>19} {'error':>7} {'bubble':>7} "
-          f"{'rendezvous s':>12} {'error':>7} {'predicted s':>11} {'error':>7}  tokens per micro-batch")
+    print(f"4. pipeline (1-minute load average {load_before:.2f} before the pipeline runs, "
+          f"{os.getloadavg()[0]:.2f} after; per step below):")
+    dash = f"{'-':>9} {'-':>7}"
+    print(f"{'v':>2} {'step':>4} {'measured s':>10} {'simulator s':>11} {'error':>7} {'bubble':>7} {'DAG s':>9} "
+          f"{'error':>7} {'setup s':>7} {'p2p ms':>6} {'+profiled':>9} {'error':>7} {'+measured':>9} {'error':>7} "
+          f"{'predicted':>9} {'error':>7} {'load':>5}  tokens per micro-batch")
     for r in rows:
-        pred = (f"{r['predicted_s']:>11.3f} {r['predicted_rel_error']:>+7.1%}" if "predicted_s" in r
-                else f"{'-':>11} {'-':>7}")
-        print(f"{r['virtual_stages']:>2} {r['step']:>4} {r['measured_s']:>10.3f} {r['simulated_s']:>19.3f} "
-              f"{r['rel_error']:>+7.1%} {r['bubble_fraction']:>7.1%} {r['rendezvous_s']:>12.3f} "
-              f"{r['rendezvous_rel_error']:>+7.1%} {pred}  {r['tokens']}")
+        pair = lambda key: (f"{r[key + '_s']:>9.3f} {r[key + '_rel_error']:>+7.1%}" if key + "_s" in r  # noqa: E731
+                            else dash)
+        over = (f"{r['setup_s']:>7.3f} {r['transfer_ms']:>6.1f}" if "setup_s" in r else f"{'-':>7} {'-':>6}")
+        print(f"{r['virtual_stages']:>2} {r['step']:>4} {r['measured_s']:>10.3f} {r['simulated_s']:>11.3f} "
+              f"{r['rel_error']:>+7.1%} {r['bubble_fraction']:>7.1%} {pair('dag')} {over} {pair('replay')} "
+              f"{pair('replay_measured_p2p')} {pair('predicted')} {r.get('load_average', float('nan')):>5.2f}  "
+              f"{r['tokens']}")
+    print("simulator: as simulate_step times a pipeline (1F1B: the DAG; interleaved: the rendezvous replay of the "
+          "executor's groups), on measured op times; +profiled / +measured: that replay also fed the measured "
+          "work before and after the pipeline and the profiled / measured transfer per group")
     for v in vs_list:
         mine = [r for r in rows if r["virtual_stages"] == v]
-        errs = np.array([r["rel_error"] for r in mine])
-        rdv = np.array([r["rendezvous_rel_error"] for r in mine])
-        print(f"v={v}: median |error| on measured op times: DAG simulator {np.median(np.abs(errs)):.1%}, "
-              f"rendezvous replay of the executor's schedule {np.median(np.abs(rdv)):.1%}")
+        def med(key: str) -> str:
+            return f"{float(np.median([r[key] for r in mine])):+.1%}" if all(key in r for r in mine) else "-"
+
+        print(f"v={v}: median error on measured op times: simulator {med('rel_error')}, ideal DAG "
+              f"{med('dag_rel_error')}, + measured work outside the ops and profiled p2p "
+              f"{med('replay_rel_error')}, and measured p2p {med('replay_measured_p2p_rel_error')}")
     if cost is not None:
         print("breakdown of the prediction from the plan alone (median over steps; error = predicted / measured - 1):")
         print(f"{'':>30} " + " ".join(f"{'v=' + str(v):>9}" for v in vs_list))
@@ -379,8 +498,8 @@ def main(argv: list[str] | None = None) -> int:
                  ("pipeline: cost model + DAG", lambda v: med("cost_model_error", v)),
                  ("  x measured contention", lambda v: med("with_contention_error", v)),
                  ("  + profiled p2p", lambda v: med("with_comm_error", v)),
-                 ("rendezvous replay (measured ops)",
-                  lambda v: float(np.median([r["rendezvous_rel_error"] for r in rows if r["virtual_stages"] == v])))]
+                 ("simulator on measured ops",
+                  lambda v: float(np.median([r["rel_error"] for r in rows if r["virtual_stages"] == v])))]
         for label, fn in lines:
             print(f"{label:>32} " + " ".join(f"{fn(v):>+9.1%}" for v in vs_list))
     for r in rows:

@@ -7,8 +7,7 @@ for each whole group, and a send completes only when its receiver has posted the
 receive (NCCL for large messages; gloo's `isend` too). A rank can therefore wait for a
 neighbour to *take* its output, which the DAG does not model. For 1F1B the groups pair
 sends with the receives the peer needs next, so the two models agree; for the interleaved
-schedule they do not (`wlb-opt bench validate-sim`: about 25% apart on measured op times,
-while this model is within about 2% of the measured step).
+schedule they do not (`wlb-opt bench validate-sim` sets both against measured steps).
 
 `simulate_rendezvous(fwd, bwd, virtual_stages, p2p_s)` replays `step_plan` with given
 operation times: a rank posts its group when its previous op ends; the group completes when
@@ -48,11 +47,13 @@ def simulate_rendezvous(fwd, bwd, virtual_stages: int = 1, p2p_s: float = 0.0) -
     return _replay(f, b, [step_plan(r, pp, m, v) for r in range(pp)], np.full(m, float(p2p_s)))
 
 
-def _replay(f: np.ndarray, b: np.ndarray, plans: list, p2p_s) -> SimResult:
+def _replay(f: np.ndarray, b: np.ndarray, plans: list, p2p_s, start_s=None) -> SimResult:
     """The replay itself: `plans[r]` is rank r's list of (group, op) pairs (`step_plan`), f and b
     are [pp, v, m] seconds, `p2p_s` seconds per micro-batch (a scalar for all) that a group
     waits for the data of each micro-batch it receives (the largest of them) once both sides
-    are posted. Raises RuntimeError if the groups deadlock."""
+    are posted; `start_s[r]` the second rank r starts (default all at 0: a step's work before
+    its pipeline, such as reading its inputs, delays each rank by its own amount). Raises
+    RuntimeError if the groups deadlock."""
     pp, m = f.shape[0], f.shape[2]
     p2p_mb = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (m,))
     # group index of every receive and send, by (rank, message): where a counterpart lives
@@ -62,7 +63,7 @@ def _replay(f: np.ndarray, b: np.ndarray, plans: list, p2p_s) -> SimResult:
             for op in group:
                 where[(r, op.kind, message_key(op, r, pp))] = gi
     posted: dict[tuple[int, int], float] = {}
-    pos, clock = [0] * pp, [0.0] * pp
+    pos, clock = [0] * pp, [0.0] * pp if start_s is None else [float(t) for t in start_s]
     timeline: list[dict] = []
     while any(pos[r] < len(plans[r]) for r in range(pp)):
         moved = False

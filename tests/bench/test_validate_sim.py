@@ -40,6 +40,7 @@ def test_analyse_interleaved_places_ops_by_virtual_stage():
     ops equals the independent recurrence on the same [pp, v, m] durations."""
     import numpy as np
 
+    from wlb_opt.rendezvous import simulate_rendezvous
     from wlb_opt.simulate import pipeline_recurrence
 
     pp, v, m = 2, 2, 2
@@ -50,8 +51,11 @@ def test_analyse_interleaved_places_ops_by_virtual_stage():
         ops = [(ph, j, c * pp + r, (f if ph == "F" else b)[r, c, j]) for ph in "FB" for c in range(v) for j in range(m)]
         gathered.append([dict(step=1, wall=1.0, ops=ops, micro_batches=list(range(m)), tokens=[1] * m)])
     (row,) = analyse(gathered, pp=pp, virtual_stages=v)
-    want = pipeline_recurrence(f, b, "interleaved", v).step_time_s
-    assert row["virtual_stages"] == 2 and row["simulated_s"] == pytest.approx(want)
+    assert row["virtual_stages"] == 2
+    assert row["dag_s"] == pytest.approx(pipeline_recurrence(f, b, "interleaved", v).step_time_s)
+    # the simulator's estimate is the replay of the executor's groups, as simulate_step's
+    assert row["simulated_s"] == pytest.approx(simulate_rendezvous(f, b, v).step_time_s, rel=1e-12)
+    assert row["simulated_s"] >= row["dag_s"] * (1 - 1e-12)
 
 
 def test_single_rank_errors_and_the_breakdown():
@@ -100,3 +104,34 @@ def test_the_interleaved_prediction_is_the_rendezvous_replay():
     want = simulate_rendezvous(f, b, v).step_time_s
     assert row["predicted_s"] == pytest.approx(want, rel=1e-12)
     assert predicted_pipeline_s(f, b, v, 0.25) == pytest.approx(simulate_rendezvous(f, b, v, 0.25).step_time_s)
+
+
+def test_work_outside_the_ops_is_measured_from_the_clocks_and_fed_to_the_replay():
+    """pp = 2, 1F1B, f = 1 s, b = 2 s, two micro-batches, clocks written by hand: both ranks
+    start their pipeline 0.5 s into the step, every group that receives takes 0.1 s once both
+    sides are posted, the last rank out spends 0.2 s after its pipeline: a 10 s step, which
+    the replay fed those reproduces (the simulator on op times alone says 9 s)."""
+    import numpy as np
+
+    from wlb_opt.bench.validate_sim import replay_with_overheads, step_overheads
+
+    ops = [("F", 0, None, 1.0), ("F", 1, None, 1.0), ("B", 0, None, 2.0), ("B", 1, None, 2.0)]
+    t0 = 100.0  # perf_counter seconds; groups are (post, done) of the non-empty groups in order
+    groups = [[(1.5, 1.5), (2.5, 4.7), (6.7, 7.8)],   # rank 0: send F0 | send F1 + recv B0 | recv B1
+              [(0.5, 1.6), (4.6, 4.7), (7.7, 7.7)]]   # rank 1: recv F0 | send B0 + recv F1 | send B1
+    ends = [9.8, 7.7]
+    ranks = [dict(step=1, wall=10.0, ops=[(ph, j, r, s) for ph, j, _, s in ops], micro_batches=[0, 1], tokens=[4, 4],
+                  clock=[t0, t0 + 10.0], pipeline=[t0 + 0.5, t0 + ends[r]],
+                  groups=[[t0 + a, t0 + d] for a, d in groups[r]]) for r in range(2)]
+    over = step_overheads(ranks, 2, 1)
+    assert over["start_s"] == pytest.approx([0.5, 0.5]) and over["teardown_s"] == pytest.approx(0.2)
+    assert over["transfer_s"] == pytest.approx(0.1)
+    f, b = np.ones((2, 1, 2)), 2 * np.ones((2, 1, 2))
+    assert replay_with_overheads(f, b, 1, over, over["transfer_s"]) == pytest.approx(10.0)
+    (row,) = analyse([[ranks[0]], [ranks[1]]], pp=2, p2p_s_per_mb=lambda tokens: [0.0] * len(tokens))
+    assert row["simulated_s"] == pytest.approx(9.0) and row["replay_measured_p2p_s"] == pytest.approx(10.0)
+    assert row["replay_s"] == pytest.approx(9.7)  # no transfer time: 9 s + 0.5 + 0.2
+    assert row["setup_s"] == pytest.approx(0.5) and row["transfer_ms"] == pytest.approx(100.0)
+    ranks[1]["groups"].pop()
+    with pytest.raises(ValueError, match="recorded 2 p2p groups, but its schedule has 3"):
+        step_overheads(ranks, 2, 1)
