@@ -19,7 +19,13 @@ The search (per budget; budgets ascending, each warm-started from the schedule o
   as a fluid up to a common level), memoised on the step's content;
 - moves: one outlier to another step of its window (when the step would overflow, the short
   pieces at its end or start go to the neighbouring step), a swap of two outliers between
-  steps, a shift of a boundary P_t by a few thousand to a hundred thousand tokens;
+  steps, a shift of a boundary P_t by a few thousand to a hundred thousand tokens; from the
+  worst-ranked steps also the best split of two steps' outliers between them and ejection
+  chains (one outlier into a step, one of that step's outliers out to a third);
+- splits and chains are branch and bound: `_Search.floor` (the overflow of a step's
+  tokens, else its costliest outlier or its mean cost over its mean) is a lower bound on the
+  model that needs no packing, so a candidate whose floor cannot beat the best move found is
+  never modelled; the moves taken are those of the full enumeration;
 - a move is taken when it lowers sum_t weight_t x model_t + price x displacement (token-steps
   divided by the mean tokens per step) and keeps the displacement within the budget. The price
   descends over `prices` (a Lagrangian sweep): early phases spend displacement only on moves
@@ -141,6 +147,12 @@ def _check_args(stream, n_micro, max_tokens, mb_const, budgets, early, late, out
         raise ValueError(f"prices must be finite numbers >= 0 (at least one), got {prices!r}")
 
 
+_BITS = [((np.arange(1 << n)[:, None] >> np.arange(n)) & 1).astype(np.int64) for n in range(PARTITION_MAX + 1)]
+"""Per n, every subset of n items as a row of 0/1 (item i in bit i)."""
+_FIRST_IN = [np.array([(m & -m).bit_length() - 1 if m else n for m in range(1 << n)]) for n in range(PARTITION_MAX + 1)]
+"""Per n, the lowest item of each subset (n for the empty one)."""
+
+
 class _Search:
     """The search state: outlier steps, short-piece boundaries, per-step model and displacement."""
 
@@ -218,6 +230,9 @@ class _Search:
             members[t].append(k)
         self.bigs = [tuple(m) for m in members]  # ranks ascending = cost descending
         self.f = [self.model(self.bigs[t], P[t], P[t + 1]) for t in range(self.T)]
+        self.bsum = [sum(self.bcost[k] for k in m) for m in self.bigs]
+        self.btok = [sum(self.blen[k] for k in m) for m in self.bigs]
+        self.slarge = [self._largest(P[t], P[t + 1]) for t in range(self.T)]
         self.stamp, self.freed, self.changed = 1, 1, [1] * self.T
         self.D = sum(self.big_disp(k, t) for k, t in enumerate(self.bstep)) + sum(
             self.seg_disp(t, P[t], P[t + 1]) for t in range(self.T))
@@ -267,7 +282,11 @@ class _Search:
             for k in bigs:
                 self.bstep[k] = t
             self.bigs[t] = bigs
+            self.bsum[t] = sum(self.bcost[k] for k in bigs)
+            self.btok[t] = sum(self.blen[k] for k in bigs)
             self.P[t], self.P[t + 1] = p, q
+        for t in changes:  # after every boundary is set: a change of P[t + 1] comes with step t's
+            self.slarge[t] = self._largest(self.P[t], self.P[t + 1])
         for t, (bigs, p, q) in changes.items():
             self.f[t] = self.model(bigs, p, q)
         self.D += dd
@@ -379,6 +398,8 @@ class _Search:
                         if v < best[0]:
                             best = (v, {a: (new_a, P[a], P[a + 1]), b: (at_b, P[b], P[b + 1])}, dd)
                         continue
+                    if leave + vb + unit * dd + self.w[c] * (self.floor_with(c, k2) - self.f[c]) >= best[0] + 1e-9:
+                        continue
                     at_c = tuple(sorted(self.bigs[c] + (k2,)))
                     v = leave + vb + self._gain(c, at_c) + unit * dd
                     if v < best[0]:
@@ -389,36 +410,91 @@ class _Search:
         self._apply(best[1], best[2])
         return True
 
+    def floor(self, big_cost: float, big_max: float, big_tokens: int, p: int, q: int) -> float:
+        """A lower bound on `model` of a step whose outliers cost `big_cost` in all (the costliest
+        `big_max`) over `big_tokens` tokens, with short positions [p, q): the overflow value of
+        the tokens beyond the step's room, else max / mean with the max at least the costliest
+        outlier and the mean (no packing, so it prunes moves before the model is evaluated)."""
+        fluid = self.SL[q] - self.SL[p]
+        excess = big_tokens + fluid - self.N * self.cap + (self._largest(p, q) if fluid else 0)
+        if excess > 0:
+            return OVERFLOW * (1.0 + excess / self.cap)
+        mean = (big_cost + self.SC[q] - self.SC[p]) / self.N + self.mbc
+        return max(1.0, (big_max + self.mbc) / mean) if mean > 0 else 1.0
+
+    def floor_with(self, c: int, k: int) -> float:
+        """`floor` of step c with outlier k added (its short pieces unchanged)."""
+        bc, ck, p, q = self.bigs[c], self.bcost[k], self.P[c], self.P[c + 1]
+        fluid = self.SL[q] - self.SL[p]
+        excess = self.btok[c] + self.blen[k] + fluid - self.N * self.cap + (self.slarge[c] if fluid else 0)
+        if excess > 0:
+            return OVERFLOW * (1.0 + excess / self.cap)
+        mean = (self.bsum[c] + ck + self.SC[q] - self.SC[p]) / self.N + self.mbc
+        top = max(self.bcost[bc[0]], ck) if bc else ck
+        return max(1.0, (top + self.mbc) / mean) if mean > 0 else 1.0
+
+    def _floors(self, cost: np.ndarray, top: np.ndarray, tokens: np.ndarray, p: int, q: int) -> np.ndarray:
+        """`floor` of many outlier sets at once (arrays of their total cost, costliest, tokens)."""
+        fluid = self.SL[q] - self.SL[p]
+        excess = tokens + fluid - self.N * self.cap + (self._largest(p, q) if fluid else 0)
+        mean = (cost + self.SC[q] - self.SC[p]) / self.N + self.mbc
+        ratio = np.maximum(1.0, (top + self.mbc) / np.where(mean > 0, mean, 1.0))
+        return np.where(excess > 0, OVERFLOW * (1.0 + np.maximum(excess, 0) / self.cap),
+                        np.where(mean > 0, ratio, 1.0))
+
     def repartition(self, a: int, b: int, price: float, d_max: int) -> bool:
         """The best split of the outliers of steps a and b between the two (every split of the
-        PARTITION_MAX costliest that keeps each in its window)."""
+        PARTITION_MAX costliest that keeps each in its window), branch and bound: splits in
+        ascending order of `floor`, the model evaluated until the floor reaches the best found."""
         P, bd, unit = self.P, self.big_disp, price / self.tokens_per_step
-        both = sorted(self.bigs[a] + self.bigs[b])
-        flexible = [k for k in both if self.barr[k] - self.early <= min(a, b) and max(a, b) <= self.barr[k] + self.late]
-        flexible = flexible[:PARTITION_MAX]
-        fixed_a = tuple(k for k in self.bigs[a] if k not in flexible)
-        fixed_b = tuple(k for k in self.bigs[b] if k not in flexible)
+        lo, hi = min(a, b), max(a, b)
+        flexible = [k for k in sorted(self.bigs[a] + self.bigs[b])
+                    if self.barr[k] - self.early <= lo and hi <= self.barr[k] + self.late][:PARTITION_MAX]
         if not flexible:
             return False
-        base = sum(bd(k, self.bstep[k]) for k in flexible)
-        to_a = [bd(k, a) for k in flexible]
-        to_b = [bd(k, b) for k in flexible]
-        room = d_max - self.D
+        fixed_a = tuple(k for k in self.bigs[a] if k not in flexible)
+        fixed_b = tuple(k for k in self.bigs[b] if k not in flexible)
+        n = len(flexible)
+        bits = _BITS[n]  # (2^n, n): bit i of each split = flexible[i] in a
+        cost = np.array([self.bcost[k] for k in flexible])
+        tokens = np.array([self.blen[k] for k in flexible], dtype=np.int64)
+        to_a = np.array([bd(k, a) for k in flexible], dtype=np.int64)
+        to_b = np.array([bd(k, b) for k in flexible], dtype=np.int64)
+        dd = bits @ (to_a - to_b) + int(to_b.sum()) - sum(bd(k, self.bstep[k]) for k in flexible)
+        ok = np.flatnonzero(dd <= d_max - self.D)
+        if not len(ok):
+            return False
+        bits, dd = bits[ok], dd[ok]
+        in_a = bits.astype(bool)
+        # flexible is in rank order (costliest first): a side's costliest is its first member
+        first_a, first_b = _FIRST_IN[n][ok], _FIRST_IN[n][(1 << n) - 1 - ok]
+        cost_or_0 = np.append(cost, 0.0)
+        fa_cost, fb_cost = sum(self.bcost[k] for k in fixed_a), sum(self.bcost[k] for k in fixed_b)
+        fa_top = self.bcost[fixed_a[0]] if fixed_a else 0.0
+        fb_top = self.bcost[fixed_b[0]] if fixed_b else 0.0
+        top_a, top_b = np.maximum(fa_top, cost_or_0[first_a]), np.maximum(fb_top, cost_or_0[first_b])
+        floor = (self.w[a] * (self._floors(fa_cost + bits @ cost, top_a, self._tokens_of(fixed_a) + bits @ tokens,
+                                           P[a], P[a + 1]) - self.f[a])
+                 + self.w[b] * (self._floors(fb_cost + (1 - bits) @ cost, top_b,
+                                             self._tokens_of(fixed_b) + (1 - bits) @ tokens, P[b], P[b + 1]) - self.f[b])
+                 + unit * dd - 1e-9)
         best = (-1e-12, None, 0)
-        for mask in range(1 << len(flexible)):
-            in_a = [k for i, k in enumerate(flexible) if mask >> i & 1]
-            in_b = [k for i, k in enumerate(flexible) if not mask >> i & 1]
-            dd = sum(to_a[i] if mask >> i & 1 else to_b[i] for i in range(len(flexible))) - base
-            if dd > room:
-                continue
-            new_a, new_b = tuple(sorted(fixed_a + tuple(in_a))), tuple(sorted(fixed_b + tuple(in_b)))
-            v = self._gain(a, new_a) + self._gain(b, new_b) + unit * dd
+        for i in np.argsort(floor, kind="stable").tolist():
+            if floor[i] >= best[0]:
+                break
+            row = in_a[i]
+            new_a = tuple(sorted(fixed_a + tuple(k for k, x in zip(flexible, row) if x)))
+            new_b = tuple(sorted(fixed_b + tuple(k for k, x in zip(flexible, row) if not x)))
+            v = self._gain(a, new_a) + self._gain(b, new_b) + unit * int(dd[i])
             if v < best[0]:
-                best = (v, {a: (new_a, P[a], P[a + 1]), b: (new_b, P[b], P[b + 1])}, dd)
+                best = (v, {a: (new_a, P[a], P[a + 1]), b: (new_b, P[b], P[b + 1])}, int(dd[i]))
         if best[1] is None:
             return False
         self._apply(best[1], best[2])
         return True
+
+    def _tokens_of(self, bigs: tuple) -> int:
+        return sum(self.blen[k] for k in bigs)
 
     def _fresh(self, seen: dict, key, lo: int, hi: int) -> bool:
         """Whether anything in steps lo .. hi changed (or the budget freed) since `key` was last

@@ -172,3 +172,34 @@ def test_bad_input_is_refused_by_name(kw, message):
         OfflineStream(lengths=np.ones(2, dtype=np.int64), doc_ids=np.zeros(1, dtype=np.int64),
                       offsets=np.zeros(2, dtype=np.int64), arrival=np.zeros(2, dtype=np.int64), cost=np.ones(2),
                       n_steps=1)
+
+
+def test_the_search_floor_never_exceeds_the_step_model():
+    """The branch and bound of splits and chains prunes by `floor`: it must be a lower bound of
+    the model, and its fast forms (`floor_with`, `_floors`) must agree with it."""
+    from wlb_opt.solvers.offline import _Search
+
+    rng = np.random.default_rng(1)
+    for trial in range(60):
+        steps = [np.where(rng.random(m) < 0.4, rng.integers(30, 160, m), rng.integers(1, 30, m))
+                 for m in rng.integers(1, 12, 6)]
+        _, stream = _stream(steps)
+        search = _Search(stream, int(rng.integers(1, 5)), 170, float(rng.choice([0.0, 0.5])), 1, 1, 30, np.ones(6))
+        search.load(stream.arrival[search.big].tolist(), search.start_state(stream.arrival)[1])
+        n_big, n_short = len(search.blen), len(search.short)
+        for _ in range(40):
+            bigs = tuple(sorted(rng.choice(n_big, size=rng.integers(0, min(n_big, 6) + 1), replace=False).tolist()))
+            p = int(rng.integers(0, n_short + 1))
+            q = int(rng.integers(p, n_short + 1))
+            cost, top = sum(search.bcost[k] for k in bigs), search.bcost[bigs[0]] if bigs else 0.0
+            tokens = sum(search.blen[k] for k in bigs)
+            floor = search.floor(cost, top, tokens, p, q)
+            assert floor <= search.model(bigs, p, q) + 1e-9
+            assert search._floors(np.array([cost]), np.array([top]), np.array([tokens]), p, q)[0] == \
+                pytest.approx(floor, rel=1e-12)
+        for c in range(6):
+            for k in range(n_big):
+                bc, (p, q) = search.bigs[c], (search.P[c], search.P[c + 1])
+                expect = search.floor(search.bsum[c] + search.bcost[k], max([search.bcost[x] for x in bc + (k,)]),
+                                      search.btok[c] + search.blen[k], p, q)
+                assert search.floor_with(c, k) == pytest.approx(expect, rel=1e-12)
