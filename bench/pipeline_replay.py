@@ -3,6 +3,7 @@ the ideal pipeline, on random operation times.
 
     wlb-opt bench pipeline-replay --out docs/results/pipeline_replay          (CPU, under a minute)
     wlb-opt bench pipeline-replay --bound 2,4,2 --bound 2,2,2 --out ...     (+ CP-SAT lower bounds)
+    wlb-opt bench pipeline-replay --bound-per-draw 4,8,2 --out ...          (+ bounds on single draws)
 
 For every shape (pp 2-8, every n_micro that is a multiple of pp up to --max-micro, v 1, 2, 4)
 it draws --draws sets of operation times: each forward and backward of each (stage, chunk,
@@ -18,7 +19,8 @@ receives), `nominal` each message placed where both ranks are idle at once in th
 ideal timeline (the placement the search starts from).
 
 `--bound pp,n_micro,v` adds, for that shape and the same draws, a lower bound on that
-statistic over every schedule of blocking groups (CP-SAT, `--bound-time` seconds): each
+statistic over every schedule of blocking groups (CP-SAT, `--bound-time` seconds, the search
+limited to ratios up to the executor's groups' own): each
 message is handed over at one moment when both its ranks are between operations, after the
 op that makes it and before the op that needs it, with one placement of every message on its
 two ranks shared by all draws and every op time rounded down. Any group schedule is such a
@@ -26,6 +28,14 @@ placement (deadlock-freedom and message order only remove placements), so no sch
 paired sends and receives does better than the bound on these draws. The placement CP-SAT
 finds is fitted to these draws; `best_placement_fresh` replays it on --draws other draws (seed
 --seed + 1), beside the executor's groups on the same ones (`after_fresh`).
+
+`--bound-per-draw pp,n_micro,v` solves the same model on one draw at a time, for shapes too
+large for all draws at once: the --bound-draws draws on which the executor's groups are
+slowest, --bound-draw-time seconds for the shape shared among them. A bound on one draw bounds
+the statistic too: for any schedule, the largest replay / ideal over the draws is at least its
+ratio on that draw, which is at least the least ratio of any schedule there. The entry keeps
+the draw with the highest bound (`draw`: its index among the shape's draws; `after_on_draw`:
+the executor's groups on it).
 """
 from __future__ import annotations
 
@@ -70,11 +80,17 @@ def replay_ratios(pp: int, n_micro: int, v: int, samples) -> dict:
 
 
 def placement_bound(pp: int, n_micro: int, v: int, samples, time_limit: float, scale: float = 1000.0,
-                    fresh_samples=()) -> dict:
+                    fresh_samples=(), ratio_cap: float | None = None) -> dict:
     """CP-SAT lower bound on max over `samples` of (best replay / ideal) for one placement of
     every message shared by all samples (see the module docstring). Times in 1/scale units of
     the median op, rounded down; the ideal rounded up, so the bound stays a bound. With
-    `fresh_samples`, also the max replay / ideal of the placement it found on those."""
+    `fresh_samples`, also the max replay / ideal of the placement it found on those.
+
+    `ratio_cap`: a ratio some placement is known to reach on these samples (the executor's
+    groups' replay / ideal): the search is limited to ratios up to it, which leaves the optimum
+    unchanged (the rounding only lowers a placement's ratio) and makes large shapes solvable;
+    should the model still be infeasible, every placement lies above the cap, and the cap is
+    the bound."""
     from ortools.sat.python import cp_model
 
     from ..schedule import _makes, stage_order
@@ -95,12 +111,13 @@ def placement_bound(pp: int, n_micro: int, v: int, samples, time_limit: float, s
                 model.AddExactlyOne(at_sender.values())
                 model.AddExactlyOne(at_receiver.values())
                 messages.append((r, peer, at_sender, at_receiver))
-    ratio = model.NewIntVar(1000, 100000, "ratio_permille")
+    cap = 100000 if ratio_cap is None else max(1000, int(math.ceil(1000 * ratio_cap)) + 1)
+    ratio = model.NewIntVar(1000, cap, "ratio_permille")
     for f, b in samples:
         dur = [[int(math.floor((f if ph == "F" else b)[vs % pp, vs // pp, mb] / unit * scale)) for ph, mb, vs in o]
                for o in orders]
         ideal = int(math.ceil(pipeline_step_time(f, b, "interleaved" if v > 1 else "1f1b", v) / unit * scale))
-        horizon = sum(map(sum, dur)) + 1
+        horizon = min(sum(map(sum, dur)), ideal * cap // 1000) + 1
         start = [[model.NewIntVar(0, horizon, "") for _ in o] for o in orders]
         span = model.NewIntVar(0, horizon, "")
         for r in range(pp):
@@ -139,9 +156,36 @@ def placement_bound(pp: int, n_micro: int, v: int, samples, time_limit: float, s
         fresh = round(max(_replay(f, b, plans, 0.0).step_time_s / pipeline_step_time(f, b, "interleaved" if v > 1
                                                                                       else "1f1b", v)
                           for f, b in fresh_samples), 4)
-    return dict(pp=pp, n_micro=n_micro, v=v, draws=len(samples), lower_bound=solver.BestObjectiveBound() / 1000,
+    # every ratio is >= 1 (the ideal pipeline is a relaxation of every placement)
+    bound = cap / 1000 if status == cp_model.INFEASIBLE else max(1.0, solver.BestObjectiveBound() / 1000)
+    return dict(pp=pp, n_micro=n_micro, v=v, draws=len(samples), lower_bound=bound,
                 best_placement=solver.ObjectiveValue() / 1000 if found else None, status=solver.StatusName(status),
                 cpu_s=round(time.process_time() - started, 1), best_placement_fresh=fresh)
+
+
+def per_draw_bound(pp: int, n_micro: int, v: int, samples, time_limit: float, n_draws: int) -> dict:
+    """The highest `placement_bound` over single draws: up to `n_draws` draws of `samples`, those
+    on which the executor's groups have the highest replay / ideal first, in `time_limit`
+    seconds of wall time for the shape, model building included (each draw's solve gets half
+    of what is left, the last all of it; no draw starts with under a second left). Returns the
+    entry of the best draw (`draw`: its index in `samples`) with every draw tried as [index,
+    lower bound, status] in `tried`."""
+    after = replay_ratios(pp, n_micro, v, samples)["after"]
+    chosen = [int(d) for d in np.argsort(-np.asarray(after), kind="stable")[:n_draws]]
+    best, tried, cpu_s = None, [], 0.0
+    deadline = time.monotonic() + time_limit
+    for i, d in enumerate(chosen):
+        left = deadline - time.monotonic()
+        if tried and left < 1.0:
+            break
+        share = max(left, 0.1) if i == len(chosen) - 1 else max(left / 2, 0.1)
+        res = placement_bound(pp, n_micro, v, [samples[d]], share, ratio_cap=after[d])
+        cpu_s += res["cpu_s"]
+        tried.append([d, res["lower_bound"], res["status"]])
+        if best is None or res["lower_bound"] > best["lower_bound"]:
+            best = dict(res, draw=d, after_on_draw=round(after[d], 4))
+    best.update(cpu_s=round(cpu_s, 1), tried=tried)
+    return best
 
 
 def _shape(text: str) -> tuple[int, int, int]:
@@ -170,8 +214,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bound", type=_shape, action="append", default=[],
                    help="pp,n_micro,v: add the CP-SAT lower bound for this shape (repeatable; needs ortools)")
     p.add_argument("--bound-time", type=float, default=120.0, help="CP-SAT seconds per bound (default 120)")
+    p.add_argument("--bound-per-draw", type=_shape, action="append", default=[],
+                   help="pp,n_micro,v: the CP-SAT lower bound for this shape on single draws (repeatable)")
+    p.add_argument("--bound-draws", type=count, default=2,
+                   help="draws tried per --bound-per-draw shape, the executor's slowest first (default 2)")
+    p.add_argument("--bound-draw-time", type=float, default=60.0,
+                   help="CP-SAT seconds per --bound-per-draw shape, shared by its draws (default 60)")
     p.add_argument("--out", default="results/pipeline_replay", help="folder for pipeline_replay.json")
     args = p.parse_args(argv)
+    for name in ("bound_time", "bound_draw_time"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            p.error(f"--{name.replace('_', '-')} must be seconds > 0, got {value}")
+    if args.bound_draws > args.draws:
+        p.error(f"--bound-draws {args.bound_draws} must be at most --draws ({args.draws})")
     cost = wlb.CostModel.analytic(wlb.ModelSpec.preset(args.model), hardware=wlb.HardwareSpec.preset(args.hardware))
     lengths = [args.tokens // args.docs] * args.docs
     fwd_s, bwd_s = cost.micro_batch_cost(lengths, "fwd"), cost.micro_batch_cost(lengths, "bwd")
@@ -196,14 +252,24 @@ def main(argv: list[str] | None = None) -> int:
     for pp, n_micro, v in args.bound:
         samples = draws(pp, n_micro, v, fwd_s, bwd_s, args.draws, args.sigma, args.seed)
         fresh = draws(pp, n_micro, v, fwd_s, bwd_s, args.draws, args.sigma, args.seed + 1)
-        bounds.append(placement_bound(pp, n_micro, v, samples, args.bound_time, fresh_samples=fresh))
         after = next((r["after_max"] for r in rows if (r["pp"], r["n_micro"], r["v"]) == (pp, n_micro, v)), None)
+        bounds.append(placement_bound(pp, n_micro, v, samples, args.bound_time, fresh_samples=fresh,
+                                      ratio_cap=after))
         bounds[-1]["after_max"] = after
         bounds[-1]["after_fresh"] = round(max(replay_ratios(pp, n_micro, v, fresh)["after"]), 4)
         print(f"bound pp={pp} n_micro={n_micro} v={v}: every schedule of blocking groups >= "
               f"{bounds[-1]['lower_bound']:.3f} x ideal on these draws ({bounds[-1]['status']}); this one {after}; "
               f"on other draws the fitted placement {bounds[-1]['best_placement_fresh']}, this one "
               f"{bounds[-1]['after_fresh']}")
+    for pp, n_micro, v in args.bound_per_draw:
+        samples = draws(pp, n_micro, v, fwd_s, bwd_s, args.draws, args.sigma, args.seed)
+        entry = per_draw_bound(pp, n_micro, v, samples, args.bound_draw_time, args.bound_draws)
+        entry["after_max"] = next((r["after_max"] for r in rows if (r["pp"], r["n_micro"], r["v"]) == (pp, n_micro, v)),
+                                  None)
+        bounds.append(entry)
+        print(f"bound pp={pp} n_micro={n_micro} v={v} on draw {entry['draw']}: every schedule of blocking groups >= "
+              f"{entry['lower_bound']:.3f} x ideal there ({entry['status']}; draws tried {entry['tried']}); "
+              f"this one {entry['after_on_draw']} there, {entry['after_max']} at worst", flush=True)
     worst = {v: max(r["after_max"] for r in rows if r["v"] == v) for v in (1, 2, 4)}
     summary = [dict(v=v, shapes=sum(r["v"] == v for r in rows), after_worst=worst[v],
                     before_worst=max(r["before_max"] for r in rows if r["v"] == v),

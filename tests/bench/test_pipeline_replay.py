@@ -25,3 +25,44 @@ def test_the_bound_is_below_the_executors_groups_on_the_same_draws():
     # every group schedule is a placement, the executor's too (up to the rounding of op times)
     assert got["lower_bound"] <= max(replay_ratios(2, 4, 2, samples)["after"]) + 1e-3
     assert got["best_placement_fresh"] >= 1.0 - 1e-12
+
+
+def test_a_bound_on_one_draw_is_below_the_joint_bound_and_the_cap_leaves_it_unchanged():
+    pytest.importorskip("ortools")
+    samples = draws(2, 4, 2, 1.0, 2.0, 3, 0.3, 0)
+    after = replay_ratios(2, 4, 2, samples)["after"]
+    joint = placement_bound(2, 4, 2, samples, 60.0)
+    for d, sample in enumerate(samples):
+        free = placement_bound(2, 4, 2, [sample], 30.0)
+        capped = placement_bound(2, 4, 2, [sample], 30.0, ratio_cap=after[d])
+        assert free["status"] == capped["status"] == "OPTIMAL"
+        assert capped["lower_bound"] == pytest.approx(free["lower_bound"])
+        assert 1.0 <= capped["lower_bound"] <= min(joint["lower_bound"], after[d] + 1e-3)
+
+
+def test_per_draw_mode_records_the_best_draw(tmp_path):
+    pytest.importorskip("ortools")
+    import json
+
+    from wlb_opt.bench.pipeline_replay import main
+
+    assert main(["--max-pp", "2", "--max-micro", "4", "--draws", "2", "--bound-per-draw", "2,4,2",
+                 "--bound-draws", "2", "--bound-draw-time", "20", "--out", str(tmp_path)]) == 0
+    (entry,) = json.loads((tmp_path / "pipeline_replay.json").read_text())["bounds"]
+    assert (entry["pp"], entry["n_micro"], entry["v"], entry["draws"]) == (2, 4, 2, 1)
+    assert entry["draw"] in (0, 1) and sorted(d for d, _, _ in entry["tried"]) == [0, 1]
+    assert entry["lower_bound"] == max(bound for _, bound, _ in entry["tried"])
+    assert 1.0 <= entry["lower_bound"] <= entry["after_on_draw"] + 1e-3 <= entry["after_max"] + 1e-3
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bound-draw-time", "0"], "--bound-draw-time must be seconds > 0, got 0.0"),
+    (["--bound-draws", "30"], "--bound-draws 30 must be at most --draws (20)"),
+    (["--bound-per-draw", "2,3,2"], "a multiple of pp"),
+])
+def test_bad_per_draw_arguments_name_the_value(args, message, capsys):
+    from wlb_opt.bench.pipeline_replay import main
+
+    with pytest.raises(SystemExit):
+        main(args)
+    assert message in capsys.readouterr().err
