@@ -83,7 +83,8 @@ def placement_bound(pp: int, n_micro: int, v: int, samples, time_limit: float, s
                     fresh_samples=(), ratio_cap: float | None = None) -> dict:
     """CP-SAT lower bound on max over `samples` of (best replay / ideal) for one placement of
     every message shared by all samples (see the module docstring). Times in 1/scale units of
-    the median op, rounded down; the ideal rounded up, so the bound stays a bound. With
+    the median op, rounded down; the ideal rounded up, the ratio in permille rounded up and so
+    the bound one permille below what CP-SAT proves, so the bound stays a bound. With
     `fresh_samples`, also the max replay / ideal of the placement it found on those.
 
     `ratio_cap`: a ratio some placement is known to reach on these samples (the executor's
@@ -156,8 +157,10 @@ def placement_bound(pp: int, n_micro: int, v: int, samples, time_limit: float, s
         fresh = round(max(_replay(f, b, plans, 0.0).step_time_s / pipeline_step_time(f, b, "interleaved" if v > 1
                                                                                       else "1f1b", v)
                           for f, b in fresh_samples), 4)
-    # every ratio is >= 1 (the ideal pipeline is a relaxation of every placement)
-    bound = cap / 1000 if status == cp_model.INFEASIBLE else max(1.0, solver.BestObjectiveBound() / 1000)
+    # the model's ratio is the permille ceiling of span / ideal, so a placement's ratio exceeds the
+    # bound on it less one permille; every ratio is >= 1 (the ideal pipeline relaxes them all)
+    least = cap + 1 if status == cp_model.INFEASIBLE else solver.BestObjectiveBound()
+    bound = max(1.0, (least - 1) / 1000)
     return dict(pp=pp, n_micro=n_micro, v=v, draws=len(samples), lower_bound=bound,
                 best_placement=solver.ObjectiveValue() / 1000 if found else None, status=solver.StatusName(status),
                 cpu_s=round(time.process_time() - started, 1), best_placement_fresh=fresh)
