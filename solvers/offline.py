@@ -496,11 +496,12 @@ class _Search:
     def _tokens_of(self, bigs: tuple) -> int:
         return sum(self.blen[k] for k in bigs)
 
-    def _fresh(self, seen: dict, key, lo: int, hi: int) -> bool:
-        """Whether anything in steps lo .. hi changed (or the budget freed) since `key` was last
-        searched without a move."""
+    def _fresh(self, seen: dict, key, lo: int, hi: int, also: int | None = None) -> bool:
+        """Whether anything in steps lo .. hi (and step `also`) changed, or the budget freed,
+        since `key` was last searched without a move."""
         last = seen.get(key)
-        return last is None or last < self.freed or last < max(self.changed[max(lo, 0):hi + 1])
+        return last is None or last < self.freed or last < max(self.changed[max(lo, 0):hi + 1]) or \
+            (also is not None and last < self.changed[also])
 
     def improve_boundary(self, t: int, price: float, d_max: int) -> bool:
         """Shift P_t (between steps t - 1 and t)."""
@@ -541,7 +542,8 @@ class _Search:
                     if self.w[t] * (self.f[t] - 1.0) <= CHAIN_FROM:
                         continue
                     for b in range(max(0, t - span), min(self.T, t + span + 1)):
-                        if b != t and self._fresh(seen, ("part", t, b), min(t, b), max(t, b)):
+                        # a split reads steps t and b only (and the budget), not the steps between
+                        if b != t and self._fresh(seen, ("part", t, b), t, t, also=b):
                             if self.repartition(t, b, price, d_max):
                                 taken += 1
                             else:
