@@ -303,6 +303,11 @@ def simulate_pipeline(fwd, bwd, schedule: Schedule = "1f1b", virtual_stages: int
                       order: Sequence[int] | None = None) -> SimResult:
     """Step time of one pipeline replica: the longest path of the schedule's DAG.
 
+    For the interleaved schedule this is the ideal pipeline, in which a send never waits for
+    its receive; the executor's own p2p groups run slower (`wlb_opt.rendezvous`), and
+    `simulate_step`, the simulator's step estimate, times the interleaved pipeline by their
+    replay. For 1F1B the two agree.
+
     Args:
         fwd, bwd: seconds per operation, shape [stages, micro_batches] (a virtual stage of the
             interleaved schedule then costs 1/v of it) or [stages, v, micro_batches].
