@@ -15,7 +15,8 @@ builds the plan in the order that keeps the large documents movable:
    fewest-tokens bin as fallback, else deferred: Algorithm 1's rule continued from the
    large loads (`fill_assign`), so they fill the gaps the large items left.
 3. **Polish**: the same descent on the whole plan (`local_search.improve`, at most
-   `POLISH_ITERATIONS` x bins steps), which also places deferred items where they fit.
+   `POLISH_ITERATIONS` x bins steps, swaps with the `POLISH_SWAP_BINS` lightest bins), which
+   also places deferred items where they fit.
 
 Deterministic (stable sorts, ties to the lowest bin); carried items are placed first and
 never deferred by the polish. The plan is never worse than phase 2's (the descent accepts
@@ -34,6 +35,10 @@ LARGE_SHARE = 0.1
 (total item cost / bins)."""
 POLISH_ITERATIONS = 4
 """The polish makes at most this many descent steps per bin."""
+POLISH_SWAP_BINS = 4
+"""The descents try swaps of the heaviest bin with this many of the lightest bins: a swap
+with a bin near the top rarely lowers the maximum, and trying every bin made the polish the
+larger part of a 32-micro-batch step's planning time."""
 
 
 def fill_assign(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, loads: np.ndarray,
@@ -68,7 +73,7 @@ def place_large(problem: PackProblem, order: np.ndarray, large: np.ndarray) -> t
         sub = PackProblem(lengths=problem.lengths[items], weights=problem.weights[items], n_bins=n_bins,
                           max_tokens=cap, carried=int(min(problem.carried, len(items))))
         result = improve(sub, [np.asarray(b, dtype=np.int64) for b in bins], np.asarray(deferred, dtype=np.int64),
-                         max_iter=4 * n_bins)
+                         max_iter=4 * n_bins, swap_bins=POLISH_SWAP_BINS)
         bins = [b.tolist() for b in result.bins]
         deferred = result.deferred.tolist()
     return [items[b].tolist() for b in bins], items[deferred].tolist() if deferred else []
@@ -90,6 +95,6 @@ def wlb_fill(problem: PackProblem) -> PackResult:
     for i, b in zip(short.tolist(), placed.tolist()):
         (bins[b] if b >= 0 else deferred).append(i)
     result = improve(problem, [np.asarray(b, dtype=np.int64) for b in bins], np.asarray(deferred, dtype=np.int64),
-                     max_iter=POLISH_ITERATIONS * n_bins)
+                     max_iter=POLISH_ITERATIONS * n_bins, swap_bins=POLISH_SWAP_BINS)
     result.extra = dict(large=int(large.sum()), **result.extra)
     return result

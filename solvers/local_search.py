@@ -147,8 +147,11 @@ class _State:
         return float(pair[k]), int(i_idx[k]), int(j_idx[k])
 
 
-def improve(problem: PackProblem, bins, deferred, max_iter: int | None = None) -> PackResult:
-    """Local search from a given solution; returns a solution at least as good."""
+def improve(problem: PackProblem, bins, deferred, max_iter: int | None = None,
+            swap_bins: int | None = None) -> PackResult:
+    """Local search from a given solution; returns a solution at least as good. `swap_bins`:
+    swaps of the heaviest bin are tried with at most this many of the lightest bins (None:
+    every lighter bin)."""
     st = _State(problem, bins, deferred)
     m = problem.n_bins
     max_iter = max_iter if max_iter is not None else 20 * m + 200
@@ -168,7 +171,7 @@ def improve(problem: PackProblem, bins, deferred, max_iter: int | None = None) -
             moves += 1
             continue
         done = False
-        for b in np.argsort(st.loads, kind="stable").tolist():
+        for b in np.argsort(st.loads, kind="stable")[:swap_bins].tolist():
             if b == h or st.loads[b] >= top - tol:
                 continue
             sw = st.best_swap(h, b)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from conftest import unit_cost
 
 import wlb_opt as wlb
-from wlb_opt.packer.fill_trial import water_level
+from wlb_opt.packer.fill_trial import predict_rounds, water_level
 from wlb_opt.solvers.fill import fill_assign, large_mask, place_large, wlb_fill
 from wlb_opt.solvers.greedy import placement_order, wlb_assign_python
 from wlb_opt.solvers.problem import PackProblem
@@ -129,3 +129,63 @@ def test_water_level_against_a_bisection(large, short, room):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if np.clip(mid - large, 0, cap).sum() < short else (lo, mid)
     np.testing.assert_allclose(got, np.minimum(np.maximum(large, hi), large + cap), rtol=1e-7, atol=1e-7)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(1, 400), min_size=0, max_size=40), min_size=1, max_size=5),
+       n_bins=st.integers(1, 6), slack=st.floats(0.3, 2.0))
+def test_predict_rounds_conserves_and_rows_are_independent(rows, n_bins, slack):
+    # every item is placed under the cap or deferred, and a row's prediction does not depend
+    # on the rows scored with it
+    width = max(len(r) for r in rows)
+    lengths = np.zeros((len(rows), width), dtype=np.int64)
+    for c, r in enumerate(rows):
+        lengths[c, :len(r)] = sorted(r, reverse=True)
+    weights = lengths.astype(np.float64) ** 2 / 1e4 + lengths
+    n_items = np.array([len(r) for r in rows])
+    cap = max(1, int(slack * lengths.sum(axis=1).max(initial=0) / n_bins))
+    loads, toks, deferred = predict_rounds(weights, lengths, n_items, n_bins, cap)
+    assert (toks <= cap).all()
+    assert not deferred[np.arange(width)[None, :] >= n_items[:, None]].any()
+    np.testing.assert_allclose(loads.sum(axis=1) + np.where(deferred, weights, 0).sum(axis=1), weights.sum(axis=1))
+    assert (toks.sum(axis=1) + np.where(deferred, lengths, 0).sum(axis=1) == lengths.sum(axis=1)).all()
+    for c in range(len(rows)):
+        one = predict_rounds(weights[c:c + 1], lengths[c:c + 1], n_items[c:c + 1], n_bins, cap)
+        np.testing.assert_array_equal(one[0][0], loads[c])
+        np.testing.assert_array_equal(one[2][0], deferred[c])
+
+
+def test_predict_rounds_is_algorithm1_when_no_round_reorders():
+    # equal items without a cap: Algorithm 1 deals them round-robin, as the rounds do
+    lengths = np.full((1, 23), 50, dtype=np.int64)
+    weights = lengths.astype(np.float64)
+    loads, toks, deferred = predict_rounds(weights, lengths, np.array([23]), 5, 10**6)
+    placed = wlb_assign_python(np.arange(23), lengths[0], weights[0], 5, 10**6)
+    np.testing.assert_array_equal(loads[0], np.bincount(placed, weights=weights[0], minlength=5))
+    assert not deferred.any()
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), n_groups=st.integers(1, 6))
+def test_candidates_scored_together_equal_each_scored_alone(seed, n_groups):
+    # FillTrial.with_groups (one predict_rounds for every candidate) against FillStepSolver.solve
+    # of each candidate's pieces: the same pending pieces, prediction and deferred pieces
+    from wlb_opt.packer.fill_trial import FillStepSolver
+    from wlb_opt.packer.state import HeldPiece
+    rng = np.random.default_rng(seed)
+    pieces = [HeldPiece(i, 0, int(n), int(rng.integers(0, 3))) for i, n in enumerate(rng.integers(1, 500, 40))]
+    fresh, held = pieces[:25], pieces[25:]
+    weights = np.array([p.length for p in pieces], dtype=np.float64) ** 2 / 1e4
+    solver = FillStepSolver(held + fresh, weights[list(range(25, 40)) + list(range(25))], fresh, n_micro=4, dp=1,
+                            max_tokens=int(rng.integers(300, 3000)), bin_const=0.5)
+    first, base = held[:2], held[2:5]
+    groups = [held[5 + i:5 + i + int(rng.integers(1, 4))] for i in range(n_groups)]
+    _, base_trial, _ = solver.solve(first, base + fresh)
+    for group, trial in zip(groups, base_trial.with_groups(groups)):
+        pending, alone, arrival = solver.solve(first, base + group + fresh)
+        assert trial.pending == pending
+        np.testing.assert_array_equal(trial.arrival, arrival)
+        np.testing.assert_allclose(trial.predicted_loads, alone.predicted_loads, rtol=1e-12)
+        assert trial.imbalance == pytest.approx(alone.imbalance, rel=1e-12)
+        assert trial.deferred_tokens == alone.deferred_tokens and trial.n_placed == alone.n_placed
+        assert trial.defers_any(group) == alone.defers_any(group)

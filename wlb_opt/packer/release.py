@@ -359,29 +359,43 @@ class GroupRelease(ReleasePolicy):
                     keep &= ~(heaviest > (ctx.limit + 1e-9) * mean_at_most)
             yield size, np.flatnonzero(keep).tolist(), tokens.tolist(), (None if at_least is None else at_least.tolist())
 
-    def _candidates(self, remaining: list[HeldPiece], ctx: "_StepContext", extra_tokens: int = 0, hopeless=None):
+    def _candidates(self, remaining: list[HeldPiece], ctx: "_StepContext", extra_tokens: int = 0, hopeless=None,
+                    joining: list[HeldPiece] = ()):
         """Each admissible group of `remaining` (1 to need pieces adjacent in (length, arrival)
         order), packed with ctx's released pieces: yields (i, group, tokens, pending, plan,
         arrival). Admissible: within ctx.limit (unless the step is idle), deferring fewer short
         tokens than the group (+ `extra_tokens`, pieces joining with it) brings, at most half the
         carry limit, and no early-released outlier deferred (see the class docstring).
         `hopeless(group, tokens, imbalance_at_least)`, if given, skips a group before it is
-        packed (imbalance_at_least: `_imbalance_at_least` of the group, None without costs)."""
-        for size, starts, tokens_of, at_least_of in self._windows(remaining, ctx):
-            for i in starts:
-                group = remaining[i:i + size]
-                tokens = tokens_of[i]
-                if hopeless is not None and hopeless(group, tokens, None if at_least_of is None else at_least_of[i]):
+        packed (imbalance_at_least: `_imbalance_at_least` of the group, None without costs).
+
+        When ctx.plan scores variants of itself (`FillTrial.with_groups`: `joining` + a group
+        added to its pieces; ctx.released is ctx.plan's released pieces + `joining`), every
+        group is scored at once, and pending and arrival are yielded as None (`_resolved`
+        reads them from the plan kept)."""
+        with_groups = getattr(ctx.plan, "with_groups", None)
+        windows = [(i, size, tokens_of[i], None if at_least_of is None else at_least_of[i])
+                   for size, starts, tokens_of, at_least_of in self._windows(remaining, ctx) for i in starts]
+        if with_groups is not None:
+            trials = iter(with_groups([list(joining) + remaining[i:i + size] for i, size, _, _ in windows]))
+        for i, size, tokens, at_least in windows:
+            group = remaining[i:i + size]
+            if with_groups is not None:
+                t_pending, t_plan, t_arrival = None, next(trials), None
+                if hopeless is not None and hopeless(group, tokens, at_least):
+                    continue
+            else:
+                if hopeless is not None and hopeless(group, tokens, at_least):
                     continue
                 t_pending, t_plan, t_arrival = ctx.solve(*self._split(ctx.carry, ctx.released + group, ctx.fresh,
                                                                       ctx.step))
-                t_deferred = t_plan.deferred_tokens
-                if ((t_plan.imbalance > ctx.limit and not ctx.idle)
-                        or t_deferred - ctx.base_deferred >= tokens + extra_tokens
-                        or t_deferred > self.max_backlog_tokens // 2
-                        or self._defers_any(ctx.released[ctx.n_forced:] + group, t_pending, t_plan)):
-                    continue
-                yield i, group, tokens, t_pending, t_plan, t_arrival
+            t_deferred = t_plan.deferred_tokens
+            if ((t_plan.imbalance > ctx.limit and not ctx.idle)
+                    or t_deferred - ctx.base_deferred >= tokens + extra_tokens
+                    or t_deferred > self.max_backlog_tokens // 2
+                    or self._defers_any(ctx.released[ctx.n_forced:] + group, t_pending, t_plan)):
+                continue
+            yield i, group, tokens, t_pending, t_plan, t_arrival
 
     def _choose(self, remaining: list[HeldPiece], ctx: "_StepContext"):
         """The group the step takes next, as (group, pending, plan, arrival), or None: the most
@@ -394,7 +408,7 @@ class GroupRelease(ReleasePolicy):
             key = (t_plan.imbalance, -relief, first, i) if ctx.idle else (-relief, t_plan.imbalance, first, i)
             if best is None or key < best[0]:
                 best = (key, group, t_pending, t_plan, t_arrival)
-        return None if best is None else best[1:]
+        return None if best is None else _resolved(*best[1:])
 
     def plan_step(self, fresh, queues, carry, step, solve) -> StepRelease:
         pool = sorted((piece for q in queues for piece in q), key=lambda piece: piece.arrival)  # FIFO among equals
@@ -402,8 +416,12 @@ class GroupRelease(ReleasePolicy):
         taken = {piece.key for piece in released}
         n_forced = len(released)
         pending, plan, arrival = solve(*self._split(carry, released, fresh, step))
-        costs = self._costs(carry + fresh + pool)
-        base_cost = sum(costs[piece.key] for piece in carry + fresh + released) if costs else 0.0
+        costs = self._costs(pool)  # the held pieces', by key; the step's own ones only count in base_cost
+        base_cost = 0.0
+        if self.piece_cost is not None and (carry or fresh or pool):
+            own = self.piece_cost(np.array([piece.length for piece in carry + fresh], dtype=np.int64)).tolist()
+            # summed in the order carry, fresh, released: the same floats as piece by piece
+            base_cost = sum(own + [costs[piece.key] for piece in released])
         while True:
             remaining = sorted((piece for piece in pool if piece.key not in taken),
                                key=lambda piece: (piece.length, piece.arrival))
@@ -427,6 +445,12 @@ class GroupRelease(ReleasePolicy):
             q.clear()
             q.extend(kept)
         return StepRelease(pending, plan, arrival, released, n_early=len(released) - n_forced)
+
+
+def _resolved(group, pending, plan, arrival):
+    """(group, pending, plan, arrival) of a kept candidate; pending and arrival read from the
+    plan when `_candidates` scored it with others (yielded as None)."""
+    return (group, plan.pending, plan, plan.arrival) if pending is None else (group, pending, plan, arrival)
 
 
 @dataclass(frozen=True)
@@ -517,15 +541,15 @@ class MarginalRelease(GroupRelease):
         heaviest = plan.micro_batches[int(np.argmax(plan.loads))].tolist()
         # a carried piece only while it has a deadline to come (max_delay=None: fresh pieces only,
         # so that no piece is deferred twice without a bound)
-        movable = {piece.key for piece in fresh} | {piece.key for piece in carry
-                                                     if self.max_delay is not None and not self._is_due(piece, step)}
-        options = [i for i in heaviest if result.pending[i].key in movable]
+        movable = set(fresh) | {piece for piece in carry  # pieces, hashed whole: their keys are unique
+                                if self.max_delay is not None and not self._is_due(piece, step)}
+        options = [i for i in heaviest if result.pending[i] in movable]
         if not options:
             return None
         piece = result.pending[max(options, key=lambda i: (result.pending[i].length, result.pending[i].arrival))]
         lam = self._token_price()
-        pending, t_plan, arrival = solve(*self._split([p for p in carry if p.key != piece.key], result.released,
-                                                      [p for p in fresh if p.key != piece.key], step))
+        pending, t_plan, arrival = solve(*self._split([p for p in carry if p != piece], result.released,
+                                                      [p for p in fresh if p != piece], step))
         if (t_plan.imbalance - plan.imbalance + lam * piece.length >= 0
                 or t_plan.deferred_tokens > plan.deferred_tokens  # the re-packing defers nothing more
                 or t_plan.deferred_tokens + piece.length > self.max_backlog_tokens // 2  # "group"'s carry limit
@@ -570,7 +594,7 @@ class MarginalRelease(GroupRelease):
                 best = entry
         if rejected is not None:  # the most promising rejected group, with a second one
             best = self._best_pair(rejected[1], remaining, ctx, lam, best)
-        return None if best is None else best[1:]
+        return None if best is None else _resolved(*best[1:])
 
     def _best_pair(self, first_group, remaining, ctx, lam, best):
         """`best`, or `first_group` + a second group whose joint score is <= 0 and lower."""
@@ -588,7 +612,7 @@ class MarginalRelease(GroupRelease):
                                                        - lam * (first_relief + tokens)) > _TOLERANCE_SLACK
 
         for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(rest, with_first, first_tokens,
-                                                                                hopeless):
+                                                                                hopeless, joining=first_group):
             score = t_plan.imbalance - ctx.plan.imbalance - lam * (first_relief + displacement_relief(group, ctx.step))
             key = (score, -(first_tokens + tokens), min(piece.arrival for piece in first_group + group), i)
             if score <= 0 and (best is None or key < best[0]):
