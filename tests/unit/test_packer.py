@@ -276,6 +276,18 @@ def test_balance_release_takes_an_outlier_the_step_can_balance():
     assert paper.queued_ids().tolist() == [0]  # paper: waits for 3 more outliers
 
 
+def test_balance_release_lets_an_idle_step_take_its_most_balanced_group():
+    # a batch of outliers only: the paper's rule holds them (fewer than 4 queued), so the step
+    # would train nothing; "balance" then takes its most balanced group whatever the tolerance
+    cost = unit_cost(attn=1.0, linear=0.0)
+    paper = PaperPacker(4, 400, cost, thresholds=[50], max_delay=None)
+    bal = PaperPacker(4, 400, cost, thresholds=[50], max_delay=None, release="balance", balance_tolerance=1.0)
+    assert paper.pack([60, 70], [0, 1]).placed_ids().tolist() == []
+    plan = bal.pack([60, 70], [0, 1])
+    assert sorted(plan.placed_ids().tolist()) != [] and plan.info.extra["released_early"] >= 1
+    wlb.check_pack(plan, plan.lengths, 400, ids=plan.doc_ids, offsets=plan.offsets, cost=cost)
+
+
 def test_balance_release_keeps_fifo_within_a_queue():
     cost = unit_cost(attn=1.0, linear=0.0)
     packer = PaperPacker(2, 300, cost, thresholds=[50], max_delay=None, release="balance", balance_tolerance=1.5)

@@ -230,7 +230,7 @@ class BalanceRelease(PaperRelease):
                     continue
                 t_pending, t_plan, t_arrival = solve(first, rest + early + entries)
                 tokens = sum(piece.length for piece in entries)
-                if t_plan.imbalance > limit or t_plan.deferred_tokens > base_deferred:
+                if (t_plan.imbalance > limit and not idle) or t_plan.deferred_tokens > base_deferred:
                     continue
                 key = (t_plan.imbalance, -tokens, sorted(group))
                 if best is None or key < best[0]:
