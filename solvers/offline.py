@@ -159,11 +159,12 @@ class _Search:
     def __init__(self, stream: OfflineStream, n_micro: int, max_tokens: int, mb_const: float, early: int, late: int,
                  outlier_min: int, weights: np.ndarray):
         self.T, self.N, self.cap, self.mbc = len(weights), n_micro, max_tokens, mb_const
-        self.early, self.late, self.w = early, late, weights.tolist()
+        self.early, self.late, self.w, self.w_np = early, late, weights.tolist(), np.asarray(weights, dtype=np.float64)
         L, A, C = stream.lengths, stream.arrival, stream.cost
         big = np.flatnonzero(L >= outlier_min)
         self.big = big[np.argsort(-C[big], kind="stable")]  # rank k = k-th costliest: sorted tuples are LPT order
         self.blen, self.bcost, self.barr = (L[self.big].tolist(), C[self.big].tolist(), A[self.big].tolist())
+        self.blen_np, self.bcost_np, self.barr_np = L[self.big].astype(np.int64), C[self.big], A[self.big].astype(np.int64)
         short = np.flatnonzero(L < outlier_min)
         self.short = short[np.lexsort((short, A[short]))]
         sl, sa = L[self.short], A[self.short]
@@ -230,10 +231,14 @@ class _Search:
             members[t].append(k)
         self.bigs = [tuple(m) for m in members]  # ranks ascending = cost descending
         self.f = [self.model(self.bigs[t], P[t], P[t + 1]) for t in range(self.T)]
-        self.bsum = [sum(self.bcost[k] for k in m) for m in self.bigs]
-        self.btok = [sum(self.blen[k] for k in m) for m in self.bigs]
-        self.slarge = [self._largest(P[t], P[t + 1]) for t in range(self.T)]
-        self.stamp, self.freed, self.changed = 1, 1, [1] * self.T
+        # per step, what `floor` reads: outliers' cost, tokens and costliest; short tokens, cost, longest
+        self.bsum, self.btok, self.btop = np.zeros(self.T), np.zeros(self.T, dtype=np.int64), np.zeros(self.T)
+        self.stok, self.scost, self.slong = np.zeros(self.T, dtype=np.int64), np.zeros(self.T), \
+            np.zeros(self.T, dtype=np.int64)
+        self.fv = np.array(self.f)
+        for t in range(self.T):
+            self._refresh(t)
+        self.stamp, self.freed, self.changed, self.blocked = 1, 1, [1] * self.T, False
         self.D = sum(self.big_disp(k, t) for k, t in enumerate(self.bstep)) + sum(
             self.seg_disp(t, P[t], P[t + 1]) for t in range(self.T))
 
@@ -269,6 +274,7 @@ class _Search:
                 dd += self.seg_disp(t, p, q) - self.seg_disp(t, P[t], P[t + 1])
             df += self.w[t] * (self.model(bigs, p, q) - self.f[t])
         if self.D + dd > d_max:
+            self.blocked = True
             return None
         return df + price * dd / self.tokens_per_step, dd
 
@@ -282,14 +288,21 @@ class _Search:
             for k in bigs:
                 self.bstep[k] = t
             self.bigs[t] = bigs
-            self.bsum[t] = sum(self.bcost[k] for k in bigs)
-            self.btok[t] = sum(self.blen[k] for k in bigs)
             self.P[t], self.P[t + 1] = p, q
-        for t in changes:  # after every boundary is set: a change of P[t + 1] comes with step t's
-            self.slarge[t] = self._largest(self.P[t], self.P[t + 1])
         for t, (bigs, p, q) in changes.items():
             self.f[t] = self.model(bigs, p, q)
+            self._refresh(t)
         self.D += dd
+
+    def _refresh(self, t: int) -> None:
+        """The per-step arrays of step t from its outliers, boundaries and model."""
+        bigs, p, q = self.bigs[t], self.P[t], self.P[t + 1]
+        self.bsum[t] = sum(self.bcost[k] for k in bigs)
+        self.btok[t] = sum(self.blen[k] for k in bigs)
+        self.btop[t] = self.bcost[bigs[0]] if bigs else 0.0
+        self.stok[t], self.scost[t], self.slong[t] = self.SL[q] - self.SL[p], self.SC[q] - self.SC[p], \
+            self._largest(p, q)
+        self.fv[t] = self.f[t]
 
     def _window(self, k: int) -> range:
         a = self.barr[k]
@@ -350,7 +363,9 @@ class _Search:
                     r = self._delta(ch, dd, price, d_max)
                     if r is not None and r[0] < best[0]:
                         best = (r[0], ch, r[1])
-            if dd <= room:
+            if dd > room:
+                self.blocked = True
+            else:
                 v = leave + self.w[b] * (fb - self.f[b]) + unit * dd
                 if v < best[0]:
                     best = (v, {a: (without, P[a], P[a + 1]), b: (at_b, P[b], P[b + 1])}, dd)
@@ -358,7 +373,10 @@ class _Search:
                 if not self.barr[k2] - self.early <= a <= self.barr[k2] + self.late:
                     continue
                 d2 = dd + bd(k2, a) - bd(k2, b)
-                if d2 > room or floor_a + floor_b + unit * d2 >= best[0]:
+                if d2 > room:
+                    self.blocked = True
+                    continue
+                if floor_a + floor_b + unit * d2 >= best[0]:
                     continue
                 new_a = tuple(sorted(without + (k2,)))
                 new_b = tuple(sorted(tuple(x for x in self.bigs[b] if x != k2) + (k,)))
@@ -371,40 +389,57 @@ class _Search:
         return True
 
     def chain_outlier(self, k: int, price: float, d_max: int) -> bool:
-        """Ejection chain: k from a to b and an outlier k2 of b from b to c (c may be a)."""
-        a, without, here, leave, room, floor_a = self._leaving(k, d_max)
+        """Ejection chain: k from a to b and an outlier k2 of b from b to c (c may be a), branch
+        and bound: every (b, k2, c) is ranked by `floor` of c at once, and the model evaluated
+        in that order until the floor reaches the best chain found."""
+        a, without, here, leave, room, _ = self._leaving(k, d_max)
         P, bd, unit = self.P, self.big_disp, price / self.tokens_per_step
-        excess = max(w * (f - 1.0) for w, f in zip(self.w, self.f))  # the most a step can improve
-        best = (-1e-12, None, 0)
+        pairs = []  # (b, k2, b's outliers with k for k2, weighted model change of b, k's displacement change)
         for b in self._window(k):
             if b == a:
                 continue
             dk = bd(k, b) - here
             for k2 in self.bigs[b]:
                 at_b = tuple(sorted(tuple(x for x in self.bigs[b] if x != k2) + (k,)))
-                vb = self._gain(b, at_b)
-                there = bd(k2, b)
-                if min(leave, floor_a) + vb - excess + unit * (dk - there) >= best[0]:
-                    continue  # no third step can make up for it
-                for c in self._window(k2):
-                    if c == b:
-                        continue
-                    dd = dk + bd(k2, c) - there
-                    if dd > room:
-                        continue
-                    if c == a:
-                        new_a = tuple(sorted(without + (k2,)))
-                        v = self._gain(a, new_a) + vb + unit * dd
-                        if v < best[0]:
-                            best = (v, {a: (new_a, P[a], P[a + 1]), b: (at_b, P[b], P[b + 1])}, dd)
-                        continue
-                    if leave + vb + unit * dd + self.w[c] * (self.floor_with(c, k2) - self.f[c]) >= best[0] + 1e-9:
-                        continue
-                    at_c = tuple(sorted(self.bigs[c] + (k2,)))
-                    v = leave + vb + self._gain(c, at_c) + unit * dd
-                    if v < best[0]:
-                        best = (v, {a: (without, P[a], P[a + 1]), b: (at_b, P[b], P[b + 1]),
-                                    c: (at_c, P[c], P[c + 1])}, dd)
+                pairs.append((b, k2, at_b, self._gain(b, at_b), dk - bd(k2, b)))
+        if not pairs:
+            return False
+        pb = np.array([x[0] for x in pairs])
+        k2s = np.array([x[1] for x in pairs])
+        arr = self.barr_np[k2s]
+        lo, hi = np.maximum(arr - self.early, 0), np.minimum(arr + self.late, self.T - 1)
+        size = hi - lo + 1
+        pi = np.repeat(np.arange(len(pairs)), size)  # one row per (b, k2, c)
+        c = lo[pi] + np.arange(len(pi)) - np.repeat(np.cumsum(size) - size, size)
+        length, cost = self.blen_np[k2s][pi], self.bcost_np[k2s][pi]
+        dd = np.array([x[4] for x in pairs])[pi] + length * np.abs(c - arr[pi])
+        within = dd <= room
+        self.blocked |= not within.all()
+        keep = (c != pb[pi]) & within
+        pi, c, length, cost, dd = pi[keep], c[keep], length[keep], cost[keep], dd[keep]
+        at_a = c == a  # k2 takes k's place: a without k, plus k2
+        top_without = self.bcost[without[0]] if without else 0.0
+        floor = self._floors_with(c, cost - np.where(at_a, self.bcost[k], 0.0),
+                                  np.maximum(np.where(at_a, top_without, self.btop[c]), cost),
+                                  length - np.where(at_a, self.blen[k], 0))
+        vb = np.array([x[3] for x in pairs])
+        bound = (np.where(at_a, 0.0, leave) + vb[pi] + unit * dd + self.w_np[c] * (floor - self.fv[c]) - 1e-9)
+        best = (-1e-12, None, 0)
+        for i in np.flatnonzero(bound < best[0])[np.argsort(bound[bound < best[0]], kind="stable")].tolist():
+            if bound[i] >= best[0]:
+                break
+            b, k2, at_b, gb, _ = pairs[pi[i]]
+            ci, di = int(c[i]), int(dd[i])
+            if ci == a:
+                new_a = tuple(sorted(without + (k2,)))
+                v = self._gain(a, new_a) + gb + unit * di
+                if v < best[0]:
+                    best = (v, {a: (new_a, P[a], P[a + 1]), b: (at_b, P[b], P[b + 1])}, di)
+                continue
+            at_c = tuple(sorted(self.bigs[ci] + (k2,)))
+            v = leave + gb + self._gain(ci, at_c) + unit * di
+            if v < best[0]:
+                best = (v, {a: (without, P[a], P[a + 1]), b: (at_b, P[b], P[b + 1]), ci: (at_c, P[ci], P[ci + 1])}, di)
         if best[1] is None:
             return False
         self._apply(best[1], best[2])
@@ -422,16 +457,16 @@ class _Search:
         mean = (big_cost + self.SC[q] - self.SC[p]) / self.N + self.mbc
         return max(1.0, (big_max + self.mbc) / mean) if mean > 0 else 1.0
 
-    def floor_with(self, c: int, k: int) -> float:
-        """`floor` of step c with outlier k added (its short pieces unchanged)."""
-        bc, ck, p, q = self.bigs[c], self.bcost[k], self.P[c], self.P[c + 1]
-        fluid = self.SL[q] - self.SL[p]
-        excess = self.btok[c] + self.blen[k] + fluid - self.N * self.cap + (self.slarge[c] if fluid else 0)
-        if excess > 0:
-            return OVERFLOW * (1.0 + excess / self.cap)
-        mean = (self.bsum[c] + ck + self.SC[q] - self.SC[p]) / self.N + self.mbc
-        top = max(self.bcost[bc[0]], ck) if bc else ck
-        return max(1.0, (top + self.mbc) / mean) if mean > 0 else 1.0
+    def _floors_with(self, c: np.ndarray, cost: np.ndarray, top: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """`floor` of steps c (an array) with outliers of `cost`, `top` (their costliest) and
+        `tokens` added to theirs (negative cost and tokens remove them; `top`: the costliest
+        outlier of the result, at least the step's own when none is removed)."""
+        stok = self.stok[c]
+        excess = self.btok[c] + tokens + stok - self.N * self.cap + np.where(stok > 0, self.slong[c], 0)
+        mean = (self.bsum[c] + cost + self.scost[c]) / self.N + self.mbc
+        ratio = np.maximum(1.0, (top + self.mbc) / np.where(mean > 0, mean, 1.0))
+        return np.where(excess > 0, OVERFLOW * (1.0 + np.maximum(excess, 0) / self.cap),
+                        np.where(mean > 0, ratio, 1.0))
 
     def _floors(self, cost: np.ndarray, top: np.ndarray, tokens: np.ndarray, p: int, q: int) -> np.ndarray:
         """`floor` of many outlier sets at once (arrays of their total cost, costliest, tokens)."""
@@ -462,22 +497,26 @@ class _Search:
         to_b = np.array([bd(k, b) for k in flexible], dtype=np.int64)
         dd = bits @ (to_a - to_b) + int(to_b.sum()) - sum(bd(k, self.bstep[k]) for k in flexible)
         ok = np.flatnonzero(dd <= d_max - self.D)
+        self.blocked |= len(ok) < len(dd)
         if not len(ok):
             return False
         bits, dd = bits[ok], dd[ok]
-        in_a = bits.astype(bool)
         # flexible is in rank order (costliest first): a side's costliest is its first member
-        first_a, first_b = _FIRST_IN[n][ok], _FIRST_IN[n][(1 << n) - 1 - ok]
         cost_or_0 = np.append(cost, 0.0)
-        fa_cost, fb_cost = sum(self.bcost[k] for k in fixed_a), sum(self.bcost[k] for k in fixed_b)
         fa_top = self.bcost[fixed_a[0]] if fixed_a else 0.0
         fb_top = self.bcost[fixed_b[0]] if fixed_b else 0.0
-        top_a, top_b = np.maximum(fa_top, cost_or_0[first_a]), np.maximum(fb_top, cost_or_0[first_b])
-        floor = (self.w[a] * (self._floors(fa_cost + bits @ cost, top_a, self._tokens_of(fixed_a) + bits @ tokens,
-                                           P[a], P[a + 1]) - self.f[a])
-                 + self.w[b] * (self._floors(fb_cost + (1 - bits) @ cost, top_b,
-                                             self._tokens_of(fixed_b) + (1 - bits) @ tokens, P[b], P[b + 1]) - self.f[b])
+        top_a = np.maximum(fa_top, cost_or_0[_FIRST_IN[n][ok]])
+        top_b = np.maximum(fb_top, cost_or_0[_FIRST_IN[n][(1 << n) - 1 - ok]])
+        cost_a, tokens_a = bits @ cost, bits @ tokens  # the flexible outliers' share of a; b has the rest
+        floor = (self.w[a] * (self._floors(sum(self.bcost[k] for k in fixed_a) + cost_a,
+                                           top_a, self._tokens_of(fixed_a) + tokens_a, P[a], P[a + 1]) - self.f[a])
+                 + self.w[b] * (self._floors(sum(self.bcost[k] for k in fixed_b) + float(cost.sum()) - cost_a, top_b,
+                                             self._tokens_of(fixed_b) + int(tokens.sum()) - tokens_a, P[b], P[b + 1])
+                                - self.f[b])
                  + unit * dd - 1e-9)
+        if floor.min() >= -1e-12:
+            return False
+        in_a = bits.astype(bool)
         best = (-1e-12, None, 0)
         for i in np.argsort(floor, kind="stable").tolist():
             if floor[i] >= best[0]:
@@ -497,11 +536,23 @@ class _Search:
         return sum(self.blen[k] for k in bigs)
 
     def _fresh(self, seen: dict, key, lo: int, hi: int, also: int | None = None) -> bool:
-        """Whether anything in steps lo .. hi (and step `also`) changed, or the budget freed,
-        since `key` was last searched without a move."""
-        last = seen.get(key)
-        return last is None or last < self.freed or last < max(self.changed[max(lo, 0):hi + 1]) or \
+        """Whether anything in steps lo .. hi (and step `also`) changed since `key` was last
+        searched without a move, or the budget freed since and that search left out a move for
+        the budget (without one, more room gives the same search)."""
+        entry = seen.get(key)
+        if entry is None:
+            return True
+        last, blocked = entry
+        return (blocked and last < self.freed) or last < max(self.changed[max(lo, 0):hi + 1]) or \
             (also is not None and last < self.changed[also])
+
+    def _try(self, seen: dict, key, move, *args) -> bool:
+        """Run a move search; on failure remember when, and whether the budget left a move out."""
+        self.blocked = False
+        if move(*args):
+            return True
+        seen[key] = (self.stamp, self.blocked)
+        return False
 
     def improve_boundary(self, t: int, price: float, d_max: int) -> bool:
         """Shift P_t (between steps t - 1 and t)."""
@@ -533,10 +584,7 @@ class _Search:
                 taken = 0
                 for k in rng.permutation(len(self.bstep)).tolist():
                     if self._fresh(seen, ("move", k), self.barr[k] - self.early, self.barr[k] + self.late):
-                        if self.improve_outlier(k, price, d_max):
-                            taken += 1
-                        else:
-                            seen[("move", k)] = self.stamp
+                        taken += self._try(seen, ("move", k), self.improve_outlier, k, price, d_max)
                 # repartitions and chains only from the steps the model ranks worst: they cost a window squared
                 for t in range(self.T):
                     if self.w[t] * (self.f[t] - 1.0) <= CHAIN_FROM:
@@ -544,22 +592,13 @@ class _Search:
                     for b in range(max(0, t - span), min(self.T, t + span + 1)):
                         # a split reads steps t and b only (and the budget), not the steps between
                         if b != t and self._fresh(seen, ("part", t, b), t, t, also=b):
-                            if self.repartition(t, b, price, d_max):
-                                taken += 1
-                            else:
-                                seen[("part", t, b)] = self.stamp
+                            taken += self._try(seen, ("part", t, b), self.repartition, t, b, price, d_max)
                     for k in self.bigs[t]:
                         if self.bstep[k] == t and self._fresh(seen, ("chain", k), t - 2 * span, t + 2 * span):
-                            if self.chain_outlier(k, price, d_max):
-                                taken += 1
-                            else:
-                                seen[("chain", k)] = self.stamp
+                            taken += self._try(seen, ("chain", k), self.chain_outlier, k, price, d_max)
                 for t in rng.permutation(np.arange(1, self.T)).tolist():
                     if self._fresh(seen, ("boundary", t), t - 1, t):
-                        if self.improve_boundary(t, price, d_max):
-                            taken += 1
-                        else:
-                            seen[("boundary", t)] = self.stamp
+                        taken += self._try(seen, ("boundary", t), self.improve_boundary, t, price, d_max)
                 moves += taken
                 if not taken:
                     break
@@ -606,15 +645,17 @@ def measure(stream: OfflineStream, step: np.ndarray, micro: np.ndarray, n_micro:
 def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_const: float, budgets: Sequence[float],
                      *, early: int, late: int, outlier_min: int = 32768, starts: Sequence[np.ndarray] = (),
                      n_slots: int | None = None, step_weights: np.ndarray | None = None, prices: Sequence[float] = PRICES, sweeps: int = SWEEPS,
-                     seed: int = 0, on_budget: Callable[[OfflineSchedule], None] | None = None) -> list[OfflineSchedule]:
+                     seed: int = 0, on_budget: Callable[[OfflineSchedule], None] | None = None,
+                     skip_infeasible: bool = False) -> list[OfflineSchedule]:
     """One `OfflineSchedule` per budget (displacement per token), in ascending budget order.
 
     `starts`: schedules to start from and never do worse than: a training step per piece (each
     within the window), or a (step, micro-batch) pair of arrays, then also measured as given;
     the schedule that trains every piece at its arrival is always one.
     `step_weights`: weight of each step in the objective (default 1 each). `on_budget` is
-    called with each schedule as it is found (progress). Raises ValueError when no schedule
-    is found within a budget (a budget of 0 on a stream whose arrivals overflow a step)."""
+    called with each schedule as it is found (progress). When no schedule is found within a
+    budget (a budget of 0 on a stream whose arrivals overflow a step), raises ValueError, or
+    with `skip_infeasible` leaves that budget out of the list."""
     if not isinstance(stream, OfflineStream):
         raise TypeError(f"stream must be an OfflineStream (see offline_stream), got {type(stream).__name__}")
     budgets = sorted(budgets)
@@ -680,6 +721,11 @@ def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_co
             search.load(*state)
             if search.D <= d_max:
                 options.append((search.objective(), state))
+        if not options:  # every start displaces more: repair the arrivals' overflow within the budget
+            state = search.start_state(arrival)
+            search.load(*state)
+            if search.D <= d_max:
+                options.append((search.objective(), state))
         moves = 0
         if options:
             search.load(*min(options, key=lambda o: o[0])[1])
@@ -691,6 +737,8 @@ def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_co
                 imb, disp = measure(stream, *r, n_micro, mb_const, n_slots)
                 within.append(("search", r, imb, disp))
         if not any(e[3] <= budget + 1e-12 for e in within):
+            if skip_infeasible:
+                continue
             raise ValueError(f"no schedule found within the displacement budget {budget}: the arrivals overflow a "
                              f"step and the search found no way out within the budget and window")
         source, (step, micro), imb, disp = min((e for e in within if e[3] <= budget + 1e-12),

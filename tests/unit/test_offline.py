@@ -176,7 +176,7 @@ def test_bad_input_is_refused_by_name(kw, message):
 
 def test_the_search_floor_never_exceeds_the_step_model():
     """The branch and bound of splits and chains prunes by `floor`: it must be a lower bound of
-    the model, and its fast forms (`floor_with`, `_floors`) must agree with it."""
+    the model, and its array forms (`_floors`, `_floors_with`) must agree with it."""
     from wlb_opt.solvers.offline import _Search
 
     rng = np.random.default_rng(1)
@@ -202,4 +202,18 @@ def test_the_search_floor_never_exceeds_the_step_model():
                 bc, (p, q) = search.bigs[c], (search.P[c], search.P[c + 1])
                 expect = search.floor(search.bsum[c] + search.bcost[k], max([search.bcost[x] for x in bc + (k,)]),
                                       search.btok[c] + search.blen[k], p, q)
-                assert search.floor_with(c, k) == pytest.approx(expect, rel=1e-12)
+                got = search._floors_with(np.array([c]), np.array([search.bcost[k]]),
+                                          np.array([max([search.bcost[x] for x in bc + (k,)])]),
+                                          np.array([search.blen[k]]))[0]
+                assert got == pytest.approx(expect, rel=1e-12)
+
+
+def test_a_budget_without_a_schedule_raises_or_is_left_out():
+    # step 0's arrivals (3 x 50 tokens) overflow its 2 x 60 tokens: a budget of 0 has no schedule
+    batches, stream = _stream([[50, 50, 50], [10], [10]])
+    kw = dict(early=1, late=1, outlier_min=20)
+    with pytest.raises(ValueError, match="no schedule found within the displacement budget 0"):
+        offline_frontier(stream, 2, 60, 0.5, [0.0, 1.0], **kw)
+    out = offline_frontier(stream, 2, 60, 0.5, [0.0, 1.0], skip_infeasible=True, **kw)
+    assert [s.budget for s in out] == [1.0]
+    _check(stream, out[0], 2, 60, 1, 1, 3)
