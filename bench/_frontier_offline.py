@@ -23,7 +23,9 @@ the heuristics), as far ahead as behind since the whole stream is known; the bou
 uses the same window, so the bound holds for every offline schedule and every heuristic.
 
 Budgets: `--budgets` plus each heuristic's own displacement, so that each heuristic meets an
-offline schedule of at most its displacement. Bracket per heuristic: "lower" = its aggregate
+offline schedule of at most its displacement. A budget at which the search finds no schedule
+(a stream whose arrivals overflow their steps by more than the budget moves) is a row without
+figures: source "none found", or "none exists" when the bound's model is infeasible there. Bracket per heuristic: "lower" = its aggregate
 minus the bound at the smallest budget >= its displacement (aggregate measure: the bound is
 on the aggregate); "achievable" = its imbalance minus that of the best offline schedule whose
 displacement is at most its own (and the same on the aggregate).
@@ -162,10 +164,17 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
     t1 = time.perf_counter()
     offline_frontier(stream, N, max_tokens, cost.mb_const("fwd"), all_budgets, early=early, late=late,
                      outlier_min=outlier_min, starts=in_window, n_slots=n_slots, step_weights=weights, prices=prices,
-                     on_budget=progress)
+                     on_budget=progress, skip_infeasible=True)
     search_s = time.perf_counter() - t1
     names = [n for n, s in zip(runs, starts) if any(s is w for w in in_window)]
     curve = []
+    for b in sorted(set(all_budgets) - {s.budget for s in found}):
+        show(f"  {dist}: budget {b:.3f}: no offline schedule found")
+        # an infeasible bound model proves that no schedule exists within the budget and window
+        proven = not np.isfinite(bounds[b])
+        curve.append(dict(dist=dist, budget=b, imbalance=None, aggregate=None, displacement_per_token=None,
+                          bound=None if proven else bounds[b], source="none exists" if proven else "none found",
+                          checked=False))
     for s in found:
         check = check_schedule(batches, cost, s.step, s.micro_batch, stream.doc_ids, stream.offsets, stream.lengths,
                                N, max_tokens, n_slots, warmup)
@@ -180,11 +189,13 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
                           displacement_per_token=check["displacement_per_token"], bound=bounds[s.budget],
                           source=names[int(s.source.split()[1]) - 1] if s.source.startswith("start ") else s.source,
                           checked=True))
+    curve.sort(key=lambda c: c["budget"])
+    scheduled = [c for c in curve if c["checked"]]
     for r in rows:
         d = r["displacement_per_token"]
         above = [b for b in all_budgets if b >= d - 1e-12]
         r["bound"] = bounds[above[0]] if above else None
-        within = [c for c in curve if c["displacement_per_token"] <= d + 1e-12]
+        within = [c for c in scheduled if c["displacement_per_token"] <= d + 1e-12]
         best = min(within, key=lambda c: c["imbalance"]) if within else None
         best_agg = min((c["aggregate"] for c in within), default=None)
         r["offline_imbalance"] = None if best is None else best["imbalance"]
@@ -224,8 +235,8 @@ def main(args, argv, cost, budgets: list[float] | None) -> int:
     print(f"{'dist':<8} {'budget':>6} {'disp':>6} {'imb':>6} {'agg':>6} {'bound':>6} {'from':<8}")
     for res in results:
         for c in res["offline"]:
-            print(f"{c['dist']:<8} {c['budget']:>6.3f} {c['displacement_per_token']:>6.3f} {c['imbalance']:>6.3f} "
-                  f"{c['aggregate']:>6.3f} {c['bound']:>6.3f} {c['source']:<8}")
+            print(f"{c['dist']:<8} {c['budget']:>6.3f} {_fmt(c['displacement_per_token'])} {_fmt(c['imbalance'])} "
+                  f"{_fmt(c['aggregate'])} {_fmt(c['bound'])} {c['source']:<8}")
     print(f"\nbrackets: achievable = heuristic - best offline schedule of at most its displacement (imbalance; agg); "
           f"lower = heuristic agg - bound")
     print(f"{'dist':<8} {'method':<22} {'imb':>6} {'disp':>6} {'offline':>7} {'achievable':>10} {'agg':>6} "
@@ -246,9 +257,10 @@ def main(args, argv, cost, budgets: list[float] | None) -> int:
         brackets=[b for r in results for b in r["brackets"]]), indent=2))
     for res in results:
         dist = res["meta"]["dist"]
-        frontier = [dict(budget=c["budget"], bound=c["bound"], best_plan=None, realised=None) for c in res["offline"]]
+        frontier = [dict(budget=c["budget"], bound=c["bound"], best_plan=None, realised=None) for c in res["offline"]
+                    if c["bound"] is not None]
         plot(frontier, res["brackets"], out / f"offline_{dist}.png", f"offline frontier (dist={dist}, "
              f"{res['meta']['steps']} steps)", offline=[(c["displacement_per_token"], c["aggregate"])
-                                                       for c in res["offline"]])
+                                                       for c in res["offline"] if c["checked"]])
     print(f"wrote {out / 'offline.json'} ({seconds:.0f} s)")
     return 0
