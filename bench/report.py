@@ -127,7 +127,12 @@ SECTIONS = (
              Table("stream_speed.json", ("shard",), caption="`solve_shard` of all micro-batches of a step."))),
     Section("validate_sim", "The simulator against real execution",
             "Predicted step time against measured steps of a 2-stage gloo pipeline, per schedule "
-            "(error = predicted / measured - 1).",
+            "(error = predicted / measured - 1). `simulated_s`: the simulator on the measured op times as "
+            "`simulate_step` times a pipeline (v = 2: the rendezvous replay of the executor's p2p groups), `dag_s` "
+            "the ideal DAG; `replay_s`: that replay also fed what the step did outside its ops, measured on the "
+            "executor's clocks (`setup_s` before the pipeline, `teardown_s` after it), with the profiled p2p per "
+            "group, `replay_measured_p2p_s` with the median measured transfer per group (`transfer_ms`) instead; "
+            "`load_average`: the 1-minute load average after each step.",
             (Table("validate_sim.json", ("rows",)), Table("validate_sim.json", ("breakdown",)),
              Table("validate_sim.json", ("single_rank",)))),
     Section("pipeline_replay", "The executor's pipeline under rendezvous semantics",
@@ -140,7 +145,9 @@ SECTIONS = (
              Table("pipeline_replay.json", ("bounds",), caption="Lower bounds over every schedule of blocking "
                    "groups on the same draws (CP-SAT; `best_placement` is the best placement it found, fitted to "
                    "these draws; `best_placement_fresh` and `after_fresh`: that placement and the executor's groups "
-                   "on other draws)."),
+                   "on other draws). Rows with a `draw` bound the statistic on that one draw of the shape's (the "
+                   "best of those in `tried`, in the JSON), beside the executor's groups on it (`after_on_draw`): "
+                   "the largest replay / ideal over the draws is at least that."),
              Table("pipeline_replay.json", ("rows",), caption="Per shape."))),
     Section("memory", "Memory model against measured peaks",
             "Peak memory of one `train_step` on a CPU against the analytic and calibrated memory models.",
