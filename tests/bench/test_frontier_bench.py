@@ -30,7 +30,7 @@ def test_bench_frontier_runs_on_a_short_stream(tmp_path, capsys):
 def test_bench_frontier_offline_checks_its_schedules_and_brackets_the_defaults(tmp_path, capsys):
     from wlb_opt.bench import frontier
 
-    assert frontier.main(["--offline", "--quick", "--steps", "24", "--dists", "real", "--budgets", "0.3",
+    assert frontier.main(["--offline", "--quick", "--steps", "16", "--dists", "real", "--budgets", "0.3",
                           "--time-limit", "1", "--out", str(tmp_path)]) == 0
     out = json.loads((tmp_path / "offline.json").read_text())
     curve = out["offline"]
