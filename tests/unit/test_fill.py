@@ -189,3 +189,24 @@ def test_candidates_scored_together_equal_each_scored_alone(seed, n_groups):
         assert trial.imbalance == pytest.approx(alone.imbalance, rel=1e-12)
         assert trial.deferred_tokens == alone.deferred_tokens and trial.n_placed == alone.n_placed
         assert trial.defers_any(group) == alone.defers_any(group)
+
+
+def test_calibration_meter_counts_candidates_scored_together():
+    # with method wlb_fill the release scores a round's candidates without the solve callback:
+    # the calibration meter is told of them (account), so its work budget still bounds the trials
+    from wlb_opt.packer.calibrate import _Meter, _Metered
+    from wlb_opt.workloads import global_batches
+    cost = unit_cost(attn=1e-6, linear=1e-3)
+    batches = global_batches("real", 4096, 4 * 4096, 12, seed=3)
+    counted = {}
+    for scored_together in (True, False):
+        packer = wlb.WLBPacker(4, 5120, cost, config=wlb.PackerConfig(method="wlb_fill", thresholds=[1024, 2048]))
+        meter = _Meter()
+        metered = _Metered(packer._solve, meter)
+        if not scored_together:  # a callback without `account`: the plain callable
+            metered = metered.__call__
+        packer._solve = metered
+        for batch in batches:
+            packer.pack(*batch)
+        counted[scored_together] = meter.work
+    assert counted[True] > counted[False] > 0

@@ -161,6 +161,11 @@ class _Metered:
         self.meter.work += 1.0 + (len(first) + len(rest)) / WORK_PIECES
         return self.solve(first, rest)
 
+    def account(self, n_candidates: int, n_pieces: int) -> None:
+        """Count candidates a release policy scored together (`FillTrial.with_groups`), each
+        of about n_pieces pieces, as that many calls."""
+        self.meter.work += n_candidates * (1.0 + n_pieces / WORK_PIECES)
+
 
 class _Trial:
     """One class of candidates: its packer on the bootstrap stream, advanced a batch at a time."""

@@ -69,7 +69,8 @@ SolveStep = Callable[[list[HeldPiece], list[HeldPiece]], tuple[list[HeldPiece], 
 """The packer's `solve(first, rest)`: packs `first` (placed first) then `rest`; returns
 (pending = first + rest, plan, arrival step of each pending piece). The plan is a PackPlan
 or a `TrialPack` (trial.py), which answers the same questions and builds its PackPlan with
-`as_pack_plan`."""
+`as_pack_plan`. A callback may also have `account(n_candidates, n_pieces)`, told of candidates
+scored together without it (`FillTrial.with_groups`; calibration's meter counts them)."""
 
 # Slack on the imbalance limit, so that a candidate equal to it in exact arithmetic is kept.
 _TOLERANCE_SLACK = 1e-12
@@ -377,7 +378,11 @@ class GroupRelease(ReleasePolicy):
         windows = [(i, size, tokens_of[i], None if at_least_of is None else at_least_of[i])
                    for size, starts, tokens_of, at_least_of in self._windows(remaining, ctx) for i in starts]
         if with_groups is not None:
-            trials = iter(with_groups([list(joining) + remaining[i:i + size] for i, size, _, _ in windows]))
+            groups = [list(joining) + remaining[i:i + size] for i, size, _, _ in windows]
+            account = getattr(ctx.solve, "account", None)  # calibration's meter counts them as solves
+            if account is not None and groups:
+                account(len(groups), len(ctx.plan.pending) + sum(map(len, groups)) // len(groups))
+            trials = iter(with_groups(groups))
         for i, size, tokens, at_least in windows:
             group = remaining[i:i + size]
             if with_groups is not None:
