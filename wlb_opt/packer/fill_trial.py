@@ -143,41 +143,6 @@ def predict_rounds(weights: np.ndarray, tokens: np.ndarray, n_items: np.ndarray,
         ptr[rows] = p + k
         rows = rows[ptr[rows] < n_items[rows]]
     return loads, toks, deferred
-    w = np.concatenate([weights, np.zeros((n_rows, n_bins))], axis=1)  # padded: a round reads n_bins ahead
-    t = np.concatenate([tokens, np.zeros((n_rows, n_bins), dtype=np.int64)], axis=1)
-    n_items = np.asarray(n_items, dtype=np.int64)
-    ptr = np.zeros(n_rows, dtype=np.int64)
-    cols = np.arange(n_bins)
-    rows = np.flatnonzero(ptr < n_items)
-    while len(rows):
-        row_loads = loads[rows]
-        order = np.argsort(row_loads, axis=1, kind="stable")  # lightest first, ties: lowest bin
-        lo = np.take_along_axis(row_loads, order, axis=1)
-        p = ptr[rows]
-        k = (lo < lo[:, :1] + w[rows, p][:, None]).sum(axis=1)
-        k = np.clip(k, 1, n_items[rows] - p)
-        pos = p[:, None] + cols[None, :]
-        take = cols[None, :] < k[:, None]
-        wi = w[rows[:, None], pos]
-        ti = t[rows[:, None], pos]
-        flat = rows[:, None] * n_bins + order  # flat index of the j-th lightest bin of each row
-        fits = take & (toks.ravel()[flat] + ti <= cap)
-        loads.ravel()[flat[fits]] += wi[fits]
-        toks.ravel()[flat[fits]] += ti[fits]
-        bad = take & ~fits
-        if bad.any():  # the fallback: the round's misfits, in order, to the bins of fewest tokens
-            at, j = np.nonzero(bad)
-            rank = np.cumsum(bad, axis=1)[at, j] - 1  # j-th misfit of its row
-            by_tokens = np.argsort(toks[rows[at]], axis=1, kind="stable")
-            b = by_tokens[np.arange(len(at)), np.minimum(rank, n_bins - 1)]
-            c = rows[at]
-            ok = toks[c, b] + ti[at, j] <= cap
-            loads[c[ok], b[ok]] += wi[at, j][ok]  # distinct (row, bin) pairs: one misfit per bin
-            toks[c[ok], b[ok]] += ti[at, j][ok]
-            deferred[c[~ok], p[at][~ok] + j[~ok]] = True
-        ptr[rows] = p + k
-        rows = rows[ptr[rows] < n_items[rows]]
-    return loads, toks, deferred
 
 
 PREDICT_SHARE = 0.02
