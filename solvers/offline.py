@@ -164,7 +164,8 @@ class _Search:
         big = np.flatnonzero(L >= outlier_min)
         self.big = big[np.argsort(-C[big], kind="stable")]  # rank k = k-th costliest: sorted tuples are LPT order
         self.blen, self.bcost, self.barr = (L[self.big].tolist(), C[self.big].tolist(), A[self.big].tolist())
-        self.blen_np, self.bcost_np, self.barr_np = L[self.big].astype(np.int64), C[self.big], A[self.big].astype(np.int64)
+        self.blen_np, self.bcost_np = L[self.big].astype(np.int64), C[self.big]  # the same as arrays
+        self.barr_np = A[self.big].astype(np.int64)
         short = np.flatnonzero(L < outlier_min)
         self.short = short[np.lexsort((short, A[short]))]
         sl, sa = L[self.short], A[self.short]
