@@ -133,7 +133,12 @@ SECTIONS = (
             "executor's clocks (`setup_s` before the pipeline, `teardown_s` after it), with the profiled p2p per "
             "group, `replay_measured_p2p_s` with the median measured transfer per group (`transfer_ms`) instead; "
             "`load_average`: the 1-minute load average after each step.",
-            (Table("validate_sim.json", ("rows",)), Table("validate_sim.json", ("breakdown",)),
+            (Table("validate_sim.json", ("rows",), columns=(
+                "virtual_stages", "step", "measured_s", "simulated_s", "rel_error", "dag_s", "dag_rel_error",
+                "replay_s", "replay_rel_error", "replay_measured_p2p_s", "replay_measured_p2p_rel_error", "setup_s",
+                "teardown_s", "transfer_ms", "bubble_fraction", "predicted_s", "predicted_rel_error",
+                "load_average")),
+             Table("validate_sim.json", ("breakdown",)),
              Table("validate_sim.json", ("single_rank",)))),
     Section("pipeline_replay", "The executor's pipeline under rendezvous semantics",
             "Largest replay / ideal pipeline over random op times (log-normal around the cost model's), per "
