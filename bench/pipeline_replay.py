@@ -29,13 +29,13 @@ paired sends and receives does better than the bound on these draws. The placeme
 finds is fitted to these draws; `best_placement_fresh` replays it on --draws other draws (seed
 --seed + 1), beside the executor's groups on the same ones (`after_fresh`).
 
-`--bound-per-draw pp,n_micro,v` solves the same model on one draw at a time, for shapes too
-large for all draws at once: the --bound-draws draws on which the executor's groups are
-slowest, --bound-draw-time seconds for the shape shared among them. A bound on one draw bounds
-the statistic too: for any schedule, the largest replay / ideal over the draws is at least its
-ratio on that draw, which is at least the least ratio of any schedule there. The entry keeps
-the draw with the highest bound (`draw`: its index among the shape's draws; `after_on_draw`:
-the executor's groups on it).
+`--bound-per-draw pp,n_micro,v` solves the same model on a few draws, for shapes too large for
+all draws at once: the --bound-joint draws on which the executor's groups are slowest
+together, then --bound-draws single draws in that order, --bound-draw-time seconds for the
+shape. A bound on some of the draws bounds the statistic too: for any schedule, the largest
+replay / ideal over the draws is at least its largest on those, which is at least the least
+of that over every schedule. The entry keeps the try with the highest bound (`draw`: the
+indices of its draws among the shape's; `after_on_draw`: the executor's groups on them).
 """
 from __future__ import annotations
 
@@ -166,27 +166,33 @@ def placement_bound(pp: int, n_micro: int, v: int, samples, time_limit: float, s
                 cpu_s=round(time.process_time() - started, 1), best_placement_fresh=fresh)
 
 
-def per_draw_bound(pp: int, n_micro: int, v: int, samples, time_limit: float, n_draws: int) -> dict:
-    """The highest `placement_bound` over single draws: up to `n_draws` draws of `samples`, those
-    on which the executor's groups have the highest replay / ideal first, in `time_limit`
-    seconds of wall time for the shape, model building included (each draw's solve gets half
-    of what is left, the last all of it; no draw starts with under a second left). Returns the
-    entry of the best draw (`draw`: its index in `samples`) with every draw tried as [index,
-    lower bound, status] in `tried`."""
+def per_draw_bound(pp: int, n_micro: int, v: int, samples, time_limit: float, n_draws: int,
+                   joint: int = 3) -> dict:
+    """The highest `placement_bound` over a few of `samples`, in `time_limit` seconds of wall time
+    for the shape, model building included: first the `joint` draws on which the executor's
+    groups have the highest replay / ideal, together (one placement for them all: a stronger
+    bound than any one of them alone, when CP-SAT solves it), with half the time; then up to
+    `n_draws` single draws in the same order, each solve with half of what is left (the last
+    with all of it; none starts with under a second left). Returns the entry of the best try
+    (`draw`: the indices in `samples` of its draws, space-separated; `after_on_draw`: the
+    executor's groups' largest replay / ideal on them) with every try as [indices, lower bound,
+    status] in `tried`."""
     after = replay_ratios(pp, n_micro, v, samples)["after"]
-    chosen = [int(d) for d in np.argsort(-np.asarray(after), kind="stable")[:n_draws]]
+    slowest = [int(d) for d in np.argsort(-np.asarray(after), kind="stable")]
+    tries = ([slowest[:joint]] if joint > 1 else []) + [[d] for d in slowest[:n_draws]]
     best, tried, cpu_s = None, [], 0.0
     deadline = time.monotonic() + time_limit
-    for i, d in enumerate(chosen):
+    for i, chosen in enumerate(tries):
         left = deadline - time.monotonic()
         if tried and left < 1.0:
             break
-        share = max(left, 0.1) if i == len(chosen) - 1 else max(left / 2, 0.1)
-        res = placement_bound(pp, n_micro, v, [samples[d]], share, ratio_cap=after[d])
+        share = max(left, 0.1) if i == len(tries) - 1 else max(left / 2, 0.1)
+        worst = max(after[d] for d in chosen)
+        res = placement_bound(pp, n_micro, v, [samples[d] for d in chosen], share, ratio_cap=worst)
         cpu_s += res["cpu_s"]
-        tried.append([d, res["lower_bound"], res["status"]])
+        tried.append([chosen, res["lower_bound"], res["status"]])
         if best is None or res["lower_bound"] > best["lower_bound"]:
-            best = dict(res, draw=d, after_on_draw=round(after[d], 4))
+            best = dict(res, draw=" ".join(map(str, chosen)), after_on_draw=round(worst, 4))
     best.update(cpu_s=round(cpu_s, 1), tried=tried)
     return best
 
@@ -220,7 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bound-per-draw", type=_shape, action="append", default=[],
                    help="pp,n_micro,v: the CP-SAT lower bound for this shape on single draws (repeatable)")
     p.add_argument("--bound-draws", type=count, default=2,
-                   help="draws tried per --bound-per-draw shape, the executor's slowest first (default 2)")
+                   help="single draws tried per --bound-per-draw shape, the executor's slowest first (default 2)")
+    p.add_argument("--bound-joint", type=count, default=3,
+                   help="draws solved together first per --bound-per-draw shape, the executor's slowest "
+                        "(default 3; 1: none)")
     p.add_argument("--bound-draw-time", type=float, default=60.0,
                    help="CP-SAT seconds per --bound-per-draw shape, shared by its draws (default 60)")
     p.add_argument("--out", default="results/pipeline_replay", help="folder for pipeline_replay.json")
@@ -229,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             p.error(f"--{name.replace('_', '-')} must be seconds > 0, got {value}")
-    if args.bound_draws > args.draws:
-        p.error(f"--bound-draws {args.bound_draws} must be at most --draws ({args.draws})")
+    for name in ("bound_draws", "bound_joint"):
+        if getattr(args, name) > args.draws:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be at most --draws ({args.draws})")
     cost = wlb.CostModel.analytic(wlb.ModelSpec.preset(args.model), hardware=wlb.HardwareSpec.preset(args.hardware))
     lengths = [args.tokens // args.docs] * args.docs
     fwd_s, bwd_s = cost.micro_batch_cost(lengths, "fwd"), cost.micro_batch_cost(lengths, "bwd")
@@ -266,11 +276,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{bounds[-1]['after_fresh']}")
     for pp, n_micro, v in args.bound_per_draw:
         samples = draws(pp, n_micro, v, fwd_s, bwd_s, args.draws, args.sigma, args.seed)
-        entry = per_draw_bound(pp, n_micro, v, samples, args.bound_draw_time, args.bound_draws)
+        entry = per_draw_bound(pp, n_micro, v, samples, args.bound_draw_time, args.bound_draws, args.bound_joint)
         entry["after_max"] = next((r["after_max"] for r in rows if (r["pp"], r["n_micro"], r["v"]) == (pp, n_micro, v)),
                                   None)
         bounds.append(entry)
-        print(f"bound pp={pp} n_micro={n_micro} v={v} on draw {entry['draw']}: every schedule of blocking groups >= "
+        print(f"bound pp={pp} n_micro={n_micro} v={v} on draws {entry['draw']}: every schedule of blocking groups >= "
               f"{entry['lower_bound']:.3f} x ideal there ({entry['status']}; draws tried {entry['tried']}); "
               f"this one {entry['after_on_draw']} there, {entry['after_max']} at worst", flush=True)
     worst = {v: max(r["after_max"] for r in rows if r["v"] == v) for v in (1, 2, 4)}

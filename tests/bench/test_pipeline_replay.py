@@ -47,17 +47,22 @@ def test_per_draw_mode_records_the_best_draw(tmp_path):
     from wlb_opt.bench.pipeline_replay import main
 
     assert main(["--max-pp", "2", "--max-micro", "4", "--draws", "2", "--bound-per-draw", "2,4,2",
-                 "--bound-draws", "2", "--bound-draw-time", "20", "--out", str(tmp_path)]) == 0
+                 "--bound-draws", "2", "--bound-joint", "2", "--bound-draw-time", "20", "--out", str(tmp_path)]) == 0
     (entry,) = json.loads((tmp_path / "pipeline_replay.json").read_text())["bounds"]
-    assert (entry["pp"], entry["n_micro"], entry["v"], entry["draws"]) == (2, 4, 2, 1)
-    assert entry["draw"] in (0, 1) and sorted(d for d, _, _ in entry["tried"]) == [0, 1]
-    assert entry["lower_bound"] == max(bound for _, bound, _ in entry["tried"])
+    assert (entry["pp"], entry["n_micro"], entry["v"]) == (2, 4, 2)
+    # the two draws together, then each alone; together bounds at least as high as either
+    tried = {tuple(d): (bound, status) for d, bound, status in entry["tried"]}
+    assert sorted(tried) == [(0,), (0, 1), (1,)] or sorted(tried) == [(0,), (1,), (1, 0)]
+    both = next(b for d, (b, _) in tried.items() if len(d) == 2)
+    assert both >= max(b for d, (b, _) in tried.items() if len(d) == 1) - 2e-3  # op times rounded per model
+    assert entry["lower_bound"] == max(b for b, _ in tried.values()) and entry["draws"] == len(entry["draw"].split())
     assert 1.0 <= entry["lower_bound"] <= entry["after_on_draw"] + 1e-3 <= entry["after_max"] + 1e-3
 
 
 @pytest.mark.parametrize("args, message", [
     (["--bound-draw-time", "0"], "--bound-draw-time must be seconds > 0, got 0.0"),
     (["--bound-draws", "30"], "--bound-draws 30 must be at most --draws (20)"),
+    (["--bound-joint", "21"], "--bound-joint 21 must be at most --draws (20)"),
     (["--bound-per-draw", "2,3,2"], "a multiple of pp"),
 ])
 def test_bad_per_draw_arguments_name_the_value(args, message, capsys):
