@@ -150,9 +150,10 @@ SECTIONS = (
              Table("pipeline_replay.json", ("bounds",), caption="Lower bounds over every schedule of blocking "
                    "groups on the same draws (CP-SAT; `best_placement` is the best placement it found, fitted to "
                    "these draws; `best_placement_fresh` and `after_fresh`: that placement and the executor's groups "
-                   "on other draws). Rows with a `draw` bound the statistic on that one draw of the shape's (the "
-                   "best of those in `tried`, in the JSON), beside the executor's groups on it (`after_on_draw`): "
-                   "the largest replay / ideal over the draws is at least that."),
+                   "on other draws). Rows with a `draw` bound it on those few of the shape's draws alone (the "
+                   "executor's slowest three together, then single draws: the best of the tries in `tried`, in the "
+                   "JSON), beside the executor's groups on them (`after_on_draw`): the largest replay / ideal over "
+                   "all the draws is at least that."),
              Table("pipeline_replay.json", ("rows",), caption="Per shape."))),
     Section("memory", "Memory model against measured peaks",
             "Peak memory of one `train_step` on a CPU against the analytic and calibrated memory models.",
