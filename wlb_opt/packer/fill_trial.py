@@ -277,10 +277,10 @@ class FillTrial:
         if prediction is not None:
             self._prediction = prediction
         if indices is not None:
-            self._indices = indices
+            self._parts = indices
 
     @cached_property
-    def _indices(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _parts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The solver's indices of first, extra and group."""
         s = self._solver
         return s._indices(self._first), s._indices(self._extra), s._indices(self._group)
@@ -293,7 +293,7 @@ class FillTrial:
 
     @cached_property
     def _pending_idx(self) -> np.ndarray:
-        return np.concatenate(list(self._indices) + ([self._solver._fresh_idx] if self._with_fresh else []))
+        return np.concatenate(list(self._parts) + ([self._solver._fresh_idx] if self._with_fresh else []))
 
     @property
     def arrival(self) -> np.ndarray:
@@ -302,14 +302,14 @@ class FillTrial:
 
     @cached_property
     def _prediction(self) -> Prediction:
-        first_idx, extra_idx, group_idx = self._indices
+        first_idx, extra_idx, group_idx = self._parts
         return self._solver._predict(first_idx, extra_idx, [group_idx], self._with_fresh)[0]
 
     def with_groups(self, groups: list[list[HeldPiece]]) -> list["FillTrial"]:
         """This candidate with each of `groups` added after its extra pieces (before the fresh
         ones), all scored in one `predict_rounds`."""
         s = self._solver
-        first_idx, extra_idx, group_idx = self._indices
+        first_idx, extra_idx, group_idx = self._parts
         base = self._extra + self._group
         base_idx = np.concatenate([extra_idx, group_idx])
         flat = s._indices(list(chain.from_iterable(groups)))

@@ -377,23 +377,22 @@ class GroupRelease(ReleasePolicy):
         with_groups = getattr(ctx.plan, "with_groups", None)
         windows = [(i, size, tokens_of[i], None if at_least_of is None else at_least_of[i])
                    for size, starts, tokens_of, at_least_of in self._windows(remaining, ctx) for i in starts]
-        if with_groups is not None:
+        trials = [None] * len(windows)
+        if with_groups is not None and windows:
             groups = [list(joining) + remaining[i:i + size] for i, size, _, _ in windows]
             account = getattr(ctx.solve, "account", None)  # calibration's meter counts them as solves
-            if account is not None and groups:
+            if account is not None:
                 account(len(groups), len(ctx.plan.pending) + sum(map(len, groups)) // len(groups))
-            trials = iter(with_groups(groups))
-        for i, size, tokens, at_least in windows:
+            trials = with_groups(groups)
+        for (i, size, tokens, at_least), t_plan in zip(windows, trials):
             group = remaining[i:i + size]
-            if with_groups is not None:
-                t_pending, t_plan, t_arrival = None, next(trials), None
-                if hopeless is not None and hopeless(group, tokens, at_least):
-                    continue
-            else:
-                if hopeless is not None and hopeless(group, tokens, at_least):
-                    continue
+            if hopeless is not None and hopeless(group, tokens, at_least):
+                continue
+            if t_plan is None:
                 t_pending, t_plan, t_arrival = ctx.solve(*self._split(ctx.carry, ctx.released + group, ctx.fresh,
                                                                       ctx.step))
+            else:
+                t_pending = t_arrival = None
             t_deferred = t_plan.deferred_tokens
             if ((t_plan.imbalance > ctx.limit and not ctx.idle)
                     or t_deferred - ctx.base_deferred >= tokens + extra_tokens
