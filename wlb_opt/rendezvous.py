@@ -12,7 +12,20 @@ schedule they do not (`wlb-opt bench validate-sim` sets both against measured st
 `simulate_rendezvous(fwd, bwd, virtual_stages, p2p_s)` replays `step_plan` with given
 operation times: a rank posts its group when its previous op ends; the group completes when
 every one of its operations' counterparts has been posted (plus `p2p_s` of transfer time if
-any op of the group receives); then the rank runs its op.
+any op of the group receives); then the rank runs its op. That is how the executor runs
+1F1B.
+
+The interleaved executor runs channels instead (`simulate_channels`): one process group per
+(sender, receiver) pair, whose messages go in the sender's order (`channel_messages`). A
+send is posted when its op ends and never waited on before the end of the step; each
+receiver keeps the next receive of each of its channels posted, and posts the one after as
+soon as it takes a message. A message still moves only when both ends are posted (the
+same rendezvous), but the receive is already there: it arrives `p2p_s` after its send,
+and only an op that needs it waits. When every channel's messages are taken in the order
+they are made (true of every shape `stage_order` builds; the replay raises otherwise), this
+is the ideal pipeline `simulate_pipeline` times, as long as a message's transfer is not
+longer than the op that took the one before it (one receive ahead, `RECEIVES_AHEAD`, waits
+for that op to start).
 """
 from __future__ import annotations
 
@@ -21,7 +34,7 @@ import math
 import numpy as np
 
 from ._validate import is_float
-from .schedule import message_key, step_plan
+from .schedule import RECEIVES_AHEAD, _makes, _needs, channel_messages, message_key, stage_order, step_plan
 from .simulate import SimResult, _check_total, _chunk_costs
 
 
@@ -95,6 +108,10 @@ def _replay(f: np.ndarray, b: np.ndarray, plans: list, p2p_s, start_s=None) -> S
             clock[r], pos[r], moved = t, pos[r] + 1, True
         if not moved:  # p2p_schedule never gets here (tests/unit/test_schedule.py)
             raise RuntimeError(f"pipeline replay is stuck at groups {pos}")
+    return _result_of(timeline, clock, pp)
+
+
+def _result_of(timeline: list[dict], clock: list[float], pp: int) -> SimResult:
     step = max(clock)
     busy = np.zeros(pp)
     for row in timeline:
@@ -102,3 +119,71 @@ def _replay(f: np.ndarray, b: np.ndarray, plans: list, p2p_s, start_s=None) -> S
     bubble = 1.0 - busy.sum() / pp / step if step > 0 else 0.0  # pp x step could overflow
     return SimResult(step_time_s=step, bubble_fraction=float(bubble), stage_busy_s=busy, critical_path=[],
                      timeline=timeline)
+
+
+def simulate_channels(fwd, bwd, virtual_stages: int = 1, p2p_s: float = 0.0) -> SimResult:
+    """Step time of the pipeline over per-channel process groups (module docstring): the
+    interleaved executor's p2p. Same arguments as `simulate_rendezvous`."""
+    f = _chunk_costs(fwd, "fwd", virtual_stages)
+    b = _chunk_costs(bwd, "bwd", virtual_stages)
+    if f.shape != b.shape:
+        raise ValueError(f"fwd and bwd must have the same shape, got {f.shape} and {b.shape}")
+    if not (is_float(p2p_s) and math.isfinite(p2p_s) and p2p_s >= 0):
+        raise ValueError(f"p2p_s must be seconds >= 0 (a finite real number), got {p2p_s!r}")
+    _check_total(f, b, np.asarray([float(p2p_s)] * f.shape[2]))
+    return _replay_channels(f, b, np.full(f.shape[2], float(p2p_s)))
+
+
+def _replay_channels(f: np.ndarray, b: np.ndarray, p2p_s, start_s=None, ahead: int = RECEIVES_AHEAD) -> SimResult:
+    """The channel replay itself (f, b: [pp, v, m] seconds; `p2p_s` per micro-batch or a scalar;
+    `start_s` as in `_replay`; `ahead` receives kept posted per channel). Raises RuntimeError
+    if a rank needs a message before one made earlier on the same channel (its receive would
+    not be the one posted)."""
+    pp, v, m = f.shape
+    n_virtual = pp * v
+    p2p_mb = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (m,))
+    orders = [stage_order(r, pp, m, v) for r in range(pp)]
+    channels = channel_messages(pp, m, v)
+    index = {c: {key: k for k, key in enumerate(messages)} for c, messages in channels.items()}
+    sent: dict[tuple, float] = {}  # (channel, index) -> second the send was posted
+    posted: dict[tuple, float] = {}  # (channel, index) -> second the receive was posted
+    taken = {c: 0 for c in channels}  # messages each receiver has taken per channel
+    clock = [0.0] * pp if start_s is None else [float(t) for t in start_s]
+    for (src, dst), messages in channels.items():
+        for k in range(min(ahead, len(messages))):
+            posted[((src, dst), k)] = clock[dst]
+    pos = [0] * pp
+    timeline: list[dict] = []
+    while any(pos[r] < len(orders[r]) for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            if pos[r] >= len(orders[r]):
+                continue
+            op = orders[r][pos[r]]
+            phase, micro, vs = op
+            t = clock[r]
+            for direction, _, peer in _needs(op, pp, n_virtual):
+                c = (peer, r)
+                k = taken[c]
+                if channels[c][k] != (direction, micro, vs - 1 if direction == "fwd" else vs + 1):
+                    raise RuntimeError(f"rank {r} needs {direction} of micro-batch {micro} before message {k} "
+                                       f"{channels[c][k]} of channel {c}")
+                if (c, k) not in sent:
+                    break
+                arrived = max(sent[(c, k)], posted[(c, k)]) + float(p2p_mb[micro])
+                t = max(t, arrived)
+                taken[c] = k + 1
+                if k + ahead < len(channels[c]):
+                    posted[(c, k + ahead)] = t  # the next receive, once the rank has waited for this one
+            else:
+                dur = float((f if phase == "F" else b)[vs % pp, vs // pp, micro])
+                timeline.append(dict(stage=r, virtual_stage=vs, phase=phase, micro_batch=micro,
+                                     start_s=t, end_s=t + dur))
+                t += dur
+                for direction, _, peer in _makes(op, pp, n_virtual):
+                    c = (r, peer)
+                    sent[(c, index[c][(direction, micro, vs)])] = t
+                clock[r], pos[r], moved = t, pos[r] + 1, True
+        if not moved:
+            raise RuntimeError(f"pipeline channel replay is stuck at ops {pos}")
+    return _result_of(timeline, clock, pp)

@@ -396,6 +396,29 @@ def _plans(pp: int, n_micro: int, virtual_stages: int, placement: str = "auto") 
     return tuple(tuple((tuple(g), op) for g, op in plans[r]) for r in range(pp))
 
 
+RECEIVES_AHEAD = 1
+"""Receives the interleaved executor keeps posted on each channel into a rank: the next
+message's (its buffer allocated before the message is needed). One is the ideal pipeline
+whenever a transfer takes less than an op (`wlb_opt.rendezvous`); each more costs one
+boundary buffer per channel."""
+
+
+def channel_messages(pp: int, n_micro: int, virtual_stages: int = 1) -> dict[tuple[int, int], list[tuple[str, int, int]]]:
+    """The messages of a step by channel: (sender rank, receiver rank) -> `message_key`s in the
+    order the sender makes them (its `stage_order`). The interleaved executor gives every
+    such channel its own process group (`wlb_opt.executor.pipeline`): the k-th send of a
+    channel meets its k-th receive, so each receiver posts its receives in this order."""
+    check_pipeline_shape(pp, n_micro, virtual_stages)
+    n_virtual = pp * virtual_stages
+    channels: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    for rank in range(pp):
+        for op in stage_order(rank, pp, n_micro, virtual_stages):
+            _, micro, vs = op
+            for direction, _, peer in _makes(op, pp, n_virtual):
+                channels.setdefault((rank, peer), []).append((direction, micro, vs))
+    return channels
+
+
 def step_plan(rank: int, pp: int, n_micro: int, virtual_stages: int = 1) -> list[tuple[list[P2POp], Op | None]]:
     """Rank `rank`'s step as (group, compute op) pairs: the group is posted and waited on just
     before the op; the last pair has op None (the sends of the last op). See `_plans`."""

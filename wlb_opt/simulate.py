@@ -345,16 +345,15 @@ def pipeline_step_time(fwd, bwd, schedule: Schedule = "1f1b", virtual_stages: in
 
 
 def _replayed(f: np.ndarray, b: np.ndarray, v: int, p2p: np.ndarray, order) -> SimResult:
-    """The rendezvous replay of the executor's interleaved groups ([pp, m] seconds split over v
-    chunks), slot k running micro-batch order[k]; the timeline names micro-batches as
+    """The replay of the executor's interleaved channels ([pp, m] seconds split over v chunks),
+    slot k running micro-batch order[k]; the timeline names micro-batches as
     `simulate_pipeline`'s does."""
-    from .rendezvous import _replay
-    from .schedule import step_plan
+    from .rendezvous import _replay_channels
 
     fc, bc, p2p = _validate(f, b, "interleaved", v, p2p)
     pp, _, m = fc.shape
     fc, bc, p2p, perm = _permute(fc, bc, p2p, order, m)
-    res = _replay(fc, bc, [step_plan(r, pp, m, v) for r in range(pp)], p2p)
+    res = _replay_channels(fc, bc, p2p)
     for row in res.timeline:
         row["micro_batch"] = int(perm[row["micro_batch"]])
     res.timeline.sort(key=lambda r: (r["stage"], r["start_s"]))
@@ -557,11 +556,13 @@ def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, s
         allreduce_s: DP gradient sync seconds (default from `allreduce_seconds`).
         search_order: pick each replica's micro-batch order by simulation (`best_order`).
         use_dag: networkx DAG (with critical path) or the recurrence twin (faster).
-        blocking_p2p: the interleaved pipeline (v > 1) as the executor runs it, the rendezvous
-            replay of its p2p groups (`wlb_opt.rendezvous`: a send waits for its receive); False:
-            the ideal DAG, in which sends never wait. 1F1B is the DAG either way (its groups
-            pair each send with the receive the peer needs next, so the two agree). The micro-
-            batch order search runs on the DAG.
+        blocking_p2p: the interleaved pipeline (v > 1) as the executor runs it, the replay of
+            its p2p channels (`wlb_opt.rendezvous.simulate_channels`: a message moves once its
+            receive is posted, the receive posted one message ahead); False: the ideal DAG, in
+            which sends never wait. The two give the same step time (the replay checks the
+            executor's order of messages; the DAG also gives the critical path). 1F1B is the
+            DAG either way (its groups pair each send with the receive the peer needs next, so
+            the two agree). The micro-batch order search runs on the DAG.
 
     A micro-batch's forward and backward split its fwd_bwd load by the cost model's own
     fwd / fwd_bwd ratio for that micro-batch (ShardPlan loads are fwd_bwd only).

@@ -29,7 +29,7 @@ def _worker(rank, world, port):
         mine = make_plan(dp=1)[0] if rank == 0 else None
         got = ex.broadcast_plan(mine, src=0)
         assert ex.check_same_plan(got) == make_plan(dp=1)[0].digest()
-        from wlb_opt.schedule import p2p_schedule
+        from wlb_opt.schedule import channel_messages, message_key, p2p_schedule
 
         for cp, pp, dp, v, strategy, kind in LAYOUTS[world]:
             mesh = ex.make_mesh(cp=cp, dp=dp, pp=pp)
@@ -39,37 +39,58 @@ def _worker(rank, world, port):
             chunks = ex.split_stages(model, pp, v)[mesh.pp_rank::pp]
             record = ex.StageOutputs()
             shards = make_shards(plan, cost, cp, strategy)
-            issued = []  # what really went to torch.distributed, group by group
-            real = dist.batch_isend_irecv
+            issued = []  # what really went to torch.distributed: groups (1F1B), messages on channels (v > 1)
+            real = dist.batch_isend_irecv, dist.isend, dist.irecv
 
-            def spy(ops, real=real, issued=issued):
+            def spy(ops, issued=issued):
                 issued.append([(o.op.__name__.lstrip("i"), o.peer, tuple(o.tensor.shape), o.tensor.dtype) for o in ops])
-                return real(ops)
+                return real[0](ops)
 
-            dist.batch_isend_irecv = spy
+            def spy_one(kind, t, peer, group, issued=issued):
+                issued.append([(kind, peer, tuple(t.shape), t.dtype, tuple(sorted(dist.get_process_group_ranks(group))))])
+                return (real[1] if kind == "send" else real[2])(t, peer, group=group)
+
+            if v == 1:
+                dist.batch_isend_irecv = spy
+            else:  # (P2POp checks that its op is torch's own isend / irecv: only patched without groups)
+                dist.isend = lambda t, peer, group=None: spy_one("send", t, peer, group)
+                dist.irecv = lambda t, peer, group=None: spy_one("recv", t, peer, group)
             try:
                 loss = ex.train_step(chunks, plan, shards, data=doc_tokens, mesh=mesh, backend="torch", record=record)
             finally:
-                dist.batch_isend_irecv = real
+                dist.batch_isend_irecv, dist.isend, dist.irecv = real
             ref_loss, ref_grads = reference(plan)
             where = f"rank {rank} (cp={cp}, pp={pp}, dp={dp}, v={v}, {strategy}, {kind})"
             assert abs(loss - ref_loss) < 1e-10, (where, loss, ref_loss)
             n_micro = plan.n_micro
             assert len(record.ops) == 2 * n_micro * v  # every slot, empty ones too
             # what the executor issued is exactly the schedule, and boundary tensors die early
-            schedule = p2p_schedule(pp, n_micro, v)[mesh.pp_rank]
+            schedule = p2p_schedule(pp, n_micro, v)[mesh.pp_rank] if v == 1 else record.groups
             peers = {mesh.global_rank(mesh.dp_rank, p, mesh.cp_rank): p for p in range(pp)}
             mbs = plan.replica_micro_batches(mesh.dp_rank)
             assert len(issued) == len(schedule), where
             for got, want in zip(issued, schedule):
-                assert [(kind, peers[peer]) for kind, peer, _, _ in got] == [(o.kind, o.peer) for o in want], where
-                for (_, _, shape, dtype), o in zip(got, want):
+                assert [(kind, peers[peer]) for kind, peer, *_ in got] == [(o.kind, o.peer) for o in want], where
+                for (_, peer, shape, dtype, *group), o in zip(got, want):
                     j = mbs[o.micro]
                     local = len(shards[j].rank_indices[mesh.cp_rank]) if len(plan.micro_batches[j]) else 0
                     assert shape == (local, 32) and dtype == torch.float64, (where, o, shape)
+                    if group:  # a channel: the two ranks' own group, one per direction
+                        me = mesh.global_rank(mesh.dp_rank, mesh.pp_rank, mesh.cp_rank)
+                        assert group[0] == tuple(sorted((me, peer))), (where, o, group)
+            if v > 1:  # each channel's messages in the order its sender makes them
+                for (src, dst), messages in channel_messages(pp, n_micro, v).items():
+                    mine = [message_key(g[0], mesh.pp_rank, pp) for g in record.groups
+                            if (g[0].kind, g[0].peer) == (("send", dst) if src == mesh.pp_rank else ("recv", src))]
+                    if mesh.pp_rank in (src, dst):
+                        assert mine == messages, (where, src, dst)
             # sampled while a group's sends and its new receive buffers coexist: the inputs of the
-            # micro-batches in flight (the one being received included) and the output being sent
-            limit = in_flight(mesh.pp_rank, pp, n_micro, v) + 1
+            # micro-batches in flight (the one being received included) and the output being sent.
+            # Channels also hold the next receive of each of the two channels into the rank, and a
+            # gradient sent back lives until its receiver takes it: each belongs to a chunk that
+            # its receiver holds in flight, so at most the most any rank holds.
+            limit = in_flight(mesh.pp_rank, pp, n_micro, v) + 1 if v == 1 else (
+                max(in_flight(r, pp, n_micro, v) for r in range(pp)) + 3)
             assert max(record.peak_live.values()) <= limit, (where, record.peak_live, limit)
             for chunk in chunks:
                 for p in chunk.parameters():

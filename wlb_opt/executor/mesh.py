@@ -212,3 +212,38 @@ def make_mesh(*, dp: int | None = None, pp: int = 1, cp: int = 1, tp: int = 1, d
         # (a fresh override: init_device_mesh consumes the dict it is given)
         device_mesh[("dp", "cp")]._flatten("dp_cp", backend_override=_timeout_options(timeout)["dp"])
     return dataclasses.replace(Mesh.from_device_mesh(device_mesh), timeout_s=_timeout_seconds(timeout))
+
+
+_CHANNEL_GROUPS: dict = {}
+"""channel_groups' groups by layout (and default process group), created once per process."""
+
+
+def channel_groups(mesh: Mesh) -> dict[tuple[int, int], Any]:
+    """This rank's pipeline channels: one process group for each ordered pair (sender,
+    receiver) of neighbouring pipeline ranks (ring neighbours: the interleaved schedule's last
+    stage feeds the first), so that the messages of one pair never wait behind another's
+    (`wlb_opt.executor.pipeline`). Keys are pipeline ranks. Two ranks get two groups, one
+    per direction: NCCL runs the operations of one communicator in the order they were
+    posted, and a receive posted ahead of a send on a shared one could wait forever.
+
+    Every rank of the world creates every pipeline's groups (`new_group` is collective), in
+    the same order, on its first call for a layout; later calls return the same groups."""
+    world = dist.distributed_c10d._get_default_group()
+    coords = [(d, c, t) for d in range(mesh.dp) for c in range(mesh.cp) for t in range(mesh.tp)]
+    layout = tuple(tuple(mesh.global_rank(d, p, c, t) for p in range(mesh.pp)) for d, c, t in coords)
+    key = (id(world), layout)
+    cached = _CHANNEL_GROUPS.get(key)
+    if cached is not None and cached[0] is world:
+        return cached[1]
+    pairs = sorted({(p, (p + 1) % mesh.pp) for p in range(mesh.pp)} | {((p + 1) % mesh.pp, p) for p in range(mesh.pp)})
+    pairs = [(a, b) for a, b in pairs if a != b]
+    options = {} if mesh.timeout_s is None else dict(timeout=datetime.timedelta(seconds=mesh.timeout_s))
+    me = dist.get_rank()
+    mine: dict[tuple[int, int], Any] = {}
+    for ranks in layout:
+        for a, b in pairs:
+            group = dist.new_group(sorted((ranks[a], ranks[b])), **options)
+            if me in (ranks[a], ranks[b]):
+                mine[(a, b)] = group
+    _CHANNEL_GROUPS[key] = (world, mine)
+    return mine

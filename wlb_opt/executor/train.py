@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from .. import batch as _batch
 from ..batch import RankInputs, rank_inputs
 from .cp_attention import context_parallel_attention, prefetch_kv
-from .mesh import SELF_GROUP, Mesh
+from .mesh import SELF_GROUP, Mesh, channel_groups
 from .fsdp import is_fsdp
 from .pipeline import (DistTransport, PipelineRunner, StageOutputs, _no_wait_report,  # noqa: F401 - re-exported
                        check_boundary_dtype)
@@ -438,7 +438,9 @@ def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce
     forward = _StageForward(chunks, inputs, mbs, pp=pp, cp_group=mesh.cp_group if mesh else None, backend=backend,
                             regather_kv=regather_kv, prefetch=prefetch, loss_fn=loss_fn, loss_chunk=loss_chunk,
                             total=total)
-    transport = DistTransport(lambda p: mesh.global_rank(dp_rank, p, cp_rank), mbs, waiting)
+    channels = channel_groups(mesh) if pp > 1 and len(chunks) > 1 else None  # the interleaved schedule's
+    transport = DistTransport(lambda p: mesh.global_rank(dp_rank, p, cp_rank), mbs, waiting, pp_rank=pp_rank,
+                              channels=channels)
     PipelineRunner(chunks, pp_rank=pp_rank, pp=pp, mbs=mbs, rows=[inputs.rows(j) for j in mbs], hidden=hidden,
                    dtype=act_dtype, device=device, transport=transport, waiting=waiting, record=record).run(forward)
     loss_sum = forward.loss_sum
