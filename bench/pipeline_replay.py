@@ -9,33 +9,36 @@ For every shape (pp 2-8, every n_micro that is a multiple of pp up to --max-micr
 it draws --draws sets of operation times: each forward and backward of each (stage, chunk,
 micro-batch) is the cost model's per-micro-batch time split over pp x v chunks, times a
 log-normal factor (median 1, --sigma). The ideal pipeline (`simulate_pipeline`: an op starts
-once its device is free and its input exists; a send never waits) and the rendezvous replay
-of the executor's p2p groups (`simulate_rendezvous`: a send completes only when its receive
-is posted, a group is waited on whole) run on the same times; the statistic is the largest
-replay / ideal over the draws. `after` replays the executor's groups (for v > 1 the searched
-meetings of wlb_opt/p2p_meetings.json, found on other draws: `wlb_opt.p2p_search`);
-`before` the interleaved schedule with Megatron's pairing (each op's sends with the next op's
-receives), `nominal` each message placed where both ranks are idle at once in the nominal
-ideal timeline (the placement the search starts from).
+once its device is free and its input exists; a send never waits) and the replays of the
+executor's p2p run on the same times; the statistic is the largest replay / ideal over the
+draws. `executor` is what `train_step` runs: for v > 1 its channels (`simulate_channels`:
+one process group per ordered pair of ranks, sends never waited on before the end of the
+step, the next receive posted ahead), for 1F1B its groups (`simulate_rendezvous`: a group
+is posted and waited on whole, a send completes only when its receive is posted). Beside
+it, for v > 1, schedules of blocking groups: `groups` the searched meetings of
+wlb_opt/p2p_meetings.json (found on other draws: `wlb_opt.p2p_search`), `before` Megatron's
+pairing (each op's sends with the next op's receives), `nominal` each message placed where
+both ranks are idle at once in the nominal ideal timeline (the placement the search starts
+from).
 
 `--bound pp,n_micro,v` adds, for that shape and the same draws, a lower bound on that
 statistic over every schedule of blocking groups (CP-SAT, `--bound-time` seconds, the search
-limited to ratios up to the executor's groups' own): each
-message is handed over at one moment when both its ranks are between operations, after the
-op that makes it and before the op that needs it, with one placement of every message on its
-two ranks shared by all draws and every op time rounded down. Any group schedule is such a
-placement (deadlock-freedom and message order only remove placements), so no schedule of
-paired sends and receives does better than the bound on these draws. The placement CP-SAT
-finds is fitted to these draws; `best_placement_fresh` replays it on --draws other draws (seed
---seed + 1), beside the executor's groups on the same ones (`after_fresh`).
+limited to ratios up to the searched groups' own): each message is handed over at one moment
+when both its ranks are between operations, after the op that makes it and before the op
+that needs it, with one placement of every message on its two ranks shared by all draws and
+every op time rounded down. Any group schedule is such a placement (deadlock-freedom and
+message order only remove placements), so no schedule of blocking groups does better than
+the bound on these draws: what channels, whose sends do not block, are for. The placement
+CP-SAT finds is fitted to these draws; `best_placement_fresh` replays it on --draws other
+draws (seed --seed + 1), beside the searched groups on the same ones (`groups_fresh`).
 
 `--bound-per-draw pp,n_micro,v` solves the same model on a few draws, for shapes too large for
-all draws at once: the --bound-joint draws on which the executor's groups are slowest
+all draws at once: the --bound-joint draws on which the searched groups are slowest
 together, then --bound-draws single draws in that order, --bound-draw-time seconds for the
 shape. A bound on some of the draws bounds the statistic too: for any schedule, the largest
 replay / ideal over the draws is at least its largest on those, which is at least the least
 of that over every schedule. The entry keeps the try with the highest bound (`draw`: the
-indices of its draws among the shape's; `after_on_draw`: the executor's groups on them).
+indices of its draws among the shape's; `groups_on_draw`: the searched groups on them).
 """
 from __future__ import annotations
 
@@ -63,20 +66,30 @@ def draws(pp: int, n_micro: int, v: int, fwd_s: float, bwd_s: float, n: int, sig
 
 
 def replay_ratios(pp: int, n_micro: int, v: int, samples) -> dict:
-    """Per draw replay / ideal, for the executor's groups and (v > 1) Megatron's pairing and the
+    """Per draw replay / ideal: `groups`, the groups of `p2p_schedule` (for v > 1 the searched
+    meetings), and for v > 1 `channels` (the executor's), Megatron's pairing (`before`) and the
     nominal placement."""
-    from ..rendezvous import _replay
+    from ..rendezvous import _replay, _replay_channels
     from ..schedule import _plans
     from ..simulate import pipeline_step_time
 
-    placements = {"after": "auto", "before": "next_op", "nominal": "nominal"} if v > 1 else {"after": "auto"}
+    placements = {"groups": "auto", "before": "next_op", "nominal": "nominal"} if v > 1 else {"groups": "auto"}
     ratios: dict[str, list[float]] = {k: [] for k in placements}
+    if v > 1:
+        ratios["channels"] = []
     for f, b in samples:
         ideal = pipeline_step_time(f, b, "interleaved" if v > 1 else "1f1b", v)
         for name, placement in placements.items():
             plans = [[(list(g), op) for g, op in rank] for rank in _plans(pp, n_micro, v, placement)]
             ratios[name].append(_replay(f, b, plans, 0.0).step_time_s / ideal)
+        if v > 1:
+            ratios["channels"].append(_replay_channels(f, b, 0.0).step_time_s / ideal)
     return ratios
+
+
+def executor_ratios(ratios: dict) -> list[float]:
+    """The executor's replay / ideal: channels for v > 1, groups for 1F1B."""
+    return ratios.get("channels", ratios["groups"])
 
 
 def placement_bound(pp: int, n_micro: int, v: int, samples, time_limit: float, scale: float = 1000.0,
@@ -174,10 +187,10 @@ def per_draw_bound(pp: int, n_micro: int, v: int, samples, time_limit: float, n_
     bound than any one of them alone, when CP-SAT solves it), with half the time; then up to
     `n_draws` single draws in the same order, each solve with half of what is left (the last
     with all of it; none starts with under a second left). Returns the entry of the best try
-    (`draw`: the indices in `samples` of its draws, space-separated; `after_on_draw`: the
-    executor's groups' largest replay / ideal on them) with every try as [indices, lower bound,
+    (`draw`: the indices in `samples` of its draws, space-separated; `groups_on_draw`: the
+    searched groups' largest replay / ideal on them) with every try as [indices, lower bound,
     status] in `tried`."""
-    after = replay_ratios(pp, n_micro, v, samples)["after"]
+    after = replay_ratios(pp, n_micro, v, samples)["groups"]
     slowest = [int(d) for d in np.argsort(-np.asarray(after), kind="stable")]
     tries = ([slowest[:joint]] if joint > 1 else []) + [[d] for d in slowest[:n_draws]]
     best, tried, cpu_s = None, [], 0.0
@@ -192,7 +205,7 @@ def per_draw_bound(pp: int, n_micro: int, v: int, samples, time_limit: float, n_
         cpu_s += res["cpu_s"]
         tried.append([chosen, res["lower_bound"], res["status"]])
         if best is None or res["lower_bound"] > best["lower_bound"]:
-            best = dict(res, draw=" ".join(map(str, chosen)), after_on_draw=round(worst, 4))
+            best = dict(res, draw=" ".join(map(str, chosen)), groups_on_draw=round(worst, 4))
     best.update(cpu_s=round(cpu_s, 1), tried=tried)
     return best
 
@@ -245,49 +258,52 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [args.tokens // args.docs] * args.docs
     fwd_s, bwd_s = cost.micro_batch_cost(lengths, "fwd"), cost.micro_batch_cost(lengths, "bwd")
     rows = []
-    print(f"{'v':>2} {'pp':>3} {'n_micro':>7} {'before max':>10} {'nominal max':>11} {'after max':>9} "
-          f"{'after mean':>10}")
+    print(f"{'v':>2} {'pp':>3} {'n_micro':>7} {'before max':>10} {'nominal max':>11} {'groups max':>10} "
+          f"{'executor max':>12} {'executor mean':>13}")
     for v in (1, 2, 4):
         for pp in range(2, args.max_pp + 1):
             for n_micro in range(pp, args.max_micro + 1, pp):
                 ratios = replay_ratios(pp, n_micro, v, draws(pp, n_micro, v, fwd_s, bwd_s, args.draws, args.sigma,
                                                              args.seed))
+                executor = executor_ratios(ratios)
                 row = dict(v=v, pp=pp, n_micro=n_micro, draws=args.draws,
-                           before_max=round(max(ratios.get("before", ratios["after"])), 4),
-                           nominal_max=round(max(ratios.get("nominal", ratios["after"])), 4),
-                           after_max=round(max(ratios["after"]), 4),
-                           after_mean=round(float(np.mean(ratios["after"])), 4))
+                           p2p="channels" if v > 1 else "groups",
+                           executor_max=round(max(executor), 4), executor_mean=round(float(np.mean(executor)), 4),
+                           groups_max=round(max(ratios["groups"]), 4),
+                           before_max=round(max(ratios.get("before", ratios["groups"])), 4),
+                           nominal_max=round(max(ratios.get("nominal", ratios["groups"])), 4))
                 rows.append(row)
                 print(f"{v:>2} {pp:>3} {n_micro:>7} {row['before_max']:>10.3f} {row['nominal_max']:>11.3f} "
-                      f"{row['after_max']:>9.3f} "
-                      f"{row['after_mean']:>10.3f}", flush=True)
+                      f"{row['groups_max']:>10.3f} {row['executor_max']:>12.3f} {row['executor_mean']:>13.3f}",
+                      flush=True)
     bounds = []
     for pp, n_micro, v in args.bound:
         samples = draws(pp, n_micro, v, fwd_s, bwd_s, args.draws, args.sigma, args.seed)
         fresh = draws(pp, n_micro, v, fwd_s, bwd_s, args.draws, args.sigma, args.seed + 1)
-        after = next((r["after_max"] for r in rows if (r["pp"], r["n_micro"], r["v"]) == (pp, n_micro, v)), None)
+        groups = next((r["groups_max"] for r in rows if (r["pp"], r["n_micro"], r["v"]) == (pp, n_micro, v)), None)
         bounds.append(placement_bound(pp, n_micro, v, samples, args.bound_time, fresh_samples=fresh,
-                                      ratio_cap=after))
-        bounds[-1]["after_max"] = after
-        bounds[-1]["after_fresh"] = round(max(replay_ratios(pp, n_micro, v, fresh)["after"]), 4)
+                                      ratio_cap=groups))
+        bounds[-1]["groups_max"] = groups
+        bounds[-1]["groups_fresh"] = round(max(replay_ratios(pp, n_micro, v, fresh)["groups"]), 4)
         print(f"bound pp={pp} n_micro={n_micro} v={v}: every schedule of blocking groups >= "
-              f"{bounds[-1]['lower_bound']:.3f} x ideal on these draws ({bounds[-1]['status']}); this one {after}; "
-              f"on other draws the fitted placement {bounds[-1]['best_placement_fresh']}, this one "
-              f"{bounds[-1]['after_fresh']}")
+              f"{bounds[-1]['lower_bound']:.3f} x ideal on these draws ({bounds[-1]['status']}); the searched "
+              f"groups {groups}; on other draws the fitted placement {bounds[-1]['best_placement_fresh']}, the "
+              f"searched groups {bounds[-1]['groups_fresh']}")
     for pp, n_micro, v in args.bound_per_draw:
         samples = draws(pp, n_micro, v, fwd_s, bwd_s, args.draws, args.sigma, args.seed)
         entry = per_draw_bound(pp, n_micro, v, samples, args.bound_draw_time, args.bound_draws, args.bound_joint)
-        entry["after_max"] = next((r["after_max"] for r in rows if (r["pp"], r["n_micro"], r["v"]) == (pp, n_micro, v)),
-                                  None)
+        entry["groups_max"] = next((r["groups_max"] for r in rows
+                                    if (r["pp"], r["n_micro"], r["v"]) == (pp, n_micro, v)), None)
         bounds.append(entry)
         print(f"bound pp={pp} n_micro={n_micro} v={v} on draws {entry['draw']}: every schedule of blocking groups >= "
               f"{entry['lower_bound']:.3f} x ideal there ({entry['status']}; draws tried {entry['tried']}); "
-              f"this one {entry['after_on_draw']} there, {entry['after_max']} at worst", flush=True)
-    worst = {v: max(r["after_max"] for r in rows if r["v"] == v) for v in (1, 2, 4)}
-    summary = [dict(v=v, shapes=sum(r["v"] == v for r in rows), after_worst=worst[v],
+              f"the searched groups {entry['groups_on_draw']} there, {entry['groups_max']} at worst", flush=True)
+    summary = [dict(v=v, shapes=sum(r["v"] == v for r in rows), p2p="channels" if v > 1 else "groups",
+                    executor_worst=max(r["executor_max"] for r in rows if r["v"] == v),
+                    shapes_within_1_05=sum(r["v"] == v and r["executor_max"] <= 1.05 for r in rows),
+                    groups_worst=max(r["groups_max"] for r in rows if r["v"] == v),
                     before_worst=max(r["before_max"] for r in rows if r["v"] == v),
-                    nominal_worst=max(r["nominal_max"] for r in rows if r["v"] == v),
-                    shapes_within_1_05=sum(r["v"] == v and r["after_max"] <= 1.05 for r in rows)) for v in (1, 2, 4)]
+                    nominal_worst=max(r["nominal_max"] for r in rows if r["v"] == v)) for v in (1, 2, 4)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = dict(provenance=provenance("pipeline_replay", argv),

@@ -142,18 +142,20 @@ SECTIONS = (
              Table("validate_sim.json", ("single_rank",)))),
     Section("pipeline_replay", "The executor's pipeline under rendezvous semantics",
             "Largest replay / ideal pipeline over random op times (log-normal around the cost model's), per "
-            "shape: the rendezvous replay of the executor's p2p groups (`after`: for v > 1 the searched meetings "
-            "of wlb_opt/p2p_meetings.json, found on other draws; `nominal`: each message where both ranks are "
-            "idle at once in the nominal ideal timeline; `before`: Megatron's pairing of each op's sends with "
-            "the next op's receives) against the DAG in which sends never wait.",
+            "shape: `executor`, what `train_step` runs (`p2p`: its groups for 1F1B, its channels for v > 1: a "
+            "process group per ordered pair of ranks, sends waited on at the end of the step, the next receive "
+            "posted ahead); beside it schedules of blocking groups for v > 1 (`groups`: the searched meetings of "
+            "wlb_opt/p2p_meetings.json, found on other draws; `nominal`: each message where both ranks are idle "
+            "at once in the nominal ideal timeline; `before`: Megatron's pairing of each op's sends with the next "
+            "op's receives), all against the DAG in which sends never wait.",
             (Table("pipeline_replay.json", ("summary",), caption="Per v, over every shape."),
              Table("pipeline_replay.json", ("bounds",), caption="Lower bounds over every schedule of blocking "
                    "groups on the same draws (CP-SAT; `best_placement` is the best placement it found, fitted to "
-                   "these draws; `best_placement_fresh` and `after_fresh`: that placement and the executor's groups "
+                   "these draws; `best_placement_fresh` and `groups_fresh`: that placement and the searched groups "
                    "on other draws). Rows with a `draw` bound it on those few of the shape's draws alone (the "
-                   "executor's slowest three together, then single draws: the best of the tries in `tried`, in the "
-                   "JSON), beside the executor's groups on them (`after_on_draw`): the largest replay / ideal over "
-                   "all the draws is at least that."),
+                   "searched groups' slowest three together, then single draws: the best of the tries in `tried`, "
+                   "in the JSON), beside the searched groups on them (`groups_on_draw`): the largest replay / ideal "
+                   "over all the draws is at least that. What no blocking groups can reach, channels do."),
              Table("pipeline_replay.json", ("rows",), caption="Per shape."))),
     Section("memory", "Memory model against measured peaks",
             "Peak memory of one `train_step` on a CPU against the analytic and calibrated memory models.",

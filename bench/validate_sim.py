@@ -17,21 +17,20 @@ Four measured runs of the same steps (same plans, same model, one thread per pro
    boundary; and the measured pipeline's wall time minus the DAG on its own op times.
 4. **The pipeline** (`--pp` gloo processes, one stage each, or v interleaved chunks): the
    simulator fed the measured per-op times, as `simulate_step` times a pipeline (the ideal
-   DAG for 1F1B, the rendezvous replay of the executor's p2p groups for the interleaved
-   schedule; the DAG beside it), and the prediction from the plan alone, then with the
+   DAG for 1F1B, the replay of the executor's p2p channels for the interleaved schedule; the
+   DAG beside it), and the prediction from the plan alone, then with the
    measured contention factor, then with the profiled p2p: the breakdown of the prediction
    error.
 
 Run 4 checks the simulator's schedule and dependency model (bubbles, warm-up, 1F1B order)
 independently of the cost model; runs 1-3 say where the cost model's prediction goes wrong.
 The op times leave out what a step does outside its operations, and run 4 measures that too
-(the executor's clocks are read around its pipeline and each p2p group; the ranks share one
-machine, hence one monotonic clock): the work before the pipeline (reading the inputs, the
-plan check, the target count) and after it (the final all-reduces), and each group's
-transfer time, its completion minus the later of its own post and its counterparts'. The
-replay is then fed those too: each rank starts when its pipeline did, every group that
-receives waits for its data (the profiled p2p per message, and apart the median measured
-transfer), and the step ends with the last rank's work after the pipeline. What the replay
+(the executor's clocks are read around its pipeline and each p2p group or message; the
+ranks share one machine, hence one monotonic clock): the work before the pipeline (reading
+the inputs, the plan check, the target count) and after it (the final all-reduces), and the
+transfer time of a message, its completion minus the later of its two posts. The replay is
+then fed those too: each rank starts when its pipeline did, every receive waits for its
+data (the profiled p2p per message, and apart the median measured transfer), and the step ends with the last rank's work after the pipeline. What the replay
 still predicts is every wait.
 On a shared machine other processes load the cores too: every figure is a median over steps.
 """
@@ -86,12 +85,15 @@ def _setup(args: dict):
 
 
 def _clock_pipeline(spans: list) -> None:
-    """Wrap the executor's pipeline run and p2p exchange to append (kind, start, end)
-    perf_counter spans to `spans`: ("pipeline", ...) once per step, ("group", post, done) per
-    group of p2p operations in the order posted (the non-empty groups of `step_plan`)."""
+    """Wrap the executor's pipeline run and p2p transport to append perf_counter spans to
+    `spans`: ("pipeline", start, end) once per step; for 1F1B ("group", post, done) per group
+    of p2p operations in the order posted (the non-empty groups of `step_plan`); for the
+    interleaved channels ("message", kind, peer, direction, micro, chunk, posted, waited,
+    done) per send or receive (`waited`: when the rank began waiting for it)."""
     import wlb_opt.executor.pipeline as pipeline
 
     exchange, run = pipeline.DistTransport.exchange, pipeline.PipelineRunner.run
+    send, recv = pipeline.DistTransport.send, pipeline.DistTransport.recv
 
     def timed_exchange(self, group, tensors):
         t = time.perf_counter()
@@ -103,7 +105,24 @@ def _clock_pipeline(spans: list) -> None:
         run(self, forward)
         spans.append(("pipeline", t, time.perf_counter()))
 
+    def timed(method):
+        def post(self, op, t):
+            posted = time.perf_counter()
+            request = method(self, op, t)
+            entry = ["message", op.kind, op.peer, op.direction, op.micro, op.chunk, posted, None, None]
+            spans.append(entry)
+            wait = request.wait
+
+            def timed_wait():
+                entry[7] = time.perf_counter()
+                wait()
+                entry[8] = time.perf_counter()
+            request.wait = timed_wait
+            return request
+        return post
+
     pipeline.DistTransport.exchange, pipeline.PipelineRunner.run = timed_exchange, timed_run
+    pipeline.DistTransport.send, pipeline.DistTransport.recv = timed(send), timed(recv)
 
 
 def _worker(rank: int, world: int, port: int, args: dict, out_file: str) -> None:
@@ -181,7 +200,8 @@ def _step(chunks, small, plan, shards, mesh, spans: list | None = None) -> dict:
                lengths=[plan.lengths[mb].tolist() for mb in plan.micro_batches], tokens=plan.tokens.tolist())
     if spans:  # absolute perf_counter seconds: the step, its pipeline and its groups
         out.update(clock=[t0, t1], pipeline=[list(s[1:]) for s in spans if s[0] == "pipeline"][0],
-                   groups=[list(s[1:]) for s in spans if s[0] == "group"])
+                   groups=[list(s[1:]) for s in spans if s[0] == "group"],
+                   messages=[list(s[1:]) for s in spans if s[0] == "message"])
     return out
 
 
@@ -221,8 +241,7 @@ def analyse_single(records: list[dict], cost) -> list[dict]:
 
 def predicted_pipeline_s(f: np.ndarray, b: np.ndarray, v: int, p2p_s=0.0) -> float:
     """The simulator's estimate of a pipeline step, as `simulate_step` makes it: the ideal DAG
-    for 1F1B, the rendezvous replay of the executor's groups for the interleaved schedule
-    (where sends that wait for their receivers lengthen the step)."""
+    for 1F1B, the replay of the executor's channels for the interleaved schedule."""
     from ..simulate import _replayed, simulate_pipeline
 
     if v > 1:
@@ -249,16 +268,23 @@ def breakdown(pipeline_rows: list[dict], contention: float, p2p_s_per_mb) -> lis
 
 def step_overheads(ranks: list[dict], pp: int, v: int) -> dict | None:
     """What one step did outside its operations, from every rank's clocks (`_step`'s `clock`,
-    `pipeline` and `groups`; None if a record has none): `start_s[r]` the seconds from rank
-    r's step start to its pipeline's, `setup_s` the largest of them, `teardown_s` the shortest
-    time from a pipeline's end to its step's end (the last rank out waits for no one in the
-    final all-reduces), `transfer_s` the median over the groups that receive of the group's
-    completion minus the later of its own post and its counterparts' posts (the time the data
-    took once both sides were there)."""
+    `pipeline` and `groups` or `messages`; None if a record has none): `start_s[r]` the
+    seconds from rank r's step start to its pipeline's, `setup_s` the largest of them,
+    `teardown_s` the shortest time from a pipeline's end to its step's end (the last rank out
+    waits for no one in the final all-reduces), `transfer_s` the time the data took once both
+    sides were there: for 1F1B the median over the groups that receive of the group's
+    completion minus the later of its own post and its counterparts' posts; for the
+    interleaved channels the median over the receives a rank was already waiting for when
+    both sides were posted (the others arrived unseen) of their completion minus that
+    moment."""
     from ..schedule import message_key, step_plan
 
     if not all("clock" in r and "groups" in r for r in ranks):
         return None
+    start = [rec["pipeline"][0] - rec["clock"][0] for rec in ranks]
+    teardown = min(rec["clock"][1] - rec["pipeline"][1] for rec in ranks)
+    if v > 1:
+        return dict(start_s=start, setup_s=max(start), teardown_s=teardown, transfer_s=_channel_transfer(ranks, pp))
     m = len(ranks[0]["micro_batches"])
     plans = [[group for group, _ in step_plan(r, pp, m, v) if group] for r in range(pp)]
     where = {}
@@ -278,21 +304,40 @@ def step_overheads(ranks: list[dict], pp: int, v: int) -> dict | None:
                 post = max(post, ranks[op.peer]["groups"][where[(op.peer, other, message_key(op, r, pp))]][0])
             if any(op.kind == "recv" for op in group):
                 transfers.append(done - post)
-    start = [rec["pipeline"][0] - rec["clock"][0] for rec in ranks]
-    teardown = min(rec["clock"][1] - rec["pipeline"][1] for rec in ranks)
     return dict(start_s=start, setup_s=max(start), teardown_s=teardown,
                 transfer_s=float(np.median(transfers)) if transfers else 0.0)
 
 
+def _channel_transfer(ranks: list[dict], pp: int) -> float:
+    """`step_overheads`' transfer time of the interleaved channels (its docstring)."""
+    from ..schedule import P2POp, message_key
+
+    posted = {}
+    for r, rec in enumerate(ranks):
+        for kind, peer, direction, micro, chunk, at, _, _ in rec["messages"]:
+            posted[(r, kind, message_key(P2POp(kind, peer, direction, micro, chunk), r, pp))] = at
+    transfers = []
+    for r, rec in enumerate(ranks):
+        for kind, peer, direction, micro, chunk, at, waited, done in rec["messages"]:
+            if kind != "recv" or waited is None:
+                continue
+            both = max(at, posted[(peer, "send", message_key(P2POp(kind, peer, direction, micro, chunk), r, pp))])
+            if waited <= both:
+                transfers.append(done - both)
+    return float(np.median(transfers)) if transfers else 0.0
+
+
 def replay_with_overheads(fwd: np.ndarray, bwd: np.ndarray, v: int, overheads: dict, p2p_s) -> float:
-    """The step the replay of the executor's groups predicts from measured op times ([pp, v, m]
-    seconds) and `step_overheads`: each rank starts at its `start_s`, every group that
-    receives waits `p2p_s` (seconds, a scalar or one per micro-batch) for its data once both
-    sides are posted, and the step ends `teardown_s` after the last rank's pipeline. For 1F1B
-    this replay and the DAG agree (`wlb_opt.rendezvous`)."""
-    from ..rendezvous import _replay
+    """The step the replay of the executor's p2p (1F1B: groups; interleaved: channels) predicts
+    from measured op times ([pp, v, m] seconds) and `step_overheads`: each rank starts at its
+    `start_s`, every receive waits `p2p_s` (seconds, a scalar or one per micro-batch) for its
+    data once both sides are posted, and the step ends `teardown_s` after the last rank's
+    pipeline. For 1F1B this replay and the DAG agree (`wlb_opt.rendezvous`)."""
+    from ..rendezvous import _replay, _replay_channels
     from ..schedule import step_plan
 
+    if v > 1:
+        return _replay_channels(fwd, bwd, p2p_s, overheads["start_s"]).step_time_s + overheads["teardown_s"]
     pp, m = fwd.shape[0], fwd.shape[2]
     plans = [step_plan(r, pp, m, v) for r in range(pp)]
     return _replay(fwd, bwd, plans, p2p_s, overheads["start_s"]).step_time_s + overheads["teardown_s"]
@@ -476,9 +521,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['rel_error']:>+7.1%} {r['bubble_fraction']:>7.1%} {pair('dag')} {over} {pair('replay')} "
               f"{pair('replay_measured_p2p')} {pair('predicted')} {r.get('load_average', float('nan')):>5.2f}  "
               f"{r['tokens']}")
-    print("simulator: as simulate_step times a pipeline (1F1B: the DAG; interleaved: the rendezvous replay of the "
-          "executor's groups), on measured op times; +profiled / +measured: that replay also fed the measured "
-          "work before and after the pipeline and the profiled / measured transfer per group")
+    print("simulator: as simulate_step times a pipeline (1F1B: the DAG; interleaved: the replay of the executor's "
+          "channels), on measured op times; +profiled / +measured: that replay also fed the measured work before "
+          "and after the pipeline and the profiled / measured transfer per message")
     for v in vs_list:
         mine = [r for r in rows if r["virtual_stages"] == v]
         def med(key: str) -> str:

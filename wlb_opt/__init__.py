@@ -39,6 +39,7 @@ _EXPORTS = {
     "simulate_step": "simulate",
     "SimResult": "simulate",
     "simulate_rendezvous": "rendezvous",
+    "simulate_channels": "rendezvous",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -40,7 +40,7 @@ def test_analyse_interleaved_places_ops_by_virtual_stage():
     ops equals the independent recurrence on the same [pp, v, m] durations."""
     import numpy as np
 
-    from wlb_opt.rendezvous import simulate_rendezvous
+    from wlb_opt.rendezvous import simulate_channels
     from wlb_opt.simulate import pipeline_recurrence
 
     pp, v, m = 2, 2, 2
@@ -53,9 +53,9 @@ def test_analyse_interleaved_places_ops_by_virtual_stage():
     (row,) = analyse(gathered, pp=pp, virtual_stages=v)
     assert row["virtual_stages"] == 2
     assert row["dag_s"] == pytest.approx(pipeline_recurrence(f, b, "interleaved", v).step_time_s)
-    # the simulator's estimate is the replay of the executor's groups, as simulate_step's
-    assert row["simulated_s"] == pytest.approx(simulate_rendezvous(f, b, v).step_time_s, rel=1e-12)
-    assert row["simulated_s"] >= row["dag_s"] * (1 - 1e-12)
+    # the simulator's estimate is the replay of the executor's channels, as simulate_step's: the DAG
+    assert row["simulated_s"] == pytest.approx(simulate_channels(f, b, v).step_time_s, rel=1e-12)
+    assert row["simulated_s"] == pytest.approx(row["dag_s"], rel=1e-12)
 
 
 def test_single_rank_errors_and_the_breakdown():
@@ -82,12 +82,12 @@ def test_single_rank_errors_and_the_breakdown():
     assert out["with_comm_error"] > 0 and out["comm_s"] == pytest.approx(out["with_comm_error"] * 18.0)
 
 
-def test_the_interleaved_prediction_is_the_rendezvous_replay():
+def test_the_interleaved_prediction_is_the_channel_replay():
     import numpy as np
 
     import wlb_opt as wlb
     from wlb_opt.bench.validate_sim import predicted_pipeline_s
-    from wlb_opt.rendezvous import simulate_rendezvous
+    from wlb_opt.rendezvous import simulate_channels
 
     zero = dict(attn=0.0, linear=0.0, comm=0.0, doc_const=0.0, mb_const=0.0)
     cost = wlb.CostModel(coef={"fwd": dict(zero, linear=1.0), "bwd": dict(zero, linear=2.0)}, attn_flops_per_pair=1.0)
@@ -101,9 +101,9 @@ def test_the_interleaved_prediction_is_the_rendezvous_replay():
     (row,) = analyse(gathered, pp=pp, cost=cost, virtual_stages=v)
     f = np.tile([cost.micro_batch_cost(d, "fwd") / pp for d in lengths], (pp, 1))
     b = np.tile([cost.micro_batch_cost(d, "bwd") / pp for d in lengths], (pp, 1))
-    want = simulate_rendezvous(f, b, v).step_time_s
+    want = simulate_channels(f, b, v).step_time_s
     assert row["predicted_s"] == pytest.approx(want, rel=1e-12)
-    assert predicted_pipeline_s(f, b, v, 0.25) == pytest.approx(simulate_rendezvous(f, b, v, 0.25).step_time_s)
+    assert predicted_pipeline_s(f, b, v, 0.25) == pytest.approx(simulate_channels(f, b, v, 0.25).step_time_s)
 
 
 def test_work_outside_the_ops_is_measured_from_the_clocks_and_fed_to_the_replay():
@@ -135,3 +135,19 @@ def test_work_outside_the_ops_is_measured_from_the_clocks_and_fed_to_the_replay(
     ranks[1]["groups"].pop()
     with pytest.raises(ValueError, match="recorded 2 p2p groups, but its schedule has 3"):
         step_overheads(ranks, 2, 1)
+
+
+def test_a_channel_transfer_counts_only_receives_the_rank_was_waiting_for():
+    """Interleaved channels: a message's transfer is its completion minus the later of its two
+    posts, taken only where the receiver was already waiting then (else it arrived unseen)."""
+    from wlb_opt.bench.validate_sim import step_overheads
+
+    # (kind, peer, direction, micro, chunk, posted, waited, done), absolute seconds
+    sends = [["send", 1, "fwd", 0, 0, 101.0, None, None], ["send", 1, "fwd", 1, 0, 102.0, None, None]]
+    receives = [["recv", 0, "fwd", 0, 0, 100.5, 100.8, 101.3],   # waiting before the send: 0.3 s
+                ["recv", 0, "fwd", 1, 0, 101.3, 105.0, 105.0]]   # waited long after: not counted
+    ranks = [dict(clock=[100.0, 110.0], pipeline=[100.5, 109.0], groups=[], messages=sends),
+             dict(clock=[100.0, 110.0], pipeline=[100.2, 109.5], groups=[], messages=receives)]
+    over = step_overheads(ranks, 2, 2)
+    assert over["transfer_s"] == pytest.approx(0.3)
+    assert over["start_s"] == pytest.approx([0.5, 0.2]) and over["teardown_s"] == pytest.approx(0.5)

@@ -8,6 +8,7 @@ messages are received in the order they are sent (NCCL matches in issue order).
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from wlb_opt.schedule import P2POp, p2p_schedule, stage_order
@@ -209,3 +210,30 @@ def test_interleaved_replay_is_never_faster_than_the_ideal_pipeline(pp, n_micro,
         f = rng.lognormal(0.0, 0.3, (pp, v, n_micro)) / v
         b = 2.0 * rng.lognormal(0.0, 0.3, (pp, v, n_micro)) / v
         assert simulate_rendezvous(f, b, v).step_time_s >= pipeline_step_time(f, b, "interleaved", v) * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("pp, n_micro, v", [s for s in SHAPES if s[0] > 1 and (s[2] == 1 or s[1] % s[0] == 0)])
+def test_every_channel_order_is_taken_as_made_and_replays_at_the_ideal_pipeline(pp, n_micro, v):
+    """Each channel's messages, in the order its sender makes them, are the order its
+    receiver's ops need them (so one receive posted ahead is always the right one), every
+    message once; and the channel replay completes at the ideal DAG on random op times."""
+    from wlb_opt.rendezvous import _replay_channels
+    from wlb_opt.schedule import channel_messages, stage_order
+    from wlb_opt.simulate import pipeline_recurrence
+
+    channels = channel_messages(pp, n_micro, v)
+    n_virtual = pp * v
+    taken: dict = {}
+    for r in range(pp):
+        for phase, k, vs in stage_order(r, pp, n_micro, v):
+            if phase == "F" and vs > 0:
+                taken.setdefault(((vs - 1) % pp, r), []).append(("fwd", k, vs - 1))
+            if phase == "B" and vs < n_virtual - 1:
+                taken.setdefault(((vs + 1) % pp, r), []).append(("bwd", k, vs + 1))
+    assert taken == channels
+    assert sum(map(len, channels.values())) == 2 * n_micro * (n_virtual - 1)
+    rng = np.random.default_rng([pp, n_micro, v])
+    f = rng.lognormal(0.0, 0.3, (pp, v, n_micro))
+    b = 2.0 * rng.lognormal(0.0, 0.3, (pp, v, n_micro))
+    assert _replay_channels(f, b, 0.0).step_time_s == pytest.approx(
+        pipeline_recurrence(f, b, "interleaved" if v > 1 else "1f1b", v).step_time_s, rel=1e-12)

@@ -28,6 +28,8 @@ denominator; `PipelineRunner` (`pipeline.py`), the schedule over a transport;
 """
 from __future__ import annotations
 
+import os
+import warnings
 import weakref
 from typing import Callable
 
@@ -439,6 +441,11 @@ def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce
                             regather_kv=regather_kv, prefetch=prefetch, loss_fn=loss_fn, loss_chunk=loss_chunk,
                             total=total)
     channels = channel_groups(mesh) if pp > 1 and len(chunks) > 1 else None  # the interleaved schedule's
+    if channels and device.type == "cuda" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        warnings.warn("CUDA_DEVICE_MAX_CONNECTIONS=1: the interleaved pipeline's channels post receives ahead on "
+                      "their own NCCL streams, which one hardware queue may serialize in launch order (a receive "
+                      "waiting on one channel could hold back another's send); unset it or set it above 1",
+                      RuntimeWarning, stacklevel=3)
     transport = DistTransport(lambda p: mesh.global_rank(dp_rank, p, cp_rank), mbs, waiting, pp_rank=pp_rank,
                               channels=channels)
     PipelineRunner(chunks, pp_rank=pp_rank, pp=pp, mbs=mbs, rows=[inputs.rows(j) for j in mbs], hidden=hidden,
