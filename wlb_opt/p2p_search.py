@@ -1,7 +1,10 @@
 """The interleaved pipeline's point-to-point meetings, searched on random operation times.
 
-Under rendezvous semantics (a send completes only when its receive is posted; the executor
-waits for each `batch_isend_irecv` group whole) every message is a meeting of its two ranks:
+The best schedules of blocking groups found for the interleaved pipeline: `p2p_schedule`
+gives them, and `wlb-opt bench pipeline-replay` compares them with the channels the executor
+runs instead (`wlb_opt.executor.pipeline`), which no schedule of blocking groups matches.
+Under rendezvous semantics (a send completes only when its receive is posted; a rank waits
+for each `batch_isend_irecv` group whole) every message is a meeting of its two ranks:
 both wait for the later of the two to reach the group that holds it. A meeting therefore
 costs the earlier rank the gap between the two, and the fewer meetings a pair of ranks holds,
 the less the step loses to them; but a message can only meet after the op that makes it and
@@ -16,8 +19,8 @@ log-normal op times (forward 1, backward 2, times a factor of median 1 and log-s
 drawn from a fixed seed): the mean of the worst tenth of replay / ideal plus a fifth of the
 mean. A candidate whose groups deadlock is never accepted (the replay is the checker), nor one
 that leaves more outputs of one direction waiting for their send than two (or than the start
-does). Everything is seeded, so the search is a pure function of its arguments; the executor
-never runs it: `python -m wlb_opt.p2p_search` writes wlb_opt/p2p_meetings.json once, keeping a
+does). Everything is seeded, so the search is a pure function of its arguments; nothing
+runs it at training time: `python -m wlb_opt.p2p_search` writes wlb_opt/p2p_meetings.json once, keeping a
 shape's meetings only where they beat the nominal placement on draws the search did not see
 (`compare_on_fresh_draws`), and `wlb_opt.schedule` reads it, so that every rank issues the same
 groups. `_evaluate` is the replay of `wlb_opt.rendezvous._replay` over many draws at once

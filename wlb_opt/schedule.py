@@ -4,10 +4,13 @@ One module owns the order of operations, so that the simulator (`wlb_opt.simulat
 executor (`wlb_opt.executor.train`) run the same schedule. An operation is a tuple
 (phase "F" | "B", micro-batch, virtual stage); its device is virtual stage % pp.
 
-It also owns the point-to-point groups every rank issues around those operations
-(`p2p_schedule`): Megatron's pairing for 1F1B, and for the interleaved schedule meetings per
-pair of ranks, read from wlb_opt/p2p_meetings.json (written offline by `wlb_opt.p2p_search`)
-where it holds the shape, else read off the nominal ideal timeline.
+It also owns the point-to-point messages around those operations: the groups of blocking
+sends and receives of `p2p_schedule` (Megatron's pairing for 1F1B, which the executor issues;
+for the interleaved schedule meetings per pair of ranks, read from wlb_opt/p2p_meetings.json,
+written offline by `wlb_opt.p2p_search`, where it holds the shape, else read off the nominal
+ideal timeline), and the order of each channel's messages (`channel_messages`), which the
+executor runs the interleaved schedule on: no schedule of blocking groups comes close enough
+to the ideal pipeline there (`wlb_opt.rendezvous`).
 """
 from __future__ import annotations
 
@@ -344,7 +347,7 @@ def _plans(pp: int, n_micro: int, virtual_stages: int, placement: str = "auto") 
     (a blocking send is a meeting of both ranks, and each meeting costs the earlier rank the
     gap). `placement` chooses the interleaved groups:
 
-    - "auto" (the executor's): "searched" for the shapes wlb_opt/p2p_meetings.json holds (pp
+    - "auto" (`p2p_schedule`'s): "searched" for the shapes wlb_opt/p2p_meetings.json holds (pp
       2..8, v 2 and 4, n_micro a multiple of pp up to 16), else "nominal";
     - "searched": each pair of ranks meets at the boundaries `wlb_opt.p2p_search` found by
       replaying candidate schedules on random op times (fewer, well-placed meetings); every
@@ -426,10 +429,12 @@ def step_plan(rank: int, pp: int, n_micro: int, virtual_stages: int = 1) -> list
 
 
 def p2p_schedule(pp: int, n_micro: int, virtual_stages: int = 1) -> list[list[list[P2POp]]]:
-    """For each pipeline rank, the ordered communication groups it issues in one step (rank ->
-    groups -> ops). A group is issued whole (`batch_isend_irecv`) and waited on whole before
-    the next; the executor issues exactly these. Deadlock-free under rendezvous semantics (no
-    buffering), and every send meets exactly one receive, in the same order on both ends of
-    each pair of ranks (tests/unit/test_schedule.py replays every shape)."""
+    """For each pipeline rank, the ordered communication groups of one step (rank -> groups ->
+    ops). A group is issued whole (`batch_isend_irecv`) and waited on whole before the next;
+    the executor issues exactly these for 1F1B (the interleaved schedule runs on channels,
+    `channel_messages`; these groups are the best blocking ones found for it). Deadlock-free
+    under rendezvous semantics (no buffering), and every send meets exactly one receive, in
+    the same order on both ends of each pair of ranks (tests/unit/test_schedule.py replays
+    every shape)."""
     check_pipeline_shape(pp, n_micro, virtual_stages)
     return [[list(g) for g, _ in _plans(pp, n_micro, virtual_stages)[r] if g] for r in range(pp)]

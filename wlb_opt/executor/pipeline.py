@@ -1,5 +1,5 @@
-"""The pipeline runner: one rank's operations of a step, in the simulator's order, with the
-point-to-point groups of `p2p_schedule`.
+"""The pipeline runner: one rank's operations of a step, in the simulator's order, with its
+point-to-point messages.
 
 `PipelineRunner.run(forward)` runs the rank's operations in `stage_order` and moves the
 boundary tensors in one of two ways:
@@ -14,8 +14,8 @@ boundary tensors in one of two ways:
   ends and waited on only at the end of the step; a receiver keeps the next receive of each
   channel posted and posts the following one once it has waited for it. Only an op whose
   input has not arrived waits: no rank waits for a neighbour to take its output, which is
-  what stalled interleaved groups (1.1-1.5x the ideal pipeline on random op times; channels
-  replay exactly at the ideal, `wlb_opt.rendezvous.simulate_channels`). The cost: each
+  what stalls interleaved groups (`wlb-opt bench pipeline-replay`; channels replay at the
+  ideal pipeline, `wlb_opt.rendezvous.simulate_channels`). The cost: each
   channel holds one receive buffer ahead, and gradients sent back stay alive until their
   receiver takes them.
 
@@ -50,7 +50,8 @@ class StageOutputs:
       compute only (after the op's inputs arrived, to the end of the op), so they are the
       per-operation durations `simulate_pipeline` takes; waiting for a neighbour is bubble.
       On a GPU they come from CUDA events (read at the end of the step), not host clocks.
-    - `groups`: the point-to-point groups the rank issued, in order (lists of `P2POp`).
+    - `groups`: the point-to-point groups the rank issued, in order (lists of `P2POp`); on
+      channels (interleaved) each send or receive is a group of its own, in the order posted.
     - `peak_live`: the most boundary tensors (received or still to be sent) alive at once,
       per direction ("fwd" activations, "bwd" gradients), counted with weak references.
     """
