@@ -98,18 +98,19 @@ def _worker(rank, world, port):
                     torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-8, atol=1e-10,
                                                msg=lambda m: f"{where} {name}: {m}")
             dist.barrier()
-        # tensor parallelism inside a stage (DTensor), alone and with CP or PP: (cp, pp, dp, tp)
-        for cp, pp, dp, tp in {2: [(1, 1, 1, 2)], 4: [(2, 1, 1, 2), (1, 2, 1, 2)]}[world]:
+        # tensor parallelism inside a stage (DTensor), alone and with CP or PP (interleaved too: two
+        # pipelines, one per TP rank, each with its channels): (cp, pp, dp, tp, v)
+        for cp, pp, dp, tp, v in {2: [(1, 1, 1, 2, 1)], 4: [(2, 1, 1, 2, 1), (1, 2, 1, 2, 1), (1, 2, 1, 2, 2)]}[world]:
             mesh = ex.make_mesh(cp=cp, pp=pp, dp=dp, tp=tp)
             plan, cost = make_plan(dp, cp, pp)
             model = make_model()
-            chunks = ex.split_stages(model, pp)[mesh.pp_rank::pp]
+            chunks = ex.split_stages(model, pp, v)[mesh.pp_rank::pp]
             for chunk in chunks:
                 ex.apply_tensor_parallel(chunk, mesh.device_mesh["tp"])
             names = {id(p): n for n, p in model.named_parameters()}
             loss = ex.train_step(chunks, plan, make_shards(plan, cost, cp), data=doc_tokens, mesh=mesh, backend="torch")
             ref_loss, ref_grads = reference(plan)
-            where = f"rank {rank} (cp={cp}, pp={pp}, dp={dp}, tp={tp})"
+            where = f"rank {rank} (cp={cp}, pp={pp}, dp={dp}, tp={tp}, v={v})"
             assert abs(loss - ref_loss) < 1e-10, (where, loss, ref_loss)
             sharded = 0
             for chunk in chunks:
@@ -120,18 +121,19 @@ def _worker(rank, world, port):
                                                msg=lambda m: f"{where} {names[id(p)]}: {m}")
             assert sharded > 0, where  # the projections really are DTensors
             dist.barrier()
-        # sharded data parallelism with FSDP2 (over dp x cp), alone and with a pipeline: (cp, pp, dp)
-        for cp, pp, dp in {2: [(1, 1, 2)], 4: [(1, 2, 2), (2, 1, 2)]}[world]:
+        # sharded data parallelism with FSDP2 (over dp x cp), alone and with a pipeline (interleaved
+        # too): (cp, pp, dp, v)
+        for cp, pp, dp, v in {2: [(1, 1, 2, 1)], 4: [(1, 2, 2, 1), (1, 2, 2, 2), (2, 1, 2, 1)]}[world]:
             mesh = ex.make_mesh(cp=cp, pp=pp, dp=dp)
             plan, cost = make_plan(dp, cp, pp)
             model = make_model()
             names = {id(p): n for n, p in model.named_parameters()}
-            chunks = ex.split_stages(model, pp)[mesh.pp_rank::pp]
+            chunks = ex.split_stages(model, pp, v)[mesh.pp_rank::pp]
             for chunk in chunks:
                 ex.apply_fsdp(chunk, mesh)
             loss = ex.train_step(chunks, plan, make_shards(plan, cost, cp), data=doc_tokens, mesh=mesh, backend="torch")
             ref_loss, ref_grads = reference(plan)
-            where = f"rank {rank} FSDP2 (cp={cp}, pp={pp}, dp={dp})"
+            where = f"rank {rank} FSDP2 (cp={cp}, pp={pp}, dp={dp}, v={v})"
             assert abs(loss - ref_loss) < 1e-10, (where, loss, ref_loss)
             for chunk in chunks:
                 for name, p in chunk.named_parameters():
