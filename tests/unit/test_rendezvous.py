@@ -199,3 +199,73 @@ def test_the_simulators_interleaved_estimate_is_the_channel_replay():
             assert _replay_channels(f, b, np.minimum(p2p[idx], f.min())).step_time_s == pytest.approx(
                 pipeline_recurrence(f, b, "interleaved", v, np.minimum(p2p[idx], f.min())).step_time_s, rel=1e-12)
     assert groups_above_dag
+
+
+def _runs_on_streams(pp: int, n_micro: int, v: int, stream_of) -> bool:
+    """Whether the interleaved channels' program completes when every rank's p2p operations go
+    to FIFO streams `stream_of(rank, peer, kind)` (NCCL runs one communicator's operations in
+    the order posted, and a send and its receive move together once both head their streams).
+    Each rank keeps the next receive of each channel posted, waits for a receive before the op
+    that needs it, and posts a send when its op ends; durations do not matter here."""
+    from collections import deque
+
+    from wlb_opt.schedule import channel_messages, stage_order
+
+    channels = channel_messages(pp, n_micro, v)
+    nv = pp * v
+    programs = []
+    for r in range(pp):
+        prog = []
+        incoming = {c: 0 for c in channels if c[1] == r}
+        prog += [("post", c, 0) for c in incoming if channels[c]]
+        for phase, k, vs in stage_order(r, pp, n_micro, v):
+            made = ("fwd", k, vs - 1) if phase == "F" and vs > 0 else ("bwd", k, vs + 1) if phase == "B" and vs < nv - 1 \
+                else None
+            if made is not None:
+                c = (made[2] % pp, r)
+                i = incoming[c]
+                prog += [("wait", c, i)] + ([("post", c, i + 1)] if i + 1 < len(channels[c]) else [])
+                incoming[c] = i + 1
+            for c, msgs in channels.items():
+                if c[0] == r and (("fwd", k, vs) in msgs if phase == "F" else ("bwd", k, vs) in msgs):
+                    prog.append(("send", c, msgs.index(("fwd" if phase == "F" else "bwd", k, vs))))
+        programs.append(prog)
+    streams: dict = {}
+    done: set = set()
+    pos = [0] * pp
+    while True:
+        moved = False
+        for r in range(pp):
+            while pos[r] < len(programs[r]):
+                act, c, i = programs[r][pos[r]]
+                if act == "wait" and (c, i) not in done:
+                    break
+                if act != "wait":
+                    peer = c[0] if act == "post" else c[1]
+                    streams.setdefault(stream_of(r, peer, "recv" if act == "post" else "send"), deque()).append(
+                        (act, c, i))
+                pos[r] += 1
+                moved = True
+        for key, q in streams.items():  # a message moves when its send and its receive head their streams
+            if q and q[0][0] == "send":
+                _, c, i = q[0]
+                other = next((k2 for k2, q2 in streams.items() if q2 and q2[0] == ("post", c, i)), None)
+                if other is not None:
+                    q.popleft()
+                    streams[other].popleft()
+                    done.add((c, i))
+                    moved = True
+        if all(pos[r] == len(programs[r]) for r in range(pp)) and not any(streams.values()):
+            return True
+        if not moved:
+            return False
+
+
+@pytest.mark.parametrize("pp, n_micro, v", [(2, 4, 2), (3, 6, 2), (4, 8, 4)])
+def test_channels_need_a_stream_per_direction(pp, n_micro, v):
+    """The executor's channels complete with one FIFO stream per ordered pair of ranks (a
+    process group per direction, `channel_groups`); with one stream per pair of ranks (one
+    communicator for both directions) a receive posted ahead holds back the rank's own send
+    behind it, and the step deadlocks."""
+    assert _runs_on_streams(pp, n_micro, v, lambda r, peer, kind: (r, peer, kind))  # per direction
+    assert not _runs_on_streams(pp, n_micro, v, lambda r, peer, kind: (r, frozenset((r, peer))))  # shared
