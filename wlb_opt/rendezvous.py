@@ -49,15 +49,9 @@ def simulate_rendezvous(fwd, bwd, virtual_stages: int = 1, p2p_s: float = 0.0) -
 
     Returns a SimResult (its `critical_path` is empty: the replay keeps no DAG).
     """
-    f = _chunk_costs(fwd, "fwd", virtual_stages)
-    b = _chunk_costs(bwd, "bwd", virtual_stages)
-    if f.shape != b.shape:
-        raise ValueError(f"fwd and bwd must have the same shape, got {f.shape} and {b.shape}")
-    if not (is_float(p2p_s) and math.isfinite(p2p_s) and p2p_s >= 0):
-        raise ValueError(f"p2p_s must be seconds >= 0 (a finite real number), got {p2p_s!r}")
-    _check_total(f, b, np.asarray([float(p2p_s)] * f.shape[2]))
+    f, b, p2p = _checked(fwd, bwd, virtual_stages, p2p_s)
     pp, v, m = f.shape
-    return _replay(f, b, [step_plan(r, pp, m, v) for r in range(pp)], np.full(m, float(p2p_s)))
+    return _replay(f, b, [step_plan(r, pp, m, v) for r in range(pp)], p2p)
 
 
 def _replay(f: np.ndarray, b: np.ndarray, plans: list, p2p_s, start_s=None) -> SimResult:
@@ -124,6 +118,11 @@ def _result_of(timeline: list[dict], clock: list[float], pp: int) -> SimResult:
 def simulate_channels(fwd, bwd, virtual_stages: int = 1, p2p_s: float = 0.0) -> SimResult:
     """Step time of the pipeline over per-channel process groups (module docstring): the
     interleaved executor's p2p. Same arguments as `simulate_rendezvous`."""
+    return _replay_channels(*_checked(fwd, bwd, virtual_stages, p2p_s))
+
+
+def _checked(fwd, bwd, virtual_stages: int, p2p_s) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(f, b, p2p per micro-batch) of the simulate_* arguments, checked."""
     f = _chunk_costs(fwd, "fwd", virtual_stages)
     b = _chunk_costs(bwd, "bwd", virtual_stages)
     if f.shape != b.shape:
@@ -131,7 +130,7 @@ def simulate_channels(fwd, bwd, virtual_stages: int = 1, p2p_s: float = 0.0) -> 
     if not (is_float(p2p_s) and math.isfinite(p2p_s) and p2p_s >= 0):
         raise ValueError(f"p2p_s must be seconds >= 0 (a finite real number), got {p2p_s!r}")
     _check_total(f, b, np.asarray([float(p2p_s)] * f.shape[2]))
-    return _replay_channels(f, b, np.full(f.shape[2], float(p2p_s)))
+    return f, b, np.full(f.shape[2], float(p2p_s))
 
 
 def _replay_channels(f: np.ndarray, b: np.ndarray, p2p_s, start_s=None, ahead: int = RECEIVES_AHEAD) -> SimResult:
