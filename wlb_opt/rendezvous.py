@@ -39,7 +39,9 @@ from .simulate import SimResult, _check_total, _chunk_costs
 
 
 def simulate_rendezvous(fwd, bwd, virtual_stages: int = 1, p2p_s: float = 0.0) -> SimResult:
-    """Step time of the executor's pipeline under rendezvous point-to-point semantics.
+    """Step time of the pipeline over the groups of `p2p_schedule` (what the executor runs for
+    1F1B; for v > 1 the best blocking groups found, which it does not run) under rendezvous
+    point-to-point semantics.
 
     Args:
         fwd, bwd: [stages, micro_batches] seconds (split evenly over the chunks) or
