@@ -1,13 +1,14 @@
-"""The pipeline as the executor runs it: compute ops interleaved with blocking p2p groups.
+"""The pipeline as the executor runs it: compute ops around rendezvous point-to-point messages.
 
 `simulate_pipeline` (wlb_opt.simulate) times a schedule as a DAG in which a send never blocks
-its sender: an operation starts once its device is free and its input has arrived. The
-executor (wlb_opt.executor.train_step) instead posts the groups of `p2p_schedule` and waits
-for each whole group, and a send completes only when its receiver has posted the matching
-receive (NCCL for large messages; gloo's `isend` too). A rank can therefore wait for a
-neighbour to *take* its output, which the DAG does not model. For 1F1B the groups pair
-sends with the receives the peer needs next, so the two models agree; for the interleaved
-schedule they do not (`wlb-opt bench validate-sim` sets both against measured steps).
+its sender: an operation starts once its device is free and its input has arrived. On a real
+machine a send completes only when its receiver has posted the matching receive (NCCL for
+large messages; gloo's `isend` too). A rank that waits for its sends can therefore wait for a
+neighbour to *take* its output, which the DAG does not model. For 1F1B the executor posts
+the groups of `p2p_schedule` and waits for each whole group; they pair sends with the
+receives the peer needs next, so the two models agree. For the interleaved schedule no
+schedule of blocking groups does (`wlb-opt bench pipeline-replay`), and the executor runs
+channels instead.
 
 `simulate_rendezvous(fwd, bwd, virtual_stages, p2p_s)` replays `step_plan` with given
 operation times: a rank posts its group when its previous op ends; the group completes when
@@ -15,7 +16,7 @@ every one of its operations' counterparts has been posted (plus `p2p_s` of trans
 any op of the group receives); then the rank runs its op. That is how the executor runs
 1F1B.
 
-The interleaved executor runs channels instead (`simulate_channels`): one process group per
+The interleaved executor's channels (`simulate_channels`): one process group per
 (sender, receiver) pair, whose messages go in the sender's order (`channel_messages`). A
 send is posted when its op ends and never waited on before the end of the step; each
 receiver keeps the next receive of each of its channels posted, and posts the one after as
