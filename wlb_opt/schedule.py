@@ -406,7 +406,8 @@ whenever a transfer takes less than an op (`wlb_opt.rendezvous`); each more cost
 boundary buffer per channel."""
 
 
-def channel_messages(pp: int, n_micro: int, virtual_stages: int = 1) -> dict[tuple[int, int], list[tuple[str, int, int]]]:
+def channel_messages(pp: int, n_micro: int,
+                     virtual_stages: int = 1) -> dict[tuple[int, int], list[tuple[str, int, int]]]:
     """The messages of a step by channel: (sender rank, receiver rank) -> `message_key`s in the
     order the sender makes them (its `stage_order`). The interleaved executor gives every
     such channel its own process group (`wlb_opt.executor.pipeline`): the k-th send of a

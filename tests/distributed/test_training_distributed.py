@@ -47,7 +47,8 @@ def _worker(rank, world, port):
                 return real[0](ops)
 
             def spy_one(kind, t, peer, group, issued=issued):
-                issued.append([(kind, peer, tuple(t.shape), t.dtype, tuple(sorted(dist.get_process_group_ranks(group))))])
+                ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+                issued.append([(kind, peer, tuple(t.shape), t.dtype, ranks)])
                 return (real[1] if kind == "send" else real[2])(t, peer, group=group)
 
             if v == 1:

@@ -170,7 +170,8 @@ def test_runner_over_the_replayed_schedule_equals_the_sequential_run(pp, v, rows
     else:  # channels: one message at a time, each channel's in the order its sender makes them
         for (src, dst), messages in channel_messages(pp, len(rows), v).items():
             sent = [message_key(g[0], src, pp) for g in records[src].groups if g[0].kind == "send" and g[0].peer == dst]
-            taken = [message_key(g[0], dst, pp) for g in records[dst].groups if g[0].kind == "recv" and g[0].peer == src]
+            taken = [message_key(g[0], dst, pp) for g in records[dst].groups
+                     if g[0].kind == "recv" and g[0].peer == src]
             assert sent == messages and taken == messages, (src, dst)
     for rank, record in enumerate(records):
         # one forward and one backward per (slot, virtual stage this rank holds)

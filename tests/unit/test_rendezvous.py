@@ -117,7 +117,8 @@ def channels_fixed_point(f: np.ndarray, b: np.ndarray, p2p_s: np.ndarray, start_
             t = 0.0 if start_s is None else float(start_s[r])
             for op in orders[r]:
                 phase, k, vs = op
-                made = ("F", k, vs - 1) if phase == "F" and vs > 0 else ("B", k, vs + 1) if phase == "B" and vs < nv - 1 else None
+                made = (("F", k, vs - 1) if phase == "F" and vs > 0
+                        else ("B", k, vs + 1) if phase == "B" and vs < nv - 1 else None)
                 if made is not None:
                     (src, dst), i = where[made]
                     sent = start[(src, (made[0], k, made[2]))] + float(
@@ -138,7 +139,8 @@ def channels_fixed_point(f: np.ndarray, b: np.ndarray, p2p_s: np.ndarray, start_
     raise AssertionError("the relaxation did not settle: the channels deadlock")
 
 
-@pytest.mark.parametrize("pp, n_micro, v", [(2, 2, 2), (2, 4, 2), (3, 6, 2), (4, 8, 2), (2, 4, 4), (4, 4, 4), (3, 3, 1)])
+@pytest.mark.parametrize("pp, n_micro, v", [(2, 2, 2), (2, 4, 2), (3, 6, 2), (4, 8, 2), (2, 4, 4), (4, 4, 4),
+                                            (3, 3, 1)])
 def test_channel_replay_equals_its_twin_and_the_ideal_dag(pp, n_micro, v):
     from wlb_opt.rendezvous import _replay_channels, simulate_channels
 
@@ -219,8 +221,8 @@ def _runs_on_streams(pp: int, n_micro: int, v: int, stream_of) -> bool:
         incoming = {c: 0 for c in channels if c[1] == r}
         prog += [("post", c, 0) for c in incoming if channels[c]]
         for phase, k, vs in stage_order(r, pp, n_micro, v):
-            made = ("fwd", k, vs - 1) if phase == "F" and vs > 0 else ("bwd", k, vs + 1) if phase == "B" and vs < nv - 1 \
-                else None
+            made = (("fwd", k, vs - 1) if phase == "F" and vs > 0
+                    else ("bwd", k, vs + 1) if phase == "B" and vs < nv - 1 else None)
             if made is not None:
                 c = (made[2] % pp, r)
                 i = incoming[c]

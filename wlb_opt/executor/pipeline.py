@@ -311,8 +311,9 @@ class PipelineRunner:
 
 class _Channels:
     """The interleaved runner's messages on channels (module docstring): the next
-    `RECEIVES_AHEAD` receives of each channel into this rank kept posted, sends posted as their op ends and waited on at
-    the end of the step. `messages` is `channel_messages` of the step."""
+    `RECEIVES_AHEAD` receives of each channel into this rank kept posted, sends posted as
+    their op ends and waited on at the end of the step. `messages` is `channel_messages` of
+    the step."""
 
     def __init__(self, runner: PipelineRunner, messages: dict):
         self.runner = runner
