@@ -128,10 +128,11 @@ SECTIONS = (
     Section("validate_sim", "The simulator against real execution",
             "Predicted step time against measured steps of a 2-stage gloo pipeline, per schedule "
             "(error = predicted / measured - 1). `simulated_s`: the simulator on the measured op times as "
-            "`simulate_step` times a pipeline (v = 2: the rendezvous replay of the executor's p2p groups), `dag_s` "
-            "the ideal DAG; `replay_s`: that replay also fed what the step did outside its ops, measured on the "
-            "executor's clocks (`setup_s` before the pipeline, `teardown_s` after it), with the profiled p2p per "
-            "group, `replay_measured_p2p_s` with the median measured transfer per group (`transfer_ms`) instead; "
+            "`simulate_step` times a pipeline (v = 2: the replay of the executor's p2p channels; v = 1: the DAG), "
+            "`dag_s` the ideal DAG; `replay_s`: the replay of the executor's p2p (v = 1: its groups) also fed what "
+            "the step did outside its ops, measured on the executor's clocks (`setup_s` before the pipeline, "
+            "`teardown_s` after it), with the profiled p2p per message, `replay_measured_p2p_s` with the median "
+            "measured transfer per message (`transfer_ms`) instead; "
             "`load_average`: the 1-minute load average after each step.",
             (Table("validate_sim.json", ("rows",), columns=(
                 "virtual_stages", "step", "measured_s", "simulated_s", "rel_error", "dag_s", "dag_rel_error",
