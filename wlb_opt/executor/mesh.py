@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 DIMS: tuple[str, ...] = ("dp", "pp", "cp", "tp")
@@ -218,7 +219,7 @@ _CHANNEL_GROUPS: dict = {}
 """channel_groups' groups by layout (and default process group), created once per process."""
 
 
-def channel_groups(mesh: Mesh) -> dict[tuple[int, int], Any]:
+def channel_groups(mesh: Mesh, device=None) -> dict[tuple[int, int], Any]:
     """This rank's pipeline channels: one process group for each ordered pair (sender,
     receiver) of neighbouring pipeline ranks (ring neighbours: the interleaved schedule's last
     stage feeds the first), so that the messages of one pair never wait behind another's
@@ -227,7 +228,13 @@ def channel_groups(mesh: Mesh) -> dict[tuple[int, int], Any]:
     posted, and a receive posted ahead of a send on a shared one could wait forever.
 
     Every rank of the world creates every pipeline's groups (`new_group` is collective), in
-    the same order, on its first call for a layout; later calls return the same groups."""
+    the same order, on its first call for a layout; later calls return the same groups.
+    Each group then carries one blocking message, sender to receiver, in that same order on
+    every rank (`device`: where the message lives, the device NCCL runs on). NCCL sets up a
+    communicator on its first operation and blocks until both ranks do: were the first
+    operation the executor's receives posted ahead, every rank would wait in the setup of
+    its incoming channel for a peer waiting in the setup of another. In one global order,
+    the earliest group not yet set up always has both ranks at it."""
     world = dist.distributed_c10d._get_default_group()
     coords = [(d, c, t) for d in range(mesh.dp) for c in range(mesh.cp) for t in range(mesh.tp)]
     layout = tuple(tuple(mesh.global_rank(d, p, c, t) for p in range(mesh.pp)) for d, c, t in coords)
@@ -240,10 +247,18 @@ def channel_groups(mesh: Mesh) -> dict[tuple[int, int], Any]:
     options = {} if mesh.timeout_s is None else dict(timeout=datetime.timedelta(seconds=mesh.timeout_s))
     me = dist.get_rank()
     mine: dict[tuple[int, int], Any] = {}
+    order = []
     for ranks in layout:
         for a, b in pairs:
             group = dist.new_group(sorted((ranks[a], ranks[b])), **options)
             if me in (ranks[a], ranks[b]):
                 mine[(a, b)] = group
+                order.append((ranks[a], ranks[b], group))
+    token = torch.zeros(1, device=device)
+    for sender, receiver, group in order:  # set up, one channel at a time in the global order
+        if me == sender:
+            dist.send(token, receiver, group=group)
+        else:
+            dist.recv(token, sender, group=group)
     _CHANNEL_GROUPS[key] = (world, mine)
     return mine

@@ -440,7 +440,7 @@ def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce
     forward = _StageForward(chunks, inputs, mbs, pp=pp, cp_group=mesh.cp_group if mesh else None, backend=backend,
                             regather_kv=regather_kv, prefetch=prefetch, loss_fn=loss_fn, loss_chunk=loss_chunk,
                             total=total)
-    channels = channel_groups(mesh) if pp > 1 and len(chunks) > 1 else None  # the interleaved schedule's
+    channels = channel_groups(mesh, device) if pp > 1 and len(chunks) > 1 else None  # the interleaved schedule's
     if channels and device.type == "cuda" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
         warnings.warn("CUDA_DEVICE_MAX_CONNECTIONS=1: the interleaved pipeline's channels post receives ahead on "
                       "their own NCCL streams, which one hardware queue may serialize in launch order (a receive "
