@@ -28,14 +28,18 @@ def placement_order(problem: PackProblem, key: np.ndarray) -> np.ndarray:
     return np.concatenate([np.arange(k, dtype=np.int64), rest.astype(np.int64)])
 
 
+RADIX_FROM = 2048
+"""`argsort_descending` sorts this many integer keys or more by radix passes."""
+
+
 def argsort_descending(key: np.ndarray) -> np.ndarray:
     """Indices of `key` largest first, ties in index order: `np.argsort(-key, kind="stable")`.
 
     Non-negative integer keys below 2**32 (token counts) are sorted as two 16-bit digits,
     low digit first, each by numpy's stable radix sort of uint16: the same permutation (a
     stable sort is unique) in a fraction of the time of the comparison sort numpy uses for
-    int64."""
-    if key.dtype.kind not in "iu" or not len(key):
+    int64, from about `RADIX_FROM` keys up (below, the two passes cost more than they save)."""
+    if key.dtype.kind not in "iu" or len(key) < RADIX_FROM:
         return np.argsort(-key, kind="stable")
     top = int(key.max())
     if int(key.min()) < 0 or top >= 2**32:
@@ -54,13 +58,15 @@ def wlb_greedy(problem: PackProblem) -> PackResult:
     return _group(order, placed_bin, problem.n_bins)
 
 
-def wlb_assign(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, n_bins: int, cap: int) -> np.ndarray:
+def wlb_assign(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, n_bins: int, cap: int,
+               lists: tuple[list, list] | None = None) -> np.ndarray:
     """Algorithm 1's bin of each item of `order` (placement order), -1 = deferred: the
     compiled loop (greedy_compiled.py) when numba imports and `use_compiled` allows it, else
-    `wlb_assign_python`. Both give the same placements."""
+    `wlb_assign_python` (given `lists`, `lengths` and `weights` as Python lists already, for
+    a caller that packs the same pieces many times). Both give the same placements."""
     compiled = _compiled_assign()
     if compiled is None:
-        return wlb_assign_python(order, lengths, weights, n_bins, cap)
+        return wlb_assign_python(order, lengths, weights, n_bins, cap, lists=lists)
     return compiled(np.ascontiguousarray(order, dtype=np.int64), np.ascontiguousarray(lengths, dtype=np.int64),
                     np.ascontiguousarray(weights, dtype=np.float64), int(n_bins), int(cap))
 
@@ -106,7 +112,8 @@ def use_compiled(enabled: bool):
 
 
 def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, n_bins: int,
-                      cap: int, loads: np.ndarray | None = None, toks: np.ndarray | None = None) -> np.ndarray:
+                      cap: int, loads: np.ndarray | None = None, toks: np.ndarray | None = None,
+                      lists: tuple[list, list] | None = None) -> np.ndarray:
     """Algorithm 1's bin of each item of `order` (placement order), -1 = deferred.
 
     `loads` and `toks` (float64 and int64 per bin), when given, are the bins' starting state
@@ -124,8 +131,7 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
     instead of a scan of every bin plus a rebuilt heap, which matters on overloaded steps
     where most short items fall back.
     """
-    lengths_of = lengths.tolist()
-    weights_of = weights.tolist()
+    lengths_of, weights_of = (lengths.tolist(), weights.tolist()) if lists is None else lists
     start_loads, start_toks = loads, toks
     toks = [0] * n_bins if start_toks is None else start_toks.tolist()
     loads = [0.0] * n_bins if start_loads is None else start_loads.tolist()
@@ -176,6 +182,19 @@ def split_by_bin(items: np.ndarray, bins_of: np.ndarray, n_bins: int) -> list[np
     grouped = items[bin_order(bins_of, n_bins)]
     ends = np.cumsum(np.bincount(bins_of, minlength=n_bins)).tolist()
     return [grouped[start:end] for start, end in zip([0] + ends[:-1], ends)]
+
+
+def insert_sorted(values: np.ndarray, at: np.ndarray, items: np.ndarray) -> np.ndarray:
+    """`np.insert(values, at, items)` for non-decreasing positions `at` (items at equal
+    positions keep their order), without np.insert's general-case overhead."""
+    n, k = len(values), len(items)
+    out = np.empty(n + k, dtype=values.dtype)
+    where = at + np.arange(k)
+    rest = np.ones(n + k, dtype=bool)
+    rest[where] = False
+    out[where] = items
+    out[rest] = values
+    return out
 
 
 def bin_order(bins_of: np.ndarray, n_bins: int) -> np.ndarray:

@@ -76,3 +76,35 @@ def _check_n32_digests():
         digests = [p.digest() + f"/{p.step}/" + hashlib.sha256(p.arrival_step.tobytes()).hexdigest()[:16]
                    for p in plans if p is not None]
         assert digests == run_ref["digests"], name
+
+
+@settings(max_examples=60, deadline=None)
+@given(step=steps(), data=st.data())
+def test_candidates_made_from_a_packing_equal_those_packed_alone(step, data):
+    # TrialPack.with_groups (each group merged into the packing's order, packed when first
+    # read) against StepSolver.solve of the same pieces, also for a candidate of a candidate
+    n_micro, cap, pieces, first, rest, tail = step
+    lengths = np.array([piece.length for piece in pieces], dtype=np.int64)
+    solver = StepSolver(pieces, COST.doc_cost(lengths) if len(pieces) else np.zeros(0), tail, n_micro=n_micro,
+                        dp=1, max_tokens=cap, bin_const=COST.mb_const())
+    n_held = data.draw(st.integers(0, len(rest)))
+    held, extra = rest[:n_held], rest[n_held:]
+    groups = [extra[i:i + k] for i in range(len(extra)) for k in (1, 2, 3) if i + k <= len(extra)][:8]
+    counted = []
+    _, base, _ = solver.solve(first, held + tail)
+    trials = base.with_groups(groups, account=lambda n, n_pieces: counted.append((n, n_pieces)))
+    assert counted == []  # nothing is packed before it is read
+    for group, trial in zip(groups, trials):
+        pending, alone, arrival = solver.solve(first, held + group + tail)
+        assert trial.pending == pending
+        assert np.array_equal(trial.arrival, arrival)
+        assert trial.deferred_tokens == alone.deferred_tokens
+        assert counted[-1] == (1, len(pending))
+        assert as_pack_plan(trial).digest() == as_pack_plan(alone).digest()
+        assert trial.imbalance == alone.imbalance and np.array_equal(trial.loads, alone.loads)
+        assert trial.defers_any(group) == alone.defers_any(group)
+        for more, again in zip(groups[:2], trial.with_groups(groups[:2])):
+            if set(more) & set(group):
+                continue
+            want = as_pack_plan(solver.solve(first, held + group + more + tail)[1])
+            assert as_pack_plan(again).digest() == want.digest()

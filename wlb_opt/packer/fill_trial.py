@@ -305,10 +305,13 @@ class FillTrial:
         first_idx, extra_idx, group_idx = self._parts
         return self._solver._predict(first_idx, extra_idx, [group_idx], self._with_fresh)[0]
 
-    def with_groups(self, groups: list[list[HeldPiece]]) -> list["FillTrial"]:
+    def with_groups(self, groups: list[list[HeldPiece]], account=None) -> list["FillTrial"]:
         """This candidate with each of `groups` added after its extra pieces (before the fresh
-        ones), all scored in one `predict_rounds`."""
+        ones), all scored in one `predict_rounds`; `account(n_candidates, n_pieces)`, if
+        given, is told of them (the calibration meter counts them as packings)."""
         s = self._solver
+        if account is not None and groups:
+            account(len(groups), len(self.pending) + sum(map(len, groups)) // len(groups))
         first_idx, extra_idx, group_idx = self._parts
         base = self._extra + self._group
         base_idx = np.concatenate([extra_idx, group_idx])

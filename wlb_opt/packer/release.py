@@ -370,20 +370,18 @@ class GroupRelease(ReleasePolicy):
         `hopeless(group, tokens, imbalance_at_least)`, if given, skips a group before it is
         packed (imbalance_at_least: `_imbalance_at_least` of the group, None without costs).
 
-        When ctx.plan scores variants of itself (`FillTrial.with_groups`: `joining` + a group
-        added to its pieces; ctx.released is ctx.plan's released pieces + `joining`), every
-        group is scored at once, and pending and arrival are yielded as None (`_resolved`
-        reads them from the plan kept)."""
+        When ctx.plan makes variants of itself (`TrialPack.with_groups`, `FillTrial.with_groups`:
+        `joining` + a group added to its pieces; ctx.released is ctx.plan's released pieces +
+        `joining`), the candidates come from it (packed when read, or scored all at once), and
+        pending and arrival are yielded as None (`_resolved` reads them from the plan kept)."""
         with_groups = getattr(ctx.plan, "with_groups", None)
         windows = [(i, size, tokens_of[i], None if at_least_of is None else at_least_of[i])
                    for size, starts, tokens_of, at_least_of in self._windows(remaining, ctx) for i in starts]
         trials = [None] * len(windows)
         if with_groups is not None and windows:
             groups = [list(joining) + remaining[i:i + size] for i, size, _, _ in windows]
-            account = getattr(ctx.solve, "account", None)  # calibration's meter counts them as solves
-            if account is not None:
-                account(len(groups), len(ctx.plan.pending) + sum(map(len, groups)) // len(groups))
-            trials = with_groups(groups)
+            # calibration's meter counts them as solves
+            trials = with_groups(groups, account=getattr(ctx.solve, "account", None))
         for (i, size, tokens, at_least), t_plan in zip(windows, trials):
             group = remaining[i:i + size]
             if hopeless is not None and hopeless(group, tokens, at_least):

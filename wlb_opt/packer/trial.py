@@ -10,6 +10,12 @@ pieces into that order and running Algorithm 1's assignment (`wlb_assign`). A `T
 answers what the policies read (imbalance, deferred tokens, micro-batches) and builds the
 PackPlan only when asked, for the candidate the step keeps.
 
+The candidates of one round differ only in the group of held pieces they add to the step's
+current packing (release.py). `TrialPack.with_groups` builds them from that packing: a
+group's pieces are merged into its placement order (after the held pieces of equal length,
+before the fresh ones, as the stable sort puts them), and a candidate is packed only when a
+policy first reads it, so that the groups a policy skips unread cost nothing.
+
 The plans are those of `solve_pack(method="wlb")` on the same pieces in the same order: the
 same placement order (placed-first pieces as given, then the others longest first, stable),
 the same assignment, and loads summed the same way (each micro-batch's piece costs in
@@ -23,7 +29,7 @@ from itertools import chain
 import numpy as np
 
 from ..plan import PackPlan, SolveInfo, imbalance
-from ..solvers.greedy import argsort_descending, bin_tokens, split_by_bin, wlb_assign
+from ..solvers.greedy import argsort_descending, bin_tokens, insert_sorted, split_by_bin, wlb_assign
 from .state import HeldPiece
 
 
@@ -50,6 +56,7 @@ class StepSolver:
         self.bin_const = float(bin_const)
         self.method = method
         self.fresh = fresh
+        self._lists: tuple[list, list] | None = None  # lengths and weights as lists, for Algorithm 1's loop
         self._tail: tuple[list, np.ndarray, np.ndarray] | None = None  # (list, indices, indices longest first)
         self._head: tuple[list, np.ndarray, np.ndarray] = ([], np.zeros(0, np.int64), np.zeros(0, np.int64))
         self._last_rest: list[HeldPiece] = []
@@ -88,7 +95,7 @@ class StepSolver:
             return head_idx, head_sorted
         more_sorted = more_idx[argsort_descending(self.lengths[more_idx])]
         at = np.searchsorted(-self.lengths[head_sorted], -self.lengths[more_sorted], side="right")
-        return np.concatenate([head_idx, more_idx]), np.insert(head_sorted, at, more_sorted)
+        return np.concatenate([head_idx, more_idx]), insert_sorted(head_sorted, at, more_sorted)
 
     def solve(self, first: list[HeldPiece], rest: list[HeldPiece]):
         """Pack `first` (in this order), then `rest` longest first (stable), as `solve_pack`
@@ -104,24 +111,98 @@ class StepSolver:
         tail_idx, tail_sorted = self._sorted_tail(tail) if len(tail) else (np.zeros(0, np.int64),) * 2
         # rest before tail among equal lengths: insert at the left end of each run of equals
         at = np.searchsorted(-self.lengths[tail_sorted], -self.lengths[rest_sorted], side="left")
-        order = np.concatenate([first_idx, np.insert(tail_sorted, at, rest_sorted)])
+        order = np.concatenate([first_idx, insert_sorted(tail_sorted, at, rest_sorted)])
         pending_idx = np.concatenate([first_idx, rest_idx, tail_idx])
-        placed_bin = wlb_assign(order, self.lengths, self.weights, self.dp * self.n_micro, self.max_tokens)
         pending = list(first) + list(rest) + list(tail)
-        return pending, TrialPack(self, pending_idx, order, placed_bin), self.arrival[pending_idx]
+        trial = TrialPack(self, pending_idx, order, n_first=len(first_idx), n_rest=len(rest_idx), pending=pending)
+        trial._placed_bin = self.assign(order)
+        return pending, trial, self.arrival[pending_idx]
+
+    def assign(self, order: np.ndarray) -> np.ndarray:
+        """Algorithm 1's bin of each piece of `order` (`wlb_assign`; -1 = deferred)."""
+        if self._lists is None:  # the Python loop reads lists: converted once per step, not per candidate
+            self._lists = (self.lengths.tolist(), self.weights.tolist())
+        return wlb_assign(order, self.lengths, self.weights, self.dp * self.n_micro, self.max_tokens, self._lists)
 
 
 class TrialPack:
     """A candidate packing of a step: what the release policies read, and `plan()`.
 
-    Positions (`micro_batches`, `deferred`) index the candidate's pending pieces, as a
-    PackPlan's do."""
+    Its pending pieces are `n_first` placed first, then `n_rest` others (carried and held
+    pieces), then the step's fresh ones; `order` is the placement order (solver indices).
+    Positions (`micro_batches`, `deferred`) index the pending pieces, as a PackPlan's do.
+    The pieces are packed (Algorithm 1) when first read; `account(1, n_pieces)`, if given, is
+    told then (the calibration meter counts each packing)."""
 
-    def __init__(self, solver: StepSolver, pending_idx: np.ndarray, order: np.ndarray, placed_bin: np.ndarray):
+    def __init__(self, solver: StepSolver, pending_idx: np.ndarray | None, order: np.ndarray | None, *, n_first: int,
+                 n_rest: int, pending: list[HeldPiece] | None = None,
+                 extends: tuple["TrialPack", list[HeldPiece]] | None = None, account=None):
         self._solver = solver
-        self._pending_idx = pending_idx
-        self._order = order
-        self._placed_bin = placed_bin
+        if pending_idx is not None:  # else made from `extends` when first read
+            self._pending_idx, self._order = pending_idx, order
+        self._n_first, self._n_rest = n_first, n_rest
+        if pending is not None:
+            self.pending = pending
+        self._extends = extends  # (packing, group) of a candidate made by `with_groups`
+        self._account = account
+
+    @cached_property
+    def _group_idx(self) -> np.ndarray:
+        return self._solver._indices(self._extends[1])
+
+    @cached_property
+    def _pending_idx(self) -> np.ndarray:
+        """Solver index of each pending piece."""
+        base = self._extends[0]
+        n_held = base._n_first + base._n_rest
+        return np.concatenate([base._pending_idx[:n_held], self._group_idx, base._pending_idx[n_held:]])
+
+    @cached_property
+    def _order(self) -> np.ndarray:
+        """Placement order (solver indices): the group merged into its packing's order after
+        the held pieces of equal length, before the fresh ones (a stable sort's order)."""
+        s, base, idx = self._solver, self._extends[0], self._group_idx
+        cut = base._n_first
+        ranked = idx[argsort_descending(s.lengths[idx])]
+        at = np.searchsorted(base._merge_keys, 2 * (s.max_tokens - s.lengths[ranked]), side="right")
+        return np.concatenate([base._order[:cut], insert_sorted(base._order[cut:], at, ranked)])
+
+    @cached_property
+    def _placed_bin(self) -> np.ndarray:
+        """Micro-batch of each piece of the placement order, -1 = deferred."""
+        if self._account is not None:
+            self._account(1, len(self._pending_idx))
+        return self._solver.assign(self._order)
+
+    @cached_property
+    def pending(self) -> list[HeldPiece]:
+        """Every piece of the candidate, by position (the pieces `solve(first, rest)` returns)."""
+        base, group = self._extends
+        n_held = base._n_first + base._n_rest
+        return base.pending[:n_held] + list(group) + base.pending[n_held:]
+
+    @property
+    def arrival(self) -> np.ndarray:
+        """Arrival step of each pending piece."""
+        return self._solver.arrival[self._pending_idx]
+
+    @cached_property
+    def _merge_keys(self) -> np.ndarray:
+        """Sort key of each piece of the placement order after the placed-first ones:
+        2 x (max_tokens - length) + 1 for the fresh pieces, without the + 1 for the others, so
+        that it is non-decreasing (longest first, the others before fresh ones of equal length)."""
+        s, cut = self._solver, self._n_first
+        is_fresh = np.zeros(len(s.lengths), dtype=np.int64)
+        is_fresh[self._pending_idx[cut + self._n_rest:]] = 1
+        tail = self._order[cut:]
+        return 2 * (s.max_tokens - s.lengths[tail]) + is_fresh[tail]
+
+    def with_groups(self, groups: list[list[HeldPiece]], account=None) -> list["TrialPack"]:
+        """This packing with each of `groups` added to its pieces, after its other held ones
+        and before the fresh ones: the candidates `solve(first, rest + group + fresh)` gives,
+        each packed when first read (`account` as in the class docstring)."""
+        return [TrialPack(self._solver, None, None, n_first=self._n_first, n_rest=self._n_rest + len(group),
+                          extends=(self, group), account=account) for group in groups]
 
     @cached_property
     def _positions(self) -> np.ndarray:
@@ -140,7 +221,8 @@ class TrialPack:
     def loads(self) -> np.ndarray:
         """Seconds of each micro-batch: its piece costs summed as `solve_pack` sums them."""
         weights, const = self._solver.weights, self._solver.bin_const
-        return np.array([weights[b].sum() + const for b in self._bins], dtype=np.float64)
+        add = np.add.reduce  # what ndarray.sum() runs, without its overhead
+        return np.array([add(weights[b]) + const for b in self._bins], dtype=np.float64)
 
     @cached_property
     def imbalance(self) -> float:
