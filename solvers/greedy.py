@@ -58,15 +58,13 @@ def wlb_greedy(problem: PackProblem) -> PackResult:
     return _group(order, placed_bin, problem.n_bins)
 
 
-def wlb_assign(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, n_bins: int, cap: int,
-               lists: tuple[list, list] | None = None) -> np.ndarray:
+def wlb_assign(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, n_bins: int, cap: int) -> np.ndarray:
     """Algorithm 1's bin of each item of `order` (placement order), -1 = deferred: the
     compiled loop (greedy_compiled.py) when numba imports and `use_compiled` allows it, else
-    `wlb_assign_python` (given `lists`, `lengths` and `weights` as Python lists already, for
-    a caller that packs the same pieces many times). Both give the same placements."""
+    `wlb_assign_python`. Both give the same placements."""
     compiled = _compiled_assign()
     if compiled is None:
-        return wlb_assign_python(order, lengths, weights, n_bins, cap, lists=lists)
+        return wlb_assign_python(order, lengths, weights, n_bins, cap)
     return compiled(np.ascontiguousarray(order, dtype=np.int64), np.ascontiguousarray(lengths, dtype=np.int64),
                     np.ascontiguousarray(weights, dtype=np.float64), int(n_bins), int(cap))
 
@@ -112,8 +110,7 @@ def use_compiled(enabled: bool):
 
 
 def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, n_bins: int,
-                      cap: int, loads: np.ndarray | None = None, toks: np.ndarray | None = None,
-                      lists: tuple[list, list] | None = None) -> np.ndarray:
+                      cap: int, loads: np.ndarray | None = None, toks: np.ndarray | None = None) -> np.ndarray:
     """Algorithm 1's bin of each item of `order` (placement order), -1 = deferred.
 
     `loads` and `toks` (float64 and int64 per bin), when given, are the bins' starting state
@@ -131,42 +128,48 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
     instead of a scan of every bin plus a rebuilt heap, which matters on overloaded steps
     where most short items fall back.
     """
-    lengths_of, weights_of = (lengths.tolist(), weights.tolist()) if lists is None else lists
+    order = np.asarray(order, dtype=np.int64)
+    sizes, costs = lengths[order].tolist(), weights[order].tolist()  # the loop reads items in order
     start_loads, start_toks = loads, toks
     toks = [0] * n_bins if start_toks is None else start_toks.tolist()
     loads = [0.0] * n_bins if start_loads is None else start_loads.tolist()
-    placed_bin = [-1] * len(order)
+    placed_bin: list[int] = []
+    put = placed_bin.append
     heap = [(loads[b], b) for b in range(n_bins)]  # (load, bin): a heap orders ties by the lowest bin index
     tok_heap = [(toks[b], b) for b in range(n_bins)]  # (tokens, bin), keys may lag
     if start_loads is not None or start_toks is not None:
         heapq.heapify(heap)
         heapq.heapify(tok_heap)
     replace = heapq.heapreplace
-    for k, i in enumerate(order.tolist()):
-        d = lengths_of[i]
+    for d, w in zip(sizes, costs):
         load, b = heap[0]
         while load != loads[b]:  # a key left behind by the fallback
             replace(heap, (loads[b], b))
             load, b = heap[0]
-        if toks[b] + d <= cap:
-            toks[b] += d
-            loads[b] = load = load + weights_of[i]
+        t = toks[b] + d
+        if t <= cap:
+            toks[b] = t
+            load += w
+            loads[b] = load
             replace(heap, (load, b))
-            placed_bin[k] = b
+            put(b)
             continue
         tok, b = tok_heap[0]
         while tok != toks[b]:
             replace(tok_heap, (toks[b], b))
             tok, b = tok_heap[0]
-        if tok + d <= cap:  # fallback: fewest tokens (rare but for overloaded steps)
-            toks[b] = tok + d
-            loads[b] += weights_of[i]
-            placed_bin[k] = b
+        t = tok + d
+        if t <= cap:  # fallback: fewest tokens (rare but for overloaded steps)
+            toks[b] = t
+            loads[b] += w
+            put(b)
+        else:
+            put(-1)
     if start_loads is not None:
         start_loads[:] = loads
     if start_toks is not None:
         start_toks[:] = toks
-    return np.asarray(placed_bin, dtype=np.int64)
+    return np.array(placed_bin, dtype=np.int64)
 
 
 def _group(order: np.ndarray, placed_bin: np.ndarray, n_bins: int) -> PackResult:

@@ -56,7 +56,6 @@ class StepSolver:
         self.bin_const = float(bin_const)
         self.method = method
         self.fresh = fresh
-        self._lists: tuple[list, list] | None = None  # lengths and weights as lists, for Algorithm 1's loop
         self._tail: tuple[list, np.ndarray, np.ndarray] | None = None  # (list, indices, indices longest first)
         self._head: tuple[list, np.ndarray, np.ndarray] = ([], np.zeros(0, np.int64), np.zeros(0, np.int64))
         self._last_rest: list[HeldPiece] = []
@@ -120,9 +119,7 @@ class StepSolver:
 
     def assign(self, order: np.ndarray) -> np.ndarray:
         """Algorithm 1's bin of each piece of `order` (`wlb_assign`; -1 = deferred)."""
-        if self._lists is None:  # the Python loop reads lists: converted once per step, not per candidate
-            self._lists = (self.lengths.tolist(), self.weights.tolist())
-        return wlb_assign(order, self.lengths, self.weights, self.dp * self.n_micro, self.max_tokens, self._lists)
+        return wlb_assign(order, self.lengths, self.weights, self.dp * self.n_micro, self.max_tokens)
 
 
 class TrialPack:
