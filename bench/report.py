@@ -112,8 +112,8 @@ SECTIONS = (
             "unchanged), with CP-SAT's optimum and proven bound on some steps; then the packer run with each method "
             "as its step packer.",
             (Table("step_packers.json", ("summary",), caption="Means over the streams of each kind (Table 2 "
-                   "imbalance; `_packing`: max / mean of the packing cost; `loop_*`: imbalance / displacement / "
-                   "median CPU ms per step)."),)),
+                   "imbalance, forward; `_bwd`: the same of the backward cost; `_packing`: max / mean of the packing "
+                   "cost; `loop_*`: imbalance (backward) / displacement / median CPU ms per step)."),)),
     Section("pack_speed", "Packing speed",
             "CPU time of `solve_pack` on one large global batch.",
             (Table("pack_speed.json", ("rows",)),)),

@@ -4,19 +4,21 @@ The streaming packer decides two things each step: which pieces train in it (the
 held outliers, the carry) and how those pieces are packed into micro-batches (the step
 packer, `PackerConfig.method`). This benchmark separates the two.
 
-- **Re-pack** (unchanged displacement): the no-tuning defaults (`PackerConfig()`, Algorithm
-  1) plan each stream; every step after the warm-up keeps exactly the pieces the defaults
-  placed in it, and is packed again by each step packer ("wlb" = Algorithm 1, "wlb_ls",
-  "wlb_fill"). With `--exact-steps K`, the first K steps of each stream are also solved by
-  CP-SAT (`--time-limit` seconds each; the `exact` extra): its best plan and its proven
-  bound on the largest micro-batch bracket what ANY step packer can reach on those pieces.
-- **In the loop**: the packer runs with each method as its step packer (the release rule
-  then sees that packer's plans; "wlb_fill" scores candidates by its prediction,
-  wlb_opt/packer/fill_trial.py): imbalance, displacement and CPU ms per step.
+- **Re-pack** (unchanged displacement): the no-tuning defaults (`PackerConfig()`) plan each
+  stream; every step after the warm-up keeps exactly the pieces the defaults placed in it,
+  and is packed again by each step packer ("wlb" = Algorithm 1, "wlb_ls", "wlb_fill",
+  "wlb_phases" = the defaults' packer). With `--exact-steps K`, the first K steps of each
+  stream are also solved by CP-SAT (`--time-limit` seconds each; the `exact` extra): its
+  best plan and its proven bound on the largest micro-batch bracket what ANY step packer can
+  reach on those pieces, in the packing cost.
+- **In the loop**: the packer runs with each method as its step packer ("wlb_phases" and
+  "wlb" release the same way, on Algorithm 1's packings; "wlb_fill" scores candidates by its
+  prediction, wlb_opt/packer/fill_trial.py): imbalance, displacement and CPU ms per step.
 
 Imbalance is the Table 2 measure (max / mean forward cost per step, mean over the steps
-after a 20-step warm-up); "packing" is max / mean of the packing cost (forward + backward,
-what the step packers balance). Streams: the scored ones (seeds DEFAULT_SEED + 0, 1, 2) and
+after a 20-step warm-up), `_bwd` the same of the backward cost (a pipeline pays the heaviest
+forward and the heaviest backward); "packing" is max / mean of the packing cost (forward +
+backward, what Algorithm 1 balances). Streams: the scored ones (seeds DEFAULT_SEED + 0, 1, 2) and
 the calibration ones (DEFAULT_SEED + 100, 101, 102) on which the defaults were tuned.
 
     wlb-opt bench step-packers                              real, default, heavy, code, prose at N = 4
@@ -38,7 +40,8 @@ from ..step_pack import solve_pack
 from ..workloads import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from ._provenance import provenance
 
-METHODS = ("wlb", "wlb_ls", "wlb_fill")
+METHODS = ("wlb", "wlb_ls", "wlb_fill", "wlb_phases")
+LOOP_METHODS = ("wlb", "wlb_phases", "wlb_fill")
 SCORED, CALIBRATION = (0, 1, 2), (100, 101, 102)
 
 
@@ -57,6 +60,7 @@ def repack_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, exa
     plans = [packer.pack(*batch) for batch in batches]
     plans = [plan for plan in plans if plan is not None][warmup:]
     fwd = {m: [] for m in ("defaults", *METHODS)}
+    bwd = {m: [] for m in METHODS}
     packing = {m: [] for m in METHODS}
     exact = dict(steps=0, wlb=[], cpsat=[], bound=[])
     for k, plan in enumerate(plans):
@@ -68,6 +72,7 @@ def repack_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, exa
         for m in METHODS:
             q = solve_pack(lengths, n_micro, max_tokens, cost, m)
             fwd[m].append(per_step_imbalance(q, cost, "fwd"))
+            bwd[m].append(per_step_imbalance(q, cost, "bwd"))
             packing[m].append(q.imbalance)
         if k < exact_steps:
             q = solve_pack(lengths, n_micro, max_tokens, cost, "cpsat", time_limit=time_limit)
@@ -78,6 +83,7 @@ def repack_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, exa
             exact["cpsat"].append(q.imbalance)
             exact["bound"].append(q.info.bound / mean if q.info.bound is not None else float("nan"))
     row = {f"{m}_imbalance": float(np.mean(v)) for m, v in fwd.items()}
+    row |= {f"{m}_bwd": float(np.mean(v)) for m, v in bwd.items()}
     row |= {f"{m}_packing": float(np.mean(v)) for m, v in packing.items()}
     row["steps"] = len(fwd["wlb"])
     row["displacement_per_token"] = float(packer.stats()["displacement_per_token"])
@@ -89,7 +95,8 @@ def repack_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, exa
 
 
 def loop_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, method: str) -> dict:
-    """The packer with `method` as its step packer: imbalance, displacement, CPU ms per step."""
+    """The packer with `method` as its step packer: imbalance (forward, backward), displacement,
+    CPU ms per step."""
     packer = WLBPacker(n_micro, max_tokens, cost, config=PackerConfig(method=method))
     plans, cpu = [], []
     for batch in batches:
@@ -98,7 +105,8 @@ def loop_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, metho
         cpu.append(time.process_time() - t0)
     plans = [plan for plan in plans if plan is not None] + list(packer.drain())
     imbs = [per_step_imbalance(plan, cost, "fwd") for plan in plans]
-    return dict(imbalance=float(np.mean(imbs[warmup:] or imbs)),
+    bwds = [per_step_imbalance(plan, cost, "bwd") for plan in plans]
+    return dict(imbalance=float(np.mean(imbs[warmup:] or imbs)), imbalance_bwd=float(np.mean(bwds[warmup:] or bwds)),
                 displacement_per_token=float(packer.stats()["displacement_per_token"]),
                 median_ms=1e3 * float(np.median(cpu)), p99_ms=1e3 * float(np.percentile(cpu, 99)))
 
@@ -139,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         batches = global_batches(dist, W, N * W, steps, seed=DEFAULT_SEED + seed)
         repack.append(dict(dist=dist, seed=seed, streams=kind, n_micro=N,
                            **repack_stream(batches, cost, N, max_tokens, args.warmup, exact_steps, args.time_limit)))
-        for method in ("wlb", "wlb_fill"):
+        for method in LOOP_METHODS:
             loop.append(dict(dist=dist, seed=seed, streams=kind, n_micro=N, method=method,
                              **loop_stream(batches, cost, N, max_tokens, args.warmup, method)))
     summary = []
@@ -148,25 +156,27 @@ def main(argv: list[str] | None = None) -> int:
             rows = [r for r in repack if r["dist"] == dist and r["streams"] == kind]
             if not rows:
                 continue
-            keys = [k for k in rows[0] if k.endswith(("_imbalance", "_packing"))]
+            keys = [k for k in rows[0] if k.endswith(("_imbalance", "_bwd", "_packing"))]
             out = dict(dist=dist, streams=kind, seeds=len(rows), n_micro=N,
                        displacement_per_token=float(np.mean([r["displacement_per_token"] for r in rows])))
             out |= {k: float(np.mean([r[k] for r in rows if k in r])) for k in keys}
-            for method in ("wlb", "wlb_fill"):
+            for method in LOOP_METHODS:
                 lrows = [r for r in loop if r["dist"] == dist and r["streams"] == kind and r["method"] == method]
-                out[f"loop_{method}"] = (f"{np.mean([r['imbalance'] for r in lrows]):.4f} / "
+                out[f"loop_{method}"] = (f"{np.mean([r['imbalance'] for r in lrows]):.4f} "
+                                         f"(bwd {np.mean([r['imbalance_bwd'] for r in lrows]):.4f}) / "
                                          f"{np.mean([r['displacement_per_token'] for r in lrows]):.3f} / "
                                          f"{np.median([r['median_ms'] for r in lrows]):.2f} ms")
             summary.append(out)
-    print(f"N={N}, {steps} steps; re-pack at unchanged pieces: mean Table 2 imbalance (packing imbalance); "
-          "in the loop: imbalance / displacement / median CPU ms")
+    print(f"N={N}, {steps} steps; re-pack at unchanged pieces: mean Table 2 imbalance / backward (packing "
+          "imbalance); in the loop: imbalance (backward) / displacement / median CPU ms")
     for r in summary:
-        cells = " ".join(f"{m}={r[m + '_imbalance']:.4f}({r[m + '_packing']:.4f})" for m in METHODS)
+        cells = " ".join(f"{m}={r[m + '_imbalance']:.4f}/{r[m + '_bwd']:.4f}({r[m + '_packing']:.4f})"
+                         for m in METHODS)
         exact = (f" | CP-SAT on {exact_steps}/stream: wlb {r['exact_wlb_packing']:.4f}, cpsat "
                  f"{r['exact_cpsat_packing']:.4f}, bound {r['exact_bound_packing']:.4f}"
                  if "exact_cpsat_packing" in r else "")
         print(f"{r['dist']:>7} {r['streams']:>11} disp {r['displacement_per_token']:.3f}: {cells}{exact}")
-        print(f"{'':>20} loop wlb {r['loop_wlb']}, loop wlb_fill {r['loop_wlb_fill']}")
+        print(f"{'':>20} loop " + ", ".join(f"{m} {r['loop_' + m]}" for m in LOOP_METHODS))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -7,8 +7,8 @@ machine are not counted); the median, p99 and worst step are over every step of 
 `solve_shard` (CP sharding of each micro-batch, strategy "adaptive") is timed apart, per
 step, on the plans of the first seed. Each stream is timed with Algorithm 1's pure-Python
 loop (the default install) and, when numba is installed (the `fast` extra), the compiled
-one (`--loops`); `--methods wlb,wlb_fill` also times the `wlb_fill` step packer, whose
-release candidates are scored without packing. Streams: `real` and the heavy-tailed `heavy`
+one (`--loops`); `--methods wlb_phases,wlb,wlb_fill` also times Algorithm 1 as the step
+packer and the `wlb_fill` step packer, whose release candidates are scored without packing. Streams: `real` and the heavy-tailed `heavy`
 (`wlb_opt.workloads`), seeds DEFAULT_SEED + 300 + i (not the calibration seeds).
 
     wlb-opt bench stream-speed --n-micro 32                 2,000 steps x 3 seeds per stream
@@ -42,7 +42,7 @@ def _percentiles(times_s: list[float]) -> dict:
 
 
 def time_stream(batches, n_micro: int, max_tokens: int, cost, lookahead: int, shard_cp: int | None,
-                method: str = "wlb") -> tuple:
+                method: str = "wlb_phases") -> tuple:
     """(CPU seconds of each `pack`, CPU seconds of sharding each emitted plan or [])."""
     packer = WLBPacker(n_micro, max_tokens, cost, config=PackerConfig(lookahead=lookahead, method=method))
     pack_s, shard_s = [], []
@@ -71,15 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loops", default="python,compiled",
                    help="Algorithm 1's loops to time, comma-separated: python (the default install), compiled "
                         "(the `fast` extra, skipped without numba); default python,compiled")
-    p.add_argument("--methods", default="wlb",
-                   help="step packers (PackerConfig.method), comma-separated: wlb (the default), wlb_fill")
+    p.add_argument("--methods", default="wlb_phases",
+                   help="step packers (PackerConfig.method), comma-separated: wlb_phases (the default), wlb, wlb_fill")
     p.add_argument("--out", default=None, help="folder for stream_speed.json (default: print only)")
     add_cost_args(p, layout=("tp", "cp", "pp"))  # one replica: dp stays 1
     args = p.parse_args(argv)
     dists = args.dists.split(",")
     methods = args.methods.split(",")
-    if [m for m in methods if m not in ("wlb", "wlb_fill")]:
-        p.error(f"--methods must name wlb and/or wlb_fill, got {args.methods!r}")
+    if [m for m in methods if m not in ("wlb_phases", "wlb", "wlb_fill")]:
+        p.error(f"--methods must name some of wlb_phases, wlb, wlb_fill, got {args.methods!r}")
     bad_loops = [loop for loop in args.loops.split(",") if loop not in ("python", "compiled")]
     if bad_loops:
         p.error(f"unknown loops {bad_loops}; valid: python, compiled")

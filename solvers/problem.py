@@ -44,6 +44,11 @@ class PackProblem:
     """Solver backend of a method that has several ("milp": "cbc" or "highs")."""
     options: dict = field(default_factory=dict)
     """Method-specific options, validated by the method (e.g. allow_defer, max_iter)."""
+    phase_weights: tuple[np.ndarray, np.ndarray] | None = None
+    """float64 (forward, backward) cost of each item (seconds), for a method that balances the
+    two phases apart ("wlb_phases"); None: not given (`weights` stands for both)."""
+    phase_consts: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) cost of an empty bin (seconds), with `phase_weights`."""
 
     @property
     def n_items(self) -> int:

@@ -10,6 +10,8 @@ loads are recomputed from the cost model, never taken from the solver. Methods:
 - "wlb_ls":   Algorithm 1 plus a deterministic move/swap local search (wlb_opt.solvers.local_search).
 - "wlb_fill": large documents balanced first (moves and swaps among them), short ones into
               the gaps by Algorithm 1's rule, then a move/swap polish (wlb_opt.solvers.fill).
+- "wlb_phases": Algorithm 1 with forward and backward time balanced apart, never deferring
+              what Algorithm 1 places (wlb_opt.solvers.phases); the streaming packer's default.
 - "cpsat", "milp": exact models (`wlb-opt[exact]`), see wlb_opt.solvers.cpsat / .milp.
 
 More methods can be added with `register_method`. The stateful streaming packer with
@@ -36,7 +38,7 @@ from .solvers.deal import deal_to_replicas
 from .solvers.greedy import bin_tokens, fixed_greedy, original_sequential, wlb_greedy
 from .solvers.problem import PackProblem, PackResult
 
-PackMethod = Literal["original", "fixed", "wlb", "wlb_ls", "wlb_fill", "cpsat", "milp"]
+PackMethod = Literal["original", "fixed", "wlb", "wlb_ls", "wlb_fill", "wlb_phases", "cpsat", "milp"]
 
 # name -> solver callable, or "module:function" resolved on first use (optional deps).
 PACK_METHODS: dict[str, Callable[[PackProblem], PackResult] | str] = {
@@ -47,9 +49,13 @@ PACK_METHODS: dict[str, Callable[[PackProblem], PackResult] | str] = {
     "milp": "wlb_opt.solvers.milp:solve",
     "wlb_ls": "wlb_opt.solvers.local_search:wlb_local_search",
     "wlb_fill": "wlb_opt.solvers.fill:wlb_fill",
+    "wlb_phases": "wlb_opt.solvers.phases:wlb_phases",
 }
 # Options each heuristic understands (exact methods validate their own option names).
-_OPTIONS: dict[str, set] = {"original": set(), "fixed": set(), "wlb": set(), "wlb_ls": {"max_iter"}, "wlb_fill": set()}
+_OPTIONS: dict[str, set] = {"original": set(), "fixed": set(), "wlb": set(), "wlb_ls": {"max_iter"}, "wlb_fill": set(),
+                            "wlb_phases": set()}
+# Methods that read each item's forward and backward costs (PackProblem.phase_weights).
+PHASE_METHODS = {"wlb_phases"}
 # Methods that keep documents whole in fixed-length micro-batches balance tokens too.
 _BALANCE_REPLICAS = {"original": False, "fixed": False}
 
@@ -153,10 +159,15 @@ def solve_pack(
             f"document {int(ids[i])} (position {i}) has {int(lengths[i])} tokens > max_tokens={max_tokens}; "
             "cut documents to the window first with wlb_opt.split_documents(lengths, window)")
 
+    phases = {}
+    if method in PHASE_METHODS:
+        phases = dict(phase_weights=tuple(cost.doc_cost(lengths, phase) if len(lengths) else np.zeros(0)
+                                          for phase in ("fwd", "bwd")),
+                      phase_consts=(cost.mb_const("fwd"), cost.mb_const("bwd")))
     problem = PackProblem(
         lengths=lengths, weights=cost.doc_cost(lengths) if len(lengths) else np.zeros(0),
         n_bins=dp * n_micro, max_tokens=max_tokens, carried=carried, bin_const=cost.mb_const(),
-        time_limit=float(time_limit), seed=int(seed), backend=backend, options=dict(options))
+        time_limit=float(time_limit), seed=int(seed), backend=backend, options=dict(options), **phases)
     result = solver(problem)
 
     if result.pieces is not None:

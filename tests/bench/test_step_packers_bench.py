@@ -18,16 +18,18 @@ def test_step_packers_quick_run_writes_a_consistent_summary(tmp_path, capsys):
     kinds = {row["streams"] for row in data["summary"]}
     assert kinds == {"scored", "calibration"}
     for row in data["summary"]:
-        for method in ("wlb", "wlb_ls", "wlb_fill"):
+        for method in ("wlb", "wlb_ls", "wlb_fill", "wlb_phases"):
             assert row[f"{method}_imbalance"] >= 1.0 and row[f"{method}_packing"] >= 1.0
+            assert row[f"{method}_bwd"] >= 1.0
         # the descent of wlb_ls only lowers Algorithm 1's largest load
         assert row["wlb_ls_packing"] <= row["wlb_packing"] + 1e-12
         if exact:  # proven bound <= CP-SAT's plan <= Algorithm 1 (CP-SAT starts from it)
             assert row["exact_bound_packing"] <= row["exact_cpsat_packing"] + 1e-9
             assert row["exact_cpsat_packing"] <= row["exact_wlb_packing"] + 1e-9
-    assert {r["method"] for r in data["loop"]} == {"wlb", "wlb_fill"}
-    assert all(r["median_ms"] > 0 and r["displacement_per_token"] >= 0 for r in data["loop"])
-    assert "loop wlb_fill" in capsys.readouterr().out
+    assert {r["method"] for r in data["loop"]} == {"wlb", "wlb_phases", "wlb_fill"}
+    assert all(r["median_ms"] > 0 and r["displacement_per_token"] >= 0 and r["imbalance_bwd"] >= 1.0
+               for r in data["loop"])
+    assert "wlb_fill" in capsys.readouterr().out
 
 
 def test_unknown_distribution_is_a_usage_error(capsys):

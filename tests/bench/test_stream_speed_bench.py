@@ -9,11 +9,12 @@ from wlb_opt.bench import stream_speed
 
 def test_stream_speed_writes_a_row_per_setting(tmp_path, capsys):
     argv = ["--n-micro", "2", "--steps", "8", "--seeds", "1", "--dists", "real", "--lookaheads", "0,1",
-            "--methods", "wlb,wlb_fill", "--loops", "python", "--window", "8192", "--out", str(tmp_path)]
+            "--methods", "wlb_phases,wlb_fill", "--loops", "python", "--window", "8192", "--out", str(tmp_path)]
     assert stream_speed.main(argv) == 0
     data = json.loads((tmp_path / "stream_speed.json").read_text())
     rows = data["rows"]
-    assert {(r["method"], r["lookahead"]) for r in rows} == {("wlb", 0), ("wlb", 1), ("wlb_fill", 0), ("wlb_fill", 1)}
+    assert {(r["method"], r["lookahead"]) for r in rows} == {("wlb_phases", 0), ("wlb_phases", 1), ("wlb_fill", 0),
+                                                             ("wlb_fill", 1)}
     for r in rows:
         assert r["clock"] == "cpu" and r["loop"] == "python"
         assert 0 <= r["median_ms"] <= r["p99_ms"] <= r["worst_ms"]

@@ -1,6 +1,6 @@
 """Builds tests/data/packer_n32_digests.json: the plans of the no-tuning defaults at
-production scale (`WLBPacker(32, int(1.25 * W), cost)`, lookahead 0 and 4) on short `real`
-and `heavy` streams, so that a faster planner is held to the same plans where it works
+production scale (`WLBPacker(32, int(1.25 * W), cost)`, lookahead 0 and 4; the default step
+packer and Algorithm 1, `method="wlb"`) on short `real` and `heavy` streams, so that a faster planner is held to the same plans where it works
 hardest (many candidate groups per step, overloaded steps). Run it from the repository root:
 `PYTHONPATH=. python tests/data/make_packer_n32_digests.py > tests/data/packer_n32_digests.json`.
 Each entry: plan.digest() / plan.step / sha256(arrival_step) of every plan, drain included."""
@@ -14,16 +14,20 @@ from wlb_opt.workloads import DEFAULT_SEED, global_batches
 cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=1),
                               wlb.HardwareSpec.preset("h100"))
 W = 131072
+# the default step packer, and Algorithm 1 (the release's decisions are the same, made on
+# Algorithm 1's packings; its plans are those recorded before the default packed the phases apart)
+METHODS = ("wlb_phases", "wlb")
 N_MICRO = 32
 STEPS = 12
 out = {}
 for dist in ("real", "heavy"):
     batches = global_batches(dist, W, N_MICRO * W, STEPS, seed=DEFAULT_SEED + 9)
     for k in (0, 4):
-        p = WLBPacker(N_MICRO, int(1.25 * W), cost, config=PackerConfig(lookahead=k))
-        plans = [p.pack(*b) for b in batches] + p.drain()
-        digests = [pl.digest() + f"/{pl.step}/" + hashlib.sha256(pl.arrival_step.tobytes()).hexdigest()[:16]
-                   for pl in plans if pl is not None]
-        out[f"{dist}/lookahead{k}"] = dict(lookahead=k, digests=digests)
+        for method in METHODS:
+            p = WLBPacker(N_MICRO, int(1.25 * W), cost, config=PackerConfig(lookahead=k, method=method))
+            plans = [p.pack(*b) for b in batches] + p.drain()
+            digests = [pl.digest() + f"/{pl.step}/" + hashlib.sha256(pl.arrival_step.tobytes()).hexdigest()[:16]
+                       for pl in plans if pl is not None]
+            out[f"{dist}/lookahead{k}/{method}"] = dict(lookahead=k, method=method, digests=digests)
 print(json.dumps(dict(stream=dict(window=W, n_micro=N_MICRO, max_tokens=int(1.25 * W), steps=STEPS, seed_offset=9,
                                   cost="7b (8,2,4,1) h100"), runs=out), indent=1))

@@ -26,10 +26,12 @@ def test_the_feedback_keeps_displacement_near_the_budget_it_is_given(release, hi
 
 @pytest.mark.parametrize("release", ["group", "marginal"])
 @pytest.mark.parametrize("seed, lookahead, mb_const", [(11, 0, 0.0), (12, 2, 0.0), (13, 0, 2e-3)])
-def test_group_skips_only_candidates_that_cannot_pass_the_tolerance(seed, lookahead, mb_const, release):
+def test_group_skips_only_candidates_that_cannot_pass_the_tolerance(seed, lookahead, mb_const, release, monkeypatch):
     # "group" skips a candidate whose imbalance is surely above the limit (a lower bound
     # from piece costs); the plans must be exactly those of trying every candidate.
     import dataclasses
+
+    from wlb_opt.packer.trial import StepSolver
     cost = unit_cost(1e-6, 1e-3, mb_const=mb_const, backward=True)
     batches = _stream(np.random.default_rng(seed), 80)
     runs = []
@@ -38,12 +40,12 @@ def test_group_skips_only_candidates_that_cannot_pass_the_tolerance(seed, lookah
         if not prefilter:
             packer._release = dataclasses.replace(packer._release, piece_cost=None)
         calls = [0]
-        solve = packer._solve
+        assign = StepSolver.assign
 
-        def counted(first, rest, solve=solve, calls=calls):
+        def counted(self, order, assign=assign, calls=calls):  # every packing of a step's pieces
             calls[0] += 1
-            return solve(first, rest)
-        packer._solve = counted
+            return assign(self, order)
+        monkeypatch.setattr(StepSolver, "assign", counted)
         plans = [packer.pack(*b) for b in batches] + packer.drain()
         runs.append(([[p.doc_ids[mb].tolist() for mb in p.micro_batches] + [p.doc_ids[p.deferred].tolist()]
                       for p in plans if p is not None], calls[0]))

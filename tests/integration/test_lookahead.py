@@ -126,8 +126,9 @@ def test_lookahead_zero_reproduces_the_plans_of_the_packer_before_lookahead():
         dist = name.split("/")[0]
         batches = global_batches(dist, st_["window"], st_["n_micro"] * st_["window"], st_["steps"],
                                  seed=DEFAULT_SEED + st_["seed_offset"])
+        # recorded with Algorithm 1, the only step packer then
         packer = WLBPacker(st_["n_micro"], st_["max_tokens"], cost,
-                           config=PackerConfig(lookahead=0, **run_ref["config"]))
+                           config=PackerConfig(lookahead=0, method="wlb", **run_ref["config"]))
         digests = _stream_digests(packer, batches)
         assert digests == run_ref["digests"], name
 
@@ -143,15 +144,15 @@ def test_the_presets_reproduce_the_recorded_paper_and_earlier_default_plans():
                    "old_defaults": PackerConfig.legacy()}
         for name, config in presets.items():
             run_ref = ref["runs"][f"{dist}/{name}"]
-            assert config == PackerConfig(**run_ref["config"]), name
+            assert config == PackerConfig(method="wlb", **run_ref["config"]), name  # recorded with Algorithm 1
             packer = WLBPacker(st_["n_micro"], st_["max_tokens"], cost, config=config)
             digests = _stream_digests(packer, batches)
             assert digests == run_ref["digests"], f"{dist}/{name}"
 
 
 def test_the_no_tuning_defaults_reproduce_their_recorded_plans():
-    # WLBPacker(n_micro, max_tokens, cost) with no policy given, at lookahead 0, 2 and 4
-    # (tests/data/make_packer_default_digests.py)
+    # WLBPacker(n_micro, max_tokens, cost) with no policy given, at lookahead 0, 2 and 4, with
+    # the default step packer and with Algorithm 1 (tests/data/make_packer_default_digests.py)
     ref = json.loads((Path(__file__).parents[1] / "data" / "packer_default_digests.json").read_text())
     cost, st_ = _cost_7b(), ref["stream"]
     for name, run_ref in ref["runs"].items():
@@ -159,7 +160,7 @@ def test_the_no_tuning_defaults_reproduce_their_recorded_plans():
         batches = global_batches(dist, st_["window"], st_["n_micro"] * st_["window"], st_["steps"],
                                  seed=DEFAULT_SEED + st_["seed_offset"])
         packer = WLBPacker(st_["n_micro"], st_["max_tokens"], cost,
-                           config=PackerConfig(lookahead=run_ref["lookahead"]))
+                           config=PackerConfig(lookahead=run_ref["lookahead"], method=run_ref["method"]))
         digests = _stream_digests(packer, batches)
         assert digests == run_ref["digests"], name
 

@@ -1,6 +1,8 @@
 """The packer's per-step candidate packing (`StepSolver`, trial.py) gives the plans of
-`solve_pack(method="wlb")`, and the no-tuning defaults keep their recorded plans at 32
-micro-batches (tests/data/make_packer_n32_digests.py), lookahead 0 and 4."""
+`solve_pack(method="wlb")` ("wlb_phases": the kept plan that of `solve_pack(method="wlb_phases")`),
+candidates made from a packing equal those packed alone, and the no-tuning defaults keep
+their recorded plans at 32 micro-batches (tests/data/make_packer_n32_digests.py), lookahead
+0 and 4, with either step packer."""
 from __future__ import annotations
 
 import hashlib
@@ -36,23 +38,30 @@ def steps(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(steps())
-def test_a_candidate_packs_as_solve_pack_does(step):
+@given(steps(), st.sampled_from(["wlb", "wlb_phases"]))
+def test_a_candidate_packs_as_solve_pack_does(step, method):
+    # the plan kept: Algorithm 1's packing, or ("wlb_phases") the same pieces packed with the
+    # phases balanced apart; what the release reads is Algorithm 1's either way
     n_micro, cap, pieces, first, rest, tail = step
     lengths = np.array([piece.length for piece in pieces], dtype=np.int64)
+    phases = None
+    if method == "wlb_phases":
+        phases = (COST.doc_cost(lengths, "fwd") if len(pieces) else np.zeros(0),
+                  COST.doc_cost(lengths, "bwd") if len(pieces) else np.zeros(0), COST.mb_const("fwd"),
+                  COST.mb_const("bwd"))
     solver = StepSolver(pieces, COST.doc_cost(lengths) if len(pieces) else np.zeros(0), tail, n_micro=n_micro,
-                        dp=1, max_tokens=cap, bin_const=COST.mb_const())
+                        dp=1, max_tokens=cap, bin_const=COST.mb_const(), method=method, phases=phases)
     # rest ending with the step's fresh pieces (sorted once, reused), and any other rest
     for rest_given in (rest + tail, rest + tail, tail[1:] + rest):
         pending, trial, arrival = solver.solve(first, rest_given)
         assert pending == first + rest_given
         assert arrival.tolist() == [piece.arrival for piece in pending]
         got = as_pack_plan(trial)
-        want = wlb.solve_pack([piece.length for piece in pending], n_micro, cap, COST, "wlb",
-                              ids=[piece.id for piece in pending], offsets=[piece.offset for piece in pending],
-                              carried=len(first))
-        assert got.digest() == want.digest()
+        kw = dict(ids=[piece.id for piece in pending], offsets=[piece.offset for piece in pending], carried=len(first))
+        want = wlb.solve_pack([piece.length for piece in pending], n_micro, cap, COST, method, **kw)
+        assert got.digest() == want.digest() and got.info.extra == want.info.extra
         assert np.array_equal(got.loads, want.loads) and np.array_equal(got.tokens, want.tokens)
+        want = wlb.solve_pack([piece.length for piece in pending], n_micro, cap, COST, "wlb", **kw)
         assert trial.imbalance == want.imbalance and trial.deferred_tokens == want.deferred_tokens
         assert solver.solve(first, rest_given)[1].defers_any(pending) == bool(len(want.deferred))
 
@@ -71,7 +80,8 @@ def _check_n32_digests():
         dist = name.split("/")[0]
         batches = global_batches(dist, st_["window"], st_["n_micro"] * st_["window"], st_["steps"],
                                  seed=DEFAULT_SEED + st_["seed_offset"])
-        packer = WLBPacker(st_["n_micro"], st_["max_tokens"], COST, config=PackerConfig(lookahead=run_ref["lookahead"]))
+        packer = WLBPacker(st_["n_micro"], st_["max_tokens"], COST,
+                           config=PackerConfig(lookahead=run_ref["lookahead"], method=run_ref["method"]))
         plans = [packer.pack(*b) for b in batches] + packer.drain()
         digests = [p.digest() + f"/{p.step}/" + hashlib.sha256(p.arrival_step.tobytes()).hexdigest()[:16]
                    for p in plans if p is not None]

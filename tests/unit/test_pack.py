@@ -10,7 +10,7 @@ from conftest import unit_cost
 import wlb_opt as wlb
 from wlb_opt import PlanError
 
-HEURISTICS = ["original", "fixed", "wlb", "wlb_fill"]
+HEURISTICS = ["original", "fixed", "wlb", "wlb_fill", "wlb_phases"]
 
 
 def analytic(dp=1):

@@ -530,9 +530,10 @@ def test_the_layout_rules_of_a_config_are_checked_when_the_packer_is_built():
 
 def test_presets_are_the_paper_rule_and_the_earlier_defaults():
     assert wlb.PackerConfig.paper([32768, 73728]) == wlb.PackerConfig(thresholds=[32768, 73728], max_delay=None,
-                                                                     release="paper")
+                                                                     release="paper", method="wlb")
     assert wlb.PackerConfig.legacy() == wlb.PackerConfig(thresholds="auto", n_queues=2, max_delay=8, release="paper",
-                                                         balance_tolerance=1.02, delay_budget=0.5)
+                                                         balance_tolerance=1.02, delay_budget=0.5, method="wlb")
+    assert wlb.PackerConfig().method == "wlb_phases"
     assert wlb.PackerConfig.legacy(lookahead=2).lookahead == 2
 
 

@@ -27,7 +27,7 @@ from .defaults import DEFAULT_CUTOFF_SHARE, DEFAULT_MAX_DELAY
 from .release import RELEASE_POLICIES, ReleaseName
 from .state import check_thresholds
 
-PackerMethod = Literal["wlb", "wlb_fill", "wlb_ls", "fixed", "cpsat", "milp"]
+PackerMethod = Literal["wlb_phases", "wlb", "wlb_fill", "wlb_ls", "fixed", "cpsat", "milp"]
 """`solve_pack` methods that keep pieces whole (the packer tracks pieces across steps)."""
 
 
@@ -58,11 +58,13 @@ class PackerConfig:
     delay_budget: float = 0.5
     """Delay per token, in steps, that calibration and balance_tolerance="auto" aim to stay
     within (>= 0; paper §3.2)."""
-    method: PackerMethod = "wlb"
-    """The `solve_pack` method that packs each step: "wlb" (Algorithm 1), "wlb_fill" (large
-    pieces balanced first, short ones into the gaps; release candidates scored without packing
-    their short pieces, docs/tuning.md says when it helps) or another method that keeps pieces
-    whole and honours `carried`."""
+    method: PackerMethod = "wlb_phases"
+    """The `solve_pack` method that packs each step: "wlb_phases" (Algorithm 1 with each
+    micro-batch's forward and backward time balanced apart; the release policies decide on
+    Algorithm 1's packings, so the same pieces train in each step as with "wlb"), "wlb"
+    (Algorithm 1), "wlb_fill" (large pieces balanced first, short ones into the gaps; release
+    candidates scored without packing their short pieces, docs/tuning.md says when it helps)
+    or another method that keeps pieces whole and honours `carried`."""
     lookahead: int = 0
     """Global batches the packer sees ahead (>= 0). With K > 0, `pack(batch s)` returns the
     plan of step s - K and outliers may train up to K steps early (lookahead.py)."""
@@ -84,15 +86,15 @@ class PackerConfig:
     @classmethod
     def paper(cls, thresholds: Sequence[int], **overrides) -> PackerConfig:
         """The paper's rule (§3.2, Algorithm 1): a queue per threshold, released when it holds
-        dp x n_micro outliers, with no deadline."""
-        return cls(**{**dict(thresholds=thresholds, max_delay=None, release="paper"), **overrides})
+        dp x n_micro outliers, with no deadline, each step packed by Algorithm 1."""
+        return cls(**{**dict(thresholds=thresholds, max_delay=None, release="paper", method="wlb"), **overrides})
 
     @classmethod
     def legacy(cls, **overrides) -> PackerConfig:
         """The packer's earlier defaults: two calibrated queues, the paper's release with a
-        deadline of 8 steps, tolerance 1.02."""
+        deadline of 8 steps, tolerance 1.02, Algorithm 1."""
         return cls(**{**dict(thresholds="auto", n_queues=2, max_delay=8, release="paper",
-                             balance_tolerance=1.02, delay_budget=0.5), **overrides})
+                             balance_tolerance=1.02, delay_budget=0.5, method="wlb"), **overrides})
 
     @property
     def resolved_release(self) -> str:
@@ -181,4 +183,4 @@ def _check_method(method) -> None:
         # (queues, carry, arrival steps), so it only runs methods that keep pieces whole.
         raise ValueError("WLBPacker cannot run method='original' (it cuts documents at sequence "
                          "boundaries); use solve_pack(..., method='original') per global batch, or a "
-                         "method that keeps pieces whole: 'wlb', 'wlb_fill', 'wlb_ls', 'fixed', 'cpsat', 'milp'")
+                         "method that keeps pieces whole: 'wlb_phases', 'wlb', 'wlb_fill', 'wlb_ls', 'fixed', 'cpsat', 'milp'")

@@ -326,22 +326,31 @@ class WLBPacker:
         return dataclasses.replace(self._release, balance_tolerance=adaptive_tolerance(shown, self.delay_budget, high))
 
     def _make_step_solver(self, held: list[HeldPiece], fresh: list[HeldPiece]) -> StepSolver | None:
-        """The step's candidate packer: trial.py's for method "wlb" (the plans of `solve_pack`),
-        fill_trial.py's for "wlb_fill" (candidates scored from their large pieces, the kept
-        one packed by `wlb_fill`); None for the other methods, which go through `solve_pack`
-        for every candidate."""
-        if self.method not in ("wlb", "wlb_fill"):
+        """The step's candidate packer: trial.py's for methods "wlb" and "wlb_phases" (the
+        plans of `solve_pack`; for "wlb_phases" the candidates are Algorithm 1's packings and
+        the kept one is packed with the phases balanced apart), fill_trial.py's for
+        "wlb_fill" (candidates scored from their large pieces, the kept one packed by
+        `wlb_fill`); None for the other methods, which go through `solve_pack` for every
+        candidate."""
+        if self.method not in ("wlb", "wlb_fill", "wlb_phases"):
             return None
         pieces = held + fresh
         lengths = np.fromiter((piece.length for piece in pieces), dtype=np.int64, count=len(pieces))
         weights = self.cost.doc_cost(lengths) if len(pieces) else np.zeros(0)
-        solver = FillStepSolver if self.method == "wlb_fill" else StepSolver
-        return solver(pieces, weights, fresh, n_micro=self.n_micro, dp=self.dp, max_tokens=self.max_tokens,
-                      bin_const=self.cost.mb_const(), method=self.method)
+        if self.method == "wlb_fill":
+            return FillStepSolver(pieces, weights, fresh, n_micro=self.n_micro, dp=self.dp,
+                                  max_tokens=self.max_tokens, bin_const=self.cost.mb_const(), method=self.method)
+        phases = None
+        if self.method == "wlb_phases":
+            phases = (self.cost.doc_cost(lengths, "fwd") if len(pieces) else np.zeros(0),
+                      self.cost.doc_cost(lengths, "bwd") if len(pieces) else np.zeros(0),
+                      self.cost.mb_const("fwd"), self.cost.mb_const("bwd"))
+        return StepSolver(pieces, weights, fresh, n_micro=self.n_micro, dp=self.dp, max_tokens=self.max_tokens,
+                          bin_const=self.cost.mb_const(), method=self.method, phases=phases)
 
     def _solve(self, first: list[HeldPiece], rest: list[HeldPiece]):
         """Pack `first` (placed first) then `rest`; returns (pending, plan, arrival steps).
-        Inside a step with method "wlb" or "wlb_fill" the step's solver packs or scores
+        Inside a step with method "wlb", "wlb_phases" or "wlb_fill" the step's solver packs or scores
         (pieces validated and weighed once per step); otherwise `solve_pack`."""
         if self._step_solver is not None:
             return self._step_solver.solve(first, rest)

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..plan import PackPlan, SolveInfo, imbalance
 from ..solvers.greedy import argsort_descending, bin_tokens, insert_sorted, split_by_bin, wlb_assign
+from ..solvers.phases import phases_or_algorithm1
 from .state import HeldPiece
 
 
@@ -44,10 +45,15 @@ class StepSolver:
         n_micro, dp, max_tokens: the step's layout; dp x n_micro micro-batches.
         bin_const: cost every micro-batch adds (`cost.mb_const()`).
         method: the name the plans report in `info.method`.
+        phases: (forward cost, backward cost of each piece, forward and backward cost of a
+            micro-batch) for method "wlb_phases": candidates are still packed by Algorithm 1
+            (what the release policies decide on) and the plan kept is packed with the phases
+            balanced apart (`solvers.phases`); None: every packing is Algorithm 1's.
     """
 
     def __init__(self, pieces: list[HeldPiece], weights: np.ndarray, fresh: list[HeldPiece], *, n_micro: int, dp: int, max_tokens: int,
-                 bin_const: float, method: str = "wlb"):
+                 bin_const: float, method: str = "wlb",
+                 phases: tuple[np.ndarray, np.ndarray, float, float] | None = None):
         table = np.fromiter(chain.from_iterable(pieces), dtype=np.int64, count=4 * len(pieces)).reshape(-1, 4).T
         self.ids, self.offsets, self.lengths, self.arrival = table
         self.weights = np.asarray(weights, dtype=np.float64)
@@ -55,6 +61,7 @@ class StepSolver:
         self.n_micro, self.dp, self.max_tokens = n_micro, dp, max_tokens
         self.bin_const = float(bin_const)
         self.method = method
+        self.phases = phases
         self.fresh = fresh
         self._tail: tuple[list, np.ndarray, np.ndarray] | None = None  # (list, indices, indices longest first)
         self._head: tuple[list, np.ndarray, np.ndarray] = ([], np.zeros(0, np.int64), np.zeros(0, np.int64))
@@ -249,13 +256,29 @@ class TrialPack:
         return bool(deferred[self._solver._indices(pieces)].any())
 
     def plan(self) -> PackPlan:
-        """The PackPlan `solve_pack` would return for these pieces. `replica_of` is the plain
-        split (n_micro per replica): the packer deals the micro-batches itself."""
+        """The PackPlan `solve_pack` would return for these pieces (with the solver's method).
+        `replica_of` is the plain split (n_micro per replica): the packer deals the
+        micro-batches itself."""
+        s = self._solver
+        if s.phases is None:
+            return self._plan({})
+        # method "wlb_phases": the same pieces packed again, with the phases balanced apart
+        fwd, bwd, fwd_const, bwd_const = s.phases
+        placed, fallback = phases_or_algorithm1(self._order, s.lengths, s.weights, fwd, bwd, s.dp * s.n_micro,
+                                                s.max_tokens, fwd_const, bwd_const, algorithm1=self._placed_bin)
+        kept = TrialPack(s, self._pending_idx, self._order, n_first=self._n_first, n_rest=self._n_rest,
+                         pending=self.pending)
+        kept._placed_bin = placed
+        return kept._plan({"fallback": fallback})
+
+    def _plan(self, extra: dict) -> PackPlan:
+        """This packing as a PackPlan, `extra` its `info.extra`."""
         s, idx = self._solver, self._pending_idx
         loads = self.loads
         tokens = bin_tokens(s.lengths, self._bins)
         n_bins = s.dp * s.n_micro
-        info = SolveInfo(method=s.method, status="heuristic", objective=float(loads.max()) if len(loads) else 0.0)
+        info = SolveInfo(method=s.method, status="heuristic", objective=float(loads.max()) if len(loads) else 0.0,
+                         extra=extra)
         return PackPlan(doc_ids=s.ids[idx], lengths=s.lengths[idx], offsets=s.offsets[idx],
                         micro_batches=self.micro_batches, replica_of=np.arange(n_bins, dtype=np.int64) // s.n_micro,
                         deferred=self.deferred, loads=loads, tokens=tokens, n_micro=s.n_micro, dp=s.dp,

@@ -1,0 +1,140 @@
+"""`wlb_phases`: Algorithm 1 with each micro-batch's forward and backward time balanced apart.
+
+A pipeline runs a micro-batch's forward and its backward as separate operations, and its
+bubbles follow the heaviest forward and the heaviest backward, not the heaviest sum
+(paper Table 2 measures the forward time). The two phases weigh a document differently:
+attention's share of the cost is larger in the backward pass, the tensor-parallel
+communication's share smaller. Algorithm 1 balances the sum, so a micro-batch holding a
+long document (much attention) and one of many short documents (much linear work) can cost
+the same in total and still differ by a few percent in each phase, in opposite directions.
+
+`phases_assign` keeps Algorithm 1's rule and its order (placed-first items as given, then
+the rest longest first) and changes only what "least loaded" means: a micro-batch's load is
+the larger of its forward time over the step's mean forward time and its backward time over
+the step's mean backward time. Each item goes to the micro-batch of least load (ties: lowest
+index) if it fits under the token cap, else to the one of fewest tokens if it fits there,
+else it is deferred. When the backward costs are a fixed multiple of the forward ones the
+rule is Algorithm 1's.
+
+`wlb_phases` never defers an item that Algorithm 1 places: if the balanced placement defers
+anything Algorithm 1 does not, Algorithm 1's placement is kept (`PackResult.extra["fallback"]`).
+The streaming packer relies on this: its release policies decide on Algorithm 1's packings,
+and the plan it keeps must not defer a piece they counted as placed.
+"""
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from .greedy import _group, placement_order, wlb_assign
+from .problem import PackProblem, PackResult
+
+
+def phases_assign(order: np.ndarray, lengths: np.ndarray, fwd: np.ndarray, bwd: np.ndarray, n_bins: int, cap: int,
+                  fwd_const: float = 0.0, bwd_const: float = 0.0) -> np.ndarray:
+    """The bin of each item of `order` (placement order) under the module's rule, -1 = deferred.
+
+    `fwd`, `bwd`: seconds of each item in each phase; `fwd_const`, `bwd_const`: seconds every
+    bin adds. A bin's key, max(forward / mean forward, backward / mean backward) over the
+    bins (every item of `order` counted in the means), only grows, so the heaps' keys may lag
+    behind as in `greedy.wlb_assign_python` and are re-keyed at the top."""
+    order = np.asarray(order, dtype=np.int64)
+    if not len(order):
+        return np.zeros(0, dtype=np.int64)
+    f_mean = (float(np.add.reduce(fwd[order])) + n_bins * fwd_const) / n_bins
+    b_mean = (float(np.add.reduce(bwd[order])) + n_bins * bwd_const) / n_bins
+    if not (f_mean > 0 and b_mean > 0):  # nothing to balance in a phase: Algorithm 1 on the sum
+        return wlb_assign(order, lengths, fwd + bwd, n_bins, cap)
+    sizes = lengths[order].tolist()
+    f_share, b_share = (fwd[order] / f_mean).tolist(), (bwd[order] / b_mean).tolist()
+    f_load = [fwd_const / f_mean] * n_bins
+    b_load = [bwd_const / b_mean] * n_bins
+    keys = [max(f, b) for f, b in zip(f_load, b_load)]
+    toks = [0] * n_bins
+    heap = [(keys[b], b) for b in range(n_bins)]  # equal keys: already a heap, ties to the lowest index
+    tok_heap = [(0, b) for b in range(n_bins)]
+    replace = heapq.heapreplace
+    placed: list[int] = []
+    put = placed.append
+    for d, fs, bs in zip(sizes, f_share, b_share):
+        key, b = heap[0]
+        while key != keys[b]:  # a key left behind by the fallback
+            replace(heap, (keys[b], b))
+            key, b = heap[0]
+        if toks[b] + d > cap:
+            tok, b = tok_heap[0]
+            while tok != toks[b]:
+                replace(tok_heap, (toks[b], b))
+                tok, b = tok_heap[0]
+            if tok + d > cap:
+                put(-1)
+                continue
+        toks[b] += d
+        f_load[b] += fs
+        b_load[b] += bs
+        keys[b] = f_load[b] if f_load[b] > b_load[b] else b_load[b]
+        if heap[0][1] == b:
+            replace(heap, (keys[b], b))
+        put(b)
+    return np.array(placed, dtype=np.int64)
+
+
+def phases_assign_reference(order, lengths, fwd, bwd, n_bins: int, cap: int, fwd_const: float = 0.0,
+                            bwd_const: float = 0.0) -> np.ndarray:
+    """`phases_assign` by a scan of every bin per item (the tests' twin, O(items x bins))."""
+    order = np.asarray(order, dtype=np.int64)
+    if not len(order):
+        return np.zeros(0, dtype=np.int64)
+    f_mean = (float(np.add.reduce(fwd[order])) + n_bins * fwd_const) / n_bins
+    b_mean = (float(np.add.reduce(bwd[order])) + n_bins * bwd_const) / n_bins
+    if not (f_mean > 0 and b_mean > 0):
+        return wlb_assign(order, lengths, fwd + bwd, n_bins, cap)
+    f_load = np.full(n_bins, fwd_const / f_mean)
+    b_load = np.full(n_bins, bwd_const / b_mean)
+    toks = np.zeros(n_bins, dtype=np.int64)
+    out = np.full(len(order), -1, dtype=np.int64)
+    for k, i in enumerate(order.tolist()):
+        b = int(np.argmin(np.maximum(f_load, b_load)))  # first of the least: the lowest index
+        if toks[b] + lengths[i] > cap:
+            b = int(np.argmin(toks))
+            if toks[b] + lengths[i] > cap:
+                continue
+        toks[b] += lengths[i]
+        f_load[b] += fwd[i] / f_mean
+        b_load[b] += bwd[i] / b_mean
+        out[k] = b
+    return out
+
+
+def phases_or_algorithm1(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, fwd: np.ndarray,
+                         bwd: np.ndarray, n_bins: int, cap: int, fwd_const: float, bwd_const: float,
+                         algorithm1: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
+    """(bin of each item of `order`, whether Algorithm 1's placement was kept): the balanced
+    placement unless it defers an item that Algorithm 1 (on `weights`; `algorithm1`, its
+    placement of `order` if already known) places."""
+    placed = phases_assign(order, lengths, fwd, bwd, n_bins, cap, fwd_const, bwd_const)
+    if placed.min(initial=0) >= 0:
+        return placed, False
+    if algorithm1 is None:
+        algorithm1 = wlb_assign(order, lengths, weights, n_bins, cap)
+    if np.any((placed < 0) & (algorithm1 >= 0)):
+        return algorithm1, True
+    return placed, False
+
+
+def wlb_phases(problem: PackProblem) -> PackResult:
+    """The module's rule on a PackProblem: carried items first, then the rest longest first;
+    the phases' costs from `problem.phase_weights` (None: the weights, i.e. Algorithm 1)."""
+    order = placement_order(problem, problem.lengths)
+    if problem.phase_weights is None:
+        fwd = bwd = problem.weights
+        fwd_const = bwd_const = problem.bin_const
+    else:
+        fwd, bwd = problem.phase_weights
+        fwd_const, bwd_const = problem.phase_consts
+    placed, fallback = phases_or_algorithm1(order, problem.lengths, problem.weights, fwd, bwd, problem.n_bins,
+                                            int(problem.max_tokens), fwd_const, bwd_const)
+    result = _group(order, placed, problem.n_bins)
+    result.extra["fallback"] = fallback
+    return result

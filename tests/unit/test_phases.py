@@ -1,0 +1,103 @@
+"""wlb_phases: its heap loop against a scan of every bin, Algorithm 1 when the phases weigh
+alike, never deferring what Algorithm 1 places, and lower forward and backward imbalance
+than Algorithm 1 on the steps of a real-length stream."""
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import wlb_opt as wlb
+from wlb_opt.packer import per_step_imbalance
+from wlb_opt.solvers.greedy import placement_order, wlb_assign_python
+from wlb_opt.solvers.phases import phases_assign, phases_assign_reference, phases_or_algorithm1, wlb_phases
+from wlb_opt.solvers.problem import PackProblem
+from wlb_opt.workloads import DEFAULT_SEED, global_batches
+
+COST = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=1),
+                              wlb.HardwareSpec.preset("h100"))
+
+
+def _phases(lengths):
+    return COST.doc_cost(lengths, "fwd"), COST.doc_cost(lengths, "bwd")
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths=st.lists(st.integers(1, 5000), min_size=0, max_size=70), n_bins=st.integers(1, 7),
+       slack=st.floats(0.3, 2.0), carried_frac=st.floats(0, 1))
+def test_the_heap_loop_places_as_a_scan_of_every_bin(lengths, n_bins, slack, carried_frac):
+    lengths = np.array(lengths, dtype=np.int64)
+    cap = max(1, int(slack * lengths.sum() / n_bins)) if len(lengths) else 1  # tight caps defer and fall back
+    fwd, bwd = _phases(lengths)
+    problem = PackProblem(lengths=lengths, weights=fwd + bwd, n_bins=n_bins, max_tokens=cap,
+                          carried=int(carried_frac * len(lengths)))
+    order = placement_order(problem, lengths)
+    consts = (COST.mb_const("fwd"), COST.mb_const("bwd"))
+    got = phases_assign(order, lengths, fwd, bwd, n_bins, cap, *consts)
+    np.testing.assert_array_equal(got, phases_assign_reference(order, lengths, fwd, bwd, n_bins, cap, *consts))
+    for b in range(n_bins):
+        assert lengths[order[got == b]].sum() <= cap
+
+
+def test_phases_that_weigh_alike_give_algorithm1():
+    # backward = 2 x forward, term by term: a micro-batch's two shares are equal and the rule
+    # is Algorithm 1's on the sum (random costs: no two different sums tie)
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        n, n_bins = int(rng.integers(1, 200)), int(rng.integers(1, 9))
+        lengths = rng.integers(1, 4000, n)
+        fwd = rng.random(n) * lengths
+        cap = int(rng.uniform(0.5, 2.0) * lengths.sum() / n_bins) + 1
+        order = np.argsort(-lengths, kind="stable")
+        np.testing.assert_array_equal(phases_assign(order, lengths, fwd, 2 * fwd, n_bins, cap, 0.5, 1.0),
+                                      wlb_assign_python(order, lengths, 3 * fwd, n_bins, cap))
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=70), n_bins=st.integers(1, 6),
+       slack=st.floats(0.3, 1.5))
+def test_nothing_algorithm1_places_is_deferred(lengths, n_bins, slack):
+    lengths = np.array(lengths, dtype=np.int64)
+    cap = max(1, int(slack * lengths.sum() / n_bins))
+    fwd, bwd = _phases(lengths)
+    order = np.argsort(-lengths, kind="stable")
+    algorithm1 = wlb_assign_python(order, lengths, fwd + bwd, n_bins, cap)
+    placed, fallback = phases_or_algorithm1(order, lengths, fwd + bwd, fwd, bwd, n_bins, cap, 0.0, 0.0)
+    assert not np.any((placed < 0) & (algorithm1 >= 0))
+    if fallback:
+        np.testing.assert_array_equal(placed, algorithm1)
+    result = wlb_phases(PackProblem(lengths=lengths, weights=fwd + bwd, n_bins=n_bins, max_tokens=cap,
+                                    phase_weights=(fwd, bwd)))
+    assert result.extra["fallback"] == fallback
+
+
+def test_algorithm1_is_kept_where_the_balanced_placement_would_defer_more():
+    # two bins of 20 tokens; the balanced placement leaves the fifth item (6 tokens) no room
+    # that Algorithm 1 keeps for it
+    lengths = np.array([9, 8, 7, 6, 6, 3])
+    fwd, bwd = np.array([8.0, 5, 3, 4, 9, 5]), np.array([1.0, 4, 3, 3, 9, 7])
+    order = np.arange(6)
+    assert phases_assign(order, lengths, fwd, bwd, 2, 20).tolist() == [0, 1, 1, 0, -1, 1]
+    algorithm1 = wlb_assign_python(order, lengths, fwd + bwd, 2, 20)
+    assert algorithm1.tolist() == [0, 1, 0, 1, 1, 0]
+    placed, fallback = phases_or_algorithm1(order, lengths, fwd + bwd, fwd, bwd, 2, 20, 0.0, 0.0)
+    assert fallback and placed.tolist() == algorithm1.tolist()
+    result = wlb_phases(PackProblem(lengths=lengths, weights=fwd + bwd, n_bins=2, max_tokens=20,
+                                    phase_weights=(fwd, bwd)))
+    assert result.extra["fallback"] and not len(result.deferred)
+
+
+def test_solve_pack_balances_the_phases_better_than_algorithm1_on_real_steps():
+    # each phase's max / mean over a stream's batches (N = 4): the quantity the pipeline pays
+    # per phase, lower for wlb_phases in both phases, while the sum stays near Algorithm 1's
+    window = 131072
+    batches = global_batches("real", window, 4 * window, 30, seed=DEFAULT_SEED + 7)
+    imbalance = {method: {phase: [] for phase in ("fwd", "bwd", "fwd_bwd")} for method in ("wlb", "wlb_phases")}
+    for lengths, ids, offsets in batches:
+        for method, phases in imbalance.items():
+            plan = wlb.solve_pack(lengths, 4, int(1.25 * window), COST, method, ids=ids, offsets=offsets)
+            assert plan.info.method == method
+            for phase, values in phases.items():
+                values.append(per_step_imbalance(plan, COST, phase))
+    mean = {method: {phase: float(np.mean(v)) for phase, v in phases.items()} for method, phases in imbalance.items()}
+    assert mean["wlb_phases"]["fwd"] < mean["wlb"]["fwd"]
+    assert mean["wlb_phases"]["bwd"] < mean["wlb"]["bwd"]
+    assert mean["wlb_phases"]["fwd_bwd"] < mean["wlb"]["fwd_bwd"] + 0.01
