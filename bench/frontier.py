@@ -62,11 +62,14 @@ TIME_LIMIT, QUICK_TIME_LIMIT = 40.0, 12.0
 
 
 def heuristics(window: int) -> dict[str, dict]:
-    """The settings placed on the frontier (constants as in `bench table2` / `bench parity`)."""
-    group = dict(thresholds=[window // 4, 9 * window // 16], max_delay=16, release="group", balance_tolerance=1.3)
+    """The settings placed on the frontier (constants as in `bench table2` / `bench parity`; the
+    earlier rules pack each step by Algorithm 1, the defaults by "wlb_phases")."""
+    group = dict(thresholds=[window // 4, 9 * window // 16], max_delay=16, release="group", balance_tolerance=1.3,
+                 method="wlb")
     return {
-        "paper rule 32768/73728": dict(thresholds=[32768, 73728], max_delay=None, release="paper"),
-        "balance W/2,3W/4": dict(thresholds=[window // 2, 3 * window // 4], max_delay=None, release="balance"),
+        "paper rule 32768/73728": dict(thresholds=[32768, 73728], max_delay=None, release="paper", method="wlb"),
+        "balance W/2,3W/4": dict(thresholds=[window // 2, 3 * window // 4], max_delay=None, release="balance",
+                                 method="wlb"),
         "group": group,
         "default (no tuning)": {},
         **{f"default, lookahead {k}": dict(lookahead=k) for k in (1, 2, 4)},

@@ -22,8 +22,9 @@ batches (N x window tokens each, `wlb_opt.workloads.global_batches`) feeds every
 - WLB auto:            thresholds="auto" (calibrated on the first global batch), max_delay=8,
                        release="balance" (balance rows: balance_tolerance 1.02, the old default).
 - WLB default:         `WLBPacker(N, max_tokens, cost)`, nothing tuned (wlb_opt.packer.defaults:
-                       one pool from 0.3 x max_tokens, release="group", max_delay 16,
-                       balance_tolerance "auto").
+                       one pool from 0.3 x max_tokens, release="marginal", max_delay 16,
+                       balance_tolerance "auto", each step packed by "wlb_phases"). The rows
+                       above pack each step by Algorithm 1 ("wlb"), as the paper.
 - WLB default, lookahead K: the same with lookahead=K (K = 1, 2, 4): the packer sees K
                        batches ahead and may train outliers up to K steps early; the delay
                        column is then displacement per token (mean |step - arrival|).
@@ -87,7 +88,7 @@ def wlb_row(batches, cost, n_micro: int, dp: int, max_tokens: int, thresholds, m
     """One WLB row; `packer` (if given) replaces the configuration arguments."""
     if packer is None:
         config = PackerConfig(thresholds=thresholds, max_delay=max_delay, release=release,
-                              balance_tolerance=balance_tolerance)
+                              balance_tolerance=balance_tolerance, method="wlb")  # Algorithm 1, as the paper
         packer = WLBPacker(n_micro, max_tokens, cost, dp=dp, seed=seed, config=config)
     calib_s = None
     if calibration_sample is not None:
