@@ -361,7 +361,7 @@ class GroupRelease(ReleasePolicy):
             yield size, np.flatnonzero(keep).tolist(), tokens.tolist(), (None if at_least is None else at_least.tolist())
 
     def _candidates(self, remaining: list[HeldPiece], ctx: "_StepContext", extra_tokens: int = 0, hopeless=None,
-                    joining: list[HeldPiece] = ()):
+                    joining: list[HeldPiece] = (), lowest_bound_first: bool = False):
         """Each admissible group of `remaining` (1 to need pieces adjacent in (length, arrival)
         order), packed with ctx's released pieces: yields (i, group, tokens, pending, plan,
         arrival). Admissible: within ctx.limit (unless the step is idle), deferring fewer short
@@ -369,6 +369,9 @@ class GroupRelease(ReleasePolicy):
         carry limit, and no early-released outlier deferred (see the class docstring).
         `hopeless(group, tokens, imbalance_at_least)`, if given, skips a group before it is
         packed (imbalance_at_least: `_imbalance_at_least` of the group, None without costs).
+        With `lowest_bound_first` the groups come in increasing imbalance_at_least (ties: the
+        order above), so that a `hopeless` that learns from the groups seen skips more of them;
+        a caller that ranks the groups by their own keys chooses the same group in any order.
 
         When ctx.plan makes variants of itself (`TrialPack.with_groups`, `FillTrial.with_groups`:
         `joining` + a group added to its pieces; ctx.released is ctx.plan's released pieces +
@@ -377,6 +380,8 @@ class GroupRelease(ReleasePolicy):
         with_groups = getattr(ctx.plan, "with_groups", None)
         windows = [(i, size, tokens_of[i], None if at_least_of is None else at_least_of[i])
                    for size, starts, tokens_of, at_least_of in self._windows(remaining, ctx) for i in starts]
+        if lowest_bound_first and windows and windows[0][3] is not None:
+            windows.sort(key=lambda window: window[3])  # stable: ties keep the order above
         trials = [None] * len(windows)
         if with_groups is not None and windows:
             groups = [list(joining) + remaining[i:i + size] for i, size, _, _ in windows]
@@ -586,7 +591,9 @@ class MarginalRelease(GroupRelease):
             low = imbalance_at_least - ctx.plan.imbalance - lam * tokens
             return low > _TOLERANCE_SLACK and (rejected is not None and low > rejected[0][0] + _TOLERANCE_SLACK)
 
-        for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(remaining, ctx, hopeless=hopeless):
+        # lowest bound first: the best rejected group, found early, lets `hopeless` skip more
+        for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(remaining, ctx, hopeless=hopeless,
+                                                                                lowest_bound_first=True):
             score = t_plan.imbalance - ctx.plan.imbalance - lam * displacement_relief(group, ctx.step)
             entry = ((score, -tokens, min(piece.arrival for piece in group), i), group, t_pending, t_plan, t_arrival)
             if score > 0:
