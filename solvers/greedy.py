@@ -58,13 +58,18 @@ def wlb_greedy(problem: PackProblem) -> PackResult:
     return _group(order, placed_bin, problem.n_bins)
 
 
-def wlb_assign(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, n_bins: int, cap: int) -> np.ndarray:
+def wlb_assign(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, n_bins: int, cap: int,
+               stop_load: float | None = None, stop_slope: float = 0.0) -> np.ndarray | None:
     """Algorithm 1's bin of each item of `order` (placement order), -1 = deferred: the
     compiled loop (greedy_compiled.py) when numba imports and `use_compiled` allows it, else
-    `wlb_assign_python`. Both give the same placements."""
+    `wlb_assign_python`. Both give the same placements.
+
+    `stop_load`, `stop_slope`: the Python loop gives up and returns None as soon as a bin's
+    load exceeds the stop (a caller that only needs to know whether the packing stays below
+    it; see `wlb_assign_python`); the compiled loop, fast enough without, packs everything."""
     compiled = _compiled_assign()
     if compiled is None:
-        return wlb_assign_python(order, lengths, weights, n_bins, cap)
+        return wlb_assign_python(order, lengths, weights, n_bins, cap, stop_load=stop_load, stop_slope=stop_slope)
     return compiled(np.ascontiguousarray(order, dtype=np.int64), np.ascontiguousarray(lengths, dtype=np.int64),
                     np.ascontiguousarray(weights, dtype=np.float64), int(n_bins), int(cap))
 
@@ -110,12 +115,17 @@ def use_compiled(enabled: bool):
 
 
 def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, n_bins: int,
-                      cap: int, loads: np.ndarray | None = None, toks: np.ndarray | None = None) -> np.ndarray:
+                      cap: int, loads: np.ndarray | None = None, toks: np.ndarray | None = None,
+                      stop_load: float | None = None, stop_slope: float = 0.0) -> np.ndarray | None:
     """Algorithm 1's bin of each item of `order` (placement order), -1 = deferred.
 
     `loads` and `toks` (float64 and int64 per bin), when given, are the bins' starting state
     and are updated in place (`fill.fill_assign` continues a plan this way); default: empty
-    bins.
+    bins. `stop_load`, when given: None is returned (and `loads`, `toks` are left unchanged)
+    as soon as an item takes a bin's load above the stop, which starts at `stop_load` and
+    falls by `stop_slope` x the cost of each deferred item (a stop proportional to the mean
+    load of the packing, which deferred items lower); loads only grow, so the packing's
+    heaviest bin would end above the final stop too.
 
     Each item goes to the bin of least load (ties: lowest index) if it fits under `cap`
     tokens, else to the bin of fewest tokens (ties: lowest index) if it fits there, else it
@@ -141,6 +151,7 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
         heapq.heapify(heap)
         heapq.heapify(tok_heap)
     replace = heapq.heapreplace
+    stop = float("inf") if stop_load is None else float(stop_load)
     for d, w in zip(sizes, costs):
         load, b = heap[0]
         while load != loads[b]:  # a key left behind by the fallback
@@ -150,6 +161,8 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
         if t <= cap:
             toks[b] = t
             load += w
+            if load > stop:
+                return None
             loads[b] = load
             replace(heap, (load, b))
             put(b)
@@ -162,9 +175,12 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
         if t <= cap:  # fallback: fewest tokens (rare but for overloaded steps)
             toks[b] = t
             loads[b] += w
+            if loads[b] > stop:
+                return None
             put(b)
         else:
             put(-1)
+            stop -= stop_slope * w
     if start_loads is not None:
         start_loads[:] = loads
     if start_toks is not None:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wlb_opt.solvers.greedy import (argsort_descending, bin_tokens, compiled_available, placement_order,
-                                    split_by_bin, use_compiled, wlb_greedy)
+                                    split_by_bin, use_compiled, wlb_assign_python, wlb_greedy)
 from wlb_opt.solvers.problem import PackProblem
 
 
@@ -69,6 +69,38 @@ def test_algorithm_1_places_like_its_plain_twin(compiled, problem):
     for got, want in zip(result.bins, bins):
         assert np.array_equal(got, want)
     assert np.array_equal(result.deferred, deferred)
+
+
+@settings(max_examples=200, deadline=None)
+@given(problem=problems(), data=st.data())
+def test_the_python_loop_stops_exactly_when_a_load_passes_the_stop(problem, data):
+    # the stop starts at stop_load and falls by stop_slope x each deferred item's cost; the
+    # loop returns None at the first item that takes a bin above it, else the full placement
+    n, cap = problem.n_bins, int(problem.max_tokens)
+    order = placement_order(problem, problem.lengths)
+    full = wlb_assign_python(order, problem.lengths, problem.weights, n, cap)
+    loads = [0.0] * n
+    running = []  # (load after each placed item, weight of each deferred item), in order
+    for i, b in zip(order.tolist(), full.tolist()):
+        if b >= 0:
+            loads[b] += problem.weights[i]
+            running.append(("placed", loads[b]))
+        else:
+            running.append(("deferred", problem.weights[i]))
+    top = max([value for kind, value in running if kind == "placed"], default=0.0)
+    stop_load = data.draw(st.floats(-1.0, 1.2 * top + 1.0))
+    slope = data.draw(st.sampled_from([0.0, 0.1, 1.0]))
+    stop, want = stop_load, full
+    for kind, value in running:
+        if kind == "deferred":
+            stop -= slope * value
+        elif value > stop:
+            want = None
+            break
+    got = wlb_assign_python(order, problem.lengths, problem.weights, n, cap, stop_load=stop_load, stop_slope=slope)
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert np.array_equal(got, full)
 
 
 @BOTH_LOOPS

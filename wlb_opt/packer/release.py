@@ -361,7 +361,8 @@ class GroupRelease(ReleasePolicy):
             yield size, np.flatnonzero(keep).tolist(), tokens.tolist(), (None if at_least is None else at_least.tolist())
 
     def _candidates(self, remaining: list[HeldPiece], ctx: "_StepContext", extra_tokens: int = 0, hopeless=None,
-                    joining: list[HeldPiece] = (), lowest_bound_first: bool = False):
+                    joining: list[HeldPiece] = (), lowest_bound_first: bool = False, cutoff=None,
+                    most_tokens_first: bool = False):
         """Each admissible group of `remaining` (1 to need pieces adjacent in (length, arrival)
         order), packed with ctx's released pieces: yields (i, group, tokens, pending, plan,
         arrival). Admissible: within ctx.limit (unless the step is idle), deferring fewer short
@@ -369,9 +370,15 @@ class GroupRelease(ReleasePolicy):
         carry limit, and no early-released outlier deferred (see the class docstring).
         `hopeless(group, tokens, imbalance_at_least)`, if given, skips a group before it is
         packed (imbalance_at_least: `_imbalance_at_least` of the group, None without costs).
-        With `lowest_bound_first` the groups come in increasing imbalance_at_least (ties: the
-        order above), so that a `hopeless` that learns from the groups seen skips more of them;
-        a caller that ranks the groups by their own keys chooses the same group in any order.
+        With `lowest_bound_first` the groups come in increasing imbalance_at_least, with
+        `most_tokens_first` in decreasing tokens (ties: the order above), so that a `hopeless`
+        that learns from the groups seen skips more of them; a caller that ranks the groups by
+        their own keys chooses the same group in any order.
+        `cutoff(group)`, if given, is the imbalance above which the group is of no use to the
+        caller (None: no limit but ctx.limit): a candidate above it, or above ctx.limit, is
+        skipped, and a `TrialPack` is packed only until its imbalance is surely above
+        (`TrialPack.surely_above`), which costs a fraction of a packing for most of the groups
+        a caller rejects.
 
         When ctx.plan makes variants of itself (`TrialPack.with_groups`, `FillTrial.with_groups`:
         `joining` + a group added to its pieces; ctx.released is ctx.plan's released pieces +
@@ -382,6 +389,8 @@ class GroupRelease(ReleasePolicy):
                    for size, starts, tokens_of, at_least_of in self._windows(remaining, ctx) for i in starts]
         if lowest_bound_first and windows and windows[0][3] is not None:
             windows.sort(key=lambda window: window[3])  # stable: ties keep the order above
+        elif most_tokens_first:
+            windows.sort(key=lambda window: -window[2])
         trials = [None] * len(windows)
         if with_groups is not None and windows:
             groups = [list(joining) + remaining[i:i + size] for i, size, _, _ in windows]
@@ -396,9 +405,14 @@ class GroupRelease(ReleasePolicy):
                                                                       ctx.step))
             else:
                 t_pending = t_arrival = None
+            threshold = None if ctx.idle else ctx.limit
+            useful = None if cutoff is None else cutoff(group)
+            if useful is not None:
+                threshold = useful if threshold is None else min(threshold, useful)
+            if threshold is not None and _surely_above(t_plan, threshold):
+                continue
             t_deferred = t_plan.deferred_tokens
-            if ((t_plan.imbalance > ctx.limit and not ctx.idle)
-                    or t_deferred - ctx.base_deferred >= tokens + extra_tokens
+            if (t_deferred - ctx.base_deferred >= tokens + extra_tokens
                     or t_deferred > self.max_backlog_tokens // 2
                     or self._defers_any(ctx.released[ctx.n_forced:] + group, t_pending, t_plan)):
                 continue
@@ -409,7 +423,21 @@ class GroupRelease(ReleasePolicy):
         displacement relieved (`displacement_relief`; ties: lower imbalance, then the earliest
         arrival); an idle step, the most balanced group."""
         best = None
-        for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(remaining, ctx):
+
+        def hopeless(group, tokens, imbalance_at_least):  # relieves less than the best group so far
+            return not ctx.idle and best is not None and displacement_relief(group, ctx.step) < -best[0][0]
+
+        def cutoff(group):  # above the best group's imbalance, a group ranks after it
+            if best is None:
+                return None
+            if ctx.idle:
+                return best[0][0] + _TOLERANCE_SLACK
+            return best[0][1] + _TOLERANCE_SLACK if displacement_relief(group, ctx.step) == -best[0][0] else None
+
+        # an idle step ranks by imbalance, the others by relief first: the likely best groups first
+        for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(
+                remaining, ctx, hopeless=hopeless, cutoff=cutoff, lowest_bound_first=ctx.idle,
+                most_tokens_first=not ctx.idle):
             first = min(piece.arrival for piece in group)
             relief = displacement_relief(group, ctx.step)
             key = (t_plan.imbalance, -relief, first, i) if ctx.idle else (-relief, t_plan.imbalance, first, i)
@@ -452,6 +480,13 @@ class GroupRelease(ReleasePolicy):
             q.clear()
             q.extend(kept)
         return StepRelease(pending, plan, arrival, released, n_early=len(released) - n_forced)
+
+
+def _surely_above(plan, threshold: float) -> bool:
+    """Whether `plan`'s imbalance is above `threshold` (`TrialPack.surely_above`, packing it no
+    further than that takes; other plans compare their imbalance)."""
+    above = getattr(plan, "surely_above", None)
+    return above(threshold) if above is not None else plan.imbalance > threshold
 
 
 def _resolved(group, pending, plan, arrival):
@@ -591,9 +626,14 @@ class MarginalRelease(GroupRelease):
             low = imbalance_at_least - ctx.plan.imbalance - lam * tokens
             return low > _TOLERANCE_SLACK and (rejected is not None and low > rejected[0][0] + _TOLERANCE_SLACK)
 
+        def cutoff(group):  # a score above the best rejected one: neither taken nor paired
+            if rejected is None:
+                return None
+            return ctx.plan.imbalance + lam * displacement_relief(group, ctx.step) + rejected[0][0] + _TOLERANCE_SLACK
+
         # lowest bound first: the best rejected group, found early, lets `hopeless` skip more
         for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(remaining, ctx, hopeless=hopeless,
-                                                                                lowest_bound_first=True):
+                                                                                lowest_bound_first=True, cutoff=cutoff):
             score = t_plan.imbalance - ctx.plan.imbalance - lam * displacement_relief(group, ctx.step)
             entry = ((score, -tokens, min(piece.arrival for piece in group), i), group, t_pending, t_plan, t_arrival)
             if score > 0:
@@ -620,8 +660,14 @@ class MarginalRelease(GroupRelease):
             return imbalance_at_least is not None and (imbalance_at_least - ctx.plan.imbalance
                                                        - lam * (first_relief + tokens)) > _TOLERANCE_SLACK
 
+        def cutoff(group):  # the pair's score is above 0 or above the best so far
+            top = 0.0 if best is None else min(0.0, best[0][0])
+            return (ctx.plan.imbalance + lam * (first_relief + displacement_relief(group, ctx.step)) + top
+                    + _TOLERANCE_SLACK)
+
         for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(rest, with_first, first_tokens,
-                                                                                hopeless, joining=first_group):
+                                                                                hopeless, joining=first_group,
+                                                                                cutoff=cutoff):
             score = t_plan.imbalance - ctx.plan.imbalance - lam * (first_relief + displacement_relief(group, ctx.step))
             key = (score, -(first_tokens + tokens), min(piece.arrival for piece in first_group + group), i)
             if score <= 0 and (best is None or key < best[0]):

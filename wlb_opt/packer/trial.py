@@ -124,9 +124,11 @@ class StepSolver:
         trial._placed_bin = self.assign(order)
         return pending, trial, self.arrival[pending_idx]
 
-    def assign(self, order: np.ndarray) -> np.ndarray:
-        """Algorithm 1's bin of each piece of `order` (`wlb_assign`; -1 = deferred)."""
-        return wlb_assign(order, self.lengths, self.weights, self.dp * self.n_micro, self.max_tokens)
+    def assign(self, order: np.ndarray, stop_load: float | None = None, stop_slope: float = 0.0) -> np.ndarray | None:
+        """Algorithm 1's bin of each piece of `order` (`wlb_assign`; -1 = deferred), or None
+        once a micro-batch's piece costs exceed the stop (see `wlb_assign`)."""
+        return wlb_assign(order, self.lengths, self.weights, self.dp * self.n_micro, self.max_tokens, stop_load,
+                          stop_slope)
 
 
 class TrialPack:
@@ -174,9 +176,33 @@ class TrialPack:
     @cached_property
     def _placed_bin(self) -> np.ndarray:
         """Micro-batch of each piece of the placement order, -1 = deferred."""
+        return self._assign()
+
+    def _assign(self, stop_load: float | None = None, stop_slope: float = 0.0) -> np.ndarray | None:
+        """Algorithm 1 on this candidate (None: stopped, see `StepSolver.assign`); `account` is
+        told of the first packing only, stopped or not."""
         if self._account is not None:
             self._account(1, len(self._pending_idx))
-        return self._solver.assign(self._order)
+            self._account = None
+        return self._solver.assign(self._order, stop_load, stop_slope)
+
+    def surely_above(self, threshold: float) -> bool:
+        """Whether this candidate's imbalance is above `threshold`, packing it only as far as
+        that takes: the heaviest micro-batch so far over the largest mean the step can have
+        (every pending piece placed but those deferred so far) bounds the imbalance from below,
+        so the packing stops once that bound passes the threshold (with a margin of 1e-9 for
+        rounding). When it does not, the candidate is packed whole and its imbalance compared,
+        as `imbalance`."""
+        if "_placed_bin" not in self.__dict__:
+            s = self._solver
+            n_bins = s.dp * s.n_micro
+            mean_at_most = np.add.reduce(s.weights[self._pending_idx]) / n_bins + s.bin_const
+            factor = threshold * (1 + 1e-9)
+            placed = self._assign(factor * mean_at_most - s.bin_const, factor / n_bins)
+            if placed is None:
+                return True
+            self._placed_bin = placed
+        return self.imbalance > threshold
 
     @cached_property
     def pending(self) -> list[HeldPiece]:
