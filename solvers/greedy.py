@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -58,18 +59,34 @@ def wlb_greedy(problem: PackProblem) -> PackResult:
     return _group(order, placed_bin, problem.n_bins)
 
 
+class AssignStop(NamedTuple):
+    """When Algorithm 1's Python loop may give up on a packing (`wlb_assign(..., stop=)`): a
+    caller that only needs to know whether the packing passes some limits learns that it does
+    not as soon as it is certain, without packing the rest. Every quantity it watches only
+    grows as items are placed or deferred, so a limit passed part-way is passed at the end."""
+
+    load: float = float("inf")
+    """Give up when a bin's load exceeds this stop..."""
+    slope: float = 0.0
+    """...which falls by `slope` x the cost of each deferred item (a stop proportional to the
+    packing's mean load, which deferred items lower)."""
+    deferred_tokens: float = float("inf")
+    """Give up when the deferred items' tokens reach this."""
+    keep: frozenset = frozenset()
+    """Give up when the item at one of these positions (in the placement order) is deferred."""
+
+
 def wlb_assign(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, n_bins: int, cap: int,
-               stop_load: float | None = None, stop_slope: float = 0.0) -> np.ndarray | None:
+               stop: AssignStop | None = None) -> np.ndarray | None:
     """Algorithm 1's bin of each item of `order` (placement order), -1 = deferred: the
     compiled loop (greedy_compiled.py) when numba imports and `use_compiled` allows it, else
     `wlb_assign_python`. Both give the same placements.
 
-    `stop_load`, `stop_slope`: the Python loop gives up and returns None as soon as a bin's
-    load exceeds the stop (a caller that only needs to know whether the packing stays below
-    it; see `wlb_assign_python`); the compiled loop, fast enough without, packs everything."""
+    `stop`: the Python loop returns None as soon as the packing passes one of its limits
+    (`AssignStop`); the compiled loop, fast enough without, packs everything."""
     compiled = _compiled_assign()
     if compiled is None:
-        return wlb_assign_python(order, lengths, weights, n_bins, cap, stop_load=stop_load, stop_slope=stop_slope)
+        return wlb_assign_python(order, lengths, weights, n_bins, cap, stop=stop)
     return compiled(np.ascontiguousarray(order, dtype=np.int64), np.ascontiguousarray(lengths, dtype=np.int64),
                     np.ascontiguousarray(weights, dtype=np.float64), int(n_bins), int(cap))
 
@@ -116,16 +133,13 @@ def use_compiled(enabled: bool):
 
 def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, n_bins: int,
                       cap: int, loads: np.ndarray | None = None, toks: np.ndarray | None = None,
-                      stop_load: float | None = None, stop_slope: float = 0.0) -> np.ndarray | None:
+                      stop: AssignStop | None = None) -> np.ndarray | None:
     """Algorithm 1's bin of each item of `order` (placement order), -1 = deferred.
 
     `loads` and `toks` (float64 and int64 per bin), when given, are the bins' starting state
     and are updated in place (`fill.fill_assign` continues a plan this way); default: empty
-    bins. `stop_load`, when given: None is returned (and `loads`, `toks` are left unchanged)
-    as soon as an item takes a bin's load above the stop, which starts at `stop_load` and
-    falls by `stop_slope` x the cost of each deferred item (a stop proportional to the mean
-    load of the packing, which deferred items lower); loads only grow, so the packing's
-    heaviest bin would end above the final stop too.
+    bins. `stop`, when given: None is returned (and `loads`, `toks` are left unchanged) as
+    soon as the packing passes one of its limits (`AssignStop`).
 
     Each item goes to the bin of least load (ties: lowest index) if it fits under `cap`
     tokens, else to the bin of fewest tokens (ties: lowest index) if it fits there, else it
@@ -151,7 +165,9 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
         heapq.heapify(heap)
         heapq.heapify(tok_heap)
     replace = heapq.heapreplace
-    stop = float("inf") if stop_load is None else float(stop_load)
+    stop = AssignStop() if stop is None else stop
+    stop_load, stop_slope, keep = float(stop.load), float(stop.slope), stop.keep
+    deferred_tokens, stop_deferred = 0, stop.deferred_tokens
     for d, w in zip(sizes, costs):
         load, b = heap[0]
         while load != loads[b]:  # a key left behind by the fallback
@@ -161,7 +177,7 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
         if t <= cap:
             toks[b] = t
             load += w
-            if load > stop:
+            if load > stop_load:
                 return None
             loads[b] = load
             replace(heap, (load, b))
@@ -175,12 +191,17 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
         if t <= cap:  # fallback: fewest tokens (rare but for overloaded steps)
             toks[b] = t
             loads[b] += w
-            if loads[b] > stop:
+            if loads[b] > stop_load:
                 return None
             put(b)
         else:
+            if len(placed_bin) in keep:
+                return None
             put(-1)
-            stop -= stop_slope * w
+            stop_load -= stop_slope * w
+            deferred_tokens += d
+            if deferred_tokens >= stop_deferred:
+                return None
     if start_loads is not None:
         start_loads[:] = loads
     if start_toks is not None:

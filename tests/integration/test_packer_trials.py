@@ -122,10 +122,11 @@ def test_candidates_made_from_a_packing_equal_those_packed_alone(step, data):
 
 @settings(max_examples=80, deadline=None)
 @given(step=steps(), data=st.data())
-def test_a_candidate_is_surely_above_a_threshold_exactly_when_its_imbalance_is(step, data):
-    # TrialPack.surely_above stops packing once a lower bound passes the threshold: it must
-    # answer as the full packing's imbalance does (overloaded steps, whose deferred pieces
-    # lower the mean, included), count one packing, and leave the candidate readable
+def test_a_candidate_rejects_exactly_what_its_full_packing_fails(step, data):
+    # TrialPack.rejects stops packing once the candidate surely fails a limit (a lower bound on
+    # its imbalance passes the threshold, its deferred tokens reach the limit, a piece to keep
+    # is deferred): it must answer as the full packing does (overloaded steps, whose deferred
+    # pieces lower the mean, included), count one packing, and leave the candidate readable
     n_micro, cap, pieces, first, rest, tail = step
     lengths = np.array([piece.length for piece in pieces], dtype=np.int64)
     solver = StepSolver(pieces, COST.doc_cost(lengths) if len(pieces) else np.zeros(0), tail, n_micro=n_micro,
@@ -134,15 +135,18 @@ def test_a_candidate_is_surely_above_a_threshold_exactly_when_its_imbalance_is(s
     _, base, _ = solver.solve(first, tail)
     for group in groups:
         exact = solver.solve(first, group + tail)[1]
-        at = exact.imbalance
-        for threshold in (at - 1e-3, at * (1 - 1e-8), at * (1 + 1e-8), at + 1e-3,
-                          data.draw(st.floats(0.5, 3.0)), data.draw(st.floats(0.5, 3.0))):
-            if abs(threshold - at) <= 2e-9 * at:  # within the rounding margin either answer is allowed
+        at, deferred = exact.imbalance, exact.deferred_tokens
+        keep = group[:data.draw(st.integers(0, len(group)))]
+        thresholds = [None, at - 1e-3, at * (1 - 1e-8), at * (1 + 1e-8), at + 1e-3, data.draw(st.floats(0.5, 3.0))]
+        for threshold in thresholds:
+            if threshold is not None and abs(threshold - at) <= 2e-9 * at:  # within the rounding margin: either
                 continue
+            limit = data.draw(st.sampled_from([float("inf"), deferred, deferred + 1, max(deferred - 1, 0)]))
+            want = (threshold is not None and at > threshold) or deferred >= limit or exact.defers_any(keep)
             counted = []
             trial = base.with_groups([group], account=lambda n, n_pieces: counted.append(n))[0]
-            assert trial.surely_above(threshold) == (at > threshold), (threshold, at)
-            assert trial.surely_above(threshold) == (at > threshold)  # asked again, stopped or not
+            assert trial.rejects(threshold, limit, keep) == want, (threshold, at, limit, deferred)
+            assert trial.rejects(threshold, limit, keep) == want  # asked again, stopped or not
             assert counted == [1]
-            assert trial.imbalance == at and trial.deferred_tokens == exact.deferred_tokens
+            assert trial.imbalance == at and trial.deferred_tokens == deferred
             assert counted == [1]  # packed whole after a stopped packing: still one packing

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wlb_opt.solvers.greedy import (argsort_descending, bin_tokens, compiled_available, placement_order,
+from wlb_opt.solvers.greedy import (AssignStop, argsort_descending, bin_tokens, compiled_available, placement_order,
                                     split_by_bin, use_compiled, wlb_assign_python, wlb_greedy)
 from wlb_opt.solvers.problem import PackProblem
 
@@ -73,31 +73,37 @@ def test_algorithm_1_places_like_its_plain_twin(compiled, problem):
 
 @settings(max_examples=200, deadline=None)
 @given(problem=problems(), data=st.data())
-def test_the_python_loop_stops_exactly_when_a_load_passes_the_stop(problem, data):
-    # the stop starts at stop_load and falls by stop_slope x each deferred item's cost; the
-    # loop returns None at the first item that takes a bin above it, else the full placement
+def test_the_python_loop_stops_exactly_when_the_packing_passes_a_limit(problem, data):
+    # AssignStop: a load stop that falls by slope x each deferred item's cost, a limit on the
+    # deferred tokens, positions that must not be deferred; the loop returns None at the first
+    # item that passes one of them, else the full placement
     n, cap = problem.n_bins, int(problem.max_tokens)
     order = placement_order(problem, problem.lengths)
     full = wlb_assign_python(order, problem.lengths, problem.weights, n, cap)
     loads = [0.0] * n
-    running = []  # (load after each placed item, weight of each deferred item), in order
+    running = []  # (load after each placed item, or the weight of a deferred one), in order
     for i, b in zip(order.tolist(), full.tolist()):
         if b >= 0:
             loads[b] += problem.weights[i]
-            running.append(("placed", loads[b]))
+            running.append(("placed", loads[b], 0))
         else:
-            running.append(("deferred", problem.weights[i]))
-    top = max([value for kind, value in running if kind == "placed"], default=0.0)
-    stop_load = data.draw(st.floats(-1.0, 1.2 * top + 1.0))
-    slope = data.draw(st.sampled_from([0.0, 0.1, 1.0]))
-    stop, want = stop_load, full
-    for kind, value in running:
+            running.append(("deferred", problem.weights[i], int(problem.lengths[i])))
+    top = max([value for kind, value, _ in running if kind == "placed"], default=0.0)
+    stop = AssignStop(load=data.draw(st.floats(-1.0, 1.2 * top + 1.0)), slope=data.draw(st.sampled_from([0.0, 0.1, 1.0])),
+                      deferred_tokens=data.draw(st.sampled_from([float("inf"), 1, 5, 20])),
+                      keep=frozenset(data.draw(st.lists(st.integers(0, max(len(order) - 1, 0)), max_size=3))))
+    at, tokens, want = stop.load, 0, full
+    for k, (kind, value, length) in enumerate(running):
         if kind == "deferred":
-            stop -= slope * value
-        elif value > stop:
+            tokens += length
+            at -= stop.slope * value
+            if k in stop.keep or tokens >= stop.deferred_tokens:
+                want = None
+                break
+        elif value > at:
             want = None
             break
-    got = wlb_assign_python(order, problem.lengths, problem.weights, n, cap, stop_load=stop_load, stop_slope=slope)
+    got = wlb_assign_python(order, problem.lengths, problem.weights, n, cap, stop=stop)
     assert (got is None) == (want is None)
     if got is not None:
         assert np.array_equal(got, full)

@@ -319,6 +319,16 @@ class GroupRelease(ReleasePolicy):
         keys = {piece.key for piece in group}
         return any(pending[i].key in keys for i in plan.deferred.tolist())
 
+    def _rejects(self, plan, pending, threshold: float | None, deferred_tokens: int, keep: list[HeldPiece]) -> bool:
+        """Whether the packed step `plan` is above `threshold` (None: no limit), defers
+        `deferred_tokens` or more, or defers a piece of `keep`. A `TrialPack` is packed only as
+        far as that takes (`TrialPack.rejects`)."""
+        rejects = getattr(plan, "rejects", None)
+        if rejects is not None:
+            return rejects(threshold, deferred_tokens, keep)
+        return ((threshold is not None and plan.imbalance > threshold) or plan.deferred_tokens >= deferred_tokens
+                or self._defers_any(keep, pending, plan))
+
     def _split(self, carry, released, fresh, step):
         """(first, rest) that `solve` packs: `split_due` (Algorithm 1: carried pieces first)."""
         return split_due(carry, released, fresh, step, self.max_delay)
@@ -376,9 +386,9 @@ class GroupRelease(ReleasePolicy):
         their own keys chooses the same group in any order.
         `cutoff(group)`, if given, is the imbalance above which the group is of no use to the
         caller (None: no limit but ctx.limit): a candidate above it, or above ctx.limit, is
-        skipped, and a `TrialPack` is packed only until its imbalance is surely above
-        (`TrialPack.surely_above`), which costs a fraction of a packing for most of the groups
-        a caller rejects.
+        skipped, and a `TrialPack` is packed only until it surely fails one of these limits
+        (`TrialPack.rejects`), which costs a fraction of a packing for most of the groups a
+        caller rejects.
 
         When ctx.plan makes variants of itself (`TrialPack.with_groups`, `FillTrial.with_groups`:
         `joining` + a group added to its pieces; ctx.released is ctx.plan's released pieces +
@@ -409,12 +419,9 @@ class GroupRelease(ReleasePolicy):
             useful = None if cutoff is None else cutoff(group)
             if useful is not None:
                 threshold = useful if threshold is None else min(threshold, useful)
-            if threshold is not None and _surely_above(t_plan, threshold):
-                continue
-            t_deferred = t_plan.deferred_tokens
-            if (t_deferred - ctx.base_deferred >= tokens + extra_tokens
-                    or t_deferred > self.max_backlog_tokens // 2
-                    or self._defers_any(ctx.released[ctx.n_forced:] + group, t_pending, t_plan)):
+            # it defers at least as many short tokens as the group brings, or over half the carry limit
+            deferred_limit = min(ctx.base_deferred + tokens + extra_tokens, self.max_backlog_tokens // 2 + 1)
+            if self._rejects(t_plan, t_pending, threshold, deferred_limit, ctx.released[ctx.n_forced:] + group):
                 continue
             yield i, group, tokens, t_pending, t_plan, t_arrival
 
@@ -480,13 +487,6 @@ class GroupRelease(ReleasePolicy):
             q.clear()
             q.extend(kept)
         return StepRelease(pending, plan, arrival, released, n_early=len(released) - n_forced)
-
-
-def _surely_above(plan, threshold: float) -> bool:
-    """Whether `plan`'s imbalance is above `threshold` (`TrialPack.surely_above`, packing it no
-    further than that takes; other plans compare their imbalance)."""
-    above = getattr(plan, "surely_above", None)
-    return above(threshold) if above is not None else plan.imbalance > threshold
 
 
 def _resolved(group, pending, plan, arrival):
@@ -620,16 +620,26 @@ class MarginalRelease(GroupRelease):
 
         def hopeless(group, tokens, imbalance_at_least):
             # its score is surely > 0 and above the best rejected one (its relief is at most its
-            # tokens): neither taken nor paired
+            # tokens), or surely above the best one where no score can be > 0 (see `cutoff`):
+            # neither taken nor paired
             if imbalance_at_least is None:
                 return False
             low = imbalance_at_least - ctx.plan.imbalance - lam * tokens
+            if (best is not None and low > best[0][0] + _TOLERANCE_SLACK
+                    and ctx.plan.imbalance + lam * displacement_relief(group, ctx.step) >= ctx.limit + 1e-9):
+                return True
             return low > _TOLERANCE_SLACK and (rejected is not None and low > rejected[0][0] + _TOLERANCE_SLACK)
 
-        def cutoff(group):  # a score above the best rejected one: neither taken nor paired
+        def cutoff(group):
+            # useful: a score below the best one (taken) or in (0, best rejected) (paired). A
+            # group whose score is surely < 0 within ctx.limit cannot be rejected: then only
+            # the best bounds it (a step above the tolerance, whose limit is its own imbalance)
+            zero = ctx.plan.imbalance + lam * displacement_relief(group, ctx.step)  # the imbalance of score 0
+            if best is not None and zero >= ctx.limit + 1e-9:
+                return zero + best[0][0] + _TOLERANCE_SLACK
             if rejected is None:
                 return None
-            return ctx.plan.imbalance + lam * displacement_relief(group, ctx.step) + rejected[0][0] + _TOLERANCE_SLACK
+            return zero + rejected[0][0] + _TOLERANCE_SLACK
 
         # lowest bound first: the best rejected group, found early, lets `hopeless` skip more
         for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(remaining, ctx, hopeless=hopeless,

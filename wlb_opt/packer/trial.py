@@ -29,7 +29,7 @@ from itertools import chain
 import numpy as np
 
 from ..plan import PackPlan, SolveInfo, imbalance
-from ..solvers.greedy import argsort_descending, bin_tokens, insert_sorted, split_by_bin, wlb_assign
+from ..solvers.greedy import AssignStop, argsort_descending, bin_tokens, insert_sorted, split_by_bin, wlb_assign
 from ..solvers.phases import phases_or_algorithm1
 from .state import HeldPiece
 
@@ -124,11 +124,10 @@ class StepSolver:
         trial._placed_bin = self.assign(order)
         return pending, trial, self.arrival[pending_idx]
 
-    def assign(self, order: np.ndarray, stop_load: float | None = None, stop_slope: float = 0.0) -> np.ndarray | None:
+    def assign(self, order: np.ndarray, stop: AssignStop | None = None) -> np.ndarray | None:
         """Algorithm 1's bin of each piece of `order` (`wlb_assign`; -1 = deferred), or None
-        once a micro-batch's piece costs exceed the stop (see `wlb_assign`)."""
-        return wlb_assign(order, self.lengths, self.weights, self.dp * self.n_micro, self.max_tokens, stop_load,
-                          stop_slope)
+        once the packing passes a limit of `stop`."""
+        return wlb_assign(order, self.lengths, self.weights, self.dp * self.n_micro, self.max_tokens, stop)
 
 
 class TrialPack:
@@ -178,31 +177,40 @@ class TrialPack:
         """Micro-batch of each piece of the placement order, -1 = deferred."""
         return self._assign()
 
-    def _assign(self, stop_load: float | None = None, stop_slope: float = 0.0) -> np.ndarray | None:
+    def _assign(self, stop: AssignStop | None = None) -> np.ndarray | None:
         """Algorithm 1 on this candidate (None: stopped, see `StepSolver.assign`); `account` is
         told of the first packing only, stopped or not."""
         if self._account is not None:
             self._account(1, len(self._pending_idx))
             self._account = None
-        return self._solver.assign(self._order, stop_load, stop_slope)
+        return self._solver.assign(self._order, stop)
 
-    def surely_above(self, threshold: float) -> bool:
-        """Whether this candidate's imbalance is above `threshold`, packing it only as far as
-        that takes: the heaviest micro-batch so far over the largest mean the step can have
-        (every pending piece placed but those deferred so far) bounds the imbalance from below,
-        so the packing stops once that bound passes the threshold (with a margin of 1e-9 for
-        rounding). When it does not, the candidate is packed whole and its imbalance compared,
-        as `imbalance`."""
+    def rejects(self, threshold: float | None = None, deferred_tokens: float = float("inf"),
+                keep: list[HeldPiece] = ()) -> bool:
+        """Whether this candidate's imbalance is above `threshold` (None: no limit), or its
+        deferred tokens reach `deferred_tokens`, or it defers one of `keep`, packing it only as
+        far as that takes. The heaviest micro-batch so far over the largest mean the step can
+        have (every pending piece placed but those deferred so far) bounds the imbalance from
+        below, so the packing stops once that bound passes the threshold (with a margin of
+        1e-9 for rounding), once the tokens deferred so far reach the limit, or once a piece of
+        `keep` is deferred. When it does not stop, the candidate is packed whole and its exact
+        values compared."""
         if "_placed_bin" not in self.__dict__:
             s = self._solver
             n_bins = s.dp * s.n_micro
-            mean_at_most = np.add.reduce(s.weights[self._pending_idx]) / n_bins + s.bin_const
-            factor = threshold * (1 + 1e-9)
-            placed = self._assign(factor * mean_at_most - s.bin_const, factor / n_bins)
+            stop = AssignStop(deferred_tokens=deferred_tokens)
+            if threshold is not None:
+                mean_at_most = np.add.reduce(s.weights[self._pending_idx]) / n_bins + s.bin_const
+                factor = threshold * (1 + 1e-9)
+                stop = stop._replace(load=factor * mean_at_most - s.bin_const, slope=factor / n_bins)
+            if len(keep):
+                stop = stop._replace(keep=frozenset(np.flatnonzero(np.isin(self._order, s._indices(keep))).tolist()))
+            placed = self._assign(stop)
             if placed is None:
                 return True
             self._placed_bin = placed
-        return self.imbalance > threshold
+        return ((threshold is not None and self.imbalance > threshold) or self.deferred_tokens >= deferred_tokens
+                or self.defers_any(keep))
 
     @cached_property
     def pending(self) -> list[HeldPiece]:
