@@ -15,6 +15,9 @@ from __future__ import annotations
 import contextlib
 import heapq
 import os
+from bisect import bisect_left
+from itertools import islice
+from operator import neg
 from typing import NamedTuple
 
 import numpy as np
@@ -166,9 +169,11 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
         heapq.heapify(tok_heap)
     replace = heapq.heapreplace
     stop = AssignStop() if stop is None else stop
-    stop_load, stop_slope, keep = float(stop.load), float(stop.slope), stop.keep
+    stop_load, stop_slope, keep = float(stop.load), float(stop.slope), sorted(stop.keep)
     deferred_tokens, stop_deferred = 0, stop.deferred_tokens
-    for d, w in zip(sizes, costs):
+    sorted_from = None  # where the lengths stop rising (found at the first item deferred)
+    items = zip(sizes, costs)
+    for d, w in items:
         load, b = heap[0]
         while load != loads[b]:  # a key left behind by the fallback
             replace(heap, (loads[b], b))
@@ -194,14 +199,25 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
             if loads[b] > stop_load:
                 return None
             put(b)
-        else:
-            if len(placed_bin) in keep:
-                return None
-            put(-1)
-            stop_load -= stop_slope * w
-            deferred_tokens += d
+        else:  # fits nowhere, nor does any next item longer than the most room left: all deferred at once
+            # (the bins do not change while items are deferred; after the placed-first items the
+            # lengths do not increase, so the first item that fits is found by bisection)
+            k = len(placed_bin)
+            if sorted_from is None:
+                rises = np.flatnonzero(np.diff(lengths[order]) > 0)
+                sorted_from = int(rises[-1]) + 1 if len(rises) else 0
+            j = bisect_left(sizes, tok - cap, k + 1, len(sizes), key=neg) if k >= sorted_from else k + 1
+            if keep:
+                at = bisect_left(keep, k)
+                if at < len(keep) and keep[at] < j:
+                    return None
+            placed_bin.extend([-1] * (j - k))
+            stop_load -= stop_slope * sum(costs[k:j])
+            deferred_tokens += sum(sizes[k:j])
             if deferred_tokens >= stop_deferred:
                 return None
+            if j - k > 1:
+                next(islice(items, j - k - 2, j - k - 1), None)  # skip the items deferred with this one
     if start_loads is not None:
         start_loads[:] = loads
     if start_toks is not None:

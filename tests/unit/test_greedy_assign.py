@@ -8,7 +8,7 @@ import heapq
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from wlb_opt.solvers.greedy import (AssignStop, argsort_descending, bin_tokens, compiled_available, placement_order,
@@ -100,9 +100,13 @@ def test_the_python_loop_stops_exactly_when_the_packing_passes_a_limit(problem, 
             if k in stop.keep or tokens >= stop.deferred_tokens:
                 want = None
                 break
-        elif value > at:
-            want = None
-            break
+        else:
+            # the loop lowers the stop by runs of deferred items at once: its floats may differ
+            # from these in the last bits
+            assume(abs(value - at) > 1e-9 * max(1.0, abs(value)))
+            if value > at:
+                want = None
+                break
     got = wlb_assign_python(order, problem.lengths, problem.weights, n, cap, stop=stop)
     assert (got is None) == (want is None)
     if got is not None:
