@@ -248,3 +248,43 @@ def test_a_state_of_another_lookahead_or_a_bad_buffer_is_refused():
 def test_bad_lookahead(value):
     with pytest.raises(ValueError, match="lookahead must be an integer >= 0"):
         WLBPacker(2, 2 * CAP, COST, config=PackerConfig(lookahead=value))
+
+
+class _Packed:
+    """A packed step as the release policies read it: balanced, nothing deferred."""
+
+    imbalance, deferred_tokens = 1.0, 0
+
+    def defers_any(self, pieces):
+        return False
+
+
+@pytest.mark.parametrize("release", ["group", "marginal"])
+def test_pieces_seen_ahead_do_not_split_the_groups_of_arrived_pieces(release):
+    # in (length, arrival) order an early piece sits between two arrived ones: the arrived pair
+    # is still a candidate (as without lookahead), and so are the groups holding the early one
+    # with at most half early; no two candidates share a start and a size (the policies' keys)
+    from wlb_opt.packer.release import _StepContext, make_release_policy
+    from wlb_opt.packer.state import HeldPiece
+    a1, early, a2 = HeldPiece(1, 0, 100, 0), HeldPiece(2, 0, 101, 3), HeldPiece(3, 0, 102, 1)
+    rules = dict(need=4, max_delay=16, balance_tolerance=1.3, max_backlog_tokens=10**6)
+    if release == "marginal":
+        rules.update(price=0.5, capacity_tokens=400)
+    seen = []
+
+    def solve(first, rest):
+        seen.append(rest)
+        return first + rest, _Packed(), np.zeros(len(first) + len(rest), dtype=np.int64)
+
+    ctx = _StepContext(carry=[], fresh=[], step=1, solve=solve, released=[], n_forced=0, plan=_Packed(),
+                       base_deferred=0, costs={}, base_cost=0.0, limit=1.3, idle=False)
+
+    def candidates(lookahead, remaining):
+        policy = make_release_policy(release, lookahead=lookahead, **rules)
+        found = [(i, [piece.id for piece in group]) for i, group, *_ in policy._candidates(remaining, ctx)]
+        assert len({(i, len(ids)) for i, ids in found}) == len(found)
+        return sorted(ids for _, ids in found)
+
+    assert candidates(2, [a1, early, a2]) == [[1], [1, 2], [1, 2, 3], [1, 3], [2, 3], [3]]
+    # with nothing early the groups are those of the packer without lookahead
+    assert candidates(2, [a1, a2]) == candidates(0, [a1, a2]) == [[1], [1, 3], [3]]

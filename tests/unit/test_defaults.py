@@ -19,9 +19,9 @@ def test_the_defaults_are_one_pool_marginal_release_and_the_feedback_tolerance()
     assert packer.thresholds == [int(163840 * d.DEFAULT_CUTOFF_SHARE)] == [49152]
     assert packer.release == "marginal" and packer.max_delay == d.DEFAULT_MAX_DELAY == 16
     assert packer._release.price == d.MARGINAL_PRICE and packer._release.capacity_tokens == 4 * 163840
-    # with lookahead the default is "group", which holds the displacement budget (defaults.py)
-    assert WLBPacker(4, 163840, COST, config=PackerConfig(lookahead=2)).release == "group"
-    assert WLBPacker(4, 163840, COST, config=PackerConfig(lookahead=2, release="marginal")).release == "marginal"
+    # with lookahead too (defaults.py); "group" by name
+    assert WLBPacker(4, 163840, COST, config=PackerConfig(lookahead=2)).release == "marginal"
+    assert WLBPacker(4, 163840, COST, config=PackerConfig(lookahead=2, release="group")).release == "group"
     assert packer.balance_tolerance == "auto" and packer.lookahead == 0 and packer.calibration is None
     assert WLBPacker(4, 163840, COST, config=PackerConfig(n_queues=1)).thresholds == [49152]
 
@@ -51,9 +51,10 @@ def test_running_displacement_counts_the_wait_of_held_pieces():
     held = [HeldPiece(1, 0, 500, 0)]  # waited 10 steps
     got = d.running_displacement(totals, held, 10, 1000, 0.4)
     assert got == pytest.approx((10 * 500 + 0.4 * 2000) / (500 + 2000))
-    # a piece seen ahead (lookahead) has not waited
-    assert d.running_displacement(totals, [HeldPiece(2, 0, 500, 12)], 10, 1000, 0.4) == pytest.approx(
-        0.4 * 2000 / 2500)
+    # a piece seen ahead (lookahead) has neither waited nor arrived: left out, not counted as
+    # tokens without displacement
+    assert d.running_displacement(totals, [HeldPiece(2, 0, 500, 12)], 10, 1000, 0.4) == pytest.approx(0.4)
+    assert d.running_displacement(totals, held + [HeldPiece(2, 0, 500, 12)], 10, 1000, 0.4) == pytest.approx(got)
 
 
 def _stream(rng, n_batches, cap=200):

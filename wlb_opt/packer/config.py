@@ -46,8 +46,7 @@ class PackerConfig:
     count, with thresholds=None None or 1."""
     release: ReleaseName | None = None
     """When held outliers leave (release.py): "paper", "balance", "group" or "marginal"; None:
-    the default for the lookahead, "marginal" with lookahead 0 and "group" above
-    (`resolved_release`)."""
+    the default, "marginal" (`resolved_release`)."""
     max_delay: int | None = DEFAULT_MAX_DELAY
     """The most steps a piece may wait in a queue (>= 1), or None: the paper's rule, a queue
     waits until it holds dp x n_micro outliers."""
@@ -98,11 +97,9 @@ class PackerConfig:
 
     @property
     def resolved_release(self) -> str:
-        """The release policy a packer runs: `release`, or the default for the lookahead
-        ("group" keeps the delay budget when pieces may leave early; docs/tuning.md)."""
-        if self.release is not None:
-            return self.release
-        return "marginal" if self.lookahead == 0 else "group"
+        """The release policy a packer runs: `release`, or the default, "marginal", with or
+        without lookahead (docs/tuning.md)."""
+        return self.release if self.release is not None else "marginal"
 
     def replace(self, **changes) -> PackerConfig:
         """A copy with `changes` (validated like a new config)."""

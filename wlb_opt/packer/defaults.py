@@ -4,9 +4,10 @@
 
 - one pool of outliers: pieces of at least `DEFAULT_CUTOFF_SHARE` x max_tokens tokens, no
   calibration (thresholds calibrated on a first batch did not carry over to other streams);
-- release="marginal" (`MarginalRelease` in release.py states the rule), and "group" with
-  lookahead > 0: "marginal" would take pieces seen ahead whenever they balance a starved step,
-  and its feedback would then no longer hold the delay budget;
+- release="marginal" (`MarginalRelease` in release.py states the rule), with or without
+  lookahead: a group with pieces seen ahead pays for their lead in the score, and the groups
+  of arrived pieces are formed among those alone (`GroupRelease._candidates`), so that
+  lookahead only adds candidates to those a step has without it;
 - max_delay `DEFAULT_MAX_DELAY` steps;
 - method="wlb_phases": each step packed by Algorithm 1's rule with the forward and the
   backward time of each micro-batch balanced apart (solvers/phases.py); the release decides
@@ -50,9 +51,11 @@ PRIOR_STEPS = 2
 def running_displacement(totals: dict, held, step: int, capacity_tokens: int, target: float) -> float:
     """Displacement per token of the stream so far: placed tokens' |displacement| plus the
     wait already accrued by the held pieces (queued, carried), over placed + held tokens,
-    smoothed by `PRIOR_STEPS` steps of capacity at `target`."""
-    accrued = sum(max(0, step - piece.arrival) * piece.length for piece in held)
-    tokens = sum(piece.length for piece in held)
+    smoothed by `PRIOR_STEPS` steps of capacity at `target`. Held pieces that have not
+    arrived yet (lookahead) have neither waited nor joined the stream: left out, rather than
+    counted as tokens of no displacement, which would understate it."""
+    accrued = sum((step - piece.arrival) * piece.length for piece in held if piece.arrival <= step)
+    tokens = sum(piece.length for piece in held if piece.arrival <= step)
     prior = PRIOR_STEPS * capacity_tokens
     return (totals["displacement_token_sum"] + accrued + target * prior) / (totals["tokens"] + tokens + prior)
 

@@ -5,8 +5,8 @@ L_i <= d < L_{i+1}; the last queue is open above). Each step a policy decides wh
 outliers join the step's fresh documents and the carried ones, and packs them through the
 packer's `solve` callback (Algorithm 1 by default: carried first, the rest longest first).
 
-The default is "marginal" with lookahead 0 and "group" with lookahead > 0
-(`PackerConfig.resolved_release`; defaults.py says why).
+The default is "marginal", with or without lookahead (`PackerConfig.resolved_release`;
+defaults.py says why).
 
 - "paper" (paper §3.2 / Algorithm 1; `PackerConfig.paper`): a queue that holds dp x n_micro outliers
   releases exactly that many, FIFO, once per step, so that every micro-batch gets one
@@ -44,7 +44,11 @@ The default is "marginal" with lookahead 0 and "group" with lookahead > 0
   candidate) leaves early only if at most half of it is early (arrival after the step): a
   group then trains at or after the median of its arrival steps, which minimises its total
   displacement |step - arrival|; leaving as soon as the last member is visible would train
-  most of it early.
+  most of it early. The candidate groups of "group" and "marginal" are formed among the
+  arrived pieces alone (adjacent in their own (length, arrival) order, as without lookahead),
+  plus the groups of all held pieces that hold an early one: pieces seen ahead would
+  otherwise split runs of similar arrived pieces, and a step would lose the groups it has
+  without lookahead.
 
 Every policy is a `ReleasePolicy`: `plan_step(fresh, queues, carry, step, solve)` pops what
 it releases from `queues` (the packer's copies) and returns a `StepRelease`.
@@ -333,12 +337,12 @@ class GroupRelease(ReleasePolicy):
         """(first, rest) that `solve` packs: `split_due` (Algorithm 1: carried pieces first)."""
         return split_due(carry, released, fresh, step, self.max_delay)
 
-    def _windows(self, remaining: list[HeldPiece], ctx: "_StepContext"):
+    def _windows(self, remaining: list[HeldPiece], ctx: "_StepContext", early_only: bool = False):
         """The groups of `remaining` that `_candidates` packs before `hopeless`, by size then
         start: yields (size, starts, tokens, imbalance_at_least), the last two indexed by start
         (imbalance_at_least None without costs). A group is left out when too early
-        (`_not_too_early`) or, with costs and a step that is not idle, surely above ctx.limit
-        (`_cannot_pass`). The window sums grow one piece at a time, left to right, so each
+        (`_not_too_early`), with `early_only` when it holds no early piece, or, with costs and
+        a step that is not idle, surely above ctx.limit (`_cannot_pass`). The window sums grow one piece at a time, left to right, so each
         equals the Python sum over the group (the same floats, the same decisions)."""
         lengths = np.fromiter((piece.length for piece in remaining), dtype=np.int64, count=len(remaining))
         tokens = lengths
@@ -361,6 +365,8 @@ class GroupRelease(ReleasePolicy):
                     total = total[:-1] + costs[size - 1:]
                     heaviest_cost = np.maximum(heaviest_cost[:-1], costs[size - 1:])
             keep = np.ones(len(tokens), dtype=bool) if early is None else 2 * early <= size
+            if early_only:
+                keep &= early > 0
             at_least = None
             if costs is not None:
                 heaviest = heaviest_cost + self.bin_const
@@ -393,21 +399,34 @@ class GroupRelease(ReleasePolicy):
         When ctx.plan makes variants of itself (`TrialPack.with_groups`, `FillTrial.with_groups`:
         `joining` + a group added to its pieces; ctx.released is ctx.plan's released pieces +
         `joining`), the candidates come from it (packed when read, or scored all at once), and
-        pending and arrival are yielded as None (`_resolved` reads them from the plan kept)."""
+        pending and arrival are yielded as None (`_resolved` reads them from the plan kept).
+
+        With lookahead the groups are those of the arrived pieces of `remaining` alone, then
+        those of all of `remaining` that hold an early piece (the module docstring says why);
+        the i yielded numbers the groups of the second list after those of the first."""
         with_groups = getattr(ctx.plan, "with_groups", None)
-        windows = [(i, size, tokens_of[i], None if at_least_of is None else at_least_of[i])
-                   for size, starts, tokens_of, at_least_of in self._windows(remaining, ctx) for i in starts]
+        sources = [remaining]
+        if self.lookahead:  # groups of arrived pieces adjacent among themselves, then those with an early one
+            arrived = [piece for piece in remaining if piece.arrival <= ctx.step]
+            if len(arrived) < len(remaining):
+                sources = [arrived, remaining]
+        windows, offset = [], 0  # (index of the group, size, tokens, imbalance_at_least, source, start)
+        for n, source in enumerate(sources):
+            windows += [(offset + i, size, tokens_of[i], None if at_least_of is None else at_least_of[i], source, i)
+                        for size, starts, tokens_of, at_least_of in self._windows(source, ctx, early_only=n > 0)
+                        for i in starts]
+            offset += len(source)
         if lowest_bound_first and windows and windows[0][3] is not None:
             windows.sort(key=lambda window: window[3])  # stable: ties keep the order above
         elif most_tokens_first:
             windows.sort(key=lambda window: -window[2])
         trials = [None] * len(windows)
         if with_groups is not None and windows:
-            groups = [list(joining) + remaining[i:i + size] for i, size, _, _ in windows]
+            groups = [list(joining) + source[i:i + size] for _, size, _, _, source, i in windows]
             # calibration's meter counts them as solves
             trials = with_groups(groups, account=getattr(ctx.solve, "account", None))
-        for (i, size, tokens, at_least), t_plan in zip(windows, trials):
-            group = remaining[i:i + size]
+        for (i, size, tokens, at_least, source, start), t_plan in zip(windows, trials):
+            group = source[start:start + size]
             if hopeless is not None and hopeless(group, tokens, at_least):
                 continue
             if t_plan is None:

@@ -203,8 +203,10 @@ class TrialPack:
                 mean_at_most = np.add.reduce(s.weights[self._pending_idx]) / n_bins + s.bin_const
                 factor = threshold * (1 + 1e-9)
                 stop = stop._replace(load=factor * mean_at_most - s.bin_const, slope=factor / n_bins)
-            if len(keep):
-                stop = stop._replace(keep=frozenset(np.flatnonzero(np.isin(self._order, s._indices(keep))).tolist()))
+            if len(keep):  # their positions in the placement order
+                marked = np.zeros(len(s.lengths), dtype=bool)
+                marked[s._indices(keep)] = True
+                stop = stop._replace(keep=frozenset(np.flatnonzero(marked[self._order]).tolist()))
             placed = self._assign(stop)
             if placed is None:
                 return True
