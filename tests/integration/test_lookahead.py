@@ -286,5 +286,9 @@ def test_pieces_seen_ahead_do_not_split_the_groups_of_arrived_pieces(release):
         return sorted(ids for _, ids in found)
 
     assert candidates(2, [a1, early, a2]) == [[1], [1, 2], [1, 2, 3], [1, 3], [2, 3], [3]]
+    # a group holds at most one piece seen ahead (and at most half of it is early)
+    later = HeldPiece(4, 0, 101, 2)
+    assert candidates(2, [a1, later, early, a2]) == [[1], [1, 3], [1, 4], [2, 3], [3]]
+
     # with nothing early the groups are those of the packer without lookahead
     assert candidates(2, [a1, a2]) == candidates(0, [a1, a2]) == [[1], [1, 3], [3]]
