@@ -88,15 +88,21 @@ def _check_n32_digests():
         assert digests == run_ref["digests"], name
 
 
+def _algorithm1_solver(step) -> StepSolver:
+    """The StepSolver of a drawn step (Algorithm 1's packings)."""
+    n_micro, cap, pieces, _, _, tail = step
+    lengths = np.array([piece.length for piece in pieces], dtype=np.int64)
+    return StepSolver(pieces, COST.doc_cost(lengths) if len(pieces) else np.zeros(0), tail, n_micro=n_micro,
+                      dp=1, max_tokens=cap, bin_const=COST.mb_const())
+
+
 @settings(max_examples=60, deadline=None)
 @given(step=steps(), data=st.data())
 def test_candidates_made_from_a_packing_equal_those_packed_alone(step, data):
     # TrialPack.with_groups (each group merged into the packing's order, packed when first
     # read) against StepSolver.solve of the same pieces, also for a candidate of a candidate
     n_micro, cap, pieces, first, rest, tail = step
-    lengths = np.array([piece.length for piece in pieces], dtype=np.int64)
-    solver = StepSolver(pieces, COST.doc_cost(lengths) if len(pieces) else np.zeros(0), tail, n_micro=n_micro,
-                        dp=1, max_tokens=cap, bin_const=COST.mb_const())
+    solver = _algorithm1_solver(step)
     n_held = data.draw(st.integers(0, len(rest)))
     held, extra = rest[:n_held], rest[n_held:]
     groups = [extra[i:i + k] for i in range(len(extra)) for k in (1, 2, 3) if i + k <= len(extra)][:8]
@@ -128,9 +134,7 @@ def test_a_candidate_rejects_exactly_what_its_full_packing_fails(step, data):
     # is deferred): it must answer as the full packing does (overloaded steps, whose deferred
     # pieces lower the mean, included), count one packing, and leave the candidate readable
     n_micro, cap, pieces, first, rest, tail = step
-    lengths = np.array([piece.length for piece in pieces], dtype=np.int64)
-    solver = StepSolver(pieces, COST.doc_cost(lengths) if len(pieces) else np.zeros(0), tail, n_micro=n_micro,
-                        dp=1, max_tokens=cap, bin_const=COST.mb_const())
+    solver = _algorithm1_solver(step)
     groups = [rest[i:i + 2] for i in range(0, len(rest), 2)][:4]
     _, base, _ = solver.solve(first, tail)
     for group in groups:
