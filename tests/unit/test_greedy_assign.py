@@ -89,7 +89,8 @@ def test_the_python_loop_stops_exactly_when_the_packing_passes_a_limit(problem, 
         else:
             running.append(("deferred", problem.weights[i], int(problem.lengths[i])))
     top = max([value for kind, value, _ in running if kind == "placed"], default=0.0)
-    stop = AssignStop(load=data.draw(st.floats(-1.0, 1.2 * top + 1.0)), slope=data.draw(st.sampled_from([0.0, 0.1, 1.0])),
+    stop = AssignStop(load=data.draw(st.floats(-1.0, 1.2 * top + 1.0)),
+                      slope=data.draw(st.sampled_from([0.0, 0.1, 1.0])),
                       deferred_tokens=data.draw(st.sampled_from([float("inf"), 1, 5, 20])),
                       keep=frozenset(data.draw(st.lists(st.integers(0, max(len(order) - 1, 0)), max_size=3))))
     at, tokens, want = stop.load, 0, full

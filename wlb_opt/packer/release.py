@@ -344,8 +344,9 @@ class GroupRelease(ReleasePolicy):
         start: yields (size, starts, tokens, imbalance_at_least), the last two indexed by start
         (imbalance_at_least None without costs). A group is left out when too early
         (`_not_too_early`), with `early_only` unless it holds exactly one early piece, or, with
-        costs and a step that is not idle, surely above ctx.limit (`_cannot_pass`). The window sums grow one piece at a time, left to right, so each
-        equals the Python sum over the group (the same floats, the same decisions)."""
+        costs and a step that is not idle, surely above ctx.limit (`_cannot_pass`). The window
+        sums grow one piece at a time, left to right, so each equals the Python sum over the
+        group (the same floats, the same decisions)."""
         lengths = np.fromiter((piece.length for piece in remaining), dtype=np.int64, count=len(remaining))
         tokens = lengths
         early = None
@@ -405,8 +406,8 @@ class GroupRelease(ReleasePolicy):
 
         With lookahead the groups are those of the arrived pieces of `remaining` alone, then
         those of all of `remaining` that hold exactly one early piece (the module docstring
-        says why);
-        the i yielded numbers the groups of the second list after those of the first."""
+        says why); the i yielded numbers the groups of the second list after those of the
+        first."""
         with_groups = getattr(ctx.plan, "with_groups", None)
         sources = [remaining]
         if self.lookahead:  # groups of arrived pieces adjacent among themselves, then those with an early one
