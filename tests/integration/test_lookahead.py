@@ -244,6 +244,21 @@ def test_a_state_of_another_lookahead_or_a_bad_buffer_is_refused():
         packer.pack([3], [held])
 
 
+def test_a_state_saved_under_the_earlier_lookahead_default_names_the_release_to_resume_with():
+    # with lookahead the default release was "group"; such a state is refused by a default
+    # packer (now "marginal") with the field named, and resumes with release="group"
+    batches = stream(np.random.default_rng(2), 4)
+    earlier = WLBPacker(2, 2 * CAP, COST, config=PackerConfig(thresholds=[34], lookahead=2, release="group"))
+    for b in batches[:3]:
+        earlier.pack(*b)
+    state = earlier.state_dict()
+    with pytest.raises(ValueError, match=r"config.release='group' does not match this packer's release='marginal'"):
+        WLBPacker(2, 2 * CAP, COST, config=PackerConfig(thresholds=[34], lookahead=2)).load_state_dict(state)
+    resumed = WLBPacker(2, 2 * CAP, COST, config=PackerConfig(thresholds=[34], lookahead=2, release="group"))
+    resumed.load_state_dict(state)
+    assert resumed.pack(*batches[3]).digest() == earlier.pack(*batches[3]).digest()
+
+
 @pytest.mark.parametrize("value", [-1, 1.5, "2", True, None])
 def test_bad_lookahead(value):
     with pytest.raises(ValueError, match="lookahead must be an integer >= 0"):
