@@ -48,9 +48,8 @@ defaults.py says why).
   arrived pieces alone (adjacent in their own (length, arrival) order, as without lookahead),
   plus the groups of all held pieces that hold exactly one early piece: pieces seen ahead
   would otherwise split runs of similar arrived pieces, and a step would lose the groups it
-  has without lookahead. (Allowing groups with more early pieces, up to half of the group,
-  moved the calibration streams' imbalance by under 0.003, at more displacement, and cost
-  about 1.7 times the planning time at 32 micro-batches with lookahead 4.)
+  has without lookahead. (Groups with more early pieces balanced no better on the
+  calibration streams, at more displacement and planning time; docs/tuning.md.)
 
 Every policy is a `ReleasePolicy`: `plan_step(fresh, queues, carry, step, solve)` pops what
 it releases from `queues` (the packer's copies) and returns a `StepRelease`.
@@ -690,16 +689,17 @@ class MarginalRelease(GroupRelease):
             ctx, released=ctx.released + first_group,
             base_cost=ctx.base_cost + (sum(costs[piece.key] for piece in first_group) if costs else 0.0))
 
-        def hopeless(group, tokens, imbalance_at_least):  # the pair's score is surely > 0 or above the best
+        def top():  # the highest score a pair may have and still be taken
+            return 0.0 if best is None else min(0.0, best[0][0])
+
+        def hopeless(group, tokens, imbalance_at_least):  # the pair's score is surely above top()
             if imbalance_at_least is None:
                 return False
             relief = displacement_relief(group, ctx.step) if self.lookahead else tokens
-            top = 0.0 if best is None else min(0.0, best[0][0])
-            return imbalance_at_least - ctx.plan.imbalance - lam * (first_relief + relief) > top + _TOLERANCE_SLACK
+            return imbalance_at_least - ctx.plan.imbalance - lam * (first_relief + relief) > top() + _TOLERANCE_SLACK
 
-        def cutoff(group):  # the pair's score is above 0 or above the best so far
-            top = 0.0 if best is None else min(0.0, best[0][0])
-            return (ctx.plan.imbalance + lam * (first_relief + displacement_relief(group, ctx.step)) + top
+        def cutoff(group):  # the imbalance at which the pair's score is top()
+            return (ctx.plan.imbalance + lam * (first_relief + displacement_relief(group, ctx.step)) + top()
                     + _TOLERANCE_SLACK)
 
         for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(rest, with_first, first_tokens,
