@@ -22,6 +22,17 @@ larger of the frontier's early and late (`frontier.model_window`: at least 16, w
 the heuristics), as far ahead as behind since the whole stream is known; the bound's model
 uses the same window, so the bound holds for every offline schedule and every heuristic.
 
+Two searches per stream (`OBJECTIVES`): one balances the forward cost, the measure above and
+the one the bound is proven on; the other balances the forward plus the backward cost, as
+Algorithm 1 and the defaults do. A schedule searched on the forward cost alone reaches a lower
+forward imbalance by letting the backward one rise (the two phases weigh a document
+differently, `solvers/phases.py`), and a pipeline pays both: every schedule and heuristic is
+therefore also measured on the backward cost (`imbalance_bwd`, the same mean of the step's
+max / mean backward cost) and on what a 1F1B pipeline of the layout's pp stages takes for the
+step (`sim`, `step_packers.pipeline_ratio`: its simulated step time over that of the same step
+with every micro-batch at the mean), and each heuristic is bracketed against both searches
+(`gap_achievable` against the forward one, `gap_achievable_phases` against the other).
+
 Budgets: `--budgets` plus each heuristic's own displacement, so that each heuristic meets an
 offline schedule of at most its displacement. A budget at which the search finds no schedule
 (a stream whose arrivals overflow their steps by more than the budget moves) is a row without
@@ -50,6 +61,7 @@ from ..solvers.frontier_milp import aggregate_imbalance, frontier_problem, plan_
 from ..solvers.offline import PRICES, offline_frontier, offline_stream
 from ..workloads import DEFAULT_SEED, global_batches
 from .data import run_packer
+from .step_packers import pipeline_ratio
 from ._provenance import provenance
 
 OFFLINE_DISTS = ("default", "real", "code", "heavy", "prose")
@@ -60,13 +72,19 @@ TIME_LIMIT, QUICK_TIME_LIMIT = 4.0, 2.0  # HiGHS seconds per budget: the bound i
 QUICK_PRICES = (1.0, 0.25, 0.06, 0.0)
 EDGE_WEIGHT = 0.1
 """Objective weight of a warm-up or drain step in the offline search (the measured steps weigh 1)."""
+OBJECTIVES = {"fwd": "fwd", "fwd+bwd": "fwd_bwd"}
+"""What each offline search balances (the cost model's phase): "fwd", the measured forward cost,
+on which the bound is proven; "fwd+bwd", the forward plus backward cost, as Algorithm 1 and the
+defaults balance it. Both are measured in each phase (module docstring)."""
 
 
 def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: int, max_tokens: int, n_slots: int,
-                   warmup: int) -> dict:
+                   warmup: int, pp: int = 1) -> dict:
     """Check a schedule of the pieces (ids, offsets, lengths) against `batches` and measure it;
-    raise AssertionError on any violation. Returns imbalance, aggregate sum of maxima,
-    displacement per token and the number of steps used."""
+    raise AssertionError on any violation. Returns imbalance (forward), imbalance_bwd (the
+    same of the backward cost), sim (the same mean of `step_packers.pipeline_ratio`, a
+    1F1B pipeline of `pp` stages), aggregate sum of maxima, displacement per token and the
+    number of steps used."""
     arrival = {}
     for t, (lb, ib, ob) in enumerate(batches):
         for key in zip(ib.tolist(), ob.tolist(), lb.tolist()):
@@ -82,7 +100,7 @@ def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: i
         raise AssertionError(f"steps must lie in [0, {n_slots}) and micro-batches in [0, {n_micro})")
     ids, offsets = np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
     mbc = cost.mb_const("fwd")
-    imbs, sum_max, disp = [], 0.0, 0
+    imbs, bwds, sims, sum_max, disp = [], [], [], 0.0, 0
     for t in range(n_slots):
         here = np.flatnonzero(step == t)
         if not len(here):
@@ -97,11 +115,15 @@ def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: i
         check_pack(plan, L, max_tokens, ids=ids[here], offsets=offsets[here], cost=cost)
         if t < len(batches):
             imbs.append((t, per_step_imbalance(plan, cost, "fwd")))
+            bwds.append((t, per_step_imbalance(plan, cost, "bwd")))
+            sims.append((t, pipeline_ratio(plan, cost, pp)))
         sum_max += max(cost.micro_batch_cost(L[mb], "fwd") - mbc for mb in mbs)
         disp += sum(n * abs(t - arrival[k]) for k, n in
                     zip(zip(ids[here].tolist(), offsets[here].tolist(), L.tolist()), L.tolist()))
-    measured = [x for t, x in imbs if t >= warmup] or [x for _, x in imbs]
-    return dict(imbalance=float(np.mean(measured)), sum_of_max=sum_max,
+    def measured(values):
+        return float(np.mean([x for t, x in values if t >= warmup] or [x for _, x in values]))
+
+    return dict(imbalance=measured(imbs), imbalance_bwd=measured(bwds), sim=measured(sims), sum_of_max=sum_max,
                 displacement_per_token=disp / max(int(lengths.sum()), 1), steps_used=int(len(np.unique(step))))
 
 
@@ -126,6 +148,7 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
     max_tokens = int(1.25 * W)
     batches = global_batches(dist, W, N * W, steps, seed=DEFAULT_SEED + seed)
     runs, displacement = {}, {}
+    pp = cost.degree("pp")
     for name, kw in BRACKETED.items():
         run = run_packer(WLBPacker(N, max_tokens, cost, config=PackerConfig(**kw)), batches)
         runs[name] = stream_plans(run)
@@ -138,8 +161,11 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
     stream = offline_stream(batches, lambda d: cost.doc_cost(d, "fwd"))
     for name, plans in runs.items():
         imbs = [per_step_imbalance(plan, cost, "fwd") for plan in plans[:len(batches)]]
+        bwds = [per_step_imbalance(plan, cost, "bwd") for plan in plans[:len(batches)]]
+        sims = [pipeline_ratio(plan, cost, pp) for plan in plans[:len(batches)]]
         rows.append(dict(dist=dist, method=name, settings=BRACKETED[name],
                          imbalance=float(np.mean(imbs[warmup:] or imbs)),
+                         imbalance_bwd=float(np.mean(bwds[warmup:] or bwds)), sim=float(np.mean(sims[warmup:] or sims)),
                          aggregate=aggregate_imbalance(sum_of_max(plans, cost), problem),
                          displacement_per_token=displacement[name]))
         starts.append(_piece_steps(plans, stream))
@@ -155,54 +181,62 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
         bounds[b] = aggregate_imbalance(r.bound, problem)
     weights = np.full(n_slots, EDGE_WEIGHT)
     weights[warmup:len(batches)] = 1.0
-    found = []
-
-    def progress(s):
-        show(f"  {dist}: budget {s.budget:.3f}: offline schedule found ({time.perf_counter() - t0:.0f} s)")
-        found.append(s)
-
-    t1 = time.perf_counter()
-    offline_frontier(stream, N, max_tokens, cost.mb_const("fwd"), all_budgets, early=early, late=late,
-                     outlier_min=outlier_min, starts=in_window, n_slots=n_slots, step_weights=weights, prices=prices,
-                     on_budget=progress, skip_infeasible=True)
-    search_s = time.perf_counter() - t1
     names = [n for n, s in zip(runs, starts) if any(s is w for w in in_window)]
-    curve = []
-    for b in sorted(set(all_budgets) - {s.budget for s in found}):
-        show(f"  {dist}: budget {b:.3f}: no offline schedule found")
-        # an infeasible bound model proves that no schedule exists within the budget and window
-        proven = not np.isfinite(bounds[b])
-        curve.append(dict(dist=dist, budget=b, imbalance=None, aggregate=None, displacement_per_token=None,
-                          bound=None if proven else bounds[b], source="none exists" if proven else "none found",
-                          checked=False))
-    for s in found:
-        check = check_schedule(batches, cost, s.step, s.micro_batch, stream.doc_ids, stream.offsets, stream.lengths,
-                               N, max_tokens, n_slots, warmup)
-        if check["displacement_per_token"] > s.budget + 1e-9:
-            raise AssertionError(f"{dist}: the offline schedule at budget {s.budget} displaces "
-                                 f"{check['displacement_per_token']:.6f} per token")
-        agg = aggregate_imbalance(check["sum_of_max"], problem)
-        if agg < bounds[s.budget] - 1e-6:
-            raise AssertionError(f"{dist}: the offline schedule at budget {s.budget} ({agg:.6f}) beats the proven "
-                                 f"bound {bounds[s.budget]:.6f}: the window or the check is wrong")
-        curve.append(dict(dist=dist, budget=s.budget, imbalance=check["imbalance"], aggregate=agg,
-                          displacement_per_token=check["displacement_per_token"], bound=bounds[s.budget],
-                          source=names[int(s.source.split()[1]) - 1] if s.source.startswith("start ") else s.source,
-                          checked=True))
-    curve.sort(key=lambda c: c["budget"])
-    scheduled = [c for c in curve if c["checked"]]
+    curve, search_s = [], {}
+    for objective, phase in OBJECTIVES.items():
+        found = []
+
+        def progress(s, objective=objective):
+            show(f"  {dist}: budget {s.budget:.3f} ({objective}): offline schedule found "
+                 f"({time.perf_counter() - t0:.0f} s)")
+            found.append(s)
+
+        t1 = time.perf_counter()
+        searched = stream if phase == "fwd" else offline_stream(batches, lambda d, phase=phase: cost.doc_cost(d, phase))
+        offline_frontier(searched, N, max_tokens, cost.mb_const(phase), all_budgets, early=early, late=late,
+                         outlier_min=outlier_min, starts=in_window, n_slots=n_slots, step_weights=weights,
+                         prices=prices, on_budget=progress, skip_infeasible=True)
+        search_s[objective] = time.perf_counter() - t1
+        for b in sorted(set(all_budgets) - {s.budget for s in found}):
+            show(f"  {dist}: budget {b:.3f} ({objective}): no offline schedule found")
+            # an infeasible bound model proves that no schedule exists within the budget and window
+            proven = not np.isfinite(bounds[b])
+            curve.append(dict(dist=dist, objective=objective, budget=b, imbalance=None, imbalance_bwd=None,
+                              sim=None, aggregate=None, displacement_per_token=None, bound=None if proven else bounds[b],
+                              source="none exists" if proven else "none found", checked=False))
+        for s in found:
+            check = check_schedule(batches, cost, s.step, s.micro_batch, stream.doc_ids, stream.offsets,
+                                   stream.lengths, N, max_tokens, n_slots, warmup, pp)
+            if check["displacement_per_token"] > s.budget + 1e-9:
+                raise AssertionError(f"{dist}: the offline schedule at budget {s.budget} ({objective}) displaces "
+                                     f"{check['displacement_per_token']:.6f} per token")
+            agg = aggregate_imbalance(check["sum_of_max"], problem)
+            if agg < bounds[s.budget] - 1e-6:
+                raise AssertionError(f"{dist}: the offline schedule at budget {s.budget} ({objective}, {agg:.6f}) "
+                                     f"beats the proven bound {bounds[s.budget]:.6f}: the window or the check is wrong")
+            source = names[int(s.source.split()[1]) - 1] if s.source.startswith("start ") else s.source
+            curve.append(dict(dist=dist, objective=objective, budget=s.budget, imbalance=check["imbalance"],
+                              imbalance_bwd=check["imbalance_bwd"], sim=check["sim"], aggregate=agg,
+                              displacement_per_token=check["displacement_per_token"], bound=bounds[s.budget],
+                              source=source, checked=True))
+    curve.sort(key=lambda c: (list(OBJECTIVES).index(c["objective"]), c["budget"]))
     for r in rows:
         d = r["displacement_per_token"]
         above = [b for b in all_budgets if b >= d - 1e-12]
         r["bound"] = bounds[above[0]] if above else None
-        within = [c for c in scheduled if c["displacement_per_token"] <= d + 1e-12]
-        best = min(within, key=lambda c: c["imbalance"]) if within else None
-        best_agg = min((c["aggregate"] for c in within), default=None)
-        r["offline_imbalance"] = None if best is None else best["imbalance"]
-        r["offline_displacement"] = None if best is None else best["displacement_per_token"]
         r["gap_lower_aggregate"] = None if r["bound"] is None else r["aggregate"] - r["bound"]
-        r["gap_achievable"] = None if best is None else r["imbalance"] - best["imbalance"]
-        r["gap_achievable_aggregate"] = None if best_agg is None else r["aggregate"] - best_agg
+        for objective, prefix in zip(OBJECTIVES, ("", "phases_")):
+            within = [c for c in curve if c["checked"] and c["objective"] == objective
+                      and c["displacement_per_token"] <= d + 1e-12]
+            best = min(within, key=lambda c: c["imbalance"]) if within else None
+            r[f"{prefix}offline_imbalance"] = None if best is None else best["imbalance"]
+            r[f"{prefix}offline_imbalance_bwd"] = None if best is None else best["imbalance_bwd"]
+            r[f"{prefix}offline_sim"] = None if best is None else best["sim"]
+            r[f"{prefix}offline_displacement"] = None if best is None else best["displacement_per_token"]
+            r[f"gap_achievable{'_phases' if prefix else ''}"] = None if best is None else r["imbalance"] - best["imbalance"]
+            if not prefix:
+                best_agg = min((c["aggregate"] for c in within), default=None)
+                r["gap_achievable_aggregate"] = None if best_agg is None else r["aggregate"] - best_agg
     meta = dict(dist=dist, steps=len(batches), early=early, late=late, n_slots=n_slots,
                 search_seconds=search_s, seconds=time.perf_counter() - t0)
     return dict(meta=meta, offline=curve, brackets=rows)
@@ -230,21 +264,28 @@ def main(args, argv, cost, budgets: list[float] | None) -> int:
                                             budgets=budgets, time_limit=time_limit, outlier_min=args.outlier_min,
                                             seed=args.seed, prices=prices, warmup=20,
                                             show=lambda m: print(m, flush=True)))
-    print(f"\noffline schedules (checked): imbalance = mean max/mean forward cost per step after 20 steps; agg = "
-          f"aggregate imbalance; bound = proven lower bound on agg")
-    print(f"{'dist':<8} {'budget':>6} {'disp':>6} {'imb':>6} {'agg':>6} {'bound':>6} {'from':<8}")
+    print("\noffline schedules (checked): objective = what the search balances; imbalance = mean max/mean "
+          "forward cost per step after 20 steps (bwd: the same of the backward cost); agg = aggregate "
+          "imbalance; bound = proven lower bound on agg")
+    print(f"{'dist':<8} {'objective':<9} {'budget':>6} {'disp':>6} {'imb':>6} {'bwd':>6} {'sim':>6} {'agg':>6} "
+          f"{'bound':>6} {'from':<8}")
     for res in results:
         for c in res["offline"]:
-            print(f"{c['dist']:<8} {c['budget']:>6.3f} {_fmt(c['displacement_per_token'])} {_fmt(c['imbalance'])} "
-                  f"{_fmt(c['aggregate'])} {_fmt(c['bound'])} {c['source']:<8}")
-    print(f"\nbrackets: achievable = heuristic - best offline schedule of at most its displacement (imbalance; agg); "
-          f"lower = heuristic agg - bound")
-    print(f"{'dist':<8} {'method':<22} {'imb':>6} {'disp':>6} {'offline':>7} {'achievable':>10} {'agg':>6} "
-          f"{'ach.agg':>7} {'lower':>6}")
+            print(f"{c['dist']:<8} {c['objective']:<9} {c['budget']:>6.3f} {_fmt(c['displacement_per_token'])} "
+                  f"{_fmt(c['imbalance'])} {_fmt(c['imbalance_bwd'])} {_fmt(c['sim'])} {_fmt(c['aggregate'])} "
+                  f"{_fmt(c['bound'])} {c['source']:<8}")
+    print("\nbrackets: achievable = heuristic - best offline schedule of at most its displacement (imbalance, "
+          "searched on fwd; on fwd+bwd; agg); lower = heuristic agg - bound")
+    print(f"{'dist':<8} {'method':<22} {'imb':>6} {'bwd':>6} {'sim':>6} {'disp':>6} {'offline':>7} {'bwd':>6} "
+          f"{'sim':>6} {'achievable':>10} {'off.fb':>7} {'bwd':>6} {'sim':>6} {'ach.fb':>7} {'agg':>6} {'ach.agg':>7} "
+          f"{'lower':>6}")
     for res in results:
         for r in res["brackets"]:
-            print(f"{r['dist']:<8} {r['method']:<22} {r['imbalance']:>6.3f} {r['displacement_per_token']:>6.3f} "
-                  f"{_fmt(r['offline_imbalance'], 7)} {_fmt(r['gap_achievable'], 10)} {r['aggregate']:>6.3f} "
+            print(f"{r['dist']:<8} {r['method']:<22} {r['imbalance']:>6.3f} {r['imbalance_bwd']:>6.3f} "
+                  f"{r['sim']:>6.3f} {r['displacement_per_token']:>6.3f} {_fmt(r['offline_imbalance'], 7)} "
+                  f"{_fmt(r['offline_imbalance_bwd'])} {_fmt(r['offline_sim'])} {_fmt(r['gap_achievable'], 10)} "
+                  f"{_fmt(r['phases_offline_imbalance'], 7)} {_fmt(r['phases_offline_imbalance_bwd'])} "
+                  f"{_fmt(r['phases_offline_sim'])} {_fmt(r['gap_achievable_phases'], 7)} {r['aggregate']:>6.3f} "
                   f"{_fmt(r['gap_achievable_aggregate'], 7)} {_fmt(r['gap_lower_aggregate'])}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -259,8 +300,9 @@ def main(args, argv, cost, budgets: list[float] | None) -> int:
         dist = res["meta"]["dist"]
         frontier = [dict(budget=c["budget"], bound=c["bound"], best_plan=None, realised=None) for c in res["offline"]
                     if c["bound"] is not None]
+        searched = [(c["displacement_per_token"], c["aggregate"]) for c in res["offline"]
+                    if c["checked"] and c["objective"] == "fwd"]  # the schedules searched on the bound's measure
         plot(frontier, res["brackets"], out / f"offline_{dist}.png", f"offline frontier (dist={dist}, "
-             f"{res['meta']['steps']} steps)", offline=[(c["displacement_per_token"], c["aggregate"])
-                                                       for c in res["offline"] if c["checked"]])
+             f"{res['meta']['steps']} steps)", offline=searched)
     print(f"wrote {out / 'offline.json'} ({seconds:.0f} s)")
     return 0

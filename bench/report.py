@@ -90,12 +90,18 @@ SECTIONS = (
             "displacement budget, checked independently, beside the proven bound; each default bracketed between "
             "the two.",
             (Table("offline.json", ("offline",), caption="Offline schedules (checked) and the bound at each budget.",
-                   columns=("dist", "budget", "displacement_per_token", "imbalance", "aggregate", "bound", "source")),
+                   columns=("dist", "objective", "budget", "displacement_per_token", "imbalance", "imbalance_bwd",
+                            "sim", "aggregate", "bound", "source")),
              Table("offline.json", ("brackets",), caption="The defaults: achievable = their imbalance minus the best "
-                   "offline schedule's at no more displacement; lower = their aggregate minus the bound.",
-                   columns=("dist", "method", "imbalance", "displacement_per_token", "offline_imbalance",
-                            "offline_displacement", "gap_achievable", "aggregate", "gap_achievable_aggregate",
-                            "bound", "gap_lower_aggregate"))),
+                   "offline schedule's at no more displacement, searched on the forward cost (`offline_`) and on "
+                   "the forward plus backward cost (`phases_offline_`); `_bwd`: the same of the backward cost; "
+                   "`sim`: the 1F1B pipeline's simulated step time over that of the same step with every "
+                   "micro-batch at the mean; lower = their aggregate minus the bound.",
+                   columns=("dist", "method", "imbalance", "imbalance_bwd", "sim", "displacement_per_token",
+                            "offline_imbalance", "offline_imbalance_bwd", "offline_sim", "offline_displacement",
+                            "gap_achievable", "phases_offline_imbalance", "phases_offline_imbalance_bwd",
+                            "phases_offline_sim", "gap_achievable_phases",
+                            "aggregate", "gap_achievable_aggregate", "bound", "gap_lower_aggregate"))),
             meta_file="offline.json", images="offline_*.png"),
     Section("shard", "CP sharding strategies",
             "Attention imbalance across CP ranks of each sharding strategy on packed micro-batches.",
@@ -109,11 +115,13 @@ SECTIONS = (
             (Table("parity.json", ("summary",)),)),
     Section("step_packers", "Step packers at unchanged pieces, and in the loop",
             "Each step of the defaults' plans re-packed by every step packer (its pieces, hence the displacement, "
-            "unchanged), with CP-SAT's optimum and proven bound on some steps; then the packer run with each method "
-            "as its step packer.",
+            "unchanged), and by Algorithm 1 on the forward cost alone (`wlb_fwd`), with CP-SAT's optimum and "
+            "proven bound on some steps; then the packer run with each method as its step packer.",
             (Table("step_packers.json", ("summary",), caption="Means over the streams of each kind (Table 2 "
                    "imbalance, forward; `_bwd`: the same of the backward cost; `_packing`: max / mean of the packing "
-                   "cost; `loop_*`: imbalance (backward) / displacement / median CPU ms per step)."),)),
+                   "cost; `_sim`: the 1F1B pipeline's simulated step time over that of the same step with every "
+                   "micro-batch at the mean; `loop_*`: imbalance (backward) / displacement / median CPU ms per "
+                   "step)."),)),
     Section("pack_speed", "Packing speed",
             "CPU time of `solve_pack` on one large global batch.",
             (Table("pack_speed.json", ("rows",)),)),

@@ -10,7 +10,9 @@ packer, `PackerConfig.method`). This benchmark separates the two.
   "wlb_phases" = the defaults' packer). With `--exact-steps K`, the first K steps of each
   stream are also solved by CP-SAT (`--time-limit` seconds each; the `exact` extra): its
   best plan and its proven bound on the largest micro-batch bracket what ANY step packer can
-  reach on those pieces, in the packing cost.
+  reach on those pieces, in the packing cost. One more re-packing, "wlb_fwd", is Algorithm 1
+  balancing the forward cost alone (the measured one): it shows what a step packer gains on
+  the forward measure by letting the backward phase go.
 - **In the loop**: the packer runs with each method as its step packer ("wlb_phases" and
   "wlb" release the same way, on Algorithm 1's packings; "wlb_fill" scores candidates by its
   prediction, wlb_opt/packer/fill_trial.py): imbalance, displacement and CPU ms per step.
@@ -18,7 +20,10 @@ packer, `PackerConfig.method`). This benchmark separates the two.
 Imbalance is the Table 2 measure (max / mean forward cost per step, mean over the steps
 after a 20-step warm-up), `_bwd` the same of the backward cost (a pipeline pays the heaviest
 forward and the heaviest backward); "packing" is max / mean of the packing cost (forward +
-backward, what Algorithm 1 balances). Streams: the scored ones (seeds DEFAULT_SEED + 0, 1, 2) and
+backward, what Algorithm 1 balances); `_sim` is what a pipeline pays for both: the step time
+of the 1F1B pipeline (`simulate.pipeline_step_time`, the cost model's pp stages, each stage a
+pp-th of every micro-batch's forward and backward cost) over its step time with every
+micro-batch at the step's mean forward and backward cost. Streams: the scored ones (seeds DEFAULT_SEED + 0, 1, 2) and
 the calibration ones (DEFAULT_SEED + 100, 101, 102) on which the defaults were tuned.
 
     wlb-opt bench step-packers                              real, default, heavy, code, prose at N = 4
@@ -27,6 +32,7 @@ the calibration ones (DEFAULT_SEED + 100, 101, 102) on which the defaults were t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -34,13 +40,17 @@ from pathlib import Path
 import numpy as np
 
 from .._optional import progress
+from ..cost import CostModel
 from ..cost_args import add_cost_args, cost_from_args, count, natural, seconds
 from ..packer import PackerConfig, WLBPacker, per_step_imbalance
+from ..simulate import pipeline_step_time
 from ..step_pack import solve_pack
 from ..workloads import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from ._provenance import provenance
 
 METHODS = ("wlb", "wlb_ls", "wlb_fill", "wlb_phases")
+REPACKED = METHODS + ("wlb_fwd",)
+"""The re-packings: the step packers, and Algorithm 1 on the forward cost alone."""
 LOOP_METHODS = ("wlb", "wlb_phases", "wlb_fill")
 SCORED, CALIBRATION = (0, 1, 2), (100, 101, 102)
 
@@ -53,15 +63,36 @@ def _has_exact() -> bool:
     return True
 
 
+def forward_cost(cost: CostModel) -> CostModel:
+    """`cost` with every backward coefficient zero: planning with it balances the forward cost
+    alone (its "fwd_bwd" cost is the forward one)."""
+    return dataclasses.replace(cost, coef={"fwd": dict(cost.coef["fwd"]), "bwd": dict.fromkeys(cost.coef["bwd"], 0.0)})
+
+
+def pipeline_ratio(plan, cost: CostModel, pp: int) -> float:
+    """Step time of `plan`'s micro-batches through a 1F1B pipeline of `pp` stages (each stage a
+    pp-th of every micro-batch's forward and backward cost) over the step time of the same
+    pipeline with every micro-batch at the mean forward and backward cost."""
+    mbs = list(plan.micro_batches)
+    fwd = np.array([cost.micro_batch_cost(plan.lengths[mb], "fwd") for mb in mbs]) / pp
+    bwd = np.array([cost.micro_batch_cost(plan.lengths[mb], "bwd") for mb in mbs]) / pp
+    step = pipeline_step_time(np.tile(fwd, (pp, 1)), np.tile(bwd, (pp, 1)))
+    even = pipeline_step_time(np.full((pp, len(mbs)), fwd.mean()), np.full((pp, len(mbs)), bwd.mean()))
+    return step / even
+
+
 def repack_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, exact_steps: int,
                   time_limit: float) -> dict:
     """Re-pack each step of the defaults' plans with every method (module docstring)."""
     packer = WLBPacker(n_micro, max_tokens, cost, config=PackerConfig())
     plans = [packer.pack(*batch) for batch in batches]
     plans = [plan for plan in plans if plan is not None][warmup:]
-    fwd = {m: [] for m in ("defaults", *METHODS)}
-    bwd = {m: [] for m in METHODS}
-    packing = {m: [] for m in METHODS}
+    fwd = {m: [] for m in ("defaults", *REPACKED)}
+    bwd = {m: [] for m in REPACKED}
+    packing = {m: [] for m in REPACKED}
+    sim = {m: [] for m in ("defaults", *REPACKED)}
+    pp = cost.degree("pp")
+    forward_only = forward_cost(cost)
     exact = dict(steps=0, wlb=[], cpsat=[], bound=[])
     for k, plan in enumerate(plans):
         placed = np.concatenate(plan.micro_batches) if plan.micro_batches else np.zeros(0, np.int64)
@@ -69,11 +100,18 @@ def repack_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, exa
             continue
         lengths = plan.lengths[placed]
         fwd["defaults"].append(per_step_imbalance(plan, cost, "fwd"))
-        for m in METHODS:
-            q = solve_pack(lengths, n_micro, max_tokens, cost, m)
+        sim["defaults"].append(pipeline_ratio(plan, cost, pp))
+        for m in REPACKED:
+            if m == "wlb_fwd":
+                q = solve_pack(lengths, n_micro, max_tokens, forward_only, "wlb")
+                if len(q.deferred):  # it must place what the others place: then Algorithm 1's plan
+                    q = solve_pack(lengths, n_micro, max_tokens, cost, "wlb")
+            else:
+                q = solve_pack(lengths, n_micro, max_tokens, cost, m)
             fwd[m].append(per_step_imbalance(q, cost, "fwd"))
             bwd[m].append(per_step_imbalance(q, cost, "bwd"))
-            packing[m].append(q.imbalance)
+            packing[m].append(q.imbalance if m != "wlb_fwd" else per_step_imbalance(q, cost, "fwd_bwd"))
+            sim[m].append(pipeline_ratio(q, cost, pp))
         if k < exact_steps:
             q = solve_pack(lengths, n_micro, max_tokens, cost, "cpsat", time_limit=time_limit)
             alg1 = solve_pack(lengths, n_micro, max_tokens, cost, "wlb")
@@ -85,6 +123,7 @@ def repack_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, exa
     row = {f"{m}_imbalance": float(np.mean(v)) for m, v in fwd.items()}
     row |= {f"{m}_bwd": float(np.mean(v)) for m, v in bwd.items()}
     row |= {f"{m}_packing": float(np.mean(v)) for m, v in packing.items()}
+    row |= {f"{m}_sim": float(np.mean(v)) for m, v in sim.items()}
     row["steps"] = len(fwd["wlb"])
     row["displacement_per_token"] = float(packer.stats()["displacement_per_token"])
     if exact["steps"]:
@@ -156,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = [r for r in repack if r["dist"] == dist and r["streams"] == kind]
             if not rows:
                 continue
-            keys = [k for k in rows[0] if k.endswith(("_imbalance", "_bwd", "_packing"))]
+            keys = [k for k in rows[0] if k.endswith(("_imbalance", "_bwd", "_packing", "_sim"))]
             out = dict(dist=dist, streams=kind, seeds=len(rows), n_micro=N,
                        displacement_per_token=float(np.mean([r["displacement_per_token"] for r in rows])))
             out |= {k: float(np.mean([r[k] for r in rows if k in r])) for k in keys}
@@ -168,14 +207,15 @@ def main(argv: list[str] | None = None) -> int:
                                          f"{np.median([r['median_ms'] for r in lrows]):.2f} ms")
             summary.append(out)
     print(f"N={N}, {steps} steps; re-pack at unchanged pieces: mean Table 2 imbalance / backward (packing "
-          "imbalance); in the loop: imbalance (backward) / displacement / median CPU ms")
+          "imbalance) sim = 1F1B step time over balanced; in the loop: imbalance (backward) / displacement / median CPU ms")
     for r in summary:
-        cells = " ".join(f"{m}={r[m + '_imbalance']:.4f}/{r[m + '_bwd']:.4f}({r[m + '_packing']:.4f})"
-                         for m in METHODS)
+        cells = " ".join(f"{m}={r[m + '_imbalance']:.4f}/{r[m + '_bwd']:.4f}({r[m + '_packing']:.4f}) "
+                         f"sim {r[m + '_sim']:.4f}" for m in REPACKED)
         exact = (f" | CP-SAT on {exact_steps}/stream: wlb {r['exact_wlb_packing']:.4f}, cpsat "
                  f"{r['exact_cpsat_packing']:.4f}, bound {r['exact_bound_packing']:.4f}"
                  if "exact_cpsat_packing" in r else "")
-        print(f"{r['dist']:>7} {r['streams']:>11} disp {r['displacement_per_token']:.3f}: {cells}{exact}")
+        print(f"{r['dist']:>7} {r['streams']:>11} disp {r['displacement_per_token']:.3f}: defaults "
+              f"{r['defaults_imbalance']:.4f} sim {r['defaults_sim']:.4f} {cells}{exact}")
         print(f"{'':>20} loop " + ", ".join(f"{m} {r['loop_' + m]}" for m in LOOP_METHODS))
     if args.out:
         out = Path(args.out)

@@ -38,12 +38,51 @@ def test_bench_frontier_offline_checks_its_schedules_and_brackets_the_defaults(t
     assert all(c["aggregate"] >= c["bound"] - 1e-6 for c in curve)  # no schedule beats the proven bound
     assert {b["method"] for b in out["brackets"]} == {"default (no tuning)", "default, lookahead 2",
                                                       "default, lookahead 4"}
+    # both searches ran at every budget: on the forward cost and on the forward plus backward cost
+    budgets = {c["budget"] for c in curve}
+    for objective in ("fwd", "fwd+bwd"):
+        assert {c["budget"] for c in curve if c["objective"] == objective} == budgets
+    assert all(c["imbalance"] >= 1.0 and c["imbalance_bwd"] >= 1.0 and c["sim"] > 0 for c in curve)
     for b in out["brackets"]:
         # each heuristic meets an offline schedule of at most its displacement; the bound is below both
         assert b["offline_displacement"] <= b["displacement_per_token"] + 1e-12
+        assert b["phases_offline_displacement"] <= b["displacement_per_token"] + 1e-12
         assert b["gap_lower_aggregate"] >= b["gap_achievable_aggregate"] - 1e-6
+        assert b["gap_achievable_phases"] == pytest.approx(b["imbalance"] - b["phases_offline_imbalance"])
+        assert b["imbalance_bwd"] >= 1.0
     assert "achievable" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         frontier.main(["--offline", "--dists", "nope", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         frontier.main(["--dists", "real", "--out", str(tmp_path)])
+
+
+def test_the_schedule_checker_measures_both_phases_as_the_plans_do():
+    """`check_schedule` rebuilds each step's plan from (step, micro-batch) arrays alone; on the
+    defaults' own schedule it must give the plans' forward and backward imbalance."""
+    import numpy as np
+
+    from wlb_opt.bench._frontier_offline import _piece_steps, check_schedule
+    from wlb_opt.bench.data import run_packer
+    from wlb_opt.bench.frontier import stream_plans
+    from wlb_opt.bench.step_packers import pipeline_ratio
+    import wlb_opt as wlb
+    from wlb_opt.packer import WLBPacker, per_step_imbalance
+    from wlb_opt.solvers.offline import offline_stream
+    from wlb_opt.workloads import global_batches
+
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4),
+                                  wlb.HardwareSpec.preset("h100"))
+    W, N, steps, warmup = 32768, 4, 12, 3
+    batches = global_batches("real", W, N * W, steps, seed=5)
+    plans = stream_plans(run_packer(WLBPacker(N, int(1.25 * W), cost), batches))
+    stream = offline_stream(batches, lambda d: cost.doc_cost(d, "fwd"))
+    step, micro = _piece_steps(plans, stream)
+    n_slots = int(step.max()) + 1
+    check = check_schedule(batches, cost, step, micro, stream.doc_ids, stream.offsets, stream.lengths, N,
+                           int(1.25 * W), n_slots, warmup, pp=4)
+    for key, phase in (("imbalance", "fwd"), ("imbalance_bwd", "bwd")):
+        expected = np.mean([per_step_imbalance(p, cost, phase) for p in plans[:len(batches)]][warmup:])
+        assert check[key] == pytest.approx(expected, rel=1e-12)
+    expected = np.mean([pipeline_ratio(p, cost, 4) for p in plans[:len(batches)]][warmup:])
+    assert check["sim"] == pytest.approx(expected, rel=1e-9)

@@ -18,9 +18,10 @@ def test_step_packers_quick_run_writes_a_consistent_summary(tmp_path, capsys):
     kinds = {row["streams"] for row in data["summary"]}
     assert kinds == {"scored", "calibration"}
     for row in data["summary"]:
-        for method in ("wlb", "wlb_ls", "wlb_fill", "wlb_phases"):
+        for method in ("wlb", "wlb_ls", "wlb_fill", "wlb_phases", "wlb_fwd"):
             assert row[f"{method}_imbalance"] >= 1.0 and row[f"{method}_packing"] >= 1.0
-            assert row[f"{method}_bwd"] >= 1.0
+            assert row[f"{method}_bwd"] >= 1.0 and row[f"{method}_sim"] > 0
+        assert row["defaults_sim"] > 0
         # the descent of wlb_ls only lowers Algorithm 1's largest load
         assert row["wlb_ls_packing"] <= row["wlb_packing"] + 1e-12
         if exact:  # proven bound <= CP-SAT's plan <= Algorithm 1 (CP-SAT starts from it)
@@ -36,3 +37,32 @@ def test_unknown_distribution_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         step_packers.main(["--dists", "nope"])
     assert "unknown distributions ['nope']" in capsys.readouterr().err
+
+
+def test_forward_cost_plans_on_the_forward_cost_alone():
+    import numpy as np
+
+    import wlb_opt as wlb
+
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4),
+                                  wlb.HardwareSpec.preset("h100"))
+    forward = step_packers.forward_cost(cost)
+    d = np.array([1, 300, 4096, 70000])
+    assert np.array_equal(forward.doc_cost(d), cost.doc_cost(d, "fwd"))
+    assert forward.mb_const() == cost.mb_const("fwd")
+    assert np.array_equal(forward.doc_cost(d, "fwd"), cost.doc_cost(d, "fwd"))
+
+
+def test_pipeline_ratio_is_one_for_equal_micro_batches_and_grows_with_a_heavy_one():
+    import numpy as np
+
+    import wlb_opt as wlb
+
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4),
+                                  wlb.HardwareSpec.preset("h100"))
+    lengths = np.array([8192] * 8)
+    even = wlb.solve_pack(lengths, 4, 16384, cost, "wlb")
+    assert step_packers.pipeline_ratio(even, cost, 4) == pytest.approx(1.0, rel=1e-12)
+    # the same tokens, one micro-batch holding one long document: 1F1B pays its stage times
+    skewed = wlb.solve_pack(np.array([16384, 4096, 4096, 4096, 4096, 8192, 8192]), 4, 16384, cost, "wlb")
+    assert step_packers.pipeline_ratio(skewed, cost, 4) > 1.0
