@@ -4,7 +4,9 @@ Table 2 runs one 200-step stream; a single stream holds only ~100 outliers, so o
 imbalance and delay are noisy. This runs each setting on `--seeds` independent streams of
 the same distribution (the global batches of `wlb_opt.workloads.global_batches`, seed
 DEFAULT_SEED + s) and reports per-stream and mean PP imbalance (max/mean forward time per
-step, averaged over the steps after a `--warmup` of 20) and displacement per token (mean
+step, averaged over the steps after a `--warmup` of 20), the same mean of the simulated 1F1B
+pipeline's step time over that of balanced micro-batches (`sim`: the forward imbalance leaves
+the backward phase out, a pipeline pays both) and displacement per token (mean
 |training step - arrival step|, token-weighted, after `drain()`; the delay per token without
 lookahead), against the paper-parity target of <= 1.05 at <= 0.5 iterations per token.
 
@@ -36,6 +38,7 @@ from ..packer import PackerConfig, WLBPacker, per_step_imbalance
 from ..solvers.bounds import delay_floor
 from ..workloads import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from .data import run_packer
+from .step_packers import pipeline_ratio
 from ._provenance import provenance
 
 
@@ -53,15 +56,19 @@ def settings(window: int) -> dict[str, dict]:
 
 def run_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int = 20, **kw) -> dict:
     """One setting on one stream: mean forward imbalance of the stream's steps after
-    `warmup`, displacement per token after the drain, median planning milliseconds per
-    global batch (with lookahead the first K calls plan nothing and are left out)."""
+    `warmup`, the same mean of the simulated 1F1B step time over that of balanced micro-batches
+    (`sim`, `step_packers.pipeline_ratio`), displacement per token after the drain, median
+    planning milliseconds per global batch (with lookahead the first K calls plan nothing and
+    are left out)."""
     packer = WLBPacker(n_micro, max_tokens, cost, config=PackerConfig(**kw))
     run = run_packer(packer, batches)
     k = packer.lookahead
     plans = [plan for plan in run.plans if plan is not None] + list(run.drained[:k])
     imbs = [per_step_imbalance(plan, cost, "fwd") for plan in plans]
+    sims = [pipeline_ratio(plan, cost, cost.degree("pp")) for plan in plans]
     s = run.stats
-    return dict(imbalance=float(np.mean(imbs[warmup:] or imbs)), delay_per_token=float(s["displacement_per_token"]),
+    return dict(imbalance=float(np.mean(imbs[warmup:] or imbs)), sim=float(np.mean(sims[warmup:] or sims)),
+                delay_per_token=float(s["displacement_per_token"]),
                 early_token_share=s["early_token_share"], late_token_share=s["late_token_share"],
                 late_pieces=s["late_pieces"], ms_per_batch=1e3 * float(np.median(run.seconds[k:] or run.seconds)))
 
@@ -102,16 +109,17 @@ def main(argv: list[str] | None = None) -> int:
             results[name].append(dict(seed=s, **run_stream(batches, cost, N, int(1.25 * W), args.warmup, **kw)))
     print(f"{args.dist}: {len(seeds)} streams x {args.steps} steps; cells = mean imbalance (after {args.warmup} "
           f"steps) / displacement per token (target <= 1.05 / <= 0.5)")
-    print(f"{'setting':<10} " + " ".join(f"{'s' + str(s):>11}" for s in seeds) + f" {'mean':>13} {'ms':>6}")
+    print(f"{'setting':<10} " + " ".join(f"{'s' + str(s):>11}" for s in seeds) + f" {'mean':>13} {'ms':>6} {'sim':>7}")
     summary = {}
     for name, rows in results.items():
         imb = np.mean([r["imbalance"] for r in rows])
         delay = np.mean([r["delay_per_token"] for r in rows])
+        sim = np.mean([r["sim"] for r in rows])
         ms = np.median([r["ms_per_batch"] for r in rows])
-        summary[name] = dict(imbalance=float(imb), delay_per_token=float(delay), ms_per_batch=float(ms),
+        summary[name] = dict(imbalance=float(imb), delay_per_token=float(delay), sim=float(sim), ms_per_batch=float(ms),
                              settings={k: v for k, v in chosen[name].items()})
         cells = " ".join(f"{r['imbalance']:.3f}/{r['delay_per_token']:.2f}".rjust(11) for r in rows)
-        print(f"{name:<10} {cells} {f'{imb:.3f}/{delay:.3f}':>13} {ms:>6.2f}")
+        print(f"{name:<10} {cells} {f'{imb:.3f}/{delay:.3f}':>13} {ms:>6.2f} {sim:>7.4f}")
     cells = " ".join(f"-/{f:.2f}".rjust(11) for f in floors)
     print(f"{'floor':<10} {cells} {f'-/{np.mean(floors):.3f}':>13}   "
           "(least displacement of any plan without lookahead)")
