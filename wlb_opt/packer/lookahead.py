@@ -35,6 +35,11 @@ STATE_KEY = "lookahead_buffer"
 rows per buffered step, oldest first."""
 
 
+def _keys_of(pieces: Iterable[HeldPiece]) -> frozenset:
+    """(id, offset) of each of `pieces`, as `HeldPiece.key`."""
+    return frozenset((piece[0], piece[1]) for piece in pieces)
+
+
 class LookaheadBuffer:
     """The regular documents of the buffered global batches, one list per step, oldest
     first. The buffer holds at most K + 1 batches between the arrival of a batch and the
@@ -42,22 +47,29 @@ class LookaheadBuffer:
 
     def __init__(self, batches: Iterable[list[HeldPiece]] = ()) -> None:
         self._batches: deque[list[HeldPiece]] = deque(list(b) for b in batches)
+        # (id, offset) of each batch's pieces, made once per batch: the packer asks for the
+        # keys of the whole buffer every step
+        self._keys: deque[frozenset] = deque(_keys_of(b) for b in self._batches)
 
     def __len__(self) -> int:
         return len(self._batches)
 
     def copy(self) -> "LookaheadBuffer":
-        return LookaheadBuffer(self._batches)
+        out = LookaheadBuffer()
+        out._batches, out._keys = deque(list(b) for b in self._batches), deque(self._keys)
+        return out
 
     def with_batch(self, pieces: list[HeldPiece]) -> "LookaheadBuffer":
         """A copy with `pieces` appended as the newest batch (the packer commits a copy only
         when the whole step is valid)."""
-        out = LookaheadBuffer(self._batches)
+        out = self.copy()
         out._batches.append(list(pieces))
+        out._keys.append(_keys_of(pieces))
         return out
 
     def pop_oldest(self) -> list[HeldPiece]:
         """Remove and return the regular documents of the oldest buffered step."""
+        self._keys.popleft()
         return self._batches.popleft()
 
     def pieces(self) -> list[HeldPiece]:
@@ -66,7 +78,7 @@ class LookaheadBuffer:
 
     def keys(self) -> set[tuple[int, int]]:
         """(id, offset) of every buffered piece (a new batch may not repeat one)."""
-        return {piece.key for piece in self.pieces()}
+        return set().union(*self._keys)
 
     def tokens(self) -> int:
         return sum(piece.length for piece in self.pieces())
