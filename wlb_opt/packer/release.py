@@ -398,16 +398,19 @@ class GroupRelease(ReleasePolicy):
         (`TrialPack.rejects`), which costs a fraction of a packing for most of the groups a
         caller rejects.
 
-        When ctx.plan makes variants of itself (`TrialPack.with_groups`, `FillTrial.with_groups`:
-        `joining` + a group added to its pieces; ctx.released is ctx.plan's released pieces +
-        `joining`), the candidates come from it (packed when read, or scored all at once), and
-        pending and arrival are yielded as None (`_resolved` reads them from the plan kept).
+        When ctx.plan makes variants of itself (`TrialPack.with_group`, one group at a time and
+        only past `hopeless`; `FillTrial.with_groups`, all at once: `joining` + a group added to
+        its pieces; ctx.released is ctx.plan's released pieces + `joining`), the candidates come
+        from it (packed when read, or scored together), and pending and arrival are yielded as
+        None (`_resolved` reads them from the plan kept).
 
         With lookahead the groups are those of the arrived pieces of `remaining` alone, then
         those of all of `remaining` that hold exactly one early piece (the module docstring
         says why); the i yielded numbers the groups of the second list after those of the
         first."""
         with_groups = getattr(ctx.plan, "with_groups", None)
+        with_group = getattr(ctx.plan, "with_group", None)  # one at a time (TrialPack): made past `hopeless`
+        account = getattr(ctx.solve, "account", None)  # calibration's meter counts them as solves
         sources = [remaining]
         if self.lookahead:  # groups of arrived pieces adjacent among themselves, then those with an early one
             arrived = [piece for piece in remaining if piece.arrival <= ctx.step]
@@ -424,14 +427,15 @@ class GroupRelease(ReleasePolicy):
         elif most_tokens_first:
             windows.sort(key=lambda window: -window[2])
         trials = [None] * len(windows)
-        if with_groups is not None and windows:
+        if with_group is None and with_groups is not None and windows:
             groups = [list(joining) + source[i:i + size] for _, size, _, _, source, i in windows]
-            # calibration's meter counts them as solves
-            trials = with_groups(groups, account=getattr(ctx.solve, "account", None))
+            trials = with_groups(groups, account=account)
         for (i, size, tokens, at_least, source, start), t_plan in zip(windows, trials):
             group = source[start:start + size]
             if hopeless is not None and hopeless(group, tokens, at_least):
                 continue
+            if with_group is not None:
+                t_plan = with_group(list(joining) + group, account=account)
             if t_plan is None:
                 t_pending, t_plan, t_arrival = ctx.solve(*self._split(ctx.carry, ctx.released + group, ctx.fresh,
                                                                       ctx.step))

@@ -241,8 +241,13 @@ class TrialPack:
         """This packing with each of `groups` added to its pieces, after its other held ones
         and before the fresh ones: the candidates `solve(first, rest + group + fresh)` gives,
         each packed when first read (`account` as in the class docstring)."""
-        return [TrialPack(self._solver, None, None, n_first=self._n_first, n_rest=self._n_rest + len(group),
-                          extends=(self, group), account=account) for group in groups]
+        return [self.with_group(group, account) for group in groups]
+
+    def with_group(self, group: list[HeldPiece], account=None) -> "TrialPack":
+        """`with_groups` of one group: a candidate costs nothing until it is read, so a policy
+        makes it only for a group it does not skip."""
+        return TrialPack(self._solver, None, None, n_first=self._n_first, n_rest=self._n_rest + len(group),
+                         extends=(self, group), account=account)
 
     @cached_property
     def _positions(self) -> np.ndarray:
