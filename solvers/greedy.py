@@ -16,7 +16,7 @@ import contextlib
 import heapq
 import os
 from bisect import bisect_left
-from itertools import islice
+from itertools import chain, islice
 from operator import neg
 from typing import NamedTuple
 
@@ -153,7 +153,8 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
     only grow, so a lagging key is never above its value, and the top is re-keyed until it
     is current, which makes it the true minimum. The fallback is then O(log N) per item
     instead of a scan of every bin plus a rebuilt heap, which matters on overloaded steps
-    where most short items fall back.
+    where most short items fall back. Until the first fallback no key lags, and a leaner loop
+    places the items (most of a step's, or all of them).
     """
     order = np.asarray(order, dtype=np.int64)
     sizes, costs = lengths[order].tolist(), weights[order].tolist()  # the loop reads items in order
@@ -173,6 +174,23 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
     deferred_tokens, stop_deferred = 0, stop.deferred_tokens
     sorted_from = None  # where the lengths stop rising (found at the first item deferred)
     items = zip(sizes, costs)
+    # Until the first item that does not fit the least-loaded bin, no key lags: this loop
+    # needs neither `loads` nor the check. At that item the general loop below takes over.
+    for d, w in items:
+        load, b = heap[0]
+        t = toks[b] + d
+        if t <= cap:
+            toks[b] = t
+            load += w
+            if load > stop_load:
+                return None
+            replace(heap, (load, b))
+            put(b)
+            continue
+        items = chain([(d, w)], items)
+        break
+    for load, b in heap:
+        loads[b] = load
     for d, w in items:
         load, b = heap[0]
         while load != loads[b]:  # a key left behind by the fallback
