@@ -121,6 +121,7 @@ def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: i
         sum_max += max(cost.micro_batch_cost(L[mb], "fwd") - mbc for mb in mbs)
         disp += sum(n * abs(t - arrival[k]) for k, n in
                     zip(zip(ids[here].tolist(), offsets[here].tolist(), L.tolist()), L.tolist()))
+
     def measured(values):
         return float(np.mean([x for t, x in values if t >= warmup] or [x for _, x in values]))
 
@@ -205,7 +206,8 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
             # an infeasible bound model proves that no schedule exists within the budget and window
             proven = not np.isfinite(bounds[b])
             curve.append(dict(dist=dist, objective=objective, budget=b, imbalance=None, imbalance_bwd=None,
-                              sim=None, aggregate=None, displacement_per_token=None, bound=None if proven else bounds[b],
+                              sim=None, aggregate=None, displacement_per_token=None,
+                              bound=None if proven else bounds[b],
                               source="none exists" if proven else "none found", checked=False))
         for s in found:
             check = check_schedule(batches, cost, s.step, s.micro_batch, stream.doc_ids, stream.offsets,
@@ -236,7 +238,8 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
             r[f"{prefix}offline_imbalance_bwd"] = None if best is None else best["imbalance_bwd"]
             r[f"{prefix}offline_sim"] = None if best is None else best["sim"]
             r[f"{prefix}offline_displacement"] = None if best is None else best["displacement_per_token"]
-            r[f"gap_achievable{'_phases' if prefix else ''}"] = None if best is None else r["imbalance"] - best["imbalance"]
+            gap = None if best is None else r["imbalance"] - best["imbalance"]
+            r["gap_achievable_phases" if prefix else "gap_achievable"] = gap
             if not prefix:
                 best_agg = min((c["aggregate"] for c in within), default=None)
                 r["gap_achievable_aggregate"] = None if best_agg is None else r["aggregate"] - best_agg

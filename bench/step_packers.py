@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                                          f"{np.median([r['median_ms'] for r in lrows]):.2f} ms")
             summary.append(out)
     print(f"N={N}, {steps} steps; re-pack at unchanged pieces: mean Table 2 imbalance / backward (packing "
-          "imbalance) sim = 1F1B step time over balanced; in the loop: imbalance (backward) / displacement / median CPU ms")
+          "imbalance) sim = 1F1B step time over balanced; in the loop: imbalance (backward) / displacement / "
+          "median CPU ms")
     for r in summary:
         cells = " ".join(f"{m}={r[m + '_imbalance']:.4f}/{r[m + '_bwd']:.4f}({r[m + '_packing']:.4f}) "
                          f"sim {r[m + '_sim']:.4f}" for m in REPACKED)
