@@ -112,7 +112,8 @@ SECTIONS = (
              Table("shard.json", ("paper_comparison_cp4",), caption="Gains at CP = 4, per source."),
              Table("shard.json", ("timing",), caption="Solve time per micro-batch."))),
     Section("parity", "Outlier-delay settings over several streams",
-            "PP imbalance and displacement of the packer's settings over independent streams.",
+            "PP imbalance, displacement and the simulated 1F1B step time over balanced micro-batches (`sim`) of "
+            "the packer's settings over independent streams.",
             (Table("parity.json", ("summary",)),)),
     Section("step_packers", "Step packers at unchanged pieces, and in the loop",
             "Each step of the defaults' plans re-packed by every step packer (its pieces, hence the displacement, "
