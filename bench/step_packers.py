@@ -23,8 +23,9 @@ forward and the heaviest backward); "packing" is max / mean of the packing cost 
 backward, what Algorithm 1 balances); `_sim` is what a pipeline pays for both: the step time
 of the 1F1B pipeline (`simulate.pipeline_step_time`, the cost model's pp stages, each stage a
 pp-th of every micro-batch's forward and backward cost) over its step time with every
-micro-batch at the step's mean forward and backward cost. Streams: the scored ones (seeds DEFAULT_SEED + 0, 1, 2) and
-the calibration ones (DEFAULT_SEED + 100, 101, 102) on which the defaults were tuned.
+micro-batch at the step's mean forward and backward cost. Streams: the scored ones (seeds
+DEFAULT_SEED + 0, 1, 2) and the calibration ones (DEFAULT_SEED + 100, 101, 102) on which the
+defaults were tuned.
 
     wlb-opt bench step-packers                              real, default, heavy, code, prose at N = 4
     wlb-opt bench step-packers --quick                      real, 60 steps, one scored and one calibration seed
