@@ -115,6 +115,19 @@ SECTIONS = (
             "PP imbalance, displacement and the simulated 1F1B step time over balanced micro-batches (`sim`) of "
             "the packer's settings over independent streams.",
             (Table("parity.json", ("summary",)),)),
+    Section("lookahead", "Lookahead at equal displacement",
+            "The no-tuning defaults with lookahead K over several delay budgets (`PackerConfig.delay_budget`), "
+            "so that each K draws a curve of displacement against imbalance; each K > 0 compared with K = 0 at "
+            "no more displacement.",
+            (Table("lookahead.json", ("equal_displacement",), caption="At each K = 0 point: the lowest imbalance "
+                   "of a K point at no more displacement (`at_or_below`; `holds`: no worse than K = 0; `-` where no "
+                   "K point displaces that little), and the K curve read at K = 0's displacement (`interpolated`)."),
+             Table("lookahead.json", ("within",), caption="The lowest imbalance of each K within each "
+                   "displacement limit."),
+             Table("lookahead.json", ("points",), caption="Means over the seeds.",
+                   columns=("dist", "lookahead", "delay_budget", "imbalance", "delay_per_token", "sim",
+                            "ms_per_batch"))),
+            images="lookahead.png"),
     Section("step_packers", "Step packers at unchanged pieces, and in the loop",
             "Each step of the defaults' plans re-packed by every step packer (its pieces, hence the displacement, "
             "unchanged), and by Algorithm 1 on the forward cost alone (`wlb_fwd`), with CP-SAT's optimum and "
