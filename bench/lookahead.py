@@ -37,23 +37,15 @@ DEFAULT_BUDGET = 0.5
 """`PackerConfig.delay_budget`'s default: the defaults' own point of each curve."""
 
 
-def _floats(text: str, name: str) -> list[float]:
+def _numbers(text: str, name: str, kind: type = float) -> list:
+    """Sorted distinct values >= 0 of a comma-separated option (`kind`: float or int)."""
+    what = "numbers" if kind is float else "integers"
     try:
-        values = sorted({float(x) for x in text.split(",")})
+        values = sorted({kind(x) for x in text.split(",")})
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{name} must be comma-separated numbers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"{name} must be comma-separated {what}, got {text!r}") from None
     if not values or values[0] < 0:
-        raise argparse.ArgumentTypeError(f"{name} must be numbers >= 0, got {text!r}")
-    return values
-
-
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        values = sorted({int(x) for x in text.split(",")})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{name} must be comma-separated integers, got {text!r}") from None
-    if not values or values[0] < 0:
-        raise argparse.ArgumentTypeError(f"{name} must be integers >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"{name} must be {what} >= 0, got {text!r}")
     return values
 
 
@@ -126,13 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt bench lookahead", description=__doc__.splitlines()[0])
     p.add_argument("--dists", default="real,heavy,default,code,prose",
                    help="comma-separated built-in distributions (default real,heavy,default,code,prose)")
-    p.add_argument("--seeds", type=lambda s: _ints(s, "--seeds"), default=[0, 1, 2],
+    p.add_argument("--seeds", type=lambda s: _numbers(s, "--seeds", int), default=[0, 1, 2],
                    help="comma-separated stream seeds, offsets from DEFAULT_SEED (default 0,1,2)")
-    p.add_argument("--lookaheads", type=lambda s: _ints(s, "--lookaheads"), default=[0, 2, 4],
+    p.add_argument("--lookaheads", type=lambda s: _numbers(s, "--lookaheads", int), default=[0, 2, 4],
                    help="comma-separated lookaheads K, 0 among them (default 0,2,4)")
-    p.add_argument("--budgets", type=lambda s: _floats(s, "--budgets"), default=[0.35, 0.4, 0.45, 0.5, 0.55],
+    p.add_argument("--budgets", type=lambda s: _numbers(s, "--budgets"), default=[0.35, 0.4, 0.45, 0.5, 0.55],
                    help="comma-separated delay budgets, steps per token (default 0.35,0.4,0.45,0.5,0.55)")
-    p.add_argument("--limits", type=lambda s: _floats(s, "--limits"), default=[0.4, 0.45],
+    p.add_argument("--limits", type=lambda s: _numbers(s, "--limits"), default=[0.4, 0.45],
                    help="displacement limits of the 'within' rows (default 0.4,0.45)")
     p.add_argument("--steps", type=count, default=200, help="global batches per stream (default 200)")
     p.add_argument("--window", type=count, default=131072, help="training context length (default 131072)")
