@@ -618,10 +618,11 @@ class MarginalRelease(GroupRelease):
         lam = self._token_price()
         pending, t_plan, arrival = solve(*self._split([p for p in carry if p != piece], result.released,
                                                       [p for p in fresh if p != piece], step))
-        if (t_plan.imbalance - plan.imbalance + lam * piece.length >= 0
-                or t_plan.deferred_tokens > plan.deferred_tokens  # the re-packing defers nothing more
-                or t_plan.deferred_tokens + piece.length > self.max_backlog_tokens // 2  # "group"'s carry limit
-                or self._defers_any(result.released, pending, t_plan)):
+        # the re-packing defers nothing more, nor more than "group"'s carry limit, nor a released
+        # piece; a TrialPack is packed only until it surely fails (`_rejects`), then compared exactly
+        deferred_limit = min(plan.deferred_tokens + 1, self.max_backlog_tokens // 2 - piece.length + 1)
+        if (self._rejects(t_plan, pending, plan.imbalance - lam * piece.length, deferred_limit, result.released)
+                or t_plan.imbalance - plan.imbalance + lam * piece.length >= 0):
             return None
         t_plan = as_pack_plan(t_plan)
         t_plan = t_plan.replace(doc_ids=np.append(t_plan.doc_ids, piece.id),

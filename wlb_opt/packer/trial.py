@@ -106,7 +106,8 @@ class StepSolver:
     def solve(self, first: list[HeldPiece], rest: list[HeldPiece]):
         """Pack `first` (in this order), then `rest` longest first (stable), as `solve_pack`
         with carried=len(first). Returns (pending = first + rest, TrialPack, arrival step of
-        each pending piece)."""
+        each pending piece); the TrialPack is packed when first read, or only as far as
+        `TrialPack.rejects` needs."""
         m = len(self.fresh)
         if m and len(rest) >= m and rest[len(rest) - m:] == self.fresh:  # the usual case: rest ends with fresh
             rest, tail = rest[:len(rest) - m], self.fresh
@@ -121,8 +122,7 @@ class StepSolver:
         pending_idx = np.concatenate([first_idx, rest_idx, tail_idx])
         pending = list(first) + list(rest) + list(tail)
         trial = TrialPack(self, pending_idx, order, n_first=len(first_idx), n_rest=len(rest_idx), pending=pending)
-        trial._placed_bin = self.assign(order)
-        return pending, trial, self.arrival[pending_idx]
+        return pending, trial, self.arrival[pending_idx]  # packed when first read (or `rejects`)
 
     def assign(self, order: np.ndarray, stop: AssignStop | None = None) -> np.ndarray | None:
         """Algorithm 1's bin of each piece of `order` (`wlb_assign`; -1 = deferred), or None
