@@ -93,8 +93,12 @@ def plot(points: list[dict], dists: list[str], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, len(dists), figsize=(4.2 * len(dists), 4), squeeze=False)
-    for ax, dist in zip(axes[0], dists):
+    cols = min(3, len(dists))
+    rows = -(-len(dists) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.8 * rows), squeeze=False)
+    for ax in axes.flat[len(dists):]:
+        ax.set_visible(False)
+    for ax, dist in zip(axes.flat, dists):
         mine = [p for p in points if p["dist"] == dist]
         for i, k in enumerate(sorted({p["lookahead"] for p in mine})):
             curve = sorted((p for p in mine if p["lookahead"] == k), key=lambda p: p["delay_per_token"])
@@ -106,7 +110,8 @@ def plot(points: list[dict], dists: list[str], path: Path) -> bool:
         ax.set_title(dist)
         ax.set_xlabel("displacement per token (steps)")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("mean forward imbalance (max / mean)")
+    for row in axes:
+        row[0].set_ylabel("mean forward imbalance")
     axes[0][0].legend(fontsize=8, title=f"circled: delay_budget {DEFAULT_BUDGET:g}", title_fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -44,6 +44,8 @@ def test_lookahead_bench_writes_a_point_per_setting(tmp_path, capsys):
     assert len(data["equal_displacement"]) == 2 and len(data["streams"]) == 4
     assert data["provenance"]["command"].startswith("wlb-opt bench lookahead")
     assert "K=2 at K=0's default displacement" in capsys.readouterr().out
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "lookahead.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("option, value, message", [("--dists", "real,nope", "--dists must name"),
