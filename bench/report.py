@@ -128,6 +128,16 @@ SECTIONS = (
                    columns=("dist", "lookahead", "delay_budget", "imbalance", "delay_per_token", "sim",
                             "ms_per_batch"))),
             images="lookahead.png"),
+    Section("lookahead_n32", "Lookahead at equal displacement, 32 micro-batches",
+            "The same comparison with 32 micro-batches per step (PP = 16 schedules), over the delay budgets "
+            "around the default.",
+            (Table("lookahead.json", ("equal_displacement",), caption="As above, at 32 micro-batches."),
+             Table("lookahead.json", ("within",), caption="The lowest imbalance of each K within each "
+                   "displacement limit."),
+             Table("lookahead.json", ("points",), caption="Means over the seeds.",
+                   columns=("dist", "lookahead", "delay_budget", "imbalance", "delay_per_token", "sim",
+                            "ms_per_batch"))),
+            images="lookahead.png"),
     Section("step_packers", "Step packers at unchanged pieces, and in the loop",
             "Each step of the defaults' plans re-packed by every step packer (its pieces, hence the displacement, "
             "unchanged), and by Algorithm 1 on the forward cost alone (`wlb_fwd`), with CP-SAT's optimum and "
