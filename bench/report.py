@@ -158,6 +158,13 @@ SECTIONS = (
                    columns=("n_micro", "dist", "method", "lookahead", "loop", "steps", "seeds", "median_ms", "p99_ms",
                             "worst_ms", "mean_ms", "median_vs_k0")),
              Table("stream_speed.json", ("shard",), caption="`solve_shard` of all micro-batches of a step."))),
+    Section("stream_speed_full", "Streaming planner speed, 2,000 steps x 3 seeds",
+            "The same measure over long streams: the defaults' step packer with the default install's "
+            "Python loop, at 4 and 32 micro-batches.",
+            (Table("stream_speed.json", ("rows",), caption="Per step, over every step of every seed.",
+                   columns=("n_micro", "dist", "method", "lookahead", "loop", "steps", "seeds", "median_ms", "p99_ms",
+                            "worst_ms", "mean_ms", "median_vs_k0")),
+             Table("stream_speed.json", ("shard",), caption="`solve_shard` of all micro-batches of a step."))),
     Section("validate_sim", "The simulator against real execution",
             "Predicted step time against measured steps of a 2-stage gloo pipeline, per schedule "
             "(error = predicted / measured - 1). `simulated_s`: the simulator on the measured op times as "
