@@ -24,6 +24,7 @@ and the plan it keeps must not defer a piece they counted as placed.
 from __future__ import annotations
 
 import heapq
+from itertools import chain
 
 import numpy as np
 
@@ -38,7 +39,8 @@ def phases_assign(order: np.ndarray, lengths: np.ndarray, fwd: np.ndarray, bwd: 
     `fwd`, `bwd`: seconds of each item in each phase; `fwd_const`, `bwd_const`: seconds every
     bin adds. A bin's key, max(forward / mean forward, backward / mean backward) over the
     bins (every item of `order` counted in the means), only grows, so the heaps' keys may lag
-    behind as in `greedy.wlb_assign_python` and are re-keyed at the top."""
+    behind as in `greedy.wlb_assign_python` and are re-keyed at the top; as there, a leaner
+    loop places the items until the first fallback."""
     order = np.asarray(order, dtype=np.int64)
     if not len(order):
         return np.zeros(0, dtype=np.int64)
@@ -57,7 +59,26 @@ def phases_assign(order: np.ndarray, lengths: np.ndarray, fwd: np.ndarray, bwd: 
     replace = heapq.heapreplace
     placed: list[int] = []
     put = placed.append
-    for d, fs, bs in zip(sizes, f_share, b_share):
+    items = zip(sizes, f_share, b_share)
+    # Until the first item that does not fit the least-loaded bin, no key lags: this loop
+    # needs neither `keys` nor the check. At that item the general loop below takes over.
+    for d, fs, bs in items:
+        key, b = heap[0]
+        t = toks[b] + d
+        if t <= cap:
+            toks[b] = t
+            f = f_load[b] + fs
+            g = b_load[b] + bs
+            f_load[b] = f
+            b_load[b] = g
+            replace(heap, (f if f > g else g, b))
+            put(b)
+            continue
+        items = chain([(d, fs, bs)], items)
+        break
+    for key, b in heap:
+        keys[b] = key
+    for d, fs, bs in items:
         key, b = heap[0]
         while key != keys[b]:  # a key left behind by the fallback
             replace(heap, (keys[b], b))

@@ -242,7 +242,12 @@ class CostModel:
 
     def doc_cost(self, lengths, phase: Phase = "fwd_bwd") -> np.ndarray:
         """Seconds of each document (all layers, one replica); vectorised over `lengths`."""
-        d = validate_lengths(lengths).astype(np.float64)
+        return self._doc_cost_valid(validate_lengths(lengths), phase)
+
+    def _doc_cost_valid(self, lengths: np.ndarray, phase: Phase = "fwd_bwd") -> np.ndarray:
+        """`doc_cost` of lengths validated already (a 1-D integer array): the streaming packer
+        validates a batch once on arrival and weighs its pieces several times a step."""
+        d = lengths.astype(np.float64)
         attn, linear, comm, doc_const, _ = self._row(phase)
         return attn * (d * (d + 1.0) * 0.5) + (linear + comm) * d + doc_const
 

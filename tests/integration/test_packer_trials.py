@@ -51,8 +51,18 @@ def test_a_candidate_packs_as_solve_pack_does(step, method):
                   COST.mb_const("bwd"))
     solver = StepSolver(pieces, COST.doc_cost(lengths) if len(pieces) else np.zeros(0), tail, n_micro=n_micro,
                         dp=1, max_tokens=cap, bin_const=COST.mb_const(), method=method, phases=phases)
-    # rest ending with the step's fresh pieces (sorted once, reused), and any other rest
-    for rest_given in (rest + tail, rest + tail, tail[1:] + rest):
+    # the fresh pieces last (the packer's order: found by position) or first (by key)
+    moved = list(range(len(pieces) - len(tail), len(pieces))) + list(range(len(pieces) - len(tail)))
+    solver_moved = StepSolver([pieces[i] for i in moved], (COST.doc_cost(lengths) if len(pieces) else np.zeros(0))[moved],
+                              tail, n_micro=n_micro, dp=1, max_tokens=cap, bin_const=COST.mb_const(), method=method,
+                              phases=phases and (phases[0][moved], phases[1][moved], *phases[2:]))
+    one_out = len(tail) // 2
+    # rest ending with the step's fresh pieces (sorted once, reused), with all of them but one
+    # (a trimmed step), and any other rest
+    for solver, rest_given in [(solver, rest + tail), (solver, rest + tail), (solver, tail[1:] + rest),
+                               (solver, rest + tail[:one_out] + tail[one_out + 1:]),
+                               (solver_moved, rest + tail[:one_out] + tail[one_out + 1:]),
+                               (solver_moved, rest + tail)]:
         pending, trial, arrival = solver.solve(first, rest_given)
         assert pending == first + rest_given
         assert arrival.tolist() == [piece.arrival for piece in pending]

@@ -42,9 +42,9 @@ import dataclasses
 import logging
 import time
 import warnings
-from bisect import bisect_right
 from collections import deque
-from itertools import chain
+from itertools import chain, compress, repeat
+from operator import itemgetter
 from typing import Literal
 
 import numpy as np
@@ -67,7 +67,7 @@ from .release import DrainRelease, ReleasePolicy, make_release_policy
 from .state import (HeldPiece, check_ids_issued, cost_fingerprint, decode_state, encode_state, held_keys,
                     held_tokens)
 from .stats import StreamStats
-from .trial import StepSolver, as_pack_plan
+from .trial import StepSolver, as_pack_plan, piece_table
 
 _log = logging.getLogger("wlb_opt")
 
@@ -188,7 +188,7 @@ class WLBPacker:
         tolerance = TOLERANCE_LOW if self.balance_tolerance == "auto" else self.balance_tolerance
         rules = dict(need=self.dp * self.n_micro, max_delay=self.max_delay, balance_tolerance=tolerance,
                      max_backlog_tokens=max_backlog_tokens if carry_limit is None else carry_limit,
-                     lookahead=self.lookahead, piece_cost=self.cost.doc_cost, bin_const=self.cost.mb_const())
+                     lookahead=self.lookahead, piece_cost=self.cost._doc_cost_valid, bin_const=self.cost.mb_const())
         marginal = {}
         if self.release == "marginal":  # the price of a group's tokens, per step of capacity
             marginal = dict(price=MARGINAL_PRICE, capacity_tokens=self.capacity_tokens)
@@ -273,7 +273,7 @@ class WLBPacker:
             raise ValueError(f"document {int(ids[i])} (position {i}) has {int(lengths[i])} tokens > "
                              f"max_tokens={self.max_tokens}; cut documents with wlb_opt.split_documents first")
         check_unique_pieces(ids, offsets, "within the batch")
-        if self._held:
+        if self._held and not self._held.isdisjoint(zip(ids.tolist(), offsets.tolist())):
             for k, key in enumerate(zip(ids.tolist(), offsets.tolist())):
                 if key in self._held:
                     raise ValueError(f"ids: id {key[0]} (offset {key[1]}, position {k}) is already held by the "
@@ -281,22 +281,27 @@ class WLBPacker:
         return lengths, ids, offsets
 
     # ------------------------------------------------------------------ one step
-    def _queue_of(self, length: int) -> int:
-        """Queue index for an outlier (the last threshold <= length), -1 for a regular document."""
-        return bisect_right(self.thresholds, length) - 1
+    def _queue_outliers(self, entries: list[HeldPiece], queues: list[deque]) -> list[HeldPiece]:
+        """Append each outlier of `entries` to its queue (the last threshold <= its length), in
+        the order given; returns the regular documents, in their order. One vectorised lookup
+        per batch rather than one per piece: a batch holds hundreds of pieces, few outliers."""
+        if not self.thresholds or not entries:
+            return list(entries)
+        lengths = np.fromiter(map(itemgetter(2), entries), dtype=np.int64, count=len(entries))
+        levels = np.searchsorted(np.asarray(self.thresholds, dtype=np.int64), lengths, side="right") - 1
+        outliers = np.flatnonzero(levels >= 0)
+        if not len(outliers):
+            return list(entries)
+        for i, level in zip(outliers.tolist(), levels[outliers].tolist()):
+            queues[level].append(entries[i])
+        return list(compress(entries, (levels < 0).tolist()))
 
     def _plan_step(self, entries: list[HeldPiece], queues: list[deque], carry: list[HeldPiece], step: int,
                    policy: ReleasePolicy, started: float) -> tuple[PackPlan, list[HeldPiece]]:
         """Queue the outliers of `entries`, release by `policy`, pack, and deal to replicas.
         Mutates only the given queues (copies); returns (plan, new carry). `started`
         (perf_counter seconds) is when the step began, for `plan.info.wall_s`."""
-        fresh = []
-        for piece in entries:
-            level = self._queue_of(piece.length)
-            if level >= 0:
-                queues[level].append(piece)
-            else:
-                fresh.append(piece)
+        fresh = self._queue_outliers(entries, queues)
         self._step_solver = self._make_step_solver(carry + [piece for q in queues for piece in q], fresh)
         try:
             pending, plan, arrival, released, n_early = policy.plan_step(fresh, queues, carry, step, self._solve)
@@ -335,18 +340,19 @@ class WLBPacker:
         if self.method not in ("wlb", "wlb_fill", "wlb_phases"):
             return None
         pieces = held + fresh
-        lengths = np.fromiter((piece.length for piece in pieces), dtype=np.int64, count=len(pieces))
-        weights = self.cost.doc_cost(lengths) if len(pieces) else np.zeros(0)
+        table = piece_table(pieces)
+        lengths = table[2]  # validated on arrival (`_validate_batch`)
+        weigh = self.cost._doc_cost_valid
+        weights = weigh(lengths)
         if self.method == "wlb_fill":
             return FillStepSolver(pieces, weights, fresh, n_micro=self.n_micro, dp=self.dp,
                                   max_tokens=self.max_tokens, bin_const=self.cost.mb_const(), method=self.method)
         phases = None
         if self.method == "wlb_phases":
-            phases = (self.cost.doc_cost(lengths, "fwd") if len(pieces) else np.zeros(0),
-                      self.cost.doc_cost(lengths, "bwd") if len(pieces) else np.zeros(0),
-                      self.cost.mb_const("fwd"), self.cost.mb_const("bwd"))
+            phases = (weigh(lengths, "fwd"), weigh(lengths, "bwd"), self.cost.mb_const("fwd"),
+                      self.cost.mb_const("bwd"))
         return StepSolver(pieces, weights, fresh, n_micro=self.n_micro, dp=self.dp, max_tokens=self.max_tokens,
-                          bin_const=self.cost.mb_const(), method=self.method, phases=phases)
+                          bin_const=self.cost.mb_const(), method=self.method, phases=phases, table=table)
 
     def _solve(self, first: list[HeldPiece], rest: list[HeldPiece]):
         """Pack `first` (placed first) then `rest`; returns (pending, plan, arrival steps).
@@ -391,16 +397,14 @@ class WLBPacker:
         self._notice_if_mostly_outliers(lengths)
         step = self._step
         arrival = self.arrival_step
-        entries = [HeldPiece(*piece) for piece in zip(ids.tolist(), offsets.tolist(), lengths.tolist(),
-                                                       [arrival] * len(lengths))]
+        # tuple.__new__ makes each piece in C (HeldPiece(*piece) runs a Python __new__ per piece)
+        entries = list(map(tuple.__new__, repeat(HeldPiece, len(lengths)),
+                           zip(ids.tolist(), offsets.tolist(), lengths.tolist(), repeat(arrival, len(lengths)))))
         queues = [deque(q) for q in self._queues]
         if self.lookahead:
             # Outliers queue on arrival (they may leave early); regular documents wait in
             # the buffer for their own step (see lookahead.py).
-            regular = []
-            for piece in entries:
-                level = self._queue_of(piece.length)
-                (queues[level] if level >= 0 else regular).append(piece)
+            regular = self._queue_outliers(entries, queues)
             ahead = self._ahead.with_batch(regular)
             if len(ahead) <= self.lookahead:  # step s - K does not exist yet
                 self._record_ids(ids)

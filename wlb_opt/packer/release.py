@@ -515,6 +515,15 @@ class GroupRelease(ReleasePolicy):
         return StepRelease(pending, plan, arrival, released, n_early=len(released) - n_forced)
 
 
+def _without(pieces: list[HeldPiece], piece: HeldPiece) -> list[HeldPiece]:
+    """`pieces` less `piece` (keys are unique: at most one is equal), a new list."""
+    try:
+        j = pieces.index(piece)
+    except ValueError:
+        return list(pieces)
+    return pieces[:j] + pieces[j + 1:]
+
+
 def _resolved(group, pending, plan, arrival):
     """(group, pending, plan, arrival) of a kept candidate; pending and arrival read from the
     plan when `_candidates` scored it with others (yielded as None)."""
@@ -616,8 +625,8 @@ class MarginalRelease(GroupRelease):
             return None
         piece = result.pending[max(options, key=lambda i: (result.pending[i].length, result.pending[i].arrival))]
         lam = self._token_price()
-        pending, t_plan, arrival = solve(*self._split([p for p in carry if p != piece], result.released,
-                                                      [p for p in fresh if p != piece], step))
+        pending, t_plan, arrival = solve(*self._split(_without(carry, piece), result.released, _without(fresh, piece),
+                                                      step))
         # the re-packing defers nothing more, nor more than "group"'s carry limit, nor a released
         # piece; a TrialPack is packed only until it surely fails (`_rejects`), then compared exactly
         deferred_limit = min(plan.deferred_tokens + 1, self.max_backlog_tokens // 2 - piece.length + 1)

@@ -34,6 +34,11 @@ from ..solvers.phases import phases_or_algorithm1
 from .state import HeldPiece
 
 
+def piece_table(pieces: list[HeldPiece]) -> np.ndarray:
+    """(ids, offsets, lengths, arrival steps) of `pieces`: a 4 x n int64 array."""
+    return np.fromiter(chain.from_iterable(pieces), dtype=np.int64, count=4 * len(pieces)).reshape(-1, 4).T
+
+
 class StepSolver:
     """Packs candidate sets of one step's pieces (`solve(first, rest)`).
 
@@ -49,15 +54,23 @@ class StepSolver:
             micro-batch) for method "wlb_phases": candidates are still packed by Algorithm 1
             (what the release policies decide on) and the plan kept is packed with the phases
             balanced apart (`solvers.phases`); None: every packing is Algorithm 1's.
+        table: `piece_table(pieces)`, if the caller has it already.
     """
 
     def __init__(self, pieces: list[HeldPiece], weights: np.ndarray, fresh: list[HeldPiece], *, n_micro: int, dp: int, max_tokens: int,
                  bin_const: float, method: str = "wlb",
-                 phases: tuple[np.ndarray, np.ndarray, float, float] | None = None):
-        table = np.fromiter(chain.from_iterable(pieces), dtype=np.int64, count=4 * len(pieces)).reshape(-1, 4).T
+                 phases: tuple[np.ndarray, np.ndarray, float, float] | None = None, table: np.ndarray | None = None):
+        if table is None:
+            table = piece_table(pieces)
         self.ids, self.offsets, self.lengths, self.arrival = table
         self.weights = np.asarray(weights, dtype=np.float64)
-        self.index = dict(zip(zip(self.ids.tolist(), self.offsets.tolist()), range(len(pieces))))
+        # pieces = held + fresh (the packer's order): the fresh ones are addressed by position,
+        # and only the held ones are indexed by key unless a fresh one is looked up
+        m = len(fresh)
+        self._fresh_at = len(pieces) - m if pieces[len(pieces) - m:] == fresh else None
+        self._indexed = len(pieces) if self._fresh_at is None else self._fresh_at
+        self.index = dict(zip(zip(self.ids[:self._indexed].tolist(), self.offsets[:self._indexed].tolist()),
+                              range(self._indexed)))
         self.n_micro, self.dp, self.max_tokens = n_micro, dp, max_tokens
         self.bin_const = float(bin_const)
         self.method = method
@@ -68,15 +81,44 @@ class StepSolver:
         self._last_rest: list[HeldPiece] = []
 
     def _indices(self, pieces: list[HeldPiece]) -> np.ndarray:
+        """Solver index of each of `pieces`."""
         index = self.index
-        return np.array([index[piece[0], piece[1]] for piece in pieces], dtype=np.int64)
+        try:
+            return np.array([index[piece[0], piece[1]] for piece in pieces], dtype=np.int64)
+        except KeyError:
+            if self._indexed == len(self.ids):
+                raise
+        n = len(self.ids)  # a fresh piece looked up by key: index them all
+        index.update(zip(zip(self.ids[self._indexed:].tolist(), self.offsets[self._indexed:].tolist()),
+                         range(self._indexed, n)))
+        self._indexed = n
+        return self._indices(pieces)
 
     def _sorted_tail(self, tail: list[HeldPiece]) -> tuple[np.ndarray, np.ndarray]:
         """(indices of `tail`, the same longest first, stable), cached for the last tail given."""
         if self._tail is None or self._tail[0] is not tail:
-            idx = self._indices(tail)
+            if tail is self.fresh and self._fresh_at is not None:
+                idx = np.arange(self._fresh_at, len(self.ids), dtype=np.int64)
+            else:
+                idx = self._indices(tail)
             self._tail = (tail, idx, idx[argsort_descending(self.lengths[idx])])
         return self._tail[1], self._tail[2]
+
+    def _fresh_but_one(self, tail: list[HeldPiece]) -> int | None:
+        """j such that `tail` is the step's fresh pieces without the j-th, else None (a trimmed
+        step: `MarginalRelease._trim` packs the step again without one fresh piece). The
+        longest prefix in common is found by bisection on list comparisons, in C."""
+        fresh = self.fresh
+        if len(tail) != len(fresh) - 1:
+            return None
+        low, high = 0, len(tail)  # tail[:low] == fresh[:low]; tail[:high + 1] != fresh[:high + 1]
+        while low < high:
+            mid = (low + high + 1) // 2
+            if tail[:mid] == fresh[:mid]:
+                low = mid
+            else:
+                high = mid - 1
+        return low if tail[low:] == fresh[low + 1:] else None
 
     def _sorted_rest(self, rest: list[HeldPiece]) -> tuple[np.ndarray, np.ndarray]:
         """(indices of `rest`, the same longest first, stable). Candidates of one round share
@@ -108,14 +150,20 @@ class StepSolver:
         with carried=len(first). Returns (pending = first + rest, TrialPack, arrival step of
         each pending piece); the TrialPack is packed when first read, or only as far as
         `TrialPack.rejects` needs."""
-        m = len(self.fresh)
-        if m and len(rest) >= m and rest[len(rest) - m:] == self.fresh:  # the usual case: rest ends with fresh
-            rest, tail = rest[:len(rest) - m], self.fresh
+        m, n = len(self.fresh), len(rest)
+        tail_idx = tail_sorted = np.zeros(0, np.int64)
+        if m and n >= m and rest[n - m:] == self.fresh:  # the usual case: rest ends with fresh
+            rest, tail = rest[:n - m], self.fresh
+            tail_idx, tail_sorted = self._sorted_tail(tail)
+        elif m > 1 and n >= m - 1 and (gone := self._fresh_but_one(rest[n - m + 1:])) is not None:
+            rest, tail = rest[:n - m + 1], rest[n - m + 1:]  # fresh but one: its sorted order less that piece
+            fresh_idx, fresh_sorted = self._sorted_tail(self.fresh)
+            tail_idx = np.concatenate([fresh_idx[:gone], fresh_idx[gone + 1:]])
+            tail_sorted = fresh_sorted[fresh_sorted != fresh_idx[gone]]
         else:
             tail = ()
         first_idx = self._indices(first)
         rest_idx, rest_sorted = self._sorted_rest(rest)
-        tail_idx, tail_sorted = self._sorted_tail(tail) if len(tail) else (np.zeros(0, np.int64),) * 2
         # rest before tail among equal lengths: insert at the left end of each run of equals
         at = np.searchsorted(-self.lengths[tail_sorted], -self.lengths[rest_sorted], side="left")
         order = np.concatenate([first_idx, insert_sorted(tail_sorted, at, rest_sorted)])
