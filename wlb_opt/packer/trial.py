@@ -5,8 +5,9 @@ one of them. Through `solve_pack` every candidate would validate the step's piec
 weigh them with the cost model, sort all of them and build a frozen PackPlan, though most
 candidates are only read for their imbalance and deferred tokens. `StepSolver` does that
 work once per step: it holds the step's pieces (carried, fresh and queued) as arrays with
-their costs, sorts the fresh documents once, and packs a candidate by merging its few other
-pieces into that order and running Algorithm 1's assignment (`wlb_assign`). A `TrialPack`
+their costs, sorts the fresh documents once (a trimmed step, the fresh documents but one,
+reuses that order), and packs a candidate by merging its few other pieces into that order
+and running Algorithm 1's assignment (`wlb_assign`). A `TrialPack`
 answers what the policies read (imbalance, deferred tokens, micro-batches) and builds the
 PackPlan only when asked, for the candidate the step keeps.
 
