@@ -63,6 +63,24 @@ class Section:
     """Glob of the folder's PNGs the section links."""
 
 
+def _lookahead_tables(first_caption: str) -> tuple[Table, ...]:
+    """`bench lookahead`'s tables, the first captioned `first_caption`."""
+    return (Table("lookahead.json", ("equal_displacement",), caption=first_caption),
+            Table("lookahead.json", ("within",), caption="The lowest imbalance of each K within each displacement "
+                  "limit."),
+            Table("lookahead.json", ("points",), caption="Means over the seeds.",
+                  columns=("dist", "lookahead", "delay_budget", "imbalance", "delay_per_token", "sim",
+                           "ms_per_batch")))
+
+
+_STREAM_SPEED_TABLES = (
+    Table("stream_speed.json", ("rows",), caption="Per step, over every step of every seed.",
+          columns=("n_micro", "dist", "method", "lookahead", "loop", "steps", "seeds", "median_ms", "p99_ms",
+                   "worst_ms", "mean_ms", "median_vs_k0")),
+    Table("stream_speed.json", ("shard",), caption="`solve_shard` of all micro-batches of a step."))
+"""`bench stream-speed`'s tables (the quick run and the long one)."""
+
+
 SECTIONS = (
     Section("e2e", "End-to-end step time (simulated)",
             "Simulated step time of paper Table 1's eight configurations under four packing methods "
@@ -119,25 +137,14 @@ SECTIONS = (
             "The no-tuning defaults with lookahead K over several delay budgets (`PackerConfig.delay_budget`), "
             "so that each K draws a curve of displacement against imbalance; each K > 0 compared with K = 0 at "
             "no more displacement.",
-            (Table("lookahead.json", ("equal_displacement",), caption="At each K = 0 point: the lowest imbalance "
-                   "of a K point at no more displacement (`at_or_below`; `holds`: no worse than K = 0; `-` where no "
-                   "K point displaces that little), and the K curve read at K = 0's displacement (`interpolated`)."),
-             Table("lookahead.json", ("within",), caption="The lowest imbalance of each K within each "
-                   "displacement limit."),
-             Table("lookahead.json", ("points",), caption="Means over the seeds.",
-                   columns=("dist", "lookahead", "delay_budget", "imbalance", "delay_per_token", "sim",
-                            "ms_per_batch"))),
+            _lookahead_tables("At each K = 0 point: the lowest imbalance of a K point at no more displacement "
+                              "(`at_or_below`; `holds`: no worse than K = 0; `-` where no K point displaces that "
+                              "little), and the K curve read at K = 0's displacement (`interpolated`)."),
             images="lookahead.png"),
     Section("lookahead_n32", "Lookahead at equal displacement, 32 micro-batches",
             "The same comparison with 32 micro-batches per step (PP = 16 schedules), over the delay budgets "
             "around the default.",
-            (Table("lookahead.json", ("equal_displacement",), caption="As above, at 32 micro-batches."),
-             Table("lookahead.json", ("within",), caption="The lowest imbalance of each K within each "
-                   "displacement limit."),
-             Table("lookahead.json", ("points",), caption="Means over the seeds.",
-                   columns=("dist", "lookahead", "delay_budget", "imbalance", "delay_per_token", "sim",
-                            "ms_per_batch"))),
-            images="lookahead.png"),
+            _lookahead_tables("As above, at 32 micro-batches."), images="lookahead.png"),
     Section("step_packers", "Step packers at unchanged pieces, and in the loop",
             "Each step of the defaults' plans re-packed by every step packer (its pieces, hence the displacement, "
             "unchanged), and by Algorithm 1 on the forward cost alone (`wlb_fwd`), with CP-SAT's optimum and "
@@ -154,17 +161,11 @@ SECTIONS = (
             "CPU time of `WLBPacker.pack` per step with the no-tuning defaults, lookahead 0 and 4, with "
             "Algorithm 1's pure-Python loop (the default install) and its compiled loop (the `fast` extra); "
             "`solve_shard` of each step's micro-batches apart.",
-            (Table("stream_speed.json", ("rows",), caption="Per step, over every step of every seed.",
-                   columns=("n_micro", "dist", "method", "lookahead", "loop", "steps", "seeds", "median_ms", "p99_ms",
-                            "worst_ms", "mean_ms", "median_vs_k0")),
-             Table("stream_speed.json", ("shard",), caption="`solve_shard` of all micro-batches of a step."))),
+            _STREAM_SPEED_TABLES),
     Section("stream_speed_full", "Streaming planner speed, 2,000 steps x 3 seeds",
             "The same measure over long streams: the defaults' step packer with the default install's "
             "Python loop, at 4 and 32 micro-batches.",
-            (Table("stream_speed.json", ("rows",), caption="Per step, over every step of every seed.",
-                   columns=("n_micro", "dist", "method", "lookahead", "loop", "steps", "seeds", "median_ms", "p99_ms",
-                            "worst_ms", "mean_ms", "median_vs_k0")),
-             Table("stream_speed.json", ("shard",), caption="`solve_shard` of all micro-batches of a step."))),
+            _STREAM_SPEED_TABLES),
     Section("validate_sim", "The simulator against real execution",
             "Predicted step time against measured steps of a 2-stage gloo pipeline, per schedule "
             "(error = predicted / measured - 1). `simulated_s`: the simulator on the measured op times as "
