@@ -22,9 +22,22 @@ def test_stream_speed_writes_a_row_per_setting(tmp_path, capsys):
     assert "wlb_fill" in capsys.readouterr().out
 
 
+def test_repeated_passes_count_each_steps_least_time(tmp_path, monkeypatch):
+    # the passes of one stream are timed apart and each step keeps its least time
+    passes = iter([[3.0, 1.0, 5.0], [2.0, 4.0, 6.0], [9.0, 0.5, 7.0]])
+    monkeypatch.setattr(stream_speed, "time_stream", lambda *args: (next(passes), []))
+    argv = ["--n-micro", "2", "--steps", "3", "--seeds", "1", "--dists", "real", "--lookaheads", "0",
+            "--loops", "python", "--window", "8192", "--repeats", "3", "--no-shard", "--out", str(tmp_path)]
+    assert stream_speed.main(argv) == 0
+    (row,) = json.loads((tmp_path / "stream_speed.json").read_text())["rows"]
+    assert row["repeats"] == 3
+    assert row["median_ms"] == 2000.0 and row["worst_ms"] == 5000.0  # of the minima 2, 0.5, 5 seconds
+
+
 @pytest.mark.parametrize("option, value, message", [("--methods", "wlb,nope", "--methods must name"),
                                                     ("--loops", "python,fortran", "unknown loops"),
-                                                    ("--lookaheads", "0,-1", "--lookaheads must be >= 0")])
+                                                    ("--lookaheads", "0,-1", "--lookaheads must be >= 0"),
+                                                    ("--repeats", "0", "--repeats")])
 def test_bad_options_are_usage_errors(option, value, message, capsys):
     with pytest.raises(SystemExit):
         stream_speed.main([option, value, "--steps", "2", "--seeds", "1"])
