@@ -168,11 +168,10 @@ class FillStepSolver(StepSolver):
     (module docstring); same arguments."""
 
     def __init__(self, pieces: list[HeldPiece], weights: np.ndarray, fresh: list[HeldPiece], *, n_micro: int,
-                 dp: int, max_tokens: int, bin_const: float, method: str = "wlb_fill"):
+                 dp: int, max_tokens: int, bin_const: float, method: str = "wlb_fill", table: np.ndarray | None = None):
         super().__init__(pieces, weights, fresh, n_micro=n_micro, dp=dp, max_tokens=max_tokens,
-                         bin_const=bin_const, method=method)
-        idx = self._indices(fresh)
-        by_length = idx[argsort_descending(self.lengths[idx])]  # cost grows with length: also by cost
+                         bin_const=bin_const, method=method, table=table)
+        idx, by_length = self._sorted_tail(fresh)  # longest first; cost grows with length: also by cost
         self._fresh_idx = idx
         self._fresh_sorted = by_length
         self._fresh_neg_w = -self.weights[by_length]  # ascending, for searchsorted

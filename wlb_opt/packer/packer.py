@@ -346,7 +346,8 @@ class WLBPacker:
         weights = weigh(lengths)
         if self.method == "wlb_fill":
             return FillStepSolver(pieces, weights, fresh, n_micro=self.n_micro, dp=self.dp,
-                                  max_tokens=self.max_tokens, bin_const=self.cost.mb_const(), method=self.method)
+                                  max_tokens=self.max_tokens, bin_const=self.cost.mb_const(), method=self.method,
+                                  table=table)
         phases = None
         if self.method == "wlb_phases":
             phases = (weigh(lengths, "fwd"), weigh(lengths, "bwd"), self.cost.mb_const("fwd"),

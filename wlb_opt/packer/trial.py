@@ -156,8 +156,8 @@ class StepSolver:
         if m and n >= m and rest[n - m:] == self.fresh:  # the usual case: rest ends with fresh
             rest, tail = rest[:n - m], self.fresh
             tail_idx, tail_sorted = self._sorted_tail(tail)
-        elif m > 1 and n >= m - 1 and (gone := self._fresh_but_one(rest[n - m + 1:])) is not None:
-            rest, tail = rest[:n - m + 1], rest[n - m + 1:]  # fresh but one: its sorted order less that piece
+        elif m > 1 and n >= m - 1 and (gone := self._fresh_but_one(tail := rest[n - m + 1:])) is not None:
+            rest = rest[:n - m + 1]  # fresh but one: its sorted order less that piece
             fresh_idx, fresh_sorted = self._sorted_tail(self.fresh)
             tail_idx = np.concatenate([fresh_idx[:gone], fresh_idx[gone + 1:]])
             tail_sorted = fresh_sorted[fresh_sorted != fresh_idx[gone]]
