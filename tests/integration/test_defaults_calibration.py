@@ -89,3 +89,46 @@ def test_one_run_per_class_of_candidates_gives_every_candidates_results(release,
         assert record["runs"] == len({r["thresholds"][0] for r in reference}) < len(reference)
     got = [{k: r[k] for k in ("thresholds", "imbalance", "delay_per_token")} for r in record["candidates"]]
     assert got == reference
+
+
+def _overloaded_stream(rng, n_batches, cap=200):
+    """Batches that often bring more tokens than a 2 x 200-token step places."""
+    out, next_id = [], 0
+    for _ in range(n_batches):
+        n = int(rng.integers(4, 14))
+        lengths = np.where(rng.random(n) < 0.2, rng.integers(cap // 3, cap + 1, n), rng.integers(1, cap // 10, n))
+        out.append((lengths, np.arange(next_id, next_id + n)))
+        next_id += n
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:step 0")
+@pytest.mark.parametrize("release, seed, lookahead", [("marginal", 11, 0), ("marginal", 12, 2), ("group", 14, 0)])
+def test_the_token_capacity_skips_only_candidates_it_rejects(release, seed, lookahead, monkeypatch):
+    # With the micro-batches' token cap, "group" and "marginal" also skip candidates that
+    # defer over half the carry limit whatever the packing, or whose imbalance is surely
+    # above the limit at the most cost the step can place. The plans must be those of
+    # trying them (max_tokens=None: no such bound).
+    import dataclasses
+
+    from wlb_opt.packer.trial import StepSolver
+    cost = unit_cost(1e-6, 1e-3, backward=True)
+    batches = _overloaded_stream(np.random.default_rng(seed), 80)
+    runs = []
+    for room in (True, False):
+        packer = WLBPacker(2, 200, cost, config=PackerConfig(thresholds=[60], lookahead=lookahead, release=release))
+        if not room:
+            packer._release = dataclasses.replace(packer._release, max_tokens=None)
+        calls = [0]
+        assign = StepSolver.assign
+
+        def counted(self, order, stop=None, *, assign=assign, calls=calls):
+            calls[0] += 1
+            return assign(self, order, stop)
+        monkeypatch.setattr(StepSolver, "assign", counted)
+        plans = [packer.pack(*b) for b in batches] + packer.drain()
+        runs.append(([[p.doc_ids[mb].tolist() for mb in p.micro_batches] + [p.doc_ids[p.deferred].tolist()]
+                      for p in plans if p is not None], calls[0]))
+    assert sum(p.deferred_tokens > 0 for p in plans if p is not None) >= 5  # the stream does overload steps
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1] < runs[1][1]  # the bound did skip candidates

@@ -264,3 +264,56 @@ def test_a_small_budget_bounds_the_work_and_stays_deterministic():
     bounded, free = calibrate_thresholds(small, sample, None, 8), calibrate_thresholds(small, sample, None, 8, None)
     assert bounded["candidates"] == free["candidates"] and bounded["thresholds"] == free["thresholds"]
     assert all(r["batches"] == 8 for r in bounded["candidates"])
+
+
+def _brute_force_packings(items, n_bins, cap=None):
+    """Every assignment of `items` ((tokens, cost) pairs) to n_bins bins or to none (-1)."""
+    from itertools import product
+    for bins in product(range(-1, n_bins), repeat=len(items)):
+        tokens = [0] * n_bins
+        costs = [0.0] * n_bins
+        for (t, c), b in zip(items, bins):
+            if b >= 0:
+                tokens[b] += t
+                costs[b] += c
+        if cap is None or max(tokens) <= cap:
+            yield bins, costs
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_heaviest_at_least_bounds_the_best_packing_from_below(seed):
+    from wlb_opt.packer.release import heaviest_at_least
+    rng = np.random.default_rng(seed)
+    costs = sorted(rng.integers(1, 20, int(rng.integers(3, 8))).astype(float).tolist(), reverse=True)
+    best = min(max(loads) for bins, loads in _brute_force_packings([(0, c) for c in costs], 2) if min(bins) >= 0)
+    bound = heaviest_at_least(costs, 2)
+    assert costs[0] <= bound <= best
+    if seed == 0:  # 3+ items in 2 bins: a pair shares a bin, above the largest alone
+        assert heaviest_at_least([5.0, 4.0, 3.0], 2) == 7.0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_token_room_bounds_what_any_packing_places(seed):
+    # `_Room`: a candidate placing all of its group places at most `placed_at_most` cost
+    # and defers at least `deferred_at_least` tokens, whatever the packing (brute force).
+    from wlb_opt.packer.release import _Room
+    rng = np.random.default_rng(seed)
+    cap, n_bins = 10, 2
+    base = [(int(t), float(t) ** 2 / 10 + t) for t in rng.integers(1, 9, int(rng.integers(2, 5)))]
+    group = [(int(t), float(t) ** 2 / 10 + t) for t in rng.integers(3, 10, int(rng.integers(1, 3)))]
+    base_len = np.array([t for t, _ in base], dtype=np.int64)
+    base_cost = np.array([c for _, c in base])
+    room = _Room.of((base_len, base_cost), [], {}, n_bins * cap)
+    g_tokens, g_cost = sum(t for t, _ in group), sum(c for _, c in group)
+    items = group + base
+    feasible = [(bins, loads) for bins, loads in _brute_force_packings(items, n_bins, cap)
+                if min(bins[:len(group)]) >= 0]  # the group placed whole
+    total = sum(t for t, _ in items)
+    for bins, loads in feasible:
+        placed_cost = sum(loads)
+        deferred = sum(t for (t, _), b in zip(items, bins) if b < 0)
+        assert placed_cost <= room.placed_at_most(g_tokens, g_cost) + 1e-9
+        assert deferred >= room.deferred_at_least(g_tokens)
+    assert room.deferred_at_least(g_tokens) == total - n_bins * cap
+    if feasible and total > n_bins * cap:  # the bound is below the cost of everything held
+        assert room.placed_at_most(g_tokens, g_cost) < base_cost.sum() + g_cost

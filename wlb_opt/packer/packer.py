@@ -188,7 +188,8 @@ class WLBPacker:
         tolerance = TOLERANCE_LOW if self.balance_tolerance == "auto" else self.balance_tolerance
         rules = dict(need=self.dp * self.n_micro, max_delay=self.max_delay, balance_tolerance=tolerance,
                      max_backlog_tokens=max_backlog_tokens if carry_limit is None else carry_limit,
-                     lookahead=self.lookahead, piece_cost=self.cost._doc_cost_valid, bin_const=self.cost.mb_const())
+                     lookahead=self.lookahead, piece_cost=self.cost._doc_cost_valid, bin_const=self.cost.mb_const(),
+                     max_tokens=self.max_tokens)
         marginal = {}
         if self.release == "marginal":  # the price of a group's tokens, per step of capacity
             marginal = dict(price=MARGINAL_PRICE, capacity_tokens=self.capacity_tokens)

@@ -32,9 +32,11 @@ defaults.py says why).
   groups of similar ones from any level, a cheap one alone, at the cost of carrying some
   short documents one step; a group leaves only if the step places all of it (an outlier
   deferred by the packing would be carried and placed first, often alone, next step).
-  Candidates whose imbalance is surely above the limit (the group's heaviest piece against
-  the largest possible mean load) are not packed at all: the same plans, about half the
-  planning time. Tolerance ~1.3 (fwd + bwd loads) suits the default stream.
+  Candidates whose imbalance is surely above the limit (the group's heaviest piece, or the
+  pieces some micro-batch must share, against the largest mean load the step's pieces and
+  token capacity allow) or that defer over the carry limit whatever the packing are not
+  packed at all: the same plans, a fraction of the planning time. Tolerance ~1.3 (fwd + bwd
+  loads) suits the default stream.
 - "marginal" (beyond the paper): the pool and the candidates of "group", chosen at the
   margin: a group leaves while the imbalance it adds is worth the tokens it stops holding.
   `MarginalRelease` states the rule (score, price, pairs, carried pieces, trim).
@@ -155,6 +157,10 @@ class ReleasePolicy(ABC):
     every candidate; the plans are the same)."""
     bin_const: float = 0.0
     """Cost every micro-batch adds (`cost.mb_const()`)."""
+    max_tokens: int | None = None
+    """Token cap of a micro-batch: with `piece_cost`, "group" and "marginal" also skip the
+    candidates that the step's token capacity surely rejects (`_Room`; None: not used; the
+    plans are the same)."""
 
     @abstractmethod
     def plan_step(self, fresh: list[HeldPiece], queues: list[deque], carry: list[HeldPiece], step: int,
@@ -316,6 +322,18 @@ class GroupRelease(ReleasePolicy):
         mean_at_most = (base_cost + sum(costs[piece.key] for piece in group)) / self.need + self.bin_const
         return heaviest > (limit + 1e-9) * mean_at_most
 
+    def _bound_with(self, ctx: "_StepContext", group) -> float:
+        """A lower bound on the step's imbalance with `group` placed and ctx.kept: the heaviest
+        micro-batch holds at least `heaviest_at_least` of those pieces' costs, plus `bin_const`,
+        over the largest mean (`_cannot_pass`)."""
+        costs = ctx.costs
+        merged = sorted(ctx.kept + tuple(costs[piece.key] for piece in group), reverse=True)
+        group_cost = sum(costs[piece.key] for piece in group)
+        placed = ctx.base_cost + group_cost
+        if ctx.room is not None:
+            placed = min(placed, float(ctx.room.placed_at_most(sum(piece.length for piece in group), group_cost)))
+        return (heaviest_at_least(merged, self.need) + self.bin_const) / (placed / self.need + self.bin_const)
+
     @staticmethod
     def _defers_any(group, pending, plan) -> bool:
         """Whether the packed step defers a piece of `group` (see the class docstring)."""
@@ -369,10 +387,15 @@ class GroupRelease(ReleasePolicy):
             keep = np.ones(len(tokens), dtype=bool) if early is None else 2 * early <= size
             if early_only:
                 keep &= early == 1
+            if ctx.room is not None:  # it defers over half the carry limit whatever the packing
+                keep &= ctx.room.deferred_at_least(tokens) < self.max_backlog_tokens // 2 + 1
             at_least = None
             if costs is not None:
-                heaviest = heaviest_cost + self.bin_const
-                mean_at_most = (ctx.base_cost + total) / self.need + self.bin_const
+                heaviest = (heaviest_cost if not ctx.kept else np.maximum(heaviest_cost, ctx.kept[0])) + self.bin_const
+                placed = ctx.base_cost + total
+                if ctx.room is not None:
+                    placed = np.minimum(placed, ctx.room.placed_at_most(tokens, total))
+                mean_at_most = placed / self.need + self.bin_const
                 at_least = heaviest / mean_at_most
                 if not ctx.idle:
                     keep &= ~(heaviest > (ctx.limit + 1e-9) * mean_at_most)
@@ -434,6 +457,16 @@ class GroupRelease(ReleasePolicy):
             group = source[start:start + size]
             if hopeless is not None and hopeless(group, tokens, at_least):
                 continue
+            threshold = None if ctx.idle else ctx.limit
+            useful = None if cutoff is None else cutoff(group)
+            if useful is not None:
+                threshold = useful if threshold is None else min(threshold, useful)
+            if at_least is not None and len(ctx.kept) + size > self.need:
+                # more pieces to place than micro-batches: a sharper bound than the heaviest piece
+                at_least = max(at_least, self._bound_with(ctx, group))
+                if ((threshold is not None and at_least > threshold + 1e-9)
+                        or (hopeless is not None and hopeless(group, tokens, at_least))):
+                    continue
             if with_group is not None:
                 t_plan = with_group(list(joining) + group, account=account)
             if t_plan is None:
@@ -441,10 +474,6 @@ class GroupRelease(ReleasePolicy):
                                                                       ctx.step))
             else:
                 t_pending = t_arrival = None
-            threshold = None if ctx.idle else ctx.limit
-            useful = None if cutoff is None else cutoff(group)
-            if useful is not None:
-                threshold = useful if threshold is None else min(threshold, useful)
             # it defers at least as many short tokens as the group brings, or over half the carry limit
             deferred_limit = min(ctx.base_deferred + tokens + extra_tokens, self.max_backlog_tokens // 2 + 1)
             if self._rejects(t_plan, t_pending, threshold, deferred_limit, ctx.released[ctx.n_forced:] + group):
@@ -490,6 +519,8 @@ class GroupRelease(ReleasePolicy):
             own = self.piece_cost(np.array([piece.length for piece in carry + fresh], dtype=np.int64)).tolist()
             # summed in the order carry, fresh, released: the same floats as piece by piece
             base_cost = sum(own + [costs[piece.key] for piece in released])
+        own_pieces = None if self.max_tokens is None or not costs else (
+            np.array([piece.length for piece in carry + fresh], dtype=np.int64), np.array(own, dtype=np.float64))
         while True:
             remaining = sorted((piece for piece in pool if piece.key not in taken),
                                key=lambda piece: (piece.length, piece.arrival))
@@ -500,7 +531,9 @@ class GroupRelease(ReleasePolicy):
                 base_deferred=plan.deferred_tokens, costs=costs, base_cost=base_cost,
                 limit=max(self.balance_tolerance, plan.imbalance) + _TOLERANCE_SLACK,
                 # a step that would train nothing takes its most balanced group whatever the tolerance
-                idle=is_idle(plan))
+                idle=is_idle(plan),
+                kept=_kept_costs((), released[n_forced:], costs),
+                room=None if own_pieces is None else _Room.of(own_pieces, released, costs, self.need * self.max_tokens))
             chosen = self._choose(remaining, ctx)
             if chosen is None:
                 break
@@ -513,6 +546,25 @@ class GroupRelease(ReleasePolicy):
             q.clear()
             q.extend(kept)
         return StepRelease(pending, plan, arrival, released, n_early=len(released) - n_forced)
+
+
+def heaviest_at_least(costs: list[float], n_bins: int) -> float:
+    """A lower bound on the largest sum of `costs` (largest first) any bin holds when all of
+    them go into `n_bins` bins: the largest cost, and for each k with k x n_bins < len(costs),
+    the k + 1 smallest of the k x n_bins + 1 largest (some bin holds k + 1 of those)."""
+    best = costs[0] if costs else 0.0
+    k = 1
+    while k * n_bins < len(costs):
+        best = max(best, sum(costs[k * n_bins - k:k * n_bins + 1]))
+        k += 1
+    return best
+
+
+def _kept_costs(kept: tuple[float, ...], group, costs: dict) -> tuple[float, ...]:
+    """`kept` (costs, largest first) with `group`'s pieces' costs; () without costs."""
+    if not costs:
+        return ()
+    return tuple(sorted(kept + tuple(costs[piece.key] for piece in group), reverse=True))
 
 
 def _without(pieces: list[HeldPiece], piece: HeldPiece) -> list[HeldPiece]:
@@ -528,6 +580,56 @@ def _resolved(group, pending, plan, arrival):
     """(group, pending, plan, arrival) of a kept candidate; pending and arrival read from the
     plan when `_candidates` scored it with others (yielded as None)."""
     return (group, plan.pending, plan, plan.arrival) if pending is None else (group, pending, plan, arrival)
+
+
+@dataclass(frozen=True)
+class _Room:
+    """Bounds from the step's token capacity (dp x n_micro x max_tokens) on a candidate that
+    adds a group (`tokens`, `cost`, arrays over groups or numbers) to the round's pieces and
+    must place all of it (a group partly deferred is rejected).
+
+    The micro-batches place at most `capacity` tokens, so the candidate defers at least its
+    tokens less the capacity, and the cost it places is at most the group's plus the most
+    cost the round's pieces fit into the tokens left: a fractional knapsack, the pieces of
+    highest cost per token first (`cum_tokens`, `cum_cost`: their running sums from 0).
+    A step that holds more than its capacity places less than all of it, and its mean load
+    is lower than the mean of everything it holds."""
+
+    capacity: int
+    base_tokens: int
+    cum_tokens: np.ndarray
+    cum_cost: np.ndarray
+    joined_tokens: int = 0
+    """A pair's first group, placed with every second group (`joined`)."""
+    joined_cost: float = 0.0
+
+    @classmethod
+    def of(cls, own: tuple[np.ndarray, np.ndarray], released: list[HeldPiece], costs: dict, capacity: int) -> _Room:
+        """The bounds of a round: `own` = (lengths, costs) of the carried and fresh pieces,
+        `released` the held pieces released so far."""
+        lengths = np.concatenate([own[0], np.array([piece.length for piece in released], dtype=np.int64)])
+        weights = np.concatenate([own[1], np.array([costs[piece.key] for piece in released], dtype=np.float64)])
+        order = np.argsort(-weights / np.maximum(lengths, 1), kind="stable")
+        cum_tokens = np.concatenate([[0], np.cumsum(lengths[order])])
+        cum_cost = np.concatenate([[0.0], np.cumsum(weights[order])])
+        return cls(capacity=int(capacity), base_tokens=int(cum_tokens[-1]), cum_tokens=cum_tokens, cum_cost=cum_cost)
+
+    def joined(self, tokens: int, cost: float) -> _Room:
+        """The bounds with another group placed with every candidate (a pair's first one)."""
+        return dataclasses.replace(self, joined_tokens=self.joined_tokens + tokens,
+                                   joined_cost=self.joined_cost + cost)
+
+    def deferred_at_least(self, tokens):
+        """Tokens a candidate with a group of `tokens` defers at least."""
+        return np.asarray(tokens) + (self.base_tokens + self.joined_tokens - self.capacity)
+
+    def placed_at_most(self, tokens, cost):
+        """The most cost a candidate placing all of a group (`tokens`, `cost`) can place
+        (the round's pieces already counted in `cost` are not counted again: callers pass
+        the group's own). Where the groups alone exceed the capacity, the candidate is
+        rejected whatever it places; the bound is then the groups' cost."""
+        left = self.capacity - self.joined_tokens - np.asarray(tokens)
+        return self.joined_cost + np.asarray(cost) + np.interp(np.maximum(left, 0), self.cum_tokens, self.cum_cost)
 
 
 @dataclass(frozen=True)
@@ -548,6 +650,11 @@ class _StepContext:
     base_cost: float
     limit: float
     idle: bool
+    room: _Room | None = None
+    """What the micro-batches' token caps let the candidates place (None without costs or caps)."""
+    kept: tuple[float, ...] = ()
+    """Costs of the held pieces every candidate must place (the groups taken, a pair's first
+    group), largest first (empty without costs): `_bound_with`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -701,7 +808,10 @@ class MarginalRelease(GroupRelease):
         costs = ctx.costs
         with_first = dataclasses.replace(
             ctx, released=ctx.released + first_group,
-            base_cost=ctx.base_cost + (sum(costs[piece.key] for piece in first_group) if costs else 0.0))
+            base_cost=ctx.base_cost + (sum(costs[piece.key] for piece in first_group) if costs else 0.0),
+            kept=_kept_costs(ctx.kept, first_group, costs),
+            room=None if ctx.room is None else ctx.room.joined(first_tokens,
+                                                               sum(costs[piece.key] for piece in first_group)))
 
         def top():  # the highest score a pair may have and still be taken
             return 0.0 if best is None else min(0.0, best[0][0])
