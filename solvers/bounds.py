@@ -10,7 +10,9 @@ exceed the optimum. They use only sorting and sums, no solver:
   carries k+1 of the k*m+1 largest, hence at least the k+1 smallest of them (k = 1, 2, ...);
 - with deferral allowed (`min_placed_weight`): a plan that places P tokens places at least
   the weight of the cheapest P tokens, counted fractionally by cost per token, so
-  `placed_load_bound` = that weight / m.
+  `placed_load_bound` = that weight / m. Conversely (`max_placed_weight`) it places at most
+  the weight of the densest P tokens, which bounds the mean load of a plan that cannot place
+  everything from above.
 
 Each bin also pays `bin_const` (the per-micro-batch constant), added to every bound.
 `check_capacity` raises the ValueError the exact models use for infeasible instances: a
@@ -95,6 +97,24 @@ def min_placed_weight(lengths, weights, tokens: int) -> float:
     before_tok = int(cum_tok[j - 1]) if j else 0
     before_w = float(cum_w[j - 1]) if j else 0.0
     return before_w + (tokens - before_tok) * float(rate[order[j]])
+
+
+def densest_first(lengths, weights) -> tuple[np.ndarray, np.ndarray]:
+    """Running (tokens, weight) sums from (0, 0), items in decreasing weight per token: with
+    `np.interp`, the most weight any choice of items holding a given number of tokens can
+    have, items taken fractionally (`max_placed_weight`)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    w = _as_weights(weights)
+    order = np.argsort(-w / np.maximum(lengths, 1), kind="stable")
+    return (np.concatenate([[0], np.cumsum(lengths[order])]),
+            np.concatenate([[0.0], np.cumsum(w[order])]))
+
+
+def max_placed_weight(lengths, weights, tokens: int) -> float:
+    """Most total weight of items holding at most `tokens` tokens, items taken fractionally
+    in decreasing weight per token (an upper bound for any integral choice)."""
+    cum_tokens, cum_weights = densest_first(lengths, weights)
+    return float(np.interp(max(tokens, 0), cum_tokens, cum_weights))
 
 
 def placed_load_bound(lengths, weights, n_bins: int, placed_tokens: int, bin_const: float = 0.0) -> float:

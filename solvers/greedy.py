@@ -73,6 +73,9 @@ class AssignStop(NamedTuple):
     slope: float = 0.0
     """...which falls by `slope` x the cost of each deferred item (a stop proportional to the
     packing's mean load, which deferred items lower)."""
+    load_cap: float = float("inf")
+    """...and never exceeds this, whatever is deferred (from a bound on the mean load that
+    holds however little is placed: `TrialPack.rejects` derives one from the token capacity)."""
     deferred_tokens: float = float("inf")
     """Give up when the deferred items' tokens reach this."""
     keep: frozenset = frozenset()
@@ -170,7 +173,9 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
         heapq.heapify(tok_heap)
     replace = heapq.heapreplace
     stop = AssignStop() if stop is None else stop
-    stop_load, stop_slope, keep = float(stop.load), float(stop.slope), sorted(stop.keep)
+    stop_slope, keep = float(stop.slope), sorted(stop.keep)
+    stop_falling, stop_cap = float(stop.load), float(stop.load_cap)
+    stop_load = min(stop_falling, stop_cap)
     deferred_tokens, stop_deferred = 0, stop.deferred_tokens
     sorted_from = None  # where the lengths stop rising (found at the first item deferred)
     items = zip(sizes, costs)
@@ -230,7 +235,8 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
                 if at < len(keep) and keep[at] < j:
                     return None
             placed_bin.extend([-1] * (j - k))
-            stop_load -= stop_slope * sum(costs[k:j])
+            stop_falling -= stop_slope * sum(costs[k:j])
+            stop_load = min(stop_falling, stop_cap)
             deferred_tokens += sum(sizes[k:j])
             if deferred_tokens >= stop_deferred:
                 return None

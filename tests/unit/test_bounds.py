@@ -77,6 +77,11 @@ def test_min_placed_weight_is_fractional_by_cost_per_token():
     assert bounds.min_placed_weight(lengths, w, 30) == pytest.approx(9.0)
     assert bounds.min_placed_weight(lengths, w, 99) == pytest.approx(9.0)
     assert bounds.placed_load_bound(lengths, w, 2, 15, bin_const=1.0) == pytest.approx(2.25)
+    # the mirror: the densest tokens first (0.5, 0.3, 0.1 per token)
+    assert bounds.max_placed_weight(lengths, w, 0) == 0.0
+    assert bounds.max_placed_weight(lengths, w, 15) == pytest.approx(6.5)
+    assert bounds.max_placed_weight(lengths, w, 25) == pytest.approx(8.5)
+    assert bounds.max_placed_weight(lengths, w, 99) == pytest.approx(9.0)
     assert bounds.max_placeable_tokens([5, 30, 7], 2, 10) == 12
     assert bounds.max_placeable_tokens([5, 9, 7], 2, 10) == 20
 

@@ -74,9 +74,9 @@ def test_algorithm_1_places_like_its_plain_twin(compiled, problem):
 @settings(max_examples=200, deadline=None)
 @given(problem=problems(), data=st.data())
 def test_the_python_loop_stops_exactly_when_the_packing_passes_a_limit(problem, data):
-    # AssignStop: a load stop that falls by slope x each deferred item's cost, a limit on the
-    # deferred tokens, positions that must not be deferred; the loop returns None at the first
-    # item that passes one of them, else the full placement
+    # AssignStop: a load stop that falls by slope x each deferred item's cost and never
+    # exceeds load_cap, a limit on the deferred tokens, positions that must not be deferred;
+    # the loop returns None at the first item that passes one of them, else the full placement
     n, cap = problem.n_bins, int(problem.max_tokens)
     order = placement_order(problem, problem.lengths)
     full = wlb_assign_python(order, problem.lengths, problem.weights, n, cap)
@@ -91,6 +91,7 @@ def test_the_python_loop_stops_exactly_when_the_packing_passes_a_limit(problem, 
     top = max([value for kind, value, _ in running if kind == "placed"], default=0.0)
     stop = AssignStop(load=data.draw(st.floats(-1.0, 1.2 * top + 1.0)),
                       slope=data.draw(st.sampled_from([0.0, 0.1, 1.0])),
+                      load_cap=data.draw(st.one_of(st.just(float("inf")), st.floats(-1.0, 1.2 * top + 1.0))),
                       deferred_tokens=data.draw(st.sampled_from([float("inf"), 1, 5, 20])),
                       keep=frozenset(data.draw(st.lists(st.integers(0, max(len(order) - 1, 0)), max_size=3))))
     at, tokens, want = stop.load, 0, full
@@ -104,8 +105,9 @@ def test_the_python_loop_stops_exactly_when_the_packing_passes_a_limit(problem, 
         else:
             # the loop lowers the stop by runs of deferred items at once: its floats may differ
             # from these in the last bits
-            assume(abs(value - at) > 1e-9 * max(1.0, abs(value)))
-            if value > at:
+            limit = min(at, stop.load_cap)  # the falling stop, never above the cap
+            assume(abs(value - limit) > 1e-9 * max(1.0, abs(value)))
+            if value > limit:
                 want = None
                 break
     got = wlb_assign_python(order, problem.lengths, problem.weights, n, cap, stop=stop)

@@ -67,6 +67,7 @@ from typing import Callable, Literal, NamedTuple
 import numpy as np
 
 from ..plan import PackPlan
+from ..solvers.bounds import densest_first, pigeonhole_bound
 from .state import HeldPiece
 from .trial import TrialPack, as_pack_plan
 
@@ -324,15 +325,17 @@ class GroupRelease(ReleasePolicy):
 
     def _bound_with(self, ctx: "_StepContext", group) -> float:
         """A lower bound on the step's imbalance with `group` placed and ctx.kept: the heaviest
-        micro-batch holds at least `heaviest_at_least` of those pieces' costs, plus `bin_const`,
-        over the largest mean (`_cannot_pass`)."""
+        micro-batch holds at least the largest of those pieces' costs, or the pigeonhole bound
+        (some micro-batch holds two of the need + 1 largest, ...), plus `bin_const`, over the
+        largest mean (`_cannot_pass`)."""
         costs = ctx.costs
         merged = sorted(ctx.kept + tuple(costs[piece.key] for piece in group), reverse=True)
         group_cost = sum(costs[piece.key] for piece in group)
         placed = ctx.base_cost + group_cost
         if ctx.room is not None:
             placed = min(placed, float(ctx.room.placed_at_most(sum(piece.length for piece in group), group_cost)))
-        return (heaviest_at_least(merged, self.need) + self.bin_const) / (placed / self.need + self.bin_const)
+        heaviest = max(merged[0], pigeonhole_bound(merged, self.need))
+        return (heaviest + self.bin_const) / (placed / self.need + self.bin_const)
 
     @staticmethod
     def _defers_any(group, pending, plan) -> bool:
@@ -548,18 +551,6 @@ class GroupRelease(ReleasePolicy):
         return StepRelease(pending, plan, arrival, released, n_early=len(released) - n_forced)
 
 
-def heaviest_at_least(costs: list[float], n_bins: int) -> float:
-    """A lower bound on the largest sum of `costs` (largest first) any bin holds when all of
-    them go into `n_bins` bins: the largest cost, and for each k with k x n_bins < len(costs),
-    the k + 1 smallest of the k x n_bins + 1 largest (some bin holds k + 1 of those)."""
-    best = costs[0] if costs else 0.0
-    k = 1
-    while k * n_bins < len(costs):
-        best = max(best, sum(costs[k * n_bins - k:k * n_bins + 1]))
-        k += 1
-    return best
-
-
 def _kept_costs(kept: tuple[float, ...], group, costs: dict) -> tuple[float, ...]:
     """`kept` (costs, largest first) with `group`'s pieces' costs; () without costs."""
     if not costs:
@@ -590,8 +581,8 @@ class _Room:
 
     The micro-batches place at most `capacity` tokens, so the candidate defers at least its
     tokens less the capacity, and the cost it places is at most the group's plus the most
-    cost the round's pieces fit into the tokens left: a fractional knapsack, the pieces of
-    highest cost per token first (`cum_tokens`, `cum_cost`: their running sums from 0).
+    cost the round's pieces fit into the tokens left (`solvers.bounds.densest_first`:
+    `cum_tokens`, `cum_cost`).
     A step that holds more than its capacity places less than all of it, and its mean load
     is lower than the mean of everything it holds."""
 
@@ -609,9 +600,7 @@ class _Room:
         `released` the held pieces released so far."""
         lengths = np.concatenate([own[0], np.array([piece.length for piece in released], dtype=np.int64)])
         weights = np.concatenate([own[1], np.array([costs[piece.key] for piece in released], dtype=np.float64)])
-        order = np.argsort(-weights / np.maximum(lengths, 1), kind="stable")
-        cum_tokens = np.concatenate([[0], np.cumsum(lengths[order])])
-        cum_cost = np.concatenate([[0.0], np.cumsum(weights[order])])
+        cum_tokens, cum_cost = densest_first(lengths, weights)
         return cls(capacity=int(capacity), base_tokens=int(cum_tokens[-1]), cum_tokens=cum_tokens, cum_cost=cum_cost)
 
     def joined(self, tokens: int, cost: float) -> _Room:

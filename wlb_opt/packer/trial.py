@@ -30,6 +30,7 @@ from itertools import chain
 import numpy as np
 
 from ..plan import PackPlan, SolveInfo, imbalance
+from ..solvers.bounds import max_placed_weight
 from ..solvers.greedy import AssignStop, argsort_descending, bin_tokens, insert_sorted, split_by_bin, wlb_assign
 from ..solvers.phases import phases_or_algorithm1
 from .state import HeldPiece
@@ -239,8 +240,9 @@ class TrialPack:
         """Whether this candidate's imbalance is above `threshold` (None: no limit), or its
         deferred tokens reach `deferred_tokens`, or it defers one of `keep`, packing it only as
         far as that takes. The heaviest micro-batch so far over the largest mean the step can
-        have (every pending piece placed but those deferred so far) bounds the imbalance from
-        below, so the packing stops once that bound passes the threshold (with a margin of
+        have (every pending piece placed but those deferred so far, and, when the pieces hold
+        more tokens than the micro-batches, no more than the densest tokens that fit) bounds
+        the imbalance from below, so the packing stops once that bound passes the threshold (with a margin of
         1e-9 for rounding), once the tokens deferred so far reach the limit, or once a piece of
         `keep` is deferred. When it does not stop, the candidate is packed whole and its exact
         values compared."""
@@ -249,9 +251,14 @@ class TrialPack:
             n_bins = s.dp * s.n_micro
             stop = AssignStop(deferred_tokens=deferred_tokens)
             if threshold is not None:
-                mean_at_most = np.add.reduce(s.weights[self._pending_idx]) / n_bins + s.bin_const
+                weights = s.weights[self._pending_idx]
+                mean_at_most = np.add.reduce(weights) / n_bins + s.bin_const
                 factor = threshold * (1 + 1e-9)
                 stop = stop._replace(load=factor * mean_at_most - s.bin_const, slope=factor / n_bins)
+                lengths, capacity = s.lengths[self._pending_idx], n_bins * s.max_tokens
+                if np.add.reduce(lengths) > capacity:  # it cannot place everything: at most the densest tokens
+                    placed_at_most = max_placed_weight(lengths, weights, capacity)
+                    stop = stop._replace(load_cap=factor * (placed_at_most / n_bins + s.bin_const) - s.bin_const)
             if len(keep):  # their positions in the placement order
                 marked = np.zeros(len(s.lengths), dtype=bool)
                 marked[s._indices(keep)] = True
