@@ -406,7 +406,7 @@ class GroupRelease(ReleasePolicy):
 
     def _candidates(self, remaining: list[HeldPiece], ctx: "_StepContext", extra_tokens: int = 0, hopeless=None,
                     joining: list[HeldPiece] = (), lowest_bound_first: bool = False, cutoff=None,
-                    most_tokens_first: bool = False):
+                    most_tokens_first: bool = False, price: float = 0.0):
         """Each admissible group of `remaining` (1 to need pieces adjacent in (length, arrival)
         order), packed with ctx's released pieces: yields (i, group, tokens, pending, plan,
         arrival). Admissible: within ctx.limit (unless the step is idle), deferring fewer short
@@ -414,7 +414,8 @@ class GroupRelease(ReleasePolicy):
         carry limit, and no early-released outlier deferred (see the class docstring).
         `hopeless(group, tokens, imbalance_at_least)`, if given, skips a group before it is
         packed (imbalance_at_least: `_imbalance_at_least` of the group, None without costs).
-        With `lowest_bound_first` the groups come in increasing imbalance_at_least, with
+        With `lowest_bound_first` the groups come in increasing imbalance_at_least - `price` x
+        tokens (with "marginal"'s price, a lower bound on the score without lookahead), with
         `most_tokens_first` in decreasing tokens (ties: the order above), so that a `hopeless`
         that learns from the groups seen skips more of them; a caller that ranks the groups by
         their own keys chooses the same group in any order.
@@ -449,7 +450,7 @@ class GroupRelease(ReleasePolicy):
                         for i in starts]
             offset += len(source)
         if lowest_bound_first and windows and windows[0][3] is not None:
-            windows.sort(key=lambda window: window[3])  # stable: ties keep the order above
+            windows.sort(key=lambda window: window[3] - price * window[2])  # stable: ties keep the order above
         elif most_tokens_first:
             windows.sort(key=lambda window: -window[2])
         trials = [None] * len(windows)
@@ -774,9 +775,10 @@ class MarginalRelease(GroupRelease):
                 return None
             return zero + rejected[0][0] + _TOLERANCE_SLACK
 
-        # lowest bound first: the best rejected group, found early, lets `hopeless` skip more
+        # lowest score bound first: the best groups, found early, let `hopeless` skip more
         for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(remaining, ctx, hopeless=hopeless,
-                                                                                lowest_bound_first=True, cutoff=cutoff):
+                                                                                lowest_bound_first=True, price=lam,
+                                                                                cutoff=cutoff):
             score = t_plan.imbalance - ctx.plan.imbalance - lam * displacement_relief(group, ctx.step)
             entry = ((score, -tokens, min(piece.arrival for piece in group), i), group, t_pending, t_plan, t_arrival)
             if score > 0:
@@ -817,7 +819,8 @@ class MarginalRelease(GroupRelease):
 
         for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(rest, with_first, first_tokens,
                                                                                 hopeless, joining=first_group,
-                                                                                cutoff=cutoff):
+                                                                                cutoff=cutoff, lowest_bound_first=True,
+                                                                                price=lam):
             score = t_plan.imbalance - ctx.plan.imbalance - lam * (first_relief + displacement_relief(group, ctx.step))
             key = (score, -(first_tokens + tokens), min(piece.arrival for piece in first_group + group), i)
             if score <= 0 and (best is None or key < best[0]):
