@@ -99,15 +99,25 @@ def min_placed_weight(lengths, weights, tokens: int) -> float:
     return before_w + (tokens - before_tok) * float(rate[order[j]])
 
 
-def densest_first(lengths, weights) -> tuple[np.ndarray, np.ndarray]:
+def densest_order(lengths, weights) -> np.ndarray:
+    """Indices of the items in decreasing weight per token."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return np.argsort(-_as_weights(weights) / np.maximum(lengths, 1), kind="stable")
+
+
+def densest_first(lengths, weights, order: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Running (tokens, weight) sums from (0, 0), items in decreasing weight per token: with
     `np.interp`, the most weight any choice of items holding a given number of tokens can
-    have, items taken fractionally (`max_placed_weight`)."""
+    have, items taken fractionally (`max_placed_weight`). `order`: `densest_order` of the
+    items, if the caller has it."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    w = _as_weights(weights)
-    order = np.argsort(-w / np.maximum(lengths, 1), kind="stable")
-    return (np.concatenate([[0], np.cumsum(lengths[order])]),
-            np.concatenate([[0.0], np.cumsum(w[order])]))
+    w = np.asarray(weights, dtype=np.float64)
+    if order is None:
+        order = densest_order(lengths, w)
+    cum_tokens, cum_weights = np.zeros(len(order) + 1, dtype=np.int64), np.zeros(len(order) + 1)
+    np.cumsum(lengths[order], out=cum_tokens[1:])
+    np.cumsum(w[order], out=cum_weights[1:])
+    return cum_tokens, cum_weights
 
 
 def max_placed_weight(lengths, weights, tokens: int) -> float:

@@ -285,13 +285,15 @@ def test_the_token_room_bounds_what_any_packing_places(seed):
     # `_Room`: a candidate placing all of its group places at most `placed_at_most` cost
     # and defers at least `deferred_at_least` tokens, whatever the packing (brute force).
     from wlb_opt.packer.release import _Room
+    from wlb_opt.solvers.bounds import densest_order
     rng = np.random.default_rng(seed)
     cap, n_bins = 10, 2
     base = [(int(t), float(t) ** 2 / 10 + t) for t in rng.integers(1, 9, int(rng.integers(2, 5)))]
     group = [(int(t), float(t) ** 2 / 10 + t) for t in rng.integers(3, 10, int(rng.integers(1, 3)))]
     base_len = np.array([t for t, _ in base], dtype=np.int64)
     base_cost = np.array([c for _, c in base])
-    room = _Room.of((base_len, base_cost), [], {}, n_bins * cap)
+    order = densest_order(base_len, base_cost)  # the caller's order: densest first
+    room = _Room.of((base_len[order], base_cost[order]), [], {}, n_bins * cap)
     g_tokens, g_cost = sum(t for t, _ in group), sum(c for _, c in group)
     items = group + base
     feasible = [(bins, loads) for bins, loads in _brute_force_packings(items, n_bins, cap)

@@ -67,7 +67,7 @@ from typing import Callable, Literal, NamedTuple
 import numpy as np
 
 from ..plan import PackPlan
-from ..solvers.bounds import densest_first, pigeonhole_bound
+from ..solvers.bounds import densest_first, densest_order, pigeonhole_bound
 from .state import HeldPiece
 from .trial import TrialPack, as_pack_plan
 
@@ -523,8 +523,12 @@ class GroupRelease(ReleasePolicy):
             own = self.piece_cost(np.array([piece.length for piece in carry + fresh], dtype=np.int64)).tolist()
             # summed in the order carry, fresh, released: the same floats as piece by piece
             base_cost = sum(own + [costs[piece.key] for piece in released])
-        own_pieces = None if self.max_tokens is None or not costs else (
-            np.array([piece.length for piece in carry + fresh], dtype=np.int64), np.array(own, dtype=np.float64))
+        own_pieces = None
+        if self.max_tokens is not None and costs:  # (lengths, costs) of the carried and fresh pieces, densest first
+            own_pieces = (np.array([piece.length for piece in carry + fresh], dtype=np.int64),
+                          np.array(own, dtype=np.float64))
+            order = densest_order(*own_pieces)
+            own_pieces = (own_pieces[0][order], own_pieces[1][order])
         while True:
             remaining = sorted((piece for piece in pool if piece.key not in taken),
                                key=lambda piece: (piece.length, piece.arrival))
@@ -598,10 +602,15 @@ class _Room:
     @classmethod
     def of(cls, own: tuple[np.ndarray, np.ndarray], released: list[HeldPiece], costs: dict, capacity: int) -> _Room:
         """The bounds of a round: `own` = (lengths, costs) of the carried and fresh pieces,
-        `released` the held pieces released so far."""
-        lengths = np.concatenate([own[0], np.array([piece.length for piece in released], dtype=np.int64)])
-        weights = np.concatenate([own[1], np.array([costs[piece.key] for piece in released], dtype=np.float64)])
-        cum_tokens, cum_cost = densest_first(lengths, weights)
+        densest first, `released` the held pieces released so far (merged into that order)."""
+        lengths = np.array([piece.length for piece in released], dtype=np.int64)
+        weights = np.array([costs[piece.key] for piece in released], dtype=np.float64)
+        if len(released):
+            at = np.searchsorted(-own[1] / np.maximum(own[0], 1), -weights / np.maximum(lengths, 1))
+            lengths, weights = np.insert(own[0], at, lengths), np.insert(own[1], at, weights)
+        else:
+            lengths, weights = own
+        cum_tokens, cum_cost = densest_first(lengths, weights, np.arange(len(lengths)))
         return cls(capacity=int(capacity), base_tokens=int(cum_tokens[-1]), cum_tokens=cum_tokens, cum_cost=cum_cost)
 
     def joined(self, tokens: int, cost: float) -> _Room:

@@ -30,7 +30,7 @@ from itertools import chain
 import numpy as np
 
 from ..plan import PackPlan, SolveInfo, imbalance
-from ..solvers.bounds import max_placed_weight
+from ..solvers.bounds import densest_first, densest_order
 from ..solvers.greedy import AssignStop, argsort_descending, bin_tokens, insert_sorted, split_by_bin, wlb_assign
 from ..solvers.phases import phases_or_algorithm1
 from .state import HeldPiece
@@ -81,6 +81,20 @@ class StepSolver:
         self._tail: tuple[list, np.ndarray, np.ndarray] | None = None  # (list, indices, indices longest first)
         self._head: tuple[list, np.ndarray, np.ndarray] = ([], np.zeros(0, np.int64), np.zeros(0, np.int64))
         self._last_rest: list[HeldPiece] = []
+
+    @cached_property
+    def _densest(self) -> np.ndarray:
+        """Every piece's index, in decreasing cost per token (`solvers.bounds.densest_order`)."""
+        return densest_order(self.lengths, self.weights)
+
+    def placed_at_most(self, idx: np.ndarray, tokens: int) -> float:
+        """The most cost the pieces `idx` can place in `tokens` tokens, taken fractionally in
+        decreasing cost per token (`solvers.bounds.max_placed_weight`), from the step's order."""
+        member = np.zeros(len(self.lengths), dtype=bool)
+        member[idx] = True
+        order = self._densest[member[self._densest]]
+        cum_tokens, cum_cost = densest_first(self.lengths, self.weights, order)
+        return float(np.interp(tokens, cum_tokens, cum_cost))
 
     def _indices(self, pieces: list[HeldPiece]) -> np.ndarray:
         """Solver index of each of `pieces`."""
@@ -255,10 +269,10 @@ class TrialPack:
                 mean_at_most = np.add.reduce(weights) / n_bins + s.bin_const
                 factor = threshold * (1 + 1e-9)
                 stop = stop._replace(load=factor * mean_at_most - s.bin_const, slope=factor / n_bins)
-                lengths, capacity = s.lengths[self._pending_idx], n_bins * s.max_tokens
-                if np.add.reduce(lengths) > capacity:  # it cannot place everything: at most the densest tokens
-                    placed_at_most = max_placed_weight(lengths, weights, capacity)
-                    stop = stop._replace(load_cap=factor * (placed_at_most / n_bins + s.bin_const) - s.bin_const)
+                capacity = n_bins * s.max_tokens
+                if np.add.reduce(s.lengths[self._pending_idx]) > capacity:  # it cannot place everything
+                    stop = stop._replace(load_cap=factor * (s.placed_at_most(self._pending_idx, capacity) / n_bins
+                                                            + s.bin_const) - s.bin_const)
             if len(keep):  # their positions in the placement order
                 marked = np.zeros(len(s.lengths), dtype=bool)
                 marked[s._indices(keep)] = True
