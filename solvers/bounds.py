@@ -46,9 +46,17 @@ def largest_item_bound(weights) -> float:
     return float(w.max()) if w.size else 0.0
 
 
-def _pigeonhole(desc: np.ndarray, m: int):
-    """max over k >= 1 of desc[k*m - k : k*m + 1].sum() for weights sorted descending (float
-    or integer, the result has their dtype); 0 when there are fewer than m + 1 items."""
+def pigeonhole_sorted(desc, m: int):
+    """max over k >= 1 of desc[k*m - k : k*m + 1].sum() for weights sorted descending; 0 when
+    there are fewer than m + 1 items. `desc`: a numpy array (float or integer, the result has
+    its dtype), or a list (a Python number: a short list without numpy's overhead, as the
+    streaming packer's release rules bound each candidate)."""
+    if isinstance(desc, list):
+        best, k = 0, 1
+        while k * m < len(desc):
+            best = max(best, sum(desc[k * m - k:k * m + 1]))
+            k += 1
+        return best
     csum = np.concatenate([np.zeros(1, dtype=desc.dtype), np.cumsum(desc)])
     k = np.arange(1, (len(desc) - 1) // m + 1)  # every k with k*m + 1 <= len(desc)
     if k.size == 0:
@@ -59,7 +67,7 @@ def _pigeonhole(desc: np.ndarray, m: int):
 def pigeonhole_bound(weights, n_bins: int) -> float:
     """max over k >= 1 of the sum of sorted_desc[k*m - k : k*m + 1] (the k+1 smallest of the
     k*m+1 largest items); k = 1 is the classical m-th + (m+1)-th largest."""
-    return float(_pigeonhole(np.sort(_as_weights(weights))[::-1], _check_bins(n_bins)))
+    return float(pigeonhole_sorted(np.sort(_as_weights(weights))[::-1], _check_bins(n_bins)))
 
 
 def makespan_lower_bound(weights, n_bins: int, bin_const: float = 0.0) -> float:
@@ -77,7 +85,7 @@ def integer_makespan_lower_bound(weights_int: np.ndarray, n_bins: int) -> int:
         return 0
     ws = np.sort(w)[::-1]
     mean = -(-int(w.sum()) // m)
-    return max(mean, int(ws[0]), int(_pigeonhole(ws, m)))
+    return max(mean, int(ws[0]), int(pigeonhole_sorted(ws, m)))
 
 
 def min_placed_weight(lengths, weights, tokens: int) -> float:

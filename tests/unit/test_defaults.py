@@ -284,16 +284,18 @@ def _brute_force_packings(items, n_bins, cap=None):
 def test_the_token_room_bounds_what_any_packing_places(seed):
     # `_Room`: a candidate placing all of its group places at most `placed_at_most` cost
     # and defers at least `deferred_at_least` tokens, whatever the packing (brute force).
-    from wlb_opt.packer.release import _Room
-    from wlb_opt.solvers.bounds import densest_order
+    from wlb_opt.packer.release import _DensestPieces, _Room
     rng = np.random.default_rng(seed)
     cap, n_bins = 10, 2
     base = [(int(t), float(t) ** 2 / 10 + t) for t in rng.integers(1, 9, int(rng.integers(2, 5)))]
     group = [(int(t), float(t) ** 2 / 10 + t) for t in rng.integers(3, 10, int(rng.integers(1, 3)))]
     base_len = np.array([t for t, _ in base], dtype=np.int64)
     base_cost = np.array([c for _, c in base])
-    order = densest_order(base_len, base_cost)  # the caller's order: densest first
-    room = _Room.of((base_len[order], base_cost[order]), [], {}, n_bins * cap)
+    # the round's pieces: the step's own and, with seed >= 3, a released held one
+    released = [HeldPiece(99, 0, 4, 0)] if seed >= 3 else []
+    costs = {piece.key: 4.0 ** 2 / 10 + 4 for piece in released}
+    room = _Room.of(_DensestPieces(base_len, base_cost), released, costs, n_bins * cap)
+    base += [(4, 4.0 ** 2 / 10 + 4)] * len(released)
     g_tokens, g_cost = sum(t for t, _ in group), sum(c for _, c in group)
     items = group + base
     feasible = [(bins, loads) for bins, loads in _brute_force_packings(items, n_bins, cap)
@@ -305,5 +307,6 @@ def test_the_token_room_bounds_what_any_packing_places(seed):
         assert placed_cost <= room.placed_at_most(g_tokens, g_cost) + 1e-9
         assert deferred >= room.deferred_at_least(g_tokens)
     assert room.deferred_at_least(g_tokens) == total - n_bins * cap
+    assert room.overflows(g_tokens) == (total > n_bins * cap)
     if feasible and total > n_bins * cap:  # the bound is below the cost of everything held
-        assert room.placed_at_most(g_tokens, g_cost) < base_cost.sum() + g_cost
+        assert room.placed_at_most(g_tokens, g_cost) < sum(c for _, c in base) + g_cost

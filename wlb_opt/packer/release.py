@@ -62,12 +62,13 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Literal, NamedTuple
 
 import numpy as np
 
 from ..plan import PackPlan
-from ..solvers.bounds import densest_first, densest_order, pigeonhole_bound
+from ..solvers.bounds import densest_first, densest_order, pigeonhole_sorted
 from .state import HeldPiece
 from .trial import TrialPack, as_pack_plan
 
@@ -332,9 +333,10 @@ class GroupRelease(ReleasePolicy):
         merged = sorted(ctx.kept + tuple(costs[piece.key] for piece in group), reverse=True)
         group_cost = sum(costs[piece.key] for piece in group)
         placed = ctx.base_cost + group_cost
-        if ctx.room is not None:
-            placed = min(placed, float(ctx.room.placed_at_most(sum(piece.length for piece in group), group_cost)))
-        heaviest = max(merged[0], pigeonhole_bound(merged, self.need))
+        group_tokens = sum(piece.length for piece in group)
+        if ctx.room is not None and ctx.room.overflows(group_tokens):
+            placed = min(placed, float(ctx.room.placed_at_most(group_tokens, group_cost)))
+        heaviest = max(merged[0], pigeonhole_sorted(merged, self.need))
         return (heaviest + self.bin_const) / (placed / self.need + self.bin_const)
 
     @staticmethod
@@ -379,6 +381,9 @@ class GroupRelease(ReleasePolicy):
             costs = np.fromiter((ctx.costs[piece.key] for piece in remaining), dtype=np.float64,
                                 count=len(remaining))
             total, heaviest_cost = costs, costs
+        # the token capacity only bounds a step that a group can take past it (`remaining` is
+        # sorted by length: no window holds more than its `need` last pieces)
+        room = ctx.room if ctx.room is not None and ctx.room.overflows(int(lengths[-self.need:].sum())) else None
         for size in range(1, min(self.need, len(remaining)) + 1):
             if size > 1:  # windows of `size` from those of size - 1 and the piece after them
                 tokens = tokens[:-1] + lengths[size - 1:]
@@ -390,14 +395,14 @@ class GroupRelease(ReleasePolicy):
             keep = np.ones(len(tokens), dtype=bool) if early is None else 2 * early <= size
             if early_only:
                 keep &= early == 1
-            if ctx.room is not None:  # it defers over half the carry limit whatever the packing
-                keep &= ctx.room.deferred_at_least(tokens) < self.max_backlog_tokens // 2 + 1
+            if room is not None:  # it defers over half the carry limit whatever the packing
+                keep &= room.deferred_at_least(tokens) < self.max_backlog_tokens // 2 + 1
             at_least = None
             if costs is not None:
                 heaviest = (heaviest_cost if not ctx.kept else np.maximum(heaviest_cost, ctx.kept[0])) + self.bin_const
                 placed = ctx.base_cost + total
-                if ctx.room is not None:
-                    placed = np.minimum(placed, ctx.room.placed_at_most(tokens, total))
+                if room is not None:
+                    placed = np.minimum(placed, room.placed_at_most(tokens, total))
                 mean_at_most = placed / self.need + self.bin_const
                 at_least = heaviest / mean_at_most
                 if not ctx.idle:
@@ -524,11 +529,9 @@ class GroupRelease(ReleasePolicy):
             # summed in the order carry, fresh, released: the same floats as piece by piece
             base_cost = sum(own + [costs[piece.key] for piece in released])
         own_pieces = None
-        if self.max_tokens is not None and costs:  # (lengths, costs) of the carried and fresh pieces, densest first
-            own_pieces = (np.array([piece.length for piece in carry + fresh], dtype=np.int64),
-                          np.array(own, dtype=np.float64))
-            order = densest_order(*own_pieces)
-            own_pieces = (own_pieces[0][order], own_pieces[1][order])
+        if self.max_tokens is not None and costs:
+            own_pieces = _DensestPieces(np.array([piece.length for piece in carry + fresh], dtype=np.int64),
+                                        np.array(own, dtype=np.float64))
         while True:
             remaining = sorted((piece for piece in pool if piece.key not in taken),
                                key=lambda piece: (piece.length, piece.arrival))
@@ -578,45 +581,70 @@ def _resolved(group, pending, plan, arrival):
     return (group, plan.pending, plan, plan.arrival) if pending is None else (group, pending, plan, arrival)
 
 
+class _DensestPieces:
+    """A step's carried and fresh pieces (lengths, costs), sorted by cost per token, largest
+    first, when a round first needs it (`_Room`)."""
+
+    def __init__(self, lengths: np.ndarray, costs: np.ndarray):
+        self.lengths, self.costs = lengths, costs
+        self.tokens = int(np.add.reduce(lengths))
+
+    @cached_property
+    def sorted(self) -> tuple[np.ndarray, np.ndarray]:
+        order = densest_order(self.lengths, self.costs)
+        return self.lengths[order], self.costs[order]
+
+
 @dataclass(frozen=True)
 class _Room:
     """Bounds from the step's token capacity (dp x n_micro x max_tokens) on a candidate that
-    adds a group (`tokens`, `cost`, arrays over groups or numbers) to the round's pieces and
-    must place all of it (a group partly deferred is rejected).
+    adds a group (`tokens`, `cost`, arrays over groups or numbers) to the round's pieces (its
+    carried and fresh ones, `own`, and the held ones it released) and must place all of it (a
+    group partly deferred is rejected).
 
     The micro-batches place at most `capacity` tokens, so the candidate defers at least its
     tokens less the capacity, and the cost it places is at most the group's plus the most
-    cost the round's pieces fit into the tokens left (`solvers.bounds.densest_first`:
-    `cum_tokens`, `cum_cost`).
-    A step that holds more than its capacity places less than all of it, and its mean load
-    is lower than the mean of everything it holds."""
+    cost the round's pieces fit into the tokens left (`solvers.bounds.densest_first`). A
+    step that holds more than its capacity places less than all of it, and its mean load is
+    lower than the mean of everything it holds. Only a group that `overflows` can take the
+    step past its capacity; the running sums are made when first needed."""
 
     capacity: int
-    base_tokens: int
-    cum_tokens: np.ndarray
-    cum_cost: np.ndarray
+    own: _DensestPieces
+    released: tuple[tuple[int, float], ...]
+    """(length, cost) of each held piece released so far."""
     joined_tokens: int = 0
     """A pair's first group, placed with every second group (`joined`)."""
     joined_cost: float = 0.0
 
     @classmethod
-    def of(cls, own: tuple[np.ndarray, np.ndarray], released: list[HeldPiece], costs: dict, capacity: int) -> _Room:
-        """The bounds of a round: `own` = (lengths, costs) of the carried and fresh pieces,
-        densest first, `released` the held pieces released so far (merged into that order)."""
-        lengths = np.array([piece.length for piece in released], dtype=np.int64)
-        weights = np.array([costs[piece.key] for piece in released], dtype=np.float64)
-        if len(released):
-            at = np.searchsorted(-own[1] / np.maximum(own[0], 1), -weights / np.maximum(lengths, 1))
-            lengths, weights = np.insert(own[0], at, lengths), np.insert(own[1], at, weights)
-        else:
-            lengths, weights = own
-        cum_tokens, cum_cost = densest_first(lengths, weights, np.arange(len(lengths)))
-        return cls(capacity=int(capacity), base_tokens=int(cum_tokens[-1]), cum_tokens=cum_tokens, cum_cost=cum_cost)
+    def of(cls, own: _DensestPieces, released: list[HeldPiece], costs: dict, capacity: int) -> _Room:
+        return cls(capacity=int(capacity), own=own,
+                   released=tuple((piece.length, costs[piece.key]) for piece in released))
+
+    @cached_property
+    def base_tokens(self) -> int:
+        return self.own.tokens + sum(length for length, _ in self.released)
+
+    @cached_property
+    def _cum(self) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, cost) running sums of the round's pieces, densest first, from 0."""
+        lengths, weights = self.own.sorted
+        if self.released:
+            extra_len = np.array([length for length, _ in self.released], dtype=np.int64)
+            extra_cost = np.array([cost for _, cost in self.released], dtype=np.float64)
+            at = np.searchsorted(-weights / np.maximum(lengths, 1), -extra_cost / np.maximum(extra_len, 1))
+            lengths, weights = np.insert(lengths, at, extra_len), np.insert(weights, at, extra_cost)
+        return densest_first(lengths, weights, np.arange(len(lengths)))
 
     def joined(self, tokens: int, cost: float) -> _Room:
         """The bounds with another group placed with every candidate (a pair's first one)."""
         return dataclasses.replace(self, joined_tokens=self.joined_tokens + tokens,
                                    joined_cost=self.joined_cost + cost)
+
+    def overflows(self, tokens: int) -> bool:
+        """Whether a group of `tokens` takes the step past its capacity."""
+        return self.base_tokens + self.joined_tokens + tokens > self.capacity
 
     def deferred_at_least(self, tokens):
         """Tokens a candidate with a group of `tokens` defers at least."""
@@ -627,8 +655,9 @@ class _Room:
         (the round's pieces already counted in `cost` are not counted again: callers pass
         the group's own). Where the groups alone exceed the capacity, the candidate is
         rejected whatever it places; the bound is then the groups' cost."""
+        cum_tokens, cum_cost = self._cum
         left = self.capacity - self.joined_tokens - np.asarray(tokens)
-        return self.joined_cost + np.asarray(cost) + np.interp(np.maximum(left, 0), self.cum_tokens, self.cum_cost)
+        return self.joined_cost + np.asarray(cost) + np.interp(np.maximum(left, 0), cum_tokens, cum_cost)
 
 
 @dataclass(frozen=True)
