@@ -111,7 +111,11 @@ def test_the_token_capacity_skips_only_candidates_it_rejects(release, seed, look
     # trying them (max_tokens=None: no such bound).
     import dataclasses
 
+    from wlb_opt.packer import release as release_module
+    from wlb_opt.packer import trial
     from wlb_opt.packer.trial import StepSolver
+    for module in (release_module, trial):  # the bounds on every step, not only those of 512 pieces and more
+        monkeypatch.setattr(module, "ROOM_MIN_PIECES", 0)
     cost = unit_cost(1e-6, 1e-3, backward=True)
     batches = _overloaded_stream(np.random.default_rng(seed), 80)
     runs = []

@@ -70,7 +70,7 @@ import numpy as np
 from ..plan import PackPlan
 from ..solvers.bounds import densest_first, densest_order, pigeonhole_sorted
 from .state import HeldPiece
-from .trial import TrialPack, as_pack_plan
+from .trial import ROOM_MIN_PIECES, TrialPack, as_pack_plan
 
 ReleaseName = Literal["paper", "balance", "group", "marginal"]
 
@@ -363,51 +363,60 @@ class GroupRelease(ReleasePolicy):
 
     def _windows(self, remaining: list[HeldPiece], ctx: "_StepContext", early_only: bool = False):
         """The groups of `remaining` that `_candidates` packs before `hopeless`, by size then
-        start: yields (size, starts, tokens, imbalance_at_least), the last two indexed by start
-        (imbalance_at_least None without costs). A group is left out when too early
-        (`_not_too_early`), with `early_only` unless it holds exactly one early piece, or, with
-        costs and a step that is not idle, surely above ctx.limit (`_cannot_pass`). The window
-        sums grow one piece at a time, left to right, so each equals the Python sum over the
-        group (the same floats, the same decisions)."""
-        lengths = np.fromiter((piece.length for piece in remaining), dtype=np.int64, count=len(remaining))
-        tokens = lengths
-        early = None
+        start: (sizes, starts, tokens, imbalance_at_least) lists over them (imbalance_at_least
+        None without costs). A group is left out when too early (`_not_too_early`), with
+        `early_only` unless it holds exactly one early piece, when it defers over half the
+        carry limit whatever the packing (ctx.room), or, with costs and a step that is not
+        idle, when it is surely above ctx.limit (`_cannot_pass`, with ctx.kept and ctx.room).
+        The window sums grow one piece at a time, left to right, so each equals the Python
+        sum over the group (the same floats, the same decisions); the windows of every size
+        are then judged at once."""
+        n = len(remaining)
+        top = min(self.need, n)
+        if top == 0:
+            return [], [], [], (None if not ctx.costs else [])
+        lengths = np.fromiter((piece.length for piece in remaining), dtype=np.int64, count=n)
+        parts = {"tokens": [lengths]}
         if self.lookahead:
-            is_early = np.fromiter((piece.arrival > ctx.step for piece in remaining), dtype=np.int64,
-                                   count=len(remaining))
-            early = is_early
-        costs = None
+            is_early = np.fromiter((piece.arrival > ctx.step for piece in remaining), dtype=np.int64, count=n)
+            parts["early"] = [is_early]
         if ctx.costs:
-            costs = np.fromiter((ctx.costs[piece.key] for piece in remaining), dtype=np.float64,
-                                count=len(remaining))
-            total, heaviest_cost = costs, costs
+            costs = np.fromiter((ctx.costs[piece.key] for piece in remaining), dtype=np.float64, count=n)
+            parts["total"], parts["heaviest"] = [costs], [costs]
+        for size in range(2, top + 1):  # windows of `size` from those of size - 1 and the piece after them
+            parts["tokens"].append(parts["tokens"][-1][:-1] + lengths[size - 1:])
+            if self.lookahead:
+                parts["early"].append(parts["early"][-1][:-1] + is_early[size - 1:])
+            if ctx.costs:
+                parts["total"].append(parts["total"][-1][:-1] + costs[size - 1:])
+                parts["heaviest"].append(np.maximum(parts["heaviest"][-1][:-1], costs[size - 1:]))
+        flat = {key: np.concatenate(arrays) if top > 1 else arrays[0] for key, arrays in parts.items()}
+        counts = n - np.arange(top)  # windows of each size
+        sizes = np.repeat(np.arange(1, top + 1), counts)
+        starts = np.arange(len(sizes)) - np.repeat(np.cumsum(counts) - counts, counts)
+        tokens = flat["tokens"]
+        keep = np.ones(len(sizes), dtype=bool) if not self.lookahead else 2 * flat["early"] <= sizes
+        if early_only:
+            keep &= flat["early"] == 1
         # the token capacity only bounds a step that a group can take past it (`remaining` is
         # sorted by length: no window holds more than its `need` last pieces)
         room = ctx.room if ctx.room is not None and ctx.room.overflows(int(lengths[-self.need:].sum())) else None
-        for size in range(1, min(self.need, len(remaining)) + 1):
-            if size > 1:  # windows of `size` from those of size - 1 and the piece after them
-                tokens = tokens[:-1] + lengths[size - 1:]
-                if early is not None:
-                    early = early[:-1] + is_early[size - 1:]
-                if costs is not None:
-                    total = total[:-1] + costs[size - 1:]
-                    heaviest_cost = np.maximum(heaviest_cost[:-1], costs[size - 1:])
-            keep = np.ones(len(tokens), dtype=bool) if early is None else 2 * early <= size
-            if early_only:
-                keep &= early == 1
-            if room is not None:  # it defers over half the carry limit whatever the packing
-                keep &= room.deferred_at_least(tokens) < self.max_backlog_tokens // 2 + 1
-            at_least = None
-            if costs is not None:
-                heaviest = (heaviest_cost if not ctx.kept else np.maximum(heaviest_cost, ctx.kept[0])) + self.bin_const
-                placed = ctx.base_cost + total
-                if room is not None:
-                    placed = np.minimum(placed, room.placed_at_most(tokens, total))
-                mean_at_most = placed / self.need + self.bin_const
-                at_least = heaviest / mean_at_most
-                if not ctx.idle:
-                    keep &= ~(heaviest > (ctx.limit + 1e-9) * mean_at_most)
-            yield size, np.flatnonzero(keep).tolist(), tokens.tolist(), (None if at_least is None else at_least.tolist())
+        if room is not None:  # it defers over half the carry limit whatever the packing
+            keep &= room.deferred_at_least(tokens) < self.max_backlog_tokens // 2 + 1
+        at_least = None
+        if ctx.costs:
+            total, heaviest_cost = flat["total"], flat["heaviest"]
+            heaviest = (heaviest_cost if not ctx.kept else np.maximum(heaviest_cost, ctx.kept[0])) + self.bin_const
+            placed = ctx.base_cost + total
+            if room is not None:
+                placed = np.minimum(placed, room.placed_at_most(tokens, total))
+            mean_at_most = placed / self.need + self.bin_const
+            at_least = heaviest / mean_at_most
+            if not ctx.idle:
+                keep &= ~(heaviest > (ctx.limit + 1e-9) * mean_at_most)
+        kept = np.flatnonzero(keep)
+        return (sizes[kept].tolist(), starts[kept].tolist(), tokens[kept].tolist(),
+                None if at_least is None else at_least[kept].tolist())
 
     def _candidates(self, remaining: list[HeldPiece], ctx: "_StepContext", extra_tokens: int = 0, hopeless=None,
                     joining: list[HeldPiece] = (), lowest_bound_first: bool = False, cutoff=None,
@@ -450,9 +459,11 @@ class GroupRelease(ReleasePolicy):
                 sources = [arrived, remaining]
         windows, offset = [], 0  # (index of the group, size, tokens, imbalance_at_least, source, start)
         for n, source in enumerate(sources):
-            windows += [(offset + i, size, tokens_of[i], None if at_least_of is None else at_least_of[i], source, i)
-                        for size, starts, tokens_of, at_least_of in self._windows(source, ctx, early_only=n > 0)
-                        for i in starts]
+            sizes, starts, tokens_of, at_least_of = self._windows(source, ctx, early_only=n > 0)
+            if at_least_of is None:
+                at_least_of = [None] * len(sizes)
+            windows += [(offset + i, size, tokens, at_least, source, i)
+                        for size, i, tokens, at_least in zip(sizes, starts, tokens_of, at_least_of)]
             offset += len(source)
         if lowest_bound_first and windows and windows[0][3] is not None:
             windows.sort(key=lambda window: window[3] - price * window[2])  # stable: ties keep the order above
@@ -470,7 +481,7 @@ class GroupRelease(ReleasePolicy):
             useful = None if cutoff is None else cutoff(group)
             if useful is not None:
                 threshold = useful if threshold is None else min(threshold, useful)
-            if at_least is not None and len(ctx.kept) + size > self.need:
+            if at_least is not None and ctx.kept and len(ctx.kept) + size > self.need:
                 # more pieces to place than micro-batches: a sharper bound than the heaviest piece
                 at_least = max(at_least, self._bound_with(ctx, group))
                 if ((threshold is not None and at_least > threshold + 1e-9)
@@ -529,7 +540,7 @@ class GroupRelease(ReleasePolicy):
             # summed in the order carry, fresh, released: the same floats as piece by piece
             base_cost = sum(own + [costs[piece.key] for piece in released])
         own_pieces = None
-        if self.max_tokens is not None and costs:
+        if self.max_tokens is not None and costs and len(carry) + len(fresh) >= ROOM_MIN_PIECES:
             own_pieces = _DensestPieces(np.array([piece.length for piece in carry + fresh], dtype=np.int64),
                                         np.array(own, dtype=np.float64))
         while True:
@@ -543,7 +554,7 @@ class GroupRelease(ReleasePolicy):
                 limit=max(self.balance_tolerance, plan.imbalance) + _TOLERANCE_SLACK,
                 # a step that would train nothing takes its most balanced group whatever the tolerance
                 idle=is_idle(plan),
-                kept=_kept_costs((), released[n_forced:], costs),
+                kept=() if own_pieces is None else _kept_costs((), released[n_forced:], costs),
                 room=None if own_pieces is None else _Room.of(own_pieces, released, costs, self.need * self.max_tokens))
             chosen = self._choose(remaining, ctx)
             if chosen is None:
@@ -682,7 +693,8 @@ class _StepContext:
     """What the micro-batches' token caps let the candidates place (None without costs or caps)."""
     kept: tuple[float, ...] = ()
     """Costs of the held pieces every candidate must place (the groups taken, a pair's first
-    group), largest first (empty without costs): `_bound_with`."""
+    group), largest first: `_bound_with` (empty without costs, and on steps of fewer than
+    ROOM_MIN_PIECES pieces, where the bound costs about what it saves)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -838,7 +850,7 @@ class MarginalRelease(GroupRelease):
         with_first = dataclasses.replace(
             ctx, released=ctx.released + first_group,
             base_cost=ctx.base_cost + (sum(costs[piece.key] for piece in first_group) if costs else 0.0),
-            kept=_kept_costs(ctx.kept, first_group, costs),
+            kept=() if ctx.room is None else _kept_costs(ctx.kept, first_group, costs),
             room=None if ctx.room is None else ctx.room.joined(first_tokens,
                                                                sum(costs[piece.key] for piece in first_group)))
 

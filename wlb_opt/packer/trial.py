@@ -35,6 +35,11 @@ from ..solvers.greedy import AssignStop, argsort_descending, bin_tokens, insert_
 from ..solvers.phases import phases_or_algorithm1
 from .state import HeldPiece
 
+ROOM_MIN_PIECES = 512
+"""Steps of fewer pieces go without the token-capacity bounds (`TrialPack.rejects`'s stop,
+release.py's `_Room`) and the pigeonhole bound on candidates (`_bound_with`): packing so few
+costs about what the bounds cost, and no plan changes."""
+
 
 def piece_table(pieces: list[HeldPiece]) -> np.ndarray:
     """(ids, offsets, lengths, arrival steps) of `pieces`: a 4 x n int64 array."""
@@ -270,7 +275,8 @@ class TrialPack:
                 factor = threshold * (1 + 1e-9)
                 stop = stop._replace(load=factor * mean_at_most - s.bin_const, slope=factor / n_bins)
                 capacity = n_bins * s.max_tokens
-                if np.add.reduce(s.lengths[self._pending_idx]) > capacity:  # it cannot place everything
+                if (len(self._pending_idx) >= ROOM_MIN_PIECES  # it cannot place everything
+                        and np.add.reduce(s.lengths[self._pending_idx]) > capacity):
                     stop = stop._replace(load_cap=factor * (s.placed_at_most(self._pending_idx, capacity) / n_bins
                                                             + s.bin_const) - s.bin_const)
             if len(keep):  # their positions in the placement order
