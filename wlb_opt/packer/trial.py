@@ -261,17 +261,16 @@ class TrialPack:
         far as that takes. The heaviest micro-batch so far over the largest mean the step can
         have (every pending piece placed but those deferred so far, and, when the pieces hold
         more tokens than the micro-batches, no more than the densest tokens that fit) bounds
-        the imbalance from below, so the packing stops once that bound passes the threshold (with a margin of
-        1e-9 for rounding), once the tokens deferred so far reach the limit, or once a piece of
-        `keep` is deferred. When it does not stop, the candidate is packed whole and its exact
+        the imbalance from below, so the packing stops once that bound passes the threshold
+        (with a margin of 1e-9 for rounding), once the tokens deferred so far reach the limit,
+        or once a piece of `keep` is deferred. When it does not stop, the candidate is packed whole and its exact
         values compared."""
         if "_placed_bin" not in self.__dict__:
             s = self._solver
             n_bins = s.dp * s.n_micro
             stop = AssignStop(deferred_tokens=deferred_tokens)
             if threshold is not None:
-                weights = s.weights[self._pending_idx]
-                mean_at_most = np.add.reduce(weights) / n_bins + s.bin_const
+                mean_at_most = np.add.reduce(s.weights[self._pending_idx]) / n_bins + s.bin_const
                 factor = threshold * (1 + 1e-9)
                 stop = stop._replace(load=factor * mean_at_most - s.bin_const, slope=factor / n_bins)
                 capacity = n_bins * s.max_tokens
