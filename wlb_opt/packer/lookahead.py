@@ -76,9 +76,10 @@ class LookaheadBuffer:
         """Every buffered piece, oldest batch first."""
         return [piece for batch in self._batches for piece in batch]
 
-    def keys(self) -> set[tuple[int, int]]:
-        """(id, offset) of every buffered piece (a new batch may not repeat one)."""
-        return set().union(*self._keys)
+    def key_sets(self) -> list[frozenset]:
+        """(id, offset) of every buffered piece, one set per batch (a new batch may not repeat
+        one; `state.KeySets` checks against them without building their union)."""
+        return list(self._keys)
 
     def tokens(self) -> int:
         return sum(piece.length for piece in self.pieces())

@@ -64,7 +64,7 @@ from .fill_trial import FillStepSolver
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
 from .release import DrainRelease, ReleasePolicy, make_release_policy
-from .state import (HeldPiece, check_ids_issued, cost_fingerprint, decode_state, encode_state, held_keys,
+from .state import (HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state, encode_state, held_keys,
                     held_tokens)
 from .stats import StreamStats
 from .trial import StepSolver, as_pack_plan, piece_table
@@ -200,7 +200,7 @@ class WLBPacker:
     def _reset_stream(self) -> None:
         self._queues: list[deque[HeldPiece]] = [deque() for _ in range(self.n_queues)]
         self._carry: list[HeldPiece] = []
-        self._held: set[tuple[int, int]] = set()
+        self._held = KeySets()  # identities a new batch may not repeat (held, buffered ahead)
         self._step = 0
         self._next_auto_id = 0
         self._max_id: int | None = None  # the largest id any batch has brought (None before the first)
@@ -374,7 +374,7 @@ class WLBPacker:
 
     def _commit(self, plan: PackPlan, queues: list[deque], carry: list[HeldPiece]) -> None:
         self._queues, self._carry = queues, carry
-        self._held = held_keys(queues, carry) | self._ahead.keys()
+        self._held = KeySets(held_keys(queues, carry), *self._ahead.key_sets())
         self._step += 1
         self._stats.add(plan, self.max_delay, plan.info.extra["queue_wait_max"])
 
@@ -411,7 +411,7 @@ class WLBPacker:
             if len(ahead) <= self.lookahead:  # step s - K does not exist yet
                 self._record_ids(ids)
                 self._queues, self._ahead = queues, ahead
-                self._held = held_keys(queues, self._carry) | ahead.keys()
+                self._held = KeySets(held_keys(queues, self._carry), *ahead.key_sets())
                 return None
             entries = ahead.pop_oldest()
         else:
@@ -609,12 +609,11 @@ class WLBPacker:
         if loaded.thresholds is not None:
             self.n_queues = len(loaded.thresholds)
         self._queues, self._carry = loaded.queues, loaded.carry
-        self._held = held_keys(loaded.queues, loaded.carry)
         self._step, self._next_auto_id, self._max_id = loaded.step, loaded.next_auto_id, loaded.max_id
         self._calibration = loaded.calibration
         self._stats = loaded.stats
         self._ahead = ahead
-        self._held |= ahead.keys()
+        self._held = KeySets(held_keys(loaded.queues, loaded.carry), *ahead.key_sets())
 
     def _decode_lookahead(self, state: dict, step: int) -> LookaheadBuffer:
         """The lookahead part of a state (lookahead.py; its config.lookahead is checked by

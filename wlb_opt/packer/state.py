@@ -53,8 +53,26 @@ class HeldPiece(NamedTuple):
 
 
 def held_keys(queues, carry) -> set[tuple[int, int]]:
-    """Identities of every piece in `queues` and `carry`."""
-    return {piece.key for q in queues for piece in q} | {piece.key for piece in carry}
+    """Identities of every piece in `queues` and `carry` (`HeldPiece.key`, read by position)."""
+    return {(piece[0], piece[1]) for q in queues for piece in q} | {(piece[0], piece[1]) for piece in carry}
+
+
+class KeySets:
+    """The union of a few sets of piece identities, without building it: what a new batch
+    is checked against (held pieces, each batch buffered ahead), each set made once."""
+
+    def __init__(self, *sets):
+        self._sets = [s for s in sets if s]
+
+    def __bool__(self) -> bool:
+        return bool(self._sets)
+
+    def __contains__(self, key) -> bool:
+        return any(key in s for s in self._sets)
+
+    def isdisjoint(self, keys) -> bool:
+        keys = keys if isinstance(keys, (set, frozenset)) else set(keys)
+        return all(s.isdisjoint(keys) for s in self._sets)
 
 
 def held_tokens(queues, carry) -> int:
