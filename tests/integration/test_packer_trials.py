@@ -136,31 +136,39 @@ def test_candidates_made_from_a_packing_equal_those_packed_alone(step, data):
             assert as_pack_plan(again).digest() == want.digest()
 
 
-@settings(max_examples=80, deadline=None)
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not compiled_available(), reason="numba (the `fast` extra) is not installed"))], ids=["python", "compiled"])
+@settings(max_examples=60, deadline=None)
 @given(step=steps(), data=st.data())
-def test_a_candidate_rejects_exactly_what_its_full_packing_fails(step, data):
+def test_a_candidate_rejects_exactly_what_its_full_packing_fails(step, data, compiled):
     # TrialPack.rejects stops packing once the candidate surely fails a limit (a lower bound on
     # its imbalance passes the threshold, its deferred tokens reach the limit, a piece to keep
     # is deferred): it must answer as the full packing does (overloaded steps, whose deferred
-    # pieces lower the mean, included), count one packing, and leave the candidate readable
-    n_micro, cap, pieces, first, rest, tail = step
-    solver = _algorithm1_solver(step)
-    groups = [rest[i:i + 2] for i in range(0, len(rest), 2)][:4]
-    _, base, _ = solver.solve(first, tail)
-    for group in groups:
-        exact = solver.solve(first, group + tail)[1]
-        at, deferred = exact.imbalance, exact.deferred_tokens
-        keep = group[:data.draw(st.integers(0, len(group)))]
-        thresholds = [None, at - 1e-3, at * (1 - 1e-8), at * (1 + 1e-8), at + 1e-3, data.draw(st.floats(0.5, 3.0))]
-        for threshold in thresholds:
-            if threshold is not None and abs(threshold - at) <= 2e-9 * at:  # within the rounding margin: either
-                continue
-            limit = data.draw(st.sampled_from([float("inf"), deferred, deferred + 1, max(deferred - 1, 0)]))
-            want = (threshold is not None and at > threshold) or deferred >= limit or exact.defers_any(keep)
-            counted = []
-            trial = base.with_groups([group], account=lambda n, n_pieces: counted.append(n))[0]
-            assert trial.rejects(threshold, limit, keep) == want, (threshold, at, limit, deferred)
-            assert trial.rejects(threshold, limit, keep) == want  # asked again, stopped or not
-            assert counted == [1]
-            assert trial.imbalance == at and trial.deferred_tokens == deferred
-            assert counted == [1]  # packed whole after a stopped packing: still one packing
+    # pieces lower the mean, included), count one packing, and leave the candidate readable.
+    # A step meets an order again: a packing of it done whole is reused, one stopped stops
+    # again under limits no looser (thresholds in any order); the reference is packed whole by
+    # a solver of its own. The Python loop stops early; the compiled one packs whole.
+    with use_compiled(compiled):
+        n_micro, cap, pieces, first, rest, tail = step
+        solver, reference = _algorithm1_solver(step), _algorithm1_solver(step)
+        groups = [rest[i:i + 2] for i in range(0, len(rest), 2)][:4]
+        _, base, _ = solver.solve(first, tail)
+        for group in groups:
+            exact = reference.solve(first, group + tail)[1]
+            at, deferred = exact.imbalance, exact.deferred_tokens
+            thresholds = [None, at - 1e-3, at * (1 - 1e-8), at * (1 + 1e-8), at + 1e-3, data.draw(st.floats(0.5, 3.0))]
+            trial = None
+            for threshold in data.draw(st.permutations(thresholds)):
+                if threshold is not None and abs(threshold - at) <= 2e-9 * at:  # within the rounding margin: either
+                    continue
+                limit = data.draw(st.sampled_from([float("inf"), deferred, deferred + 1, max(deferred - 1, 0)]))
+                keep = group[:data.draw(st.integers(0, len(group)))]
+                want = (threshold is not None and at > threshold) or deferred >= limit or exact.defers_any(keep)
+                counted = []
+                trial = base.with_groups([group], account=lambda n, n_pieces: counted.append(n))[0]
+                assert trial.rejects(threshold, limit, keep) == want, (threshold, at, limit, deferred)
+                assert trial.rejects(threshold, limit, keep) == want  # asked again, stopped or not
+                assert counted == [1]
+            if trial is not None:  # the last candidate read whole, after its packing stopped or not
+                assert trial.imbalance == at and trial.deferred_tokens == deferred
+                assert counted == [1]  # still one packing
