@@ -53,6 +53,36 @@ def test_group_skips_only_candidates_that_cannot_pass_the_tolerance(seed, lookah
     assert runs[0][1] < runs[1][1]  # the bound did skip candidates
 
 
+@pytest.mark.parametrize("seed, lookahead", [(21, 0), (22, 2), (23, 4)])
+def test_the_order_in_which_candidates_are_packed_changes_no_plan(seed, lookahead, monkeypatch):
+    # "marginal" packs its candidates in increasing lower bound of their score (with
+    # lookahead, the window's `displacement_relief`, early pieces' lead included), so that
+    # the best group is found early and the bounds skip more of the others. Any other order
+    # must give the same plans: here the reverse of each window's relief.
+    from wlb_opt.packer.release import GroupRelease, displacement_relief
+    cost = unit_cost(1e-6, 1e-3, backward=True)
+    batches = _stream(np.random.default_rng(seed), 80)
+    windows = GroupRelease._windows
+    seen = [0]
+
+    def reversed_relief(self, remaining, ctx, early_only=False):
+        sizes, starts, tokens, at_least, relief = windows(self, remaining, ctx, early_only)
+        assert relief == [displacement_relief(remaining[i:i + n], ctx.step) for n, i in zip(sizes, starts)]
+        seen[0] += sum(r != t for r, t in zip(relief, tokens))  # windows with early pieces
+        return sizes, starts, tokens, at_least, [-r for r in relief]
+
+    runs = []
+    for patched in (False, True):
+        if patched:
+            monkeypatch.setattr(GroupRelease, "_windows", reversed_relief)
+        packer = WLBPacker(2, 200, cost, config=PackerConfig(thresholds=[60], lookahead=lookahead))
+        plans = [packer.pack(*b) for b in batches] + packer.drain()
+        runs.append([[p.doc_ids[mb].tolist() for mb in p.micro_batches] + [p.doc_ids[p.deferred].tolist()]
+                     for p in plans if p is not None])
+    assert runs[0] == runs[1]
+    assert (seen[0] > 0) == (lookahead > 0)
+
+
 @pytest.mark.filterwarnings("ignore:step 0")
 def test_calibration_on_the_timed_cases_stays_with_what_running_every_candidate_chose():
     # Recorded from `_every_candidate` (every candidate's full run, 32 batches; too slow to

@@ -363,8 +363,9 @@ class GroupRelease(ReleasePolicy):
 
     def _windows(self, remaining: list[HeldPiece], ctx: "_StepContext", early_only: bool = False):
         """The groups of `remaining` that `_candidates` packs before `hopeless`, by size then
-        start: (sizes, starts, tokens, imbalance_at_least) lists over them (imbalance_at_least
-        None without costs). A group is left out when too early (`_not_too_early`), with
+        start: (sizes, starts, tokens, imbalance_at_least, relief) lists over them
+        (imbalance_at_least None without costs; relief: `displacement_relief`, the tokens
+        without lookahead). A group is left out when too early (`_not_too_early`), with
         `early_only` unless it holds exactly one early piece, when it defers over half the
         carry limit whatever the packing (ctx.room), or, with costs and a step that is not
         idle, when it is surely above ctx.limit (`_cannot_pass`, with ctx.kept and ctx.room).
@@ -374,12 +375,15 @@ class GroupRelease(ReleasePolicy):
         n = len(remaining)
         top = min(self.need, n)
         if top == 0:
-            return [], [], [], (None if not ctx.costs else [])
+            return [], [], [], (None if not ctx.costs else []), []
         lengths = np.fromiter((piece.length for piece in remaining), dtype=np.int64, count=n)
         parts = {"tokens": [lengths]}
         if self.lookahead:
-            is_early = np.fromiter((piece.arrival > ctx.step for piece in remaining), dtype=np.int64, count=n)
+            lead = np.fromiter((piece.arrival - ctx.step for piece in remaining), dtype=np.int64, count=n)
+            is_early = (lead > 0).astype(np.int64)
             parts["early"] = [is_early]
+            relief = np.where(lead > 0, -lengths * lead, lengths)  # `displacement_relief` of each piece
+            parts["relief"] = [relief]
         if ctx.costs:
             costs = np.fromiter((ctx.costs[piece.key] for piece in remaining), dtype=np.float64, count=n)
             parts["total"], parts["heaviest"] = [costs], [costs]
@@ -387,6 +391,7 @@ class GroupRelease(ReleasePolicy):
             parts["tokens"].append(parts["tokens"][-1][:-1] + lengths[size - 1:])
             if self.lookahead:
                 parts["early"].append(parts["early"][-1][:-1] + is_early[size - 1:])
+                parts["relief"].append(parts["relief"][-1][:-1] + relief[size - 1:])
             if ctx.costs:
                 parts["total"].append(parts["total"][-1][:-1] + costs[size - 1:])
                 parts["heaviest"].append(np.maximum(parts["heaviest"][-1][:-1], costs[size - 1:]))
@@ -415,8 +420,10 @@ class GroupRelease(ReleasePolicy):
             if not ctx.idle:
                 keep &= ~(heaviest > (ctx.limit + 1e-9) * mean_at_most)
         kept = np.flatnonzero(keep)
-        return (sizes[kept].tolist(), starts[kept].tolist(), tokens[kept].tolist(),
-                None if at_least is None else at_least[kept].tolist())
+        tokens_of = tokens[kept].tolist()
+        return (sizes[kept].tolist(), starts[kept].tolist(), tokens_of,
+                None if at_least is None else at_least[kept].tolist(),
+                flat["relief"][kept].tolist() if self.lookahead else tokens_of)
 
     def _candidates(self, remaining: list[HeldPiece], ctx: "_StepContext", extra_tokens: int = 0, hopeless=None,
                     joining: list[HeldPiece] = (), lowest_bound_first: bool = False, cutoff=None,
@@ -429,7 +436,8 @@ class GroupRelease(ReleasePolicy):
         `hopeless(group, tokens, imbalance_at_least)`, if given, skips a group before it is
         packed (imbalance_at_least: `_imbalance_at_least` of the group, None without costs).
         With `lowest_bound_first` the groups come in increasing imbalance_at_least - `price` x
-        tokens (with "marginal"'s price, a lower bound on the score without lookahead), with
+        relief (`displacement_relief`, summed over each window; with "marginal"'s price, a lower
+        bound on its score, early pieces' lead included), with
         `most_tokens_first` in decreasing tokens (ties: the order above), so that a `hopeless`
         that learns from the groups seen skips more of them; a caller that ranks the groups by
         their own keys chooses the same group in any order.
@@ -457,23 +465,23 @@ class GroupRelease(ReleasePolicy):
             arrived = [piece for piece in remaining if piece.arrival <= ctx.step]
             if len(arrived) < len(remaining):
                 sources = [arrived, remaining]
-        windows, offset = [], 0  # (index of the group, size, tokens, imbalance_at_least, source, start)
+        windows, offset = [], 0  # (index of the group, size, tokens, imbalance_at_least, source, start, relief)
         for n, source in enumerate(sources):
-            sizes, starts, tokens_of, at_least_of = self._windows(source, ctx, early_only=n > 0)
+            sizes, starts, tokens_of, at_least_of, relief_of = self._windows(source, ctx, early_only=n > 0)
             if at_least_of is None:
                 at_least_of = [None] * len(sizes)
-            windows += [(offset + i, size, tokens, at_least, source, i)
-                        for size, i, tokens, at_least in zip(sizes, starts, tokens_of, at_least_of)]
+            windows += [(offset + i, size, tokens, at_least, source, i, relief)
+                        for size, i, tokens, at_least, relief in zip(sizes, starts, tokens_of, at_least_of, relief_of)]
             offset += len(source)
         if lowest_bound_first and windows and windows[0][3] is not None:
-            windows.sort(key=lambda window: window[3] - price * window[2])  # stable: ties keep the order above
+            windows.sort(key=lambda window: window[3] - price * window[6])  # stable: ties keep the order above
         elif most_tokens_first:
             windows.sort(key=lambda window: -window[2])
         trials = [None] * len(windows)
         if with_group is None and with_groups is not None and windows:
-            groups = [list(joining) + source[i:i + size] for _, size, _, _, source, i in windows]
+            groups = [list(joining) + source[i:i + size] for _, size, _, _, source, i, _ in windows]
             trials = with_groups(groups, account=account)
-        for (i, size, tokens, at_least, source, start), t_plan in zip(windows, trials):
+        for (i, size, tokens, at_least, source, start, _), t_plan in zip(windows, trials):
             group = source[start:start + size]
             if hopeless is not None and hopeless(group, tokens, at_least):
                 continue
