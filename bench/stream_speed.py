@@ -8,7 +8,9 @@ machine are not counted); the median, p99 and worst step are over every step of 
 step, on the plans of the first seed. With `--repeats R` each stream is planned R times
 and each step counts its least time over the passes: the plans are the same each pass, and
 a shared machine only adds time, so the minimum is the planner's own cost with the least
-noise (the median and tail are then over those minima). Each stream is timed with
+noise (the median and tail are then over those minima); `median_of_runs_ms` is the median
+of the R passes' own medians (each over every step of every seed), the plain "median of
+repeated runs". Each stream is timed with
 Algorithm 1's pure-Python loop (the default install) and, when numba is installed (the
 `fast` extra), the compiled one (`--loops`); `--methods wlb_phases,wlb,wlb_fill` also times
 Algorithm 1 as the step packer and the `wlb_fill` step packer, whose release candidates are
@@ -122,21 +124,24 @@ def main(argv: list[str] | None = None) -> int:
         for loop in loops:
             k0_median = None
             for k in lookaheads:
-                pack_s = []
+                pack_s, passes = [], [[] for _ in range(args.repeats)]  # each step's least time; each pass's times
                 with use_compiled(loop == "compiled"):
                     for i, batches in enumerate(streams):
                         shard_cp = (cp if (i == 0 and k == lookaheads[0] and loop == loops[0] and method == methods[0]
                                            and not args.no_shard) else None)
                         times, shard_s = time_stream(batches, n_micro, max_tokens, cost, k, shard_cp, method)
-                        for _ in range(args.repeats - 1):  # the same plans again: each step's least time
-                            times = np.minimum(times, time_stream(batches, n_micro, max_tokens, cost, k, None,
-                                                                  method)[0]).tolist()
+                        passes[0] += times
+                        for r in range(1, args.repeats):  # the same plans again: each step's least time
+                            again = time_stream(batches, n_micro, max_tokens, cost, k, None, method)[0]
+                            passes[r] += again
+                            times = np.minimum(times, again).tolist()
                         pack_s += times
                         if shard_s:
                             shard_rows.append(dict(dist=dist, n_micro=n_micro, cp=cp, strategy="adaptive",
                                                    steps=len(shard_s), clock="cpu", **_percentiles(shard_s)))
                 row = dict(dist=dist, method=method, lookahead=k, n_micro=n_micro, loop=loop, max_tokens=max_tokens,
-                           steps=steps, seeds=seeds, repeats=args.repeats, clock="cpu", **_percentiles(pack_s))
+                           steps=steps, seeds=seeds, repeats=args.repeats, clock="cpu", **_percentiles(pack_s),
+                           median_of_runs_ms=float(np.median([_percentiles(t)["median_ms"] for t in passes])))
                 k0_median = row["median_ms"] if k == 0 else k0_median
                 row["median_vs_k0"] = row["median_ms"] / k0_median if k0_median else None
                 rows.append(row)

@@ -32,6 +32,7 @@ def test_repeated_passes_count_each_steps_least_time(tmp_path, monkeypatch):
     (row,) = json.loads((tmp_path / "stream_speed.json").read_text())["rows"]
     assert row["repeats"] == 3
     assert row["median_ms"] == 2000.0 and row["worst_ms"] == 5000.0  # of the minima 2, 0.5, 5 seconds
+    assert row["median_of_runs_ms"] == 4000.0  # the passes' medians: 3, 4, 7 seconds
 
 
 @pytest.mark.parametrize("option, value, message", [("--methods", "wlb,nope", "--methods must name"),
