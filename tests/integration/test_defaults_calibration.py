@@ -84,6 +84,33 @@ def test_the_order_in_which_candidates_are_packed_changes_no_plan(seed, lookahea
 
 
 @pytest.mark.filterwarnings("ignore:step 0")
+@pytest.mark.parametrize("seed, lookahead, mb_const", [(31, 0, 0.0), (32, 2, 2e-3), (33, 4, 0.0)])
+def test_a_few_windows_in_python_are_the_windows_numpy_finds(seed, lookahead, mb_const, monkeypatch):
+    # `_windows` judges a small pool in plain Python and a large one with numpy: on every
+    # call of a stream, both must return the same windows, bounds and reliefs, float for float
+    from wlb_opt.packer import release as release_module
+    cost = unit_cost(1e-6, 1e-3, mb_const=mb_const, backward=True)
+    batches = _stream(np.random.default_rng(seed), 60)
+    windows = release_module.GroupRelease._windows
+    calls = [0]
+
+    def both(self, remaining, ctx, early_only=False):
+        monkeypatch.setattr(release_module, "SMALL_WINDOWS", 0)
+        with_numpy = windows(self, remaining, ctx, early_only)
+        monkeypatch.setattr(release_module, "SMALL_WINDOWS", 10**9)
+        in_python = windows(self, remaining, ctx, early_only)
+        assert in_python == with_numpy
+        calls[0] += bool(with_numpy[0])
+        return in_python
+
+    monkeypatch.setattr(release_module.GroupRelease, "_windows", both)
+    for release in ("marginal", "group"):
+        packer = WLBPacker(4, 200, cost, config=PackerConfig(thresholds=[60], lookahead=lookahead, release=release))
+        [packer.pack(*b) for b in batches] + packer.drain()
+    assert calls[0] > 50
+
+
+@pytest.mark.filterwarnings("ignore:step 0")
 def test_calibration_on_the_timed_cases_stays_with_what_running_every_candidate_chose():
     # Recorded from `_every_candidate` (every candidate's full run, 32 batches; too slow to
     # run here). Case a: the full runs rank [10, 14] first (imbalance 1.0472, displacement

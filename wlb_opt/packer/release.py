@@ -84,6 +84,10 @@ scored together without it (`FillTrial.with_groups`; calibration's meter counts 
 # Slack on the imbalance limit, so that a candidate equal to it in exact arithmetic is kept.
 _TOLERANCE_SLACK = 1e-12
 
+SMALL_WINDOWS = 64
+"""`GroupRelease._windows` judges a pool of n pieces in plain Python when n x need is at most
+this (fewer windows than numpy's per-call cost pays for), with numpy above."""
+
 
 class StepRelease(NamedTuple):
     """What a policy decided for one step."""
@@ -376,6 +380,8 @@ class GroupRelease(ReleasePolicy):
         top = min(self.need, n)
         if top == 0:
             return [], [], [], (None if not ctx.costs else []), []
+        if ctx.room is None and not ctx.kept and n * top <= SMALL_WINDOWS:
+            return self._few_windows(remaining, ctx, early_only)
         lengths = np.fromiter((piece.length for piece in remaining), dtype=np.int64, count=n)
         parts = {"tokens": [lengths]}
         if self.lookahead:
@@ -424,6 +430,52 @@ class GroupRelease(ReleasePolicy):
         return (sizes[kept].tolist(), starts[kept].tolist(), tokens_of,
                 None if at_least is None else at_least[kept].tolist(),
                 flat["relief"][kept].tolist() if self.lookahead else tokens_of)
+
+    def _few_windows(self, remaining: list[HeldPiece], ctx: "_StepContext", early_only: bool):
+        """`_windows` without ctx.room and ctx.kept, in plain Python: a pool of a few pieces
+        makes a few windows, fewer than numpy's per-call cost. The same sums in the same order,
+        the same floats, the same windows."""
+        n, top, step = len(remaining), min(self.need, len(remaining)), ctx.step
+        lengths = [piece.length for piece in remaining]
+        lookahead = self.lookahead
+        relief = [piece.length if piece.arrival <= step else -piece.length * (piece.arrival - step)
+                  for piece in remaining] if lookahead else None
+        early = [int(piece.arrival > step) for piece in remaining] if lookahead else None
+        costs = [ctx.costs[piece.key] for piece in remaining] if ctx.costs else None
+        need, bin_const, base_cost = self.need, self.bin_const, ctx.base_cost
+        limit = None if ctx.idle else ctx.limit + 1e-9
+        sizes, starts, tokens_of, at_least_of, relief_of = [], [], [], [] if costs is not None else None, []
+        tokens, reliefs, earlies, totals, heaviest = lengths, relief, early, costs, costs  # windows of 1
+        for size in range(1, top + 1):
+            if size > 1:  # windows of `size` from those of size - 1 and the piece after them
+                last = size - 1
+                tokens = [t + lengths[j + last] for j, t in enumerate(tokens[:-1])]
+                if lookahead:
+                    reliefs = [r + relief[j + last] for j, r in enumerate(reliefs[:-1])]
+                    earlies = [e + early[j + last] for j, e in enumerate(earlies[:-1])]
+                if costs is not None:
+                    totals = [t + costs[j + last] for j, t in enumerate(totals[:-1])]
+                    heaviest = [h if h >= costs[j + last] else costs[j + last] for j, h in enumerate(heaviest[:-1])]
+            for start in range(n - size + 1):
+                if lookahead:
+                    e = earlies[start]
+                    if 2 * e > size or (early_only and e != 1):
+                        continue
+                elif early_only:
+                    continue
+                at_least = None
+                if costs is not None:
+                    top_cost = heaviest[start] + bin_const
+                    mean_at_most = (base_cost + totals[start]) / need + bin_const
+                    if limit is not None and top_cost > limit * mean_at_most:
+                        continue
+                    at_least = top_cost / mean_at_most
+                    at_least_of.append(at_least)
+                sizes.append(size)
+                starts.append(start)
+                tokens_of.append(tokens[start])
+                relief_of.append(reliefs[start] if lookahead else tokens[start])
+        return sizes, starts, tokens_of, at_least_of, relief_of
 
     def _candidates(self, remaining: list[HeldPiece], ctx: "_StepContext", extra_tokens: int = 0, hopeless=None,
                     joining: list[HeldPiece] = (), lowest_bound_first: bool = False, cutoff=None,
