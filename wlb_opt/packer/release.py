@@ -457,20 +457,14 @@ class GroupRelease(ReleasePolicy):
                     totals = [t + costs[j + last] for j, t in enumerate(totals[:-1])]
                     heaviest = [h if h >= costs[j + last] else costs[j + last] for j, h in enumerate(heaviest[:-1])]
             for start in range(n - size + 1):
-                if lookahead:
-                    e = earlies[start]
-                    if 2 * e > size or (early_only and e != 1):
-                        continue
-                elif early_only:
+                if lookahead and (2 * earlies[start] > size or (early_only and earlies[start] != 1)):
                     continue
-                at_least = None
                 if costs is not None:
                     top_cost = heaviest[start] + bin_const
                     mean_at_most = (base_cost + totals[start]) / need + bin_const
                     if limit is not None and top_cost > limit * mean_at_most:
                         continue
-                    at_least = top_cost / mean_at_most
-                    at_least_of.append(at_least)
+                    at_least_of.append(top_cost / mean_at_most)
                 sizes.append(size)
                 starts.append(start)
                 tokens_of.append(tokens[start])
