@@ -32,7 +32,7 @@ polish only lower the largest load.
 """
 from __future__ import annotations
 
-from functools import cached_property
+from ._cached import cached_property
 from itertools import chain
 from operator import is_
 from typing import NamedTuple

@@ -62,7 +62,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
-from functools import cached_property
+from ._cached import cached_property
 from typing import Callable, Literal, NamedTuple
 
 import numpy as np

@@ -24,7 +24,7 @@ placement order, plus the per-micro-batch constant).
 """
 from __future__ import annotations
 
-from functools import cached_property
+from ._cached import cached_property
 from itertools import chain
 
 import numpy as np
