@@ -196,21 +196,29 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
         break
     for load, b in heap:
         loads[b] = load
+    # `stuck`, when >= 0: the room of the least-loaded bin, current at the heap's top. An item
+    # longer than that falls back without the heap being read: only the bin at the top could
+    # change the top, and a fallback places elsewhere (that bin, had it the fewest tokens
+    # and no room, would have deferred the item).
+    stuck = -1
     for d, w in items:
-        load, b = heap[0]
-        while load != loads[b]:  # a key left behind by the fallback
-            replace(heap, (loads[b], b))
+        if d <= stuck or stuck < 0:
             load, b = heap[0]
-        t = toks[b] + d
-        if t <= cap:
-            toks[b] = t
-            load += w
-            if load > stop_load:
-                return None
-            loads[b] = load
-            replace(heap, (load, b))
-            put(b)
-            continue
+            while load != loads[b]:  # a key left behind by the fallback
+                replace(heap, (loads[b], b))
+                load, b = heap[0]
+            t = toks[b] + d
+            if t <= cap:
+                toks[b] = t
+                load += w
+                if load > stop_load:
+                    return None
+                loads[b] = load
+                replace(heap, (load, b))
+                put(b)
+                stuck = -1
+                continue
+            stuck = cap - toks[b]
         tok, b = tok_heap[0]
         while tok != toks[b]:
             replace(tok_heap, (toks[b], b))
@@ -221,6 +229,7 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
             loads[b] += w
             if loads[b] > stop_load:
                 return None
+            replace(tok_heap, (t, b))  # the bin at the top, re-keyed now
             put(b)
         else:  # fits nowhere, nor does any next item longer than the most room left: all deferred at once
             # (the bins do not change while items are deferred; after the placed-first items the

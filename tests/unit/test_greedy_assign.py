@@ -129,6 +129,22 @@ def test_an_overloaded_batch_falls_back_to_the_bin_of_fewest_tokens(compiled):
     assert [b.tolist() for b in bins] == [[0], [1, 3]] and deferred.tolist() == [2]
 
 
+
+@BOTH_LOOPS
+def test_a_full_least_loaded_bin_is_passed_over_only_while_it_stays_the_least_loaded(compiled):
+    # placed first, in this order (not longest first): the 3-token piece finds the least-loaded
+    # bin (the 9-token piece's) without room and falls back to bin 1; the 1-token piece then
+    # fits that bin, which stops being the least loaded, so the 2-token piece goes by load
+    # (bin 0), not to the fewest-token bin as a bin still passed over would send it
+    problem = PackProblem(lengths=np.array([6, 2, 9, 3, 1, 2, 1], dtype=np.int64),
+                          weights=np.array([27.0, 29.0, 10.0, 13.0, 26.0, 3.0, 20.0]), n_bins=3, max_tokens=10,
+                          carried=7)
+    with use_compiled(compiled):
+        result = wlb_greedy(problem)
+    bins, deferred = reference_wlb_greedy(problem)
+    assert [b.tolist() for b in result.bins] == [b.tolist() for b in bins] == [[0, 5, 6], [1, 3], [2, 4]]
+    assert result.deferred.tolist() == deferred.tolist() == []
+
 @needs_numba
 def test_the_compiled_loop_places_a_large_batch_as_the_python_loop():
     # many bins (a tree of several levels, padded: 37 -> 64 leaves), float loads with ties
