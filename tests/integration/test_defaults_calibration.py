@@ -111,6 +111,42 @@ def test_a_few_windows_in_python_are_the_windows_numpy_finds(seed, lookahead, mb
 
 
 @pytest.mark.filterwarnings("ignore:step 0")
+@pytest.mark.parametrize("seed, lookahead, mb_const", [(41, 0, 0.0), (42, 2, 2e-3), (43, 4, 0.0)])
+def test_a_few_windows_in_python_are_the_windows_numpy_finds_under_the_token_cap(seed, lookahead, mb_const,
+                                                                                  monkeypatch):
+    # The same with the bounds of the micro-batches' token cap (ctx.room: deferral and the
+    # most cost the step can place; ctx.kept: the held pieces every candidate places) on
+    # every step, on a stream that overloads them
+    from wlb_opt.packer import release as release_module
+    from wlb_opt.packer import trial
+    for module in (release_module, trial):
+        monkeypatch.setattr(module, "ROOM_MIN_PIECES", 0)
+    cost = unit_cost(1e-6, 1e-3, mb_const=mb_const, backward=True)
+    batches = _overloaded_stream(np.random.default_rng(seed), 80)
+    windows = release_module.GroupRelease._windows
+    calls = {"room": 0, "overflows": 0, "kept": 0}
+
+    def both(self, remaining, ctx, early_only=False):
+        monkeypatch.setattr(release_module, "SMALL_WINDOWS", 0)
+        with_numpy = windows(self, remaining, ctx, early_only)
+        monkeypatch.setattr(release_module, "SMALL_WINDOWS", 10**9)
+        in_python = windows(self, remaining, ctx, early_only)
+        assert in_python == with_numpy
+        if with_numpy[0]:
+            calls["room"] += ctx.room is not None
+            calls["overflows"] += ctx.room is not None and ctx.room.overflows(
+                sum(piece.length for piece in remaining[-self.need:]))
+            calls["kept"] += bool(ctx.kept)
+        return in_python
+
+    monkeypatch.setattr(release_module.GroupRelease, "_windows", both)
+    for release in ("marginal", "group"):
+        packer = WLBPacker(2, 200, cost, config=PackerConfig(thresholds=[60], lookahead=lookahead, release=release))
+        [packer.pack(*b) for b in batches] + packer.drain()
+    assert calls["room"] > 50 and calls["overflows"] > 10 and calls["kept"] > 10
+
+
+@pytest.mark.filterwarnings("ignore:step 0")
 def test_calibration_on_the_timed_cases_stays_with_what_running_every_candidate_chose():
     # Recorded from `_every_candidate` (every candidate's full run, 32 batches; too slow to
     # run here). Case a: the full runs rank [10, 14] first (imbalance 1.0472, displacement

@@ -380,7 +380,7 @@ class GroupRelease(ReleasePolicy):
         top = min(self.need, n)
         if top == 0:
             return [], [], [], (None if not ctx.costs else []), []
-        if ctx.room is None and not ctx.kept and n * top <= SMALL_WINDOWS:
+        if n * top <= SMALL_WINDOWS:
             return self._few_windows(remaining, ctx, early_only)
         lengths = np.fromiter((piece.length for piece in remaining), dtype=np.int64, count=n)
         parts = {"tokens": [lengths]}
@@ -432,9 +432,9 @@ class GroupRelease(ReleasePolicy):
                 flat["relief"][kept].tolist() if self.lookahead else tokens_of)
 
     def _few_windows(self, remaining: list[HeldPiece], ctx: "_StepContext", early_only: bool):
-        """`_windows` without ctx.room and ctx.kept, in plain Python: a pool of a few pieces
-        makes a few windows, fewer than numpy's per-call cost. The same sums in the same order,
-        the same floats, the same windows."""
+        """`_windows` in plain Python: a pool of a few pieces makes a few windows, fewer than
+        numpy's per-call cost. The same sums in the same order, the same floats, the same
+        windows (ctx.room's bound on the cost placed is computed for them all in one call)."""
         n, top, step = len(remaining), min(self.need, len(remaining)), ctx.step
         lengths = [piece.length for piece in remaining]
         lookahead = self.lookahead
@@ -444,7 +444,12 @@ class GroupRelease(ReleasePolicy):
         costs = [ctx.costs[piece.key] for piece in remaining] if ctx.costs else None
         need, bin_const, base_cost = self.need, self.bin_const, ctx.base_cost
         limit = None if ctx.idle else ctx.limit + 1e-9
-        sizes, starts, tokens_of, at_least_of, relief_of = [], [], [], [] if costs is not None else None, []
+        # as in `_windows`: the token capacity only bounds a step that a group can take past it
+        room = ctx.room if ctx.room is not None and ctx.room.overflows(sum(lengths[-need:])) else None
+        kept_top = ctx.kept[0] if ctx.kept else None
+        if room is not None:  # a window deferring this many tokens or more whatever the packing is left out
+            excess, defer_limit = room.base_tokens + room.joined_tokens - room.capacity, self.max_backlog_tokens // 2 + 1
+        windows = []  # (size, start, tokens, relief, total cost, heaviest cost) past the early and deferral rules
         tokens, reliefs, earlies, totals, heaviest = lengths, relief, early, costs, costs  # windows of 1
         for size in range(1, top + 1):
             if size > 1:  # windows of `size` from those of size - 1 and the piece after them
@@ -459,16 +464,33 @@ class GroupRelease(ReleasePolicy):
             for start in range(n - size + 1):
                 if lookahead and (2 * earlies[start] > size or (early_only and earlies[start] != 1)):
                     continue
-                if costs is not None:
-                    top_cost = heaviest[start] + bin_const
-                    mean_at_most = (base_cost + totals[start]) / need + bin_const
-                    if limit is not None and top_cost > limit * mean_at_most:
-                        continue
-                    at_least_of.append(top_cost / mean_at_most)
-                sizes.append(size)
-                starts.append(start)
-                tokens_of.append(tokens[start])
-                relief_of.append(reliefs[start] if lookahead else tokens[start])
+                if room is not None and tokens[start] + excess >= defer_limit:
+                    continue
+                windows.append((size, start, tokens[start], reliefs[start] if lookahead else tokens[start],
+                                None if costs is None else totals[start], None if costs is None else heaviest[start]))
+        if costs is None:
+            return ([w[0] for w in windows], [w[1] for w in windows], [w[2] for w in windows], None,
+                    [w[3] for w in windows])
+        bounds = None
+        if room is not None and windows:
+            bounds = room.placed_at_most(np.array([w[2] for w in windows], dtype=np.int64),
+                                         np.array([w[4] for w in windows], dtype=np.float64)).tolist()
+        sizes, starts, tokens_of, at_least_of, relief_of = [], [], [], [], []
+        for k, (size, start, tok, rel, total, heavy) in enumerate(windows):
+            if kept_top is not None and kept_top > heavy:
+                heavy = kept_top
+            top_cost = heavy + bin_const
+            placed = base_cost + total
+            if bounds is not None and bounds[k] < placed:
+                placed = bounds[k]
+            mean_at_most = placed / need + bin_const
+            if limit is not None and top_cost > limit * mean_at_most:
+                continue
+            at_least_of.append(top_cost / mean_at_most)
+            sizes.append(size)
+            starts.append(start)
+            tokens_of.append(tok)
+            relief_of.append(rel)
         return sizes, starts, tokens_of, at_least_of, relief_of
 
     def _candidates(self, remaining: list[HeldPiece], ctx: "_StepContext", extra_tokens: int = 0, hopeless=None,
