@@ -233,6 +233,22 @@ def test_bad_batches():
     packer.pack([5], [8])  # 8 was emitted: not remembered (documented), so accepted
 
 
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_a_held_document_rejects_its_held_piece_and_accepts_its_others(lookahead):
+    # a piece is (id, offset): the check of a batch against the held pieces looks at the ids
+    # first, then at the pairs of the shared ids (queued, carried or buffered ahead)
+    packer = wlb.WLBPacker(2, 100, COST, config=wlb.PackerConfig(thresholds=[50], max_delay=None, release="paper",
+                                                                  lookahead=lookahead))
+    packer.pack([60, 5, 6], [7, 8, 9], [0, 0, 40])  # 7 is queued; with lookahead 8 and 9 are buffered
+    with pytest.raises(ValueError, match="id 7 .offset 0, position 1. is already held"):
+        packer.pack([5, 5], [3, 7], [0, 0])
+    if lookahead:
+        with pytest.raises(ValueError, match="id 9 .offset 40, position 0. is already held"):
+            packer.pack([5], [9], [40])
+    packer.pack([5, 5, 5], [7, 9, 8], [60, 0, 6])  # other pieces of the held documents
+    assert sorted(packer.queued_ids().tolist()) == [7]
+
+
 def test_bad_state_dict():
     packer = PaperPacker(2, 100, COST, thresholds=[50], max_delay=4)
     packer.pack([60, 5], [1, 2])

@@ -26,6 +26,7 @@ the packer's state (key "lookahead_buffer"; the queues already hold the early ou
 from __future__ import annotations
 
 from collections import deque
+from operator import itemgetter
 from typing import Iterable
 
 from .state import HeldPiece
@@ -37,7 +38,12 @@ rows per buffered step, oldest first."""
 
 def _keys_of(pieces: Iterable[HeldPiece]) -> frozenset:
     """(id, offset) of each of `pieces`, as `HeldPiece.key`."""
-    return frozenset((piece[0], piece[1]) for piece in pieces)
+    return frozenset(map(itemgetter(0, 1), pieces))
+
+
+def _ids_of(keys: frozenset) -> frozenset:
+    """The ids of `keys` ((id, offset) pairs)."""
+    return frozenset(map(itemgetter(0), keys))
 
 
 class LookaheadBuffer:
@@ -50,6 +56,7 @@ class LookaheadBuffer:
         # (id, offset) of each batch's pieces, made once per batch: the packer asks for the
         # keys of the whole buffer every step
         self._keys: deque[frozenset] = deque(_keys_of(b) for b in self._batches)
+        self._ids: deque[frozenset] = deque(_ids_of(k) for k in self._keys)
 
     def __len__(self) -> int:
         return len(self._batches)
@@ -57,6 +64,7 @@ class LookaheadBuffer:
     def copy(self) -> "LookaheadBuffer":
         out = LookaheadBuffer()
         out._batches, out._keys = deque(list(b) for b in self._batches), deque(self._keys)
+        out._ids = deque(self._ids)
         return out
 
     def with_batch(self, pieces: list[HeldPiece]) -> "LookaheadBuffer":
@@ -65,11 +73,13 @@ class LookaheadBuffer:
         out = self.copy()
         out._batches.append(list(pieces))
         out._keys.append(_keys_of(pieces))
+        out._ids.append(_ids_of(out._keys[-1]))
         return out
 
     def pop_oldest(self) -> list[HeldPiece]:
         """Remove and return the regular documents of the oldest buffered step."""
         self._keys.popleft()
+        self._ids.popleft()
         return self._batches.popleft()
 
     def pieces(self) -> list[HeldPiece]:
@@ -80,6 +90,11 @@ class LookaheadBuffer:
         """(id, offset) of every buffered piece, one set per batch (a new batch may not repeat
         one; `state.KeySets` checks against them without building their union)."""
         return list(self._keys)
+
+    def id_sets(self) -> list[frozenset]:
+        """The ids of `key_sets()`, one set per batch (`state.KeySets` checks a batch's ids
+        against them first)."""
+        return list(self._ids)
 
     def tokens(self) -> int:
         return sum(piece.length for piece in self.pieces())

@@ -274,7 +274,7 @@ class WLBPacker:
             raise ValueError(f"document {int(ids[i])} (position {i}) has {int(lengths[i])} tokens > "
                              f"max_tokens={self.max_tokens}; cut documents with wlb_opt.split_documents first")
         check_unique_pieces(ids, offsets, "within the batch")
-        if self._held and not self._held.isdisjoint(zip(ids.tolist(), offsets.tolist())):
+        if self._held and not self._held.isdisjoint_pieces(ids.tolist(), offsets.tolist()):
             for k, key in enumerate(zip(ids.tolist(), offsets.tolist())):
                 if key in self._held:
                     raise ValueError(f"ids: id {key[0]} (offset {key[1]}, position {k}) is already held by the "
@@ -374,7 +374,7 @@ class WLBPacker:
 
     def _commit(self, plan: PackPlan, queues: list[deque], carry: list[HeldPiece]) -> None:
         self._queues, self._carry = queues, carry
-        self._held = KeySets(held_keys(queues, carry), *self._ahead.key_sets())
+        self._held = KeySets(held_keys(queues, carry), *self._ahead.key_sets(), ids=[None, *self._ahead.id_sets()])
         self._step += 1
         self._stats.add(plan, self.max_delay, plan.info.extra["queue_wait_max"])
 
@@ -411,7 +411,7 @@ class WLBPacker:
             if len(ahead) <= self.lookahead:  # step s - K does not exist yet
                 self._record_ids(ids)
                 self._queues, self._ahead = queues, ahead
-                self._held = KeySets(held_keys(queues, self._carry), *ahead.key_sets())
+                self._held = KeySets(held_keys(queues, self._carry), *ahead.key_sets(), ids=[None, *ahead.id_sets()])
                 return None
             entries = ahead.pop_oldest()
         else:
@@ -613,7 +613,7 @@ class WLBPacker:
         self._calibration = loaded.calibration
         self._stats = loaded.stats
         self._ahead = ahead
-        self._held = KeySets(held_keys(loaded.queues, loaded.carry), *ahead.key_sets())
+        self._held = KeySets(held_keys(loaded.queues, loaded.carry), *ahead.key_sets(), ids=[None, *ahead.id_sets()])
 
     def _decode_lookahead(self, state: dict, step: int) -> LookaheadBuffer:
         """The lookahead part of a state (lookahead.py; its config.lookahead is checked by

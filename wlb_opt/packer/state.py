@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 from collections import deque
+from operator import itemgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -54,15 +55,25 @@ class HeldPiece(NamedTuple):
 
 def held_keys(queues, carry) -> set[tuple[int, int]]:
     """Identities of every piece in `queues` and `carry` (`HeldPiece.key`, read by position)."""
-    return {(piece[0], piece[1]) for q in queues for piece in q} | {(piece[0], piece[1]) for piece in carry}
+    keys = set(map(_ID_OFFSET, carry))
+    for q in queues:
+        keys.update(map(_ID_OFFSET, q))
+    return keys
+
+
+_ID_OFFSET = itemgetter(0, 1)
+"""(id, offset) of a HeldPiece or of a key: its identity (`HeldPiece.key`)."""
 
 
 class KeySets:
     """The union of a few sets of piece identities, without building it: what a new batch
     is checked against (held pieces, each batch buffered ahead), each set made once."""
 
-    def __init__(self, *sets):
+    def __init__(self, *sets, ids=None):
+        """`ids`, if given: for each of `sets`, the set of its ids (None: made from its keys)."""
+        ids = [None] * len(sets) if ids is None else ids
         self._sets = [s for s in sets if s]
+        self._ids = [frozenset(map(itemgetter(0), s)) if i is None else i for s, i in zip(sets, ids) if s]
 
     def __bool__(self) -> bool:
         return bool(self._sets)
@@ -73,6 +84,14 @@ class KeySets:
     def isdisjoint(self, keys) -> bool:
         keys = keys if isinstance(keys, (set, frozenset)) else set(keys)
         return all(s.isdisjoint(keys) for s in self._sets)
+
+    def isdisjoint_pieces(self, ids: list[int], offsets: list[int]) -> bool:
+        """`isdisjoint` of the keys (id, offset) of a batch's pieces: first on the ids alone (a
+        set of ints, cheaper than one of pairs), which settles it when no id is shared."""
+        batch_ids = set(ids)
+        if all(s.isdisjoint(batch_ids) for s in self._ids):
+            return True
+        return self.isdisjoint(zip(ids, offsets))
 
 
 def held_tokens(queues, carry) -> int:
