@@ -172,3 +172,57 @@ def test_a_candidate_rejects_exactly_what_its_full_packing_fails(step, data, com
             if trial is not None:  # the last candidate read whole, after its packing stopped or not
                 assert trial.imbalance == at and trial.deferred_tokens == deferred
                 assert counted == [1]  # still one packing
+
+
+@pytest.mark.parametrize("dist, lookahead", [("prose", 0), ("code", 2), ("real", 4)])
+def test_a_trimmed_step_is_the_step_packed_again_without_its_piece(dist, lookahead, monkeypatch):
+    # `MarginalRelease._trim` makes the step less one piece from the kept candidate
+    # (`TrialPack.without`: its order less the piece) rather than through `solve`: the same
+    # candidate, so the same decision and the same plan, trim taken or not
+    from wlb_opt.packer.release import MarginalRelease
+    from wlb_opt.packer.trial import TrialPack
+    trim, seen = MarginalRelease._trim, {"taken": 0, "refused": 0}
+
+    without, made = TrialPack.without, {"got": [], "want": []}
+
+    def made_without(trial, position):
+        out = without(trial, position)
+        made["got"].append(out[1])
+        return out
+
+    def made_by_solve(solve):
+        def counted(first, rest):
+            out = solve(first, rest)
+            made["want"].append(out[1])
+            return out
+        return counted
+
+    def both(self, result, fresh, carry, step, solve):
+        made["got"].clear()
+        made["want"].clear()
+        with monkeypatch.context() as m:
+            m.setattr(TrialPack, "without", made_without)
+            got = trim(self, result, fresh, carry, step, solve)
+        with monkeypatch.context() as m:
+            m.delattr(TrialPack, "without")
+            want = trim(self, result, fresh, carry, step, made_by_solve(solve))
+        assert len(made["got"]) == len(made["want"]) <= 1
+        for a, b in zip(made["got"], made["want"]):  # the candidates themselves
+            assert (a._n_first, a._n_rest, a.pending) == (b._n_first, b._n_rest, b.pending)
+            assert np.array_equal(a._pending_idx, b._pending_idx) and np.array_equal(a._order, b._order)
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert got.pending == want.pending and got.released == want.released and got.n_early == want.n_early
+            assert np.array_equal(got.arrival, want.arrival)
+            assert got.plan.digest() == want.plan.digest()
+            assert np.array_equal(got.plan.deferred, want.plan.deferred)
+            assert np.array_equal(got.plan.loads, want.plan.loads)
+        seen["taken" if got is not None else "refused"] += 1
+        return got
+
+    monkeypatch.setattr(MarginalRelease, "_trim", both)
+    W = 131072
+    packer = WLBPacker(4, int(1.25 * W), COST, config=PackerConfig(lookahead=lookahead))
+    for batch in global_batches(dist, W, 4 * W, 80, seed=DEFAULT_SEED + 7):
+        packer.pack(*batch)
+    assert seen["taken"] >= 3 and seen["refused"] >= 20

@@ -846,10 +846,15 @@ class MarginalRelease(GroupRelease):
         options = [i for i in heaviest if result.pending[i] in movable]
         if not options:
             return None
-        piece = result.pending[max(options, key=lambda i: (result.pending[i].length, result.pending[i].arrival))]
+        position = max(options, key=lambda i: (result.pending[i].length, result.pending[i].arrival))
+        piece = result.pending[position]
         lam = self._token_price()
-        pending, t_plan, arrival = solve(*self._split(_without(carry, piece), result.released, _without(fresh, piece),
-                                                      step))
+        without = getattr(plan, "without", None)
+        if without is not None:  # a TrialPack: the same candidate as `solve` makes, less one piece
+            pending, t_plan, arrival = without(position)
+        else:
+            pending, t_plan, arrival = solve(*self._split(_without(carry, piece), result.released,
+                                                          _without(fresh, piece), step))
         # the re-packing defers nothing more, nor more than "group"'s carry limit, nor a released
         # piece; a TrialPack is packed only until it surely fails (`_rejects`), then compared exactly
         deferred_limit = min(plan.deferred_tokens + 1, self.max_backlog_tokens // 2 - piece.length + 1)

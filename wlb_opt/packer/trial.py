@@ -312,6 +312,25 @@ class TrialPack:
         tail = self._order[cut:]
         return 2 * (s.max_tokens - s.lengths[tail]) + is_fresh[tail]
 
+    def without(self, position: int):
+        """This candidate less its pending piece at `position` (a carried or fresh piece, not one
+        placed first): what `solve(first, rest)` returns for the same pieces less that one, as
+        (pending, TrialPack packed when first read, arrival). Its placement order is this one's
+        less the piece (the order of a stable sort is kept when an item leaves it), so nothing
+        is sorted again: `MarginalRelease._trim` packs the step without one piece this way."""
+        cut, n_held = self._n_first, self._n_first + self._n_rest
+        if not cut <= position < len(self._pending_idx):
+            raise ValueError(f"position {position} is not a carried or fresh piece of the candidate "
+                             f"(those are {cut} to {len(self._pending_idx) - 1})")
+        idx = self._pending_idx
+        gone = idx[position]
+        pending_idx = np.concatenate([idx[:position], idx[position + 1:]])
+        order = self._order[self._order != gone]
+        pending = self.pending[:position] + self.pending[position + 1:]
+        trial = TrialPack(self._solver, pending_idx, order, n_first=cut,
+                          n_rest=self._n_rest - (position < n_held), pending=pending)
+        return pending, trial, self._solver.arrival[pending_idx]
+
     def with_groups(self, groups: list[list[HeldPiece]], account=None) -> list["TrialPack"]:
         """This packing with each of `groups` added to its pieces, after its other held ones
         and before the fresh ones: the candidates `solve(first, rest + group + fresh)` gives,
