@@ -7,6 +7,7 @@ trusting any solver code: it only counts tokens.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -120,21 +121,37 @@ class PackPlan:
     arrival_step: np.ndarray | None = None
 
     def __post_init__(self) -> None:
+        self._freeze_fields(_PLAN_FIELDS)
+
+    def _freeze_fields(self, names) -> None:
+        """Copy the array fields among `names` into read-only arrays and check them."""
         for name in ("doc_ids", "lengths", "offsets", "replica_of", "deferred", "tokens"):
-            _freeze(self, name, np.int64)
-        _freeze(self, "loads", np.float64)
-        object.__setattr__(self, "micro_batches", _frozen_tuple(self.micro_batches, np.int64))
-        if self.arrival_step is not None:
-            _freeze(self, "arrival_step", np.int64)
+            if name in names:
+                _freeze(self, name, np.int64)
+        if "loads" in names:
+            _freeze(self, "loads", np.float64)
+        if "micro_batches" in names:
+            object.__setattr__(self, "micro_batches", _frozen_tuple(self.micro_batches, np.int64))
+        if self.arrival_step is not None and ("arrival_step" in names or "doc_ids" in names):
+            if "arrival_step" in names:
+                _freeze(self, "arrival_step", np.int64)
             if len(self.arrival_step) != len(self.doc_ids):
                 raise ValueError(f"arrival_step needs one entry per piece ({len(self.doc_ids)}), "
                                  f"got {len(self.arrival_step)}")
-        if self.step is not None:
+        if self.step is not None and "step" in names:
             object.__setattr__(self, "step", int(self.step))
 
     def replace(self, **changes) -> "PackPlan":
-        """A copy with `changes` applied (dataclasses.replace; the copy is frozen too)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes` applied, frozen too: the changed fields are copied and checked
+        as by the constructor, the others (read-only already) are shared."""
+        unknown = sorted(set(changes) - set(_PLAN_FIELDS))
+        if unknown:
+            raise TypeError(f"PackPlan.replace() got unknown fields {unknown}; the fields are {list(_PLAN_FIELDS)}")
+        new = copy.copy(self)
+        for name, value in changes.items():
+            object.__setattr__(new, name, value)
+        new._freeze_fields(changes)
+        return new
 
     @property
     def imbalance(self) -> float:
@@ -252,6 +269,9 @@ class PackPlan:
                              tokens=int(self.tokens[j]), ms=1e3 * float(self.loads[j]),
                              share=float(self.loads[j]) / total))
         return rows
+
+
+_PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(PackPlan))
 
 
 class PlanError(ValueError):

@@ -184,6 +184,28 @@ def test_plans_are_frozen_and_their_digest_cannot_change():
     assert built.digest() == before and built.doc_ids[0] == 0
 
 
+
+def test_replace_copies_and_checks_what_it_changes_and_shares_the_rest():
+    plan = wlb.solve_pack(np.arange(1, 40), 2, 400, analytic(dp=2), "wlb")
+    arrival = np.zeros(len(plan.doc_ids), np.int64)
+    moved = plan.replace(step=np.int64(3), arrival_step=arrival, replica_of=[1, 0, 1, 0])
+    assert type(moved.step) is int and moved.step == 3 and plan.step is None
+    assert moved.doc_ids is plan.doc_ids and moved.micro_batches is plan.micro_batches  # read-only: shared
+    arrival[0] = 5  # the caller's arrays are copied
+    assert moved.arrival_step[0] == 0 and not moved.arrival_step.flags.writeable
+    assert moved.replica_of.tolist() == [1, 0, 1, 0] and not moved.replica_of.flags.writeable
+    assert moved.digest() != plan.digest()
+    with pytest.raises(ValueError, match="arrival_step needs one entry per piece"):
+        plan.replace(arrival_step=[0, 1])
+    with pytest.raises(ValueError, match="arrival_step needs one entry per piece"):
+        moved.replace(doc_ids=moved.doc_ids[:-1])
+    with pytest.raises(ValueError, match="could not convert"):  # as the constructor
+        plan.replace(loads=[1.0, "x"])
+    with pytest.raises(ValueError, match="plan field tokens"):
+        plan.replace(tokens=[1.5, 2.0, 3.0, 4.0])
+    with pytest.raises(TypeError, match=r"unknown fields \['stepp'\]"):
+        plan.replace(stepp=3)
+
 def test_shard_plans_are_frozen():
     import dataclasses
 
