@@ -78,25 +78,40 @@ def phases_assign(order: np.ndarray, lengths: np.ndarray, fwd: np.ndarray, bwd: 
         break
     for key, b in heap:
         keys[b] = key
+    stuck = -1  # >= 0: the room of the least-loaded bin, current at the top (as in wlb_assign_python)
     for d, fs, bs in items:
-        key, b = heap[0]
-        while key != keys[b]:  # a key left behind by the fallback
-            replace(heap, (keys[b], b))
+        if d <= stuck or stuck < 0:
             key, b = heap[0]
-        if toks[b] + d > cap:
-            tok, b = tok_heap[0]
-            while tok != toks[b]:
-                replace(tok_heap, (toks[b], b))
-                tok, b = tok_heap[0]
-            if tok + d > cap:
-                put(-1)
+            while key != keys[b]:  # a key left behind by the fallback
+                replace(heap, (keys[b], b))
+                key, b = heap[0]
+            if toks[b] + d <= cap:
+                toks[b] += d
+                f = f_load[b] + fs
+                g = b_load[b] + bs
+                f_load[b] = f
+                b_load[b] = g
+                keys[b] = f if f > g else g
+                replace(heap, (keys[b], b))
+                put(b)
+                stuck = -1
                 continue
-        toks[b] += d
-        f_load[b] += fs
-        b_load[b] += bs
-        keys[b] = f_load[b] if f_load[b] > b_load[b] else b_load[b]
-        if heap[0][1] == b:
-            replace(heap, (keys[b], b))
+            stuck = cap - toks[b]
+        tok, b = tok_heap[0]
+        while tok != toks[b]:
+            replace(tok_heap, (toks[b], b))
+            tok, b = tok_heap[0]
+        if tok + d > cap:
+            put(-1)
+            continue
+        # the fewest-token bin, not the least-loaded one (which had no room): the heap's top stays
+        toks[b] = tok + d
+        f = f_load[b] + fs
+        g = b_load[b] + bs
+        f_load[b] = f
+        b_load[b] = g
+        keys[b] = f if f > g else g
+        replace(tok_heap, (toks[b], b))
         put(b)
     return np.array(placed, dtype=np.int64)
 

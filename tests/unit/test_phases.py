@@ -101,3 +101,16 @@ def test_solve_pack_balances_the_phases_better_than_algorithm1_on_real_steps():
     assert mean["wlb_phases"]["fwd"] < mean["wlb"]["fwd"]
     assert mean["wlb_phases"]["bwd"] < mean["wlb"]["bwd"]
     assert mean["wlb_phases"]["fwd_bwd"] < mean["wlb"]["fwd_bwd"] + 0.01
+
+
+def test_a_full_least_loaded_bin_is_passed_over_only_while_it_stays_the_least_loaded():
+    # in this order (placed first, not longest first): the 2-token item finds the least-loaded
+    # bin without room and falls back; the next 1-token item fits that bin, which stops being
+    # the least loaded, so the last item goes by load again, not to the fewest-token bin
+    lengths = np.array([6, 4, 1, 2, 1, 2], dtype=np.int64)
+    fwd = np.array([20.0, 28.0, 7.0, 28.0, 21.0, 22.0])
+    bwd = np.array([11.0, 10.0, 20.0, 5.0, 23.0, 16.0])
+    order = np.arange(6)
+    want = phases_assign_reference(order, lengths, fwd, bwd, 3, 7)
+    assert want.tolist() == [0, 1, 2, 2, 0, 1]
+    np.testing.assert_array_equal(phases_assign(order, lengths, fwd, bwd, 3, 7), want)
