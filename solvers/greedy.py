@@ -43,6 +43,8 @@ def argsort_descending(key: np.ndarray) -> np.ndarray:
     low digit first, each by numpy's stable radix sort of uint16: the same permutation (a
     stable sort is unique) in a fraction of the time of the comparison sort numpy uses for
     int64, from about `RADIX_FROM` keys up (below, the two passes cost more than they save)."""
+    if len(key) < 2:  # nothing to sort (a group of one piece, most often)
+        return np.arange(len(key), dtype=np.int64)
     if key.dtype.kind not in "iu" or len(key) < RADIX_FROM:
         return np.argsort(-key, kind="stable")
     top = int(key.max())

@@ -209,6 +209,9 @@ def check_unique_pieces(ids: np.ndarray, offsets: np.ndarray, what: str = "in th
     fail `check_pack` (or train a document twice)."""
     if len(ids) < 2:
         return
+    by_id = np.sort(ids)
+    if not (by_id[1:] == by_id[:-1]).any():  # distinct ids: distinct pieces, whatever the offsets
+        return
     order = np.lexsort((offsets, ids))
     same = (ids[order][1:] == ids[order][:-1]) & (offsets[order][1:] == offsets[order][:-1])
     if same.any():

@@ -282,13 +282,16 @@ class WLBPacker:
         return lengths, ids, offsets
 
     # ------------------------------------------------------------------ one step
-    def _queue_outliers(self, entries: list[HeldPiece], queues: list[deque]) -> list[HeldPiece]:
+    def _queue_outliers(self, entries: list[HeldPiece], queues: list[deque],
+                        lengths: np.ndarray | None = None) -> list[HeldPiece]:
         """Append each outlier of `entries` to its queue (the last threshold <= its length), in
         the order given; returns the regular documents, in their order. One vectorised lookup
-        per batch rather than one per piece: a batch holds hundreds of pieces, few outliers."""
+        per batch rather than one per piece: a batch holds hundreds of pieces, few outliers.
+        `lengths`: the entries' lengths as an int64 array, if the caller has it."""
         if not self.thresholds or not entries:
             return list(entries)
-        lengths = np.fromiter(map(itemgetter(2), entries), dtype=np.int64, count=len(entries))
+        if lengths is None:
+            lengths = np.fromiter(map(itemgetter(2), entries), dtype=np.int64, count=len(entries))
         levels = np.searchsorted(np.asarray(self.thresholds, dtype=np.int64), lengths, side="right") - 1
         outliers = np.flatnonzero(levels >= 0)
         if not len(outliers):
@@ -298,11 +301,12 @@ class WLBPacker:
         return list(compress(entries, (levels < 0).tolist()))
 
     def _plan_step(self, entries: list[HeldPiece], queues: list[deque], carry: list[HeldPiece], step: int,
-                   policy: ReleasePolicy, started: float) -> tuple[PackPlan, list[HeldPiece]]:
+                   policy: ReleasePolicy, started: float,
+                   lengths: np.ndarray | None = None) -> tuple[PackPlan, list[HeldPiece]]:
         """Queue the outliers of `entries`, release by `policy`, pack, and deal to replicas.
         Mutates only the given queues (copies); returns (plan, new carry). `started`
         (perf_counter seconds) is when the step began, for `plan.info.wall_s`."""
-        fresh = self._queue_outliers(entries, queues)
+        fresh = self._queue_outliers(entries, queues, lengths)
         self._step_solver = self._make_step_solver(carry + [piece for q in queues for piece in q], fresh)
         try:
             pending, plan, arrival, released, n_early = policy.plan_step(fresh, queues, carry, step, self._solve)
@@ -406,17 +410,17 @@ class WLBPacker:
         if self.lookahead:
             # Outliers queue on arrival (they may leave early); regular documents wait in
             # the buffer for their own step (see lookahead.py).
-            regular = self._queue_outliers(entries, queues)
+            regular = self._queue_outliers(entries, queues, lengths)
             ahead = self._ahead.with_batch(regular)
             if len(ahead) <= self.lookahead:  # step s - K does not exist yet
                 self._record_ids(ids)
                 self._queues, self._ahead = queues, ahead
                 self._held = KeySets(held_keys(queues, self._carry), *ahead.key_sets(), ids=[None, *ahead.id_sets()])
                 return None
-            entries = ahead.pop_oldest()
+            entries, lengths = ahead.pop_oldest(), None
         else:
             ahead = self._ahead
-        plan, carry = self._plan_step(entries, queues, list(self._carry), step, self._step_policy(), started)
+        plan, carry = self._plan_step(entries, queues, list(self._carry), step, self._step_policy(), started, lengths)
         # A step that holds no more than the one before always passes (pack([]) makes
         # progress even from a state above the limit, e.g. one loaded with a lower limit).
         # What was seen ahead is not counted (the buffer, and outliers queued before their
