@@ -226,3 +226,40 @@ def test_a_trimmed_step_is_the_step_packed_again_without_its_piece(dist, lookahe
     for batch in global_batches(dist, W, 4 * W, 80, seed=DEFAULT_SEED + 7):
         packer.pack(*batch)
     assert seen["taken"] >= 3 and seen["refused"] >= 20
+
+
+@pytest.mark.parametrize("dist, lookahead, max_delay, carried_move, carried_stay",
+                         [("heavy", 0, 16, True, False), ("prose", 2, 2, True, True), ("heavy", 0, 1, False, True),
+                          ("real", 0, None, False, True)])
+def test_the_trim_may_defer_exactly_the_fresh_pieces_and_the_carried_ones_not_due(dist, lookahead, max_delay,
+                                                                                   carried_move, carried_stay,
+                                                                                   monkeypatch):
+    # `MarginalRelease._movable` finds them from the released pieces and the deadline alone:
+    # the same positions as the plain definition over the step's fresh and carried pieces
+    from wlb_opt.packer.release import MarginalRelease
+    movable, seen, current = MarginalRelease._movable, {"carried": 0, "fresh": 0, "stays": 0}, {}
+
+    def both(self, positions, result, fresh, step):
+        got = movable(self, positions, result, fresh, step)
+        carry = set(current["carry"])
+        allowed = set(fresh) | {p for p in carry if max_delay is not None and step - p.arrival < max_delay}
+        assert got == [i for i in positions if result.pending[i] in allowed]
+        seen["carried"] += sum(result.pending[i] in carry for i in got)
+        seen["fresh"] += sum(result.pending[i] in set(fresh) for i in got)
+        seen["stays"] += sum(result.pending[i] in carry and result.pending[i] not in allowed for i in positions)
+        return got
+
+    trim = MarginalRelease._trim
+
+    def trim_seeing_carry(self, result, fresh, carry, step, solve):
+        current["carry"] = carry
+        return trim(self, result, fresh, carry, step, solve)
+
+    monkeypatch.setattr(MarginalRelease, "_movable", both)
+    monkeypatch.setattr(MarginalRelease, "_trim", trim_seeing_carry)
+    W = 131072
+    packer = WLBPacker(4, int(1.25 * W), COST, config=PackerConfig(lookahead=lookahead, max_delay=max_delay))
+    for batch in global_batches(dist, W, 4 * W, 80, seed=DEFAULT_SEED + 9):
+        packer.pack(*batch)
+    # carried pieces the trim may defer, and carried pieces it may not (due, or no max_delay)
+    assert seen["fresh"] > 100 and (seen["carried"] > 0) == carried_move and (seen["stays"] > 0) == carried_stay

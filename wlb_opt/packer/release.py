@@ -838,12 +838,7 @@ class MarginalRelease(GroupRelease):
         plan = result.plan
         if sum(len(mb) for mb in plan.micro_batches) <= 1:
             return None
-        heaviest = plan.micro_batches[int(np.argmax(plan.loads))].tolist()
-        # a carried piece only while it has a deadline to come (max_delay=None: fresh pieces only,
-        # so that no piece is deferred twice without a bound)
-        movable = set(fresh) | {piece for piece in carry  # pieces, hashed whole: their keys are unique
-                                if self.max_delay is not None and not self._is_due(piece, step)}
-        options = [i for i in heaviest if result.pending[i] in movable]
+        options = self._movable(plan.micro_batches[int(np.argmax(plan.loads))].tolist(), result, fresh, step)
         if not options:
             return None
         position = max(options, key=lambda i: (result.pending[i].length, result.pending[i].arrival))
@@ -868,6 +863,20 @@ class MarginalRelease(GroupRelease):
                                 deferred=np.append(t_plan.deferred, len(pending)))
         return StepRelease(pending + [piece], t_plan, np.append(arrival, piece.arrival), result.released,
                            result.n_early)
+
+    def _movable(self, positions: list[int], result: StepRelease, fresh, step: int) -> list[int]:
+        """The `positions` (in result.pending) of pieces the trim may defer: fresh ones, and
+        carried ones while they have a deadline to come (max_delay=None: fresh pieces only, so
+        that no piece is deferred twice without a bound)."""
+        pending = result.pending
+        if self.max_delay is None:
+            movable = set(fresh)  # pieces, hashed whole: their keys are unique
+            return [i for i in positions if pending[i] in movable]
+        # the step's pieces are its carried, released and fresh ones, and the fresh ones arrived
+        # at this step: all may move but the released ones and those at their deadline, which
+        # are carried (found without a pass over the carry)
+        fixed, due_by = set(result.released), step - self.max_delay
+        return [i for i in positions if pending[i].arrival > due_by and pending[i] not in fixed]
 
     def _split(self, carry, released, fresh, step):
         first, rest = split_due(carry, released, fresh, step, self.max_delay)
