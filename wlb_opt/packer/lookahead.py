@@ -36,14 +36,9 @@ STATE_KEY = "lookahead_buffer"
 rows per buffered step, oldest first."""
 
 
-def _keys_of(pieces: Iterable[HeldPiece]) -> frozenset:
-    """(id, offset) of each of `pieces`, as `HeldPiece.key`."""
-    return frozenset(map(itemgetter(0, 1), pieces))
-
-
-def _ids_of(keys: frozenset) -> frozenset:
-    """The ids of `keys` ((id, offset) pairs)."""
-    return frozenset(map(itemgetter(0), keys))
+def _ids_of(pieces: Iterable[HeldPiece]) -> frozenset:
+    """The ids of `pieces`."""
+    return frozenset(map(itemgetter(0), pieces))
 
 
 class LookaheadBuffer:
@@ -53,18 +48,16 @@ class LookaheadBuffer:
 
     def __init__(self, batches: Iterable[list[HeldPiece]] = ()) -> None:
         self._batches: deque[list[HeldPiece]] = deque(list(b) for b in batches)
-        # (id, offset) of each batch's pieces, made once per batch: the packer asks for the
-        # keys of the whole buffer every step
-        self._keys: deque[frozenset] = deque(_keys_of(b) for b in self._batches)
-        self._ids: deque[frozenset] = deque(_ids_of(k) for k in self._keys)
+        # the ids of each batch's pieces, made once per batch: a new batch is checked against
+        # the whole buffer every step (`state.KeySets`)
+        self._ids: deque[frozenset] = deque(_ids_of(b) for b in self._batches)
 
     def __len__(self) -> int:
         return len(self._batches)
 
     def copy(self) -> "LookaheadBuffer":
         out = LookaheadBuffer()
-        out._batches, out._keys = deque(list(b) for b in self._batches), deque(self._keys)
-        out._ids = deque(self._ids)
+        out._batches, out._ids = deque(list(b) for b in self._batches), deque(self._ids)
         return out
 
     def with_batch(self, pieces: list[HeldPiece]) -> "LookaheadBuffer":
@@ -72,13 +65,11 @@ class LookaheadBuffer:
         when the whole step is valid)."""
         out = self.copy()
         out._batches.append(list(pieces))
-        out._keys.append(_keys_of(pieces))
-        out._ids.append(_ids_of(out._keys[-1]))
+        out._ids.append(_ids_of(pieces))
         return out
 
     def pop_oldest(self) -> list[HeldPiece]:
         """Remove and return the regular documents of the oldest buffered step."""
-        self._keys.popleft()
         self._ids.popleft()
         return self._batches.popleft()
 
@@ -86,14 +77,13 @@ class LookaheadBuffer:
         """Every buffered piece, oldest batch first."""
         return [piece for batch in self._batches for piece in batch]
 
-    def key_sets(self) -> list[frozenset]:
-        """(id, offset) of every buffered piece, one set per batch (a new batch may not repeat
-        one; `state.KeySets` checks against them without building their union)."""
-        return list(self._keys)
+    def batches(self) -> list[list[HeldPiece]]:
+        """The buffered pieces, one list per batch, oldest first."""
+        return list(self._batches)
 
     def id_sets(self) -> list[frozenset]:
-        """The ids of `key_sets()`, one set per batch (`state.KeySets` checks a batch's ids
-        against them first)."""
+        """The ids of each batch's pieces, one set per batch (a new batch may not repeat a
+        buffered piece: `state.KeySets` checks a batch's ids against them first)."""
         return list(self._ids)
 
     def tokens(self) -> int:

@@ -64,7 +64,7 @@ from .fill_trial import FillStepSolver
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
 from .release import DrainRelease, ReleasePolicy, make_release_policy
-from .state import (HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state, encode_state, held_keys,
+from .state import (HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state, encode_state, pieces_of,
                     held_tokens)
 from .stats import StreamStats
 from .trial import StepSolver, as_pack_plan, piece_table
@@ -378,7 +378,7 @@ class WLBPacker:
 
     def _commit(self, plan: PackPlan, queues: list[deque], carry: list[HeldPiece]) -> None:
         self._queues, self._carry = queues, carry
-        self._held = KeySets(held_keys(queues, carry), *self._ahead.key_sets(), ids=[None, *self._ahead.id_sets()])
+        self._held = KeySets(pieces_of(queues, carry), *self._ahead.batches(), ids=[None, *self._ahead.id_sets()])
         self._step += 1
         self._stats.add(plan, self.max_delay, plan.info.extra["queue_wait_max"])
 
@@ -415,7 +415,7 @@ class WLBPacker:
             if len(ahead) <= self.lookahead:  # step s - K does not exist yet
                 self._record_ids(ids)
                 self._queues, self._ahead = queues, ahead
-                self._held = KeySets(held_keys(queues, self._carry), *ahead.key_sets(), ids=[None, *ahead.id_sets()])
+                self._held = KeySets(pieces_of(queues, self._carry), *ahead.batches(), ids=[None, *ahead.id_sets()])
                 return None
             entries, lengths = ahead.pop_oldest(), None
         else:
@@ -617,7 +617,7 @@ class WLBPacker:
         self._calibration = loaded.calibration
         self._stats = loaded.stats
         self._ahead = ahead
-        self._held = KeySets(held_keys(loaded.queues, loaded.carry), *ahead.key_sets(), ids=[None, *ahead.id_sets()])
+        self._held = KeySets(pieces_of(loaded.queues, loaded.carry), *ahead.batches(), ids=[None, *ahead.id_sets()])
 
     def _decode_lookahead(self, state: dict, step: int) -> LookaheadBuffer:
         """The lookahead part of a state (lookahead.py; its config.lookahead is checked by

@@ -53,45 +53,49 @@ class HeldPiece(NamedTuple):
         return self.id, self.offset
 
 
-def held_keys(queues, carry) -> set[tuple[int, int]]:
-    """Identities of every piece in `queues` and `carry` (`HeldPiece.key`, read by position)."""
-    keys = set(map(_ID_OFFSET, carry))
-    for q in queues:
-        keys.update(map(_ID_OFFSET, q))
-    return keys
+def pieces_of(queues, carry) -> list[HeldPiece]:
+    """Every piece in `queues` and `carry`."""
+    return [piece for q in queues for piece in q] + list(carry)
 
 
 _ID_OFFSET = itemgetter(0, 1)
-"""(id, offset) of a HeldPiece or of a key: its identity (`HeldPiece.key`)."""
+"""(id, offset) of a HeldPiece: its identity (`HeldPiece.key`)."""
 
 
 class KeySets:
-    """The union of a few sets of piece identities, without building it: what a new batch
-    is checked against (held pieces, each batch buffered ahead), each set made once."""
+    """The identities (`HeldPiece.key`) of a few lists of pieces (held pieces, each batch
+    buffered ahead), without building their union: what a new batch is checked against.
+    Each list's ids are made once (`ids`, or from its pieces); its (id, offset) pairs only
+    when a batch shares an id with it, which a stream of whole documents never does."""
 
-    def __init__(self, *sets, ids=None):
-        """`ids`, if given: for each of `sets`, the set of its ids (None: made from its keys)."""
-        ids = [None] * len(sets) if ids is None else ids
-        self._sets = [s for s in sets if s]
-        self._ids = [frozenset(map(itemgetter(0), s)) if i is None else i for s, i in zip(sets, ids) if s]
+    def __init__(self, *groups, ids=None):
+        """`groups`: lists of pieces; `ids`, if given: for each, the set of its ids (None: made
+        from its pieces)."""
+        ids = [None] * len(groups) if ids is None else ids
+        self._groups = [g for g in groups if len(g)]
+        self._ids = [frozenset(map(itemgetter(0), g)) if i is None else i for g, i in zip(groups, ids) if len(g)]
+        self._keys: list[frozenset | None] = [None] * len(self._groups)
+
+    def _keys_of(self, k: int) -> frozenset:
+        if self._keys[k] is None:
+            self._keys[k] = frozenset(map(_ID_OFFSET, self._groups[k]))
+        return self._keys[k]
 
     def __bool__(self) -> bool:
-        return bool(self._sets)
+        return bool(self._groups)
 
     def __contains__(self, key) -> bool:
-        return any(key in s for s in self._sets)
-
-    def isdisjoint(self, keys) -> bool:
-        keys = keys if isinstance(keys, (set, frozenset)) else set(keys)
-        return all(s.isdisjoint(keys) for s in self._sets)
+        return any(key[0] in ids and key in self._keys_of(k) for k, ids in enumerate(self._ids))
 
     def isdisjoint_pieces(self, ids: list[int], offsets: list[int]) -> bool:
-        """`isdisjoint` of the keys (id, offset) of a batch's pieces: first on the ids alone (a
-        set of ints, cheaper than one of pairs), which settles it when no id is shared."""
+        """Whether no (id, offset) of a batch's pieces is one of these: first on the ids alone
+        (sets of ints), then on the pairs of the lists that share an id with the batch."""
         batch_ids = set(ids)
-        if all(s.isdisjoint(batch_ids) for s in self._ids):
+        shared = [k for k, group_ids in enumerate(self._ids) if not group_ids.isdisjoint(batch_ids)]
+        if not shared:
             return True
-        return self.isdisjoint(zip(ids, offsets))
+        keys = set(zip(ids, offsets))
+        return all(self._keys_of(k).isdisjoint(keys) for k in shared)
 
 
 def held_tokens(queues, carry) -> int:
