@@ -268,21 +268,22 @@ class TrialPack:
         if "_placed_bin" not in self.__dict__:
             s = self._solver
             n_bins = s.dp * s.n_micro
-            stop = AssignStop(deferred_tokens=deferred_tokens)
+            load, slope, load_cap, keep_at = float("inf"), 0.0, float("inf"), frozenset()
             if threshold is not None:
                 mean_at_most = np.add.reduce(s.weights[self._pending_idx]) / n_bins + s.bin_const
                 factor = threshold * (1 + 1e-9)
-                stop = stop._replace(load=factor * mean_at_most - s.bin_const, slope=factor / n_bins)
+                load, slope = factor * mean_at_most - s.bin_const, factor / n_bins
                 capacity = n_bins * s.max_tokens
                 if (len(self._pending_idx) >= ROOM_MIN_PIECES  # it cannot place everything
                         and np.add.reduce(s.lengths[self._pending_idx]) > capacity):
-                    stop = stop._replace(load_cap=factor * (s.placed_at_most(self._pending_idx, capacity) / n_bins
-                                                            + s.bin_const) - s.bin_const)
+                    load_cap = (factor * (s.placed_at_most(self._pending_idx, capacity) / n_bins + s.bin_const)
+                                - s.bin_const)
             if len(keep):  # their positions in the placement order
                 marked = np.zeros(len(s.lengths), dtype=bool)
                 marked[s._indices(keep)] = True
-                stop = stop._replace(keep=frozenset(np.flatnonzero(marked[self._order]).tolist()))
-            placed = self._assign(stop)
+                keep_at = frozenset(marked[self._order].nonzero()[0].tolist())
+            placed = self._assign(AssignStop(load=load, slope=slope, load_cap=load_cap,
+                                             deferred_tokens=deferred_tokens, keep=keep_at))
             if placed is None:
                 return True
             self._placed_bin = placed
