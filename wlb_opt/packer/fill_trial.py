@@ -32,7 +32,6 @@ polish only lower the largest load.
 """
 from __future__ import annotations
 
-from ._cached import cached_property
 from itertools import chain
 from operator import is_
 from typing import NamedTuple
@@ -43,6 +42,7 @@ from ..plan import PackPlan, SolveInfo
 from ..solvers.fill import wlb_fill
 from ..solvers.greedy import argsort_descending, bin_tokens
 from ..solvers.problem import PackProblem
+from ._cached import cached_property
 from .state import HeldPiece
 from .trial import StepSolver
 

@@ -64,8 +64,8 @@ from .fill_trial import FillStepSolver
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
 from .release import DrainRelease, ReleasePolicy, make_release_policy
-from .state import (HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state, encode_state, pieces_of,
-                    held_tokens)
+from .state import (HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state, encode_state, held_tokens,
+                    pieces_of)
 from .stats import StreamStats
 from .trial import StepSolver, as_pack_plan, piece_table
 

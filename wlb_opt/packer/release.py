@@ -62,13 +62,13 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
-from ._cached import cached_property
 from typing import Callable, Literal, NamedTuple
 
 import numpy as np
 
 from ..plan import PackPlan
 from ..solvers.bounds import densest_first, densest_order, pigeonhole_sorted
+from ._cached import cached_property
 from .state import HeldPiece
 from .trial import ROOM_MIN_PIECES, TrialPack, as_pack_plan
 
@@ -448,7 +448,8 @@ class GroupRelease(ReleasePolicy):
         room = ctx.room if ctx.room is not None and ctx.room.overflows(sum(lengths[-need:])) else None
         kept_top = ctx.kept[0] if ctx.kept else None
         if room is not None:  # a window deferring this many tokens or more whatever the packing is left out
-            excess, defer_limit = room.base_tokens + room.joined_tokens - room.capacity, self.max_backlog_tokens // 2 + 1
+            excess = room.base_tokens + room.joined_tokens - room.capacity
+            defer_limit = self.max_backlog_tokens // 2 + 1
         windows = []  # (size, start, tokens, relief, total cost, heaviest cost) past the early and deferral rules
         tokens, reliefs, earlies, totals, heaviest = lengths, relief, early, costs, costs  # windows of 1
         for size in range(1, top + 1):

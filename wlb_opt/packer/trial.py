@@ -24,7 +24,6 @@ placement order, plus the per-micro-batch constant).
 """
 from __future__ import annotations
 
-from ._cached import cached_property
 from itertools import chain
 
 import numpy as np
@@ -33,6 +32,7 @@ from ..plan import PackPlan, SolveInfo, imbalance
 from ..solvers.bounds import densest_first, densest_order
 from ..solvers.greedy import AssignStop, argsort_descending, bin_tokens, insert_sorted, split_by_bin, wlb_assign
 from ..solvers.phases import phases_or_algorithm1
+from ._cached import cached_property
 from .state import HeldPiece
 
 ROOM_MIN_PIECES = 512
