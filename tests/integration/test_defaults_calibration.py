@@ -84,47 +84,25 @@ def test_the_order_in_which_candidates_are_packed_changes_no_plan(seed, lookahea
 
 
 @pytest.mark.filterwarnings("ignore:step 0")
-@pytest.mark.parametrize("seed, lookahead, mb_const", [(31, 0, 0.0), (32, 2, 2e-3), (33, 4, 0.0)])
-def test_a_few_windows_in_python_are_the_windows_numpy_finds(seed, lookahead, mb_const, monkeypatch):
+@pytest.mark.parametrize("seed, lookahead, mb_const, capped", [(31, 0, 0.0, False), (32, 2, 2e-3, False),
+                                                               (33, 4, 0.0, False), (41, 0, 0.0, True),
+                                                               (42, 2, 2e-3, True), (43, 4, 0.0, True)])
+def test_a_few_windows_in_python_are_the_windows_numpy_finds(seed, lookahead, mb_const, capped, monkeypatch):
     # `_windows` judges a small pool in plain Python and a large one with numpy: on every
-    # call of a stream, both must return the same windows, bounds and reliefs, float for float
-    from wlb_opt.packer import release as release_module
-    cost = unit_cost(1e-6, 1e-3, mb_const=mb_const, backward=True)
-    batches = _stream(np.random.default_rng(seed), 60)
-    windows = release_module.GroupRelease._windows
-    calls = [0]
-
-    def both(self, remaining, ctx, early_only=False):
-        monkeypatch.setattr(release_module, "SMALL_WINDOWS", 0)
-        with_numpy = windows(self, remaining, ctx, early_only)
-        monkeypatch.setattr(release_module, "SMALL_WINDOWS", 10**9)
-        in_python = windows(self, remaining, ctx, early_only)
-        assert in_python == with_numpy
-        calls[0] += bool(with_numpy[0])
-        return in_python
-
-    monkeypatch.setattr(release_module.GroupRelease, "_windows", both)
-    for release in ("marginal", "group"):
-        packer = WLBPacker(4, 200, cost, config=PackerConfig(thresholds=[60], lookahead=lookahead, release=release))
-        [packer.pack(*b) for b in batches] + packer.drain()
-    assert calls[0] > 50
-
-
-@pytest.mark.filterwarnings("ignore:step 0")
-@pytest.mark.parametrize("seed, lookahead, mb_const", [(41, 0, 0.0), (42, 2, 2e-3), (43, 4, 0.0)])
-def test_a_few_windows_in_python_are_the_windows_numpy_finds_under_the_token_cap(seed, lookahead, mb_const,
-                                                                                  monkeypatch):
-    # The same with the bounds of the micro-batches' token cap (ctx.room: deferral and the
-    # most cost the step can place; ctx.kept: the held pieces every candidate places) on
-    # every step, on a stream that overloads them
+    # call of a stream, both must return the same windows, bounds and reliefs, float for float.
+    # `capped`: with the bounds of the micro-batches' token cap (ctx.room: deferral and the
+    # most cost the step can place; ctx.kept: the held pieces every candidate places) on every
+    # step, on a stream that overloads them
     from wlb_opt.packer import release as release_module
     from wlb_opt.packer import trial
-    for module in (release_module, trial):
-        monkeypatch.setattr(module, "ROOM_MIN_PIECES", 0)
+    if capped:
+        for module in (release_module, trial):
+            monkeypatch.setattr(module, "ROOM_MIN_PIECES", 0)
     cost = unit_cost(1e-6, 1e-3, mb_const=mb_const, backward=True)
-    batches = _overloaded_stream(np.random.default_rng(seed), 80)
+    rng = np.random.default_rng(seed)
+    batches = _overloaded_stream(rng, 80) if capped else _stream(rng, 60)
     windows = release_module.GroupRelease._windows
-    calls = {"room": 0, "overflows": 0, "kept": 0}
+    calls = {"windows": 0, "room": 0, "overflows": 0, "kept": 0}
 
     def both(self, remaining, ctx, early_only=False):
         monkeypatch.setattr(release_module, "SMALL_WINDOWS", 0)
@@ -133,6 +111,7 @@ def test_a_few_windows_in_python_are_the_windows_numpy_finds_under_the_token_cap
         in_python = windows(self, remaining, ctx, early_only)
         assert in_python == with_numpy
         if with_numpy[0]:
+            calls["windows"] += 1
             calls["room"] += ctx.room is not None
             calls["overflows"] += ctx.room is not None and ctx.room.overflows(
                 sum(piece.length for piece in remaining[-self.need:]))
@@ -141,9 +120,12 @@ def test_a_few_windows_in_python_are_the_windows_numpy_finds_under_the_token_cap
 
     monkeypatch.setattr(release_module.GroupRelease, "_windows", both)
     for release in ("marginal", "group"):
-        packer = WLBPacker(2, 200, cost, config=PackerConfig(thresholds=[60], lookahead=lookahead, release=release))
+        packer = WLBPacker(2 if capped else 4, 200, cost,
+                           config=PackerConfig(thresholds=[60], lookahead=lookahead, release=release))
         [packer.pack(*b) for b in batches] + packer.drain()
-    assert calls["room"] > 50 and calls["overflows"] > 10 and calls["kept"] > 10
+    assert calls["windows"] > 50
+    if capped:
+        assert calls["room"] > 50 and calls["overflows"] > 10 and calls["kept"] > 10
 
 
 @pytest.mark.filterwarnings("ignore:step 0")
