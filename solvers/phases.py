@@ -80,38 +80,34 @@ def phases_assign(order: np.ndarray, lengths: np.ndarray, fwd: np.ndarray, bwd: 
         keys[b] = key
     stuck = -1  # >= 0: the room of the least-loaded bin, current at the top (as in wlb_assign_python)
     for d, fs, bs in items:
+        least = False
         if d <= stuck or stuck < 0:
             key, b = heap[0]
             while key != keys[b]:  # a key left behind by the fallback
                 replace(heap, (keys[b], b))
                 key, b = heap[0]
-            if toks[b] + d <= cap:
-                toks[b] += d
-                f = f_load[b] + fs
-                g = b_load[b] + bs
-                f_load[b] = f
-                b_load[b] = g
-                keys[b] = f if f > g else g
-                replace(heap, (keys[b], b))
-                put(b)
-                stuck = -1
-                continue
-            stuck = cap - toks[b]
-        tok, b = tok_heap[0]
-        while tok != toks[b]:
-            replace(tok_heap, (toks[b], b))
+            least = toks[b] + d <= cap
+            if not least:
+                stuck = cap - toks[b]
+        if not least:  # the fewest-token bin (not the least-loaded one, which had no room)
             tok, b = tok_heap[0]
-        if tok + d > cap:
-            put(-1)
-            continue
-        # the fewest-token bin, not the least-loaded one (which had no room): the heap's top stays
-        toks[b] = tok + d
+            while tok != toks[b]:
+                replace(tok_heap, (toks[b], b))
+                tok, b = tok_heap[0]
+            if tok + d > cap:
+                put(-1)
+                continue
+        toks[b] += d
         f = f_load[b] + fs
         g = b_load[b] + bs
         f_load[b] = f
         b_load[b] = g
         keys[b] = f if f > g else g
-        replace(tok_heap, (toks[b], b))
+        if least:  # the top bin changed: re-keyed, and no longer known to be full
+            replace(heap, (keys[b], b))
+            stuck = -1
+        else:  # the top of the load heap stays; the fewest-token bin is re-keyed now
+            replace(tok_heap, (toks[b], b))
         put(b)
     return np.array(placed, dtype=np.int64)
 
