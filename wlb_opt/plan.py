@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -409,8 +410,14 @@ def merge_chunks(lengths, rank, doc, start, length) -> np.ndarray:
     return np.stack([rank, doc, start, length], axis=1) if len(doc) else np.zeros((0, 4), np.int64)
 
 
+def chunk_tokens(chunks: np.ndarray, cp: int) -> np.ndarray:
+    """int64 tokens each of `cp` ranks holds under a chunk table."""
+    return np.bincount(chunks[:, 0], weights=chunks[:, 3], minlength=cp)[:cp].astype(np.int64)
+
+
 def shard_layout(lengths, offsets, cp: int, chunks: np.ndarray):
-    """(rank_indices, segments, positions) of a canonical chunk table (see `merge_chunks`).
+    """(rank_indices, segments, positions) of a canonical chunk table (see `merge_chunks`):
+    per rank, read-only views of three arrays made here.
 
     Rank r's local order is packed order restricted to its tokens. Its segment for chunk
     (doc, start, length) is (q_start, length, doc_start, start + length): the queries see the
@@ -429,9 +436,11 @@ def shard_layout(lengths, offsets, cp: int, chunks: np.ndarray):
     ar = np.arange(total, dtype=np.int64)
     gidx = np.repeat(doc_start[doc] + start - tok_before, length) + ar
     pos = np.repeat(offsets[doc] + start - tok_before, length) + ar
-    rank_indices = [gidx[rank_tok_start[r]:rank_tok_start[r + 1]] for r in range(cp)]
-    positions = [pos[rank_tok_start[r]:rank_tok_start[r + 1]] for r in range(cp)]
-    segments = [seg[bounds[r]:bounds[r + 1]] for r in range(cp)]
+    for arr in (gidx, pos, seg):
+        arr.flags.writeable = False  # views of a read-only array are read-only
+    rank_indices = tuple(gidx[rank_tok_start[r]:rank_tok_start[r + 1]] for r in range(cp))
+    positions = tuple(pos[rank_tok_start[r]:rank_tok_start[r + 1]] for r in range(cp))
+    segments = tuple(seg[bounds[r]:bounds[r + 1]] for r in range(cp))
     return rank_indices, segments, positions
 
 
@@ -455,6 +464,12 @@ class ShardPlan:
     - `chunks`: the compact description every other field is derived from: int64 rows
       (rank, doc, start, length), tokens [start, start + length) of document `doc`
       (`CHUNK_COLUMNS`; the chunk rules in `wlb_opt.solvers.chunk_rules` use the same order).
+    - `tokens[r]`: how many tokens rank r holds.
+
+    `rank_indices`, `segments` and `positions` are derived from the chunk table on first read
+    (`shard_layout`), not when the plan is made: the per-token arrays are as long as the
+    micro-batch, and a planner that shards every micro-batch of a step ahead of training
+    should not pay for them (a CP rank reads its own).
 
     Frozen like PackPlan: arrays read-only, per-rank lists are tuples.
     """
@@ -464,9 +479,6 @@ class ShardPlan:
     lengths: np.ndarray
     offsets: np.ndarray
     chunks: np.ndarray
-    rank_indices: tuple
-    segments: tuple
-    positions: tuple
     loads: np.ndarray
     tokens: np.ndarray
     requested: str = ""
@@ -476,9 +488,27 @@ class ShardPlan:
         for name in ("lengths", "offsets", "chunks", "tokens"):
             _freeze(self, name, np.int64)
         _freeze(self, "loads", np.float64)
-        object.__setattr__(self, "rank_indices", _frozen_tuple(self.rank_indices, np.int64))
-        object.__setattr__(self, "positions", _frozen_tuple(self.positions, np.int64))
-        object.__setattr__(self, "segments", _frozen_tuple(self.segments, np.int32))
+        if self.chunks.ndim != 2 or self.chunks.shape[1] != len(CHUNK_COLUMNS):
+            raise ValueError(f"chunks must be an (n, 4) table of rows {CHUNK_COLUMNS}, got shape {self.chunks.shape}")
+
+    @functools.cached_property
+    def _layout(self) -> tuple[tuple, tuple, tuple]:
+        return shard_layout(self.lengths, self.offsets, self.cp, self.chunks)
+
+    @property
+    def rank_indices(self) -> tuple:
+        """Per rank, its int64 token positions in the packed micro-batch (class docstring)."""
+        return self._layout[0]
+
+    @property
+    def segments(self) -> tuple:
+        """Per rank, its int32 (S, 4) segment rows (class docstring)."""
+        return self._layout[1]
+
+    @property
+    def positions(self) -> tuple:
+        """Per rank, the RoPE position of each of its tokens (class docstring)."""
+        return self._layout[2]
 
     @property
     def imbalance(self) -> float:
@@ -587,11 +617,8 @@ class ShardPlan:
         offsets = np.asarray(d["offsets"], dtype=np.int64)
         chunks = np.asarray(d["chunks"], dtype=np.int64).reshape(-1, 4)
         cp = int(d["cp"])
-        rank_indices, segments, positions = shard_layout(lengths, offsets, cp, chunks)
         return cls(cp=cp, strategy=d["strategy"], lengths=lengths, offsets=offsets, chunks=chunks,
-                   rank_indices=rank_indices, segments=segments, positions=positions,
-                   loads=np.asarray(d["loads"], dtype=np.float64),
-                   tokens=np.array([len(x) for x in rank_indices], dtype=np.int64),
+                   loads=np.asarray(d["loads"], dtype=np.float64), tokens=chunk_tokens(chunks, cp),
                    requested=d.get("requested", ""), info=SolveInfo.from_dict(d["info"]))
 
     def digest(self) -> str:

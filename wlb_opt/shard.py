@@ -39,7 +39,7 @@ from typing import Literal
 
 from ._validate import check_choice, check_int, check_positive_real, is_float, validate_lengths, validate_offsets
 from .cost import CostModel, default_cost
-from .plan import ShardPlan, SolveInfo, merge_chunks, shard_layout
+from .plan import ShardPlan, SolveInfo, chunk_tokens, merge_chunks
 from .solvers.chunk_rules import hybrid_assign, hybrid_chunks, per_doc_chunk_sizes, per_doc_chunks, per_seq_chunks
 
 ShardStrategy = Literal["per_seq", "per_doc", "adaptive", "hybrid", "cpsat"]
@@ -181,8 +181,7 @@ def solve_shard(
         extra.update(predicted_max={c[0]: float(np.max(c[2])) for c in cands})
 
     name, chunks, loads = chosen
-    rank_indices, segments, positions = shard_layout(lengths, offsets, cp, chunks)
-    tokens = np.bincount(chunks[:, 0], weights=chunks[:, 3], minlength=cp)[:cp].astype(np.int64)
+    tokens = chunk_tokens(chunks, cp)
     objective = float(np.max(loads))
     bound = gap = None
     if extra.get("bound") is not None:
@@ -190,8 +189,7 @@ def solve_shard(
         gap = max(0.0, (objective - bound) / objective) if objective > 0 else 0.0
     info = SolveInfo(method=strategy, status=status, objective=objective, bound=bound, gap=gap,
                      wall_s=time.perf_counter() - t0, extra=extra)
-    return ShardPlan(cp=cp, strategy=name, lengths=lengths, offsets=offsets, chunks=chunks,
-                     rank_indices=rank_indices, segments=segments, positions=positions, loads=loads,
+    return ShardPlan(cp=cp, strategy=name, lengths=lengths, offsets=offsets, chunks=chunks, loads=loads,
                      tokens=tokens, requested=strategy, info=info)
 
 

@@ -3,6 +3,7 @@ rules by hand, adaptive / hybrid / cpsat quality relations, adapters against a r
 attention, serialisation and bad input."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections import Counter
@@ -335,6 +336,16 @@ def test_adapters_reproduce_the_reference_attention(strategy):
         assert pos.dtype == torch.int64 and torch.equal(pos, torch.tensor(shard.positions[r]))
 
 
+def with_layout(shard, rank_indices=None, segments=None, positions=None):
+    """A copy of `shard` whose derived per-rank layout (read from its chunk table on first
+    read) is replaced: what a wrong `shard_layout` would give."""
+    broken = copy.copy(shard)
+    layout = shard._layout
+    broken.__dict__["_layout"] = tuple(new if new is not None else old
+                                       for new, old in zip((rank_indices, segments, positions), layout))
+    return broken
+
+
 def test_checker_catches_broken_shards():
     lengths = [9, 4, 12]
     shard = wlb.solve_shard(lengths, 2, "per_doc", COSTS["h100"])
@@ -342,12 +353,30 @@ def test_checker_catches_broken_shards():
     for r, j, col, delta in [(0, 0, 3, -1), (1, 1, 2, 1), (0, 1, 1, -1)]:
         segments = [seg.copy() for seg in shard.segments]
         segments[r][j, col] += delta
-        broken = dataclasses.replace(shard, segments=segments)
         with pytest.raises(AssertionError):
-            check_shard(broken, lengths, 2)
-    swapped = dataclasses.replace(shard, positions=(shard.positions[0][::-1],) + shard.positions[1:])
+            check_shard(with_layout(shard, segments=tuple(segments)), lengths, 2)
+    swapped = with_layout(shard, positions=(shard.positions[0][::-1],) + shard.positions[1:])
     with pytest.raises(AssertionError):
         check_shard(swapped, lengths, 2)
+    assert check_shard(shard, lengths, 2) is None  # the copies left the plan itself unchanged
+
+
+def test_the_layout_is_derived_from_the_chunk_table_on_first_read():
+    # solve_shard stores the chunk table; the per-token arrays come from it when first read, equal
+    # to the same plan rebuilt from its dict, read-only, and cached
+    lengths, offsets = [9, 4, 12, 1], [0, 3, 0, 7]
+    shard = wlb.solve_shard(lengths, 2, "per_doc", COSTS["h100"], offsets=offsets)
+    assert "_layout" not in shard.__dict__
+    assert shard.tokens.tolist() == [len(ix) for ix in shard.rank_indices]
+    assert "_layout" in shard.__dict__ and shard.rank_indices is shard.rank_indices
+    again = wlb.ShardPlan.from_dict(shard.to_dict())
+    for a, b in zip((shard.rank_indices, shard.segments, shard.positions),
+                    (again.rank_indices, again.segments, again.positions)):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    for arr in shard.rank_indices + shard.segments + shard.positions:
+        assert not arr.flags.writeable
+    with pytest.raises(ValueError, match=r"chunks must be an \(n, 4\) table"):
+        dataclasses.replace(shard, chunks=shard.chunks[:, :3])
 
 
 def test_cut_or_whole_bound_holds_and_bench_smoke(tmp_path):

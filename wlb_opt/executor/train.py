@@ -157,7 +157,7 @@ class StepInputs:
 
     def rows(self, j: int) -> int:
         """This rank's tokens of micro-batch j (0 for an empty slot)."""
-        return len(self.shards[j].rank_indices[self.cp_rank]) if len(self.plan.micro_batches[j]) else 0
+        return int(self.shards[j].tokens[self.cp_rank]) if len(self.plan.micro_batches[j]) else 0
 
     def of(self, j: int) -> RankInputs:
         if j not in self._of:
@@ -176,8 +176,8 @@ def check_shards(plan, shards: list, mbs, cp: int, where: str = "") -> None:
         mb = plan.micro_batches[j]
         if not len(mb):
             continue
-        if shards[j] is None or len(shards[j].rank_indices) != cp:
-            got = None if shards[j] is None else len(shards[j].rank_indices)
+        if shards[j] is None or shards[j].cp != cp:
+            got = None if shards[j] is None else shards[j].cp
             raise ValueError(f"{where}shard of micro-batch {j} has {got} CP ranks, mesh has {cp}")
         if not (np.array_equal(shards[j].lengths, plan.lengths[mb]) and np.array_equal(shards[j].offsets,
                                                                                         plan.offsets[mb])):
