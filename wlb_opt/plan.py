@@ -495,6 +495,11 @@ class ShardPlan:
     def _layout(self) -> tuple[tuple, tuple, tuple]:
         return shard_layout(self.lengths, self.offsets, self.cp, self.chunks)
 
+    def __getstate__(self) -> dict:
+        # pickled without the derived layout: as long as the micro-batch, and its arrays would
+        # come back writable; the copy derives it again on first read
+        return {name: value for name, value in self.__dict__.items() if name != "_layout"}
+
     @property
     def rank_indices(self) -> tuple:
         """Per rank, its int64 token positions in the packed micro-batch (class docstring)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import pickle
 from collections import Counter
 
 import numpy as np
@@ -375,6 +376,10 @@ def test_the_layout_is_derived_from_the_chunk_table_on_first_read():
         assert all(np.array_equal(x, y) for x, y in zip(a, b))
     for arr in shard.rank_indices + shard.segments + shard.positions:
         assert not arr.flags.writeable
+    # pickled (DataLoader workers, multiprocessing) without the layout, which the copy derives again
+    copied = pickle.loads(pickle.dumps(shard))
+    assert "_layout" not in copied.__dict__ and copied.digest() == shard.digest()
+    assert all(np.array_equal(x, y) and not y.flags.writeable for x, y in zip(shard.positions, copied.positions))
     with pytest.raises(ValueError, match=r"chunks must be an \(n, 4\) table"):
         dataclasses.replace(shard, chunks=shard.chunks[:, :3])
 
