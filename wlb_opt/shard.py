@@ -70,9 +70,22 @@ class ShardCosts:
 
     def loads(self, chunks: np.ndarray) -> np.ndarray:
         """Per-rank load of a canonical chunk table (rows rank, doc, start, length)."""
-        rank, length = chunks[:, 0], chunks[:, 3]
-        seg = self.segment_cost(length, chunks[:, 2] + length)
-        return np.bincount(rank, weights=seg, minlength=self.cp)[: self.cp] + self.mb_const
+        return self.loads_of(chunks)[0]
+
+    def loads_of(self, *tables: np.ndarray) -> list[np.ndarray]:
+        """`loads` of each chunk table, from one `segment_cost` call over all their rows (the
+        costs are per row, and each table's rows are summed per rank in their own order: the
+        same floats as one call per table)."""
+        rows = np.concatenate(tables) if len(tables) > 1 else tables[0]
+        length = rows[:, 3]
+        seg = self.segment_cost(length, rows[:, 2] + length)
+        out, at = [], 0
+        for table in tables:
+            n = len(table)
+            loads = np.bincount(table[:, 0], weights=seg[at:at + n], minlength=self.cp)[: self.cp] + self.mb_const
+            out.append(loads)
+            at += n
+        return out
 
 
 MAX_CP = 2**16
@@ -145,8 +158,10 @@ def solve_shard(
     elif strategy == "per_doc":
         chosen = candidate("per_doc", per_doc_chunks(lengths, cp))
     else:
-        doc_cand = candidate("per_doc", per_doc_chunks(lengths, cp))
-        seq_cand = candidate("per_seq", per_seq_chunks(lengths, cp))
+        doc_chunks = merge_chunks(lengths, *per_doc_chunks(lengths, cp))
+        seq_chunks = merge_chunks(lengths, *per_seq_chunks(lengths, cp))
+        doc_loads, seq_loads = costs.loads_of(doc_chunks, seq_chunks)
+        doc_cand, seq_cand = ("per_doc", doc_chunks, doc_loads), ("per_seq", seq_chunks, seq_loads)
         # ties go to per_doc (token counts balanced per document, fewer cross-document chunks)
         cands = [doc_cand, seq_cand]
         if strategy in ("hybrid", "cpsat"):
