@@ -176,6 +176,9 @@ def test_adaptive_takes_the_better_static_and_hybrid_never_loses(lengths, cp, co
     best_static = min(seq.max_load, doc.max_load)
     assert ada.max_load == best_static
     assert ada.strategy == ("per_doc" if doc.max_load <= seq.max_load else "per_seq")
+    # adaptive costs both candidates in one call: the same loads, float for float
+    assert np.array_equal(ada.loads, (doc if ada.strategy == "per_doc" else seq).loads)
+    assert ada.info.extra["predicted_max"] == {"per_doc": doc.max_load, "per_seq": seq.max_load}
     assert hyb.max_load <= best_static
     assert hyb.strategy in ("hybrid", "per_doc", "per_seq")
 
