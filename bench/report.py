@@ -77,7 +77,9 @@ _STREAM_SPEED_TABLES = (
     Table("stream_speed.json", ("rows",), caption="Per step, over every step of every seed.",
           columns=("n_micro", "dist", "method", "lookahead", "loop", "steps", "seeds", "repeats", "median_ms", "p99_ms",
                    "worst_ms", "mean_ms", "median_vs_k0", "median_of_runs_ms")),
-    Table("stream_speed.json", ("shard",), caption="`solve_shard` of all micro-batches of a step."))
+    Table("stream_speed.json", ("shard",),
+          caption="CP sharding of all micro-batches of a step: `solve_shards` (at once) and `solve_shard` (one "
+                  "micro-batch at a time; the same ShardPlans)."))
 """`bench stream-speed`'s tables (the quick run and the long one)."""
 
 
@@ -160,7 +162,7 @@ SECTIONS = (
     Section("stream_speed", "Streaming planner speed",
             "CPU time of `WLBPacker.pack` per step with the no-tuning defaults, lookahead 0 and 4, with "
             "Algorithm 1's pure-Python loop (the default install) and its compiled loop (the `fast` extra); "
-            "`solve_shard` of each step's micro-batches apart.",
+            "CP sharding of each step's micro-batches apart.",
             _STREAM_SPEED_TABLES),
     Section("stream_speed_full", "Streaming planner speed, 2,000 steps x 3 seeds",
             "The same measure over long streams: the defaults' step packer with the default install's "

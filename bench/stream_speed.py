@@ -4,8 +4,9 @@
 stream of global batches of n_micro x window tokens, one `pack` per step. Only `pack` is
 timed, as CPU time of this process (`time.process_time`, so other processes on a shared
 machine are not counted); the median, p99 and worst step are over every step of every seed.
-`solve_shard` (CP sharding of each micro-batch, strategy "adaptive") is timed apart, per
-step, on the plans of the first seed. With `--repeats R` each stream is planned R times
+CP sharding of a step (strategy "adaptive") is timed apart, per step, on the plans of the
+first seed: `solve_shards` (every micro-batch of the step at once, what `WLBStream` runs)
+and `solve_shard` called on each micro-batch (the same ShardPlans). With `--repeats R` each stream is planned R times
 and each step counts its least time over the passes: the plans are the same each pass, and
 a shared machine only adds time, so the minimum is the planner's own cost with the least
 noise (the median and tail are then over those minima); `median_of_runs_ms` is the median
@@ -32,7 +33,7 @@ import numpy as np
 
 from ..cost_args import add_cost_args, cost_from_args, count
 from ..packer import PackerConfig, WLBPacker
-from ..shard import solve_shard
+from ..shard import solve_shard, solve_shards
 from ..solvers.greedy import compiled_available, use_compiled
 from ..step_pack import solve_pack
 from ..workloads import DEFAULT_SEED, DISTRIBUTIONS, global_batches
@@ -50,18 +51,22 @@ def _percentiles(times_s: list[float]) -> dict:
 
 def time_stream(batches, n_micro: int, max_tokens: int, cost, lookahead: int, shard_cp: int | None,
                 method: str = "wlb_phases") -> tuple:
-    """(CPU seconds of each `pack`, CPU seconds of sharding each emitted plan or [])."""
+    """(CPU seconds of each `pack`, {"solve_shards": CPU seconds of sharding each emitted plan
+    at once, "solve_shard": the same one micro-batch at a time} or {} without `shard_cp`)."""
     packer = WLBPacker(n_micro, max_tokens, cost, config=PackerConfig(lookahead=lookahead, method=method))
-    pack_s, shard_s = [], []
+    pack_s, shard_s = [], {"solve_shards": [], "solve_shard": []} if shard_cp is not None else {}
     for batch in batches:
         t0 = time.process_time()
         plan = packer.pack(*batch)
         pack_s.append(time.process_time() - t0)
         if shard_cp is not None and plan is not None:
             t0 = time.process_time()
+            solve_shards(plan, shard_cp, "adaptive", cost)
+            shard_s["solve_shards"].append(time.process_time() - t0)
+            t0 = time.process_time()
             for mb in plan.micro_batches:
                 solve_shard(plan.lengths[mb], shard_cp, "adaptive", cost, offsets=plan.offsets[mb])
-            shard_s.append(time.process_time() - t0)
+            shard_s["solve_shard"].append(time.process_time() - t0)
     return pack_s, shard_s
 
 
@@ -136,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                             passes[r] += again
                             times = np.minimum(times, again).tolist()
                         pack_s += times
-                        if shard_s:
-                            shard_rows.append(dict(dist=dist, n_micro=n_micro, cp=cp, strategy="adaptive",
-                                                   steps=len(shard_s), clock="cpu", **_percentiles(shard_s)))
+                        for call, seconds in shard_s.items():
+                            shard_rows.append(dict(dist=dist, n_micro=n_micro, cp=cp, strategy="adaptive", call=call,
+                                                   steps=len(seconds), clock="cpu", **_percentiles(seconds)))
                 row = dict(dist=dist, method=method, lookahead=k, n_micro=n_micro, loop=loop, max_tokens=max_tokens,
                            steps=steps, seeds=seeds, repeats=args.repeats, clock="cpu", **_percentiles(pack_s),
                            median_of_runs_ms=float(np.median([_percentiles(t)["median_ms"] for t in passes])))
@@ -149,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{n_micro:>3} {dist:>6} {method:>8} {k:>2} {loop:>9} {row['median_ms']:>8.2f} {row['p99_ms']:>8.2f} "
                       f"{row['worst_ms']:>8.2f} {ratio:>7}")
     for r in shard_rows:
-        print(f"solve_shard (N={r['n_micro']}, {r['dist']}, cp={r['cp']}, all micro-batches of a step): median {r['median_ms']:.2f} ms, "
+        print(f"{r['call']} (N={r['n_micro']}, {r['dist']}, cp={r['cp']}, all micro-batches of a step): "
+              f"median {r['median_ms']:.2f} ms, "
               f"p99 {r['p99_ms']:.2f}, worst {r['worst_ms']:.2f}")
     if args.out:
         out = Path(args.out)

@@ -108,8 +108,7 @@ def main() -> None:
         stop = cursor + int(np.searchsorted(np.cumsum(lengths[cursor:]), per_batch))
         plan = packer.pack(lengths[cursor:stop], np.arange(cursor, stop))
         cursor = stop
-        shards = [wlb.solve_shard(plan.lengths[mb], None, args.strategy, cost, offsets=plan.offsets[mb])  # cp: cost's
-                  if len(mb) else None for mb in plan.micro_batches]
+        shards = wlb.solve_shards(plan, None, args.strategy, cost)  # one per micro-batch; cp: the cost model's
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = ex.train_step(chunks, plan, shards, data=doc_tokens, mesh=mesh,

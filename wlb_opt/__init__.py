@@ -35,6 +35,7 @@ _EXPORTS = {
     "WLBStream": "stream",
     "Step": "stream",
     "solve_shard": "shard",
+    "solve_shards": "shard",
     "simulate_pipeline": "simulate",
     "simulate_step": "simulate",
     "SimResult": "simulate",

@@ -39,15 +39,17 @@ from typing import Literal
 
 from ._validate import check_choice, check_int, check_positive_real, is_float, validate_lengths, validate_offsets
 from .cost import CostModel, default_cost
-from .plan import ShardPlan, SolveInfo, chunk_tokens, merge_chunks
-from .solvers.chunk_rules import hybrid_assign, hybrid_chunks, per_doc_chunk_sizes, per_doc_chunks, per_seq_chunks
+from .plan import PackPlan, ShardPlan, SolveInfo, chunk_tokens, merge_chunks
+from .solvers.chunk_rules import (head_tail_rank, hybrid_assign, hybrid_chunks, per_doc_chunk_sizes, per_doc_chunks,
+                                  per_seq_chunks)
 
 ShardStrategy = Literal["per_seq", "per_doc", "adaptive", "hybrid", "cpsat"]
 SHARD_STRATEGIES: tuple[str, ...] = ("per_seq", "per_doc", "adaptive", "hybrid", "cpsat")
 CPSAT_MAX_DOCS = 48
 DEFAULT_TOKEN_SKEW = 1.0 / 16
 
-__all__ = ["solve_shard", "SHARD_STRATEGIES", "CPSAT_MAX_DOCS", "ShardCosts", "cut_or_whole_lower_bound"]
+__all__ = ["solve_shard", "solve_shards", "SHARD_STRATEGIES", "CPSAT_MAX_DOCS", "ShardCosts",
+           "cut_or_whole_lower_bound"]
 
 
 class ShardCosts:
@@ -206,6 +208,150 @@ def solve_shard(
                      wall_s=time.perf_counter() - t0, extra=extra)
     return ShardPlan(cp=cp, strategy=name, lengths=lengths, offsets=offsets, chunks=chunks, loads=loads,
                      tokens=tokens, requested=strategy, info=info)
+
+
+BATCHED_STRATEGIES = ("per_seq", "per_doc", "adaptive")
+"""The strategies `solve_shards` computes for all micro-batches at once (the others: one
+`solve_shard` per micro-batch)."""
+
+
+def solve_shards(plan: PackPlan, cp: int | None = None, strategy: ShardStrategy | str = "per_doc",
+                 cost: CostModel | None = None, **options) -> list[ShardPlan | None]:
+    """`solve_shard` of every micro-batch of a step's `plan`: one ShardPlan per micro-batch,
+    in `plan.micro_batches` order (None for an empty micro-batch).
+
+    Each is the ShardPlan `solve_shard(plan.lengths[mb], cp, strategy, cost,
+    offsets=plan.offsets[mb], **options)` returns: the same chunk table, loads (the same
+    floats) and tokens, the same strategy taken; only `info.wall_s` differs (each gets the
+    batch's time over its micro-batches). For "per_seq", "per_doc" and "adaptive" the chunk
+    tables and the loads of all micro-batches are made together, a few array operations
+    per step rather than per micro-batch; "hybrid" and "cpsat" (a search per micro-batch)
+    run `solve_shard` on each. `options`: `solve_shard`'s keyword options (`token_skew`,
+    `time_limit`, `workers`, `seed`), which only "hybrid" and "cpsat" read.
+    """
+    if not isinstance(plan, PackPlan):
+        raise ValueError(f"plan must be a wlb_opt.PackPlan (a step's packing), got {type(plan).__name__}")
+    mbs = [np.asarray(mb, dtype=np.int64) for mb in plan.micro_batches]
+    if strategy not in BATCHED_STRATEGIES:
+        check_choice("strategy", strategy, SHARD_STRATEGIES)
+        return [solve_shard(plan.lengths[mb], cp, strategy, cost, offsets=plan.offsets[mb], **options)
+                if len(mb) else None for mb in mbs]
+    t0 = time.perf_counter()
+    unknown = sorted(set(options) - {"token_skew", "time_limit", "workers", "seed"})
+    if unknown:
+        raise ValueError(f"unknown options {unknown}; solve_shard takes token_skew, time_limit, workers, seed")
+    full = [k for k, mb in enumerate(mbs) if len(mb)]
+    out: list[ShardPlan | None] = [None] * len(mbs)
+    if not full:
+        return out
+    order = np.concatenate([mbs[k] for k in full])
+    lengths, cp, offsets, cost = _validate(plan.lengths[order], cp, strategy, plan.offsets[order], cost)
+    counts = np.array([len(mbs[k]) for k in full], dtype=np.int64)
+    costs = ShardCosts(cost, cp)
+    tables = {}
+    if strategy in ("per_doc", "adaptive"):
+        tables["per_doc"] = _per_doc_rows(lengths, counts, cp)
+    if strategy in ("per_seq", "adaptive"):
+        tables["per_seq"] = _per_seq_rows(lengths, counts, cp)
+    rows = np.concatenate(list(tables.values())) if len(tables) > 1 else next(iter(tables.values()))
+    seg = costs.segment_cost(rows[:, 4], rows[:, 3] + rows[:, 4])
+    n_mb, at, loads = len(full), 0, {}
+    for name, table in tables.items():  # each table's rows per (micro-batch, rank), in its own order
+        n = len(table)
+        loads[name] = np.bincount(table[:, 0] * cp + table[:, 1], weights=seg[at:at + n],
+                                  minlength=n_mb * cp).reshape(n_mb, cp) + costs.mb_const
+        at += n
+    ends = {name: np.searchsorted(table[:, 0], np.arange(n_mb + 1)) for name, table in tables.items()}
+    maxima = {name: table.max(axis=1).tolist() for name, table in loads.items()}
+    each_s = (time.perf_counter() - t0) / n_mb
+    doc_at = np.concatenate([[0], np.cumsum(counts)])
+    for j, k in enumerate(full):
+        if strategy == "adaptive":  # ties go to per_doc, as in solve_shard
+            doc_max, seq_max = maxima["per_doc"][j], maxima["per_seq"][j]
+            name = "per_seq" if seq_max < doc_max else "per_doc"
+            extra = dict(predicted_max=dict(per_doc=doc_max, per_seq=seq_max))
+        else:
+            name, extra = strategy, {}
+        chunks = tables[name][ends[name][j]:ends[name][j + 1], 1:]
+        mb_loads = loads[name][j]
+        info = SolveInfo(method=strategy, status="heuristic", objective=maxima[name][j], wall_s=each_s, extra=extra)
+        span = slice(doc_at[j], doc_at[j + 1])
+        out[k] = ShardPlan(cp=cp, strategy=name, lengths=lengths[span], offsets=offsets[span], chunks=chunks,
+                           loads=mb_loads, tokens=chunk_tokens(chunks, cp), requested=strategy, info=info)
+    return out
+
+
+def _canonical_rows(lengths: np.ndarray, counts: np.ndarray, mb: np.ndarray, rank: np.ndarray, doc: np.ndarray,
+                    start: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """`merge_chunks` of every micro-batch at once: rows (micro-batch, rank, doc, start,
+    length), `doc` numbered inside its micro-batch, sorted by micro-batch, then rank, then
+    packed position, empty rows dropped and contiguous rows of one document on one rank
+    merged. Within each micro-batch these are `merge_chunks`' rows, in its order."""
+    keep = length > 0
+    mb, rank, doc, start, length = mb[keep], rank[keep], doc[keep], start[keep], length[keep]
+    first_doc = np.cumsum(counts) - counts
+    local_start = np.cumsum(lengths) - lengths
+    local_start = local_start - local_start[first_doc][np.repeat(np.arange(len(counts)), counts)]
+    position = local_start[first_doc[mb] + doc] + start
+    span = int(position.max(initial=0)) + 1
+    bins = len(counts) * int(rank.max(initial=0) + 1)
+    if bins * span < 2**62:  # one int64 key (micro-batch, rank, position): unique, so any sort is the same
+        order = np.argsort((mb * (bins // len(counts)) + rank) * span + position)
+    else:
+        order = np.lexsort((position, rank, mb))
+    mb, rank, doc, start, length = mb[order], rank[order], doc[order], start[order], length[order]
+    if len(doc) > 1:
+        joins = ((mb[1:] == mb[:-1]) & (rank[1:] == rank[:-1]) & (doc[1:] == doc[:-1])
+                 & (start[1:] == start[:-1] + length[:-1]))
+        if joins.any():
+            first = np.flatnonzero(np.concatenate([[True], ~joins]))
+            length = np.add.reduceat(length, first)
+            mb, rank, doc, start = mb[first], rank[first], doc[first], start[first]
+    return np.stack([mb, rank, doc, start, length], axis=1)
+
+
+def _per_doc_rows(lengths: np.ndarray, counts: np.ndarray, cp: int) -> np.ndarray:
+    """The per_doc chunk tables of consecutive micro-batches (`counts` documents each) of
+    `lengths`, as `_canonical_rows`: the round-robin pointer starts at 0 in each micro-batch
+    (`chunk_rules.per_doc_chunk_sizes`)."""
+    n2 = 2 * cp
+    mb_of = np.repeat(np.arange(len(counts)), counts)
+    base, rem = np.divmod(lengths, n2)
+    before = np.cumsum(rem) - rem  # remainders before each document, from the first micro-batch
+    first_doc = np.cumsum(counts) - counts
+    first = (before - before[first_doc][mb_of]) % n2  # the pointer when the document starts
+    k = np.arange(n2, dtype=np.int64)
+    sizes = base[:, None] + ((k[None, :] - first[:, None]) % n2 < rem[:, None]).astype(np.int64)
+    starts = np.cumsum(sizes, axis=1) - sizes
+    local_doc = np.arange(len(lengths), dtype=np.int64) - first_doc[mb_of]
+    return _canonical_rows(lengths, counts, np.repeat(mb_of, n2), np.tile(head_tail_rank(cp), len(lengths)),
+                           np.repeat(local_doc, n2), starts.reshape(-1), sizes.reshape(-1))
+
+
+def _per_seq_rows(lengths: np.ndarray, counts: np.ndarray, cp: int) -> np.ndarray:
+    """The per_seq chunk tables of consecutive micro-batches (head-tail chunks of each
+    micro-batch's packed sequence, cut at document boundaries; `chunk_rules.per_seq_chunks`),
+    as `_canonical_rows`."""
+    n2 = 2 * cp
+    mb_of = np.repeat(np.arange(len(counts)), counts)
+    doc_ends = np.cumsum(lengths)
+    first_doc = np.cumsum(counts) - counts
+    mb_end = doc_ends[first_doc + counts - 1]
+    totals = np.diff(np.concatenate([[0], mb_end]))
+    base, rem = np.divmod(totals, n2)
+    k = np.arange(n2, dtype=np.int64)
+    rank = head_tail_rank(cp)
+    head, ranks, rem = (k < cp)[None, :], rank[None, :], rem[:, None]  # one more token: per_seq_chunks' rule
+    extra = (head & (ranks < rem)) | (~head & (ranks < rem - cp))
+    chunk_ends = ((mb_end - totals)[:, None] + np.cumsum(base[:, None] + extra.astype(np.int64), axis=1)).reshape(-1)
+    cuts = np.union1d(chunk_ends, doc_ends)
+    cuts = cuts[cuts > 0]
+    piece_start = np.concatenate([[0], cuts[:-1]]).astype(np.int64)
+    doc = np.searchsorted(doc_ends, piece_start, side="right")
+    chunk = np.searchsorted(chunk_ends, piece_start, side="right")
+    mb = mb_of[doc]
+    return _canonical_rows(lengths, counts, mb, rank[chunk % n2], doc - first_doc[mb],
+                           piece_start - (doc_ends[doc] - lengths[doc]), cuts - piece_start)
 
 
 def _decision_costs(lengths: np.ndarray, cp: int, costs: ShardCosts, per_doc_chunks_table: np.ndarray):

@@ -37,7 +37,7 @@ import numpy as np
 
 from ._validate import check_int
 from .documents import split_documents
-from .shard import solve_shard
+from .shard import solve_shards
 from .stream_state import (SourceFingerprint, cache_digest, check_integrity, check_state_fields, decode_cache,
                            integrity)
 from .tokens import _INT64_MAX, as_mask, as_tokens
@@ -348,10 +348,7 @@ class WLBStream:
         pieces = None
         if self._dataset is None or self._lengths is None:
             pieces = {key: self._cache.pop(key) for key in placed}
-        shards = []
-        for mb in plan.micro_batches:
-            shards.append(solve_shard(plan.lengths[mb], self.cp, self.strategy, self.packer.cost,
-                                      offsets=plan.offsets[mb]) if len(mb) else None)
+        shards = solve_shards(plan, self.cp, self.strategy, self.packer.cost)
         index = self._step
         self._step += 1
         snapshot = self._snapshot()

@@ -18,14 +18,16 @@ def test_stream_speed_writes_a_row_per_setting(tmp_path, capsys):
     for r in rows:
         assert r["clock"] == "cpu" and r["loop"] == "python"
         assert 0 <= r["median_ms"] <= r["p99_ms"] <= r["worst_ms"]
-    assert len(data["shard"]) == 1  # sharding is timed once, on the first setting
+    # sharding is timed once, on the first setting: all micro-batches at once, and one at a time
+    assert sorted(r["call"] for r in data["shard"]) == ["solve_shard", "solve_shards"]
+    assert {r["steps"] for r in data["shard"]} == {rows[0]["steps"]}
     assert "wlb_fill" in capsys.readouterr().out
 
 
 def test_repeated_passes_count_each_steps_least_time(tmp_path, monkeypatch):
     # the passes of one stream are timed apart and each step keeps its least time
     passes = iter([[3.0, 1.0, 5.0], [2.0, 4.0, 6.0], [9.0, 0.5, 7.0]])
-    monkeypatch.setattr(stream_speed, "time_stream", lambda *args: (next(passes), []))
+    monkeypatch.setattr(stream_speed, "time_stream", lambda *args: (next(passes), {}))
     argv = ["--n-micro", "2", "--steps", "3", "--seeds", "1", "--dists", "real", "--lookaheads", "0",
             "--loops", "python", "--window", "8192", "--repeats", "3", "--no-shard", "--out", str(tmp_path)]
     assert stream_speed.main(argv) == 0

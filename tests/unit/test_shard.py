@@ -406,3 +406,54 @@ def test_cut_or_whole_bound_holds_and_bench_smoke(tmp_path):
     out = json.loads((tmp_path / "shard.json").read_text())
     assert {r["strategy"] for r in out["summary"]} == {"per_seq", "per_doc", "adaptive", "hybrid"}
     assert "placeholder" in out["note"]
+
+
+# ------------------------------------------------------------------ every micro-batch of a step at once
+def same_shard(got, want):
+    """Two ShardPlans of one micro-batch agree in everything but the time taken."""
+    assert (got.cp, got.strategy, got.requested) == (want.cp, want.strategy, want.requested)
+    for name in ("lengths", "offsets", "chunks", "tokens"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
+    assert np.array_equal(got.loads, want.loads)  # the same floats
+    assert got.info.objective == want.info.objective and dict(got.info.extra) == dict(want.info.extra)
+
+
+@given(lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=40), n_micro=st.integers(1, 6),
+       cp=st.integers(1, 8), strategy=st.sampled_from([s for s in STRATEGIES if s != "cpsat"]),
+       cost_name=st.sampled_from(sorted(COSTS)), seed=st.integers(0, 2**16))
+@settings(max_examples=60, deadline=None)
+def test_solve_shards_gives_solve_shard_of_every_micro_batch(lengths, n_micro, cp, strategy, cost_name, seed):
+    cost = COSTS[cost_name]
+    offsets = np.random.default_rng(seed).integers(0, 1000, len(lengths))
+    plan = wlb.solve_pack(lengths, n_micro, max(lengths) * 2, cost, "wlb", ids=np.arange(len(lengths)), offsets=offsets)
+    shards = wlb.solve_shards(plan, cp, strategy, cost)
+    assert len(shards) == len(plan.micro_batches)
+    for mb, got in zip(plan.micro_batches, shards):
+        if not len(mb):  # an empty micro-batch has nothing to shard
+            assert got is None
+            continue
+        same_shard(got, wlb.solve_shard(plan.lengths[mb], cp, strategy, cost, offsets=plan.offsets[mb]))
+
+
+def test_solve_shards_on_tiny_micro_batches_passes_the_independent_checker():
+    # micro-batches of fewer tokens than 2 x cp chunks (empty chunks), and one document each
+    cost = COSTS["tile8"]
+    for lengths in ([1, 2, 3, 50, 7], [5], [9, 9, 9, 9]):
+        plan = wlb.solve_pack(lengths, 3, 64, cost, "wlb")
+        for strategy in ("per_seq", "per_doc", "adaptive"):
+            for mb, shard in zip(plan.micro_batches, wlb.solve_shards(plan, 4, strategy, cost)):
+                if len(mb):
+                    check_shard(shard, plan.lengths[mb], 4, plan.offsets[mb], cost)
+
+
+def test_solve_shards_bad_input_raises():
+    cost = COSTS["h100"]
+    plan = wlb.solve_pack([100, 200, 300], 2, 400, cost, "wlb")
+    with pytest.raises(ValueError, match="PackPlan"):
+        wlb.solve_shards([100, 200], 2, "per_doc", cost)
+    with pytest.raises(ValueError, match="strategy"):
+        wlb.solve_shards(plan, 2, "round_robin", cost)
+    with pytest.raises(ValueError, match="unknown options"):
+        wlb.solve_shards(plan, 2, "per_doc", cost, token_skw=0.1)
+    with pytest.raises(ValueError, match="cp"):
+        wlb.solve_shards(plan, 0, "adaptive", cost)
