@@ -502,15 +502,16 @@ class GroupRelease(ReleasePolicy):
         arrival). Admissible: within ctx.limit (unless the step is idle), deferring fewer short
         tokens than the group (+ `extra_tokens`, pieces joining with it) brings, at most half the
         carry limit, and no early-released outlier deferred (see the class docstring).
-        `hopeless(group, tokens, imbalance_at_least)`, if given, skips a group before it is
-        packed (imbalance_at_least: `_imbalance_at_least` of the group, None without costs).
+        `hopeless(tokens, imbalance_at_least, relief)`, if given, skips a group before it is
+        packed (imbalance_at_least: `_imbalance_at_least` of the group, None without costs;
+        relief: its `displacement_relief`, the tokens without lookahead).
         With `lowest_bound_first` the groups come in increasing imbalance_at_least - `price` x
         relief (`displacement_relief`, summed over each window; with "marginal"'s price, a lower
         bound on its score, early pieces' lead included), with
         `most_tokens_first` in decreasing tokens (ties: the order above), so that a `hopeless`
         that learns from the groups seen skips more of them; a caller that ranks the groups by
         their own keys chooses the same group in any order.
-        `cutoff(group)`, if given, is the imbalance above which the group is of no use to the
+        `cutoff(relief)`, if given, is the imbalance above which the group is of no use to the
         caller (None: no limit but ctx.limit): a candidate above it, or above ctx.limit, is
         skipped, and a `TrialPack` is packed only until it surely fails one of these limits
         (`TrialPack.rejects`), which costs a fraction of a packing for most of the groups a
@@ -550,19 +551,19 @@ class GroupRelease(ReleasePolicy):
         if with_group is None and with_groups is not None and windows:
             groups = [list(joining) + source[i:i + size] for _, size, _, _, source, i, _ in windows]
             trials = with_groups(groups, account=account)
-        for (i, size, tokens, at_least, source, start, _), t_plan in zip(windows, trials):
-            group = source[start:start + size]
-            if hopeless is not None and hopeless(group, tokens, at_least):
+        for (i, size, tokens, at_least, source, start, relief), t_plan in zip(windows, trials):
+            if hopeless is not None and hopeless(tokens, at_least, relief):
                 continue
+            group = source[start:start + size]
             threshold = None if ctx.idle else ctx.limit
-            useful = None if cutoff is None else cutoff(group)
+            useful = None if cutoff is None else cutoff(relief)
             if useful is not None:
                 threshold = useful if threshold is None else min(threshold, useful)
             if at_least is not None and ctx.kept and len(ctx.kept) + size > self.need:
                 # more pieces to place than micro-batches: a sharper bound than the heaviest piece
                 at_least = max(at_least, self._bound_with(ctx, group))
                 if ((threshold is not None and at_least > threshold + 1e-9)
-                        or (hopeless is not None and hopeless(group, tokens, at_least))):
+                        or (hopeless is not None and hopeless(tokens, at_least, relief))):
                     continue
             if with_group is not None:
                 t_plan = with_group(list(joining) + group, account=account)
@@ -583,15 +584,15 @@ class GroupRelease(ReleasePolicy):
         arrival); an idle step, the most balanced group."""
         best = None
 
-        def hopeless(group, tokens, imbalance_at_least):  # relieves less than the best group so far
-            return not ctx.idle and best is not None and displacement_relief(group, ctx.step) < -best[0][0]
+        def hopeless(tokens, imbalance_at_least, relief):  # relieves less than the best group so far
+            return not ctx.idle and best is not None and relief < -best[0][0]
 
-        def cutoff(group):  # above the best group's imbalance, a group ranks after it
+        def cutoff(relief):  # above the best group's imbalance, a group ranks after it
             if best is None:
                 return None
             if ctx.idle:
                 return best[0][0] + _TOLERANCE_SLACK
-            return best[0][1] + _TOLERANCE_SLACK if displacement_relief(group, ctx.step) == -best[0][0] else None
+            return best[0][1] + _TOLERANCE_SLACK if relief == -best[0][0] else None
 
         # an idle step ranks by imbalance, the others by relief first: the likely best groups first
         for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(
@@ -892,24 +893,23 @@ class MarginalRelease(GroupRelease):
         lam = self._token_price()
         best, rejected = None, None
 
-        def hopeless(group, tokens, imbalance_at_least):
+        def hopeless(tokens, imbalance_at_least, relief):
             # its score is surely > 0 and above the best rejected one, or surely above the best
             # one where no score can be > 0 (see `cutoff`): neither taken nor paired
             if imbalance_at_least is None:
                 return False
             # (the relief is the group's tokens without lookahead, less with early pieces)
-            low = imbalance_at_least - ctx.plan.imbalance - lam * (
-                displacement_relief(group, ctx.step) if self.lookahead else tokens)
+            low = imbalance_at_least - ctx.plan.imbalance - lam * relief
             if (best is not None and low > best[0][0] + _TOLERANCE_SLACK
-                    and ctx.plan.imbalance + lam * displacement_relief(group, ctx.step) >= ctx.limit + 1e-9):
+                    and ctx.plan.imbalance + lam * relief >= ctx.limit + 1e-9):
                 return True
             return low > _TOLERANCE_SLACK and (rejected is not None and low > rejected[0][0] + _TOLERANCE_SLACK)
 
-        def cutoff(group):
+        def cutoff(relief):
             # useful: a score below the best one (taken) or in (0, best rejected) (paired). A
             # group whose score is surely < 0 within ctx.limit cannot be rejected: then only
             # the best bounds it (a step above the tolerance, whose limit is its own imbalance)
-            zero = ctx.plan.imbalance + lam * displacement_relief(group, ctx.step)  # the imbalance of score 0
+            zero = ctx.plan.imbalance + lam * relief  # the imbalance of score 0
             if best is not None and zero >= ctx.limit + 1e-9:
                 return zero + best[0][0] + _TOLERANCE_SLACK
             if rejected is None:
@@ -948,15 +948,13 @@ class MarginalRelease(GroupRelease):
         def top():  # the highest score a pair may have and still be taken
             return 0.0 if best is None else min(0.0, best[0][0])
 
-        def hopeless(group, tokens, imbalance_at_least):  # the pair's score is surely above top()
+        def hopeless(tokens, imbalance_at_least, relief):  # the pair's score is surely above top()
             if imbalance_at_least is None:
                 return False
-            relief = displacement_relief(group, ctx.step) if self.lookahead else tokens
             return imbalance_at_least - ctx.plan.imbalance - lam * (first_relief + relief) > top() + _TOLERANCE_SLACK
 
-        def cutoff(group):  # the imbalance at which the pair's score is top()
-            return (ctx.plan.imbalance + lam * (first_relief + displacement_relief(group, ctx.step)) + top()
-                    + _TOLERANCE_SLACK)
+        def cutoff(relief):  # the imbalance at which the pair's score is top()
+            return ctx.plan.imbalance + lam * (first_relief + relief) + top() + _TOLERANCE_SLACK
 
         for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(rest, with_first, first_tokens,
                                                                                 hopeless, joining=first_group,
