@@ -210,9 +210,9 @@ def solve_shard(
                      tokens=tokens, requested=strategy, info=info)
 
 
-BATCHED_STRATEGIES = ("per_seq", "per_doc", "adaptive")
-"""The strategies `solve_shards` computes for all micro-batches at once (the others: one
-`solve_shard` per micro-batch)."""
+BATCHED_STRATEGIES = ("per_seq", "per_doc", "adaptive", "hybrid")
+"""The strategies `solve_shards` makes the chunk tables of for all micro-batches at once
+("cpsat": one `solve_shard` per micro-batch)."""
 
 
 def solve_shards(plan: PackPlan, cp: int | None = None, strategy: ShardStrategy | str = "per_doc",
@@ -223,11 +223,12 @@ def solve_shards(plan: PackPlan, cp: int | None = None, strategy: ShardStrategy 
     Each is the ShardPlan `solve_shard(plan.lengths[mb], cp, strategy, cost,
     offsets=plan.offsets[mb], **options)` returns: the same chunk table, loads (the same
     floats) and tokens, the same strategy taken; only `info.wall_s` differs (each gets the
-    batch's time over its micro-batches). For "per_seq", "per_doc" and "adaptive" the chunk
-    tables and the loads of all micro-batches are made together, a few array operations
-    per step rather than per micro-batch; "hybrid" and "cpsat" (a search per micro-batch)
-    run `solve_shard` on each. `options`: `solve_shard`'s keyword options (`token_skew`,
-    `time_limit`, `workers`, `seed`), which only "hybrid" and "cpsat" read.
+    batch's time over its micro-batches). For "per_seq", "per_doc", "adaptive" and "hybrid"
+    the chunk tables and their costs are made for all micro-batches together, a few array
+    operations per step rather than per micro-batch ("hybrid" still decides each
+    micro-batch's documents apart, `chunk_rules.hybrid_assign`); "cpsat" runs `solve_shard`
+    on each. `options`: `solve_shard`'s keyword options (`token_skew`, `time_limit`,
+    `workers`, `seed`), which only "hybrid" and "cpsat" read.
     """
     if not isinstance(plan, PackPlan):
         raise ValueError(f"plan must be a wlb_opt.PackPlan (a step's packing), got {type(plan).__name__}")
@@ -240,6 +241,12 @@ def solve_shards(plan: PackPlan, cp: int | None = None, strategy: ShardStrategy 
     unknown = sorted(set(options) - {"token_skew", "time_limit", "workers", "seed"})
     if unknown:
         raise ValueError(f"unknown options {unknown}; solve_shard takes token_skew, time_limit, workers, seed")
+    token_skew = options.get("token_skew", DEFAULT_TOKEN_SKEW)
+    if not (is_float(token_skew) and token_skew >= 0):
+        raise ValueError(f"token_skew must be a number >= 0 (or math.inf), got {token_skew!r}")
+    check_positive_real("time_limit", options.get("time_limit", 10.0), "seconds", allow_inf=True)  # as solve_shard
+    check_int("workers", options.get("workers", 1), 1)
+    check_int("seed", options.get("seed", 0), 0)
     full = [k for k, mb in enumerate(mbs) if len(mb)]
     out: list[ShardPlan | None] = [None] * len(mbs)
     if not full:
@@ -247,38 +254,111 @@ def solve_shards(plan: PackPlan, cp: int | None = None, strategy: ShardStrategy 
     order = np.concatenate([mbs[k] for k in full])
     lengths, cp, offsets, cost = _validate(plan.lengths[order], cp, strategy, plan.offsets[order], cost)
     counts = np.array([len(mbs[k]) for k in full], dtype=np.int64)
-    costs = ShardCosts(cost, cp)
-    tables = {}
-    if strategy in ("per_doc", "adaptive"):
-        tables["per_doc"] = _per_doc_rows(lengths, counts, cp)
-    if strategy in ("per_seq", "adaptive"):
+    n_mb, costs = len(full), ShardCosts(cost, cp)
+    doc_at = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    tables, raw_doc = {}, None
+    if strategy != "per_seq":
+        raw_doc = _per_doc_raw(lengths, counts, cp)
+        tables["per_doc"] = _canonical_rows(lengths, counts, *raw_doc)
+    if strategy != "per_doc":
         tables["per_seq"] = _per_seq_rows(lengths, counts, cp)
-    rows = np.concatenate(list(tables.values())) if len(tables) > 1 else next(iter(tables.values()))
-    seg = costs.segment_cost(rows[:, 4], rows[:, 3] + rows[:, 4])
-    n_mb, at, loads = len(full), 0, {}
-    for name, table in tables.items():  # each table's rows per (micro-batch, rank), in its own order
-        n = len(table)
-        loads[name] = np.bincount(table[:, 0] * cp + table[:, 1], weights=seg[at:at + n],
-                                  minlength=n_mb * cp).reshape(n_mb, cp) + costs.mb_const
-        at += n
-    ends = {name: np.searchsorted(table[:, 0], np.arange(n_mb + 1)) for name, table in tables.items()}
+    loads = _table_loads(tables, costs, n_mb, lengths if strategy == "hybrid" else None)
+    extras: list[dict] = [{} for _ in full]
+    if strategy == "hybrid":
+        whole_cost = loads.pop("whole")
+        cut, whole_rank = _hybrid_decisions(lengths, counts, doc_at, cp, tables["per_doc"], loads.pop("segments"),
+                                            whole_cost, float(token_skew), extras)
+        tables["hybrid"] = _hybrid_rows(lengths, counts, raw_doc, cut, whole_rank)
+        loads["hybrid"] = _table_loads({"hybrid": tables["hybrid"]}, costs, n_mb)["hybrid"]
+    else:
+        loads.pop("segments")
+    ends = {name: np.searchsorted(table[:, 0], np.arange(n_mb + 1)).tolist() for name, table in tables.items()}
     maxima = {name: table.max(axis=1).tolist() for name, table in loads.items()}
     each_s = (time.perf_counter() - t0) / n_mb
-    doc_at = np.concatenate([[0], np.cumsum(counts)])
     for j, k in enumerate(full):
-        if strategy == "adaptive":  # ties go to per_doc, as in solve_shard
-            doc_max, seq_max = maxima["per_doc"][j], maxima["per_seq"][j]
-            name = "per_seq" if seq_max < doc_max else "per_doc"
-            extra = dict(predicted_max=dict(per_doc=doc_max, per_seq=seq_max))
+        extra = extras[j]
+        if strategy in ("adaptive", "hybrid"):
+            # the candidates in solve_shard's order; the first of the least maxima is taken
+            names = ["per_doc", "per_seq"]
+            if strategy == "hybrid" and extra["whole_documents"]:
+                names.insert(0, "hybrid")
+            name = min(names, key=lambda c: maxima[c][j])
+            extra["predicted_max"] = {c: maxima[c][j] for c in names}
         else:
-            name, extra = strategy, {}
+            name = strategy
         chunks = tables[name][ends[name][j]:ends[name][j + 1], 1:]
-        mb_loads = loads[name][j]
+        tokens = chunk_tokens(chunks, cp)
+        if name == "hybrid" and tokens.max(initial=0) > extra.pop("token_cap"):  # pragma: no cover
+            raise RuntimeError(f"hybrid broke its token bound: {tokens.tolist()}")
+        extra.pop("token_cap", None)
         info = SolveInfo(method=strategy, status="heuristic", objective=maxima[name][j], wall_s=each_s, extra=extra)
         span = slice(doc_at[j], doc_at[j + 1])
         out[k] = ShardPlan(cp=cp, strategy=name, lengths=lengths[span], offsets=offsets[span], chunks=chunks,
-                           loads=mb_loads, tokens=chunk_tokens(chunks, cp), requested=strategy, info=info)
+                           loads=loads[name][j], tokens=tokens, requested=strategy, info=info)
     return out
+
+
+def _table_loads(tables: dict, costs: ShardCosts, n_mb: int, whole: np.ndarray | None = None) -> dict:
+    """{name: [n_mb, cp] loads} of `_canonical_rows` tables, their rows costed in one
+    `segment_cost` call and summed per (micro-batch, rank) in each table's own row order (the
+    floats of `ShardCosts.loads` on each micro-batch's table), and "segments": the first
+    table's row costs; with `whole` (lengths), "whole": the cost of each of those documents
+    whole on one rank (`_decision_costs`' whole_cost), from the same call."""
+    q_len = [table[:, 4] for table in tables.values()]
+    k_len = [table[:, 3] + table[:, 4] for table in tables.values()]
+    if whole is not None:
+        q_len.append(whole)
+        k_len.append(whole)
+    seg = costs.segment_cost(np.concatenate(q_len), np.concatenate(k_len))
+    cp, out, at = costs.cp, {}, 0
+    for n, (name, table) in enumerate(tables.items()):
+        rows = len(table)
+        if n == 0:
+            out["segments"] = seg[:rows]
+        out[name] = np.bincount(table[:, 0] * cp + table[:, 1], weights=seg[at:at + rows],
+                                minlength=n_mb * cp).reshape(n_mb, cp) + costs.mb_const
+        at += rows
+    if whole is not None:
+        out["whole"] = seg[at:]
+    return out
+
+
+def _hybrid_decisions(lengths, counts, doc_at, cp, doc_table, doc_segments, whole_cost, token_skew, extras):
+    """(cut, whole_rank) over all documents: `hybrid_assign` on each micro-batch, with the
+    decision costs of `_decision_costs` (the per_doc rows of each document summed per rank,
+    in the table's order) and `solve_shard`'s token cap; each micro-batch's `extras` get
+    evaluated, cut_documents, whole_documents and token_cap."""
+    n = len(lengths)
+    key = (np.asarray(doc_at[:-1], dtype=np.int64)[doc_table[:, 0]] + doc_table[:, 2]) * cp + doc_table[:, 1]
+    cut_cost = np.bincount(key, weights=doc_segments, minlength=n * cp).reshape(n, cp)
+    cut_tokens = np.bincount(key, weights=doc_table[:, 4], minlength=n * cp).reshape(n, cp).astype(np.int64)
+    totals = np.add.reduceat(lengths, doc_at[:-1]).tolist()
+    cut, whole_rank = np.zeros(n, dtype=bool), np.full(n, -1, dtype=np.int64)
+    for j, extra in enumerate(extras):
+        span = slice(doc_at[j], doc_at[j + 1])
+        token_cap = (1.0 + token_skew) * totals[j] / cp
+        token_cap = math.ceil(token_cap) if math.isfinite(token_cap) else math.inf
+        res = hybrid_assign(whole_cost[span], cut_cost[span], lengths[span], cut_tokens[span], token_cap)
+        cut[span], whole_rank[span] = res.cut, res.whole_rank
+        n_cut = int(np.count_nonzero(res.cut))
+        extra.update(evaluated=res.evaluated, cut_documents=n_cut, whole_documents=len(res.cut) - n_cut,
+                     token_cap=token_cap)
+    return cut, whole_rank
+
+
+def _hybrid_rows(lengths, counts, raw_doc, cut, whole_rank) -> np.ndarray:
+    """`hybrid_chunks` of every micro-batch, as `_canonical_rows`: the per_doc chunks of the
+    documents cut, each other document whole on its rank."""
+    mb, rank, doc, start, length = raw_doc
+    first_doc = np.cumsum(counts) - counts
+    keep = cut[first_doc[mb] + doc]
+    whole = np.flatnonzero(~cut)
+    whole_mb = np.repeat(np.arange(len(counts)), counts)[whole]
+    return _canonical_rows(lengths, counts, np.concatenate([mb[keep], whole_mb]),
+                           np.concatenate([rank[keep], whole_rank[whole]]),
+                           np.concatenate([doc[keep], whole - first_doc[whole_mb]]),
+                           np.concatenate([start[keep], np.zeros(len(whole), np.int64)]),
+                           np.concatenate([length[keep], lengths[whole]]))
 
 
 def _canonical_rows(lengths: np.ndarray, counts: np.ndarray, mb: np.ndarray, rank: np.ndarray, doc: np.ndarray,
@@ -310,9 +390,10 @@ def _canonical_rows(lengths: np.ndarray, counts: np.ndarray, mb: np.ndarray, ran
     return np.stack([mb, rank, doc, start, length], axis=1)
 
 
-def _per_doc_rows(lengths: np.ndarray, counts: np.ndarray, cp: int) -> np.ndarray:
-    """The per_doc chunk tables of consecutive micro-batches (`counts` documents each) of
-    `lengths`, as `_canonical_rows`: the round-robin pointer starts at 0 in each micro-batch
+def _per_doc_raw(lengths: np.ndarray, counts: np.ndarray, cp: int) -> tuple[np.ndarray, ...]:
+    """The per_doc chunks of consecutive micro-batches (`counts` documents each) of
+    `lengths`, before `_canonical_rows`: (micro-batch, rank, doc inside it, start, length),
+    2 x cp rows per document; the round-robin pointer starts at 0 in each micro-batch
     (`chunk_rules.per_doc_chunk_sizes`)."""
     n2 = 2 * cp
     mb_of = np.repeat(np.arange(len(counts)), counts)
@@ -324,8 +405,8 @@ def _per_doc_rows(lengths: np.ndarray, counts: np.ndarray, cp: int) -> np.ndarra
     sizes = base[:, None] + ((k[None, :] - first[:, None]) % n2 < rem[:, None]).astype(np.int64)
     starts = np.cumsum(sizes, axis=1) - sizes
     local_doc = np.arange(len(lengths), dtype=np.int64) - first_doc[mb_of]
-    return _canonical_rows(lengths, counts, np.repeat(mb_of, n2), np.tile(head_tail_rank(cp), len(lengths)),
-                           np.repeat(local_doc, n2), starts.reshape(-1), sizes.reshape(-1))
+    return (np.repeat(mb_of, n2), np.tile(head_tail_rank(cp), len(lengths)), np.repeat(local_doc, n2),
+            starts.reshape(-1), sizes.reshape(-1))
 
 
 def _per_seq_rows(lengths: np.ndarray, counts: np.ndarray, cp: int) -> np.ndarray:
