@@ -4,9 +4,10 @@
 stream of global batches of n_micro x window tokens, one `pack` per step. Only `pack` is
 timed, as CPU time of this process (`time.process_time`, so other processes on a shared
 machine are not counted); the median, p99 and worst step are over every step of every seed.
-CP sharding of a step (strategy "adaptive") is timed apart, per step, on the plans of the
-first seed: `solve_shards` (every micro-batch of the step at once, what `WLBStream` runs)
-and `solve_shard` called on each micro-batch (the same ShardPlans). With `--repeats R` each stream is planned R times
+CP sharding of a step is timed apart, per step, on the plans of the first seed, for each
+strategy of `--shard-strategies` (default "adaptive"): `solve_shards` (every micro-batch of
+the step at once, what `WLBStream` runs) and `solve_shard` called on each micro-batch (the
+same ShardPlans). With `--repeats R` each stream is planned R times
 and each step counts its least time over the passes: the plans are the same each pass, and
 a shared machine only adds time, so the minimum is the planner's own cost with the least
 noise (the median and tail are then over those minima); `median_of_runs_ms` is the median
@@ -33,7 +34,7 @@ import numpy as np
 
 from ..cost_args import add_cost_args, cost_from_args, count
 from ..packer import PackerConfig, WLBPacker
-from ..shard import solve_shard, solve_shards
+from ..shard import SHARD_STRATEGIES, solve_shard, solve_shards
 from ..solvers.greedy import compiled_available, use_compiled
 from ..step_pack import solve_pack
 from ..workloads import DEFAULT_SEED, DISTRIBUTIONS, global_batches
@@ -50,23 +51,29 @@ def _percentiles(times_s: list[float]) -> dict:
 
 
 def time_stream(batches, n_micro: int, max_tokens: int, cost, lookahead: int, shard_cp: int | None,
-                method: str = "wlb_phases") -> tuple:
-    """(CPU seconds of each `pack`, {"solve_shards": CPU seconds of sharding each emitted plan
-    at once, "solve_shard": the same one micro-batch at a time} or {} without `shard_cp`)."""
+                method: str = "wlb_phases", shard_strategies: tuple[str, ...] = ("adaptive",)) -> tuple:
+    """(CPU seconds of each `pack`, {(call, strategy): CPU seconds of sharding each emitted
+    plan}, call "solve_shards" (the plan at once) or "solve_shard" (one micro-batch at a
+    time); {} without `shard_cp`)."""
     packer = WLBPacker(n_micro, max_tokens, cost, config=PackerConfig(lookahead=lookahead, method=method))
-    pack_s, shard_s = [], {"solve_shards": [], "solve_shard": []} if shard_cp is not None else {}
+    pack_s = []
+    shard_s = {} if shard_cp is None else {(call, s): [] for s in shard_strategies
+                                           for call in ("solve_shards", "solve_shard")}
     for batch in batches:
         t0 = time.process_time()
         plan = packer.pack(*batch)
         pack_s.append(time.process_time() - t0)
-        if shard_cp is not None and plan is not None:
+        if shard_cp is None or plan is None:
+            continue
+        for strategy in shard_strategies:
             t0 = time.process_time()
-            solve_shards(plan, shard_cp, "adaptive", cost)
-            shard_s["solve_shards"].append(time.process_time() - t0)
+            solve_shards(plan, shard_cp, strategy, cost)
+            shard_s["solve_shards", strategy].append(time.process_time() - t0)
             t0 = time.process_time()
             for mb in plan.micro_batches:
-                solve_shard(plan.lengths[mb], shard_cp, "adaptive", cost, offsets=plan.offsets[mb])
-            shard_s["solve_shard"].append(time.process_time() - t0)
+                if len(mb):
+                    solve_shard(plan.lengths[mb], shard_cp, strategy, cost, offsets=plan.offsets[mb])
+            shard_s["solve_shard", strategy].append(time.process_time() - t0)
     return pack_s, shard_s
 
 
@@ -82,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="plan each stream this many times and count each step's least time (default 1)")
     p.add_argument("--window", type=count, default=131072, help="training context length (default 131072)")
     p.add_argument("--no-shard", action="store_true", help="do not time solve_shard")
+    p.add_argument("--shard-strategies", default="adaptive",
+                   help="CP sharding strategies to time, comma-separated (default adaptive; cpsat is not timed)")
     p.add_argument("--loops", default="python,compiled",
                    help="Algorithm 1's loops to time, comma-separated: python (the default install), compiled "
                         "(the `fast` extra, skipped without numba); default python,compiled")
@@ -94,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     methods = args.methods.split(",")
     if [m for m in methods if m not in ("wlb_phases", "wlb", "wlb_fill")]:
         p.error(f"--methods must name some of wlb_phases, wlb, wlb_fill, got {args.methods!r}")
+    shard_strategies = tuple(args.shard_strategies.split(","))
+    bad_shard = [s for s in shard_strategies if s not in SHARD_STRATEGIES or s == "cpsat"]
+    if bad_shard:
+        p.error(f"--shard-strategies must name some of {', '.join(s for s in SHARD_STRATEGIES if s != 'cpsat')}, "
+                f"got {args.shard_strategies!r}")
     bad_loops = [loop for loop in args.loops.split(",") if loop not in ("python", "compiled")]
     if bad_loops:
         p.error(f"unknown loops {bad_loops}; valid: python, compiled")
@@ -134,15 +148,16 @@ def main(argv: list[str] | None = None) -> int:
                     for i, batches in enumerate(streams):
                         shard_cp = (cp if (i == 0 and k == lookaheads[0] and loop == loops[0] and method == methods[0]
                                            and not args.no_shard) else None)
-                        times, shard_s = time_stream(batches, n_micro, max_tokens, cost, k, shard_cp, method)
+                        times, shard_s = time_stream(batches, n_micro, max_tokens, cost, k, shard_cp, method,
+                                                     shard_strategies)
                         passes[0] += times
                         for r in range(1, args.repeats):  # the same plans again: each step's least time
                             again = time_stream(batches, n_micro, max_tokens, cost, k, None, method)[0]
                             passes[r] += again
                             times = np.minimum(times, again).tolist()
                         pack_s += times
-                        for call, seconds in shard_s.items():
-                            shard_rows.append(dict(dist=dist, n_micro=n_micro, cp=cp, strategy="adaptive", call=call,
+                        for (call, strategy), seconds in shard_s.items():
+                            shard_rows.append(dict(dist=dist, n_micro=n_micro, cp=cp, strategy=strategy, call=call,
                                                    steps=len(seconds), clock="cpu", **_percentiles(seconds)))
                 row = dict(dist=dist, method=method, lookahead=k, n_micro=n_micro, loop=loop, max_tokens=max_tokens,
                            steps=steps, seeds=seeds, repeats=args.repeats, clock="cpu", **_percentiles(pack_s),
@@ -154,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{n_micro:>3} {dist:>6} {method:>8} {k:>2} {loop:>9} {row['median_ms']:>8.2f} {row['p99_ms']:>8.2f} "
                       f"{row['worst_ms']:>8.2f} {ratio:>7}")
     for r in shard_rows:
-        print(f"{r['call']} (N={r['n_micro']}, {r['dist']}, cp={r['cp']}, all micro-batches of a step): "
+        print(f"{r['call']} {r['strategy']} (N={r['n_micro']}, {r['dist']}, cp={r['cp']}, all micro-batches of a step): "
               f"median {r['median_ms']:.2f} ms, "
               f"p99 {r['p99_ms']:.2f}, worst {r['worst_ms']:.2f}")
     if args.out:

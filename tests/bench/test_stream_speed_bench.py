@@ -19,7 +19,8 @@ def test_stream_speed_writes_a_row_per_setting(tmp_path, capsys):
         assert r["clock"] == "cpu" and r["loop"] == "python"
         assert 0 <= r["median_ms"] <= r["p99_ms"] <= r["worst_ms"]
     # sharding is timed once, on the first setting: all micro-batches at once, and one at a time
-    assert sorted(r["call"] for r in data["shard"]) == ["solve_shard", "solve_shards"]
+    assert sorted((r["call"], r["strategy"]) for r in data["shard"]) == [("solve_shard", "adaptive"),
+                                                                         ("solve_shards", "adaptive")]
     assert {r["steps"] for r in data["shard"]} == {rows[0]["steps"]}
     assert "wlb_fill" in capsys.readouterr().out
 
@@ -40,7 +41,8 @@ def test_repeated_passes_count_each_steps_least_time(tmp_path, monkeypatch):
 @pytest.mark.parametrize("option, value, message", [("--methods", "wlb,nope", "--methods must name"),
                                                     ("--loops", "python,fortran", "unknown loops"),
                                                     ("--lookaheads", "0,-1", "--lookaheads must be >= 0"),
-                                                    ("--repeats", "0", "--repeats")])
+                                                    ("--repeats", "0", "--repeats"),
+                                                    ("--shard-strategies", "adaptive,cpsat", "--shard-strategies")])
 def test_bad_options_are_usage_errors(option, value, message, capsys):
     with pytest.raises(SystemExit):
         stream_speed.main([option, value, "--steps", "2", "--seeds", "1"])
