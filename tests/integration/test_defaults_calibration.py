@@ -58,23 +58,28 @@ def test_the_order_in_which_candidates_are_packed_changes_no_plan(seed, lookahea
     # "marginal" packs its candidates in increasing lower bound of their score (with
     # lookahead, the window's `displacement_relief`, early pieces' lead included), so that
     # the best group is found early and the bounds skip more of the others. Any other order
-    # must give the same plans: here the reverse of each window's relief.
+    # must give the same plans: here the reverse of that order.
+    from wlb_opt.packer import release as release_module
     from wlb_opt.packer.release import GroupRelease, displacement_relief
     cost = unit_cost(1e-6, 1e-3, backward=True)
     batches = _stream(np.random.default_rng(seed), 80)
-    windows = GroupRelease._windows
+    windows, visiting_order = GroupRelease._windows, release_module._visiting_order
     seen = [0]
 
-    def reversed_relief(self, remaining, ctx, early_only=False):
+    def checked(self, remaining, ctx, early_only=False):  # the reliefs the rules read are the groups'
         sizes, starts, tokens, at_least, relief = windows(self, remaining, ctx, early_only)
         assert relief == [displacement_relief(remaining[i:i + n], ctx.step) for n, i in zip(sizes, starts)]
         seen[0] += sum(r != t for r, t in zip(relief, tokens))  # windows with early pieces
-        return sizes, starts, tokens, at_least, [-r for r in relief]
+        return sizes, starts, tokens, at_least, relief
 
+    def reversed_order(*args):
+        return visiting_order(*args)[::-1]
+
+    monkeypatch.setattr(GroupRelease, "_windows", checked)
     runs = []
     for patched in (False, True):
         if patched:
-            monkeypatch.setattr(GroupRelease, "_windows", reversed_relief)
+            monkeypatch.setattr(release_module, "_visiting_order", reversed_order)
         packer = WLBPacker(2, 200, cost, config=PackerConfig(thresholds=[60], lookahead=lookahead))
         plans = [packer.pack(*b) for b in batches] + packer.drain()
         runs.append([[p.doc_ids[mb].tolist() for mb in p.micro_batches] + [p.doc_ids[p.deferred].tolist()]

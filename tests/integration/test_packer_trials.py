@@ -2,7 +2,8 @@
 `solve_pack(method="wlb")` ("wlb_phases": the kept plan that of `solve_pack(method="wlb_phases")`),
 candidates made from a packing equal those packed alone, and the no-tuning defaults keep
 their recorded plans at 32 micro-batches (tests/data/make_packer_n32_digests.py), lookahead
-0 and 4, with either step packer."""
+0 and 4, with either step packer; from 16 micro-batches "wlb_phases" packs its candidates with
+their short pieces in lumps, and still keeps solve_pack's plan."""
 from __future__ import annotations
 
 import hashlib
@@ -263,3 +264,75 @@ def test_the_trim_may_defer_exactly_the_fresh_pieces_and_the_carried_ones_not_du
         packer.pack(*batch)
     # carried pieces the trim may defer, and carried pieces it may not (due, or no max_delay)
     assert seen["fresh"] > 100 and (seen["carried"] > 0) == carried_move and (seen["stays"] > 0) == carried_stay
+
+
+def _step_of_32(dist: str, seed: int, n_outliers: int):
+    """A 32-micro-batch step of `dist`: fresh pieces, and outliers held from earlier steps."""
+    W = 131072
+    lengths = global_batches(dist, W, 32 * W, 1, seed=DEFAULT_SEED + seed)[0][0]
+    rng = np.random.default_rng(seed)
+    held = [HeldPiece(id=10**6 + i, offset=0, length=int(d), arrival=-1)
+            for i, d in enumerate(rng.integers(int(0.3 * 1.25 * W), W, n_outliers))]
+    fresh = [HeldPiece(id=i, offset=0, length=int(d), arrival=0) for i, d in enumerate(lengths)]
+    return held, fresh
+
+
+def _phases_solver(pieces, fresh, n_micro, dp=1):
+    lengths = np.array([piece.length for piece in pieces], dtype=np.int64)
+    phases = (COST.doc_cost(lengths, "fwd"), COST.doc_cost(lengths, "bwd"), COST.mb_const("fwd"), COST.mb_const("bwd"))
+    return StepSolver(pieces, COST.doc_cost(lengths), fresh, n_micro=n_micro, dp=dp, max_tokens=int(1.25 * 131072),
+                      bin_const=COST.mb_const(), method="wlb_phases", phases=phases)
+
+
+@pytest.mark.parametrize("dist, seed", [("real", 0), ("heavy", 1), ("prose", 2)])
+def test_lumped_candidates_place_their_long_pieces_as_algorithm1_and_keep_solve_packs_plan(dist, seed):
+    # From 16 micro-batches, "wlb_phases" packs its candidates with the short tail in lumps of
+    # max_tokens / 40 tokens: the pieces before the tail are placed as Algorithm 1 places them
+    # (so a group is placed or deferred the same way), every piece of a lump shares its
+    # micro-batch, no micro-batch passes the token cap, and the plan kept is solve_pack's
+    # "wlb_phases" plan of its pieces, piece by piece. Below 16 micro-batches, or with "wlb",
+    # no lumps.
+    held, fresh = _step_of_32(dist, seed, 40)
+    solver = _phases_solver(held + fresh, fresh, 32)
+    assert solver.lump_tokens == int(1.25 * 131072) // 40
+    assert _phases_solver(held + fresh, fresh, 8).lump_tokens == 0
+    assert _phases_solver(held + fresh, fresh, 4, dp=4).lump_tokens == solver.lump_tokens
+    assert _algorithm1_solver((32, int(1.25 * 131072), held + fresh, [], [], fresh)).lump_tokens == 0
+    cap = solver.max_tokens
+    for group in (held[:0], held[:5], held[10:42]):
+        pending, trial, _ = solver.solve([], group + fresh)
+        order, placed = trial._order, trial._placed_bin
+        lengths = solver.lengths[order]
+        cut = int(np.flatnonzero(lengths >= solver.lump_tokens)[-1]) + 1
+        exact = wlb.solve_pack([p.length for p in pending], 32, cap, COST, "wlb",
+                               ids=[p.id for p in pending], offsets=[p.offset for p in pending])
+        exact_bin = np.full(len(pending), -1)
+        for b, mb in enumerate(exact.micro_batches):
+            exact_bin[mb] = b
+        assert np.array_equal(placed[:cut], exact_bin[trial._positions[:cut]])  # the long pieces: Algorithm 1's
+        tail_lengths = lengths[cut:]
+        lump = (np.cumsum(tail_lengths) - tail_lengths) // solver.lump_tokens
+        for k in np.unique(lump):
+            assert len(set(placed[cut:][lump == k].tolist())) == 1  # a lump is placed, or deferred, whole
+        tokens = np.bincount(placed[placed >= 0], weights=lengths[placed >= 0], minlength=32)
+        assert tokens.max() <= cap
+        assert trial.imbalance == wlb.imbalance(trial.loads)
+        kept = as_pack_plan(trial)
+        want = wlb.solve_pack([p.length for p in pending], 32, cap, COST, "wlb_phases",
+                              ids=[p.id for p in pending], offsets=[p.offset for p in pending])
+        assert kept.digest() == want.digest() and np.array_equal(kept.loads, want.loads)
+
+
+def test_a_lumped_candidate_rejects_exactly_what_its_full_packing_fails():
+    # TrialPack.rejects on lumped candidates: the stopped packing answers as the whole one
+    held, fresh = _step_of_32("real", 3, 40)
+    solver, reference = _phases_solver(held + fresh, fresh, 32), _phases_solver(held + fresh, fresh, 32)
+    with use_compiled(False):
+        base = solver.solve([], fresh)[1]
+        for group in (held[:3], held[3:20], held[20:40]):
+            whole = reference.solve([], group + fresh)[1]
+            at, deferred = whole.imbalance, whole.deferred_tokens
+            for threshold, limit in [(None, float("inf")), (at * 0.99, float("inf")), (at * 1.01, float("inf")),
+                                     (None, deferred), (None, deferred + 1)]:
+                want = (threshold is not None and at > threshold) or deferred >= limit or whole.defers_any(group)
+                assert base.with_group(group).rejects(threshold, limit, group) == want

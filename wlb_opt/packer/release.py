@@ -543,10 +543,7 @@ class GroupRelease(ReleasePolicy):
             windows += [(offset + i, size, tokens, at_least, source, i, relief)
                         for size, i, tokens, at_least, relief in zip(sizes, starts, tokens_of, at_least_of, relief_of)]
             offset += len(source)
-        if lowest_bound_first and windows and windows[0][3] is not None:
-            windows.sort(key=lambda window: window[3] - price * window[6])  # stable: ties keep the order above
-        elif most_tokens_first:
-            windows.sort(key=lambda window: -window[2])
+        windows = _visiting_order(windows, lowest_bound_first, most_tokens_first, price)
         trials = [None] * len(windows)
         if with_group is None and with_groups is not None and windows:
             groups = [list(joining) + source[i:i + size] for _, size, _, _, source, i, _ in windows]
@@ -646,6 +643,19 @@ class GroupRelease(ReleasePolicy):
             q.clear()
             q.extend(kept)
         return StepRelease(pending, plan, arrival, released, n_early=len(released) - n_forced)
+
+
+def _visiting_order(windows: list[tuple], lowest_bound_first: bool, most_tokens_first: bool, price: float) -> list:
+    """The order in which `_candidates` visits its windows, (index, size, tokens,
+    imbalance_at_least, source, start, relief) each: with `lowest_bound_first`, increasing
+    imbalance_at_least - `price` x relief; with `most_tokens_first`, decreasing tokens; else
+    as given (stable sorts: ties keep the order given). A policy's choice does not depend on
+    it, only how much of its candidates' packing the bounds skip."""
+    if lowest_bound_first and windows and windows[0][3] is not None:
+        windows.sort(key=lambda window: window[3] - price * window[6])
+    elif most_tokens_first:
+        windows.sort(key=lambda window: -window[2])
+    return windows
 
 
 def _kept_costs(kept: tuple[float, ...], group, costs: dict) -> tuple[float, ...]:
