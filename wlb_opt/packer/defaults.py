@@ -11,7 +11,8 @@
 - max_delay `DEFAULT_MAX_DELAY` steps;
 - method="wlb_phases": each step packed by Algorithm 1's rule with the forward and the
   backward time of each micro-batch balanced apart (solvers/phases.py); the release decides
-  on Algorithm 1's packings;
+  on Algorithm 1's packings (from 16 micro-batches, with the short pieces in lumps:
+  packer/trial.py);
 - balance_tolerance="auto": the right tolerance differs between data sets, so the packer sets
   it each step from the stream's own displacement per token so far (`running_displacement`):
   `TOLERANCE_LOW` up to RISE_FROM x target, rising linearly to the policy's high value

@@ -20,7 +20,9 @@ policy first reads it, so that the groups a policy skips unread cost nothing.
 The plans are those of `solve_pack(method="wlb")` on the same pieces in the same order: the
 same placement order (placed-first pieces as given, then the others longest first, stable),
 the same assignment, and loads summed the same way (each micro-batch's piece costs in
-placement order, plus the per-micro-batch constant).
+placement order, plus the per-micro-batch constant). With method "wlb_phases" the plan kept
+is `solve_pack(method="wlb_phases")`'s; from `COARSE_MIN_BINS` micro-batches its candidates
+are Algorithm 1's packings with the step's short pieces in lumps (`StepSolver.assign`).
 """
 from __future__ import annotations
 
