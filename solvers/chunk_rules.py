@@ -29,8 +29,8 @@ import math
 
 import numpy as np
 
-__all__ = ["per_seq_chunks", "per_doc_chunk_sizes", "per_doc_chunks", "head_tail_rank", "hybrid_assign", "decision_arrays",
-           "HybridResult"]
+__all__ = ["per_seq_chunks", "per_seq_chunks_many", "per_doc_chunk_sizes", "per_doc_chunks", "head_tail_rank",
+           "hybrid_assign", "decision_arrays", "HybridResult"]
 
 
 def head_tail_rank(cp: int) -> np.ndarray:
@@ -49,28 +49,58 @@ def per_seq_chunks(lengths: np.ndarray, cp: int) -> tuple[np.ndarray, ...]:
     total = int(lengths.sum())
     if total == 0:
         return tuple(np.zeros(0, np.int64) for _ in range(4))
+    chunk_ends = np.cumsum(_seq_chunk_sizes(np.array([total]), cp)[0])
+    doc, chunk, start, length = _cut_at(lengths, np.cumsum(lengths), chunk_ends)
+    return head_tail_rank(cp)[chunk], doc, start, length
+
+
+def per_seq_chunks_many(lengths: np.ndarray, counts: np.ndarray, cp: int) -> tuple[np.ndarray, ...]:
+    """`per_seq_chunks` of consecutive packed sequences (micro-batches) of `counts` documents
+    each (each sequence holds at least one token, or none does): (sequence, rank, doc inside
+    it, start, length), the sequences in order."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if int(lengths.sum()) == 0:
+        return tuple(np.zeros(0, np.int64) for _ in range(5))
     n2 = 2 * cp
-    base, rem = divmod(total, n2)
-    k = np.arange(n2, dtype=np.int64)
-    rank = head_tail_rank(cp)
-    extra = (k < cp) & (rank < rem)
-    extra |= (k >= cp) & (rank < rem - cp)
-    chunk_ends = np.cumsum(base + extra.astype(np.int64))
     doc_ends = np.cumsum(lengths)
+    first_doc = np.cumsum(counts) - counts
+    seq_end = doc_ends[first_doc + counts - 1]
+    totals = np.diff(np.concatenate([[0], seq_end]))
+    chunk_ends = ((seq_end - totals)[:, None] + np.cumsum(_seq_chunk_sizes(totals, cp), axis=1)).reshape(-1)
+    doc, chunk, start, length = _cut_at(lengths, doc_ends, chunk_ends)
+    seq = chunk // n2
+    return seq, head_tail_rank(cp)[chunk % n2], doc - first_doc[seq], start, length
+
+
+def _seq_chunk_sizes(totals: np.ndarray, cp: int) -> np.ndarray:
+    """[sequences, 2*CP] head-tail chunk sizes of sequences of `totals` tokens: T // 2CP each,
+    and one more token for the first T % 2CP chunks in rank order (heads first)."""
+    n2 = 2 * cp
+    base, rem = np.divmod(np.asarray(totals, dtype=np.int64), n2)
+    k = np.arange(n2, dtype=np.int64)
+    head, ranks, rem = (k < cp)[None, :], head_tail_rank(cp)[None, :], rem[:, None]
+    extra = (head & (ranks < rem)) | (~head & (ranks < rem - cp))
+    return base[:, None] + extra.astype(np.int64)
+
+
+def _cut_at(lengths: np.ndarray, doc_ends: np.ndarray, chunk_ends: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(doc, chunk, start in the doc, length) of the pieces the document and chunk boundaries
+    cut a packed sequence into (`chunk_ends`: non-decreasing, empty chunks repeat an end)."""
     cuts = np.union1d(chunk_ends, doc_ends)
     cuts = cuts[cuts > 0]
     piece_start = np.concatenate([[0], cuts[:-1]]).astype(np.int64)
-    piece_len = cuts - piece_start
     doc = np.searchsorted(doc_ends, piece_start, side="right")
     chunk = np.searchsorted(chunk_ends, piece_start, side="right")
-    start = piece_start - (doc_ends[doc] - lengths[doc])
-    return rank[chunk], doc.astype(np.int64), start.astype(np.int64), piece_len.astype(np.int64)
+    return (doc.astype(np.int64), chunk, (piece_start - (doc_ends[doc] - lengths[doc])).astype(np.int64),
+            (cuts - piece_start).astype(np.int64))
 
 
-def per_doc_chunk_sizes(lengths: np.ndarray, cp: int, pointer: int = 0) -> np.ndarray:
+def per_doc_chunk_sizes(lengths: np.ndarray, cp: int, pointer: int | np.ndarray = 0) -> np.ndarray:
     """[n, 2*CP] chunk sizes of every document under the round-robin remainder rule.
 
-    The pointer starts at `pointer` and runs on across documents in packed order.
+    The pointer starts at `pointer` and runs on across documents in packed order (an array:
+    an offset added to each document's pointer, which lets consecutive micro-batches
+    restart it).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     n2 = 2 * cp
@@ -81,7 +111,7 @@ def per_doc_chunk_sizes(lengths: np.ndarray, cp: int, pointer: int = 0) -> np.nd
     return base[:, None] + extra.astype(np.int64)
 
 
-def _chunks_of(sizes: np.ndarray, docs: np.ndarray, cp: int) -> tuple[np.ndarray, ...]:
+def chunks_of(sizes: np.ndarray, docs: np.ndarray, cp: int) -> tuple[np.ndarray, ...]:
     """Chunk table rows of the given documents cut into 2*CP chunks of `sizes` (rows of docs)."""
     n2 = 2 * cp
     starts = np.cumsum(sizes, axis=1) - sizes
@@ -96,7 +126,7 @@ def per_doc_chunks(lengths: np.ndarray, cp: int) -> tuple[np.ndarray, ...]:
     """Per-document head-tail chunks (rank, doc, start, length); empty chunks are dropped."""
     lengths = np.asarray(lengths, dtype=np.int64)
     sizes = per_doc_chunk_sizes(lengths, cp)
-    return _chunks_of(sizes, np.arange(len(lengths)), cp)
+    return chunks_of(sizes, np.arange(len(lengths)), cp)
 
 
 def hybrid_chunks(lengths: np.ndarray, cp: int, cut: np.ndarray, whole_rank: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -110,7 +140,7 @@ def hybrid_chunks(lengths: np.ndarray, cp: int, cut: np.ndarray, whole_rank: np.
     cut = np.asarray(cut, dtype=bool)
     sizes = per_doc_chunk_sizes(lengths, cp)
     docs_cut = np.flatnonzero(cut)
-    r1, d1, s1, l1 = _chunks_of(sizes[docs_cut], docs_cut, cp)
+    r1, d1, s1, l1 = chunks_of(sizes[docs_cut], docs_cut, cp)
     docs_whole = np.flatnonzero(~cut)
     return (np.concatenate([r1, np.asarray(whole_rank, dtype=np.int64)[docs_whole]]),
             np.concatenate([d1, docs_whole]), np.concatenate([s1, np.zeros(len(docs_whole), np.int64)]),

@@ -396,18 +396,57 @@ def merge_chunks(lengths, rank, doc, start, length) -> np.ndarray:
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     rank, doc, start, length = (np.asarray(x, dtype=np.int64) for x in (rank, doc, start, length))
+    columns = _merged(lengths, None, None, rank, doc, start, length)[1:]
+    return np.stack(columns, axis=1) if len(columns[0]) else np.zeros((0, 4), np.int64)
+
+
+def merge_chunk_rows(lengths: np.ndarray, counts: np.ndarray, mb: np.ndarray, rank: np.ndarray, doc: np.ndarray,
+                     start: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """`merge_chunks` of consecutive micro-batches (`counts` documents each of `lengths`) at
+    once: int64 rows (micro-batch, rank, doc, start, length), `doc` numbered inside its
+    micro-batch, sorted by micro-batch, then rank, then packed position, empty rows dropped
+    and contiguous rows of one document on one rank merged. Within each micro-batch these are
+    its canonical chunk table's rows, in its order."""
+    columns = _merged(lengths, counts, mb, rank, doc, start, length)
+    return np.stack(columns, axis=1) if len(columns[0]) else np.zeros((0, 5), np.int64)
+
+
+def _merged(lengths, counts, mb, rank, doc, start, length) -> tuple:
+    """The columns of `merge_chunk_rows` (mb None: one micro-batch, and None for its column)."""
     keep = length > 0
-    doc, start, length, rank = doc[keep], start[keep], length[keep], rank[keep]
-    doc_start = np.cumsum(lengths) - lengths
-    order = np.lexsort((doc_start[doc] + start, rank))
-    doc, start, length, rank = doc[order], start[order], length[order], rank[order]
+    rank, doc, start, length = rank[keep], doc[keep], start[keep], length[keep]
+    local_start = np.cumsum(lengths) - lengths
+    if mb is None:
+        position = local_start[doc] + start
+    else:
+        mb = mb[keep]
+        first_doc = np.cumsum(counts) - counts
+        local_start = local_start - local_start[first_doc][np.repeat(np.arange(len(counts)), counts)]
+        position = local_start[first_doc[mb] + doc] + start
+    if not len(length):
+        return mb, rank, doc, start, length
+    if mb is None:
+        order = np.lexsort((position, rank))
+    else:
+        span, ranks = int(position.max()) + 1, int(rank.max()) + 1
+        if len(counts) * ranks * span < 2**62:  # one int64 key (micro-batch, rank, position): unique, any sort agrees
+            order = np.argsort((mb * ranks + rank) * span + position)
+        else:
+            order = np.lexsort((position, rank, mb))
+    rank, doc, start, length = rank[order], doc[order], start[order], length[order]
     if len(doc) > 1:
         joins = (rank[1:] == rank[:-1]) & (doc[1:] == doc[:-1]) & (start[1:] == start[:-1] + length[:-1])
+        if mb is not None:
+            mb = mb[order]
+            joins &= mb[1:] == mb[:-1]
         if joins.any():
             first = np.flatnonzero(np.concatenate([[True], ~joins]))
             length = np.add.reduceat(length, first)
-            doc, start, rank = doc[first], start[first], rank[first]
-    return np.stack([rank, doc, start, length], axis=1) if len(doc) else np.zeros((0, 4), np.int64)
+            rank, doc, start = rank[first], doc[first], start[first]
+            mb = None if mb is None else mb[first]
+    elif mb is not None:
+        mb = mb[order]
+    return mb, rank, doc, start, length
 
 
 def chunk_tokens(chunks: np.ndarray, cp: int) -> np.ndarray:

@@ -39,9 +39,9 @@ from typing import Literal
 
 from ._validate import check_choice, check_int, check_positive_real, is_float, validate_lengths, validate_offsets
 from .cost import CostModel, default_cost
-from .plan import PackPlan, ShardPlan, SolveInfo, chunk_tokens, merge_chunks
-from .solvers.chunk_rules import (head_tail_rank, hybrid_assign, hybrid_chunks, per_doc_chunk_sizes, per_doc_chunks,
-                                  per_seq_chunks)
+from .plan import PackPlan, ShardPlan, SolveInfo, chunk_tokens, merge_chunk_rows, merge_chunks
+from .solvers.chunk_rules import (chunks_of, hybrid_assign, hybrid_chunks, per_doc_chunk_sizes, per_doc_chunks,
+                                  per_seq_chunks, per_seq_chunks_many)
 
 ShardStrategy = Literal["per_seq", "per_doc", "adaptive", "hybrid", "cpsat"]
 SHARD_STRATEGIES: tuple[str, ...] = ("per_seq", "per_doc", "adaptive", "hybrid", "cpsat")
@@ -259,9 +259,9 @@ def solve_shards(plan: PackPlan, cp: int | None = None, strategy: ShardStrategy 
     tables, raw_doc = {}, None
     if strategy != "per_seq":
         raw_doc = _per_doc_raw(lengths, counts, cp)
-        tables["per_doc"] = _canonical_rows(lengths, counts, *raw_doc)
+        tables["per_doc"] = merge_chunk_rows(lengths, counts, *raw_doc)
     if strategy != "per_doc":
-        tables["per_seq"] = _per_seq_rows(lengths, counts, cp)
+        tables["per_seq"] = merge_chunk_rows(lengths, counts, *per_seq_chunks_many(lengths, counts, cp))
     loads = _table_loads(tables, costs, n_mb, lengths if strategy == "hybrid" else None)
     extras: list[dict] = [{} for _ in full]
     if strategy == "hybrid":
@@ -299,7 +299,7 @@ def solve_shards(plan: PackPlan, cp: int | None = None, strategy: ShardStrategy 
 
 
 def _table_loads(tables: dict, costs: ShardCosts, n_mb: int, whole: np.ndarray | None = None) -> dict:
-    """{name: [n_mb, cp] loads} of `_canonical_rows` tables, their rows costed in one
+    """{name: [n_mb, cp] loads} of `merge_chunk_rows` tables, their rows costed in one
     `segment_cost` call and summed per (micro-batch, rank) in each table's own row order (the
     floats of `ShardCosts.loads` on each micro-batch's table), and "segments": the first
     table's row costs; with `whole` (lengths), "whole": the cost of each of those documents
@@ -329,9 +329,8 @@ def _hybrid_decisions(lengths, counts, doc_at, cp, doc_table, doc_segments, whol
     in the table's order) and `solve_shard`'s token cap; each micro-batch's `extras` get
     evaluated, cut_documents, whole_documents and token_cap."""
     n = len(lengths)
-    key = (np.asarray(doc_at[:-1], dtype=np.int64)[doc_table[:, 0]] + doc_table[:, 2]) * cp + doc_table[:, 1]
-    cut_cost = np.bincount(key, weights=doc_segments, minlength=n * cp).reshape(n, cp)
-    cut_tokens = np.bincount(key, weights=doc_table[:, 4], minlength=n * cp).reshape(n, cp).astype(np.int64)
+    doc = np.asarray(doc_at[:-1], dtype=np.int64)[doc_table[:, 0]] + doc_table[:, 2]  # numbered over all micro-batches
+    cut_cost, cut_tokens = _cut_costs(n, cp, doc, doc_table[:, 1], doc_segments, doc_table[:, 4])
     totals = np.add.reduceat(lengths, doc_at[:-1]).tolist()
     cut, whole_rank = np.zeros(n, dtype=bool), np.full(n, -1, dtype=np.int64)
     for j, extra in enumerate(extras):
@@ -347,105 +346,49 @@ def _hybrid_decisions(lengths, counts, doc_at, cp, doc_table, doc_segments, whol
 
 
 def _hybrid_rows(lengths, counts, raw_doc, cut, whole_rank) -> np.ndarray:
-    """`hybrid_chunks` of every micro-batch, as `_canonical_rows`: the per_doc chunks of the
+    """`hybrid_chunks` of every micro-batch, as `merge_chunk_rows`: the per_doc chunks of the
     documents cut, each other document whole on its rank."""
     mb, rank, doc, start, length = raw_doc
     first_doc = np.cumsum(counts) - counts
     keep = cut[first_doc[mb] + doc]
     whole = np.flatnonzero(~cut)
     whole_mb = np.repeat(np.arange(len(counts)), counts)[whole]
-    return _canonical_rows(lengths, counts, np.concatenate([mb[keep], whole_mb]),
+    return merge_chunk_rows(lengths, counts, np.concatenate([mb[keep], whole_mb]),
                            np.concatenate([rank[keep], whole_rank[whole]]),
                            np.concatenate([doc[keep], whole - first_doc[whole_mb]]),
                            np.concatenate([start[keep], np.zeros(len(whole), np.int64)]),
                            np.concatenate([length[keep], lengths[whole]]))
 
 
-def _canonical_rows(lengths: np.ndarray, counts: np.ndarray, mb: np.ndarray, rank: np.ndarray, doc: np.ndarray,
-                    start: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """`merge_chunks` of every micro-batch at once: rows (micro-batch, rank, doc, start,
-    length), `doc` numbered inside its micro-batch, sorted by micro-batch, then rank, then
-    packed position, empty rows dropped and contiguous rows of one document on one rank
-    merged. Within each micro-batch these are `merge_chunks`' rows, in its order."""
-    keep = length > 0
-    mb, rank, doc, start, length = mb[keep], rank[keep], doc[keep], start[keep], length[keep]
-    first_doc = np.cumsum(counts) - counts
-    local_start = np.cumsum(lengths) - lengths
-    local_start = local_start - local_start[first_doc][np.repeat(np.arange(len(counts)), counts)]
-    position = local_start[first_doc[mb] + doc] + start
-    span = int(position.max(initial=0)) + 1
-    bins = len(counts) * int(rank.max(initial=0) + 1)
-    if bins * span < 2**62:  # one int64 key (micro-batch, rank, position): unique, so any sort is the same
-        order = np.argsort((mb * (bins // len(counts)) + rank) * span + position)
-    else:
-        order = np.lexsort((position, rank, mb))
-    mb, rank, doc, start, length = mb[order], rank[order], doc[order], start[order], length[order]
-    if len(doc) > 1:
-        joins = ((mb[1:] == mb[:-1]) & (rank[1:] == rank[:-1]) & (doc[1:] == doc[:-1])
-                 & (start[1:] == start[:-1] + length[:-1]))
-        if joins.any():
-            first = np.flatnonzero(np.concatenate([[True], ~joins]))
-            length = np.add.reduceat(length, first)
-            mb, rank, doc, start = mb[first], rank[first], doc[first], start[first]
-    return np.stack([mb, rank, doc, start, length], axis=1)
-
-
 def _per_doc_raw(lengths: np.ndarray, counts: np.ndarray, cp: int) -> tuple[np.ndarray, ...]:
     """The per_doc chunks of consecutive micro-batches (`counts` documents each) of
-    `lengths`, before `_canonical_rows`: (micro-batch, rank, doc inside it, start, length),
-    2 x cp rows per document; the round-robin pointer starts at 0 in each micro-batch
-    (`chunk_rules.per_doc_chunk_sizes`)."""
-    n2 = 2 * cp
+    `lengths`, before `merge_chunk_rows`: (micro-batch, rank, doc inside it, start, length);
+    the round-robin pointer restarts at 0 in each micro-batch."""
     mb_of = np.repeat(np.arange(len(counts)), counts)
-    base, rem = np.divmod(lengths, n2)
-    before = np.cumsum(rem) - rem  # remainders before each document, from the first micro-batch
     first_doc = np.cumsum(counts) - counts
-    first = (before - before[first_doc][mb_of]) % n2  # the pointer when the document starts
-    k = np.arange(n2, dtype=np.int64)
-    sizes = base[:, None] + ((k[None, :] - first[:, None]) % n2 < rem[:, None]).astype(np.int64)
-    starts = np.cumsum(sizes, axis=1) - sizes
-    local_doc = np.arange(len(lengths), dtype=np.int64) - first_doc[mb_of]
-    return (np.repeat(mb_of, n2), np.tile(head_tail_rank(cp), len(lengths)), np.repeat(local_doc, n2),
-            starts.reshape(-1), sizes.reshape(-1))
-
-
-def _per_seq_rows(lengths: np.ndarray, counts: np.ndarray, cp: int) -> np.ndarray:
-    """The per_seq chunk tables of consecutive micro-batches (head-tail chunks of each
-    micro-batch's packed sequence, cut at document boundaries; `chunk_rules.per_seq_chunks`),
-    as `_canonical_rows`."""
-    n2 = 2 * cp
-    mb_of = np.repeat(np.arange(len(counts)), counts)
-    doc_ends = np.cumsum(lengths)
-    first_doc = np.cumsum(counts) - counts
-    mb_end = doc_ends[first_doc + counts - 1]
-    totals = np.diff(np.concatenate([[0], mb_end]))
-    base, rem = np.divmod(totals, n2)
-    k = np.arange(n2, dtype=np.int64)
-    rank = head_tail_rank(cp)
-    head, ranks, rem = (k < cp)[None, :], rank[None, :], rem[:, None]  # one more token: per_seq_chunks' rule
-    extra = (head & (ranks < rem)) | (~head & (ranks < rem - cp))
-    chunk_ends = ((mb_end - totals)[:, None] + np.cumsum(base[:, None] + extra.astype(np.int64), axis=1)).reshape(-1)
-    cuts = np.union1d(chunk_ends, doc_ends)
-    cuts = cuts[cuts > 0]
-    piece_start = np.concatenate([[0], cuts[:-1]]).astype(np.int64)
-    doc = np.searchsorted(doc_ends, piece_start, side="right")
-    chunk = np.searchsorted(chunk_ends, piece_start, side="right")
+    rem = lengths % (2 * cp)
+    restart = -(np.cumsum(rem) - rem)[first_doc][mb_of]  # the remainders before the micro-batch, undone
+    rank, doc, start, length = chunks_of(per_doc_chunk_sizes(lengths, cp, restart), np.arange(len(lengths)), cp)
     mb = mb_of[doc]
-    return _canonical_rows(lengths, counts, mb, rank[chunk % n2], doc - first_doc[mb],
-                           piece_start - (doc_ends[doc] - lengths[doc]), cuts - piece_start)
+    return mb, rank, doc - first_doc[mb], start, length
 
 
 def _decision_costs(lengths: np.ndarray, cp: int, costs: ShardCosts, per_doc_chunks_table: np.ndarray):
     """whole_cost[i] (document whole on one rank), cut_cost[i, r] and cut_tokens[i, r]
     (document cut per document; rows of the canonical per_doc chunk table summed by rank)."""
-    n = len(lengths)
     whole_cost = costs.segment_cost(lengths, lengths)
     rank, doc, start, length = (per_doc_chunks_table[:, j] for j in range(4))
     seg = costs.segment_cost(length, start + length)
+    return (whole_cost, *_cut_costs(len(lengths), cp, doc, rank, seg, length))
+
+
+def _cut_costs(n: int, cp: int, doc: np.ndarray, rank: np.ndarray, seg: np.ndarray, length: np.ndarray):
+    """(cut_cost [n, cp], cut_tokens [n, cp]) of n documents from the rows of their per_doc
+    chunk tables (document, rank, cost, tokens), summed per (document, rank) in row order."""
     key = doc * cp + rank
     cut_cost = np.bincount(key, weights=seg, minlength=n * cp).reshape(n, cp)
     cut_tokens = np.bincount(key, weights=length, minlength=n * cp).reshape(n, cp).astype(np.int64)
-    return whole_cost, cut_cost, cut_tokens
+    return cut_cost, cut_tokens
 
 
 def per_doc_sizes(lengths, cp: int) -> np.ndarray:
