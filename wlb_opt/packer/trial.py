@@ -417,7 +417,17 @@ class TrialPack:
 
     @cached_property
     def loads(self) -> np.ndarray:
-        """Seconds of each micro-batch: its piece costs summed as `solve_pack` sums them."""
+        """Seconds of each micro-batch, what the policies compare: its piece costs added one by
+        one in placement order (Algorithm 1's running sums; one `np.bincount`), plus the
+        per-micro-batch constant. `plan()` sums each micro-batch as `solve_pack` does
+        (`_plan_loads`); the two differ by rounding alone."""
+        s = self._solver
+        keep = self._placed_bin >= 0
+        return np.bincount(self._placed_bin[keep], weights=s.weights[self._order[keep]],
+                           minlength=s.dp * s.n_micro) + s.bin_const
+
+    def _plan_loads(self) -> np.ndarray:
+        """Seconds of each micro-batch summed as `solve_pack` sums them (the PackPlan's loads)."""
         weights, const = self._solver.weights, self._solver.bin_const
         add = np.add.reduce  # what ndarray.sum() runs, without its overhead
         return np.array([add(weights[b]) + const for b in self._bins], dtype=np.float64)
@@ -433,7 +443,10 @@ class TrialPack:
 
     @cached_property
     def deferred_tokens(self) -> int:
-        return int(self._solver.lengths[self._order[self._placed_bin < 0]].sum())
+        placed = self._placed_bin
+        if not len(placed) or np.minimum.reduce(placed) >= 0:
+            return 0
+        return int(np.add.reduce(self._solver.lengths[self._order[placed < 0]]))
 
     @cached_property
     def micro_batches(self) -> tuple[np.ndarray, ...]:
@@ -470,7 +483,7 @@ class TrialPack:
     def _plan(self, extra: dict) -> PackPlan:
         """This packing as a PackPlan, `extra` its `info.extra`."""
         s, idx = self._solver, self._pending_idx
-        loads = self.loads
+        loads = self._plan_loads()
         tokens = bin_tokens(s.lengths, self._bins)
         n_bins = s.dp * s.n_micro
         info = SolveInfo(method=s.method, status="heuristic", objective=float(loads.max()) if len(loads) else 0.0,
