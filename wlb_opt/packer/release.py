@@ -383,28 +383,29 @@ class GroupRelease(ReleasePolicy):
         if n * top <= SMALL_WINDOWS:
             return self._few_windows(remaining, ctx, early_only)
         lengths = np.fromiter((piece.length for piece in remaining), dtype=np.int64, count=n)
-        parts = {"tokens": [lengths]}
+        parts = {"tokens": lengths}
         if self.lookahead:
             lead = np.fromiter((piece.arrival - ctx.step for piece in remaining), dtype=np.int64, count=n)
             is_early = (lead > 0).astype(np.int64)
-            parts["early"] = [is_early]
-            relief = np.where(lead > 0, -lengths * lead, lengths)  # `displacement_relief` of each piece
-            parts["relief"] = [relief]
+            parts["early"] = is_early
+            parts["relief"] = np.where(lead > 0, -lengths * lead, lengths)  # `displacement_relief` of each piece
         if ctx.costs:
             costs = np.fromiter((ctx.costs[piece.key] for piece in remaining), dtype=np.float64, count=n)
-            parts["total"], parts["heaviest"] = [costs], [costs]
-        for size in range(2, top + 1):  # windows of `size` from those of size - 1 and the piece after them
-            parts["tokens"].append(parts["tokens"][-1][:-1] + lengths[size - 1:])
-            if self.lookahead:
-                parts["early"].append(parts["early"][-1][:-1] + is_early[size - 1:])
-                parts["relief"].append(parts["relief"][-1][:-1] + relief[size - 1:])
-            if ctx.costs:
-                parts["total"].append(parts["total"][-1][:-1] + costs[size - 1:])
-                parts["heaviest"].append(np.maximum(parts["heaviest"][-1][:-1], costs[size - 1:]))
-        flat = {key: np.concatenate(arrays) if top > 1 else arrays[0] for key, arrays in parts.items()}
+            parts["total"] = parts["heaviest"] = costs
+        # Row i of a part's (n, top) view holds pieces i to i + top - 1 (zeros past the end);
+        # accumulating along it sums (or takes the max of) the windows starting at i one piece
+        # at a time, left to right: entry (i, size - 1) is the window of `size` at i. Taken by
+        # size then start, where the window ends within the pool.
+        valid = np.arange(n)[None, :] <= n - np.arange(1, top + 1)[:, None]  # (size - 1, start)
+        flat = {}
+        for key, values in parts.items():
+            padded = np.concatenate([values, np.zeros(top - 1, dtype=values.dtype)])
+            rows = np.lib.stride_tricks.sliding_window_view(padded, top)
+            accumulate = np.maximum.accumulate if key == "heaviest" else np.add.accumulate
+            flat[key] = accumulate(rows, axis=1).T[valid]
         counts = n - np.arange(top)  # windows of each size
         sizes = np.repeat(np.arange(1, top + 1), counts)
-        starts = np.arange(len(sizes)) - np.repeat(np.cumsum(counts) - counts, counts)
+        starts = np.nonzero(valid)[1]
         tokens = flat["tokens"]
         keep = np.ones(len(sizes), dtype=bool) if not self.lookahead else 2 * flat["early"] <= sizes
         if early_only:
