@@ -2,7 +2,8 @@
 production scale (`WLBPacker(32, int(1.25 * W), cost)`, lookahead 0 and 4; the default step
 packer and Algorithm 1, `method="wlb"`) on short `real` and `heavy` streams, so that a faster planner is held to the same plans where it works
 hardest (many candidate groups per step, overloaded steps); "wlb_phases" packs the candidates of
-such a step with its short pieces in lumps (packer/trial.py), "wlb" piece by piece. Run it from
+such a step with its short pieces in lumps (packer/trial.py) and tries a sparse set of groups
+(release.py, `sparse_window`), "wlb" every group, piece by piece. Run it from
 the repository root:
 `PYTHONPATH=. python tests/data/make_packer_n32_digests.py > tests/data/packer_n32_digests.json`.
 Each entry: plan.digest() / plan.step / sha256(arrival_step) of every plan, drain included."""

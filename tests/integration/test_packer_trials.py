@@ -6,6 +6,7 @@ their recorded plans at 32 micro-batches (tests/data/make_packer_n32_digests.py)
 their short pieces in lumps, and still keeps solve_pack's plan."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -73,7 +74,10 @@ def test_a_candidate_packs_as_solve_pack_does(step, method):
         assert got.digest() == want.digest() and got.info.extra == want.info.extra
         assert np.array_equal(got.loads, want.loads) and np.array_equal(got.tokens, want.tokens)
         want = wlb.solve_pack([piece.length for piece in pending], n_micro, cap, COST, "wlb", **kw)
-        assert trial.imbalance == want.imbalance and trial.deferred_tokens == want.deferred_tokens
+        # a candidate's loads are Algorithm 1's running sums, the plan's solve_pack's sums: equal
+        # but for rounding
+        assert trial.imbalance == pytest.approx(want.imbalance, rel=1e-12, abs=0)
+        assert trial.deferred_tokens == want.deferred_tokens
         assert solver.solve(first, rest_given)[1].defers_any(pending) == bool(len(want.deferred))
 
 
@@ -336,3 +340,59 @@ def test_a_lumped_candidate_rejects_exactly_what_its_full_packing_fails():
                                      (None, deferred), (None, deferred + 1)]:
                 want = (threshold is not None and at > threshold) or deferred >= limit or whole.defers_any(group)
                 assert base.with_group(group).rejects(threshold, limit, group) == want
+
+
+@pytest.mark.parametrize("dist, lookahead", [("real", 0), ("heavy", 4)])
+def test_large_steps_of_the_default_step_packer_try_the_sparse_groups(dist, lookahead, monkeypatch):
+    # From 16 micro-batches "wlb_phases" tries the groups `sparse_window` keeps: on every call of
+    # a stream, `_windows` gives exactly the windows of every run of held pieces that it keeps
+    # (bounds and reliefs included), in Python as with numpy, and leaves some out. With
+    # method="wlb", or at 8 micro-batches, every run is tried.
+    from wlb_opt.packer import release as release_module
+    windows, small = release_module.GroupRelease._windows, release_module.SMALL_WINDOWS
+    seen = {"sparse": 0, "every": 0, "thinned": 0}
+
+    def checked(self, remaining, ctx, early_only=False):
+        got = windows(self, remaining, ctx, early_only)
+        if not self.sparse_windows:
+            seen["every"] += 1
+            return got
+        seen["sparse"] += 1
+        every = windows(dataclasses.replace(self, sparse_windows=False), remaining, ctx, early_only)
+        top = min(self.need, len(remaining))
+        chosen = [k for k, (size, start) in enumerate(zip(every[0], every[1]))
+                  if release_module.sparse_window(size, start, len(remaining), top)]
+        assert got == tuple(None if part is None else [part[k] for k in chosen] for part in every)
+        seen["thinned"] += len(chosen) < len(every[0])
+        monkeypatch.setattr(release_module, "SMALL_WINDOWS", 10**9)
+        assert windows(self, remaining, ctx, early_only) == got
+        monkeypatch.setattr(release_module, "SMALL_WINDOWS", small)
+        return got
+
+    monkeypatch.setattr(release_module.GroupRelease, "_windows", checked)
+    window = 131072
+    for n_micro, method, sparse in ((16, "wlb_phases", True), (16, "wlb", False), (8, "wlb_phases", False)):
+        seen.update(sparse=0, every=0)
+        packer = WLBPacker(n_micro, int(1.25 * window), COST, config=PackerConfig(lookahead=lookahead, method=method))
+        assert packer._release.sparse_windows == sparse
+        for batch in global_batches(dist, window, n_micro * window, 8, seed=DEFAULT_SEED + 5):
+            packer.pack(*batch)
+        assert (seen["sparse"] > 0, seen["every"] > 0) == (sparse, not sparse)
+    assert seen["thinned"] > 0
+
+
+def test_the_sparse_groups_are_the_sizes_and_starts_named():
+    from wlb_opt.packer.release import _sparse_mask, sparse_window
+    kept_sizes = {size for size in range(1, 33) if sparse_window(size, 0, 100, 32)}
+    assert kept_sizes == {1, 2, 3, 4, 6, 8, 12, 16, 24, 32}
+    assert sparse_window(20, 0, 40, 20)  # the largest size a pool allows is always tried
+    # starts every size // 4 pieces, and the run that ends at the last piece
+    assert [i for i in range(100 - 24 + 1) if sparse_window(24, i, 100, 32)] == list(range(0, 73, 6)) + [76]
+    assert [i for i in range(10 - 3 + 1) if sparse_window(3, i, 10, 32)] == list(range(8))
+    for n, top in ((34, 32), (88, 32), (7, 7), (20, 16)):
+        sizes = np.repeat(np.arange(1, top + 1), n - np.arange(top))
+        starts = np.concatenate([np.arange(n - size + 1) for size in range(1, top + 1)])
+        mask = _sparse_mask(sizes, starts, n, top)
+        assert mask.tolist() == [sparse_window(int(s), int(i), n, top) for s, i in zip(sizes, starts)]
+    assert int(_sparse_mask(np.repeat(np.arange(1, 33), 34 - np.arange(32)),
+                            np.concatenate([np.arange(34 - s + 1) for s in range(1, 33)]), 34, 32).sum()) == 193

@@ -67,7 +67,7 @@ from .release import DrainRelease, ReleasePolicy, make_release_policy
 from .state import (HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state, encode_state, held_tokens,
                     pieces_of)
 from .stats import StreamStats
-from .trial import StepSolver, as_pack_plan, piece_table
+from .trial import COARSE_MIN_BINS, StepSolver, as_pack_plan, piece_table
 
 _log = logging.getLogger("wlb_opt")
 
@@ -189,7 +189,8 @@ class WLBPacker:
         rules = dict(need=self.dp * self.n_micro, max_delay=self.max_delay, balance_tolerance=tolerance,
                      max_backlog_tokens=max_backlog_tokens if carry_limit is None else carry_limit,
                      lookahead=self.lookahead, piece_cost=self.cost._doc_cost_valid, bin_const=self.cost.mb_const(),
-                     max_tokens=self.max_tokens)
+                     max_tokens=self.max_tokens,
+                     sparse_windows=self.method == "wlb_phases" and self.dp * self.n_micro >= COARSE_MIN_BINS)
         marginal = {}
         if self.release == "marginal":  # the price of a group's tokens, per step of capacity
             marginal = dict(price=MARGINAL_PRICE, capacity_tokens=self.capacity_tokens)

@@ -89,6 +89,36 @@ SMALL_WINDOWS = 64
 this (fewer windows than numpy's per-call cost pays for), with numpy above."""
 
 
+SPARSE_STRIDE = 4
+"""With `sparse_windows`, a group of `size` pieces starts every max(1, size // SPARSE_STRIDE)
+pieces of the pool (a quarter of the group moves from one to the next)."""
+
+
+def sparse_window(size: int, start: int, n: int, top: int) -> bool:
+    """Whether the run of `size` pieces at `start`, in a pool of `n` sorted pieces whose groups
+    hold at most `top`, is a group of the sparse set: sizes 1 to 4, then 2**k and 3 x 2**k
+    (6, 8, 12, 16, 24, 32, ...) and `top`; for each size, the starts every
+    max(1, size // SPARSE_STRIDE) pieces and the run that ends at the last piece. At 32
+    micro-batches a pool of 34 outliers then makes 193 groups instead of 592, one of 88
+    makes 536 instead of 2,320, and a group seldom differs much from the nearest one kept."""
+    def power_of_two(k: int) -> bool:
+        return k & (k - 1) == 0
+
+    if not (size <= 4 or size == top or power_of_two(size) or (size % 3 == 0 and power_of_two(size // 3))):
+        return False
+    return start % max(1, size // SPARSE_STRIDE) == 0 or start == n - size
+
+
+def _sparse_mask(sizes: np.ndarray, starts: np.ndarray, n: int, top: int) -> np.ndarray:
+    """`sparse_window` of each (size, start), as a boolean array."""
+    power_of_two = (sizes & (sizes - 1)) == 0
+    thirds = sizes // 3
+    three_times = (sizes % 3 == 0) & ((thirds & (thirds - 1)) == 0)
+    size_kept = (sizes <= 4) | (sizes == top) | power_of_two | three_times
+    stride = np.maximum(1, sizes // SPARSE_STRIDE)
+    return size_kept & ((starts % stride == 0) | (starts == n - sizes))
+
+
 class StepRelease(NamedTuple):
     """What a policy decided for one step."""
 
@@ -167,6 +197,10 @@ class ReleasePolicy(ABC):
     """Token cap of a micro-batch: with `piece_cost`, "group" and "marginal" also skip the
     candidates that the step's token capacity surely rejects (`_Room`; None: not used; the
     plans are the same)."""
+    sparse_windows: bool = False
+    """Whether "group" and "marginal" try a sparse set of groups (`sparse_window`) rather than
+    every run of 1 to need adjacent held pieces. The packer sets it with the default step
+    packer on steps of `trial.COARSE_MIN_BINS` micro-batches or more."""
 
     @abstractmethod
     def plan_step(self, fresh: list[HeldPiece], queues: list[deque], carry: list[HeldPiece], step: int,
@@ -408,6 +442,8 @@ class GroupRelease(ReleasePolicy):
         starts = np.nonzero(valid)[1]
         tokens = flat["tokens"]
         keep = np.ones(len(sizes), dtype=bool) if not self.lookahead else 2 * flat["early"] <= sizes
+        if self.sparse_windows:
+            keep &= _sparse_mask(sizes, starts, n, top)
         if early_only:
             keep &= flat["early"] == 1
         # the token capacity only bounds a step that a group can take past it (`remaining` is
@@ -465,6 +501,8 @@ class GroupRelease(ReleasePolicy):
                     heaviest = [h if h >= costs[j + last] else costs[j + last] for j, h in enumerate(heaviest[:-1])]
             for start in range(n - size + 1):
                 if lookahead and (2 * earlies[start] > size or (early_only and earlies[start] != 1)):
+                    continue
+                if self.sparse_windows and not sparse_window(size, start, n, top):
                     continue
                 if room is not None and tokens[start] + excess >= defer_limit:
                     continue
