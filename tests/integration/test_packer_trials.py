@@ -344,10 +344,10 @@ def test_a_lumped_candidate_rejects_exactly_what_its_full_packing_fails():
 
 @pytest.mark.parametrize("dist, lookahead", [("real", 0), ("heavy", 4)])
 def test_large_steps_of_the_default_step_packer_try_the_sparse_groups(dist, lookahead, monkeypatch):
-    # From 16 micro-batches "wlb_phases" tries the groups `sparse_window` keeps: on every call of
+    # From 32 micro-batches "wlb_phases" tries the groups `sparse_window` keeps: on every call of
     # a stream, `_windows` gives exactly the windows of every run of held pieces that it keeps
     # (bounds and reliefs included), in Python as with numpy, and leaves some out. With
-    # method="wlb", or at 8 micro-batches, every run is tried.
+    # method="wlb", or at 16 micro-batches, every run is tried.
     from wlb_opt.packer import release as release_module
     windows, small = release_module.GroupRelease._windows, release_module.SMALL_WINDOWS
     seen = {"sparse": 0, "every": 0, "thinned": 0}
@@ -371,11 +371,11 @@ def test_large_steps_of_the_default_step_packer_try_the_sparse_groups(dist, look
 
     monkeypatch.setattr(release_module.GroupRelease, "_windows", checked)
     window = 131072
-    for n_micro, method, sparse in ((16, "wlb_phases", True), (16, "wlb", False), (8, "wlb_phases", False)):
+    for n_micro, method, sparse in ((32, "wlb_phases", True), (32, "wlb", False), (16, "wlb_phases", False)):
         seen.update(sparse=0, every=0)
         packer = WLBPacker(n_micro, int(1.25 * window), COST, config=PackerConfig(lookahead=lookahead, method=method))
         assert packer._release.sparse_windows == sparse
-        for batch in global_batches(dist, window, n_micro * window, 8, seed=DEFAULT_SEED + 5):
+        for batch in global_batches(dist, window, n_micro * window, 6, seed=DEFAULT_SEED + 5):
             packer.pack(*batch)
         assert (seen["sparse"] > 0, seen["every"] > 0) == (sparse, not sparse)
     assert seen["thinned"] > 0

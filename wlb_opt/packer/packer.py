@@ -63,11 +63,11 @@ from .defaults import (MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, TARGET_SHARE, TO
 from .fill_trial import FillStepSolver
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
-from .release import DrainRelease, ReleasePolicy, make_release_policy
+from .release import SPARSE_MIN_BINS, DrainRelease, ReleasePolicy, make_release_policy
 from .state import (HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state, encode_state, held_tokens,
                     pieces_of)
 from .stats import StreamStats
-from .trial import COARSE_MIN_BINS, StepSolver, as_pack_plan, piece_table
+from .trial import StepSolver, as_pack_plan, piece_table
 
 _log = logging.getLogger("wlb_opt")
 
@@ -190,7 +190,7 @@ class WLBPacker:
                      max_backlog_tokens=max_backlog_tokens if carry_limit is None else carry_limit,
                      lookahead=self.lookahead, piece_cost=self.cost._doc_cost_valid, bin_const=self.cost.mb_const(),
                      max_tokens=self.max_tokens,
-                     sparse_windows=self.method == "wlb_phases" and self.dp * self.n_micro >= COARSE_MIN_BINS)
+                     sparse_windows=self.method == "wlb_phases" and self.dp * self.n_micro >= SPARSE_MIN_BINS)
         marginal = {}
         if self.release == "marginal":  # the price of a group's tokens, per step of capacity
             marginal = dict(price=MARGINAL_PRICE, capacity_tokens=self.capacity_tokens)

@@ -89,6 +89,10 @@ SMALL_WINDOWS = 64
 this (fewer windows than numpy's per-call cost pays for), with numpy above."""
 
 
+SPARSE_MIN_BINS = 32
+"""The default step packer tries the sparse set of groups (`sparse_window`) on steps of at least
+this many micro-batches (dp x n_micro): at 16, the calibration's `prose` stream lost 0.013 mean
+imbalance with lookahead 4 (docs/tuning.md)."""
 SPARSE_STRIDE = 4
 """With `sparse_windows`, a group of `size` pieces starts every max(1, size // SPARSE_STRIDE)
 pieces of the pool (a quarter of the group moves from one to the next)."""
@@ -200,7 +204,7 @@ class ReleasePolicy(ABC):
     sparse_windows: bool = False
     """Whether "group" and "marginal" try a sparse set of groups (`sparse_window`) rather than
     every run of 1 to need adjacent held pieces. The packer sets it with the default step
-    packer on steps of `trial.COARSE_MIN_BINS` micro-batches or more."""
+    packer on steps of `SPARSE_MIN_BINS` micro-batches or more."""
 
     @abstractmethod
     def plan_step(self, fresh: list[HeldPiece], queues: list[deque], carry: list[HeldPiece], step: int,
