@@ -62,6 +62,8 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
+from itertools import chain
+from operator import itemgetter
 from typing import Callable, Literal, NamedTuple
 
 import numpy as np
@@ -654,13 +656,14 @@ class GroupRelease(ReleasePolicy):
         costs = self._costs(pool)  # the held pieces', by key; the step's own ones only count in base_cost
         base_cost = 0.0
         if self.piece_cost is not None and (carry or fresh or pool):
-            own = self.piece_cost(np.array([piece.length for piece in carry + fresh], dtype=np.int64)).tolist()
+            own_lengths = np.fromiter(map(itemgetter(2), chain(carry, fresh)), dtype=np.int64,
+                                      count=len(carry) + len(fresh))  # HeldPiece.length
+            own = self.piece_cost(own_lengths)
             # summed in the order carry, fresh, released: the same floats as piece by piece
-            base_cost = sum(own + [costs[piece.key] for piece in released])
+            base_cost = sum(own.tolist() + [costs[piece.key] for piece in released])
         own_pieces = None
         if self.max_tokens is not None and costs and len(carry) + len(fresh) >= ROOM_MIN_PIECES:
-            own_pieces = _DensestPieces(np.array([piece.length for piece in carry + fresh], dtype=np.int64),
-                                        np.array(own, dtype=np.float64))
+            own_pieces = _DensestPieces(own_lengths, np.asarray(own, dtype=np.float64))
         while True:
             remaining = sorted((piece for piece in pool if piece.key not in taken),
                                key=lambda piece: (piece.length, piece.arrival))
