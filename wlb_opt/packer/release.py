@@ -59,6 +59,7 @@ it releases from `queues` (the packer's copies) and returns a `StepRelease`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
@@ -123,6 +124,34 @@ def _sparse_mask(sizes: np.ndarray, starts: np.ndarray, n: int, top: int) -> np.
     size_kept = (sizes <= 4) | (sizes == top) | power_of_two | three_times
     stride = np.maximum(1, sizes // SPARSE_STRIDE)
     return size_kept & ((starts % stride == 0) | (starts == n - sizes))
+
+
+class _WindowLayout(NamedTuple):
+    """Where `GroupRelease._windows` reads the windows of a pool of n pieces, groups of 1 to top."""
+
+    rows: np.ndarray
+    """(top, n) indices into the pool padded with top - 1 zeros: entry (k, i) is piece i + k."""
+    valid: np.ndarray
+    """(top, n): whether the window of size k + 1 at start i ends within the pool."""
+    sizes: np.ndarray
+    """Size of each valid window, by size then start."""
+    starts: np.ndarray
+    """Start of each valid window, in the same order."""
+    sparse: np.ndarray
+    """`sparse_window` of each valid window."""
+
+
+@functools.lru_cache(maxsize=256)
+def _window_layout(n: int, top: int) -> _WindowLayout:
+    """The layout of a pool of n pieces, made once per (n, top): pools come back in these sizes."""
+    rows = np.arange(top)[:, None] + np.arange(n)[None, :]
+    valid = np.arange(n)[None, :] <= n - np.arange(1, top + 1)[:, None]
+    sizes = np.repeat(np.arange(1, top + 1), n - np.arange(top))
+    starts = np.nonzero(valid)[1]
+    layout = _WindowLayout(rows, valid, sizes, starts, _sparse_mask(sizes, starts, n, top))
+    for array in layout:
+        array.flags.writeable = False
+    return layout
 
 
 class StepRelease(NamedTuple):
@@ -432,24 +461,21 @@ class GroupRelease(ReleasePolicy):
         if ctx.costs:
             costs = np.fromiter((ctx.costs[piece.key] for piece in remaining), dtype=np.float64, count=n)
             parts["total"] = parts["heaviest"] = costs
-        # Row i of a part's (n, top) view holds pieces i to i + top - 1 (zeros past the end);
-        # accumulating along it sums (or takes the max of) the windows starting at i one piece
-        # at a time, left to right: entry (i, size - 1) is the window of `size` at i. Taken by
-        # size then start, where the window ends within the pool.
-        valid = np.arange(n)[None, :] <= n - np.arange(1, top + 1)[:, None]  # (size - 1, start)
+        # Column i of a part's (top, n) layout holds pieces i to i + top - 1 (zeros past the
+        # end); accumulating down it sums (or takes the max of) the windows starting at i one
+        # piece at a time, left to right: entry (size - 1, i) is the window of `size` at i.
+        # Taken by size then start, where the window ends within the pool.
+        layout = _window_layout(n, top)
         flat = {}
         for key, values in parts.items():
             padded = np.concatenate([values, np.zeros(top - 1, dtype=values.dtype)])
-            rows = np.lib.stride_tricks.sliding_window_view(padded, top)
             accumulate = np.maximum.accumulate if key == "heaviest" else np.add.accumulate
-            flat[key] = accumulate(rows, axis=1).T[valid]
-        counts = n - np.arange(top)  # windows of each size
-        sizes = np.repeat(np.arange(1, top + 1), counts)
-        starts = np.nonzero(valid)[1]
+            flat[key] = accumulate(padded[layout.rows], axis=0)[layout.valid]
+        sizes, starts = layout.sizes, layout.starts
         tokens = flat["tokens"]
         keep = np.ones(len(sizes), dtype=bool) if not self.lookahead else 2 * flat["early"] <= sizes
         if self.sparse_windows:
-            keep &= _sparse_mask(sizes, starts, n, top)
+            keep &= layout.sparse
         if early_only:
             keep &= flat["early"] == 1
         # the token capacity only bounds a step that a group can take past it (`remaining` is
@@ -896,7 +922,9 @@ class MarginalRelease(GroupRelease):
         plan = result.plan
         if sum(len(mb) for mb in plan.micro_batches) <= 1:
             return None
-        options = self._movable(plan.micro_batches[int(np.argmax(plan.loads))].tolist(), result, fresh, step)
+        heaviest = int(np.argmax(plan.loads))
+        one = getattr(plan, "micro_batch", None)  # a TrialPack finds one micro-batch without the others
+        options = self._movable((one(heaviest) if one else plan.micro_batches[heaviest]).tolist(), result, fresh, step)
         if not options:
             return None
         position = max(options, key=lambda i: (result.pending[i].length, result.pending[i].arrival))

@@ -454,6 +454,12 @@ class TrialPack:
         keep = self._placed_bin >= 0
         return tuple(split_by_bin(self._positions[keep], self._placed_bin[keep], self._solver.dp * self._solver.n_micro))
 
+    def micro_batch(self, b: int) -> np.ndarray:
+        """`micro_batches[b]` alone: positions of micro-batch b's pieces, in placement order."""
+        if "micro_batches" in self.__dict__:
+            return self.micro_batches[b]
+        return self._positions[self._placed_bin == b]
+
     def defers_any(self, pieces: list[HeldPiece]) -> bool:
         """Whether any of `pieces` (pending pieces of this candidate) is deferred."""
         if not len(pieces) or self._placed_bin.min(initial=0) >= 0:
