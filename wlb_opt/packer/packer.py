@@ -67,7 +67,7 @@ from .release import SPARSE_MIN_BINS, DrainRelease, ReleasePolicy, make_release_
 from .state import (HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state, encode_state, held_tokens,
                     pieces_of)
 from .stats import StreamStats
-from .trial import StepSolver, as_pack_plan, piece_table
+from .trial import COARSE_MIN_BINS, StepSolver, as_pack_plan, piece_table
 
 _log = logging.getLogger("wlb_opt")
 
@@ -190,6 +190,7 @@ class WLBPacker:
                      max_backlog_tokens=max_backlog_tokens if carry_limit is None else carry_limit,
                      lookahead=self.lookahead, piece_cost=self.cost._doc_cost_valid, bin_const=self.cost.mb_const(),
                      max_tokens=self.max_tokens,
+                     room_bounds=not (self.method == "wlb_phases" and self.dp * self.n_micro >= COARSE_MIN_BINS),
                      sparse_windows=self.method == "wlb_phases" and self.dp * self.n_micro >= SPARSE_MIN_BINS)
         marginal = {}
         if self.release == "marginal":  # the price of a group's tokens, per step of capacity

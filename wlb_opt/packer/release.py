@@ -232,6 +232,11 @@ class ReleasePolicy(ABC):
     """Token cap of a micro-batch: with `piece_cost`, "group" and "marginal" also skip the
     candidates that the step's token capacity surely rejects (`_Room`; None: not used; the
     plans are the same)."""
+    room_bounds: bool = True
+    """Whether "group" and "marginal" bound candidates by the step's token capacity (`_Room`,
+    on steps of `ROOM_MIN_PIECES` pieces or more). The packer turns it off where the step
+    packer lumps its candidates' short pieces (`trial.COARSE_MIN_BINS`): such a candidate costs
+    about what the bounds do. The plans are the same either way."""
     sparse_windows: bool = False
     """Whether "group" and "marginal" try a sparse set of groups (`sparse_window`) rather than
     every run of 1 to need adjacent held pieces. The packer sets it with the default step
@@ -688,7 +693,7 @@ class GroupRelease(ReleasePolicy):
             # summed in the order carry, fresh, released: the same floats as piece by piece
             base_cost = sum(own.tolist() + [costs[piece.key] for piece in released])
         own_pieces = None
-        if self.max_tokens is not None and costs and len(carry) + len(fresh) >= ROOM_MIN_PIECES:
+        if self.room_bounds and self.max_tokens is not None and costs and len(carry) + len(fresh) >= ROOM_MIN_PIECES:
             own_pieces = _DensestPieces(own_lengths, np.asarray(own, dtype=np.float64))
         while True:
             remaining = sorted((piece for piece in pool if piece.key not in taken),

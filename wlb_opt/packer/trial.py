@@ -40,7 +40,8 @@ from .state import HeldPiece
 ROOM_MIN_PIECES = 512
 """Steps of fewer pieces go without the token-capacity bounds (`TrialPack.rejects`'s stop,
 release.py's `_Room`) and the pigeonhole bound on candidates (`_bound_with`): packing so few
-costs about what the bounds cost, and no plan changes."""
+costs about what the bounds cost, and no plan changes. So do candidates packed with their
+short pieces in lumps (`StepSolver.lump_tokens`), which are as cheap."""
 
 COARSE_MIN_BINS = 16
 """Method "wlb_phases" packs the candidates of a step of at least this many micro-batches
@@ -332,7 +333,7 @@ class TrialPack:
                 factor = threshold * (1 + 1e-9)
                 load, slope = factor * mean_at_most - s.bin_const, factor / n_bins
                 capacity = n_bins * s.max_tokens
-                if (len(self._pending_idx) >= ROOM_MIN_PIECES  # it cannot place everything
+                if (not s.lump_tokens and len(self._pending_idx) >= ROOM_MIN_PIECES  # it cannot place everything
                         and np.add.reduce(s.lengths[self._pending_idx]) > capacity):
                     load_cap = (factor * (s.placed_at_most(self._pending_idx, capacity) / n_bins + s.bin_const)
                                 - s.bin_const)
@@ -453,6 +454,12 @@ class TrialPack:
         """Positions (in the pending list) of each micro-batch's pieces, in placement order."""
         keep = self._placed_bin >= 0
         return tuple(split_by_bin(self._positions[keep], self._placed_bin[keep], self._solver.dp * self._solver.n_micro))
+
+    @property
+    def n_placed(self) -> int:
+        """How many pieces the packing places (`release.is_idle` reads it)."""
+        placed = self._placed_bin
+        return len(placed) - int(np.count_nonzero(placed < 0))
 
     def micro_batch(self, b: int) -> np.ndarray:
         """`micro_batches[b]` alone: positions of micro-batch b's pieces, in placement order."""
