@@ -36,7 +36,9 @@ defaults.py says why).
   pieces some micro-batch must share, against the largest mean load the step's pieces and
   token capacity allow) or that defer over the carry limit whatever the packing are not
   packed at all: the same plans, a fraction of the planning time. Tolerance ~1.3 (fwd + bwd
-  loads) suits the default stream.
+  loads) suits the default stream. On steps of `SPARSE_MIN_BINS` micro-batches or more the
+  default step packer tries a sparse set of these groups (`sparse_window`: a few sizes, starts
+  a quarter group apart), chosen among exactly as the full set.
 - "marginal" (beyond the paper): the pool and the candidates of "group", chosen at the
   margin: a group leaves while the imbalance it adds is worth the tokens it stops holding.
   `MarginalRelease` states the rule (score, price, pairs, carried pieces, trim).
