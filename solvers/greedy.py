@@ -234,13 +234,18 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
             replace(tok_heap, (t, b))  # the bin at the top, re-keyed now
             put(b)
         else:  # fits nowhere, nor does any next item longer than the most room left: all deferred at once
-            # (the bins do not change while items are deferred; after the placed-first items the
-            # lengths do not increase, so the first item that fits is found by bisection)
+            # (the bins do not change while items are deferred; where the lengths no longer rise
+            # the first item that fits is found by bisection, elsewhere by a scan)
             k = len(placed_bin)
             if sorted_from is None:
                 rises = np.flatnonzero(np.diff(lengths[order]) > 0)
                 sorted_from = int(rises[-1]) + 1 if len(rises) else 0
-            j = bisect_left(sizes, tok - cap, k + 1, len(sizes), key=neg) if k >= sorted_from else k + 1
+            if k >= sorted_from:
+                j = bisect_left(sizes, tok - cap, k + 1, len(sizes), key=neg)
+            else:
+                j, room, n_items = k + 1, cap - tok, len(sizes)
+                while j < n_items and sizes[j] > room:
+                    j += 1
             if keep:
                 at = bisect_left(keep, k)
                 if at < len(keep) and keep[at] < j:
