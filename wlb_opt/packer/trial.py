@@ -301,6 +301,16 @@ class TrialPack:
         return np.concatenate([base._order[:cut], insert_sorted(base._order[cut:], at, ranked)])
 
     @cached_property
+    def _total_cost(self) -> float:
+        """The pending pieces' summed cost, for the stop of `rejects` (a candidate made by
+        `with_groups`: its packing's sum plus its group's; the order of the sum differs by
+        rounding, far inside the stop's margin)."""
+        weights = self._solver.weights
+        if self._extends is None:
+            return float(np.add.reduce(weights[self._pending_idx]))
+        return self._extends[0]._total_cost + float(np.add.reduce(weights[self._group_idx]))
+
+    @cached_property
     def _placed_bin(self) -> np.ndarray:
         """Micro-batch of each piece of the placement order, -1 = deferred."""
         return self._assign()
@@ -329,7 +339,7 @@ class TrialPack:
             n_bins = s.dp * s.n_micro
             load, slope, load_cap, keep_at = float("inf"), 0.0, float("inf"), frozenset()
             if threshold is not None:
-                mean_at_most = np.add.reduce(s.weights[self._pending_idx]) / n_bins + s.bin_const
+                mean_at_most = self._total_cost / n_bins + s.bin_const
                 factor = threshold * (1 + 1e-9)
                 load, slope = factor * mean_at_most - s.bin_const, factor / n_bins
                 capacity = n_bins * s.max_tokens
