@@ -382,17 +382,18 @@ def test_large_steps_of_the_default_step_packer_try_the_sparse_groups(dist, look
 
 
 def test_the_sparse_groups_are_the_sizes_and_starts_named():
-    from wlb_opt.packer.release import _sparse_mask, sparse_window
-    kept_sizes = {size for size in range(1, 33) if sparse_window(size, 0, 100, 32)}
-    assert kept_sizes == {1, 2, 3, 4, 6, 8, 12, 16, 24, 32}
+    from wlb_opt.packer.release import _window_layout, sparse_window
+
+    def listed(size, start, n, top):  # the rule as its docstring states it, written out
+        sizes = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, top}
+        return size in sizes and (start % max(1, size // 4) == 0 or start == n - size)
+
+    assert {size for size in range(1, 33) if sparse_window(size, 0, 100, 32)} == {1, 2, 3, 4, 6, 8, 12, 16, 24, 32}
     assert sparse_window(20, 0, 40, 20)  # the largest size a pool allows is always tried
     # starts every size // 4 pieces, and the run that ends at the last piece
     assert [i for i in range(100 - 24 + 1) if sparse_window(24, i, 100, 32)] == list(range(0, 73, 6)) + [76]
     assert [i for i in range(10 - 3 + 1) if sparse_window(3, i, 10, 32)] == list(range(8))
-    for n, top in ((34, 32), (88, 32), (7, 7), (20, 16)):
-        sizes = np.repeat(np.arange(1, top + 1), n - np.arange(top))
-        starts = np.concatenate([np.arange(n - size + 1) for size in range(1, top + 1)])
-        mask = _sparse_mask(sizes, starts, n, top)
-        assert mask.tolist() == [sparse_window(int(s), int(i), n, top) for s, i in zip(sizes, starts)]
-    assert int(_sparse_mask(np.repeat(np.arange(1, 33), 34 - np.arange(32)),
-                            np.concatenate([np.arange(34 - s + 1) for s in range(1, 33)]), 34, 32).sum()) == 193
+    for n, top in ((34, 32), (88, 32), (7, 7), (20, 16), (70, 64)):
+        layout = _window_layout(n, top)
+        assert layout.sparse.tolist() == [listed(int(s), int(i), n, top) for s, i in zip(layout.sizes, layout.starts)]
+    assert int(_window_layout(34, 32).sparse.sum()) == 193 and int(_window_layout(88, 32).sparse.sum()) == 536

@@ -96,8 +96,8 @@ this (fewer windows than numpy's per-call cost pays for), with numpy above."""
 
 SPARSE_MIN_BINS = 32
 """The default step packer tries the sparse set of groups (`sparse_window`) on steps of at least
-this many micro-batches (dp x n_micro): at 16, the calibration's `prose` stream lost 0.013 mean
-imbalance with lookahead 4 (docs/tuning.md)."""
+this many micro-batches (dp x n_micro); at 16 it lost balance on the calibration streams
+(docs/tuning.md)."""
 SPARSE_STRIDE = 4
 """With `sparse_windows`, a group of `size` pieces starts every max(1, size // SPARSE_STRIDE)
 pieces of the pool (a quarter of the group moves from one to the next)."""
@@ -110,12 +110,7 @@ def sparse_window(size: int, start: int, n: int, top: int) -> bool:
     max(1, size // SPARSE_STRIDE) pieces and the run that ends at the last piece. At 32
     micro-batches a pool of 34 outliers then makes 193 groups instead of 592, one of 88
     makes 536 instead of 2,320, and a group seldom differs much from the nearest one kept."""
-    def power_of_two(k: int) -> bool:
-        return k & (k - 1) == 0
-
-    if not (size <= 4 or size == top or power_of_two(size) or (size % 3 == 0 and power_of_two(size // 3))):
-        return False
-    return start % max(1, size // SPARSE_STRIDE) == 0 or start == n - size
+    return bool(_sparse_mask(np.array([size]), np.array([start]), n, top)[0])
 
 
 def _sparse_mask(sizes: np.ndarray, starts: np.ndarray, n: int, top: int) -> np.ndarray:
@@ -527,6 +522,7 @@ class GroupRelease(ReleasePolicy):
             excess = room.base_tokens + room.joined_tokens - room.capacity
             defer_limit = self.max_backlog_tokens // 2 + 1
         windows = []  # (size, start, tokens, relief, total cost, heaviest cost) past the early and deferral rules
+        sparse = iter(_window_layout(n, top).sparse.tolist()) if self.sparse_windows else None  # by size, start
         tokens, reliefs, earlies, totals, heaviest = lengths, relief, early, costs, costs  # windows of 1
         for size in range(1, top + 1):
             if size > 1:  # windows of `size` from those of size - 1 and the piece after them
@@ -539,9 +535,9 @@ class GroupRelease(ReleasePolicy):
                     totals = [t + costs[j + last] for j, t in enumerate(totals[:-1])]
                     heaviest = [h if h >= costs[j + last] else costs[j + last] for j, h in enumerate(heaviest[:-1])]
             for start in range(n - size + 1):
-                if lookahead and (2 * earlies[start] > size or (early_only and earlies[start] != 1)):
+                if sparse is not None and not next(sparse):
                     continue
-                if self.sparse_windows and not sparse_window(size, start, n, top):
+                if lookahead and (2 * earlies[start] > size or (early_only and earlies[start] != 1)):
                     continue
                 if room is not None and tokens[start] + excess >= defer_limit:
                     continue
