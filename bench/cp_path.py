@@ -134,9 +134,14 @@ def full_path_rows(tokens=(32768,), device: str = "cpu", layers: int = 8, heads:
             port = s.getsockname()[1]
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(port)
+        # NCCL binds the group to one device: "cuda" alone names none, so take the current one
+        device_id = None
+        if cuda:
+            device_id = torch.device(device)
+            if device_id.index is None:
+                device_id = torch.device("cuda", torch.cuda.current_device())
         dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=60),
-                                device_id=torch.device(device) if cuda else None)
+                                timeout=datetime.timedelta(seconds=60), device_id=device_id)
     dtype = torch.bfloat16 if cuda else torch.float32
     rows = []
     for n in tokens:

@@ -136,8 +136,8 @@ def _fwd_kernel(
         tl.store(LSE + head.to(tl.int64) * n_q + rows, lse, mask=row_ok)
     else:
         part_rows = slot.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        o_ptrs = O_PART + (part_rows[:, None] * n_heads + head) * HEAD_DIM + dims[None, :]
-        tl.store(o_ptrs, acc, mask=row_ok[:, None])
+        part_ptrs = O_PART + (part_rows[:, None] * n_heads + head) * HEAD_DIM + dims[None, :]
+        tl.store(part_ptrs, acc, mask=row_ok[:, None])
         tl.store(LSE_PART + part_rows * n_heads + head, lse, mask=row_ok)
 
 
