@@ -25,12 +25,14 @@ def machine() -> dict:
     return info
 
 
-def command(name: str, argv: list[str] | None) -> str:
-    """The `wlb-opt bench NAME ...` line; `argv` None means the arguments of this process."""
+def command(name: str, argv: list[str] | None, program: tuple[str, ...] = ("wlb-opt", "bench")) -> str:
+    """The `wlb-opt bench NAME ...` line (`program` NAME ...); `argv` None means the arguments
+    of this process."""
     args = list(sys.argv[1:] if argv is None else argv)
-    return shlex.join(["wlb-opt", "bench", name.replace("_", "-"), *args])
+    return shlex.join([*program, name.replace("_", "-"), *args])
 
 
-def provenance(name: str, argv: list[str] | None) -> dict:
-    """{"command": the command line, "machine": `machine()`} for the JSON of benchmark `name`."""
-    return dict(command=command(name, argv), machine=machine())
+def provenance(name: str, argv: list[str] | None, program: tuple[str, ...] = ("wlb-opt", "bench")) -> dict:
+    """{"command": the command line, "machine": `machine()`} for the JSON of benchmark `name`
+    (`program`: the words before NAME, `("wlb-opt",)` for `wlb-opt profile`)."""
+    return dict(command=command(name, argv, program), machine=machine())

@@ -61,6 +61,8 @@ class Section:
     """File whose "provenance" key names the command and machine (default: the first table's file)."""
     images: str = "*.png"
     """Glob of the folder's PNGs the section links."""
+    provenance: tuple[str, ...] = ("provenance",)
+    """Keys from the meta file's top level down to its provenance."""
 
 
 def _lookahead_tables(first_caption: str) -> tuple[Table, ...]:
@@ -241,8 +243,32 @@ SECTIONS = (
             "for the heaviest-first 2-D grid ('before') and the current launch.",
             (Table("kernel_schedule.json", ("rows",)),)),
     Section("kernel", "Document-masked attention kernel",
-            "Useful TFLOP/s of `doc_attention` against SDPA and FlexAttention.",
-            (Table("kernel_bench.json", ("cases",)),)),
+            "Useful TFLOP/s of `doc_attention` against SDPA and FlexAttention on packed documents, single "
+            "documents and equal documents of growing length (bf16, 32 query heads, 8 KV heads, head dim 128; "
+            "baselines past the time budget are left out).",
+            (Table("kernel_bench.json", ("cases",), caption="Per case, the median of 3 timed repeats (CUDA events) after a warm-up.", columns=(
+                "case", "tokens", "n_docs", "max_doc", "fwd_gflop", "ours_fwd_ms", "ours_fwd_tflops",
+                "ours_fwd_bwd_ms", "ours_fwd_bwd_tflops", "sdpa_fwd_tflops", "sdpa_fwd_bwd_tflops",
+                "flex_fwd_tflops", "flex_fwd_bwd_tflops")),
+             Table("kernel_bench.json", ("correctness",), caption="Against an fp32 reference, beside the error of "
+                   "the same computation done in bf16 by PyTorch."),
+             Table("kernel_bench.json", ("scaling_fit",), caption="Time against the sum of squared document "
+                   "lengths at equal tokens."))),
+    Section("cp_path_gpu", "CP attention on one GPU",
+            "One rank's CP attention layer (forward and backward) on a CUDA device under NCCL: device time per "
+            "layer, and the host index path's CPU and wall time per layer.",
+            (Table("cp_path.json", ("full",), caption="The whole layer."),
+             Table("cp_path.json", ("host",), caption="The host index path."))),
+    Section("profile_7b", "A 7B block profiled on one GPU",
+            "`wlb-opt profile` on one 7B block (bf16): the fitted cost model (seconds per term, for the whole "
+            "model), its error on held-out micro-batches, the attention latency over 128K keys, and the "
+            "memory calibration from the CUDA allocator's peaks.",
+            (Table("cost_7b.json", ("coef",), caption="Fitted coefficients, forward and backward."),
+             Table("cost_7b.json", ("meta", "validation"), caption="Mean and worst absolute percentage error "
+                   "on held-out micro-batches."),
+             Table("cost_7b.json", ("meta", "attention_latency"), caption="Forward attention latency."),
+             Table("cost_7b.json", ("meta", "memory_calibration", "measured"), caption="Measured peaks (bytes).")),
+            provenance=("meta", "provenance")),
 )
 
 
@@ -276,7 +302,8 @@ def _columns(rows: list[dict], wanted: tuple[str, ...] | None) -> list[str]:
 def render_table(rows, columns: tuple[str, ...] | None = None) -> list[str]:
     """Markdown lines of a list of objects (a dict of objects reads as rows keyed by name)."""
     if isinstance(rows, dict):
-        rows = [dict(name=k, **v) if isinstance(v, dict) else dict(name=k, value=v) for k, v in rows.items()]
+        rows = [dict(name=k, **v) if isinstance(v, dict) else dict(name=k, value=v) for k, v in rows.items()
+                if isinstance(v, dict) or _scalar(v)]  # a list inside stays in the JSON
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
         return []
     cols = _columns(rows, columns)
@@ -337,7 +364,7 @@ def render_section(section: Section, root: Path, link_base: str) -> list[str]:
     meta_file = section.meta_file or (tables[0].file if tables else sorted(folder.glob("*.json"))[0].name)
     meta = _load(folder / meta_file) if (folder / meta_file).exists() else None
     lines = [f"## {section.title}", "", section.what, ""]
-    lines += _provenance_lines(meta.get("provenance") if isinstance(meta, dict) else None) + [""]
+    lines += _provenance_lines(_dig(meta, section.provenance)) + [""]
     for t in tables:
         path = folder / t.file
         if not path.exists():

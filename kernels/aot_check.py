@@ -78,10 +78,11 @@ def programs_per_sm(shared_bytes: int, registers: int, num_warps: int, arch: int
     return int(min(by_shared, by_regs, 32))
 
 
-def check(arch: int = 90, head_dims=(64, 128), dtypes=("bf16", "fp16"), group: int = 4) -> list[dict]:
+def check(arch: int = 90, head_dims=(64, 128), dtypes=("bf16", "fp16"), group: int = 4,
+          first_only: bool = False) -> list[dict]:
     """Compile fwd/dq/dkdv (and the atomic-dQ dK/dV of ``deterministic=False``) for every
-    candidate config, as the JIT specialises them; one result dict per compile, with
-    registers, spills (local memory) and shared memory."""
+    candidate config (`first_only`: the first of each), as the JIT specialises them; one
+    result dict per compile, with registers, spills (local memory) and shared memory."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter replaces the compiler")
     import triton
@@ -96,7 +97,8 @@ def check(arch: int = 90, head_dims=(64, 128), dtypes=("bf16", "fp16"), group: i
     for dtype in dtypes:
         for d in head_dims:
             for name, fn in kernels.items():
-                for cfg in launch._GPU_CONFIGS[name][d <= 64]:
+                configs = launch._GPU_CONFIGS[name][d <= 64]
+                for cfg in configs[:1] if first_only else configs:
                     const = dict(GROUP=group, HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                                  PRECISION="ieee" if dtype == "fp32" else "tf32")
                     if fn is tk._dkdv_kernel:
@@ -125,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=sorted(_DTYPE))
+    p.add_argument("--first-config", action="store_true", help="only the first candidate config of each kernel")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
-    rows = check(args.arch, tuple(args.head_dims), tuple(args.dtypes))
+    rows = check(args.arch, tuple(args.head_dims), tuple(args.dtypes), first_only=args.first_config)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     bad = [r for r in rows if "error" in r]

@@ -163,6 +163,8 @@ def test_profile_command_prints_validation_and_plain_numbers(tmp_path, capsys):
     assert "np." not in text and "float64" not in text
     cost = wlb.CostModel.load(out)
     assert cost.meta["validation"]["n"] == 3 and cost.model.hidden == 32 and cost.model.kv_heads == 1
+    command = cost.meta["provenance"]["command"]  # what `wlb-opt bench report` prints beside the figures
+    assert command.startswith("wlb-opt profile --hf-config ") and command.endswith(str(out)), command
     assert cost.memory_model is not None and cost.memory_model.stored_per_token > 0
     assert cost.memory([64]) > 0  # a profiled model answers memory through its calibration
 

@@ -21,13 +21,16 @@ def test_the_committed_results_page_matches_its_json(capsys):
 def test_every_committed_summary_names_its_command_and_machine():
     files = sorted(RESULTS.glob("*/*.json"))
     assert files, "docs/results holds no JSON"
+    where = {s.folder: s.provenance for s in report.SECTIONS}  # keys down to a section's provenance
     for folder in sorted({f.parent for f in files}):
-        provenance = [json.loads(f.read_text()).get("provenance") for f in folder.glob("*.json")
-                      if isinstance(json.loads(f.read_text()), dict)]
+        path = where.get(folder.name, ("provenance",))
+        provenance = [report._dig(json.loads(f.read_text()), path) for f in folder.glob("*.json")]
         found = [p for p in provenance if p]
-        assert found, f"{folder.name}: no JSON file carries 'provenance'"
+        assert found, f"{folder.name}: no JSON file carries {'.'.join(path)}"
         command = found[0]["command"].split()
-        assert command[:2] == ["wlb-opt", "bench"] and folder.name.replace("_", "-").startswith(command[2])
+        assert command[:2] in (["wlb-opt", "bench"], ["wlb-opt", "profile"]), command
+        name = command[2] if command[1] == "bench" else "profile"
+        assert folder.name.replace("_", "-").startswith(name), (folder.name, command)
         assert {"platform", "cpu_count", "torch"} <= set(found[0]["machine"])
 
 
