@@ -307,3 +307,20 @@ def test_pieces_seen_ahead_do_not_split_the_groups_of_arrived_pieces(release):
 
     # with nothing early the groups are those of the packer without lookahead
     assert candidates(2, [a1, a2]) == candidates(0, [a1, a2]) == [[1], [1, 3], [3]]
+
+
+def test_calibrate_is_refused_once_the_buffer_holds_pieces():
+    """With lookahead the first calls return None at step 0 while the packer already holds
+    the batches' outliers (queued) and regular documents (buffered): calibrating then would
+    replace the queues and drop those outliers, so it is refused and nothing is lost."""
+    rng = np.random.default_rng(3)
+    batches = stream(rng, 4, mean_docs=30, outlier_p=0.3)
+    packer = WLBPacker(4, 2 * CAP, COST, config=PackerConfig(lookahead=2, thresholds=[CAP // 3]))
+    assert packer.pack(*batches[0]) is None
+    queued, buffered = packer.queued_ids().tolist(), packer.buffered_ids().tolist()
+    assert queued and buffered and packer.step == 0
+    with pytest.raises(ValueError, match="holds pieces"):
+        packer.calibrate(np.concatenate([b[0] for b in batches]))
+    assert packer.queued_ids().tolist() == queued and packer.buffered_ids().tolist() == buffered
+    plans = [p for b in batches[1:] if (p := packer.pack(*b)) is not None] + packer.drain()
+    check_stream(plans, batches, 2, packer.max_delay, packer.stats())

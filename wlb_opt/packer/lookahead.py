@@ -29,7 +29,10 @@ from collections import deque
 from operator import itemgetter
 from typing import Iterable
 
+import numpy as np
+
 from .state import HeldPiece
+from .trial import piece_table
 
 STATE_KEY = "lookahead_buffer"
 """Key of the buffer in `WLBPacker.state_dict()`: one list of [id, offset, length, arrival]
@@ -44,34 +47,40 @@ def _ids_of(pieces: Iterable[HeldPiece]) -> frozenset:
 class LookaheadBuffer:
     """The regular documents of the buffered global batches, one list per step, oldest
     first. The buffer holds at most K + 1 batches between the arrival of a batch and the
-    plan of the oldest one (at most K between calls)."""
+    plan of the oldest one (at most K between calls).
+
+    A batch's list is never changed once buffered, so copies of the buffer share the lists
+    (and each batch's `piece_table`, kept beside it for the step that packs it)."""
 
     def __init__(self, batches: Iterable[list[HeldPiece]] = ()) -> None:
         self._batches: deque[list[HeldPiece]] = deque(list(b) for b in batches)
         # the ids of each batch's pieces, made once per batch: a new batch is checked against
         # the whole buffer every step (`state.KeySets`)
         self._ids: deque[frozenset] = deque(_ids_of(b) for b in self._batches)
+        self._tables: deque[np.ndarray] = deque(piece_table(b) for b in self._batches)
 
     def __len__(self) -> int:
         return len(self._batches)
 
     def copy(self) -> "LookaheadBuffer":
         out = LookaheadBuffer()
-        out._batches, out._ids = deque(list(b) for b in self._batches), deque(self._ids)
+        out._batches, out._ids, out._tables = deque(self._batches), deque(self._ids), deque(self._tables)
         return out
 
-    def with_batch(self, pieces: list[HeldPiece]) -> "LookaheadBuffer":
+    def with_batch(self, pieces: list[HeldPiece], table: np.ndarray | None = None) -> "LookaheadBuffer":
         """A copy with `pieces` appended as the newest batch (the packer commits a copy only
-        when the whole step is valid)."""
+        when the whole step is valid); `table`: their `piece_table`, if the caller has it."""
         out = self.copy()
         out._batches.append(list(pieces))
         out._ids.append(_ids_of(pieces))
+        out._tables.append(piece_table(pieces) if table is None else table)
         return out
 
-    def pop_oldest(self) -> list[HeldPiece]:
-        """Remove and return the regular documents of the oldest buffered step."""
+    def pop_oldest(self) -> tuple[list[HeldPiece], np.ndarray]:
+        """Remove and return the regular documents of the oldest buffered step, with their
+        `piece_table`."""
         self._ids.popleft()
-        return self._batches.popleft()
+        return self._batches.popleft(), self._tables.popleft()
 
     def pieces(self) -> list[HeldPiece]:
         """Every buffered piece, oldest batch first."""

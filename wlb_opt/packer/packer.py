@@ -285,31 +285,40 @@ class WLBPacker:
 
     # ------------------------------------------------------------------ one step
     def _queue_outliers(self, entries: list[HeldPiece], queues: list[deque],
-                        lengths: np.ndarray | None = None) -> list[HeldPiece]:
+                        lengths: np.ndarray | None = None) -> tuple[list[HeldPiece], np.ndarray | None]:
         """Append each outlier of `entries` to its queue (the last threshold <= its length), in
-        the order given; returns the regular documents, in their order. One vectorised lookup
-        per batch rather than one per piece: a batch holds hundreds of pieces, few outliers.
+        the order given; returns (the regular documents, in their order; which of `entries`
+        they are, as a boolean mask, or None when all are). One vectorised lookup per batch
+        rather than one per piece: a batch holds hundreds of pieces, few outliers.
         `lengths`: the entries' lengths as an int64 array, if the caller has it."""
         if not self.thresholds or not entries:
-            return list(entries)
+            return list(entries), None
         if lengths is None:
             lengths = np.fromiter(map(itemgetter(2), entries), dtype=np.int64, count=len(entries))
         levels = np.searchsorted(np.asarray(self.thresholds, dtype=np.int64), lengths, side="right") - 1
         outliers = np.flatnonzero(levels >= 0)
         if not len(outliers):
-            return list(entries)
+            return list(entries), None
         for i, level in zip(outliers.tolist(), levels[outliers].tolist()):
             queues[level].append(entries[i])
-        return list(compress(entries, (levels < 0).tolist()))
+        regular = levels < 0
+        return list(compress(entries, regular.tolist())), regular
 
     def _plan_step(self, entries: list[HeldPiece], queues: list[deque], carry: list[HeldPiece], step: int,
-                   policy: ReleasePolicy, started: float,
-                   lengths: np.ndarray | None = None) -> tuple[PackPlan, list[HeldPiece]]:
-        """Queue the outliers of `entries`, release by `policy`, pack, and deal to replicas.
-        Mutates only the given queues (copies); returns (plan, new carry). `started`
-        (perf_counter seconds) is when the step began, for `plan.info.wall_s`."""
-        fresh = self._queue_outliers(entries, queues, lengths)
-        self._step_solver = self._make_step_solver(carry + [piece for q in queues for piece in q], fresh)
+                   policy: ReleasePolicy, started: float, lengths: np.ndarray | None = None,
+                   table: np.ndarray | None = None, regular: bool = False) -> tuple[PackPlan, list[HeldPiece]]:
+        """Queue the outliers of `entries` (`regular`: it has none, a batch of the lookahead
+        buffer), release by `policy`, pack, and deal to replicas. Mutates only the given queues
+        (copies); returns (plan, new carry). `started` (perf_counter seconds) is when the step
+        began, for `plan.info.wall_s`. `lengths`, `table`: the entries' lengths and
+        `piece_table`, if the caller has them."""
+        if regular:
+            fresh = entries
+        else:
+            fresh, kept = self._queue_outliers(entries, queues, lengths)
+            if table is not None and kept is not None:
+                table = table[:, kept]
+        self._step_solver = self._make_step_solver(carry + [piece for q in queues for piece in q], fresh, table)
         try:
             pending, plan, arrival, released, n_early = policy.plan_step(fresh, queues, carry, step, self._solve)
         finally:
@@ -337,7 +346,8 @@ class WLBPacker:
         high = MARGINAL_TOLERANCE_HIGH if self.release == "marginal" else TOLERANCE_HIGH
         return dataclasses.replace(self._release, balance_tolerance=adaptive_tolerance(shown, self.delay_budget, high))
 
-    def _make_step_solver(self, held: list[HeldPiece], fresh: list[HeldPiece]) -> StepSolver | None:
+    def _make_step_solver(self, held: list[HeldPiece], fresh: list[HeldPiece],
+                          fresh_table: np.ndarray | None = None) -> StepSolver | None:
         """The step's candidate packer: trial.py's for methods "wlb" and "wlb_phases" (the
         plans of `solve_pack`; for "wlb_phases" the candidates are Algorithm 1's packings and
         the kept one is packed with the phases balanced apart), fill_trial.py's for
@@ -347,7 +357,7 @@ class WLBPacker:
         if self.method not in ("wlb", "wlb_fill", "wlb_phases"):
             return None
         pieces = held + fresh
-        table = piece_table(pieces)
+        table = piece_table(pieces) if fresh_table is None else np.concatenate([piece_table(held), fresh_table], 1)
         lengths = table[2]  # validated on arrival (`_validate_batch`)
         weigh = self.cost._doc_cost_valid
         weights = weigh(lengths)
@@ -408,21 +418,24 @@ class WLBPacker:
         # tuple.__new__ makes each piece in C (HeldPiece(*piece) runs a Python __new__ per piece)
         entries = list(map(tuple.__new__, repeat(HeldPiece, len(lengths)),
                            zip(ids.tolist(), offsets.tolist(), lengths.tolist(), repeat(arrival, len(lengths)))))
+        table = np.stack([ids, offsets, lengths, np.full(len(lengths), arrival, dtype=np.int64)])  # piece_table
         queues = [deque(q) for q in self._queues]
+        regular = False
         if self.lookahead:
             # Outliers queue on arrival (they may leave early); regular documents wait in
             # the buffer for their own step (see lookahead.py).
-            regular = self._queue_outliers(entries, queues, lengths)
-            ahead = self._ahead.with_batch(regular)
+            documents, kept = self._queue_outliers(entries, queues, lengths)
+            ahead = self._ahead.with_batch(documents, table if kept is None else table[:, kept])
             if len(ahead) <= self.lookahead:  # step s - K does not exist yet
                 self._record_ids(ids)
                 self._queues, self._ahead = queues, ahead
                 self._held = KeySets(pieces_of(queues, self._carry), *ahead.batches(), ids=[None, *ahead.id_sets()])
                 return None
-            entries, lengths = ahead.pop_oldest(), None
+            (entries, table), lengths, regular = ahead.pop_oldest(), None, True
         else:
             ahead = self._ahead
-        plan, carry = self._plan_step(entries, queues, list(self._carry), step, self._step_policy(), started, lengths)
+        plan, carry = self._plan_step(entries, queues, list(self._carry), step, self._step_policy(), started, lengths,
+                                      table, regular)
         # A step that holds no more than the one before always passes (pack([]) makes
         # progress even from a state above the limit, e.g. one loaded with a lower limit).
         # What was seen ahead is not counted (the buffer, and outliers queued before their
@@ -501,9 +514,9 @@ class WLBPacker:
         if len(self._ahead):
             queues = [deque(q) for q in self._queues]
             ahead = self._ahead.copy()
-            entries = ahead.pop_oldest()
+            entries, table = ahead.pop_oldest()
             plan, carry = self._plan_step(entries, queues, list(self._carry), self._step, self._step_policy(),
-                                          time.perf_counter())
+                                          time.perf_counter(), table=table, regular=True)
             self._ahead = ahead
         elif self._carry or any(self._queues):
             queues = [deque(q) for q in self._queues]
@@ -549,8 +562,11 @@ class WLBPacker:
         delay), else the least delay. Resets the stream; call before the first `pack`.
         Returns the thresholds (also recorded in `state_dict()`).
         """
-        if self._step and (self._stats.totals["pieces"] or self._held or self.thresholds is not None):
-            raise ValueError(f"calibrate must be called before the first step; this packer is at step {self._step}")
+        # with lookahead a packer holds pieces from its first call on, at step 0: new queues would drop them
+        holding = bool(self._held) or len(self._ahead) > 0
+        if holding or (self._step and (self._stats.totals["pieces"] or self.thresholds is not None)):
+            raise ValueError(f"calibrate must be called before the first step; this packer is at step {self._step}"
+                             + (" and holds pieces (queued, carried or buffered ahead)" if holding else ""))
         record = calibrate_thresholds(self, sample_lengths, tokens_per_batch, n_batches, budget)
         if record is None:  # no queues: nothing to choose
             self.thresholds = []
