@@ -167,10 +167,11 @@ class FillStepSolver(StepSolver):
     """`StepSolver` for method "wlb_fill": candidates scored from their large pieces
     (module docstring); same arguments."""
 
-    def __init__(self, pieces: list[HeldPiece], weights: np.ndarray, fresh: list[HeldPiece], *, n_micro: int,
-                 dp: int, max_tokens: int, bin_const: float, method: str = "wlb_fill", table: np.ndarray | None = None):
+    def __init__(self, pieces: list[HeldPiece] | None, weights: np.ndarray, fresh: list[HeldPiece], *, n_micro: int,
+                 dp: int, max_tokens: int, bin_const: float, method: str = "wlb_fill", table: np.ndarray | None = None,
+                 fresh_at: int | None = None):
         super().__init__(pieces, weights, fresh, n_micro=n_micro, dp=dp, max_tokens=max_tokens,
-                         bin_const=bin_const, method=method, table=table)
+                         bin_const=bin_const, method=method, table=table, fresh_at=fresh_at)
         idx, by_length = self._sorted_tail(fresh)  # longest first; cost grows with length: also by cost
         self._fresh_idx = idx
         self._fresh_sorted = by_length

@@ -356,21 +356,21 @@ class WLBPacker:
         candidate."""
         if self.method not in ("wlb", "wlb_fill", "wlb_phases"):
             return None
-        pieces = held + fresh
-        table = piece_table(pieces) if fresh_table is None else np.concatenate([piece_table(held), fresh_table], 1)
+        table = piece_table(held + fresh) if fresh_table is None else np.concatenate([piece_table(held), fresh_table], 1)
         lengths = table[2]  # validated on arrival (`_validate_batch`)
         weigh = self.cost._doc_cost_valid
         weights = weigh(lengths)
         if self.method == "wlb_fill":
-            return FillStepSolver(pieces, weights, fresh, n_micro=self.n_micro, dp=self.dp,
+            return FillStepSolver(None, weights, fresh, n_micro=self.n_micro, dp=self.dp,
                                   max_tokens=self.max_tokens, bin_const=self.cost.mb_const(), method=self.method,
-                                  table=table)
+                                  table=table, fresh_at=len(held))
         phases = None
         if self.method == "wlb_phases":
             phases = (weigh(lengths, "fwd"), weigh(lengths, "bwd"), self.cost.mb_const("fwd"),
                       self.cost.mb_const("bwd"))
-        return StepSolver(pieces, weights, fresh, n_micro=self.n_micro, dp=self.dp, max_tokens=self.max_tokens,
-                          bin_const=self.cost.mb_const(), method=self.method, phases=phases, table=table)
+        return StepSolver(None, weights, fresh, n_micro=self.n_micro, dp=self.dp, max_tokens=self.max_tokens,
+                          bin_const=self.cost.mb_const(), method=self.method, phases=phases, table=table,
+                          fresh_at=len(held))
 
     def _solve(self, first: list[HeldPiece], rest: list[HeldPiece]):
         """Pack `first` (placed first) then `rest`; returns (pending, plan, arrival steps).

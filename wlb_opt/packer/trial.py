@@ -77,11 +77,14 @@ class StepSolver:
             phases balanced apart, piece by piece (`solvers.phases`); None: every packing is
             Algorithm 1's, piece by piece.
         table: `piece_table(pieces)`, if the caller has it already.
+        fresh_at: where `fresh` starts in `pieces` when the caller knows that `pieces` ends with
+            it (the packer's pieces are held + fresh; `pieces` may then be None, with `table`).
     """
 
-    def __init__(self, pieces: list[HeldPiece], weights: np.ndarray, fresh: list[HeldPiece], *, n_micro: int, dp: int, max_tokens: int,
-                 bin_const: float, method: str = "wlb",
-                 phases: tuple[np.ndarray, np.ndarray, float, float] | None = None, table: np.ndarray | None = None):
+    def __init__(self, pieces: list[HeldPiece] | None, weights: np.ndarray, fresh: list[HeldPiece], *, n_micro: int,
+                 dp: int, max_tokens: int, bin_const: float, method: str = "wlb",
+                 phases: tuple[np.ndarray, np.ndarray, float, float] | None = None, table: np.ndarray | None = None,
+                 fresh_at: int | None = None):
         if table is None:
             table = piece_table(pieces)
         self.ids, self.offsets, self.lengths, self.arrival = table
@@ -89,7 +92,11 @@ class StepSolver:
         # pieces = held + fresh (the packer's order): the fresh ones are addressed by position,
         # and only the held ones are indexed by key unless a fresh one is looked up
         m = len(fresh)
-        self._fresh_at = len(pieces) - m if pieces[len(pieces) - m:] == fresh else None
+        if fresh_at is None:
+            fresh_at = len(pieces) - m if pieces[len(pieces) - m:] == fresh else None
+        elif fresh_at + m != len(self.ids):
+            raise ValueError(f"fresh_at={fresh_at} + {m} fresh pieces != {len(self.ids)} pieces")
+        self._fresh_at = fresh_at
         self._indexed = len(pieces) if self._fresh_at is None else self._fresh_at
         self.index = dict(zip(zip(self.ids[:self._indexed].tolist(), self.offsets[:self._indexed].tolist()),
                               range(self._indexed)))
