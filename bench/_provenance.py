@@ -1,38 +1,4 @@
-"""Where a benchmark's JSON came from: the command line that wrote it and the machine it ran on.
+"""Where a benchmark's JSON came from (`wlb_opt._provenance`, which the profiler shares)."""
+from wlb_opt._provenance import command, machine, provenance
 
-Every benchmark stores `provenance(name, argv)` under the key "provenance" of its JSON, so
-that `wlb-opt bench report` can print each table beside the command that reproduces it and
-the machine whose numbers it shows.
-"""
-from __future__ import annotations
-
-import os
-import platform
-import shlex
-import sys
-
-
-def machine() -> dict:
-    """Platform, Python, CPU count, and the torch version and accelerator when torch is installed."""
-    info = dict(platform=platform.platform(), python=platform.python_version(), cpu_count=os.cpu_count())
-    try:
-        import torch
-    except ImportError:
-        info.update(torch=None, accelerator=None)
-    else:
-        cuda = torch.cuda.is_available()
-        info.update(torch=torch.__version__, accelerator=torch.cuda.get_device_name() if cuda else None)
-    return info
-
-
-def command(name: str, argv: list[str] | None, program: tuple[str, ...] = ("wlb-opt", "bench")) -> str:
-    """The `wlb-opt bench NAME ...` line (`program` NAME ...); `argv` None means the arguments
-    of this process."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    return shlex.join([*program, name.replace("_", "-"), *args])
-
-
-def provenance(name: str, argv: list[str] | None, program: tuple[str, ...] = ("wlb-opt", "bench")) -> dict:
-    """{"command": the command line, "machine": `machine()`} for the JSON of benchmark `name`
-    (`program`: the words before NAME, `("wlb-opt",)` for `wlb-opt profile`)."""
-    return dict(command=command(name, argv, program), machine=machine())
+__all__ = ["command", "machine", "provenance"]

@@ -540,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
                          budget_s=QUICK_BUDGET_S if args.quick else None)
     if args.comm:
         cost = dataclasses.replace(cost, meta=dict(cost.meta, comm=profile_comm()))
-    from .bench._provenance import provenance
+    from ._provenance import provenance
 
     # the command line and the machine, for `wlb-opt bench report`
     cost = dataclasses.replace(cost, meta=dict(cost.meta, provenance=provenance("profile", argv, ("wlb-opt",))))
