@@ -259,6 +259,15 @@ SECTIONS = (
             "layer, and the host index path's CPU and wall time per layer.",
             (Table("cp_path.json", ("full",), caption="The whole layer."),
              Table("cp_path.json", ("host",), caption="The host index path."))),
+    Section("cost_check", "The analytic cost model against a measured one",
+            "The analytic model of the measured model's architecture on the hardware preset, against the "
+            "measured model (`wlb-opt bench cost-check`): coefficients, micro-batches of equal documents, and the "
+            "default packer planning with each model, both plans scored with the measured one.",
+            (Table("cost_check.json", ("coefficients",), caption="Per phase and term, seconds (per causal pair, "
+                   "token, document, micro-batch; the whole model)."),
+             Table("cost_check.json", ("mixes",), caption="A micro-batch split into equal documents, seconds."),
+             Table("cost_check.json", ("planning",), caption="Means over the streams: per-step imbalance after a "
+                   "20-step warm-up, both scored with the measured model, and displacement per token."))),
     Section("profile_7b", "A 7B block profiled on one GPU",
             "`wlb-opt profile` on one 7B block (bf16): the fitted cost model (seconds per term, for the whole "
             "model), its error on held-out micro-batches, the attention latency over 128K keys, and the "
