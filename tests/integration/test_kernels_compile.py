@@ -20,12 +20,13 @@ pytest.importorskip("triton")
 def test_every_kernel_compiles_for_sm90():
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     res = subprocess.run(
-        [sys.executable, "-m", "wlb_opt.kernels.aot_check", "--arch", "90", "--head-dims", "64",
+        [sys.executable, "-m", "wlb_opt.kernels.aot_check", "--arch", "90", "--head-dims", "64", "128",
          "--dtypes", "bf16", "--first-config"],
         env=env, capture_output=True, text=True, timeout=300)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("kernel=")]
-    kernels = {ln.split()[0] for ln in lines}
-    assert kernels == {"kernel=fwd", "kernel=dq", "kernel=dkdv", "kernel=dkdv_atomic"}, res.stdout + res.stderr
+    compiled = {(ln.split()[0], ln.split()[2]) for ln in lines}
+    assert compiled == {(k, f"head_dim={d}") for k in ("kernel=fwd", "kernel=dq", "kernel=dkdv", "kernel=dkdv_atomic")
+                        for d in (64, 128)}, res.stdout + res.stderr
     errors = [ln for ln in lines if " error=" in ln]
     assert not errors and res.returncode == 0, "\n".join(errors) or res.stderr[-2000:]
     assert all(" fits=True" in ln for ln in lines), res.stdout
