@@ -15,8 +15,7 @@
 # Budget on one H100/H200 (8 minutes, cold compiles included): stage timeouts of 200 s for the
 # tests (kernels, and a training step through the executor), 190 s for the kernel benchmark
 # (its baselines stop after 150 s), 45 s for the profile and 30 s for the CP hot path; each
-# stage keeps its partial JSON. On an H200 the stages took about 140 (the kernel tests), 120
-# (baselines cut at 100 s), 22 and 15 s. Writes under OUT_DIR: env.txt, tests.log, tests.xml (JUnit), bench.log,
+# stage keeps its partial JSON. Writes under OUT_DIR: env.txt, tests.log, tests.xml (JUnit), bench.log,
 # kernel/kernel_bench.json, profile.log, cost_7b.json (fit, validation, attention-latency
 # table, memory calibration), cp_path.log, cp_path/cp_path.json,
 # summary.json (rc per stage; 99 = skipped).
