@@ -305,17 +305,16 @@ class WLBPacker:
         return list(compress(entries, regular.tolist())), regular
 
     def _plan_step(self, entries: list[HeldPiece], queues: list[deque], carry: list[HeldPiece], step: int,
-                   policy: ReleasePolicy, started: float, lengths: np.ndarray | None = None,
-                   table: np.ndarray | None = None, regular: bool = False) -> tuple[PackPlan, list[HeldPiece]]:
+                   policy: ReleasePolicy, started: float, table: np.ndarray | None = None,
+                   regular: bool = False) -> tuple[PackPlan, list[HeldPiece]]:
         """Queue the outliers of `entries` (`regular`: it has none, a batch of the lookahead
         buffer), release by `policy`, pack, and deal to replicas. Mutates only the given queues
         (copies); returns (plan, new carry). `started` (perf_counter seconds) is when the step
-        began, for `plan.info.wall_s`. `lengths`, `table`: the entries' lengths and
-        `piece_table`, if the caller has them."""
+        began, for `plan.info.wall_s`. `table`: the entries' `piece_table`, if the caller has it."""
         if regular:
             fresh = entries
         else:
-            fresh, kept = self._queue_outliers(entries, queues, lengths)
+            fresh, kept = self._queue_outliers(entries, queues, None if table is None else table[2])
             if table is not None and kept is not None:
                 table = table[:, kept]
         self._step_solver = self._make_step_solver(carry + [piece for q in queues for piece in q], fresh, table)
@@ -431,11 +430,11 @@ class WLBPacker:
                 self._queues, self._ahead = queues, ahead
                 self._held = KeySets(pieces_of(queues, self._carry), *ahead.batches(), ids=[None, *ahead.id_sets()])
                 return None
-            (entries, table), lengths, regular = ahead.pop_oldest(), None, True
+            (entries, table), regular = ahead.pop_oldest(), True
         else:
             ahead = self._ahead
-        plan, carry = self._plan_step(entries, queues, list(self._carry), step, self._step_policy(), started, lengths,
-                                      table, regular)
+        plan, carry = self._plan_step(entries, queues, list(self._carry), step, self._step_policy(), started, table,
+                                      regular)
         # A step that holds no more than the one before always passes (pack([]) makes
         # progress even from a state above the limit, e.g. one loaded with a lower limit).
         # What was seen ahead is not counted (the buffer, and outliers queued before their
