@@ -12,7 +12,8 @@ and each step counts its least time over the passes: the plans are the same each
 a shared machine only adds time, so the minimum is the planner's own cost with the least
 noise (the median and tail are then over those minima); `median_of_runs_ms` is the median
 of the R passes' own medians (each over every step of every seed), the plain "median of
-repeated runs". Each stream is timed with
+repeated runs". With `--jobs J` the streams are timed in J worker processes at once, each
+in its own CPU time (on a machine with at least J idle cores). Each stream is timed with
 Algorithm 1's pure-Python loop (the default install) and, when numba is installed (the
 `fast` extra), the compiled one (`--loops`); `--methods wlb_phases,wlb,wlb_fill` also times
 Algorithm 1 as the step packer and the `wlb_fill` step packer, whose release candidates are
@@ -77,6 +78,37 @@ def time_stream(batches, n_micro: int, max_tokens: int, cost, lookahead: int, sh
     return pack_s, shard_s
 
 
+def time_job(job: tuple, spec: dict) -> tuple:
+    """One stream of one row: (each step's least CPU seconds over the passes, each pass's
+    times, the sharding times of the first seed's first pass or {})."""
+    n_micro, dist, method, loop, k, i = job
+    batches = global_batches(dist, spec["window"], n_micro * spec["window"], spec["steps"],
+                             seed=DEFAULT_SEED + SEED_OFFSET + i)
+    shard_cp = spec["cp"] if i == 0 and (loop, k, method) == spec["first"] else None
+    with use_compiled(loop == "compiled"):
+        if loop == "compiled":  # compile (or load from numba's cache) before anything is timed
+            solve_pack([3, 2, 1], 2, 4, spec["cost"])
+        times, shard_s = time_stream(batches, n_micro, spec["max_tokens"], spec["cost"], k, shard_cp, method,
+                                     spec["shard_strategies"])
+        runs = [times]
+        for _ in range(1, spec["repeats"]):  # the same plans again: each step's least time
+            again = time_stream(batches, n_micro, spec["max_tokens"], spec["cost"], k, None, method)[0]
+            runs.append(again)
+            times = np.minimum(times, again).tolist()
+    return times, runs, shard_s
+
+
+def _run_jobs(jobs: list[tuple], spec: dict, n_workers: int) -> list[tuple]:
+    """`time_job` of each job, in this process (n_workers 1) or in that many worker processes
+    (each times its own `pack` calls in its own CPU time)."""
+    if n_workers <= 1:
+        return [time_job(job, spec) for job in jobs]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(time_job, jobs, [spec] * len(jobs)))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt bench stream-speed", description=__doc__.splitlines()[0])
     p.add_argument("--n-micro", default="32", help="micro-batches per step, comma-separated (default 32)")
@@ -96,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(the `fast` extra, skipped without numba); default python,compiled")
     p.add_argument("--methods", default="wlb_phases",
                    help="step packers (PackerConfig.method), comma-separated: wlb_phases (the default), wlb, wlb_fill")
+    p.add_argument("--jobs", type=count, default=1,
+                   help="worker processes, each timing whole streams in its own CPU time (default 1: this process; "
+                        "on a many-core machine, at most its physical cores)")
     p.add_argument("--out", default=None, help="folder for stream_speed.json (default: print only)")
     add_cost_args(p, layout=("tp", "cp", "pp"))  # one replica: dp stays 1
     args = p.parse_args(argv)
@@ -133,32 +168,27 @@ def main(argv: list[str] | None = None) -> int:
     loops = [loop for loop in args.loops.split(",") if loop == "python" or compiled_available()]
     if len(loops) < len(args.loops.split(",")):
         print("numba is not installed (the `fast` extra): the compiled loop is not timed")
-    if "compiled" in loops:  # compile (or load from numba's cache) before anything is timed
-        with use_compiled(True):
-            solve_pack([3, 2, 1], 2, 4, cost)
     print(f"{'N':>3} {'dist':>6} {'method':>8} {'K':>2} {'loop':>9} {'median':>8} {'p99':>8} {'worst':>8} {'vs K=0':>7}")
+    # every stream of every row is one job: (n_micro, dist, method, loop, k, seed index)
+    jobs = [(n, d, m, loop, k, i) for n in n_micros for d in dists for m in methods for loop in loops
+            for k in lookaheads for i in range(seeds)]
+    first = (loops[0], lookaheads[0], methods[0])
+    spec = dict(window=args.window, steps=steps, max_tokens=max_tokens, cost=cost, repeats=args.repeats,
+                cp=None if args.no_shard else cp, shard_strategies=shard_strategies, first=first)
+    results = dict(zip(jobs, _run_jobs(jobs, spec, args.jobs)))
     for n_micro, dist, method in [(n, d, m) for n in n_micros for d in dists for m in methods]:
-        streams = [global_batches(dist, args.window, n_micro * args.window, steps,
-                                  seed=DEFAULT_SEED + SEED_OFFSET + i) for i in range(seeds)]
         for loop in loops:
             k0_median = None
             for k in lookaheads:
                 pack_s, passes = [], [[] for _ in range(args.repeats)]  # each step's least time; each pass's times
-                with use_compiled(loop == "compiled"):
-                    for i, batches in enumerate(streams):
-                        shard_cp = (cp if (i == 0 and k == lookaheads[0] and loop == loops[0] and method == methods[0]
-                                           and not args.no_shard) else None)
-                        times, shard_s = time_stream(batches, n_micro, max_tokens, cost, k, shard_cp, method,
-                                                     shard_strategies)
-                        passes[0] += times
-                        for r in range(1, args.repeats):  # the same plans again: each step's least time
-                            again = time_stream(batches, n_micro, max_tokens, cost, k, None, method)[0]
-                            passes[r] += again
-                            times = np.minimum(times, again).tolist()
-                        pack_s += times
-                        for (call, strategy), seconds in shard_s.items():
-                            shard_rows.append(dict(dist=dist, n_micro=n_micro, cp=cp, strategy=strategy, call=call,
-                                                   steps=len(seconds), clock="cpu", **_percentiles(seconds)))
+                for i in range(seeds):
+                    times, runs, shard_s = results[n_micro, dist, method, loop, k, i]
+                    pack_s += times
+                    for r, run in enumerate(runs):
+                        passes[r] += run
+                    for (call, strategy), seconds in shard_s.items():
+                        shard_rows.append(dict(dist=dist, n_micro=n_micro, cp=cp, strategy=strategy, call=call,
+                                               steps=len(seconds), clock="cpu", **_percentiles(seconds)))
                 row = dict(dist=dist, method=method, lookahead=k, n_micro=n_micro, loop=loop, max_tokens=max_tokens,
                            steps=steps, seeds=seeds, repeats=args.repeats, clock="cpu", **_percentiles(pack_s),
                            median_of_runs_ms=float(np.median([_percentiles(t)["median_ms"] for t in passes])))

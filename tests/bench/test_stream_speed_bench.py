@@ -47,3 +47,17 @@ def test_bad_options_are_usage_errors(option, value, message, capsys):
     with pytest.raises(SystemExit):
         stream_speed.main([option, value, "--steps", "2", "--seeds", "1"])
     assert message in capsys.readouterr().err
+
+
+def test_worker_processes_fill_the_same_rows(tmp_path):
+    # --jobs 2 times each stream in a worker process: the same rows, steps and shard timings
+    argv = ["--n-micro", "2", "--steps", "6", "--seeds", "2", "--dists", "real", "--lookaheads", "0,1",
+            "--loops", "python", "--window", "8192"]
+    assert stream_speed.main(argv + ["--out", str(tmp_path / "one")]) == 0
+    assert stream_speed.main(argv + ["--jobs", "2", "--out", str(tmp_path / "two")]) == 0
+    one, two = (json.loads((tmp_path / name / "stream_speed.json").read_text()) for name in ("one", "two"))
+    keys = ("dist", "method", "lookahead", "n_micro", "loop", "steps", "seeds", "repeats")
+    assert [tuple(r[k] for k in keys) for r in two["rows"]] == [tuple(r[k] for k in keys) for r in one["rows"]]
+    assert [(r["call"], r["steps"]) for r in two["shard"]] == [(r["call"], r["steps"]) for r in one["shard"]]
+    for r in two["rows"]:
+        assert 0 < r["median_ms"] <= r["p99_ms"] <= r["worst_ms"]
