@@ -25,8 +25,9 @@ the packer's state (key "lookahead_buffer"; the queues already hold the early ou
 """
 from __future__ import annotations
 
+import gc
 from collections import deque
-from operator import itemgetter
+from itertools import repeat
 from typing import Iterable
 
 import numpy as np
@@ -39,56 +40,71 @@ STATE_KEY = "lookahead_buffer"
 rows per buffered step, oldest first."""
 
 
-def _ids_of(pieces: Iterable[HeldPiece]) -> frozenset:
-    """The ids of `pieces`."""
-    return frozenset(map(itemgetter(0), pieces))
+def pieces_from_table(table: np.ndarray) -> list[HeldPiece]:
+    """The pieces of a `piece_table` (4 x n int64: ids, offsets, lengths, arrival steps).
+
+    Thousands of pieces are made at once, and Python's cyclic garbage collector would
+    otherwise run every 700 of them, each time walking the list made so far (a tuple subclass
+    is never untracked): it is paused while they are made. They hold only ints, so no cycle
+    can form meanwhile, and the collection that was due runs at the next allocation."""
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        # tuple.__new__ makes each piece in C (HeldPiece(*row) runs a Python __new__ per piece)
+        return list(map(tuple.__new__, repeat(HeldPiece, table.shape[1]), zip(*table.tolist())))
+    finally:
+        if paused:
+            gc.enable()
 
 
 class LookaheadBuffer:
-    """The regular documents of the buffered global batches, one list per step, oldest
-    first. The buffer holds at most K + 1 batches between the arrival of a batch and the
-    plan of the oldest one (at most K between calls).
+    """The regular documents of the buffered global batches, one `piece_table` per step,
+    oldest first. The buffer holds at most K + 1 batches between the arrival of a batch and
+    the plan of the oldest one (at most K between calls).
 
-    A batch's list is never changed once buffered, so copies of the buffer share the lists
-    (and each batch's `piece_table`, kept beside it for the step that packs it)."""
+    A batch is kept as its table (4 x n int64) and becomes `HeldPiece`s only at its own step
+    (`pop_oldest`): K batches of thousands of pieces held as Python objects would be
+    traversed by every collection of Python's garbage collector (a tuple subclass is never
+    untracked), step after step. A batch's table is never changed once buffered, so copies of
+    the buffer share them."""
 
-    def __init__(self, batches: Iterable[list[HeldPiece]] = ()) -> None:
-        self._batches: deque[list[HeldPiece]] = deque(list(b) for b in batches)
+    def __init__(self, tables: Iterable[np.ndarray] = ()) -> None:
+        self._tables: deque[np.ndarray] = deque(tables)
         # the ids of each batch's pieces, made once per batch: a new batch is checked against
         # the whole buffer every step (`state.KeySets`)
-        self._ids: deque[frozenset] = deque(_ids_of(b) for b in self._batches)
-        self._tables: deque[np.ndarray] = deque(piece_table(b) for b in self._batches)
+        self._ids: deque[frozenset] = deque(frozenset(table[0].tolist()) for table in self._tables)
 
     def __len__(self) -> int:
-        return len(self._batches)
+        return len(self._tables)
 
     def copy(self) -> "LookaheadBuffer":
         out = LookaheadBuffer()
-        out._batches, out._ids, out._tables = deque(self._batches), deque(self._ids), deque(self._tables)
+        out._tables, out._ids = deque(self._tables), deque(self._ids)
         return out
 
-    def with_batch(self, pieces: list[HeldPiece], table: np.ndarray | None = None) -> "LookaheadBuffer":
-        """A copy with `pieces` appended as the newest batch (the packer commits a copy only
-        when the whole step is valid); `table`: their `piece_table`, if the caller has it."""
+    def with_batch(self, table: np.ndarray) -> "LookaheadBuffer":
+        """A copy with the pieces of `table` (a `piece_table`) appended as the newest batch
+        (the packer commits a copy only when the whole step is valid)."""
         out = self.copy()
-        out._batches.append(list(pieces))
-        out._ids.append(_ids_of(pieces))
-        out._tables.append(piece_table(pieces) if table is None else table)
+        out._tables.append(table)
+        out._ids.append(frozenset(table[0].tolist()))
         return out
 
     def pop_oldest(self) -> tuple[list[HeldPiece], np.ndarray]:
         """Remove and return the regular documents of the oldest buffered step, with their
         `piece_table`."""
         self._ids.popleft()
-        return self._batches.popleft(), self._tables.popleft()
+        table = self._tables.popleft()
+        return pieces_from_table(table), table
 
     def pieces(self) -> list[HeldPiece]:
         """Every buffered piece, oldest batch first."""
-        return [piece for batch in self._batches for piece in batch]
+        return [piece for table in self._tables for piece in pieces_from_table(table)]
 
-    def batches(self) -> list[list[HeldPiece]]:
-        """The buffered pieces, one list per batch, oldest first."""
-        return list(self._batches)
+    def tables(self) -> list[np.ndarray]:
+        """The buffered pieces, one `piece_table` per batch, oldest first."""
+        return list(self._tables)
 
     def id_sets(self) -> list[frozenset]:
         """The ids of each batch's pieces, one set per batch (a new batch may not repeat a
@@ -96,11 +112,11 @@ class LookaheadBuffer:
         return list(self._ids)
 
     def tokens(self) -> int:
-        return sum(piece.length for piece in self.pieces())
+        return sum(int(table[2].sum()) for table in self._tables)
 
     # ------------------------------------------------------------------ checkpointing
     def to_json(self) -> list[list[list[int]]]:
-        return [[list(piece) for piece in batch] for batch in self._batches]
+        return [table.T.tolist() for table in self._tables]
 
     @classmethod
     def from_json(cls, rows, *, lookahead: int, next_step: int) -> "LookaheadBuffer":
@@ -128,5 +144,5 @@ class LookaheadBuffer:
                                      f"int64 id, 0 <= offset < 2**63, length >= 1 and arrival {next_step + k} (its "
                                      "batch's step)")
                 pieces.append(piece)
-            batches.append(pieces)
+            batches.append(piece_table(pieces))
         return cls(batches)

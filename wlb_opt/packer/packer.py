@@ -43,8 +43,7 @@ import logging
 import time
 import warnings
 from collections import deque
-from itertools import chain, compress, repeat
-from operator import itemgetter
+from itertools import chain
 from typing import Literal
 
 import numpy as np
@@ -62,7 +61,7 @@ from .defaults import (MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, TARGET_SHARE, TO
                        adaptive_tolerance, running_displacement)
 from .fill_trial import FillStepSolver
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
-from .lookahead import LookaheadBuffer
+from .lookahead import LookaheadBuffer, pieces_from_table
 from .release import SPARSE_MIN_BINS, DrainRelease, ReleasePolicy, make_release_policy
 from .state import (HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state, encode_state, held_tokens,
                     pieces_of)
@@ -284,39 +283,29 @@ class WLBPacker:
         return lengths, ids, offsets
 
     # ------------------------------------------------------------------ one step
-    def _queue_outliers(self, entries: list[HeldPiece], queues: list[deque],
-                        lengths: np.ndarray | None = None) -> tuple[list[HeldPiece], np.ndarray | None]:
-        """Append each outlier of `entries` to its queue (the last threshold <= its length), in
-        the order given; returns (the regular documents, in their order; which of `entries`
-        they are, as a boolean mask, or None when all are). One vectorised lookup per batch
-        rather than one per piece: a batch holds hundreds of pieces, few outliers.
-        `lengths`: the entries' lengths as an int64 array, if the caller has it."""
-        if not self.thresholds or not entries:
-            return list(entries), None
-        if lengths is None:
-            lengths = np.fromiter(map(itemgetter(2), entries), dtype=np.int64, count=len(entries))
-        levels = np.searchsorted(np.asarray(self.thresholds, dtype=np.int64), lengths, side="right") - 1
+    def _queue_outliers(self, table: np.ndarray, queues: list[deque]) -> np.ndarray | None:
+        """Append each outlier of the batch `table` (a `piece_table`) to its queue (the last
+        threshold <= its length), in the batch's order; returns which pieces are regular
+        documents (a boolean mask), or None when all are. One vectorised lookup per batch
+        rather than one per piece (a batch holds hundreds of pieces, few outliers), and only
+        the outliers become `HeldPiece`s here."""
+        if not self.thresholds or not table.shape[1]:
+            return None
+        levels = np.searchsorted(np.asarray(self.thresholds, dtype=np.int64), table[2], side="right") - 1
         outliers = np.flatnonzero(levels >= 0)
         if not len(outliers):
-            return list(entries), None
-        for i, level in zip(outliers.tolist(), levels[outliers].tolist()):
-            queues[level].append(entries[i])
-        regular = levels < 0
-        return list(compress(entries, regular.tolist())), regular
+            return None
+        for piece, level in zip(pieces_from_table(table[:, outliers]), levels[outliers].tolist()):
+            queues[level].append(piece)
+        return levels < 0
 
-    def _plan_step(self, entries: list[HeldPiece], queues: list[deque], carry: list[HeldPiece], step: int,
-                   policy: ReleasePolicy, started: float, table: np.ndarray | None = None,
-                   regular: bool = False) -> tuple[PackPlan, list[HeldPiece]]:
-        """Queue the outliers of `entries` (`regular`: it has none, a batch of the lookahead
-        buffer), release by `policy`, pack, and deal to replicas. Mutates only the given queues
-        (copies); returns (plan, new carry). `started` (perf_counter seconds) is when the step
-        began, for `plan.info.wall_s`. `table`: the entries' `piece_table`, if the caller has it."""
-        if regular:
-            fresh = entries
-        else:
-            fresh, kept = self._queue_outliers(entries, queues, None if table is None else table[2])
-            if table is not None and kept is not None:
-                table = table[:, kept]
+    def _plan_step(self, fresh: list[HeldPiece], queues: list[deque], carry: list[HeldPiece], step: int,
+                   policy: ReleasePolicy, started: float, table: np.ndarray | None = None) -> tuple[PackPlan, list[HeldPiece]]:
+        """Release by `policy`, pack `fresh` (the step's regular documents; its outliers are
+        queued already) with what it releases and `carry`, and deal to replicas. Mutates only
+        the given queues (copies); returns (plan, new carry). `started` (perf_counter seconds)
+        is when the step began, for `plan.info.wall_s`. `table`: `fresh`'s `piece_table`, if
+        the caller has it."""
         self._step_solver = self._make_step_solver(carry + [piece for q in queues for piece in q], fresh, table)
         try:
             pending, plan, arrival, released, n_early = policy.plan_step(fresh, queues, carry, step, self._solve)
@@ -389,7 +378,7 @@ class WLBPacker:
 
     def _commit(self, plan: PackPlan, queues: list[deque], carry: list[HeldPiece]) -> None:
         self._queues, self._carry = queues, carry
-        self._held = KeySets(pieces_of(queues, carry), *self._ahead.batches(), ids=[None, *self._ahead.id_sets()])
+        self._held = KeySets(pieces_of(queues, carry), *self._ahead.tables(), ids=[None, *self._ahead.id_sets()])
         self._step += 1
         self._stats.add(plan, self.max_delay, plan.info.extra["queue_wait_max"])
 
@@ -414,27 +403,26 @@ class WLBPacker:
         self._notice_if_mostly_outliers(lengths)
         step = self._step
         arrival = self.arrival_step
-        # tuple.__new__ makes each piece in C (HeldPiece(*piece) runs a Python __new__ per piece)
-        entries = list(map(tuple.__new__, repeat(HeldPiece, len(lengths)),
-                           zip(ids.tolist(), offsets.tolist(), lengths.tolist(), repeat(arrival, len(lengths)))))
         table = np.stack([ids, offsets, lengths, np.full(len(lengths), arrival, dtype=np.int64)])  # piece_table
         queues = [deque(q) for q in self._queues]
-        regular = False
+        # Outliers queue on arrival (with lookahead they may leave early); regular documents
+        # are fresh at their own step: this one, or with lookahead K steps on, from the buffer
+        # (see lookahead.py).
+        regular = self._queue_outliers(table, queues)
+        if regular is not None:
+            table = table[:, regular]
         if self.lookahead:
-            # Outliers queue on arrival (they may leave early); regular documents wait in
-            # the buffer for their own step (see lookahead.py).
-            documents, kept = self._queue_outliers(entries, queues, lengths)
-            ahead = self._ahead.with_batch(documents, table if kept is None else table[:, kept])
+            ahead = self._ahead.with_batch(table)
             if len(ahead) <= self.lookahead:  # step s - K does not exist yet
                 self._record_ids(ids)
                 self._queues, self._ahead = queues, ahead
-                self._held = KeySets(pieces_of(queues, self._carry), *ahead.batches(), ids=[None, *ahead.id_sets()])
+                self._held = KeySets(pieces_of(queues, self._carry), *ahead.tables(), ids=[None, *ahead.id_sets()])
                 return None
-            (entries, table), regular = ahead.pop_oldest(), True
+            fresh, table = ahead.pop_oldest()
         else:
             ahead = self._ahead
-        plan, carry = self._plan_step(entries, queues, list(self._carry), step, self._step_policy(), started, table,
-                                      regular)
+            fresh = pieces_from_table(table)
+        plan, carry = self._plan_step(fresh, queues, list(self._carry), step, self._step_policy(), started, table)
         # A step that holds no more than the one before always passes (pack([]) makes
         # progress even from a state above the limit, e.g. one loaded with a lower limit).
         # What was seen ahead is not counted (the buffer, and outliers queued before their
@@ -515,7 +503,7 @@ class WLBPacker:
             ahead = self._ahead.copy()
             entries, table = ahead.pop_oldest()
             plan, carry = self._plan_step(entries, queues, list(self._carry), self._step, self._step_policy(),
-                                          time.perf_counter(), table=table, regular=True)
+                                          time.perf_counter(), table=table)
             self._ahead = ahead
         elif self._carry or any(self._queues):
             queues = [deque(q) for q in self._queues]
@@ -634,7 +622,7 @@ class WLBPacker:
         self._calibration = loaded.calibration
         self._stats = loaded.stats
         self._ahead = ahead
-        self._held = KeySets(pieces_of(loaded.queues, loaded.carry), *ahead.batches(), ids=[None, *ahead.id_sets()])
+        self._held = KeySets(pieces_of(loaded.queues, loaded.carry), *ahead.tables(), ids=[None, *ahead.id_sets()])
 
     def _decode_lookahead(self, state: dict, step: int) -> LookaheadBuffer:
         """The lookahead part of a state (lookahead.py; its config.lookahead is checked by

@@ -62,23 +62,32 @@ _ID_OFFSET = itemgetter(0, 1)
 """(id, offset) of a HeldPiece: its identity (`HeldPiece.key`)."""
 
 
+def _ids_of(group) -> frozenset:
+    """The ids of a list of pieces or of a `piece_table`."""
+    return frozenset(group[0].tolist()) if isinstance(group, np.ndarray) else frozenset(map(itemgetter(0), group))
+
+
 class KeySets:
-    """The identities (`HeldPiece.key`) of a few lists of pieces (held pieces, each batch
+    """The identities (`HeldPiece.key`) of a few groups of pieces (held pieces, each batch
     buffered ahead), without building their union: what a new batch is checked against.
-    Each list's ids are made once (`ids`, or from its pieces); its (id, offset) pairs only
+    Each group's ids are made once (`ids`, or from its pieces); its (id, offset) pairs only
     when a batch shares an id with it, which a stream of whole documents never does."""
 
     def __init__(self, *groups, ids=None):
-        """`groups`: lists of pieces; `ids`, if given: for each, the set of its ids (None: made
-        from its pieces)."""
+        """`groups`: lists of pieces, or `piece_table`s (4 x n int64 arrays: the lookahead
+        buffer's batches); `ids`, if given: for each, the set of its ids (None: made from its
+        pieces)."""
         ids = [None] * len(groups) if ids is None else ids
-        self._groups = [g for g in groups if len(g)]
-        self._ids = [frozenset(map(itemgetter(0), g)) if i is None else i for g, i in zip(groups, ids) if len(g)]
+        sizes = [g.shape[1] if isinstance(g, np.ndarray) else len(g) for g in groups]
+        self._groups = [g for g, n in zip(groups, sizes) if n]
+        self._ids = [_ids_of(g) if i is None else i for g, i, n in zip(groups, ids, sizes) if n]
         self._keys: list[frozenset | None] = [None] * len(self._groups)
 
     def _keys_of(self, k: int) -> frozenset:
         if self._keys[k] is None:
-            self._keys[k] = frozenset(map(_ID_OFFSET, self._groups[k]))
+            group = self._groups[k]
+            self._keys[k] = (frozenset(zip(group[0].tolist(), group[1].tolist())) if isinstance(group, np.ndarray)
+                             else frozenset(map(_ID_OFFSET, group)))
         return self._keys[k]
 
     def __bool__(self) -> bool:
