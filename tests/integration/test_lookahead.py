@@ -244,6 +244,22 @@ def test_a_state_of_another_lookahead_or_a_bad_buffer_is_refused():
         packer.pack([3], [held])
 
 
+def test_a_buffered_piece_is_refused_by_its_id_and_offset_not_its_id_alone():
+    # the buffer keeps its batches as arrays: a later piece of a buffered document (another
+    # offset) is accepted, the same piece again is refused, and the state is unchanged
+    packer = WLBPacker(2, 2 * CAP, COST, config=PackerConfig(thresholds=[34], lookahead=2))
+    packer.pack([5, 6], [7, 8], [0, 0])
+    packer.pack([4], [7], [5])  # document 7's next piece, still buffered with the first
+    before = packer.state_dict()
+    with pytest.raises(ValueError, match="id 7 .offset 5.*already held"):
+        packer.pack([4], [7], [5])
+    assert packer.state_dict() == before
+    plans = [plan for plan in [packer.pack([3], [7], [9])] + packer.drain() if plan is not None]
+    placed = sorted((int(plan.doc_ids[i]), int(plan.offsets[i]), int(plan.lengths[i]))
+                    for plan in plans for mb in plan.micro_batches for i in mb.tolist())
+    assert placed == [(7, 0, 5), (7, 5, 4), (7, 9, 3), (8, 0, 6)]
+
+
 def test_a_state_saved_under_the_earlier_lookahead_default_names_the_release_to_resume_with():
     # with lookahead the default release was "group"; such a state is refused by a default
     # packer (now "marginal") with the field named, and resumes with release="group"
