@@ -173,6 +173,11 @@ SECTIONS = (
             "each pass; a shared machine only adds time), `median_of_runs_ms` is the median of the passes' own "
             "medians.",
             _STREAM_SPEED_TABLES),
+    Section("stream_speed_gpu_host", "Streaming planner speed on a GPU machine's CPU",
+            "The long-stream measure on the host CPU of the H200 machine that ran the GPU check (16 Xeon cores, "
+            "otherwise idle; 8 streams timed at once, each in its own process and CPU time), without CP sharding: "
+            "planning runs on such a host in training.",
+            (_STREAM_SPEED_TABLES[0],)),
     Section("validate_sim", "The simulator against real execution",
             "Predicted step time against measured steps of a 2-stage gloo pipeline, per schedule "
             "(error = predicted / measured - 1). `simulated_s`: the simulator on the measured op times as "

@@ -27,6 +27,7 @@ seeds DEFAULT_SEED + 300 + i (not the calibration seeds).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -98,15 +99,27 @@ def time_job(job: tuple, spec: dict) -> tuple:
     return times, runs, shard_s
 
 
-def _run_jobs(jobs: list[tuple], spec: dict, n_workers: int) -> list[tuple]:
-    """`time_job` of each job, in this process (n_workers 1) or in that many worker processes
-    (each times its own `pack` calls in its own CPU time)."""
+def _job_results(jobs: list[tuple], spec: dict, pool=None):
+    """`time_job` of each job, in order, each as soon as it is done: timed in this process
+    when `pool` is None, else submitted to the worker processes of `pool` at once (each
+    worker times its own `pack` calls in its own CPU time)."""
+    if pool is None:
+        for job in jobs:
+            yield time_job(job, spec)
+        return
+    futures = [pool.submit(time_job, job, spec) for job in jobs]
+    for future in futures:
+        yield future.result()
+
+
+def _worker_pool(n_workers: int):
+    """A pool of `n_workers` processes (spawned: nothing of this process's state is shared),
+    or a null context for 1."""
     if n_workers <= 1:
-        return [time_job(job, spec) for job in jobs]
+        return contextlib.nullcontext()
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
-    with ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(time_job, jobs, [spec] * len(jobs)))
+    return ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("spawn"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,29 +188,32 @@ def main(argv: list[str] | None = None) -> int:
     first = (loops[0], lookaheads[0], methods[0])
     spec = dict(window=args.window, steps=steps, max_tokens=max_tokens, cost=cost, repeats=args.repeats,
                 cp=None if args.no_shard else cp, shard_strategies=shard_strategies, first=first)
-    results = dict(zip(jobs, _run_jobs(jobs, spec, args.jobs)))
-    for n_micro, dist, method in [(n, d, m) for n in n_micros for d in dists for m in methods]:
-        for loop in loops:
-            k0_median = None
-            for k in lookaheads:
-                pack_s, passes = [], [[] for _ in range(args.repeats)]  # each step's least time; each pass's times
-                for i in range(seeds):
-                    times, runs, shard_s = results[n_micro, dist, method, loop, k, i]
-                    pack_s += times
-                    for r, run in enumerate(runs):
-                        passes[r] += run
-                    for (call, strategy), seconds in shard_s.items():
-                        shard_rows.append(dict(dist=dist, n_micro=n_micro, cp=cp, strategy=strategy, call=call,
-                                               steps=len(seconds), clock="cpu", **_percentiles(seconds)))
-                row = dict(dist=dist, method=method, lookahead=k, n_micro=n_micro, loop=loop, max_tokens=max_tokens,
-                           steps=steps, seeds=seeds, repeats=args.repeats, clock="cpu", **_percentiles(pack_s),
-                           median_of_runs_ms=float(np.median([_percentiles(t)["median_ms"] for t in passes])))
-                k0_median = row["median_ms"] if k == 0 else k0_median
-                row["median_vs_k0"] = row["median_ms"] / k0_median if k0_median else None
-                rows.append(row)
-                ratio = f"{row['median_vs_k0']:.2f}" if row["median_vs_k0"] is not None else "-"
-                print(f"{n_micro:>3} {dist:>6} {method:>8} {k:>2} {loop:>9} {row['median_ms']:>8.2f} {row['p99_ms']:>8.2f} "
-                      f"{row['worst_ms']:>8.2f} {ratio:>7}")
+    with _worker_pool(args.jobs) as pool:  # rows are printed as their streams are done
+        results = _job_results(jobs, spec, pool)
+        for n_micro, dist, method in [(n, d, m) for n in n_micros for d in dists for m in methods]:
+            for loop in loops:
+                k0_median = None
+                for k in lookaheads:
+                    # each step's least time; each pass's times
+                    pack_s, passes = [], [[] for _ in range(args.repeats)]
+                    for i in range(seeds):
+                        times, runs, shard_s = next(results)  # the jobs in the order of these loops
+                        pack_s += times
+                        for r, run in enumerate(runs):
+                            passes[r] += run
+                        for (call, strategy), seconds in shard_s.items():
+                            shard_rows.append(dict(dist=dist, n_micro=n_micro, cp=cp, strategy=strategy, call=call,
+                                                   steps=len(seconds), clock="cpu", **_percentiles(seconds)))
+                    row = dict(dist=dist, method=method, lookahead=k, n_micro=n_micro, loop=loop,
+                               max_tokens=max_tokens, steps=steps, seeds=seeds, repeats=args.repeats, clock="cpu",
+                               **_percentiles(pack_s),
+                               median_of_runs_ms=float(np.median([_percentiles(t)["median_ms"] for t in passes])))
+                    k0_median = row["median_ms"] if k == 0 else k0_median
+                    row["median_vs_k0"] = row["median_ms"] / k0_median if k0_median else None
+                    rows.append(row)
+                    ratio = f"{row['median_vs_k0']:.2f}" if row["median_vs_k0"] is not None else "-"
+                    print(f"{n_micro:>3} {dist:>6} {method:>8} {k:>2} {loop:>9} {row['median_ms']:>8.2f} "
+                          f"{row['p99_ms']:>8.2f} {row['worst_ms']:>8.2f} {ratio:>7}", flush=True)
     for r in shard_rows:
         print(f"{r['call']} {r['strategy']} (N={r['n_micro']}, {r['dist']}, cp={r['cp']}, all micro-batches of a step): "
               f"median {r['median_ms']:.2f} ms, "

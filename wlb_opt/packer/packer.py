@@ -300,7 +300,8 @@ class WLBPacker:
         return levels < 0
 
     def _plan_step(self, fresh: list[HeldPiece], queues: list[deque], carry: list[HeldPiece], step: int,
-                   policy: ReleasePolicy, started: float, table: np.ndarray | None = None) -> tuple[PackPlan, list[HeldPiece]]:
+                   policy: ReleasePolicy, started: float,
+                   table: np.ndarray | None = None) -> tuple[PackPlan, list[HeldPiece]]:
         """Release by `policy`, pack `fresh` (the step's regular documents; its outliers are
         queued already) with what it releases and `carry`, and deal to replicas. Mutates only
         the given queues (copies); returns (plan, new carry). `started` (perf_counter seconds)
