@@ -251,7 +251,7 @@ class WLBPacker:
     def buffered_ids(self) -> np.ndarray:
         """Ids of the regular documents of the batches seen ahead (`lookahead`), not yet
         planned, oldest batch first (empty when lookahead=0)."""
-        return np.array([piece.id for piece in self._ahead.pieces()], dtype=np.int64)
+        return np.concatenate([np.zeros(0, dtype=np.int64)] + [table[0] for table in self._ahead.tables()])
 
     @property
     def arrival_step(self) -> int:
@@ -523,7 +523,7 @@ class WLBPacker:
         See `wlb_opt.packer.stats` for the definitions."""
         out = self._stats.summary(steps=self._step, queues=self._queues, carry=self._carry,
                                   thresholds=self.thresholds)
-        out.update(lookahead=self.lookahead, buffered_pieces=len(self._ahead.pieces()),
+        out.update(lookahead=self.lookahead, buffered_pieces=sum(table.shape[1] for table in self._ahead.tables()),
                    buffered_tokens=self._ahead.tokens())
         return out
 
