@@ -36,8 +36,8 @@ import numpy as np
 from ._optional import progress, require
 from .cost import CostModel
 from .cost_args import count, natural
-from .cost_fit import (FEATURE_NAMES, FIT_TERMS, Sample, fit_terms, nnls, sample_micro_batches, validate,
-                       validation_line)
+from .cost_fit import (FEATURE_NAMES, FIT_TERMS, Sample, coef_intervals, fit_terms, nnls, sample_micro_batches,
+                       validate, validation_line)
 from .cost_memory import MemoryModel, dtype_name
 from .specs import HardwareSpec, ModelSpec, ParallelSpec
 
@@ -60,8 +60,13 @@ def fit_cost_model(samples: list[Sample], layers: int = 1, tile: int = 128, eff_
     fitted = fit_terms(samples, layers)
     coef = {phase: dict(fitted[phase], comm=0.0) for phase in ("fwd", "bwd")}
     meta = dict(kind="profiled", fit_samples=len(samples), **(meta or {}))
+    meta["coef_interval"] = coef_intervals(samples, layers)
+    meta["samples"] = [dict(lengths=[int(d) for d in s.lengths], fwd_s=float(s.fwd_s), bwd_s=float(s.bwd_s),
+                            heldout=False) for s in samples]
     if heldout:
         meta["validation"] = validate(fitted, heldout, layers)
+        meta["samples"] += [dict(lengths=[int(d) for d in s.lengths], fwd_s=float(s.fwd_s), bwd_s=float(s.bwd_s),
+                                 heldout=True) for s in heldout]
     flops = attn_flops_per_pair or 1.0
     # attention_latency = tiles * tile^2 * flops / (peak * scale): choose peak so a long
     # segment reproduces the fitted per-pair forward coefficient.
@@ -390,12 +395,22 @@ def efficiency_table(cost: CostModel) -> dict[int, float]:
 
 
 def describe_fit(cost: CostModel) -> str:
-    """The fitted terms by name and unit, one line per phase (plain numbers)."""
+    """The fitted terms by name and unit, one line per phase (plain numbers), each with the
+    range of its resampled fits (`cost_fit.coef_intervals`) when the profile has them."""
     rows = []
+    intervals = (cost.meta or {}).get("coef_interval")
     for phase in ("fwd", "bwd"):
         c = cost.coef[phase]
-        rows.append(f"{phase}: " + ", ".join(f"{term} {c[term]:.4g} s per {FEATURE_NAMES[term].rstrip('s')}"
-                                             for term in FIT_TERMS))
+        terms = []
+        for term in FIT_TERMS:
+            text = f"{term} {c[term]:.4g} s per {FEATURE_NAMES[term].rstrip('s')}"
+            if intervals:
+                low, high = intervals[phase][term]
+                text += f" ({low:.3g} to {high:.3g})"
+            terms.append(text)
+        rows.append(f"{phase}: " + ", ".join(terms))
+    if intervals:
+        rows.append("(in brackets: 10th-90th percentile over fits to the samples drawn again with replacement)")
     return "\n".join(rows)
 
 

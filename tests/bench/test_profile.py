@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import wlb_opt as wlb
-from wlb_opt.cost_fit import FIT_TERMS, sample_micro_batches, validate, validation_line
+from wlb_opt.cost_fit import FIT_TERMS, coef_intervals, sample_micro_batches, validate, validation_line
 from wlb_opt.profile import Sample, fit_cost_model
 
 
@@ -96,6 +96,34 @@ def test_independent_sampling_recovers_every_term(noise):
     assert v["worst"] >= v["mape"]
 
 
+def test_resampled_fits_bracket_the_true_terms_and_narrow_with_more_samples():
+    # exact samples: every resampled fit is the fit; noisy ones: the 10th-90th percentile of
+    # the resampled fits holds the true attention and linear terms, and 160 samples pin every
+    # term closer than 16 do (the per-document and per-micro-batch constants widest)
+    tiny = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), hardware=wlb.HardwareSpec.preset("cpu"))
+    coef = {p: dict(tiny.coef[p], comm=0.0, doc_const=3e-5, mb_const=2e-3) for p in ("fwd", "bwd")}
+    truth = wlb.CostModel(coef=coef, attn_flops_per_pair=1.0)
+    rng = np.random.default_rng(3)
+    exact = coef_intervals(_synthetic(truth, sample_micro_batches(4096, 16, rng), 0.0, rng))
+    for phase in ("fwd", "bwd"):
+        for term in FIT_TERMS:
+            low, high = exact[phase][term]
+            assert low == pytest.approx(coef[phase][term], rel=1e-6) and high == pytest.approx(low, rel=1e-6)
+    few, many = (_synthetic(truth, sample_micro_batches(4096, n, rng), 0.02, rng) for n in (16, 160))
+    wide = coef_intervals(many, layers=2, quantiles=(1.0, 99.0))
+    few, many = coef_intervals(few, layers=2), coef_intervals(many, layers=2)
+    for phase in ("fwd", "bwd"):
+        for term in ("attn", "linear"):
+            low, high = wide[phase][term]
+            assert low <= 2 * coef[phase][term] <= high, (phase, term)  # scaled by layers, like fit_terms
+        for term in FIT_TERMS:
+            assert np.diff(many[phase][term])[0] < np.diff(few[phase][term])[0], (phase, term)
+    fit = fit_cost_model(_synthetic(truth, sample_micro_batches(4096, 16, rng), 0.02, rng))
+    assert set(fit.meta["coef_interval"]) == {"fwd", "bwd"} and len(fit.meta["samples"]) == 16
+    from wlb_opt.profile import describe_fit
+    assert "(in brackets: 10th-90th percentile" in describe_fit(fit)
+
+
 def test_validation_is_the_held_out_error():
     coef = {p: dict(attn=0.0, linear=1.0, doc_const=0.0, mb_const=0.0) for p in ("fwd", "bwd")}
     # predicted fwd + bwd = 2 s per token; measured 2.2 s and 1.5 s -> errors 1/11 and 1/3
@@ -161,7 +189,9 @@ def test_profile_command_prints_validation_and_plain_numbers(tmp_path, capsys):
     text = capsys.readouterr().out
     assert re.search(r"^validation MAPE: \d+\.\d%, worst: \d+\.\d% \(3 held-out", text, re.M), text
     assert "np." not in text and "float64" not in text
+    assert re.search(r"^fwd: attn \S+ s per causal pair \(\S+ to \S+\)", text, re.M), text
     cost = wlb.CostModel.load(out)
+    assert [s["heldout"] for s in cost.meta["samples"]] == [False] * 6 + [True] * 3  # kept for a refit
     assert cost.meta["validation"]["n"] == 3 and cost.model.hidden == 32 and cost.model.kv_heads == 1
     command = cost.meta["provenance"]["command"]  # what `wlb-opt bench report` prints beside the figures
     assert command.startswith("wlb-opt profile --hf-config ") and command.endswith(str(out)), command
