@@ -352,7 +352,12 @@ def _provenance_lines(provenance: dict | None) -> list[str]:
     m = provenance.get("machine") or {}
     machine = ", ".join(f"{k} {m[k]}" for k in ("platform", "python", "cpu_count", "torch", "accelerator")
                         if m.get(k) is not None)
-    return ["```bash", str(provenance.get("command", "?")), "```", "", f"Machine: {machine or 'not recorded'}."]
+    lines = ["```bash", str(provenance.get("command", "?")), "```", "", f"Machine: {machine or 'not recorded'}."]
+    code = provenance.get("code")
+    if isinstance(code, dict) and code.get("version"):  # recorded from this version of the package on
+        commit = f", commit {code['commit']}" if code.get("commit") else ""
+        lines[-1] += f" Code: wlb-opt {code['version']}{commit}."
+    return lines
 
 
 def _auto_tables(folder: Path) -> tuple[Table, ...]:

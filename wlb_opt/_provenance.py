@@ -1,15 +1,18 @@
-"""Where a benchmark's JSON came from: the command line that wrote it and the machine it ran on.
+"""Where a benchmark's JSON came from: the command line that wrote it, the code and the machine.
 
 Every benchmark stores `provenance(name, argv)` under the key "provenance" of its JSON (and
 `wlb-opt profile` under its cost model's meta), so that `wlb-opt bench report` can print each
-table beside the command that reproduces it and the machine whose numbers it shows.
+table beside the command that reproduces it, the code that ran it and the machine whose
+numbers it shows.
 """
 from __future__ import annotations
 
 import os
 import platform
 import shlex
+import subprocess
 import sys
+from pathlib import Path
 
 
 def machine() -> dict:
@@ -25,6 +28,24 @@ def machine() -> dict:
     return info
 
 
+def code() -> dict:
+    """The package's version and, when it runs from a git checkout, the commit (short hash, and
+    "dirty" when tracked files differ from it; None elsewhere, e.g. an installed wheel or a
+    copy without its .git)."""
+    from . import __version__
+
+    root = Path(__file__).resolve().parent.parent
+    commit = None
+    try:
+        run = dict(cwd=root, capture_output=True, text=True, timeout=10, check=True)
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], **run).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **run).stdout.strip()
+        commit = head + (" dirty" if changed else "") if head else None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return dict(version=__version__, commit=commit)
+
+
 def command(name: str, argv: list[str] | None, program: tuple[str, ...] = ("wlb-opt", "bench")) -> str:
     """The `wlb-opt bench NAME ...` line (`program` NAME ...); `argv` None means the arguments
     of this process."""
@@ -33,6 +54,6 @@ def command(name: str, argv: list[str] | None, program: tuple[str, ...] = ("wlb-
 
 
 def provenance(name: str, argv: list[str] | None, program: tuple[str, ...] = ("wlb-opt", "bench")) -> dict:
-    """{"command": the command line, "machine": `machine()`} for the JSON of benchmark `name`
-    (`program`: the words before NAME, `("wlb-opt",)` for `wlb-opt profile`)."""
-    return dict(command=command(name, argv, program), machine=machine())
+    """{"command": the command line, "code": `code()`, "machine": `machine()`} for the JSON of
+    benchmark `name` (`program`: the words before NAME, `("wlb-opt",)` for `wlb-opt profile`)."""
+    return dict(command=command(name, argv, program), code=code(), machine=machine())

@@ -66,6 +66,27 @@ def test_a_page_names_the_command_and_links_the_pictures(tmp_path):
     assert "](results/demo_bench/plot.png)" in text
 
 
+def test_provenance_names_the_code_and_the_page_prints_it(tmp_path):
+    import subprocess
+
+    from wlb_opt import __version__
+    from wlb_opt._provenance import provenance
+
+    code = provenance("demo-bench", ["--out", "x"])["code"]
+    assert code["version"] == __version__
+    if (ROOT / ".git").exists():  # a checkout: the commit it runs, "dirty" when tracked files differ
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        assert code["commit"].split()[0] == head
+    folder = tmp_path / "results" / "demo_bench"
+    folder.mkdir(parents=True)
+    recorded = dict(command="wlb-opt bench demo-bench", code=dict(version="9.9", commit="abc123def456"),
+                    machine=dict(platform="p", cpu_count=3, torch=None))
+    (folder / "demo_bench.json").write_text(json.dumps(dict(provenance=recorded, rows=[dict(a=1)])))
+    text = report.render(tmp_path / "results", tmp_path / "results.md")
+    assert "Machine: platform p, cpu_count 3. Code: wlb-opt 9.9, commit abc123def456." in text
+
+
 def test_a_missing_results_folder_is_a_usage_error(tmp_path, capsys):
     assert main(["bench", "report", "--results", str(tmp_path / "none"), "--output", str(tmp_path / "r.md")]) == 2
     assert "is not a folder" in capsys.readouterr().err
