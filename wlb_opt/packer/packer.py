@@ -428,14 +428,17 @@ class WLBPacker:
         # progress even from a state above the limit, e.g. one loaded with a lower limit).
         # What was seen ahead is not counted (the buffer, and outliers queued before their
         # step: arrival > step): it is at most K batches by construction.
-        held_before = sum(piece.length for piece in self._held_pieces_due(self._queues, self._carry, step - 1))
-        held_now = self._held_pieces_due(queues, carry, step)
-        held_after = sum(piece.length for piece in held_now)
+        held_after = sum(piece.length for piece in self._held_pieces_due(queues, carry, step))
         # Default limit: a burst (step's batch above a step's capacity, e.g. a 2.1M-token document
         # cut into 17 pieces that arrive together) may exceed it by its own excess; a stream
         # that keeps bringing more than the capacity still grows past the limit and raises.
-        burst = max(0, self._arrived_tokens(plan, queues, step) - self.capacity_tokens) if self._burst_allowed else 0
-        if held_after > self.max_backlog_tokens + burst and held_after > held_before:
+        # (The burst and the tokens held before are only needed past the limit itself.)
+        over = held_after > self.max_backlog_tokens
+        burst = 0
+        if over and self._burst_allowed:
+            burst = max(0, self._arrived_tokens(plan, queues, step) - self.capacity_tokens)
+        if (over and held_after > self.max_backlog_tokens + burst and held_after > sum(
+                piece.length for piece in self._held_pieces_due(self._queues, self._carry, step - 1))):
             if before is not None:  # leave the state exactly as it was, calibration included
                 self.thresholds, self.n_queues, self._queues, self._calibration = before
             queued = held_after - sum(piece.length for piece in carry if piece.arrival <= step)
