@@ -605,3 +605,23 @@ def test_the_outlier_notice_is_logged_once(caplog):
                 packer.pack([60, 70, 5])
     notices = [r for r in caplog.records if "tokens are in outliers" in r.getMessage()]
     assert len(notices) == 1 and notices[0].name == "wlb_opt" and notices[0].levelno == logging.WARNING
+
+
+def test_pieces_from_a_table_are_the_pieces_it_was_made_from_and_the_collector_is_left_as_found():
+    import gc
+
+    from wlb_opt.packer.state import HeldPiece
+    from wlb_opt.packer.trial import piece_table, pieces_from_table
+
+    pieces = [HeldPiece(7, 0, 5, 2), HeldPiece(-3, 9, 1, 2), HeldPiece(2**62, 2**40, 12, 3)]
+    back = pieces_from_table(piece_table(pieces))
+    assert back == pieces and all(type(p) is HeldPiece and type(p.length) is int for p in back)
+    assert pieces_from_table(piece_table([])) == []
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            gc.enable() if enabled else gc.disable()
+            pieces_from_table(piece_table(pieces))
+            assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()

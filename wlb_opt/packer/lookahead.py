@@ -25,37 +25,17 @@ the packer's state (key "lookahead_buffer"; the queues already hold the early ou
 """
 from __future__ import annotations
 
-import gc
 from collections import deque
-from itertools import repeat
 from typing import Iterable
 
 import numpy as np
 
 from .state import HeldPiece
-from .trial import piece_table
+from .trial import piece_table, pieces_from_table
 
 STATE_KEY = "lookahead_buffer"
 """Key of the buffer in `WLBPacker.state_dict()`: one list of [id, offset, length, arrival]
 rows per buffered step, oldest first."""
-
-
-def pieces_from_table(table: np.ndarray) -> list[HeldPiece]:
-    """The pieces of a `piece_table` (4 x n int64: ids, offsets, lengths, arrival steps).
-
-    Thousands of pieces are made at once, and Python's cyclic garbage collector would
-    otherwise run every 700 of them, each time walking the list made so far (a tuple subclass
-    is never untracked): it is paused while they are made. They hold only ints, so no cycle
-    can form meanwhile, and the collection that was due runs at the next allocation."""
-    paused = gc.isenabled()
-    if paused:
-        gc.disable()
-    try:
-        # tuple.__new__ makes each piece in C (HeldPiece(*row) runs a Python __new__ per piece)
-        return list(map(tuple.__new__, repeat(HeldPiece, table.shape[1]), zip(*table.tolist())))
-    finally:
-        if paused:
-            gc.enable()
 
 
 class LookaheadBuffer:

@@ -61,12 +61,12 @@ from .defaults import (MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, TARGET_SHARE, TO
                        adaptive_tolerance, running_displacement)
 from .fill_trial import FillStepSolver
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
-from .lookahead import LookaheadBuffer, pieces_from_table
+from .lookahead import LookaheadBuffer
 from .release import SPARSE_MIN_BINS, DrainRelease, ReleasePolicy, make_release_policy
 from .state import (HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state, encode_state, held_tokens,
                     pieces_of)
 from .stats import StreamStats
-from .trial import COARSE_MIN_BINS, StepSolver, as_pack_plan, piece_table
+from .trial import COARSE_MIN_BINS, StepSolver, as_pack_plan, piece_table, pieces_from_table
 
 _log = logging.getLogger("wlb_opt")
 

@@ -26,7 +26,8 @@ are Algorithm 1's packings with the step's short pieces in lumps (`StepSolver.as
 """
 from __future__ import annotations
 
-from itertools import chain
+import gc
+from itertools import chain, repeat
 
 import numpy as np
 
@@ -57,6 +58,24 @@ COARSE_MIN_TAIL = 64
 def piece_table(pieces: list[HeldPiece]) -> np.ndarray:
     """(ids, offsets, lengths, arrival steps) of `pieces`: a 4 x n int64 array."""
     return np.fromiter(chain.from_iterable(pieces), dtype=np.int64, count=4 * len(pieces)).reshape(-1, 4).T
+
+
+def pieces_from_table(table: np.ndarray) -> list[HeldPiece]:
+    """The pieces of a `piece_table` (4 x n int64: ids, offsets, lengths, arrival steps).
+
+    Thousands of pieces are made at once, and Python's cyclic garbage collector would
+    otherwise run every 700 of them, each time walking the list made so far (a tuple subclass
+    is never untracked): it is paused while they are made. They hold only ints, so no cycle
+    can form meanwhile, and the collection that was due runs at the next allocation."""
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        # tuple.__new__ makes each piece in C (HeldPiece(*row) runs a Python __new__ per piece)
+        return list(map(tuple.__new__, repeat(HeldPiece, table.shape[1]), zip(*table.tolist())))
+    finally:
+        if paused:
+            gc.enable()
 
 
 class StepSolver:
