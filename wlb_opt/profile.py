@@ -62,11 +62,9 @@ def fit_cost_model(samples: list[Sample], layers: int = 1, tile: int = 128, eff_
     meta = dict(kind="profiled", fit_samples=len(samples), **(meta or {}))
     meta["coef_interval"] = coef_intervals(samples, layers)
     meta["samples"] = [dict(lengths=[int(d) for d in s.lengths], fwd_s=float(s.fwd_s), bwd_s=float(s.bwd_s),
-                            heldout=False) for s in samples]
+                            heldout=held) for held, group in ((False, samples), (True, heldout or ())) for s in group]
     if heldout:
         meta["validation"] = validate(fitted, heldout, layers)
-        meta["samples"] += [dict(lengths=[int(d) for d in s.lengths], fwd_s=float(s.fwd_s), bwd_s=float(s.bwd_s),
-                                 heldout=True) for s in heldout]
     flops = attn_flops_per_pair or 1.0
     # attention_latency = tiles * tile^2 * flops / (peak * scale): choose peak so a long
     # segment reproduces the fitted per-pair forward coefficient.

@@ -30,7 +30,7 @@ from typing import Iterable
 
 import numpy as np
 
-from .state import HeldPiece
+from .state import HeldPiece, ids_of
 from .trial import piece_table, pieces_from_table
 
 STATE_KEY = "lookahead_buffer"
@@ -53,7 +53,7 @@ class LookaheadBuffer:
         self._tables: deque[np.ndarray] = deque(tables)
         # the ids of each batch's pieces, made once per batch: a new batch is checked against
         # the whole buffer every step (`state.KeySets`)
-        self._ids: deque[frozenset] = deque(frozenset(table[0].tolist()) for table in self._tables)
+        self._ids: deque[frozenset] = deque(ids_of(table) for table in self._tables)
 
     def __len__(self) -> int:
         return len(self._tables)
@@ -68,7 +68,7 @@ class LookaheadBuffer:
         (the packer commits a copy only when the whole step is valid)."""
         out = self.copy()
         out._tables.append(table)
-        out._ids.append(frozenset(table[0].tolist()))
+        out._ids.append(ids_of(table))
         return out
 
     def pop_oldest(self) -> tuple[list[HeldPiece], np.ndarray]:

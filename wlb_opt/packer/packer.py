@@ -437,8 +437,8 @@ class WLBPacker:
         burst = 0
         if over and self._burst_allowed:
             burst = max(0, self._arrived_tokens(plan, queues, step) - self.capacity_tokens)
-        if (over and held_after > self.max_backlog_tokens + burst and held_after > sum(
-                piece.length for piece in self._held_pieces_due(self._queues, self._carry, step - 1))):
+        if held_after > self.max_backlog_tokens + burst and held_after > sum(
+                piece.length for piece in self._held_pieces_due(self._queues, self._carry, step - 1)):
             if before is not None:  # leave the state exactly as it was, calibration included
                 self.thresholds, self.n_queues, self._queues, self._calibration = before
             queued = held_after - sum(piece.length for piece in carry if piece.arrival <= step)

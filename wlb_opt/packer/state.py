@@ -62,7 +62,7 @@ _ID_OFFSET = itemgetter(0, 1)
 """(id, offset) of a HeldPiece: its identity (`HeldPiece.key`)."""
 
 
-def _ids_of(group) -> frozenset:
+def ids_of(group) -> frozenset:
     """The ids of a list of pieces or of a `piece_table`."""
     return frozenset(group[0].tolist()) if isinstance(group, np.ndarray) else frozenset(map(itemgetter(0), group))
 
@@ -80,7 +80,7 @@ class KeySets:
         ids = [None] * len(groups) if ids is None else ids
         sizes = [g.shape[1] if isinstance(g, np.ndarray) else len(g) for g in groups]
         self._groups = [g for g, n in zip(groups, sizes) if n]
-        self._ids = [_ids_of(g) if i is None else i for g, i, n in zip(groups, ids, sizes) if n]
+        self._ids = [ids_of(g) if i is None else i for g, i, n in zip(groups, ids, sizes) if n]
         self._keys: list[frozenset | None] = [None] * len(self._groups)
 
     def _keys_of(self, k: int) -> frozenset:
