@@ -3,8 +3,9 @@
 The paper reports 20 ms per batch for WLB-LLM with 2 queues (Table 2). Timed as CPU time of
 this process (`time.process_time`), so that other processes on a shared machine are not
 counted; reports the median of repeated runs with p10 and p90. Methods built on Algorithm 1
-("wlb", "wlb_ls") are timed twice when numba is installed (the `fast` extra): with the
-compiled loop and with the pure-Python one (column `loop`). The streaming planner
+("wlb", "wlb_ls", and "wlb_phases", the streaming packer's default) are timed twice when
+numba is installed (the `fast` extra): with the compiled loops and with the pure-Python ones
+(column `loop`). The streaming planner
 (`WLBPacker.pack` step after step) is timed by `wlb-opt bench stream-speed`.
 """
 from __future__ import annotations
@@ -23,8 +24,8 @@ from ..workloads import DISTRIBUTIONS, global_batch
 from ._provenance import provenance
 
 
-_ALGORITHM_1 = ("wlb", "wlb_ls")
-"""Methods whose time depends on which loop runs Algorithm 1."""
+_COMPILED_LOOPS = ("wlb", "wlb_ls", "wlb_phases")
+"""Methods whose time depends on which loops run (Algorithm 1's, the balanced placement's)."""
 
 
 def measure(lengths, ids, offsets, n_micro, max_tokens, cost, method, repeats, compiled: bool) -> dict:
@@ -36,7 +37,7 @@ def measure(lengths, ids, offsets, n_micro, max_tokens, cost, method, repeats, c
             plan = solve_pack(lengths, n_micro, max_tokens, cost, method, ids=ids, offsets=offsets)
             times.append(time.process_time() - t0)
     t = np.array(times) * 1e3
-    loop = ("compiled" if compiled else "python") if method in _ALGORITHM_1 else "-"
+    loop = ("compiled" if compiled else "python") if method in _COMPILED_LOOPS else "-"
     return dict(method=method, loop=loop, documents=int(len(lengths)), micro_batches=n_micro, max_tokens=max_tokens,
                 clock="cpu", median_ms=float(np.median(t)), p10_ms=float(np.percentile(t, 10)),
                 p90_ms=float(np.percentile(t, 90)), imbalance=plan.imbalance, repeats=repeats)
@@ -49,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-micro", type=count, default=32, help="micro-batches of the one global batch (default 32)")
     p.add_argument("--window", type=count, default=131072, help="training context length (default 131072)")
     p.add_argument("--repeats", type=count, default=50, help="timed runs per method (median reported; default 50)")
-    p.add_argument("--methods", default="wlb,original,fixed",
-                   help="comma-separated solve_pack methods (default wlb,original,fixed)")
+    p.add_argument("--methods", default="wlb,wlb_phases,original,fixed",
+                   help="comma-separated solve_pack methods (default wlb,wlb_phases,original,fixed)")
     p.add_argument("--seed", type=natural, default=0, help="sampling seed (default 0)")
     p.add_argument("--out", default=None, help="folder for pack_speed.json (default: print only)")
     add_cost_args(p, layout=("tp", "cp", "pp"))  # one replica: dp stays 1
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'method':>10} {'loop':>9} {'max_tokens':>10} {'median ms':>10} {'p10':>7} {'p90':>7} {'imbalance':>10}")
     for method in args.methods.split(","):
         max_tokens = int(1.25 * args.window) if method not in ("original", "fixed") else args.window
-        loops = [True, False] if method in _ALGORITHM_1 and compiled_available() else [False]
+        loops = [True, False] if method in _COMPILED_LOOPS and compiled_available() else [False]
         for compiled in loops:
             r = measure(lengths, ids, offsets, args.n_micro, max_tokens, cost, method, args.repeats, compiled)
             rows.append(r)

@@ -163,7 +163,8 @@ SECTIONS = (
             (Table("pack_speed.json", ("rows",)),)),
     Section("stream_speed", "Streaming planner speed",
             "CPU time of `WLBPacker.pack` per step with the no-tuning defaults, lookahead 0 and 4, with "
-            "Algorithm 1's pure-Python loop (the default install) and its compiled loop (the `fast` extra); "
+            "the packing loops in pure Python (the default install) and compiled (the `fast` extra: Algorithm 1's "
+            "loop and, in the rows measured since, the balanced placement's too); "
             "CP sharding of each step's micro-batches apart.",
             _STREAM_SPEED_TABLES),
     Section("stream_speed_full", "Streaming planner speed, 2,000 steps x 3 seeds",

@@ -99,25 +99,31 @@ def wlb_assign(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, n_bi
                     np.ascontiguousarray(weights, dtype=np.float64), int(n_bins), int(cap))
 
 
-_COMPILED: dict = {"enabled": os.environ.get("WLB_OPT_COMPILED", "1") != "0", "function": None, "tried": False}
+_COMPILED: dict = {"enabled": os.environ.get("WLB_OPT_COMPILED", "1") != "0", "module": None, "tried": False}
 
 
-def _compiled_assign():
-    """The compiled assignment, or None (numba missing, or switched off)."""
+def compiled_loop(name: str = "wlb_assign_compiled"):
+    """The compiled loop `name` of greedy_compiled.py (Algorithm 1's "wlb_assign_compiled",
+    the balanced placement's "phases_assign_compiled"), or None: numba missing, or switched off."""
     if not _COMPILED["enabled"]:
         return None
     if not _COMPILED["tried"]:
         _COMPILED["tried"] = True
         try:
-            from .greedy_compiled import wlb_assign_compiled
-        except ImportError:  # the `fast` extra is not installed: the Python loop
-            wlb_assign_compiled = None
-        _COMPILED["function"] = wlb_assign_compiled
-    return _COMPILED["function"]
+            from . import greedy_compiled
+        except ImportError:  # the `fast` extra is not installed: the Python loops
+            greedy_compiled = None
+        _COMPILED["module"] = greedy_compiled
+    return None if _COMPILED["module"] is None else getattr(_COMPILED["module"], name)
+
+
+def _compiled_assign():
+    """The compiled assignment, or None (numba missing, or switched off)."""
+    return compiled_loop("wlb_assign_compiled")
 
 
 def compiled_available() -> bool:
-    """Whether Algorithm 1's compiled loop can run here (numba, the `fast` extra)."""
+    """Whether the compiled loops can run here (numba, the `fast` extra)."""
     enabled = _COMPILED["enabled"]
     _COMPILED["enabled"] = True
     try:
@@ -128,9 +134,9 @@ def compiled_available() -> bool:
 
 @contextlib.contextmanager
 def use_compiled(enabled: bool):
-    """Within the block, `wlb_assign` runs the compiled loop (if numba imports) or, with
-    enabled=False, the Python loop; the environment variable WLB_OPT_COMPILED=0 sets the
-    default to the Python loop."""
+    """Within the block, `wlb_assign` and `phases.phases_assign` run the compiled loops (if
+    numba imports) or, with enabled=False, the Python loops; the environment variable
+    WLB_OPT_COMPILED=0 sets the default to the Python loops."""
     before = _COMPILED["enabled"]
     _COMPILED["enabled"] = bool(enabled)
     try:

@@ -1,9 +1,11 @@
-"""Algorithm 1's assignment loop compiled with numba (the optional `fast` extra).
+"""Algorithm 1's assignment loop, and the balanced placement of `wlb_phases`, compiled with
+numba (the optional `fast` extra).
 
-`wlb_assign` in greedy.py is a pure-Python loop: about a microsecond per item, since every
-item is a heap operation on Python tuples. This module holds the same loop for numba, used
-by `greedy.wlb_assign` when numba imports; without numba the Python loop runs, and the
-tests hold the two to identical placements on random and overloaded batches.
+`wlb_assign` in greedy.py and `phases_assign` in phases.py are pure-Python loops: a few
+tenths of a microsecond per item, since every item is a heap operation on Python tuples.
+This module holds the same loops for numba, used by `greedy.wlb_assign` and
+`phases.phases_assign` when numba imports; without numba the Python loops run, and the
+tests hold each pair to identical placements on random and overloaded batches.
 
 Same rules, same arithmetic: each item goes to the bin of least load (ties: lowest index)
 if it fits under the cap, else to the bin of fewest tokens (ties: lowest index) if it fits
@@ -79,6 +81,53 @@ def wlb_assign_compiled(order, lengths, weights, n_bins, cap):
         toks[b] += d
         loads[b] = loads[b] + weights[i]
         _update(load_tree, loads, n_leaves, b)
+        if tok_tree_built:
+            _update(tok_tree, toks, n_leaves, b)
+        placed_bin[k] = b
+    return placed_bin
+
+
+@numba.njit(cache=True, nogil=True)
+def phases_assign_compiled(sizes, f_share, b_share, f_start, b_start, n_bins, cap):
+    """`phases.phases_assign` on items already in placement order: `sizes` their tokens,
+    `f_share`, `b_share` their forward and backward seconds over the step's mean of each
+    phase, `f_start`, `b_start` the shares every bin starts with (its constants). A bin's key
+    is max(forward share, backward share); each item goes to the bin of least key (ties:
+    lowest index) if it fits under `cap`, else to the bin of fewest tokens if it fits there,
+    else it is deferred (-1). The shares add in placement order, as the Python loop adds them."""
+    n_leaves = 1
+    while n_leaves < n_bins:
+        n_leaves *= 2
+    f_load = np.zeros(n_leaves)
+    b_load = np.zeros(n_leaves)
+    keys = np.full(n_leaves, np.inf)
+    toks = np.full(n_leaves, _TOKENS_PAD)
+    for b in range(n_bins):
+        f_load[b] = f_start
+        b_load[b] = b_start
+        keys[b] = max(f_start, b_start)
+        toks[b] = 0
+    key_tree = _build(keys, n_leaves)
+    tok_tree = key_tree  # built at the first fallback, kept current from then on
+    tok_tree_built = False
+    placed_bin = np.full(len(sizes), -1, dtype=np.int64)
+    for k in range(len(sizes)):
+        d = sizes[k]
+        b = key_tree[1]
+        if toks[b] + d > cap:
+            if not tok_tree_built:
+                tok_tree = _build(toks, n_leaves)
+                tok_tree_built = True
+            b = tok_tree[1]
+            if toks[b] + d > cap:
+                continue
+        toks[b] += d
+        f = f_load[b] + f_share[k]
+        g = b_load[b] + b_share[k]
+        f_load[b] = f
+        b_load[b] = g
+        keys[b] = f if f > g else g
+        _update(key_tree, keys, n_leaves, b)
         if tok_tree_built:
             _update(tok_tree, toks, n_leaves, b)
         placed_bin[k] = b

@@ -28,7 +28,7 @@ from itertools import chain
 
 import numpy as np
 
-from .greedy import _group, placement_order, wlb_assign
+from .greedy import _group, compiled_loop, placement_order, wlb_assign
 from .problem import PackProblem, PackResult
 
 
@@ -40,7 +40,9 @@ def phases_assign(order: np.ndarray, lengths: np.ndarray, fwd: np.ndarray, bwd: 
     bin adds. A bin's key, max(forward / mean forward, backward / mean backward) over the
     bins (every item of `order` counted in the means), only grows, so the heaps' keys may lag
     behind as in `greedy.wlb_assign_python` and are re-keyed at the top; as there, a leaner
-    loop places the items until the first fallback."""
+    loop places the items until the first fallback. With numba (the `fast` extra) the same
+    loop runs compiled (`greedy_compiled.phases_assign_compiled`, the same placements) unless
+    `greedy.use_compiled(False)`."""
     order = np.asarray(order, dtype=np.int64)
     if not len(order):
         return np.zeros(0, dtype=np.int64)
@@ -48,8 +50,14 @@ def phases_assign(order: np.ndarray, lengths: np.ndarray, fwd: np.ndarray, bwd: 
     b_mean = (float(np.add.reduce(bwd[order])) + n_bins * bwd_const) / n_bins
     if not (f_mean > 0 and b_mean > 0):  # nothing to balance in a phase: Algorithm 1 on the sum
         return wlb_assign(order, lengths, fwd + bwd, n_bins, cap)
+    f_share, b_share = fwd[order] / f_mean, bwd[order] / b_mean
+    compiled = compiled_loop("phases_assign_compiled")
+    if compiled is not None:
+        return compiled(np.ascontiguousarray(lengths[order], dtype=np.int64), np.ascontiguousarray(f_share,
+                        dtype=np.float64), np.ascontiguousarray(b_share, dtype=np.float64), fwd_const / f_mean,
+                        bwd_const / b_mean, int(n_bins), int(cap))
     sizes = lengths[order].tolist()
-    f_share, b_share = (fwd[order] / f_mean).tolist(), (bwd[order] / b_mean).tolist()
+    f_share, b_share = f_share.tolist(), b_share.tolist()
     f_load = [fwd_const / f_mean] * n_bins
     b_load = [bwd_const / b_mean] * n_bins
     keys = [max(f, b) for f, b in zip(f_load, b_load)]

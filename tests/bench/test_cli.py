@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from wlb_opt.cli import main
+from wlb_opt.solvers.greedy import compiled_available
 
 
 def test_import_pulls_no_optional_dependency():
@@ -65,8 +66,11 @@ def test_pack_speed_benchmark_runs(tmp_path, capsys):
     assert saved["provenance"]["command"].startswith("wlb-opt bench pack-speed --n-micro 4")
     assert saved["provenance"]["machine"]["cpu_count"] >= 1
     rows = saved["rows"]
-    assert {r["method"] for r in rows} == {"wlb", "original", "fixed"}
+    assert {r["method"] for r in rows} == {"wlb", "wlb_phases", "original", "fixed"}
     assert all(r["median_ms"] > 0 for r in rows)
+    loops = {(r["method"], r["loop"]) for r in rows}  # both loops of each method built on Algorithm 1
+    want = {"python", "compiled"} if compiled_available() else {"python"}
+    assert {loop for method, loop in loops if method in ("wlb", "wlb_phases")} == want
 
 
 def test_pack_command_reports_bad_options_without_a_traceback(tmp_path, capsys):

@@ -1,13 +1,14 @@
-"""wlb_phases: its heap loop against a scan of every bin, Algorithm 1 when the phases weigh
-alike, never deferring what Algorithm 1 places, and lower forward and backward imbalance
-than Algorithm 1 on the steps of a real-length stream."""
+"""wlb_phases: its heap loop (Python and compiled) against a scan of every bin, Algorithm 1
+when the phases weigh alike, never deferring what Algorithm 1 places, and lower forward and
+backward imbalance than Algorithm 1 on the steps of a real-length stream."""
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import wlb_opt as wlb
 from wlb_opt.packer import per_step_imbalance
-from wlb_opt.solvers.greedy import placement_order, wlb_assign_python
+from wlb_opt.solvers.greedy import compiled_available, placement_order, use_compiled, wlb_assign_python
 from wlb_opt.solvers.phases import phases_assign, phases_assign_reference, phases_or_algorithm1, wlb_phases
 from wlb_opt.solvers.problem import PackProblem
 from wlb_opt.workloads import DEFAULT_SEED, global_batches
@@ -16,14 +17,20 @@ COST = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8,
                               wlb.HardwareSpec.preset("h100"))
 
 
+needs_numba = pytest.mark.skipif(not compiled_available(), reason="numba (the `fast` extra) is not installed")
+BOTH_LOOPS = pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_numba)],
+                                     ids=["python", "compiled"])
+
+
 def _phases(lengths):
     return COST.doc_cost(lengths, "fwd"), COST.doc_cost(lengths, "bwd")
 
 
+@BOTH_LOOPS
 @settings(max_examples=80, deadline=None)
 @given(lengths=st.lists(st.integers(1, 5000), min_size=0, max_size=70), n_bins=st.integers(1, 7),
        slack=st.floats(0.3, 2.0), carried_frac=st.floats(0, 1))
-def test_the_heap_loop_places_as_a_scan_of_every_bin(lengths, n_bins, slack, carried_frac):
+def test_the_heap_loop_places_as_a_scan_of_every_bin(compiled, lengths, n_bins, slack, carried_frac):
     lengths = np.array(lengths, dtype=np.int64)
     cap = max(1, int(slack * lengths.sum() / n_bins)) if len(lengths) else 1  # tight caps defer and fall back
     fwd, bwd = _phases(lengths)
@@ -31,7 +38,8 @@ def test_the_heap_loop_places_as_a_scan_of_every_bin(lengths, n_bins, slack, car
                           carried=int(carried_frac * len(lengths)))
     order = placement_order(problem, lengths)
     consts = (COST.mb_const("fwd"), COST.mb_const("bwd"))
-    got = phases_assign(order, lengths, fwd, bwd, n_bins, cap, *consts)
+    with use_compiled(compiled):
+        got = phases_assign(order, lengths, fwd, bwd, n_bins, cap, *consts)
     np.testing.assert_array_equal(got, phases_assign_reference(order, lengths, fwd, bwd, n_bins, cap, *consts))
     for b in range(n_bins):
         assert lengths[order[got == b]].sum() <= cap
@@ -103,7 +111,8 @@ def test_solve_pack_balances_the_phases_better_than_algorithm1_on_real_steps():
     assert mean["wlb_phases"]["fwd_bwd"] < mean["wlb"]["fwd_bwd"] + 0.01
 
 
-def test_a_full_least_loaded_bin_is_passed_over_only_while_it_stays_the_least_loaded():
+@BOTH_LOOPS
+def test_a_full_least_loaded_bin_is_passed_over_only_while_it_stays_the_least_loaded(compiled):
     # in this order (placed first, not longest first): the 2-token item finds the least-loaded
     # bin without room and falls back; the next 1-token item fits that bin, which stops being
     # the least loaded, so the last item goes by load again, not to the fewest-token bin
@@ -113,4 +122,22 @@ def test_a_full_least_loaded_bin_is_passed_over_only_while_it_stays_the_least_lo
     order = np.arange(6)
     want = phases_assign_reference(order, lengths, fwd, bwd, 3, 7)
     assert want.tolist() == [0, 1, 2, 2, 0, 1]
-    np.testing.assert_array_equal(phases_assign(order, lengths, fwd, bwd, 3, 7), want)
+    with use_compiled(compiled):
+        np.testing.assert_array_equal(phases_assign(order, lengths, fwd, bwd, 3, 7), want)
+
+
+@needs_numba
+@pytest.mark.parametrize("slack", [0.8, 1.3])
+def test_the_compiled_loop_places_real_steps_as_the_python_loop(slack):
+    # 32 micro-batches of real-length documents with equal lengths among them (ties on keys
+    # and tokens), overloaded (slack 0.8: fallbacks and deferrals) and not
+    for lengths, _, _ in global_batches("real", 8192, 32 * 8192, 3, seed=DEFAULT_SEED + 7):
+        fwd, bwd = _phases(lengths)
+        order = np.argsort(-lengths, kind="stable")
+        cap = int(slack * lengths.sum() / 32)
+        with use_compiled(False):
+            python = phases_assign(order, lengths, fwd, bwd, 32, cap, 1e-3, 2e-3)
+        with use_compiled(True):
+            compiled = phases_assign(order, lengths, fwd, bwd, 32, cap, 1e-3, 2e-3)
+        np.testing.assert_array_equal(python, compiled)
+        assert (python < 0).any() == (slack < 1)
