@@ -37,8 +37,7 @@ import numpy as np
 from ..cost_args import add_cost_args, cost_from_args, count
 from ..packer import PackerConfig, WLBPacker
 from ..shard import SHARD_STRATEGIES, solve_shard, solve_shards
-from ..solvers.greedy import compiled_available, use_compiled
-from ..step_pack import solve_pack
+from ..solvers.greedy import compiled_available, use_compiled, warm_up_compiled
 from ..workloads import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from ._provenance import provenance
 
@@ -87,9 +86,8 @@ def time_job(job: tuple, spec: dict) -> tuple:
                              seed=DEFAULT_SEED + SEED_OFFSET + i)
     shard_cp = spec["cp"] if i == 0 and (loop, k, method) == spec["first"] else None
     with use_compiled(loop == "compiled"):
-        if loop == "compiled":  # compile (or load from numba's cache) both loops before anything is timed
-            solve_pack([3, 2, 1], 2, 4, spec["cost"])
-            solve_pack([3, 2, 1], 2, 4, spec["cost"], method="wlb_phases")
+        if loop == "compiled":  # compile (or load from numba's cache) the loops before anything is timed
+            warm_up_compiled()
         times, shard_s = time_stream(batches, n_micro, spec["max_tokens"], spec["cost"], k, shard_cp, method,
                                      spec["shard_strategies"])
         runs = [times]

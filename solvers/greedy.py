@@ -132,6 +132,20 @@ def compiled_available() -> bool:
         _COMPILED["enabled"] = enabled
 
 
+def warm_up_compiled() -> bool:
+    """Compile the compiled loops (or load them from numba's cache) now, on tiny inputs, so
+    that no later call pays for it; False where they cannot run (numba missing, or switched
+    off by `use_compiled` / WLB_OPT_COMPILED=0)."""
+    module = compiled_loop() and _COMPILED["module"]
+    if not module:
+        return False
+    one, ones = np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64)
+    module.wlb_assign_compiled(one, ones, np.ones(1), 1, 1)
+    module.phases_assign_compiled(ones, np.ones(1), np.ones(1), 0.0, 0.0, 1, 1)
+    module.lumped_assign_compiled(one, one, one, ones, np.ones(1), ones, np.ones(1), 1, 1)
+    return True
+
+
 @contextlib.contextmanager
 def use_compiled(enabled: bool):
     """Within the block, `wlb_assign` and `phases.phases_assign` run the compiled loops (if

@@ -132,3 +132,68 @@ def phases_assign_compiled(sizes, f_share, b_share, f_start, b_start, n_bins, ca
             _update(tok_tree, toks, n_leaves, b)
         placed_bin[k] = b
     return placed_bin
+
+
+@numba.njit(cache=True, nogil=True)
+def lumped_assign_compiled(head, tail, lump_of, lump_lengths, lump_costs, lengths, weights, n_bins, cap):
+    """Algorithm 1 on a candidate whose short tail is packed in lumps (`StepSolver.assign`):
+    the pieces `head` one by one, then the lumps, lump j holding the pieces of `tail` whose
+    `lump_of` is j (consecutive), each placed whole. Returns (the bin of each piece of head
+    then tail, -1 = deferred; each bin's cost summed piece by piece in that order, as
+    `np.bincount` of the pieces' costs sums them; the deferred pieces' tokens).
+
+    The placements are `wlb_assign_compiled`'s on the items (head pieces, then the lumps with
+    their summed tokens and costs); the bins' costs are added piece by piece apart, so that
+    they are the floats `TrialPack.loads` sums."""
+    n_head, n_lumps = len(head), len(lump_lengths)
+    n_leaves = 1
+    while n_leaves < n_bins:
+        n_leaves *= 2
+    loads = np.full(n_leaves, np.inf)
+    toks = np.full(n_leaves, _TOKENS_PAD)
+    for b in range(n_bins):
+        loads[b] = 0.0
+        toks[b] = 0
+    load_tree = _build(loads, n_leaves)
+    tok_tree = load_tree
+    tok_tree_built = False
+    item_bin = np.full(n_head + n_lumps, -1, dtype=np.int64)
+    for k in range(n_head + n_lumps):
+        if k < n_head:
+            d = lengths[head[k]]
+            w = weights[head[k]]
+        else:
+            d = lump_lengths[k - n_head]
+            w = lump_costs[k - n_head]
+        b = load_tree[1]
+        if toks[b] + d > cap:
+            if not tok_tree_built:
+                tok_tree = _build(toks, n_leaves)
+                tok_tree_built = True
+            b = tok_tree[1]
+            if toks[b] + d > cap:
+                continue
+        toks[b] += d
+        loads[b] = loads[b] + w
+        _update(load_tree, loads, n_leaves, b)
+        if tok_tree_built:
+            _update(tok_tree, toks, n_leaves, b)
+        item_bin[k] = b
+    placed = np.empty(n_head + len(tail), dtype=np.int64)
+    sums = np.zeros(n_bins)
+    deferred = 0
+    for k in range(n_head):
+        b = item_bin[k]
+        placed[k] = b
+        if b >= 0:
+            sums[b] += weights[head[k]]
+        else:
+            deferred += lengths[head[k]]
+    for p in range(len(tail)):
+        b = item_bin[n_head + lump_of[p]]
+        placed[n_head + p] = b
+        if b >= 0:
+            sums[b] += weights[tail[p]]
+        else:
+            deferred += lengths[tail[p]]
+    return placed, sums, deferred

@@ -327,6 +327,36 @@ def test_lumped_candidates_place_their_long_pieces_as_algorithm1_and_keep_solve_
         assert kept.digest() == want.digest() and np.array_equal(kept.loads, want.loads)
 
 
+@pytest.mark.skipif(not compiled_available(), reason="numba (the `fast` extra) is not installed")
+@pytest.mark.parametrize("dist, seed, n_outliers", [("real", 4, 40), ("heavy", 5, 40), ("prose", 6, 90)])
+def test_the_compiled_lumped_loop_packs_and_sums_as_the_python_loop(dist, seed, n_outliers):
+    # the compiled loop packs a lumped candidate and sums its micro-batches' costs piece by
+    # piece on the way: the same placements, loads (the floats of np.bincount, compared
+    # exactly) and deferred tokens as the Python loop, also where the step is overloaded
+    # (lumps deferred whole, fallbacks to the micro-batch of fewest tokens)
+    held, fresh = _step_of_32(dist, seed, n_outliers)
+    overloaded = []
+    for group in (held[:0], held[:5], held[10:n_outliers]):
+        trials = {}
+        for compiled in (False, True):
+            solver = _phases_solver(held + fresh, fresh, 32)
+            with use_compiled(compiled):
+                trial = solver.solve([], group + fresh)[1]
+                placed, sums, deferred = solver.assign_and_sum(trial._order)
+                assert (sums is None) == (not compiled)
+                trials[compiled] = (trial._placed_bin, trial.loads, trial.deferred_tokens, trial.imbalance)
+            if compiled:
+                keep = placed >= 0
+                want = np.bincount(placed[keep], weights=solver.weights[trial._order[keep]], minlength=32)
+                assert np.array_equal(sums, want) and deferred == int(solver.lengths[trial._order[~keep]].sum())
+        python, compiled = trials[False], trials[True]
+        assert np.array_equal(python[0], compiled[0]) and np.array_equal(python[1], compiled[1])
+        assert python[2:] == compiled[2:]
+        overloaded.append(python[2] > 0)
+    # with 30 or 80 outliers every step defers; a prose batch alone holds more than the step's tokens
+    assert overloaded == [dist == "prose", dist == "prose", True]
+
+
 def test_a_lumped_candidate_rejects_exactly_what_its_full_packing_fails():
     # TrialPack.rejects on lumped candidates: the stopped packing answers as the whole one
     held, fresh = _step_of_32("real", 3, 40)

@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from wlb_opt.solvers.greedy import (AssignStop, argsort_descending, bin_tokens, compiled_available, placement_order,
-                                    split_by_bin, use_compiled, wlb_assign_python, wlb_greedy)
+                                    split_by_bin, use_compiled, warm_up_compiled, wlb_assign_python, wlb_greedy)
 from wlb_opt.solvers.problem import PackProblem
 
 
@@ -180,3 +180,10 @@ def test_split_by_bin_and_bin_tokens_match_a_stable_sort(n_bins, bins):
     lengths = (items * 7 + 3)[::-1].copy()
     groups = [np.flatnonzero(bins_of == b) for b in range(n_bins)]
     assert bin_tokens(lengths, groups).tolist() == [int(lengths[g].sum()) for g in groups]
+
+
+def test_warm_up_compiles_the_loops_where_they_can_run():
+    with use_compiled(False):
+        assert warm_up_compiled() is False  # switched off: nothing to compile
+    with use_compiled(True):
+        assert warm_up_compiled() == compiled_available()

@@ -33,7 +33,8 @@ import numpy as np
 
 from ..plan import PackPlan, SolveInfo, imbalance
 from ..solvers.bounds import densest_first, densest_order
-from ..solvers.greedy import AssignStop, argsort_descending, bin_tokens, insert_sorted, split_by_bin, wlb_assign
+from ..solvers.greedy import (AssignStop, argsort_descending, bin_tokens, compiled_loop, insert_sorted, split_by_bin,
+                               wlb_assign)
 from ..solvers.phases import phases_or_algorithm1
 from ._cached import cached_property
 from .state import HeldPiece
@@ -252,23 +253,37 @@ class StepSolver:
         short tail that balances the micro-batches is packed at a granularity of about 2.5%
         of a micro-batch, a third as many items (a fifth on heavy-tailed streams). The plan a
         step keeps is packed piece by piece (`TrialPack.plan`)."""
+        return self.assign_and_sum(order, stop)[0]
+
+    def assign_and_sum(self, order: np.ndarray, stop: AssignStop | None = None) -> tuple:
+        """(`assign(order, stop)`, each micro-batch's cost summed piece by piece in placement
+        order, the deferred pieces' tokens): the last two are None unless the compiled loop
+        packed the candidate in lumps (`greedy_compiled.lumped_assign_compiled`, which sums
+        them on the way, the same floats as `TrialPack.loads`); a TrialPack then has them
+        without a pass over its pieces."""
         n_bins = self.dp * self.n_micro
         if not self.lump_tokens:
-            return wlb_assign(order, self.lengths, self.weights, n_bins, self.max_tokens, stop)
+            return wlb_assign(order, self.lengths, self.weights, n_bins, self.max_tokens, stop), None, None
         long_at = np.flatnonzero(self.lengths[order] >= self.lump_tokens)
         cut = int(long_at[-1]) + 1 if len(long_at) else 0
         if stop is not None and stop.keep:  # pieces a stop watches stay items of their own
             cut = max(cut, max(stop.keep) + 1)
         if len(order) - cut < COARSE_MIN_TAIL:
-            return wlb_assign(order, self.lengths, self.weights, n_bins, self.max_tokens, stop)
+            return wlb_assign(order, self.lengths, self.weights, n_bins, self.max_tokens, stop), None, None
         lump_of, lump_lengths, lump_costs = self._lumps_of(order[cut:])
         head = order[:cut]
+        compiled = compiled_loop("lumped_assign_compiled")
+        if compiled is not None:  # packs the whole candidate (no stop: fast enough without)
+            placed, sums, deferred = compiled(np.ascontiguousarray(head), np.ascontiguousarray(order[cut:]), lump_of,
+                                              lump_lengths, lump_costs, self.lengths, self.weights, int(n_bins),
+                                              int(self.max_tokens))
+            return placed, sums, int(deferred)
         placed = wlb_assign(np.arange(cut + len(lump_lengths), dtype=np.int64),
                             np.concatenate([self.lengths[head], lump_lengths]),
                             np.concatenate([self.weights[head], lump_costs]), n_bins, self.max_tokens, stop)
         if placed is None:
-            return None
-        return np.concatenate([placed[:cut], placed[cut:][lump_of]])
+            return None, None, None
+        return np.concatenate([placed[:cut], placed[cut:][lump_of]]), None, None
 
     def _lumps_of(self, tail: np.ndarray) -> tuple[np.ndarray, ...]:
         """(lump of each piece of `tail`, tokens and cost of each lump), cached for the last
@@ -347,7 +362,11 @@ class TrialPack:
         if self._account is not None:
             self._account(1, len(self._pending_idx))
             self._account = None
-        return self._solver.assign(self._order, stop)
+        placed, sums, deferred_tokens = self._solver.assign_and_sum(self._order, stop)
+        if sums is not None:  # the values `loads` and `deferred_tokens` would compute from `placed`
+            self.__dict__["loads"] = sums + self._solver.bin_const
+            self.__dict__["deferred_tokens"] = deferred_tokens
+        return placed
 
     def rejects(self, threshold: float | None = None, deferred_tokens: float = float("inf"),
                 keep: list[HeldPiece] = ()) -> bool:
