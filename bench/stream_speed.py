@@ -4,21 +4,30 @@
 stream of global batches of n_micro x window tokens, one `pack` per step. Only `pack` is
 timed, as CPU time of this process (`time.process_time`, so other processes on a shared
 machine are not counted); the median, p99 and worst step are over every step of every seed.
-CP sharding of a step is timed apart, per step, on the plans of the first seed, for each
-strategy of `--shard-strategies` (default "adaptive"): `solve_shards` (every micro-batch of
-the step at once, what `WLBStream` runs) and `solve_shard` called on each micro-batch (the
-same ShardPlans). With `--repeats R` each stream is planned R times
-and each step counts its least time over the passes: the plans are the same each pass, and
-a shared machine only adds time, so the minimum is the planner's own cost with the least
-noise (the median and tail are then over those minima); `median_of_runs_ms` is the median
-of the R passes' own medians (each over every step of every seed), the plain "median of
-repeated runs". With `--jobs J` the streams are timed in J worker processes at once, each
-in its own CPU time (on a machine with at least J idle cores). Each stream is timed with
-the packing loops in pure Python (the default install) and, when numba is installed (the
-`fast` extra), compiled (`--loops`: Algorithm 1's and the balanced placement's); `--methods wlb_phases,wlb,wlb_fill` also times
-Algorithm 1 as the step packer and the `wlb_fill` step packer, whose release candidates are
-scored without packing. Streams: `real` and the heavy-tailed `heavy` (`wlb_opt.workloads`),
-seeds DEFAULT_SEED + 300 + i (not the calibration seeds).
+
+- CP sharding of a step is timed apart, per step, on the plans of the first seed, for each
+  strategy of `--shard-strategies` (default "adaptive"): `solve_shards` (every micro-batch of
+  the step at once, what `WLBStream` runs) and `solve_shard` called on each micro-batch (the
+  same ShardPlans).
+- With `--repeats R` each stream is planned R times and each step counts its least time over
+  the passes: the plans are the same each pass, and a shared machine only adds time, so the
+  minimum is the planner's own cost with the least noise (the median and tail are then over
+  those minima). `median_of_runs_ms` is the median of the R passes' own medians (each over
+  every step of every seed), the plain "median of repeated runs".
+- The harness's own objects (imported modules, numba's, the generated streams) are frozen
+  out of Python's garbage collection (`gc.freeze`) while a stream is timed: a full
+  collection walks every tracked object of the process, and would count them in whichever
+  step triggers it. The planner's own objects are collected as usual.
+- With `--jobs J` the streams are timed in J worker processes at once, each in its own CPU
+  time (on a machine with at least J idle cores).
+- Each stream is timed with the packing loops in pure Python (the default install) and, when
+  numba is installed (the `fast` extra), compiled (`--loops`: Algorithm 1's loop and the
+  balanced placement's). `--methods wlb_phases,wlb,wlb_fill` also times Algorithm 1 as the
+  step packer and the `wlb_fill` step packer, whose release candidates are scored without
+  packing.
+
+Streams: `real` and the heavy-tailed `heavy` (`wlb_opt.workloads`), seeds
+DEFAULT_SEED + 300 + i (not the calibration seeds).
 
     wlb-opt bench stream-speed --n-micro 32                 2,000 steps x 3 seeds per stream
     wlb-opt bench stream-speed --n-micro 4 --quick          200 steps x 1 seed
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import time
 from pathlib import Path
@@ -78,6 +88,21 @@ def time_stream(batches, n_micro: int, max_tokens: int, cost, lookahead: int, sh
     return pack_s, shard_s
 
 
+@contextlib.contextmanager
+def _harness_frozen():
+    """Within the block, the objects that exist at its start (the harness's: imported
+    modules, the generated stream) are left out of Python's garbage collection (`gc.freeze`):
+    a full collection walks every tracked object of the process, and the harness's would be
+    counted in the step that happens to trigger one. The planner's own objects are collected
+    as usual."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def time_job(job: tuple, spec: dict) -> tuple:
     """One stream of one row: (each step's least CPU seconds over the passes, each pass's
     times, the sharding times of the first seed's first pass or {})."""
@@ -85,9 +110,10 @@ def time_job(job: tuple, spec: dict) -> tuple:
     batches = global_batches(dist, spec["window"], n_micro * spec["window"], spec["steps"],
                              seed=DEFAULT_SEED + SEED_OFFSET + i)
     shard_cp = spec["cp"] if i == 0 and (loop, k, method) == spec["first"] else None
-    with use_compiled(loop == "compiled"):
+    with use_compiled(loop == "compiled"), _harness_frozen():
         if loop == "compiled":  # compile (or load from numba's cache) the loops before anything is timed
             warm_up_compiled()
+            gc.freeze()  # numba's objects are the harness's too
         times, shard_s = time_stream(batches, n_micro, spec["max_tokens"], spec["cost"], k, shard_cp, method,
                                      spec["shard_strategies"])
         runs = [times]
