@@ -261,23 +261,43 @@ class StepSolver:
         packed the candidate in lumps (`greedy_compiled.lumped_assign_compiled`, which sums
         them on the way, the same floats as `TrialPack.loads`); a TrialPack then has them
         without a pass over its pieces."""
-        n_bins = self.dp * self.n_micro
+        split = self.lumped_split(order)
+        if split is None:
+            return wlb_assign(order, self.lengths, self.weights, self.dp * self.n_micro, self.max_tokens,
+                              stop), None, None
+        return self.assign_lumped(*split, stop)
+
+    def lumped_split(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(head, tail) of `order` where `assign` packs lumps: the tail is every piece after the
+        last one of at least `lump_tokens` tokens; None without lumps or with a tail shorter
+        than `COARSE_MIN_TAIL`."""
         if not self.lump_tokens:
-            return wlb_assign(order, self.lengths, self.weights, n_bins, self.max_tokens, stop), None, None
+            return None
         long_at = np.flatnonzero(self.lengths[order] >= self.lump_tokens)
         cut = int(long_at[-1]) + 1 if len(long_at) else 0
-        if stop is not None and stop.keep:  # pieces a stop watches stay items of their own
-            cut = max(cut, max(stop.keep) + 1)
         if len(order) - cut < COARSE_MIN_TAIL:
-            return wlb_assign(order, self.lengths, self.weights, n_bins, self.max_tokens, stop), None, None
-        lump_of, lump_lengths, lump_costs = self._lumps_of(order[cut:])
-        head = order[:cut]
+            return None
+        return order[:cut], order[cut:]
+
+    def assign_lumped(self, head: np.ndarray, tail: np.ndarray, stop: AssignStop | None = None) -> tuple:
+        """`assign_and_sum` of the placement order head + tail (`lumped_split`): the head's
+        pieces one by one, the tail in lumps (`assign`). Pieces a stop watches stay items of
+        their own: a tail that holds one is cut after it."""
+        n_bins = self.dp * self.n_micro
+        if stop is not None and stop.keep and max(stop.keep) >= len(head):
+            order = np.concatenate([head, tail])
+            cut = max(stop.keep) + 1
+            if len(order) - cut < COARSE_MIN_TAIL:
+                return wlb_assign(order, self.lengths, self.weights, n_bins, self.max_tokens, stop), None, None
+            head, tail = order[:cut], order[cut:]
+        lump_of, lump_lengths, lump_costs = self._lumps_of(tail)
         compiled = compiled_loop("lumped_assign_compiled")
         if compiled is not None:  # packs the whole candidate (no stop: fast enough without)
-            placed, sums, deferred = compiled(np.ascontiguousarray(head), np.ascontiguousarray(order[cut:]), lump_of,
+            placed, sums, deferred = compiled(np.ascontiguousarray(head), np.ascontiguousarray(tail), lump_of,
                                               lump_lengths, lump_costs, self.lengths, self.weights, int(n_bins),
                                               int(self.max_tokens))
             return placed, sums, int(deferred)
+        cut = len(head)
         placed = wlb_assign(np.arange(cut + len(lump_lengths), dtype=np.int64),
                             np.concatenate([self.lengths[head], lump_lengths]),
                             np.concatenate([self.weights[head], lump_costs]), n_bins, self.max_tokens, stop)
@@ -289,7 +309,7 @@ class StepSolver:
         """(lump of each piece of `tail`, tokens and cost of each lump), cached for the last
         tail: the candidates of a step share it."""
         cached = self._lumps
-        if cached is not None and len(cached[0]) == len(tail) and np.array_equal(cached[0], tail):
+        if cached is not None and (cached[0] is tail or (len(cached[0]) == len(tail) and np.array_equal(cached[0], tail))):
             return cached[1:]
         lengths = self.lengths[tail]
         lump_of = (np.cumsum(lengths) - lengths) // self.lump_tokens
@@ -335,11 +355,44 @@ class TrialPack:
     def _order(self) -> np.ndarray:
         """Placement order (solver indices): the group merged into its packing's order after
         the held pieces of equal length, before the fresh ones (a stable sort's order)."""
+        derived = self._derived_split
+        if derived is not None:
+            return np.concatenate(derived)
+        return self._merged(self._extends[0]._order)
+
+    def _merged(self, base_order: np.ndarray) -> np.ndarray:
+        """`base_order` (the packing's placement order, or a prefix of it that ends after the
+        last place the group goes) with the group merged in."""
         s, base, idx = self._solver, self._extends[0], self._group_idx
         cut = base._n_first
         ranked = idx[argsort_descending(s.lengths[idx])]
         at = np.searchsorted(base._merge_keys, 2 * (s.max_tokens - s.lengths[ranked]), side="right")
-        return np.concatenate([base._order[:cut], insert_sorted(base._order[cut:], at, ranked)])
+        return np.concatenate([base_order[:cut], insert_sorted(base_order[cut:], at, ranked)])
+
+    @cached_property
+    def _derived_split(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """This candidate's `_split` made from its packing's, without its whole placement order:
+        where the packing's head ends after its placed-first pieces and every piece of the
+        group is long (at least `lump_tokens`), the group goes into the head (a long piece
+        sorts before every short one) and the tail is the packing's, the same array (its
+        lumps are cached). None otherwise."""
+        s, base, idx = self._solver, self._extends[0], self._group_idx
+        if not s.lump_tokens:
+            return None
+        split = base._split
+        if split is None or len(split[0]) < base._n_first or (len(idx) and s.lengths[idx].min() < s.lump_tokens):
+            return None
+        return self._merged(split[0]), split[1]
+
+    @cached_property
+    def _split(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(head, tail) of the placement order where the solver packs the tail in lumps
+        (`StepSolver.lumped_split`); None where it packs piece by piece."""
+        if not self._solver.lump_tokens:
+            return None
+        if self._extends is not None and self._derived_split is not None:
+            return self._derived_split
+        return self._solver.lumped_split(self._order)
 
     @cached_property
     def _total_cost(self) -> float:
@@ -362,9 +415,14 @@ class TrialPack:
         if self._account is not None:
             self._account(1, len(self._pending_idx))
             self._account = None
-        placed, sums, deferred_tokens = self._solver.assign_and_sum(self._order, stop)
+        s, split = self._solver, self._split
+        if split is None:
+            placed, sums, deferred_tokens = wlb_assign(self._order, s.lengths, s.weights, s.dp * s.n_micro,
+                                                       s.max_tokens, stop), None, None
+        else:
+            placed, sums, deferred_tokens = s.assign_lumped(*split, stop)
         if sums is not None:  # the values `loads` and `deferred_tokens` would compute from `placed`
-            self.__dict__["loads"] = sums + self._solver.bin_const
+            self.__dict__["loads"] = sums + s.bin_const
             self.__dict__["deferred_tokens"] = deferred_tokens
         return placed
 
@@ -392,10 +450,15 @@ class TrialPack:
                         and np.add.reduce(s.lengths[self._pending_idx]) > capacity):
                     load_cap = (factor * (s.placed_at_most(self._pending_idx, capacity) / n_bins + s.bin_const)
                                 - s.bin_const)
-            if len(keep):  # their positions in the placement order
+            if len(keep):  # their positions in the placement order (in the head where they all are)
                 marked = np.zeros(len(s.lengths), dtype=bool)
-                marked[s._indices(keep)] = True
-                keep_at = frozenset(marked[self._order].nonzero()[0].tolist())
+                keep_idx = s._indices(keep)
+                marked[keep_idx] = True
+                split = self._split
+                at = None if split is None else marked[split[0]].nonzero()[0]
+                if at is None or len(at) < len(keep_idx):
+                    at = marked[self._order].nonzero()[0]
+                keep_at = frozenset(at.tolist())
             placed = self._assign(AssignStop(load=load, slope=slope, load_cap=load_cap,
                                              deferred_tokens=deferred_tokens, keep=keep_at))
             if placed is None:
