@@ -540,10 +540,9 @@ class TrialPack:
         one in placement order (Algorithm 1's running sums; one `np.bincount`), plus the
         per-micro-batch constant. `plan()` sums each micro-batch as `solve_pack` does
         (`_plan_loads`); the two differ by rounding alone."""
-        s = self._solver
-        keep = self._placed_bin >= 0
-        return np.bincount(self._placed_bin[keep], weights=s.weights[self._order[keep]],
-                           minlength=s.dp * s.n_micro) + s.bin_const
+        s = self._solver  # deferred pieces (-1) are summed into bin 0 of the shifted count, dropped
+        return np.bincount(self._placed_bin + 1, weights=s.weights[self._order],
+                           minlength=s.dp * s.n_micro + 1)[1:] + s.bin_const
 
     def _plan_loads(self) -> np.ndarray:
         """Seconds of each micro-batch summed as `solve_pack` sums them (the PackPlan's loads)."""
