@@ -182,7 +182,18 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
     places the items (most of a step's, or all of them).
     """
     order = np.asarray(order, dtype=np.int64)
-    sizes, costs = lengths[order].tolist(), weights[order].tolist()  # the loop reads items in order
+    sized = lengths[order]
+    return wlb_assign_lists(sized.tolist(), weights[order].tolist(), n_bins, cap, loads=loads, toks=toks, stop=stop,
+                            sizes_array=lambda: sized)
+
+
+def wlb_assign_lists(sizes: list[int], costs: list[float], n_bins: int, cap: int, *, loads: np.ndarray | None = None,
+                     toks: np.ndarray | None = None, stop: AssignStop | None = None,
+                     sizes_array=None) -> np.ndarray | None:
+    """`wlb_assign_python` on items given as Python lists in placement order: `sizes`
+    (tokens) and `costs`, the loop's own input (a caller that holds them as lists, such as
+    the lumps a step's candidates share, skips the conversion). `sizes_array()`, if given,
+    returns `sizes` as an int64 array (read at the first run of deferred items, if any)."""
     start_loads, start_toks = loads, toks
     toks = [0] * n_bins if start_toks is None else start_toks.tolist()
     loads = [0.0] * n_bins if start_loads is None else start_loads.tolist()
@@ -258,7 +269,8 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
             # the first item that fits is found by bisection, elsewhere by a scan)
             k = len(placed_bin)
             if sorted_from is None:
-                rises = np.flatnonzero(np.diff(lengths[order]) > 0)
+                sized = np.asarray(sizes, dtype=np.int64) if sizes_array is None else sizes_array()
+                rises = np.flatnonzero(np.diff(sized) > 0)
                 sorted_from = int(rises[-1]) + 1 if len(rises) else 0
             if k >= sorted_from:
                 j = bisect_left(sizes, tok - cap, k + 1, len(sizes), key=neg)

@@ -34,7 +34,7 @@ import numpy as np
 from ..plan import PackPlan, SolveInfo, imbalance
 from ..solvers.bounds import densest_first, densest_order
 from ..solvers.greedy import (AssignStop, argsort_descending, bin_tokens, compiled_loop, insert_sorted, split_by_bin,
-                               wlb_assign)
+                               wlb_assign, wlb_assign_lists)
 from ..solvers.phases import phases_or_algorithm1
 from ._cached import cached_property
 from .state import HeldPiece
@@ -129,6 +129,7 @@ class StepSolver:
                             if phases is not None and dp * n_micro >= COARSE_MIN_BINS else 0)
         """Tokens of a lump of short pieces in the candidates' packings (`assign`); 0: none."""
         self._lumps: tuple[np.ndarray, ...] | None = None  # (tail, lump of each, lump lengths, lump costs)
+        self._lump_lists: tuple[list, list] = ([], [])  # the lumps' tokens and costs as lists (the Python loop's input)
         self._tail: tuple[list, np.ndarray, np.ndarray] | None = None  # (list, indices, indices longest first)
         self._head: tuple[list, np.ndarray, np.ndarray] = ([], np.zeros(0, np.int64), np.zeros(0, np.int64))
         self._last_rest: list[HeldPiece] = []
@@ -298,9 +299,11 @@ class StepSolver:
                                               int(self.max_tokens))
             return placed, sums, int(deferred)
         cut = len(head)
-        placed = wlb_assign(np.arange(cut + len(lump_lengths), dtype=np.int64),
-                            np.concatenate([self.lengths[head], lump_lengths]),
-                            np.concatenate([self.weights[head], lump_costs]), n_bins, self.max_tokens, stop)
+        sizes, costs = self._lump_lists
+        head_sizes = self.lengths[head]
+        placed = wlb_assign_lists(head_sizes.tolist() + sizes, self.weights[head].tolist() + costs, n_bins,
+                                  self.max_tokens, stop=stop,
+                                  sizes_array=lambda: np.concatenate([head_sizes, lump_lengths]))
         if placed is None:
             return None, None, None
         return np.concatenate([placed[:cut], placed[cut:][lump_of]]), None, None
@@ -316,6 +319,7 @@ class StepSolver:
         lump_lengths = np.bincount(lump_of, weights=lengths).astype(np.int64)
         lump_costs = np.bincount(lump_of, weights=self.weights[tail])
         self._lumps = (tail, lump_of, lump_lengths, lump_costs)
+        self._lump_lists = (lump_lengths.tolist(), lump_costs.tolist())  # the Python loop's input, made once
         return self._lumps[1:]
 
 
