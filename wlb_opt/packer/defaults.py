@@ -55,8 +55,12 @@ def running_displacement(totals: dict, held, step: int, capacity_tokens: int, ta
     smoothed by `PRIOR_STEPS` steps of capacity at `target`. Held pieces that have not
     arrived yet (lookahead) have neither waited nor joined the stream: left out, rather than
     counted as tokens of no displacement, which would understate it."""
-    accrued = sum((step - piece.arrival) * piece.length for piece in held if piece.arrival <= step)
-    tokens = sum(piece.length for piece in held if piece.arrival <= step)
+    tokens = weighted = 0  # one pass: accrued = sum((step - arrival) x length) = step x tokens - weighted
+    for _, _, length, arrival in held:  # HeldPiece fields, unpacked
+        if arrival <= step:
+            tokens += length
+            weighted += arrival * length
+    accrued = step * tokens - weighted
     prior = PRIOR_STEPS * capacity_tokens
     return (totals["displacement_token_sum"] + accrued + target * prior) / (totals["tokens"] + tokens + prior)
 
