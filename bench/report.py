@@ -163,13 +163,13 @@ SECTIONS = (
             (Table("pack_speed.json", ("rows",)),)),
     Section("stream_speed", "Streaming planner speed",
             "CPU time of `WLBPacker.pack` per step with the no-tuning defaults, lookahead 0 and 4, with "
-            "the packing loops in pure Python (the default install) and compiled (the `fast` extra: Algorithm 1's "
-            "loop and, in the rows measured since, the balanced placement's too); "
+            "the packing loops in pure Python (the default install) and compiled (the `fast` extra); "
             "CP sharding of each step's micro-batches apart.",
             _STREAM_SPEED_TABLES),
     Section("stream_speed_full", "Streaming planner speed, 2,000 steps x 3 seeds",
-            "The same measure over long streams: the defaults' step packer with the default install's "
-            "Python loop, at 4 and 32 micro-batches. With `repeats` R > 1 each stream is planned R times: "
+            "The same measure over long streams: the defaults' step packer at 4 and 32 micro-batches, with the "
+            "packing loops in pure Python (the default install) and compiled (the `fast` extra), the harness's own "
+            "objects frozen out of garbage collection. With `repeats` R > 1 each stream is planned R times: "
             "`median_ms`, `p99_ms` and `worst_ms` are over each step's least time of the R passes (the same plans "
             "each pass; a shared machine only adds time), `median_of_runs_ms` is the median of the passes' own "
             "medians.",

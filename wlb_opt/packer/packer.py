@@ -329,7 +329,7 @@ class WLBPacker:
         (MARGINAL_TOLERANCE_HIGH for release="marginal")."""
         if self.balance_tolerance != "auto":
             return self._release
-        held = [piece for q in self._queues for piece in q] + self._carry
+        held = chain(*self._queues, self._carry)  # one pass, no list
         shown = running_displacement(self._stats.totals, held, self._step, self.capacity_tokens,
                                      TARGET_SHARE * self.delay_budget)
         high = MARGINAL_TOLERANCE_HIGH if self.release == "marginal" else TOLERANCE_HIGH
@@ -428,7 +428,7 @@ class WLBPacker:
         # progress even from a state above the limit, e.g. one loaded with a lower limit).
         # What was seen ahead is not counted (the buffer, and outliers queued before their
         # step: arrival > step): it is at most K batches by construction.
-        held_after = sum(piece.length for piece in self._held_pieces_due(queues, carry, step))
+        held_after = self._tokens_due(queues, carry, step)
         # Default limit: a burst (step's batch above a step's capacity, e.g. a 2.1M-token document
         # cut into 17 pieces that arrive together) may exceed it by its own excess; a stream
         # that keeps bringing more than the capacity still grows past the limit and raises.
@@ -437,8 +437,8 @@ class WLBPacker:
         burst = 0
         if over and self._burst_allowed:
             burst = max(0, self._arrived_tokens(plan, queues, step) - self.capacity_tokens)
-        if held_after > self.max_backlog_tokens + burst and held_after > sum(
-                piece.length for piece in self._held_pieces_due(self._queues, self._carry, step - 1)):
+        if held_after > self.max_backlog_tokens + burst and held_after > self._tokens_due(self._queues, self._carry,
+                                                                                          step - 1):
             if before is not None:  # leave the state exactly as it was, calibration included
                 self.thresholds, self.n_queues, self._queues, self._calibration = before
             queued = held_after - sum(piece.length for piece in carry if piece.arrival <= step)
@@ -465,10 +465,10 @@ class WLBPacker:
             self._next_auto_id = max(self._next_auto_id, top + 1)
 
     @staticmethod
-    def _held_pieces_due(queues, carry, step: int) -> list[HeldPiece]:
-        """Queued and carried pieces that arrived by `step` (what the backlog guard counts)."""
-        return [piece for q in queues for piece in q if piece.arrival <= step] + [
-            piece for piece in carry if piece.arrival <= step]
+    def _tokens_due(queues, carry, step: int) -> int:
+        """Tokens of the queued and carried pieces that arrived by `step` (what the backlog
+        guard counts), in one pass over them."""
+        return sum(length for _, _, length, arrival in chain(*queues, carry) if arrival <= step)
 
     @staticmethod
     def _arrived_tokens(plan: PackPlan, queues, step: int) -> int:
