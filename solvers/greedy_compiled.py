@@ -15,7 +15,8 @@ loads, one for tokens) over the bins padded to a power of two: each internal nod
 bin of least value below it, the left child on ties (left subtrees hold lower indices), so
 the root is the minimum with the lowest-index tie-break, and a bin's update walks up
 log2(bins) nodes. The token tree is built at the first fallback (most batches have none)
-and kept current from then on.
+and kept current from then on. The loops share the choice of a bin (`_target`) and its
+update (`_taken`).
 
 The first call compiles (about a second); `cache=True` keeps the machine code on disk for
 later processes.
@@ -42,7 +43,7 @@ def _build(values, n_leaves):
     return node
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _update(node, values, n_leaves, leaf):
     """Re-run the matches from `leaf` up to the root after values[leaf] changed."""
     i = (n_leaves + leaf) >> 1
@@ -52,37 +53,58 @@ def _update(node, values, n_leaves, leaf):
         i >>= 1
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _target(key_tree, toks, tok_tree, built, n_leaves, d, cap):
+    """(the bin an item of `d` tokens goes to, whether the token tree is built): the least
+    key's bin (the root of `key_tree`) if the item fits under `cap`, else the fewest tokens'
+    if it fits there, else -1 (deferred). The token tree is built into `tok_tree` at the
+    first fallback (most batches have none) and kept current from then on (`_taken`)."""
+    b = key_tree[1]
+    if toks[b] + d <= cap:
+        return b, built
+    if not built:
+        tok_tree[:] = _build(toks, n_leaves)
+        built = True
+    b = tok_tree[1]  # fallback: fewest tokens (rare but for overloaded steps)
+    return (b if toks[b] + d <= cap else -1), built
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _taken(b, d, key_tree, keys, toks, tok_tree, built, n_leaves):
+    """Bin `b` took an item of `d` tokens, its key already raised in `keys`: the trees updated."""
+    toks[b] += d
+    _update(key_tree, keys, n_leaves, b)
+    if built:
+        _update(tok_tree, toks, n_leaves, b)
+
+
 @numba.njit(cache=True, nogil=True)
-def wlb_assign_compiled(order, lengths, weights, n_bins, cap):
-    """`greedy.wlb_assign`: the bin of each item of `order` (placement order), -1 = deferred."""
+def _empty_bins(n_bins, start):
+    """(leaves: n_bins padded to a power of two, each bin's key (`start`; padding: inf), its
+    tokens (0; padding: above any bin's), the key tree, room for the token tree)."""
     n_leaves = 1
     while n_leaves < n_bins:
         n_leaves *= 2
-    loads = np.full(n_leaves, np.inf)
+    keys = np.full(n_leaves, np.inf)
     toks = np.full(n_leaves, _TOKENS_PAD)
-    for b in range(n_bins):
-        loads[b] = 0.0
-        toks[b] = 0
-    load_tree = _build(loads, n_leaves)
-    tok_tree = load_tree  # built at the first fallback, kept current from then on
-    tok_tree_built = False
+    keys[:n_bins] = start
+    toks[:n_bins] = 0
+    return n_leaves, keys, toks, _build(keys, n_leaves), np.zeros(2 * n_leaves, dtype=np.int64)
+
+
+@numba.njit(cache=True, nogil=True)
+def wlb_assign_compiled(order, lengths, weights, n_bins, cap):
+    """`greedy.wlb_assign`: the bin of each item of `order` (placement order), -1 = deferred."""
+    n_leaves, loads, toks, load_tree, tok_tree = _empty_bins(n_bins, 0.0)
+    built = False
     placed_bin = np.full(len(order), -1, dtype=np.int64)
     for k in range(len(order)):
         i = order[k]
-        d = lengths[i]
-        b = load_tree[1]
-        if toks[b] + d > cap:
-            if not tok_tree_built:
-                tok_tree = _build(toks, n_leaves)
-                tok_tree_built = True
-            b = tok_tree[1]  # fallback: fewest tokens (rare but for overloaded steps)
-            if toks[b] + d > cap:
-                continue
-        toks[b] += d
+        b, built = _target(load_tree, toks, tok_tree, built, n_leaves, lengths[i], cap)
+        if b < 0:
+            continue
         loads[b] = loads[b] + weights[i]
-        _update(load_tree, loads, n_leaves, b)
-        if tok_tree_built:
-            _update(tok_tree, toks, n_leaves, b)
+        _taken(b, lengths[i], load_tree, loads, toks, tok_tree, built, n_leaves)
         placed_bin[k] = b
     return placed_bin
 
@@ -95,41 +117,21 @@ def phases_assign_compiled(sizes, f_share, b_share, f_start, b_start, n_bins, ca
     is max(forward share, backward share); each item goes to the bin of least key (ties:
     lowest index) if it fits under `cap`, else to the bin of fewest tokens if it fits there,
     else it is deferred (-1). The shares add in placement order, as the Python loop adds them."""
-    n_leaves = 1
-    while n_leaves < n_bins:
-        n_leaves *= 2
-    f_load = np.zeros(n_leaves)
-    b_load = np.zeros(n_leaves)
-    keys = np.full(n_leaves, np.inf)
-    toks = np.full(n_leaves, _TOKENS_PAD)
-    for b in range(n_bins):
-        f_load[b] = f_start
-        b_load[b] = b_start
-        keys[b] = max(f_start, b_start)
-        toks[b] = 0
-    key_tree = _build(keys, n_leaves)
-    tok_tree = key_tree  # built at the first fallback, kept current from then on
-    tok_tree_built = False
+    n_leaves, keys, toks, key_tree, tok_tree = _empty_bins(n_bins, max(f_start, b_start))
+    f_load = np.full(n_leaves, f_start)
+    b_load = np.full(n_leaves, b_start)
+    built = False
     placed_bin = np.full(len(sizes), -1, dtype=np.int64)
     for k in range(len(sizes)):
-        d = sizes[k]
-        b = key_tree[1]
-        if toks[b] + d > cap:
-            if not tok_tree_built:
-                tok_tree = _build(toks, n_leaves)
-                tok_tree_built = True
-            b = tok_tree[1]
-            if toks[b] + d > cap:
-                continue
-        toks[b] += d
+        b, built = _target(key_tree, toks, tok_tree, built, n_leaves, sizes[k], cap)
+        if b < 0:
+            continue
         f = f_load[b] + f_share[k]
         g = b_load[b] + b_share[k]
         f_load[b] = f
         b_load[b] = g
         keys[b] = f if f > g else g
-        _update(key_tree, keys, n_leaves, b)
-        if tok_tree_built:
-            _update(tok_tree, toks, n_leaves, b)
+        _taken(b, sizes[k], key_tree, keys, toks, tok_tree, built, n_leaves)
         placed_bin[k] = b
     return placed_bin
 
@@ -146,38 +148,16 @@ def lumped_assign_compiled(head, tail, lump_of, lump_lengths, lump_costs, length
     their summed tokens and costs); the bins' costs are added piece by piece apart, so that
     they are the floats `TrialPack.loads` sums."""
     n_head, n_lumps = len(head), len(lump_lengths)
-    n_leaves = 1
-    while n_leaves < n_bins:
-        n_leaves *= 2
-    loads = np.full(n_leaves, np.inf)
-    toks = np.full(n_leaves, _TOKENS_PAD)
-    for b in range(n_bins):
-        loads[b] = 0.0
-        toks[b] = 0
-    load_tree = _build(loads, n_leaves)
-    tok_tree = load_tree
-    tok_tree_built = False
+    n_leaves, loads, toks, load_tree, tok_tree = _empty_bins(n_bins, 0.0)
+    built = False
     item_bin = np.full(n_head + n_lumps, -1, dtype=np.int64)
-    for k in range(n_head + n_lumps):
-        if k < n_head:
-            d = lengths[head[k]]
-            w = weights[head[k]]
-        else:
-            d = lump_lengths[k - n_head]
-            w = lump_costs[k - n_head]
-        b = load_tree[1]
-        if toks[b] + d > cap:
-            if not tok_tree_built:
-                tok_tree = _build(toks, n_leaves)
-                tok_tree_built = True
-            b = tok_tree[1]
-            if toks[b] + d > cap:
-                continue
-        toks[b] += d
-        loads[b] = loads[b] + w
-        _update(load_tree, loads, n_leaves, b)
-        if tok_tree_built:
-            _update(tok_tree, toks, n_leaves, b)
+    for k in range(n_head + n_lumps):  # the items read in place: head pieces, then lumps
+        d = lengths[head[k]] if k < n_head else lump_lengths[k - n_head]
+        b, built = _target(load_tree, toks, tok_tree, built, n_leaves, d, cap)
+        if b < 0:
+            continue
+        loads[b] = loads[b] + (weights[head[k]] if k < n_head else lump_costs[k - n_head])
+        _taken(b, d, load_tree, loads, toks, tok_tree, built, n_leaves)
         item_bin[k] = b
     placed = np.empty(n_head + len(tail), dtype=np.int64)
     sums = np.zeros(n_bins)
