@@ -31,7 +31,7 @@ def test_group_skips_only_candidates_that_cannot_pass_the_tolerance(seed, lookah
     # from piece costs); the plans must be exactly those of trying every candidate.
     import dataclasses
 
-    from wlb_opt.packer.trial import StepSolver
+    from wlb_opt.packer.trial import TrialPack
     cost = unit_cost(1e-6, 1e-3, mb_const=mb_const, backward=True)
     batches = _stream(np.random.default_rng(seed), 80)
     runs = []
@@ -40,12 +40,12 @@ def test_group_skips_only_candidates_that_cannot_pass_the_tolerance(seed, lookah
         if not prefilter:
             packer._release = dataclasses.replace(packer._release, piece_cost=None)
         calls = [0]
-        assign = StepSolver.assign
+        assign = TrialPack._assign
 
-        def counted(self, order, stop=None, *, assign=assign, calls=calls):  # every packing of a step's pieces
+        def counted(self, stop=None, *, assign=assign, calls=calls):  # every packing of a candidate
             calls[0] += 1
-            return assign(self, order, stop)
-        monkeypatch.setattr(StepSolver, "assign", counted)
+            return assign(self, stop)
+        monkeypatch.setattr(TrialPack, "_assign", counted)
         plans = [packer.pack(*b) for b in batches] + packer.drain()
         runs.append(([[p.doc_ids[mb].tolist() for mb in p.micro_batches] + [p.doc_ids[p.deferred].tolist()]
                       for p in plans if p is not None], calls[0]))
@@ -193,7 +193,7 @@ def test_the_token_capacity_skips_only_candidates_it_rejects(release, seed, look
 
     from wlb_opt.packer import release as release_module
     from wlb_opt.packer import trial
-    from wlb_opt.packer.trial import StepSolver
+    from wlb_opt.packer.trial import TrialPack
     for module in (release_module, trial):  # the bounds on every step, not only those of 512 pieces and more
         monkeypatch.setattr(module, "ROOM_MIN_PIECES", 0)
     cost = unit_cost(1e-6, 1e-3, backward=True)
@@ -204,12 +204,12 @@ def test_the_token_capacity_skips_only_candidates_it_rejects(release, seed, look
         if not room:
             packer._release = dataclasses.replace(packer._release, max_tokens=None)
         calls = [0]
-        assign = StepSolver.assign
+        assign = TrialPack._assign
 
-        def counted(self, order, stop=None, *, assign=assign, calls=calls):
+        def counted(self, stop=None, *, assign=assign, calls=calls):
             calls[0] += 1
-            return assign(self, order, stop)
-        monkeypatch.setattr(StepSolver, "assign", counted)
+            return assign(self, stop)
+        monkeypatch.setattr(TrialPack, "_assign", counted)
         plans = [packer.pack(*b) for b in batches] + packer.drain()
         runs.append(([[p.doc_ids[mb].tolist() for mb in p.micro_batches] + [p.doc_ids[p.deferred].tolist()]
                       for p in plans if p is not None], calls[0]))
