@@ -92,7 +92,7 @@ def wlb_assign(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, n_bi
 
     `stop`: the Python loop returns None as soon as the packing passes one of its limits
     (`AssignStop`); the compiled loop, fast enough without, packs everything."""
-    compiled = _compiled_assign()
+    compiled = compiled_loop()
     if compiled is None:
         return wlb_assign_python(order, lengths, weights, n_bins, cap, stop=stop)
     return compiled(np.ascontiguousarray(order, dtype=np.int64), np.ascontiguousarray(lengths, dtype=np.int64),
@@ -117,17 +117,12 @@ def compiled_loop(name: str = "wlb_assign_compiled"):
     return None if _COMPILED["module"] is None else getattr(_COMPILED["module"], name)
 
 
-def _compiled_assign():
-    """The compiled assignment, or None (numba missing, or switched off)."""
-    return compiled_loop("wlb_assign_compiled")
-
-
 def compiled_available() -> bool:
     """Whether the compiled loops can run here (numba, the `fast` extra)."""
     enabled = _COMPILED["enabled"]
     _COMPILED["enabled"] = True
     try:
-        return _compiled_assign() is not None
+        return compiled_loop() is not None
     finally:
         _COMPILED["enabled"] = enabled
 

@@ -262,11 +262,7 @@ class StepSolver:
         packed the candidate in lumps (`greedy_compiled.lumped_assign_compiled`, which sums
         them on the way, the same floats as `TrialPack.loads`); a TrialPack then has them
         without a pass over its pieces."""
-        split = self.lumped_split(order)
-        if split is None:
-            return wlb_assign(order, self.lengths, self.weights, self.dp * self.n_micro, self.max_tokens,
-                              stop), None, None
-        return self.assign_lumped(*split, stop)
+        return self.assign_split(*(self.lumped_split(order) or (order, None)), stop)
 
     def lumped_split(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """(head, tail) of `order` where `assign` packs lumps: the tail is every piece after the
@@ -280,11 +276,14 @@ class StepSolver:
             return None
         return order[:cut], order[cut:]
 
-    def assign_lumped(self, head: np.ndarray, tail: np.ndarray, stop: AssignStop | None = None) -> tuple:
+    def assign_split(self, head: np.ndarray, tail: np.ndarray | None, stop: AssignStop | None = None) -> tuple:
         """`assign_and_sum` of the placement order head + tail (`lumped_split`): the head's
-        pieces one by one, the tail in lumps (`assign`). Pieces a stop watches stay items of
-        their own: a tail that holds one is cut after it."""
+        pieces one by one, the tail in lumps (`assign`); tail None: `head` is the whole order,
+        packed piece by piece. Pieces a stop watches stay items of their own: a tail that holds
+        one is cut after it."""
         n_bins = self.dp * self.n_micro
+        if tail is None:
+            return wlb_assign(head, self.lengths, self.weights, n_bins, self.max_tokens, stop), None, None
         if stop is not None and stop.keep and max(stop.keep) >= len(head):
             order = np.concatenate([head, tail])
             cut = max(stop.keep) + 1
@@ -419,12 +418,8 @@ class TrialPack:
         if self._account is not None:
             self._account(1, len(self._pending_idx))
             self._account = None
-        s, split = self._solver, self._split
-        if split is None:
-            placed, sums, deferred_tokens = wlb_assign(self._order, s.lengths, s.weights, s.dp * s.n_micro,
-                                                       s.max_tokens, stop), None, None
-        else:
-            placed, sums, deferred_tokens = s.assign_lumped(*split, stop)
+        s = self._solver
+        placed, sums, deferred_tokens = s.assign_split(*(self._split or (self._order, None)), stop)
         if sums is not None:  # the values `loads` and `deferred_tokens` would compute from `placed`
             self.__dict__["loads"] = sums + s.bin_const
             self.__dict__["deferred_tokens"] = deferred_tokens
