@@ -187,3 +187,29 @@ def test_warm_up_compiles_the_loops_where_they_can_run():
         assert warm_up_compiled() is False  # switched off: nothing to compile
     with use_compiled(True):
         assert warm_up_compiled() == compiled_available()
+
+
+@pytest.mark.skipif(not compiled_available(), reason="numba (the `fast` extra) is not installed")
+def test_warm_up_makes_every_signature_a_stream_uses():
+    """After `warm_up_compiled`, a 32-micro-batch stream (lookahead 0 and 4, lumped
+    candidates, the balanced placement) compiles nothing more: no step pays for numba."""
+    import wlb_opt as wlb
+    from wlb_opt.packer import PackerConfig, WLBPacker
+    from wlb_opt.solvers import greedy_compiled
+    from wlb_opt.workloads import global_batches
+
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=1),
+                                  wlb.HardwareSpec.preset("h100"))
+    loops = [greedy_compiled.wlb_assign_compiled, greedy_compiled.phases_assign_compiled,
+             greedy_compiled.lumped_assign_compiled]
+    window = 131072
+    with use_compiled(True):
+        assert warm_up_compiled()
+        before = [len(f.signatures) for f in loops]
+        for dist in ("real", "heavy"):
+            for k in (0, 4):
+                packer = WLBPacker(32, int(1.25 * window), cost, config=PackerConfig(lookahead=k))
+                for batch in global_batches(dist, window, 32 * window, 12, seed=7):
+                    packer.pack(*batch)
+                packer.drain()
+    assert [len(f.signatures) for f in loops] == before

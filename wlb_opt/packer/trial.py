@@ -108,6 +108,9 @@ class StepSolver:
         if table is None:
             table = piece_table(pieces)
         self.ids, self.offsets, self.lengths, self.arrival = table
+        # a row of a transposed table is strided: the compiled loops take the lengths
+        # contiguous (one compiled signature, the one `greedy.warm_up_compiled` makes)
+        self.lengths = np.ascontiguousarray(self.lengths)
         self.weights = np.asarray(weights, dtype=np.float64)
         # pieces = held + fresh (the packer's order): the fresh ones are addressed by position,
         # and only the held ones are indexed by key unless a fresh one is looked up
