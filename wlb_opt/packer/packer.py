@@ -275,7 +275,10 @@ class WLBPacker:
             raise ValueError(f"document {int(ids[i])} (position {i}) has {int(lengths[i])} tokens > "
                              f"max_tokens={self.max_tokens}; cut documents with wlb_opt.split_documents first")
         check_unique_pieces(ids, offsets, "within the batch")
-        if self._held and not self._held.isdisjoint_pieces(ids.tolist(), offsets.tolist()):
+        # every held or buffered piece has an id <= _max_id: a batch of larger ids (a stream
+        # whose ids grow, as automatic ones do) cannot repeat one, and is not compared piece by piece
+        fresh_ids = self._max_id is not None and n and int(ids.min()) > self._max_id
+        if self._held and not fresh_ids and not self._held.isdisjoint_pieces(ids.tolist(), offsets.tolist()):
             for k, key in enumerate(zip(ids.tolist(), offsets.tolist())):
                 if key in self._held:
                     raise ValueError(f"ids: id {key[0]} (offset {key[1]}, position {k}) is already held by the "

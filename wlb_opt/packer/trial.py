@@ -113,7 +113,7 @@ class StepSolver:
         self.lengths = np.ascontiguousarray(self.lengths)
         self.weights = np.asarray(weights, dtype=np.float64)
         # pieces = held + fresh (the packer's order): the fresh ones are addressed by position,
-        # and only the held ones are indexed by key unless a fresh one is looked up
+        # and only the held ones are indexed unless a fresh one is looked up
         m = len(fresh)
         if fresh_at is None:
             fresh_at = len(pieces) - m if pieces[len(pieces) - m:] == fresh else None
@@ -121,8 +121,9 @@ class StepSolver:
             raise ValueError(f"fresh_at={fresh_at} + {m} fresh pieces != {len(self.ids)} pieces")
         self._fresh_at = fresh_at
         self._indexed = len(pieces) if self._fresh_at is None else self._fresh_at
-        self.index = dict(zip(zip(self.ids[:self._indexed].tolist(), self.offsets[:self._indexed].tolist()),
-                              range(self._indexed)))
+        # keyed by the whole piece (id, offset, length, arrival), which a HeldPiece hashes and
+        # compares as: a piece is looked up as itself, without building its (id, offset)
+        self.index = dict(zip(zip(*table[:, :self._indexed].tolist()), range(self._indexed)))
         self.n_micro, self.dp, self.max_tokens = n_micro, dp, max_tokens
         self.bin_const = float(bin_const)
         self.method = method
@@ -155,13 +156,14 @@ class StepSolver:
         """Solver index of each of `pieces`."""
         index = self.index
         try:
-            return np.array([index[piece[0], piece[1]] for piece in pieces], dtype=np.int64)
+            return np.fromiter(map(index.__getitem__, pieces), dtype=np.int64, count=len(pieces))
         except KeyError:
             if self._indexed == len(self.ids):
                 raise
-        n = len(self.ids)  # a fresh piece looked up by key: index them all
-        index.update(zip(zip(self.ids[self._indexed:].tolist(), self.offsets[self._indexed:].tolist()),
-                         range(self._indexed, n)))
+        n = len(self.ids)  # a fresh piece looked up: index them all
+        k = self._indexed
+        index.update(zip(zip(self.ids[k:].tolist(), self.offsets[k:].tolist(), self.lengths[k:].tolist(),
+                             self.arrival[k:].tolist()), range(k, n)))
         self._indexed = n
         return self._indices(pieces)
 
