@@ -74,8 +74,13 @@ import numpy as np
 from ..plan import PackPlan
 from ..solvers.bounds import densest_first, densest_order, pigeonhole_sorted
 from ._cached import cached_property
-from .state import HeldPiece
+from .state import _ID_OFFSET, HeldPiece
 from .trial import ROOM_MIN_PIECES, TrialPack, as_pack_plan
+
+_ARRIVAL = itemgetter(3)
+"""HeldPiece.arrival, as a key."""
+_LENGTH_ARRIVAL = itemgetter(2, 3)
+"""(HeldPiece.length, HeldPiece.arrival): the order in which a step forms its candidate groups."""
 
 ReleaseName = Literal["paper", "balance", "group", "marginal"]
 
@@ -677,7 +682,7 @@ class GroupRelease(ReleasePolicy):
         return None if best is None else _resolved(*best[1:])
 
     def plan_step(self, fresh, queues, carry, step, solve) -> StepRelease:
-        pool = sorted((piece for q in queues for piece in q), key=lambda piece: piece.arrival)  # FIFO among equals
+        pool = sorted((piece for q in queues for piece in q), key=_ARRIVAL)  # FIFO among equals
         released = [piece for piece in pool if self._is_due(piece, step)]
         taken = {piece.key for piece in released}
         n_forced = len(released)
@@ -693,9 +698,9 @@ class GroupRelease(ReleasePolicy):
         own_pieces = None
         if self.room_bounds and self.max_tokens is not None and costs and len(carry) + len(fresh) >= ROOM_MIN_PIECES:
             own_pieces = _DensestPieces(own_lengths, np.asarray(own, dtype=np.float64))
+        by_size = sorted(pool, key=_LENGTH_ARRIVAL)  # a stable sort: each round's remaining pieces in order
         while True:
-            remaining = sorted((piece for piece in pool if piece.key not in taken),
-                               key=lambda piece: (piece.length, piece.arrival))
+            remaining = [piece for piece in by_size if _ID_OFFSET(piece) not in taken]
             if not remaining:
                 break
             ctx = _StepContext(
