@@ -79,6 +79,8 @@ from .trial import ROOM_MIN_PIECES, TrialPack, as_pack_plan
 
 _ARRIVAL = itemgetter(3)
 """HeldPiece.arrival, as a key."""
+_LENGTH = itemgetter(2)
+"""HeldPiece.length."""
 _LENGTH_ARRIVAL = itemgetter(2, 3)
 """(HeldPiece.length, HeldPiece.arrival): the order in which a step forms its candidate groups."""
 
@@ -387,8 +389,8 @@ class GroupRelease(ReleasePolicy):
         """Cost of each piece by key (empty without `piece_cost`)."""
         if self.piece_cost is None or not pieces:
             return {}
-        weights = self.piece_cost(np.array([piece.length for piece in pieces], dtype=np.int64)).tolist()
-        return {piece.key: w for piece, w in zip(pieces, weights)}
+        weights = self.piece_cost(np.fromiter(map(_LENGTH, pieces), dtype=np.int64, count=len(pieces))).tolist()
+        return dict(zip(map(_ID_OFFSET, pieces), weights))
 
     def _imbalance_at_least(self, group, costs: dict, base_cost: float) -> float:
         """A lower bound on the step's imbalance with all of `group` placed (see `_cannot_pass`)."""
@@ -690,7 +692,7 @@ class GroupRelease(ReleasePolicy):
         costs = self._costs(pool)  # the held pieces', by key; the step's own ones only count in base_cost
         base_cost = 0.0
         if self.piece_cost is not None and (carry or fresh or pool):
-            own_lengths = np.fromiter(map(itemgetter(2), chain(carry, fresh)), dtype=np.int64,
+            own_lengths = np.fromiter(map(_LENGTH, chain(carry, fresh)), dtype=np.int64,
                                       count=len(carry) + len(fresh))  # HeldPiece.length
             own = self.piece_cost(own_lengths)
             # summed in the order carry, fresh, released: the same floats as piece by piece
@@ -719,7 +721,7 @@ class GroupRelease(ReleasePolicy):
             base_cost += sum(costs[piece.key] for piece in group) if costs else 0.0
             taken |= {piece.key for piece in group}
         for q in queues:  # keep each queue's FIFO order for what stays
-            kept = [piece for piece in q if piece.key not in taken]
+            kept = [piece for piece in q if _ID_OFFSET(piece) not in taken]
             q.clear()
             q.extend(kept)
         return StepRelease(pending, plan, arrival, released, n_early=len(released) - n_forced)
