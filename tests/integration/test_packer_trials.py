@@ -411,6 +411,39 @@ def test_large_steps_of_the_default_step_packer_try_the_sparse_groups(dist, look
     assert seen["thinned"] > 0
 
 
+def test_large_steps_of_the_default_step_packer_pack_at_most_max_packed_per_search(monkeypatch):
+    # From 32 micro-batches "wlb_phases" packs at most MAX_PACKED candidates per search of
+    # `_candidates`, and the slow steps of a heavy stream reach it; with method="wlb", or at 16
+    # micro-batches, a search packs every candidate its bounds leave.
+    from wlb_opt.packer import release as release_module
+    from wlb_opt.packer.trial import TrialPack
+    candidates, with_group = release_module.GroupRelease._candidates, TrialPack.with_group
+    packed: list[int] = []
+
+    def counted_group(self, group, account=None):
+        packed[-1] += 1
+        return with_group(self, group, account)
+
+    def counted(self, *args, **kwargs):
+        packed.append(0)
+        yield from candidates(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrialPack, "with_group", counted_group)
+    monkeypatch.setattr(release_module.GroupRelease, "_candidates", counted)
+    window = 131072
+    for n_micro, method, cap in ((32, "wlb_phases", release_module.MAX_PACKED), (32, "wlb", None),
+                                 (16, "wlb_phases", None)):
+        packed.clear()
+        packer = WLBPacker(n_micro, int(1.25 * window), COST, config=PackerConfig(lookahead=4, method=method))
+        assert packer._release.max_packed == cap
+        for batch in global_batches("heavy", window, n_micro * window, 40, seed=DEFAULT_SEED + 5):
+            packer.pack(*batch)
+        if cap is None:
+            assert max(packed) > release_module.MAX_PACKED  # the searches the cap would cut
+        else:
+            assert max(packed) == cap
+
+
 def test_the_sparse_groups_are_the_sizes_and_starts_named():
     from wlb_opt.packer.release import _window_layout, sparse_window
 

@@ -62,7 +62,7 @@ from .defaults import (MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, TARGET_SHARE, TO
 from .fill_trial import FillStepSolver
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
-from .release import SPARSE_MIN_BINS, DrainRelease, ReleasePolicy, make_release_policy
+from .release import MAX_PACKED, SPARSE_MIN_BINS, DrainRelease, ReleasePolicy, make_release_policy
 from .state import (HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state, encode_state, held_tokens,
                     pieces_of)
 from .stats import StreamStats
@@ -185,12 +185,13 @@ class WLBPacker:
         the limit) is what release="group" / "marginal" bound their deferrals by (half of it)."""
         self.max_backlog_tokens = max_backlog_tokens
         tolerance = TOLERANCE_LOW if self.balance_tolerance == "auto" else self.balance_tolerance
+        sparse = self.method == "wlb_phases" and self.dp * self.n_micro >= SPARSE_MIN_BINS
         rules = dict(need=self.dp * self.n_micro, max_delay=self.max_delay, balance_tolerance=tolerance,
                      max_backlog_tokens=max_backlog_tokens if carry_limit is None else carry_limit,
                      lookahead=self.lookahead, piece_cost=self.cost._doc_cost_valid, bin_const=self.cost.mb_const(),
                      max_tokens=self.max_tokens,
                      room_bounds=not (self.method == "wlb_phases" and self.dp * self.n_micro >= COARSE_MIN_BINS),
-                     sparse_windows=self.method == "wlb_phases" and self.dp * self.n_micro >= SPARSE_MIN_BINS)
+                     sparse_windows=sparse, max_packed=MAX_PACKED if sparse else None)
         marginal = {}
         if self.release == "marginal":  # the price of a group's tokens, per step of capacity
             marginal = dict(price=MARGINAL_PRICE, capacity_tokens=self.capacity_tokens)

@@ -105,6 +105,11 @@ SPARSE_MIN_BINS = 32
 """The default step packer tries the sparse set of groups (`sparse_window`) on steps of at least
 this many micro-batches (dp x n_micro); at 16 it lost balance on the calibration streams
 (docs/tuning.md)."""
+MAX_PACKED = 32
+"""On the steps that try the sparse set of groups, a search (a round's groups, or a pair's
+second groups) packs at most this many candidates, in its visiting order (the lowest bounds
+first): on the slowest steps at 32 micro-batches it packed 100 to 180, and the balance of the
+calibration streams held with 32 (docs/tuning.md)."""
 SPARSE_STRIDE = 4
 """With `sparse_windows`, a group of `size` pieces starts every max(1, size // SPARSE_STRIDE)
 pieces of the pool (a quarter of the group moves from one to the next)."""
@@ -245,6 +250,10 @@ class ReleasePolicy(ABC):
     """Whether "group" and "marginal" try a sparse set of groups (`sparse_window`) rather than
     every run of 1 to need adjacent held pieces. The packer sets it with the default step
     packer on steps of `SPARSE_MIN_BINS` micro-batches or more."""
+    max_packed: int | None = None
+    """At most this many candidates packed per search of `_candidates` (a round's groups, or a
+    pair's second groups), in its visiting order; None: every one the bounds leave. The packer
+    sets `MAX_PACKED` with `sparse_windows`."""
 
     @abstractmethod
     def plan_step(self, fresh: list[HeldPiece], queues: list[deque], carry: list[HeldPiece], step: int,
@@ -629,9 +638,12 @@ class GroupRelease(ReleasePolicy):
         if with_group is None and with_groups is not None and windows:
             groups = [list(joining) + source[i:i + size] for _, size, _, _, source, i, _ in windows]
             trials = with_groups(groups, account=account)
+        packed = 0
         for (i, size, tokens, at_least, source, start, relief), t_plan in zip(windows, trials):
             if hopeless is not None and hopeless(tokens, at_least, relief):
                 continue
+            if self.max_packed is not None and packed >= self.max_packed:
+                break  # the search's most promising groups are packed
             group = source[start:start + size]
             threshold = None if ctx.idle else ctx.limit
             useful = None if cutoff is None else cutoff(relief)
@@ -643,6 +655,7 @@ class GroupRelease(ReleasePolicy):
                 if ((threshold is not None and at_least > threshold + 1e-9)
                         or (hopeless is not None and hopeless(tokens, at_least, relief))):
                     continue
+            packed += 1
             if with_group is not None:
                 t_plan = with_group(list(joining) + group, account=account)
             if t_plan is None:
