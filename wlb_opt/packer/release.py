@@ -469,15 +469,15 @@ class GroupRelease(ReleasePolicy):
             return [], [], [], (None if not ctx.costs else []), []
         if n * top <= SMALL_WINDOWS:
             return self._few_windows(remaining, ctx, early_only)
-        lengths = np.fromiter((piece.length for piece in remaining), dtype=np.int64, count=n)
+        lengths = np.fromiter(map(_LENGTH, remaining), dtype=np.int64, count=n)
         parts = {"tokens": lengths}
         if self.lookahead:
-            lead = np.fromiter((piece.arrival - ctx.step for piece in remaining), dtype=np.int64, count=n)
+            lead = np.fromiter(map(_ARRIVAL, remaining), dtype=np.int64, count=n) - ctx.step
             is_early = (lead > 0).astype(np.int64)
             parts["early"] = is_early
             parts["relief"] = np.where(lead > 0, -lengths * lead, lengths)  # `displacement_relief` of each piece
         if ctx.costs:
-            costs = np.fromiter((ctx.costs[piece.key] for piece in remaining), dtype=np.float64, count=n)
+            costs = np.fromiter(map(ctx.costs.__getitem__, map(_ID_OFFSET, remaining)), dtype=np.float64, count=n)
             parts["total"] = parts["heaviest"] = costs
         # Column i of a part's (top, n) layout holds pieces i to i + top - 1 (zeros past the
         # end); accumulating down it sums (or takes the max of) the windows starting at i one
@@ -523,12 +523,12 @@ class GroupRelease(ReleasePolicy):
         numpy's per-call cost. The same sums in the same order, the same floats, the same
         windows (ctx.room's bound on the cost placed is computed for them all in one call)."""
         n, top, step = len(remaining), min(self.need, len(remaining)), ctx.step
-        lengths = [piece.length for piece in remaining]
+        lengths = list(map(_LENGTH, remaining))
         lookahead = self.lookahead
         relief = [piece.length if piece.arrival <= step else -piece.length * (piece.arrival - step)
                   for piece in remaining] if lookahead else None
         early = [int(piece.arrival > step) for piece in remaining] if lookahead else None
-        costs = [ctx.costs[piece.key] for piece in remaining] if ctx.costs else None
+        costs = list(map(ctx.costs.__getitem__, map(_ID_OFFSET, remaining))) if ctx.costs else None
         need, bin_const, base_cost = self.need, self.bin_const, ctx.base_cost
         limit = None if ctx.idle else ctx.limit + 1e-9
         # as in `_windows`: the token capacity only bounds a step that a group can take past it
