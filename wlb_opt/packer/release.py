@@ -600,7 +600,8 @@ class GroupRelease(ReleasePolicy):
         bound on its score, early pieces' lead included), with
         `most_tokens_first` in decreasing tokens (ties: the order above), so that a `hopeless`
         that learns from the groups seen skips more of them; a caller that ranks the groups by
-        their own keys chooses the same group in any order.
+        their own keys chooses the same group in any order (but for `max_packed`: with it, the
+        search stops once that many candidates are packed, so it keeps the first ones visited).
         `cutoff(relief)`, if given, is the imbalance above which the group is of no use to the
         caller (None: no limit but ctx.limit): a candidate above it, or above ctx.limit, is
         skipped, and a `TrialPack` is packed only until it surely fails one of these limits
