@@ -138,7 +138,7 @@ def phases_assign_compiled(sizes, f_share, b_share, f_start, b_start, n_bins, ca
 
 @numba.njit(cache=True, nogil=True)
 def lumped_assign_compiled(head, tail, lump_of, lump_lengths, lump_costs, lengths, weights, n_bins, cap):
-    """Algorithm 1 on a candidate whose short tail is packed in lumps (`StepSolver.assign`):
+    """Algorithm 1 on a candidate whose short tail is packed in lumps (`StepSolver.assign_and_sum`):
     the pieces `head` one by one, then the lumps, lump j holding the pieces of `tail` whose
     `lump_of` is j (consecutive), each placed whole. Returns (the bin of each piece of head
     then tail, -1 = deferred; each bin's cost summed piece by piece in that order, as

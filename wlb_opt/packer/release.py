@@ -66,7 +66,6 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
 from itertools import chain
-from operator import itemgetter
 from typing import Callable, Literal, NamedTuple
 
 import numpy as np
@@ -74,15 +73,8 @@ import numpy as np
 from ..plan import PackPlan
 from ..solvers.bounds import densest_first, densest_order, pigeonhole_sorted
 from ._cached import cached_property
-from .state import _ID_OFFSET, HeldPiece
+from .state import _ARRIVAL, _ID_OFFSET, _LENGTH, _LENGTH_ARRIVAL, HeldPiece
 from .trial import ROOM_MIN_PIECES, TrialPack, as_pack_plan
-
-_ARRIVAL = itemgetter(3)
-"""HeldPiece.arrival, as a key."""
-_LENGTH = itemgetter(2)
-"""HeldPiece.length."""
-_LENGTH_ARRIVAL = itemgetter(2, 3)
-"""(HeldPiece.length, HeldPiece.arrival): the order in which a step forms its candidate groups."""
 
 ReleaseName = Literal["paper", "balance", "group", "marginal"]
 

@@ -60,6 +60,12 @@ def pieces_of(queues, carry) -> list[HeldPiece]:
 
 _ID_OFFSET = itemgetter(0, 1)
 """(id, offset) of a HeldPiece: its identity (`HeldPiece.key`)."""
+_LENGTH = itemgetter(2)
+"""HeldPiece.length, as a function (C-level `map`s and sort keys)."""
+_ARRIVAL = itemgetter(3)
+"""HeldPiece.arrival, as a function."""
+_LENGTH_ARRIVAL = itemgetter(2, 3)
+"""(HeldPiece.length, HeldPiece.arrival): the order in which a step forms its candidate groups."""
 
 
 def ids_of(group) -> frozenset:

@@ -22,7 +22,7 @@ same placement order (placed-first pieces as given, then the others longest firs
 the same assignment, and loads summed the same way (each micro-batch's piece costs in
 placement order, plus the per-micro-batch constant). With method "wlb_phases" the plan kept
 is `solve_pack(method="wlb_phases")`'s; from `COARSE_MIN_BINS` micro-batches its candidates
-are Algorithm 1's packings with the step's short pieces in lumps (`StepSolver.assign`).
+are Algorithm 1's packings with the step's short pieces in lumps (`StepSolver.assign_and_sum`).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ short pieces in lumps (`StepSolver.lump_tokens`), which are as cheap."""
 
 COARSE_MIN_BINS = 16
 """Method "wlb_phases" packs the candidates of a step of at least this many micro-batches
-(dp x n_micro) with their short pieces in lumps (`StepSolver.assign`): such a step holds
+(dp x n_micro) with their short pieces in lumps (`StepSolver.assign_and_sum`): such a step holds
 thousands of pieces and tries up to dp x n_micro outliers per group. Smaller steps are packed
 piece by piece."""
 COARSE_SHARE = 1 / 40
@@ -93,7 +93,7 @@ class StepSolver:
         phases: (forward cost, backward cost of each piece, forward and backward cost of a
             micro-batch) for method "wlb_phases": candidates are still packed by Algorithm 1
             (what the release policies decide on; on a step of `COARSE_MIN_BINS` micro-batches
-            or more, with its short pieces in lumps: `assign`) and the plan kept is packed with the
+            or more, with its short pieces in lumps: `assign_and_sum`) and the plan kept is packed with the
             phases balanced apart, piece by piece (`solvers.phases`); None: every packing is
             Algorithm 1's, piece by piece.
         table: `piece_table(pieces)`, if the caller has it already.
@@ -107,6 +107,7 @@ class StepSolver:
                  fresh_at: int | None = None):
         if table is None:
             table = piece_table(pieces)
+        self._table = table
         self.ids, self.offsets, self.lengths, self.arrival = table
         # a row of a transposed table is strided: the compiled loops take the lengths
         # contiguous (one compiled signature, the one `greedy.warm_up_compiled` makes)
@@ -131,7 +132,7 @@ class StepSolver:
         self.fresh = fresh
         self.lump_tokens = (max(1, int(max_tokens * COARSE_SHARE))
                             if phases is not None and dp * n_micro >= COARSE_MIN_BINS else 0)
-        """Tokens of a lump of short pieces in the candidates' packings (`assign`); 0: none."""
+        """Tokens of a lump of short pieces in the candidates' packings (`assign_and_sum`); 0: none."""
         self._lumps: tuple[np.ndarray, ...] | None = None  # (tail, lump of each, lump lengths, lump costs)
         self._lump_lists: tuple[list, list] = ([], [])  # the lumps' tokens and costs as lists (the Python loop's input)
         self._tail: tuple[list, np.ndarray, np.ndarray] | None = None  # (list, indices, indices longest first)
@@ -161,9 +162,7 @@ class StepSolver:
             if self._indexed == len(self.ids):
                 raise
         n = len(self.ids)  # a fresh piece looked up: index them all
-        k = self._indexed
-        index.update(zip(zip(self.ids[k:].tolist(), self.offsets[k:].tolist(), self.lengths[k:].tolist(),
-                             self.arrival[k:].tolist()), range(k, n)))
+        index.update(zip(zip(*self._table[:, self._indexed:].tolist()), range(self._indexed, n)))
         self._indexed = n
         return self._indices(pieces)
 
@@ -245,9 +244,13 @@ class StepSolver:
         trial = TrialPack(self, pending_idx, order, n_first=len(first_idx), n_rest=len(rest_idx), pending=pending)
         return pending, trial, self.arrival[pending_idx]  # packed when first read (or `rejects`)
 
-    def assign(self, order: np.ndarray, stop: AssignStop | None = None) -> np.ndarray | None:
-        """Algorithm 1's bin of each piece of `order` (`wlb_assign`; -1 = deferred), or None
-        once the packing passes a limit of `stop`.
+    def assign_and_sum(self, order: np.ndarray, stop: AssignStop | None = None) -> tuple:
+        """(Algorithm 1's bin of each piece of `order` (`wlb_assign`; -1 = deferred), each
+        micro-batch's cost summed piece by piece in placement order, the deferred pieces'
+        tokens). The first is None once the packing passes a limit of `stop`; the last two are
+        None unless the compiled loop packed the candidate in lumps
+        (`greedy_compiled.lumped_assign_compiled`, which sums them on the way, the same floats
+        as `TrialPack.loads`): a TrialPack then has them without a pass over its pieces.
 
         With `lump_tokens` (method "wlb_phases", steps of `COARSE_MIN_BINS` micro-batches or more),
         the pieces shorter than `lump_tokens` that end the placement order (the short fresh
@@ -259,18 +262,10 @@ class StepSolver:
         short tail that balances the micro-batches is packed at a granularity of about 2.5%
         of a micro-batch, a third as many items (a fifth on heavy-tailed streams). The plan a
         step keeps is packed piece by piece (`TrialPack.plan`)."""
-        return self.assign_and_sum(order, stop)[0]
-
-    def assign_and_sum(self, order: np.ndarray, stop: AssignStop | None = None) -> tuple:
-        """(`assign(order, stop)`, each micro-batch's cost summed piece by piece in placement
-        order, the deferred pieces' tokens): the last two are None unless the compiled loop
-        packed the candidate in lumps (`greedy_compiled.lumped_assign_compiled`, which sums
-        them on the way, the same floats as `TrialPack.loads`); a TrialPack then has them
-        without a pass over its pieces."""
         return self.assign_split(*(self.lumped_split(order) or (order, None)), stop)
 
     def lumped_split(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """(head, tail) of `order` where `assign` packs lumps: the tail is every piece after the
+        """(head, tail) of `order` where `assign_and_sum` packs lumps: the tail is every piece after the
         last one of at least `lump_tokens` tokens; None without lumps or with a tail shorter
         than `COARSE_MIN_TAIL`."""
         if not self.lump_tokens:
@@ -283,7 +278,7 @@ class StepSolver:
 
     def assign_split(self, head: np.ndarray, tail: np.ndarray | None, stop: AssignStop | None = None) -> tuple:
         """`assign_and_sum` of the placement order head + tail (`lumped_split`): the head's
-        pieces one by one, the tail in lumps (`assign`); tail None: `head` is the whole order,
+        pieces one by one, the tail in lumps; tail None: `head` is the whole order,
         packed piece by piece. Pieces a stop watches stay items of their own: a tail that holds
         one is cut after it."""
         n_bins = self.dp * self.n_micro
@@ -418,7 +413,7 @@ class TrialPack:
         return self._assign()
 
     def _assign(self, stop: AssignStop | None = None) -> np.ndarray | None:
-        """Algorithm 1 on this candidate (None: stopped, see `StepSolver.assign`); `account` is
+        """Algorithm 1 on this candidate (None: stopped, see `StepSolver.assign_and_sum`); `account` is
         told of the first packing only, stopped or not."""
         if self._account is not None:
             self._account(1, len(self._pending_idx))
