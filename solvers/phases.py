@@ -20,6 +20,14 @@ rule is Algorithm 1's.
 anything Algorithm 1 does not, Algorithm 1's placement is kept (`PackResult.extra["fallback"]`).
 The streaming packer relies on this: its release policies decide on Algorithm 1's packings,
 and the plan it keeps must not defer a piece they counted as placed.
+
+From `LUMP_MIN_BINS` (32) bins the short items that end the order go in lumps (`tail_lumps`):
+consecutive items, each lump one item of their tokens and costs, about 1 / (LUMP_SPLIT x bins)
+of the tail's tokens still to place where it starts. A step of 32 micro-batches holds
+thousands of short pieces, placed when the bins still differ by many of them; the last ones,
+which even the bins out, stay single. A heavy-tailed step then places a third as many items
+or fewer, at the balance of the item-by-item placement (docs/tuning.md, "The plan's short tail
+in lumps"). Both placements and the fallback see the same lumps.
 """
 from __future__ import annotations
 
@@ -147,12 +155,73 @@ def phases_assign_reference(order, lengths, fwd, bwd, n_bins: int, cap: int, fwd
     return out
 
 
+LUMP_MIN_BINS = 32
+"""From this many bins, `wlb_phases` places the short tail of its order in lumps (`tail_lumps`)."""
+LUMP_SHARE = 1 / 40
+"""The tail that may be lumped: the items after the last one of at least this share of the
+token cap (4,096 tokens at 163,840)."""
+LUMP_SPLIT = 4
+"""A lump holds between 1 / (2 x LUMP_SPLIT x bins) and 1 / (LUMP_SPLIT x bins) of the tail's
+tokens still to place where it starts (rounded to powers of two)."""
+LUMP_MIN_TAIL = 64
+"""A tail of fewer items is placed item by item."""
+
+
+def tail_lumps(order: np.ndarray, lengths: np.ndarray, n_bins: int, cap: int, n_first: int = 0):
+    """(cut, lump of each item of `order[cut:]`, numbered from 0 in order), or None where the
+    whole order is placed item by item (fewer than `LUMP_MIN_BINS` bins, or a short tail).
+
+    The tail is every item after the last one of at least `LUMP_SHARE` x `cap` tokens and after
+    the `n_first` placed-first ones: short items, longest first. Where r tokens of the tail are
+    left to place (the item's own included), r in [2^e, 2^(e+1)), the tail is cut every
+    2^(e - b) tokens, 2^b >= LUMP_SPLIT x n_bins: a lump holds 1 / (2 x 2^b) to 1 / 2^b of what
+    is left, so the items that even the bins out at the end (r below 2^b tokens) stay single,
+    while the first short items, placed when the bins still differ by many of them, go by the
+    dozen. Integers only (the plans do not depend on a platform's rounding)."""
+    if n_bins < LUMP_MIN_BINS:
+        return None
+    sizes = lengths[order]
+    long_at = np.flatnonzero(sizes >= max(1, int(cap * LUMP_SHARE)))
+    cut = max(n_first, int(long_at[-1]) + 1 if len(long_at) else 0)
+    if len(order) - cut < LUMP_MIN_TAIL:
+        return None
+    left = np.cumsum(sizes[cut:][::-1])[::-1]  # tokens from each item to the tail's end
+    bits = int(LUMP_SPLIT * n_bins - 1).bit_length()
+    octave = np.frexp(np.maximum(left, 1).astype(np.float64))[1].astype(np.int64) - 1  # floor(log2), exact
+    key = (octave << 32) | (left >> np.maximum(octave - bits, 0))
+    new = np.ones(len(key), dtype=bool)
+    new[1:] = key[1:] != key[:-1]
+    return cut, np.cumsum(new) - 1
+
+
 def phases_or_algorithm1(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, fwd: np.ndarray,
                          bwd: np.ndarray, n_bins: int, cap: int, fwd_const: float, bwd_const: float,
-                         algorithm1: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
+                         algorithm1: np.ndarray | None = None, n_first: int = 0) -> tuple[np.ndarray, bool]:
     """(bin of each item of `order`, whether Algorithm 1's placement was kept): the balanced
     placement unless it defers an item that Algorithm 1 (on `weights`; `algorithm1`, its
-    placement of `order` if already known) places."""
+    placement of `order` if already known) places. From `LUMP_MIN_BINS` bins the order's short
+    tail (after its `n_first` placed-first items) goes in lumps (`tail_lumps`): each lump is
+    one item of its items' tokens and costs, in both placements, and its items go where it
+    goes (`algorithm1` is then not used: Algorithm 1 places the same lumps)."""
+    lumps = tail_lumps(order, lengths, n_bins, cap, n_first)
+    if lumps is not None:
+        cut, lump_of = lumps
+        tail = order[cut:]
+        head = order[:cut]
+        items = np.arange(cut + int(lump_of[-1]) + 1, dtype=np.int64)
+
+        def with_lumps(values):
+            return np.concatenate([values[head], np.bincount(lump_of, weights=values[tail])])
+
+        item_lengths = np.concatenate([lengths[head], np.bincount(lump_of, weights=lengths[tail]).astype(np.int64)])
+        placed, fallback = _balanced_or_algorithm1(items, item_lengths, with_lumps(weights), with_lumps(fwd),
+                                                   with_lumps(bwd), n_bins, cap, fwd_const, bwd_const, None)
+        return np.concatenate([placed[:cut], placed[cut:][lump_of]]), fallback
+    return _balanced_or_algorithm1(order, lengths, weights, fwd, bwd, n_bins, cap, fwd_const, bwd_const, algorithm1)
+
+
+def _balanced_or_algorithm1(order, lengths, weights, fwd, bwd, n_bins, cap, fwd_const, bwd_const, algorithm1):
+    """`phases_or_algorithm1` item by item."""
     placed = phases_assign(order, lengths, fwd, bwd, n_bins, cap, fwd_const, bwd_const)
     if placed.min(initial=0) >= 0:
         return placed, False
@@ -174,7 +243,7 @@ def wlb_phases(problem: PackProblem) -> PackResult:
         fwd, bwd = problem.phase_weights
         fwd_const, bwd_const = problem.phase_consts
     placed, fallback = phases_or_algorithm1(order, problem.lengths, problem.weights, fwd, bwd, problem.n_bins,
-                                            int(problem.max_tokens), fwd_const, bwd_const)
+                                            int(problem.max_tokens), fwd_const, bwd_const, n_first=problem.carried)
     result = _group(order, placed, problem.n_bins)
     result.extra["fallback"] = fallback
     return result

@@ -2,7 +2,8 @@
 production scale (`WLBPacker(32, int(1.25 * W), cost)`, lookahead 0 and 4; the default step
 packer and Algorithm 1, `method="wlb"`) on short `real` and `heavy` streams, so that a faster planner is held to the same plans where it works
 hardest (many candidate groups per step, overloaded steps); "wlb_phases" packs the candidates of
-such a step with its short pieces in lumps (packer/trial.py) and tries a sparse set of groups
+such a step with its short pieces in lumps (packer/trial.py), keeps a plan whose short tail it
+places in lumps too (solvers/phases.py, `tail_lumps`), and tries a sparse set of groups
 (release.py, `sparse_window`), "wlb" every group, piece by piece. Section "capped": a
 longer `heavy` stream with lookahead 4, whose slow steps reach the default step packer's
 limit on candidates packed per search (release.py, `MAX_PACKED`). Run it from

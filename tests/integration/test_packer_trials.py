@@ -295,8 +295,8 @@ def test_lumped_candidates_place_their_long_pieces_as_algorithm1_and_keep_solve_
     # max_tokens / 40 tokens: the pieces before the tail are placed as Algorithm 1 places them
     # (so a group is placed or deferred the same way), every piece of a lump shares its
     # micro-batch, no micro-batch passes the token cap, and the plan kept is solve_pack's
-    # "wlb_phases" plan of its pieces, piece by piece. Below 16 micro-batches, or with "wlb",
-    # no lumps.
+    # "wlb_phases" plan of its pieces (with the phases' own lumps, solvers.phases.tail_lumps).
+    # Below 16 micro-batches, or with "wlb", no lumps.
     held, fresh = _step_of_32(dist, seed, 40)
     solver = _phases_solver(held + fresh, fresh, 32)
     assert solver.lump_tokens == int(1.25 * 131072) // 40

@@ -1,6 +1,8 @@
 """wlb_phases: its heap loop (Python and compiled) against a scan of every bin, Algorithm 1
-when the phases weigh alike, never deferring what Algorithm 1 places, and lower forward and
-backward imbalance than Algorithm 1 on the steps of a real-length stream."""
+when the phases weigh alike, never deferring what Algorithm 1 places, lower forward and
+backward imbalance than Algorithm 1 on the steps of a real-length stream, and, from 32 bins,
+its short tail in lumps: cut as a per-item twin cuts it, placed as the scan places the lumps,
+at the balance of the item-by-item placement."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -9,7 +11,9 @@ from hypothesis import strategies as st
 import wlb_opt as wlb
 from wlb_opt.packer import per_step_imbalance
 from wlb_opt.solvers.greedy import compiled_available, placement_order, use_compiled, wlb_assign_python
-from wlb_opt.solvers.phases import phases_assign, phases_assign_reference, phases_or_algorithm1, wlb_phases
+from wlb_opt.solvers import phases as phases_module
+from wlb_opt.solvers.phases import (LUMP_MIN_BINS, LUMP_SHARE, LUMP_SPLIT, phases_assign, phases_assign_reference,
+                                    phases_or_algorithm1, tail_lumps, wlb_phases)
 from wlb_opt.solvers.problem import PackProblem
 from wlb_opt.workloads import DEFAULT_SEED, global_batches
 
@@ -141,3 +145,108 @@ def test_the_compiled_loop_places_real_steps_as_the_python_loop(slack):
             compiled = phases_assign(order, lengths, fwd, bwd, 32, cap, 1e-3, 2e-3)
         np.testing.assert_array_equal(python, compiled)
         assert (python < 0).any() == (slack < 1)
+
+
+def _tail_lumps_twin(sizes, n_bins, cap, n_first):
+    """`tail_lumps` item by item: the bucket of each item's tokens left, by int.bit_length."""
+    if n_bins < LUMP_MIN_BINS:
+        return None
+    long = [k for k, size in enumerate(sizes) if size >= max(1, int(cap * LUMP_SHARE))]
+    cut = max([n_first] + [k + 1 for k in long])
+    if len(sizes) - cut < phases_module.LUMP_MIN_TAIL:
+        return None
+    bits = (LUMP_SPLIT * n_bins - 1).bit_length()
+    lump_of, keys, left = [], [], sum(sizes[cut:])
+    for size in sizes[cut:]:
+        octave = max(left, 1).bit_length() - 1
+        key = (octave, left >> max(octave - bits, 0))
+        lump_of.append(lump_of[-1] + (key != keys[-1]) if lump_of else 0)
+        keys.append(key)
+        left -= size
+    return cut, lump_of
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 9000), min_size=0, max_size=400), n_bins=st.sampled_from([8, 31, 32, 48, 64]),
+       cap=st.integers(20_000, 200_000), carried_frac=st.floats(0, 0.3))
+def test_the_tail_is_cut_in_lumps_as_a_per_item_twin_cuts_it(lengths, n_bins, cap, carried_frac):
+    lengths = np.array(lengths, dtype=np.int64)
+    problem = PackProblem(lengths=lengths, weights=lengths.astype(float), n_bins=n_bins, max_tokens=cap,
+                          carried=int(carried_frac * len(lengths)))
+    order = placement_order(problem, lengths)
+    got = tail_lumps(order, lengths, n_bins, cap, problem.carried)
+    want = _tail_lumps_twin(lengths[order].tolist(), n_bins, cap, problem.carried)
+    if want is None:
+        assert got is None
+        return
+    cut, lump_of = got
+    assert cut == want[0] and lump_of.tolist() == want[1]
+    sizes = lengths[order[cut:]]
+    assert cut >= problem.carried and (sizes < cap * LUMP_SHARE).all()
+    starts = np.flatnonzero(np.diff(lump_of, prepend=-1))
+    assert np.array_equal(lump_of[starts], np.arange(len(starts)))  # numbered 0, 1, ... in order
+    left = np.cumsum(sizes[::-1])[::-1]
+    scale = 2 ** (LUMP_SPLIT * n_bins - 1).bit_length()
+    for first, end in zip(starts, list(starts[1:]) + [len(sizes)]):
+        # a lump holds under 1 / 2^b of the tokens left where it starts, its last item aside;
+        # where fewer than 2^b tokens are left, every item is a lump of its own
+        assert sizes[first:end].sum() - sizes[end - 1] < left[first] / scale
+        assert left[first] >= scale or end - first == 1
+
+
+@BOTH_LOOPS
+@pytest.mark.parametrize("dist, slack", [("real", 1.3), ("heavy", 1.3), ("heavy", 0.9)])
+def test_the_lumped_tail_is_placed_as_the_scan_places_its_lumps(compiled, dist, slack):
+    # from 32 bins: each lump one item of its pieces' tokens and phase costs, placed by the
+    # scan of every bin (and Algorithm 1 on the same lumps where the step overloads), its
+    # pieces where it goes; fewer bins: item by item, as before
+    for lengths, _, _ in global_batches(dist, 131072, 32 * 131072, 2, seed=DEFAULT_SEED + 11):
+        fwd, bwd = _phases(lengths)
+        cap = int(slack * lengths.sum() / 32)
+        order = np.argsort(-lengths, kind="stable")
+        consts = (COST.mb_const("fwd"), COST.mb_const("bwd"))
+        cut, lump_of = tail_lumps(order, lengths, 32, cap)
+        n_items = cut + lump_of[-1] + 1
+        assert n_items < 0.8 * len(order)
+        head, tail = order[:cut], order[cut:]
+
+        def items(values):
+            return np.concatenate([values[head], np.bincount(lump_of, weights=values[tail])])
+
+        item_lengths = np.concatenate([lengths[head], np.bincount(lump_of, weights=lengths[tail]).astype(np.int64)])
+        scan = phases_assign_reference(np.arange(n_items), item_lengths, items(fwd), items(bwd), 32, cap, *consts)
+        algorithm1 = wlb_assign_python(np.arange(n_items), item_lengths, items(fwd + bwd), 32, cap)
+        if np.any((scan < 0) & (algorithm1 >= 0)):
+            scan = algorithm1
+        with use_compiled(compiled):
+            placed, fallback = phases_or_algorithm1(order, lengths, fwd + bwd, fwd, bwd, 32, cap, *consts)
+        np.testing.assert_array_equal(placed, np.concatenate([scan[:cut], scan[cut:][lump_of]]))
+        assert (placed < 0).any() == (slack < 1)
+        tokens = np.bincount(placed[placed >= 0], weights=lengths[order][placed >= 0], minlength=32)
+        assert tokens.max() <= cap
+        with use_compiled(compiled):
+            fewer = phases_or_algorithm1(order, lengths, fwd + bwd, fwd, bwd, 31, cap, *consts)[0]
+        np.testing.assert_array_equal(fewer, phases_assign_reference(order, lengths, fwd, bwd, 31, cap, *consts))
+
+
+def test_lumps_keep_the_balance_of_the_item_by_item_placement(monkeypatch):
+    # 32 micro-batches of real and heavy-tailed steps without their outliers (documents over
+    # 32K tokens: the streaming packer delays those), where the short tail decides the balance:
+    # each phase's max / mean within 0.001 of the item-by-item placement's, on average over
+    # the steps, and the plans differ
+    window = 131072
+    for dist in ("real", "heavy"):
+        gaps, differ = {"fwd": [], "bwd": []}, 0
+        for lengths, ids, offsets in global_batches(dist, window, 32 * window, 12, seed=DEFAULT_SEED + 13):
+            keep = lengths <= 32768
+            plans = {}
+            for lumped in (True, False):
+                monkeypatch.setattr(phases_module, "LUMP_MIN_BINS", 32 if lumped else 10**9)
+                plans[lumped] = wlb.solve_pack(lengths[keep], 32, int(1.25 * window), COST, "wlb_phases",
+                                               ids=ids[keep], offsets=offsets[keep])
+            differ += plans[True].digest() != plans[False].digest()
+            for phase, values in gaps.items():
+                values.append(per_step_imbalance(plans[True], COST, phase) - per_step_imbalance(plans[False], COST, phase))
+        assert differ >= 6
+        for phase, values in gaps.items():
+            assert abs(float(np.mean(values))) < 1e-3, (dist, phase, np.mean(values))

@@ -94,8 +94,8 @@ class StepSolver:
             micro-batch) for method "wlb_phases": candidates are still packed by Algorithm 1
             (what the release policies decide on; on a step of `COARSE_MIN_BINS` micro-batches
             or more, with its short pieces in lumps: `assign_and_sum`) and the plan kept is packed with the
-            phases balanced apart, piece by piece (`solvers.phases`); None: every packing is
-            Algorithm 1's, piece by piece.
+            phases balanced apart (`solvers.phases`; from 32 micro-batches its own lumps of the short
+            tail, `solvers.phases.tail_lumps`); None: every packing is Algorithm 1's, piece by piece.
         table: `piece_table(pieces)`, if the caller has it already.
         fresh_at: where `fresh` starts in `pieces` when the caller knows that `pieces` ends with
             it (the packer's pieces are held + fresh; `pieces` may then be None, with `table`).
@@ -261,7 +261,7 @@ class StepSolver:
         placed one by one, so a candidate places or defers its group the same way; the
         short tail that balances the micro-batches is packed at a granularity of about 2.5%
         of a micro-batch, a third as many items (a fifth on heavy-tailed streams). The plan a
-        step keeps is packed piece by piece (`TrialPack.plan`)."""
+        step keeps is `solve_pack(method="wlb_phases")`'s (`TrialPack.plan`)."""
         return self.assign_split(*(self.lumped_split(order) or (order, None)), stop)
 
     def lumped_split(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -603,7 +603,8 @@ class TrialPack:
         fwd, bwd, fwd_const, bwd_const = s.phases
         placed, fallback = phases_or_algorithm1(self._order, s.lengths, s.weights, fwd, bwd, s.dp * s.n_micro,
                                                 s.max_tokens, fwd_const, bwd_const,
-                                                algorithm1=None if s.lump_tokens else self._placed_bin)
+                                                algorithm1=None if s.lump_tokens else self._placed_bin,
+                                                n_first=self._n_first)
         kept = TrialPack(s, self._pending_idx, self._order, n_first=self._n_first, n_rest=self._n_rest,
                          pending=self.pending)
         kept._placed_bin = placed
