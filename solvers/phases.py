@@ -27,7 +27,9 @@ of the tail's tokens still to place where it starts. A step of 32 micro-batches 
 thousands of short pieces, placed when the bins still differ by many of them; the last ones,
 which even the bins out, stay single. A heavy-tailed step then places a third as many items
 or fewer, at the balance of the item-by-item placement (docs/tuning.md, "The plan's short tail
-in lumps"). Both placements and the fallback see the same lumps.
+in lumps"). Both placements and the fallback see the same lumps; the items before the tail,
+every long piece among them, come first in either, so the fallback defers none of them that
+Algorithm 1 places piece by piece.
 """
 from __future__ import annotations
 
@@ -185,7 +187,7 @@ def tail_lumps(order: np.ndarray, lengths: np.ndarray, n_bins: int, cap: int, n_
     cut = max(n_first, int(long_at[-1]) + 1 if len(long_at) else 0)
     if len(order) - cut < LUMP_MIN_TAIL:
         return None
-    left = np.cumsum(sizes[cut:][::-1])[::-1]  # tokens from each item to the tail's end
+    left = np.cumsum(sizes[cut:][::-1], dtype=np.int64)[::-1]  # tokens from each item to the tail's end
     bits = int(LUMP_SPLIT * n_bins - 1).bit_length()
     octave = np.frexp(np.maximum(left, 1).astype(np.float64))[1].astype(np.int64) - 1  # floor(log2), exact
     key = (octave << 32) | (left >> np.maximum(octave - bits, 0))
