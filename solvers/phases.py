@@ -206,29 +206,31 @@ def phases_or_algorithm1(order: np.ndarray, lengths: np.ndarray, weights: np.nda
     one item of its items' tokens and costs, in both placements, and its items go where it
     goes (`algorithm1` is then not used: Algorithm 1 places the same lumps)."""
     lumps = tail_lumps(order, lengths, n_bins, cap, n_first)
-    if lumps is not None:
-        cut, lump_of = lumps
-        tail = order[cut:]
-        head = order[:cut]
-        items = np.arange(cut + int(lump_of[-1]) + 1, dtype=np.int64)
+    if lumps is None:
+        return _balanced_or_algorithm1(
+            order, lengths, fwd, bwd, n_bins, cap, fwd_const, bwd_const,
+            lambda: wlb_assign(order, lengths, weights, n_bins, cap) if algorithm1 is None else algorithm1)
+    cut, lump_of = lumps
+    head, tail = order[:cut], order[cut:]
+    items = np.arange(cut + int(lump_of[-1]) + 1, dtype=np.int64)
 
-        def with_lumps(values):
-            return np.concatenate([values[head], np.bincount(lump_of, weights=values[tail])])
+    def with_lumps(values):
+        return np.concatenate([values[head], np.bincount(lump_of, weights=values[tail])])
 
-        item_lengths = np.concatenate([lengths[head], np.bincount(lump_of, weights=lengths[tail]).astype(np.int64)])
-        placed, fallback = _balanced_or_algorithm1(items, item_lengths, with_lumps(weights), with_lumps(fwd),
-                                                   with_lumps(bwd), n_bins, cap, fwd_const, bwd_const, None)
-        return np.concatenate([placed[:cut], placed[cut:][lump_of]]), fallback
-    return _balanced_or_algorithm1(order, lengths, weights, fwd, bwd, n_bins, cap, fwd_const, bwd_const, algorithm1)
+    item_lengths = np.concatenate([lengths[head], np.bincount(lump_of, weights=lengths[tail]).astype(np.int64)])
+    placed, fallback = _balanced_or_algorithm1(
+        items, item_lengths, with_lumps(fwd), with_lumps(bwd), n_bins, cap, fwd_const, bwd_const,
+        lambda: wlb_assign(items, item_lengths, with_lumps(weights), n_bins, cap))
+    return np.concatenate([placed[:cut], placed[cut:][lump_of]]), fallback
 
 
-def _balanced_or_algorithm1(order, lengths, weights, fwd, bwd, n_bins, cap, fwd_const, bwd_const, algorithm1):
-    """`phases_or_algorithm1` item by item."""
+def _balanced_or_algorithm1(order, lengths, fwd, bwd, n_bins, cap, fwd_const, bwd_const, algorithm1):
+    """`phases_or_algorithm1` item by item; `algorithm1()` gives Algorithm 1's placement,
+    made only where the balanced one defers an item."""
     placed = phases_assign(order, lengths, fwd, bwd, n_bins, cap, fwd_const, bwd_const)
     if placed.min(initial=0) >= 0:
         return placed, False
-    if algorithm1 is None:
-        algorithm1 = wlb_assign(order, lengths, weights, n_bins, cap)
+    algorithm1 = algorithm1()
     if np.any((placed < 0) & (algorithm1 >= 0)):
         return algorithm1, True
     return placed, False
