@@ -167,10 +167,14 @@ def _tail_lumps_twin(sizes, n_bins, cap, n_first):
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.integers(1, 9000), min_size=0, max_size=400), n_bins=st.sampled_from([8, 31, 32, 48, 64]),
-       cap=st.integers(20_000, 200_000), carried_frac=st.floats(0, 0.3))
-def test_the_tail_is_cut_in_lumps_as_a_per_item_twin_cuts_it(lengths, n_bins, cap, carried_frac):
-    lengths = np.array(lengths, dtype=np.int64)
+@given(seed=st.integers(0, 2**32 - 1), n_short=st.integers(40, 600), n_long=st.integers(0, 40),
+       n_bins=st.sampled_from([31, 32, 48, 64]), cap=st.integers(20_000, 200_000), carried_frac=st.floats(0, 0.3))
+def test_the_tail_is_cut_in_lumps_as_a_per_item_twin_cuts_it(seed, n_short, n_long, n_bins, cap, carried_frac):
+    # short items (below the tail's bound) and long ones, in random order; ties among lengths
+    rng = np.random.default_rng(seed)
+    short_max = max(2, int(cap * LUMP_SHARE))
+    lengths = rng.permutation(np.concatenate([rng.integers(1, rng.integers(2, short_max + 1), n_short),
+                                              rng.integers(short_max, cap + 1, n_long)])).astype(np.int64)
     problem = PackProblem(lengths=lengths, weights=lengths.astype(float), n_bins=n_bins, max_tokens=cap,
                           carried=int(carried_frac * len(lengths)))
     order = placement_order(problem, lengths)
