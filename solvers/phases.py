@@ -161,7 +161,8 @@ LUMP_MIN_BINS = 32
 """From this many bins, `wlb_phases` places the short tail of its order in lumps (`tail_lumps`)."""
 LUMP_SHARE = 1 / 40
 """The tail that may be lumped: the items after the last one of at least this share of the
-token cap (4,096 tokens at 163,840)."""
+token cap (4,096 tokens at 163,840), where the streaming packer's candidates start their lumps
+too (`packer.trial.COARSE_SHARE`)."""
 LUMP_SPLIT = 4
 """A lump holds between 1 / (2 x LUMP_SPLIT x bins) and 1 / (LUMP_SPLIT x bins) of the tail's
 tokens still to place where it starts (rounded to powers of two)."""
@@ -217,7 +218,7 @@ def phases_or_algorithm1(order: np.ndarray, lengths: np.ndarray, weights: np.nda
     def with_lumps(values):
         return np.concatenate([values[head], np.bincount(lump_of, weights=values[tail])])
 
-    item_lengths = np.concatenate([lengths[head], np.bincount(lump_of, weights=lengths[tail]).astype(np.int64)])
+    item_lengths = with_lumps(lengths).astype(np.int64)  # token sums: exact in float64
     placed, fallback = _balanced_or_algorithm1(
         items, item_lengths, with_lumps(fwd), with_lumps(bwd), n_bins, cap, fwd_const, bwd_const,
         lambda: wlb_assign(items, item_lengths, with_lumps(weights), n_bins, cap))
