@@ -18,7 +18,13 @@ left.
     pytest -m slow tests/integration/test_soak.py -s          # the full soak (>= 100,000 global batches)
     WLB_SOAK_STEPS=200 pytest -m slow tests/integration/test_soak.py -s   # shorter streams
 
-The default run keeps a small smoke of the same code (`test_soak_smoke`).
+The same checks run the no-tuning defaults on steps of 16 to 64 micro-batches, with lookahead
+0, 2 and 4 (`run_large_stream`): most pieces a few tokens long, so that the planner's paths for
+large steps run (candidates and the plan's short tail in lumps, the sparse groups, the bounded
+search), and the compiled and Python loops must plan such a stream alike.
+
+The default run keeps a small smoke of the same code (`test_soak_smoke`,
+`test_soak_smoke_of_the_defaults_on_large_steps`).
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ import pytest
 
 import wlb_opt as wlb
 from conftest import unit_cost
+from wlb_opt.solvers.greedy import compiled_available, use_compiled
 
 
 COST = unit_cost(attn=1e-6, linear=1e-3, doc_const=1e-4)
@@ -51,10 +58,13 @@ def signed_id(counter: int) -> int:
 class Stream:
     """Adversarial global batches of (id, offset, length) pieces for one configuration."""
 
-    def __init__(self, rng: np.random.Generator, capacity: int, thresholds: list[int]):
-        self.rng, self.capacity = rng, capacity
-        edges = [1, 2, MAX_TOKENS - 1, MAX_TOKENS] + [t + d for t in thresholds for d in (-1, 0, 1)]
-        self.edges = [e for e in edges if 1 <= e <= MAX_TOKENS]
+    def __init__(self, rng: np.random.Generator, capacity: int, thresholds: list[int], max_tokens: int = MAX_TOKENS,
+                 log_short: bool = False):
+        """`log_short`: the short documents' lengths log-uniform (most of a step's pieces a few
+        tokens long, as in real streams) instead of uniform."""
+        self.rng, self.capacity, self.max_tokens, self.log_short = rng, capacity, max_tokens, log_short
+        edges = [1, 2, max_tokens - 1, max_tokens] + [t + d for t in thresholds for d in (-1, 0, 1)]
+        self.edges = [e for e in edges if 1 <= e <= max_tokens]
         self.next_doc = 0
         self.pending: list[tuple[int, int, int]] = []  # later pieces of split documents
 
@@ -62,15 +72,19 @@ class Stream:
         doc = signed_id(self.next_doc)
         self.next_doc += 1
         r = self.rng.random()
-        if r < 0.15:
+        top = self.max_tokens
+        edge, outlier = (0.05, 0.1) if self.log_short else (0.15, 0.35)
+        if r < edge:
             length = int(self.rng.choice(self.edges))
-        elif r < 0.35:
-            length = int(self.rng.integers(MAX_TOKENS // 3, MAX_TOKENS + 1))  # outliers
+        elif r < outlier:
+            length = int(self.rng.integers(top // 3, top + 1))  # outliers
+        elif self.log_short:
+            length = int(np.exp(self.rng.uniform(0.0, np.log(top // 4))))
         else:
-            length = int(self.rng.integers(1, MAX_TOKENS // 4))
-        if self.rng.random() < 0.1:  # a long document cut into window pieces
-            total = int(self.rng.integers(MAX_TOKENS + 1, 4 * MAX_TOKENS))
-            pieces, _, offsets = wlb.split_documents([total], MAX_TOKENS)
+            length = int(self.rng.integers(1, top // 4))
+        if self.rng.random() < (0.02 if self.log_short else 0.1):  # a long document cut into window pieces
+            total = int(self.rng.integers(top + 1, 4 * top))
+            pieces, _, offsets = wlb.split_documents([total], top)
             return [(doc, int(o), int(n)) for o, n in zip(offsets, pieces)]
         return [(doc, 0, length)]
 
@@ -96,8 +110,8 @@ class Stream:
 class Ledger:
     """Independent bookkeeping of a stream: sent pieces, placed pieces, checks per plan."""
 
-    def __init__(self, n_mb: int):
-        self.n_mb = n_mb
+    def __init__(self, n_mb: int, max_tokens: int = MAX_TOKENS):
+        self.n_mb, self.max_tokens = n_mb, max_tokens
         self.sent: Counter = Counter()
         self.placed: Counter = Counter()
         self.plans = self.pieces = 0
@@ -111,7 +125,7 @@ class Ledger:
         assert sorted(positions) == list(range(len(plan.doc_ids))), "a position is used twice or never"
         for mb in plan.micro_batches:
             pieces = [(int(plan.doc_ids[i]), int(plan.offsets[i]), int(plan.lengths[i])) for i in mb]
-            assert sum(n for _, _, n in pieces) <= MAX_TOKENS, f"micro-batch over max_tokens: {pieces}"
+            assert sum(n for _, _, n in pieces) <= self.max_tokens, f"micro-batch over max_tokens: {pieces}"
             for piece in pieces:
                 self.placed[piece] += 1
                 assert self.placed[piece] <= self.sent[piece], f"{piece} placed more often than sent"
@@ -126,6 +140,7 @@ class Ledger:
         for q in packer._queues:
             held.update((p.id, p.offset, p.length) for p in q)
         held.update((p.id, p.offset, p.length) for p in packer._carry)
+        held.update((p.id, p.offset, p.length) for p in packer._ahead.pieces())  # seen ahead (lookahead)
         assert held == self.outstanding(), "the packer holds something other than sent minus placed"
 
     def check_done(self) -> None:
@@ -191,8 +206,62 @@ def _step(packer, ledger: Ledger | None, batch, step: int):
         return "overload " + plan.digest(), step + 1
     if ledger is not None:
         ledger.send(batch)
+        if plan is not None:  # None: with lookahead, one of the first K batches
+            ledger.record(plan)
+    return ("ahead" if plan is None else plan.digest()), step + 1
+
+
+LARGE_MAX_TOKENS = 2048
+LARGE_COST = wlb.CostModel(coef={"fwd": dict(attn=1e-6, linear=1e-3, comm=0.0, doc_const=1e-4, mb_const=1e-3),
+                                 "bwd": dict(attn=2.5e-6, linear=1.5e-3, comm=0.0, doc_const=1e-4, mb_const=1e-3)},
+                           attn_flops_per_pair=1.0)
+"""Forward and backward weigh attention differently, so `wlb_phases` balances two phases."""
+LARGE_GRID = list(itertools.product([(32, 1), (16, 2), (64, 1)], [0, 2, 4]))
+"""(n_micro, dp), lookahead: the default planner's paths for large steps (candidates in lumps
+from 16 micro-batches, sparse groups, a bounded search and the plan's tail in lumps from 32)."""
+
+
+def run_large_stream(n_micro: int, dp: int, lookahead: int, steps: int, seed: int) -> dict:
+    """`run_stream` for the no-tuning defaults (`PackerConfig(lookahead=...)`) on steps of
+    dp x n_micro >= 16 micro-batches, with most pieces a few tokens long (log-uniform) and
+    costs whose phases differ; returns its counts and the digest of every step."""
+    rng = np.random.default_rng(seed)
+    kw = dict(n_micro=n_micro, max_tokens=LARGE_MAX_TOKENS, cost=LARGE_COST, dp=dp, seed=seed % 1000,
+              config=wlb.PackerConfig(lookahead=lookahead))
+    packer = wlb.WLBPacker(**kw)
+    cutoff = int(0.3 * LARGE_MAX_TOKENS)  # the default pool's cutoff, and the lumps' boundary
+    stream = Stream(rng, packer.capacity_tokens, [cutoff, LARGE_MAX_TOKENS // 40], LARGE_MAX_TOKENS, log_short=True)
+    ledger = Ledger(dp * n_micro, LARGE_MAX_TOKENS)
+    digests, restores, overloads, step = [], 0, 0, 0
+    while step < steps:
+        if step and rng.random() < 0.03:  # the old packer runs ahead; the one resumed from JSON must agree
+            state = json.loads(json.dumps(packer.state_dict()))
+            ahead = [stream.batch() for _ in range(lookahead + 2)]
+            old = [_step(packer, None, batch, 0)[0] for batch in ahead]
+            packer = wlb.WLBPacker(**kw)
+            packer.load_state_dict(state)
+            restores += 1
+            for batch, expected in zip(ahead, old):
+                got, step = _step(packer, ledger, batch, step)
+                assert got == expected, f"resumed packer differs at step {step}"
+                digests.append(got)
+                overloads += got.startswith("overload")
+            continue
+        got, step = _step(packer, ledger, stream.batch(), step)
+        digests.append(got)
+        overloads += got.startswith("overload")
+        if step % 20 == 0:
+            ledger.check_held(packer)
+    for piece in stream.pending:
+        if piece not in ledger.sent:
+            digests.append(_step(packer, ledger, [piece], step)[0])
+    for plan in packer.drain():
         ledger.record(plan)
-    return plan.digest(), step + 1
+        digests.append(plan.digest())
+    ledger.check_done()
+    assert packer.stats()["queue_wait_max"] <= packer.max_delay
+    return dict(batches=ledger.plans, pieces=ledger.pieces, restores=restores, overloads=overloads,
+                digests=digests)
 
 
 def test_soak_smoke():
@@ -221,6 +290,32 @@ def test_the_checker_catches_a_lost_a_duplicated_and_an_oversized_piece():
     over.send([(1, 0, 200), (2, 0, 200)])
     with pytest.raises(AssertionError, match="over max_tokens"):
         over.record(big.replace(micro_batches=(np.array([0, 1]), np.array([], np.int64))))
+
+
+@pytest.mark.parametrize("n_micro, dp, lookahead", [(32, 1, 0), (16, 2, 2), (32, 1, 4)])
+def test_soak_smoke_of_the_defaults_on_large_steps(n_micro, dp, lookahead):
+    counts = run_large_stream(n_micro, dp, lookahead, steps=120, seed=11)
+    assert counts["batches"] >= 120 and counts["restores"] >= 1
+
+
+@pytest.mark.skipif(not compiled_available(), reason="numba (the `fast` extra) is not installed")
+def test_the_compiled_and_python_loops_plan_an_adversarial_large_stream_alike():
+    with use_compiled(False):
+        python = run_large_stream(32, 1, 4, steps=80, seed=12)
+    with use_compiled(True):
+        compiled = run_large_stream(32, 1, 4, steps=80, seed=12)
+    assert compiled["digests"] == python["digests"]
+
+
+@pytest.mark.slow
+def test_soak_of_the_defaults_on_large_steps():
+    steps = int(os.environ.get("WLB_SOAK_STEPS", 800)) // 2
+    totals = Counter()
+    for k, ((n_micro, dp), lookahead) in enumerate(LARGE_GRID):
+        counts = run_large_stream(n_micro, dp, lookahead, steps=steps, seed=2000 + k)
+        totals.update({key: value for key, value in counts.items() if key != "digests"})
+    print("\nlarge-step soak:", json.dumps(dict(totals)))
+    assert totals["restores"] >= len(LARGE_GRID)
 
 
 @pytest.mark.slow

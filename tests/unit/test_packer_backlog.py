@@ -75,6 +75,26 @@ def test_overload_raises_once_and_the_stream_continues_with_smaller_batches():
     assert sorted(i for i, _, _ in _placed(plans)) == [2, 3]
 
 
+@pytest.mark.parametrize("lookahead", [1, 2, 4])
+def test_with_lookahead_a_stream_over_the_limit_progresses_by_pack_of_nothing(lookahead):
+    # A batch of 5 steps' capacity is buffered unchecked (what is seen ahead is not counted);
+    # K calls later its step holds 800 carried tokens, over the limit, whatever the new batch
+    # brings: that batch is refused, and pack([]) must pass, or no call ever would again.
+    p = wlb.WLBPacker(2, 100, COST, max_backlog_tokens=300,
+                      config=wlb.PackerConfig(thresholds=[], max_delay=None, lookahead=lookahead))
+    plans = [p.pack([100] * 10, list(range(10)))]
+    plans += [p.pack([10], [10 + k]) for k in range(lookahead - 1)]
+    sent = list(range(10 + lookahead - 1))
+    with pytest.raises(ValueError, match="overload at step 0"):
+        p.pack([10], [100])
+    plans.append(p.pack([]))
+    assert plans[-1].step == 0 and len(plans[-1].placed_ids()) == 2 and p.held_tokens == 800
+    plans.append(p.pack([10], [100]))  # the refused batch, once the backlog shrinks
+    sent.append(100)
+    plans += p.drain()
+    assert sorted(i for i, _, _ in _placed(p for p in plans if p is not None)) == sorted(sent)
+
+
 def test_backlog_limit_can_be_raised_when_a_state_is_reloaded():
     p = wlb.WLBPacker(2, 100, COST, max_backlog_tokens=150, config=wlb.PackerConfig(thresholds=[], max_delay=None))
     p.pack([90] * 3, [0, 1, 2])

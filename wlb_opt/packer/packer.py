@@ -397,7 +397,9 @@ class WLBPacker:
         `plan.doc_ids` holds everything placed or deferred this step, including documents
         released from queues and carried from earlier steps. Raises ValueError (state
         unchanged) if the packer would then hold (queued + carried) more than
-        `max_backlog_tokens` and more than before the call.
+        `max_backlog_tokens` and more than before the call. An empty batch is never refused:
+        `pack([])` always makes progress (with lookahead too, where the step planned holds the
+        pieces of the batch K calls back, which the call's own batch cannot change).
         """
         started = time.perf_counter()
         lengths, ids, offsets = self._validate_batch(lengths, ids, offsets)
@@ -431,7 +433,9 @@ class WLBPacker:
         # A step that holds no more than the one before always passes (pack([]) makes
         # progress even from a state above the limit, e.g. one loaded with a lower limit).
         # What was seen ahead is not counted (the buffer, and outliers queued before their
-        # step: arrival > step): it is at most K batches by construction.
+        # step: arrival > step): it is at most K batches by construction. With lookahead the
+        # step planned is the batch of K calls ago, which this call's batch cannot change: an
+        # empty batch then always passes, so that a stream over the limit still progresses.
         held_after = self._tokens_due(queues, carry, step)
         # Default limit: a burst (step's batch above a step's capacity, e.g. a 2.1M-token document
         # cut into 17 pieces that arrive together) may exceed it by its own excess; a stream
@@ -441,8 +445,8 @@ class WLBPacker:
         burst = 0
         if over and self._burst_allowed:
             burst = max(0, self._arrived_tokens(plan, queues, step) - self.capacity_tokens)
-        if held_after > self.max_backlog_tokens + burst and held_after > self._tokens_due(self._queues, self._carry,
-                                                                                          step - 1):
+        if (len(lengths) and held_after > self.max_backlog_tokens + burst
+                and held_after > self._tokens_due(self._queues, self._carry, step - 1)):
             if before is not None:  # leave the state exactly as it was, calibration included
                 self.thresholds, self.n_queues, self._queues, self._calibration = before
             queued = held_after - sum(piece.length for piece in carry if piece.arrival <= step)
