@@ -77,8 +77,8 @@ def _lookahead_tables(first_caption: str) -> tuple[Table, ...]:
 
 _STREAM_SPEED_TABLES = (
     Table("stream_speed.json", ("rows",), caption="Per step, over every step of every seed.",
-          columns=("n_micro", "dist", "method", "lookahead", "loop", "steps", "seeds", "repeats", "median_ms", "p99_ms",
-                   "worst_ms", "mean_ms", "median_vs_k0", "median_of_runs_ms")),
+          columns=("n_micro", "dp", "dist", "method", "lookahead", "loop", "steps", "seeds", "repeats", "median_ms",
+                   "p99_ms", "worst_ms", "mean_ms", "median_vs_k0", "median_of_runs_ms")),
     Table("stream_speed.json", ("shard",),
           caption="CP sharding of all micro-batches of a step: `solve_shards` (at once) and `solve_shard` (one "
                   "micro-batch at a time; the same ShardPlans)."))
@@ -174,6 +174,11 @@ SECTIONS = (
             "each pass; a shared machine only adds time), `median_of_runs_ms` is the median of the passes' own "
             "medians.",
             _STREAM_SPEED_TABLES),
+    Section("stream_speed_dp", "Streaming planner speed with data-parallel replicas",
+            "The same measure with dp replicas (`--dp`): global batches of dp x n_micro x window tokens, packed "
+            "into dp x n_micro micro-batches and dealt n_micro to each replica by their modelled 1F1B time "
+            "(`solvers.deal`).",
+            (_STREAM_SPEED_TABLES[0],)),
     Section("stream_speed_gpu_host", "Streaming planner speed on a GPU machine's CPU",
             "The long-stream measure on the host CPU of the H200 machine that ran the GPU check (16 Xeon cores, "
             "otherwise idle; 8 streams timed at once, each in its own process and CPU time), without CP sharding: "

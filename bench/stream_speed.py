@@ -1,7 +1,9 @@
 """`wlb-opt bench stream-speed`: CPU time per step of the streaming planner.
 
 `WLBPacker` with the no-tuning defaults (`PackerConfig()`, lookahead 0 and 4) plans a
-stream of global batches of n_micro x window tokens, one `pack` per step. Only `pack` is
+stream of global batches of dp x n_micro x window tokens, one `pack` per step (`--dp`: data-
+parallel replicas, default 1; with more, each step's micro-batches are also dealt to the
+replicas, `solvers.deal`). Only `pack` is
 timed, as CPU time of this process (`time.process_time`, so other processes on a shared
 machine are not counted); the median, p99 and worst step are over every step of every seed.
 
@@ -107,7 +109,7 @@ def time_job(job: tuple, spec: dict) -> tuple:
     """One stream of one row: (each step's least CPU seconds over the passes, each pass's
     times, the sharding times of the first seed's first pass or {})."""
     n_micro, dist, method, loop, k, i = job
-    batches = global_batches(dist, spec["window"], n_micro * spec["window"], spec["steps"],
+    batches = global_batches(dist, spec["window"], spec["dp"] * n_micro * spec["window"], spec["steps"],
                              seed=DEFAULT_SEED + SEED_OFFSET + i)
     shard_cp = spec["cp"] if i == 0 and (loop, k, method) == spec["first"] else None
     with use_compiled(loop == "compiled"), _harness_frozen():
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="worker processes, each timing whole streams in its own CPU time (default 1: this process; "
                         "on a many-core machine, at most its physical cores)")
     p.add_argument("--out", default=None, help="folder for stream_speed.json (default: print only)")
-    add_cost_args(p, layout=("tp", "cp", "pp"))  # one replica: dp stays 1
+    add_cost_args(p, layout=("tp", "cp", "pp", "dp"))
     args = p.parse_args(argv)
     dists = args.dists.split(",")
     methods = args.methods.split(",")
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     cp = cost.parallel.cp if cost.parallel is not None else 1
     max_tokens = int(1.25 * args.window)
     rows, shard_rows = [], []
-    print(f"max_tokens={max_tokens}, {steps} steps x {seeds} seeds, CPU ms per pack()")
+    print(f"max_tokens={max_tokens}, dp={args.dp}, {steps} steps x {seeds} seeds, CPU ms per pack()")
     loops = [loop for loop in args.loops.split(",") if loop == "python" or compiled_available()]
     if len(loops) < len(args.loops.split(",")):
         print("numba is not installed (the `fast` extra): the compiled loop is not timed")
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(n, d, m, loop, k, i) for n in n_micros for d in dists for m in methods for loop in loops
             for k in lookaheads for i in range(seeds)]
     first = (loops[0], lookaheads[0], methods[0])
-    spec = dict(window=args.window, steps=steps, max_tokens=max_tokens, cost=cost, repeats=args.repeats,
+    spec = dict(window=args.window, dp=args.dp, steps=steps, max_tokens=max_tokens, cost=cost, repeats=args.repeats,
                 cp=None if args.no_shard else cp, shard_strategies=shard_strategies, first=first)
     with _worker_pool(args.jobs) as pool:  # rows are printed as their streams are done
         results = _job_results(jobs, spec, pool)
@@ -229,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                         for (call, strategy), seconds in shard_s.items():
                             shard_rows.append(dict(dist=dist, n_micro=n_micro, cp=cp, strategy=strategy, call=call,
                                                    steps=len(seconds), clock="cpu", **_percentiles(seconds)))
-                    row = dict(dist=dist, method=method, lookahead=k, n_micro=n_micro, loop=loop,
+                    row = dict(dist=dist, method=method, lookahead=k, n_micro=n_micro, dp=args.dp, loop=loop,
                                max_tokens=max_tokens, steps=steps, seeds=seeds, repeats=args.repeats, clock="cpu",
                                **_percentiles(pack_s),
                                median_of_runs_ms=float(np.median([_percentiles(t)["median_ms"] for t in passes])))

@@ -24,16 +24,19 @@ from typing import Callable
 import numpy as np
 
 
-def deal_to_replicas(loads, dp: int, n_micro: int, pp: int = 1, max_passes: int = 0) -> np.ndarray:
+def deal_to_replicas(loads, dp: int, n_micro: int, pp: int = 1, max_passes: int = 0,
+                     min_gain: float = 0.0) -> np.ndarray:
     """replica_of (int64, one entry per micro-batch) giving n_micro micro-batches to each of
     dp replicas. `max_passes` = 0: heaviest-first greedy on replica totals; > 0: then up to
-    that many rounds of 1F1B-priced pairwise swaps with `pp` stages (see the module docstring)."""
+    that many rounds of 1F1B-priced pairwise swaps with `pp` stages (see the module docstring),
+    ending after a round that lowers the largest replica time by less than `min_gain` of it
+    (0: only a round without any swap ends them)."""
     loads = np.asarray(loads, dtype=np.float64)
     if len(loads) != dp * n_micro:
         raise ValueError(f"need dp x n_micro = {dp * n_micro} loads, got {len(loads)}")
     if dp == 1:
         return np.zeros(len(loads), dtype=np.int64)
-    return _deal_by_1f1b(loads, dp, n_micro, pp, max_passes)
+    return _deal_by_1f1b(loads, dp, n_micro, pp, max_passes, min_gain)
 
 
 def one_f_one_b_time(costs, pp: int) -> float:
@@ -45,7 +48,8 @@ def one_f_one_b_time(costs, pp: int) -> float:
     return float((costs.sum() + (pp - 1) * costs.max()) / pp)
 
 
-def _deal_by_1f1b(loads: np.ndarray, dp: int, n_micro: int, pp: int, max_passes: int) -> np.ndarray:
+def _deal_by_1f1b(loads: np.ndarray, dp: int, n_micro: int, pp: int, max_passes: int,
+                  min_gain: float = 0.0) -> np.ndarray:
     """Give n_micro micro-batches to each of dp replicas, minimising the largest modelled 1F1B
     replica time (then the sum of replica times). Greedy heaviest-first start, then pairwise
     swaps between replicas until none improves. Deterministic. Returns replica_of.
@@ -90,39 +94,48 @@ def _deal_by_1f1b(loads: np.ndarray, dp: int, n_micro: int, pp: int, max_passes:
     stats = [top_two(ms) for ms in members]
     times = [time_of(sums[r], stats[r][0]) if members[r] else 0.0 for r in range(dp)]
 
-    def top_after_swap(r: int, i: int, incoming: float) -> float:
-        """Largest load of replica r once its i-th micro-batch is replaced by `incoming`."""
-        first, second, pos = stats[r]
-        rest = second if i == pos else first
-        return max(rest, incoming)
-
+    values = [np.array([L[m] for m in ms]) for ms in members]  # each replica's loads, as members
+    positions = [np.arange(len(ms)) for ms in members]
     for _ in range(max_passes):
         improved = False
+        slowest = max(times)
         for ra in range(dp):
             for rb in range(ra + 1, dp):
                 # the other replicas' times do not change while ra and rb swap
                 others = max((times[r] for r in range(dp) if r != ra and r != rb), default=0.0)
                 old_max, old_sum = max(times), sum(times)
-                for ia in range(len(members[ra])):
-                    for ib in range(len(members[rb])):
-                        a, b = members[ra][ia], members[rb][ib]
-                        la, lb = L[a], L[b]
-                        if la == lb:
-                            continue
-                        ta = time_of(sums[ra] - la + lb, top_after_swap(ra, ia, lb))
-                        tb = time_of(sums[rb] - lb + la, top_after_swap(rb, ib, la))
-                        new_max = max(others, ta, tb)
-                        new_sum = old_sum - times[ra] - times[rb] + ta + tb
-                        if (new_max, new_sum) < (old_max - 1e-15, old_sum) or (
-                                new_max <= old_max and new_sum < old_sum - 1e-15):
-                            members[ra][ia], members[rb][ib] = b, a
-                            sums[ra] += lb - la
-                            sums[rb] += la - lb
-                            stats[ra], stats[rb] = top_two(members[ra]), top_two(members[rb])
-                            times[ra], times[rb] = ta, tb
-                            old_max, old_sum = max(times), sum(times)
-                            improved = True
-        if not improved:
+                at = 0  # the scan's position among the pair's swaps (row ra's micro-batch, then rb's)
+                while True:
+                    # every swap from `at` on priced at once, the floats of a scalar loop (same
+                    # operations in the same order); the first that improves is made, and the
+                    # scan goes on after it with the replicas as they now are
+                    la, lb = values[ra], values[rb]
+                    rest_a = np.where(positions[ra] == stats[ra][2], stats[ra][1], stats[ra][0])[:, None]
+                    rest_b = np.where(positions[rb] == stats[rb][2], stats[rb][1], stats[rb][0])[None, :]
+                    col_a, row_b = la[:, None], lb[None, :]
+                    ta = (sums[ra] - col_a + row_b + k * np.maximum(rest_a, row_b)) / pp
+                    tb = (sums[rb] - row_b + col_a + k * np.maximum(rest_b, col_a)) / pp
+                    new_max = np.maximum(np.maximum(others, ta), tb)
+                    new_sum = old_sum - times[ra] - times[rb] + ta + tb
+                    bar = old_max - 1e-15
+                    better = (((new_max < bar) | ((new_max == bar) & (new_sum < old_sum)))
+                              | ((new_max <= old_max) & (new_sum < old_sum - 1e-15))) & (col_a != row_b)
+                    hits = np.flatnonzero(better.ravel()[at:])
+                    if not len(hits):
+                        break
+                    flat = at + int(hits[0])
+                    ia, ib = divmod(flat, len(lb))
+                    a, b = members[ra][ia], members[rb][ib]
+                    members[ra][ia], members[rb][ib] = b, a
+                    la[ia], lb[ib] = L[b], L[a]
+                    sums[ra] += L[b] - L[a]
+                    sums[rb] += L[a] - L[b]
+                    stats[ra], stats[rb] = top_two(members[ra]), top_two(members[rb])
+                    times[ra], times[rb] = float(ta[ia, ib]), float(tb[ia, ib])
+                    old_max, old_sum = max(times), sum(times)
+                    improved = True
+                    at = flat + 1
+        if not improved or max(times) > slowest * (1.0 - min_gain):
             break
     replica_of = np.empty(n, dtype=np.int64)
     for r, ms in enumerate(members):
