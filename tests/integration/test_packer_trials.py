@@ -461,3 +461,42 @@ def test_the_sparse_groups_are_the_sizes_and_starts_named():
         layout = _window_layout(n, top)
         assert layout.sparse.tolist() == [listed(int(s), int(i), n, top) for s, i in zip(layout.sizes, layout.starts)]
     assert int(_window_layout(34, 32).sparse.sum()) == 193 and int(_window_layout(88, 32).sparse.sum()) == 536
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 300), top=st.integers(1, 300), seed=st.integers(0, 2**31))
+def test_the_sparse_groups_summed_size_by_size_are_the_full_layouts(n, top, seed):
+    """From `SPARSE_SUMS_FROM` pieces a group, the sparse set's windows are summed size by size;
+    the windows, their order and every sum (the floats too, added left to right) are those of
+    the full (top x n) layout with the sparse mask."""
+    from wlb_opt.packer.release import _sparse_sums, _window_layout
+
+    top = min(top, n)
+    rng = np.random.default_rng(seed)
+    costs = rng.gamma(0.5, 1e-3, n)
+    parts = {"tokens": rng.integers(1, 10**6, n), "relief": rng.integers(-10**7, 10**6, n), "total": costs,
+             "heaviest": costs}
+    sizes, starts, flat = _sparse_sums(parts, n, top)
+    layout = _window_layout(n, top)
+    assert np.array_equal(sizes, layout.sizes[layout.sparse]) and np.array_equal(starts, layout.starts[layout.sparse])
+    for key, values in parts.items():
+        padded = np.concatenate([values, np.zeros(top - 1, dtype=values.dtype)])
+        accumulate = np.maximum.accumulate if key == "heaviest" else np.add.accumulate
+        full = accumulate(padded[layout.rows], axis=0)[layout.valid][layout.sparse]
+        assert np.array_equal(flat[key], full), key
+
+
+def test_a_step_of_64_micro_batches_plans_alike_with_either_sum_of_the_sparse_groups(monkeypatch):
+    from wlb_opt.packer import release
+
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=2),
+                                  wlb.HardwareSpec.preset("h100"))
+    batches = global_batches("real", 131072, 64 * 131072, 8, seed=DEFAULT_SEED + 21)
+
+    def digests():
+        packer = WLBPacker(32, int(1.25 * 131072), cost, config=PackerConfig(lookahead=2))
+        return [p.digest() for p in [packer.pack(*b) for b in batches] + packer.drain() if p is not None]
+
+    size_by_size = digests()
+    monkeypatch.setattr(release, "SPARSE_SUMS_FROM", 10**9)  # the full layout, masked
+    assert digests() == size_by_size

@@ -127,6 +127,45 @@ def _sparse_mask(sizes: np.ndarray, starts: np.ndarray, n: int, top: int) -> np.
     return size_kept & ((starts % stride == 0) | (starts == n - sizes))
 
 
+SPARSE_SUMS_FROM = 64
+"""From groups of this many pieces (dp x n_micro), `GroupRelease._windows` sums the sparse set's
+windows size by size (`_sparse_sums`) instead of every window of the (top x n) layout."""
+
+
+@functools.lru_cache(maxsize=256)
+def _sparse_windows(n: int, top: int) -> tuple[tuple[int, np.ndarray], ...]:
+    """The sparse set's windows of a pool of n pieces, groups of 1 to top: (size, starts) for each
+    size that has some, by size then start (`sparse_window`), made once per (n, top)."""
+    sizes = np.arange(1, top + 1)
+    kept = sizes[_sparse_mask(sizes, np.zeros(top, dtype=np.int64), n, top)].tolist()  # start 0 passes any stride
+    out = []
+    for size in kept:
+        if size > n:
+            break
+        starts = np.arange(0, n - size + 1, max(1, size // SPARSE_STRIDE))
+        if starts[-1] != n - size:  # the run that ends at the last piece
+            starts = np.append(starts, n - size)
+        starts.flags.writeable = False
+        out.append((size, starts))
+    return tuple(out)
+
+
+def _sparse_sums(parts: dict, n: int, top: int) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(sizes, starts, each part's sum over each window) for the sparse set's windows, by size
+    then start: `GroupRelease._windows`'s sums for the windows the set keeps, each added left to
+    right from its first piece ("heaviest": its largest), the same floats as the full layout's,
+    in work proportional to the windows kept rather than to top x n."""
+    windows = _sparse_windows(n, top)
+    sizes = np.concatenate([np.full(len(starts), size) for size, starts in windows])
+    starts_all = np.concatenate([starts for _, starts in windows])
+    flat = {}
+    for key, values in parts.items():
+        reduce = np.maximum.accumulate if key == "heaviest" else np.add.accumulate
+        flat[key] = np.concatenate([reduce(values[starts[:, None] + np.arange(size)], axis=1)[:, -1]
+                                    for size, starts in windows])
+    return sizes, starts_all, flat
+
+
 class _WindowLayout(NamedTuple):
     """Where `GroupRelease._windows` reads the windows of a pool of n pieces, groups of 1 to top."""
 
@@ -475,16 +514,19 @@ class GroupRelease(ReleasePolicy):
         # end); accumulating down it sums (or takes the max of) the windows starting at i one
         # piece at a time, left to right: entry (size - 1, i) is the window of `size` at i.
         # Taken by size then start, where the window ends within the pool.
-        layout = _window_layout(n, top)
-        flat = {}
-        for key, values in parts.items():
-            padded = np.concatenate([values, np.zeros(top - 1, dtype=values.dtype)])
-            accumulate = np.maximum.accumulate if key == "heaviest" else np.add.accumulate
-            flat[key] = accumulate(padded[layout.rows], axis=0)[layout.valid]
-        sizes, starts = layout.sizes, layout.starts
+        if self.sparse_windows and top >= SPARSE_SUMS_FROM:  # only the sparse set's windows, each on its own
+            sizes, starts, flat = _sparse_sums(parts, n, top)
+        else:
+            layout = _window_layout(n, top)
+            flat = {}
+            for key, values in parts.items():
+                padded = np.concatenate([values, np.zeros(top - 1, dtype=values.dtype)])
+                accumulate = np.maximum.accumulate if key == "heaviest" else np.add.accumulate
+                flat[key] = accumulate(padded[layout.rows], axis=0)[layout.valid]
+            sizes, starts = layout.sizes, layout.starts
         tokens = flat["tokens"]
         keep = np.ones(len(sizes), dtype=bool) if not self.lookahead else 2 * flat["early"] <= sizes
-        if self.sparse_windows:
+        if self.sparse_windows and top < SPARSE_SUMS_FROM:
             keep &= layout.sparse
         if early_only:
             keep &= flat["early"] == 1
