@@ -48,51 +48,62 @@ def one_f_one_b_time(costs, pp: int) -> float:
     return float((costs.sum() + (pp - 1) * costs.max()) / pp)
 
 
-def _deal_by_1f1b(loads: np.ndarray, dp: int, n_micro: int, pp: int, max_passes: int,
-                  min_gain: float = 0.0) -> np.ndarray:
-    """Give n_micro micro-batches to each of dp replicas, minimising the largest modelled 1F1B
-    replica time (then the sum of replica times). Greedy heaviest-first start, then pairwise
-    swaps between replicas until none improves. Deterministic. Returns replica_of.
-
-    A replica's time needs only its sum and its largest load, so a candidate swap is priced
-    in O(1) from each replica's sum and two largest loads, and the largest time among the
-    other replicas from the three largest replica times.
-    """
-    n = len(loads)
-    L = loads.tolist()
+def _greedy_start(L: list[float], dp: int, n_micro: int, pp: int) -> tuple[list[list[int]], list[float]]:
+    """(micro-batches of each replica, each replica's summed loads): heaviest first (ties: the
+    lower index), each to the replica of least modelled time once it joins (ties: the lower
+    replica) among those with a free slot."""
     k = float(pp - 1)
     members: list[list[int]] = [[] for _ in range(dp)]
     sums = [0.0] * dp
     tops = [0.0] * dp  # largest load of each replica
-
-    def time_of(total: float, top: float) -> float:
-        return (total + k * top) / pp
-
-    for j in np.argsort(-loads, kind="stable").tolist():
+    for j in np.argsort(-np.asarray(L), kind="stable").tolist():
         best, best_key = -1, None
         for r in range(dp):
             if len(members[r]) >= n_micro:
                 continue
-            key = (time_of(sums[r] + L[j], max(tops[r], L[j])), r)
+            key = ((sums[r] + L[j] + k * max(tops[r], L[j])) / pp, r)
             if best_key is None or key < best_key:
                 best, best_key = r, key
         members[best].append(j)
         sums[best] += L[j]
         tops[best] = max(tops[best], L[j])
+    return members, sums
+
+
+def _top_two(L: list[float], ms: list[int]) -> tuple[float, float, int]:
+    """(largest, second largest, position of the largest) of the loads `L` of micro-batches `ms`."""
+    first, second, pos = -1.0, -1.0, -1
+    for i, m in enumerate(ms):
+        v = L[m]
+        if v > first:
+            first, second, pos = v, first, i
+        elif v > second:
+            second = v
+    return first, second, pos
+
+
+def _deal_by_1f1b(loads: np.ndarray, dp: int, n_micro: int, pp: int, max_passes: int,
+                  min_gain: float = 0.0) -> np.ndarray:
+    """Give n_micro micro-batches to each of dp replicas, minimising the largest modelled 1F1B
+    replica time (then the sum of replica times). Greedy heaviest-first start (`_greedy_start`),
+    then rounds of pairwise swaps between replicas until none improves (or one gains less than
+    `min_gain`). Deterministic. Returns replica_of.
+
+    A replica's time needs only its sum and its largest load, so a swap is priced from each
+    replica's sum and two largest loads; a pair of replicas has all its swaps priced at once,
+    and the first that improves, in the order (its micro-batch in the first replica, in the
+    second), is made, the scan going on after it.
+    """
+    n = len(loads)
+    L = loads.tolist()
+    k = float(pp - 1)
+    members, sums = _greedy_start(L, dp, n_micro, pp)
 
     def top_two(ms: list[int]) -> tuple[float, float, int]:
-        """(largest, second largest, position of the largest) of a replica's loads."""
-        first, second, pos = -1.0, -1.0, -1
-        for i, m in enumerate(ms):
-            v = L[m]
-            if v > first:
-                first, second, pos = v, first, i
-            elif v > second:
-                second = v
-        return first, second, pos
+        return _top_two(L, ms)
 
     stats = [top_two(ms) for ms in members]
-    times = [time_of(sums[r], stats[r][0]) if members[r] else 0.0 for r in range(dp)]
+    times = [(sums[r] + k * stats[r][0]) / pp if members[r] else 0.0 for r in range(dp)]
 
     values = [np.array([L[m] for m in ms]) for ms in members]  # each replica's loads, as members
     positions = [np.arange(len(ms)) for ms in members]

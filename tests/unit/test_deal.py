@@ -7,59 +7,27 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wlb_opt.solvers.deal import deal_to_replicas
+from wlb_opt.solvers.deal import _greedy_start, _top_two, deal_to_replicas
 
 
 def deal_reference(loads: np.ndarray, dp: int, n_micro: int, pp: int, max_passes: int) -> np.ndarray:
-    """The dealer as a plain scalar loop, one swap priced at a time: the twin that
-    `solvers.deal` must agree with exactly (same swaps, same floats)."""
-    n = len(loads)
+    """The dealer's swap rounds as a plain scalar loop, one swap priced at a time, from the
+    same greedy start: the twin that `solvers.deal` must agree with exactly (same swaps, same
+    floats)."""
     L = loads.tolist()
     k = float(pp - 1)
-    members: list[list[int]] = [[] for _ in range(dp)]
-    sums = [0.0] * dp
-    tops = [0.0] * dp  # largest load of each replica
+    members, sums = _greedy_start(L, dp, n_micro, pp)
+    stats = [_top_two(L, ms) for ms in members]
+    times = [(sums[r] + k * stats[r][0]) / pp if members[r] else 0.0 for r in range(dp)]
 
-    def time_of(total: float, top: float) -> float:
-        return (total + k * top) / pp
-
-    for j in np.argsort(-loads, kind="stable").tolist():
-        best, best_key = -1, None
-        for r in range(dp):
-            if len(members[r]) >= n_micro:
-                continue
-            key = (time_of(sums[r] + L[j], max(tops[r], L[j])), r)
-            if best_key is None or key < best_key:
-                best, best_key = r, key
-        members[best].append(j)
-        sums[best] += L[j]
-        tops[best] = max(tops[best], L[j])
-
-    def top_two(ms: list[int]) -> tuple[float, float, int]:
-        """(largest, second largest, position of the largest) of a replica's loads."""
-        first, second, pos = -1.0, -1.0, -1
-        for i, m in enumerate(ms):
-            v = L[m]
-            if v > first:
-                first, second, pos = v, first, i
-            elif v > second:
-                second = v
-        return first, second, pos
-
-    stats = [top_two(ms) for ms in members]
-    times = [time_of(sums[r], stats[r][0]) if members[r] else 0.0 for r in range(dp)]
-
-    def top_after_swap(r: int, i: int, incoming: float) -> float:
-        """Largest load of replica r once its i-th micro-batch is replaced by `incoming`."""
+    def top_after_swap(r, i, incoming):
         first, second, pos = stats[r]
-        rest = second if i == pos else first
-        return max(rest, incoming)
+        return max(second if i == pos else first, incoming)
 
     for _ in range(max_passes):
         improved = False
         for ra in range(dp):
             for rb in range(ra + 1, dp):
-                # the other replicas' times do not change while ra and rb swap
                 others = max((times[r] for r in range(dp) if r != ra and r != rb), default=0.0)
                 old_max, old_sum = max(times), sum(times)
                 for ia in range(len(members[ra])):
@@ -68,8 +36,8 @@ def deal_reference(loads: np.ndarray, dp: int, n_micro: int, pp: int, max_passes
                         la, lb = L[a], L[b]
                         if la == lb:
                             continue
-                        ta = time_of(sums[ra] - la + lb, top_after_swap(ra, ia, lb))
-                        tb = time_of(sums[rb] - lb + la, top_after_swap(rb, ib, la))
+                        ta = (sums[ra] - la + lb + k * top_after_swap(ra, ia, lb)) / pp
+                        tb = (sums[rb] - lb + la + k * top_after_swap(rb, ib, la)) / pp
                         new_max = max(others, ta, tb)
                         new_sum = old_sum - times[ra] - times[rb] + ta + tb
                         if (new_max, new_sum) < (old_max - 1e-15, old_sum) or (
@@ -77,13 +45,13 @@ def deal_reference(loads: np.ndarray, dp: int, n_micro: int, pp: int, max_passes
                             members[ra][ia], members[rb][ib] = b, a
                             sums[ra] += lb - la
                             sums[rb] += la - lb
-                            stats[ra], stats[rb] = top_two(members[ra]), top_two(members[rb])
+                            stats[ra], stats[rb] = _top_two(L, members[ra]), _top_two(L, members[rb])
                             times[ra], times[rb] = ta, tb
                             old_max, old_sum = max(times), sum(times)
                             improved = True
         if not improved:
             break
-    replica_of = np.empty(n, dtype=np.int64)
+    replica_of = np.empty(len(L), dtype=np.int64)
     for r, ms in enumerate(members):
         replica_of[ms] = r
     return replica_of
