@@ -1,10 +1,13 @@
 """`wlb-opt bench stream-speed` on a short stream: a row per (N, stream, method, lookahead,
 loop), CPU-time percentiles in order, and bad options refused by name."""
+import argparse
 import json
 
 import pytest
 
 from wlb_opt.bench import stream_speed
+from wlb_opt.cost_args import add_cost_args, cost_from_args
+from wlb_opt.workloads import global_batches
 
 
 def test_stream_speed_writes_a_row_per_setting(tmp_path, capsys):
@@ -61,3 +64,28 @@ def test_worker_processes_fill_the_same_rows(tmp_path):
     assert [(r["call"], r["steps"]) for r in two["shard"]] == [(r["call"], r["steps"]) for r in one["shard"]]
     for r in two["rows"]:
         assert 0 < r["median_ms"] <= r["p99_ms"] <= r["worst_ms"]
+
+
+def test_with_replicas_each_step_packs_dp_times_the_tokens_and_deals_them(tmp_path, monkeypatch):
+    # --dp 2: global batches of 2 x n_micro x window tokens, packed into 2 x n_micro micro-batches
+    # dealt n_micro to each replica
+    seen = []
+    time_stream = stream_speed.time_stream
+
+    def recording(batches, *args, **kwargs):
+        seen.append(sum(int(sum(batch[0])) for batch in batches) / len(batches))
+        return time_stream(batches, *args, **kwargs)
+
+    monkeypatch.setattr(stream_speed, "time_stream", recording)
+    argv = ["--n-micro", "2", "--dp", "2", "--steps", "6", "--seeds", "1", "--dists", "real", "--lookaheads", "0",
+            "--loops", "python", "--window", "8192", "--no-shard", "--out", str(tmp_path)]
+    assert stream_speed.main(argv) == 0
+    (row,) = json.loads((tmp_path / "stream_speed.json").read_text())["rows"]
+    assert row["dp"] == 2 and row["n_micro"] == 2
+    assert seen and seen[0] >= 0.9 * 2 * 2 * 8192  # dp x n_micro x window tokens per step
+    p = argparse.ArgumentParser()
+    add_cost_args(p, layout=("tp", "cp", "pp", "dp"))
+    cost = cost_from_args(p.parse_args(["--dp", "2"]))
+    plans = [plan for plan in (stream_speed.WLBPacker(2, 10240, cost).pack(*b)
+                               for b in global_batches("real", 8192, 2 * 2 * 8192, 3, seed=1)) if plan is not None]
+    assert all(sorted(plan.replica_of.tolist()) == [0, 0, 1, 1] for plan in plans)
