@@ -128,8 +128,10 @@ def _sparse_mask(sizes: np.ndarray, starts: np.ndarray, n: int, top: int) -> np.
 
 
 SPARSE_SUMS_FROM = 64
-"""From groups of this many pieces (dp x n_micro), `GroupRelease._windows` sums the sparse set's
-windows size by size (`_sparse_sums`) instead of every window of the (top x n) layout."""
+"""When a step's groups may hold this many pieces or more (top = min(dp x n_micro, the pool's
+size)), `GroupRelease._windows` sums the sparse set's windows size by size (`_sparse_sums`)
+instead of every window of the (top x n) layout: at 32 the layout is faster (fewer numpy calls),
+at 256 it is about four times slower."""
 
 
 @functools.lru_cache(maxsize=256)
