@@ -98,11 +98,7 @@ def _deal_by_1f1b(loads: np.ndarray, dp: int, n_micro: int, pp: int, max_passes:
     L = loads.tolist()
     k = float(pp - 1)
     members, sums = _greedy_start(L, dp, n_micro, pp)
-
-    def top_two(ms: list[int]) -> tuple[float, float, int]:
-        return _top_two(L, ms)
-
-    stats = [top_two(ms) for ms in members]
+    stats = [_top_two(L, ms) for ms in members]
     times = [(sums[r] + k * stats[r][0]) / pp if members[r] else 0.0 for r in range(dp)]
 
     values = [np.array([L[m] for m in ms]) for ms in members]  # each replica's loads, as members
@@ -141,7 +137,7 @@ def _deal_by_1f1b(loads: np.ndarray, dp: int, n_micro: int, pp: int, max_passes:
                     la[ia], lb[ib] = L[b], L[a]
                     sums[ra] += L[b] - L[a]
                     sums[rb] += L[a] - L[b]
-                    stats[ra], stats[rb] = top_two(members[ra]), top_two(members[rb])
+                    stats[ra], stats[rb] = _top_two(L, members[ra]), _top_two(L, members[rb])
                     times[ra], times[rb] = float(ta[ia, ib]), float(tb[ia, ib])
                     old_max, old_sum = max(times), sum(times)
                     improved = True

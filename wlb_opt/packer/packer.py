@@ -75,9 +75,8 @@ _POLICY_KEYWORDS = tuple(field.name for field in dataclasses.fields(PackerConfig
 
 # Rounds of 1F1B-priced pairwise swaps when dealing micro-batches to replicas, ended by a round
 # that lowers the slowest replica's modelled time by less than this share of it: the packer's
-# micro-batches are balanced already, and on its plans of 8 replicas x 32 micro-batches the
-# rounds after that won 0.025% (4 stages) to 0.06% (16 stages) of the slowest replica's time
-# on average, for 80-100 ms of planning per step (docs/tuning.md).
+# micro-batches are balanced already, so later rounds win little for much planning time
+# (docs/tuning.md, "Dealing micro-batches to replicas").
 _DEAL_PASSES = 50
 _DEAL_MIN_GAIN = 1e-4
 

@@ -130,14 +130,15 @@ def _sparse_mask(sizes: np.ndarray, starts: np.ndarray, n: int, top: int) -> np.
 SPARSE_SUMS_FROM = 64
 """When a step's groups may hold this many pieces or more (top = min(dp x n_micro, the pool's
 size)), `GroupRelease._windows` sums the sparse set's windows size by size (`_sparse_sums`)
-instead of every window of the (top x n) layout: at 32 the layout is faster (fewer numpy calls),
-at 256 it is about four times slower."""
+instead of every window of the (top x n) layout: for small groups the layout takes fewer numpy
+calls, for large ones it sums mostly windows the set drops (docs/tuning.md)."""
 
 
 @functools.lru_cache(maxsize=256)
-def _sparse_windows(n: int, top: int) -> tuple[tuple[int, np.ndarray], ...]:
-    """The sparse set's windows of a pool of n pieces, groups of 1 to top: (size, starts) for each
-    size that has some, by size then start (`sparse_window`), made once per (n, top)."""
+def _sparse_windows(n: int, top: int) -> tuple[tuple[tuple[int, np.ndarray], ...], np.ndarray, np.ndarray]:
+    """The sparse set's windows of a pool of n pieces, groups of 1 to top: ((size, starts) for
+    each size that has some, the size of each window, the start of each window), by size then
+    start (`sparse_window`), made once per (n, top)."""
     sizes = np.arange(1, top + 1)
     kept = sizes[_sparse_mask(sizes, np.zeros(top, dtype=np.int64), n, top)].tolist()  # start 0 passes any stride
     out = []
@@ -149,7 +150,10 @@ def _sparse_windows(n: int, top: int) -> tuple[tuple[int, np.ndarray], ...]:
             starts = np.append(starts, n - size)
         starts.flags.writeable = False
         out.append((size, starts))
-    return tuple(out)
+    sizes = np.concatenate([np.full(len(starts), size) for size, starts in out])
+    starts = np.concatenate([starts for _, starts in out])
+    sizes.flags.writeable = starts.flags.writeable = False
+    return tuple(out), sizes, starts
 
 
 def _sparse_sums(parts: dict, n: int, top: int) -> tuple[np.ndarray, np.ndarray, dict]:
@@ -157,9 +161,7 @@ def _sparse_sums(parts: dict, n: int, top: int) -> tuple[np.ndarray, np.ndarray,
     then start: `GroupRelease._windows`'s sums for the windows the set keeps, each added left to
     right from its first piece ("heaviest": its largest), the same floats as the full layout's,
     in work proportional to the windows kept rather than to top x n."""
-    windows = _sparse_windows(n, top)
-    sizes = np.concatenate([np.full(len(starts), size) for size, starts in windows])
-    starts_all = np.concatenate([starts for _, starts in windows])
+    windows, sizes, starts_all = _sparse_windows(n, top)
     flat = {}
     for key, values in parts.items():
         reduce = np.maximum.accumulate if key == "heaviest" else np.add.accumulate
