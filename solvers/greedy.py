@@ -74,7 +74,8 @@ class AssignStop(NamedTuple):
     """Give up when a bin's load exceeds this stop..."""
     slope: float = 0.0
     """...which falls by `slope` x the cost of each deferred item (a stop proportional to the
-    packing's mean load, which deferred items lower)."""
+    packing's mean load, which deferred items lower); a bin already above the fallen stop
+    ends the packing there too."""
     load_cap: float = float("inf")
     """...and never exceeds this, whatever is deferred (from a bound on the mean load that
     holds however little is placed: `TrialPack.rejects` derives one from the token capacity)."""
@@ -279,7 +280,10 @@ def wlb_assign_lists(sizes: list[int], costs: list[float], n_bins: int, cap: int
                     return None
             placed_bin.extend([-1] * (j - k))
             stop_falling -= stop_slope * sum(costs[k:j])
-            stop_load = min(stop_falling, stop_cap)
+            if stop_falling < stop_load:  # a bin already above the lowered stop stays above it
+                stop_load = stop_falling
+                if max(loads) > stop_load:
+                    return None
             deferred_tokens += sum(sizes[k:j])
             if deferred_tokens >= stop_deferred:
                 return None

@@ -76,7 +76,8 @@ def test_algorithm_1_places_like_its_plain_twin(compiled, problem):
 def test_the_python_loop_stops_exactly_when_the_packing_passes_a_limit(problem, data):
     # AssignStop: a load stop that falls by slope x each deferred item's cost and never
     # exceeds load_cap, a limit on the deferred tokens, positions that must not be deferred;
-    # the loop returns None at the first item that passes one of them, else the full placement
+    # the loop returns None at the first item that passes one of them (a deferred item passes
+    # the load stop when it lowers the stop below a bin's load), else the full placement
     n, cap = problem.n_bins, int(problem.max_tokens)
     order = placement_order(problem, problem.lengths)
     full = wlb_assign_python(order, problem.lengths, problem.weights, n, cap)
@@ -94,7 +95,7 @@ def test_the_python_loop_stops_exactly_when_the_packing_passes_a_limit(problem, 
                       load_cap=data.draw(st.one_of(st.just(float("inf")), st.floats(-1.0, 1.2 * top + 1.0))),
                       deferred_tokens=data.draw(st.sampled_from([float("inf"), 1, 5, 20])),
                       keep=frozenset(data.draw(st.lists(st.integers(0, max(len(order) - 1, 0)), max_size=3))))
-    at, tokens, want = stop.load, 0, full
+    at, tokens, want, high = stop.load, 0, full, None
     for k, (kind, value, length) in enumerate(running):
         if kind == "deferred":
             tokens += length
@@ -102,18 +103,33 @@ def test_the_python_loop_stops_exactly_when_the_packing_passes_a_limit(problem, 
             if k in stop.keep or tokens >= stop.deferred_tokens:
                 want = None
                 break
+            value = high  # the heaviest bin so far, checked against the lowered stop
+            if value is None:
+                continue
         else:
-            # the loop lowers the stop by runs of deferred items at once: its floats may differ
-            # from these in the last bits
-            limit = min(at, stop.load_cap)  # the falling stop, never above the cap
-            assume(abs(value - limit) > 1e-9 * max(1.0, abs(value)))
-            if value > limit:
-                want = None
-                break
+            high = value if high is None else max(high, value)
+        # the loop lowers the stop by runs of deferred items at once: its floats may differ
+        # from these in the last bits
+        limit = min(at, stop.load_cap)  # the falling stop, never above the cap
+        assume(abs(value - limit) > 1e-9 * max(1.0, abs(value)))
+        if value > limit:
+            want = None
+            break
     got = wlb_assign_python(order, problem.lengths, problem.weights, n, cap, stop=stop)
     assert (got is None) == (want is None)
     if got is not None:
         assert np.array_equal(got, full)
+
+
+def test_the_python_loop_stops_when_a_deferred_item_lowers_the_stop_below_a_bin():
+    # bin 0 holds the 10-token item (load 10); the last item fits nowhere and is deferred,
+    # which lowers the stop from 10.5 to 9.5: bin 0 is then past it, although no item placed
+    # after the deferral reaches it
+    lengths, weights = np.array([10, 6, 6]), np.array([10.0, 1.0, 1.0])
+    order = np.arange(3)
+    assert wlb_assign_python(order, lengths, weights, 2, 10).tolist() == [0, 1, -1]
+    assert wlb_assign_python(order, lengths, weights, 2, 10, stop=AssignStop(load=10.5, slope=1.0)) is None
+    assert wlb_assign_python(order, lengths, weights, 2, 10, stop=AssignStop(load=10.5, slope=0.4)).tolist() == [0, 1, -1]
 
 
 @BOTH_LOOPS
