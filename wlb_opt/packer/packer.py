@@ -43,7 +43,7 @@ import logging
 import time
 import warnings
 from collections import deque
-from itertools import chain
+from itertools import chain, compress
 from typing import Literal
 
 import numpy as np
@@ -63,8 +63,8 @@ from .fill_trial import FillStepSolver
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
 from .release import MAX_PACKED, SPARSE_MIN_BINS, DrainRelease, ReleasePolicy, make_release_policy
-from .state import (HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state, encode_state, held_tokens,
-                    pieces_of)
+from .state import (_ARRIVAL, _LENGTH, HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state,
+                    encode_state, held_tokens, pieces_of)
 from .stats import StreamStats
 from .trial import COARSE_MIN_BINS, StepSolver, as_pack_plan, piece_table, pieces_from_table
 
@@ -481,7 +481,8 @@ class WLBPacker:
     def _tokens_due(queues, carry, step: int) -> int:
         """Tokens of the queued and carried pieces that arrived by `step` (what the backlog
         guard counts), in one pass over them."""
-        return sum(length for _, _, length, arrival in chain(*queues, carry) if arrival <= step)
+        pieces = list(chain(*queues, carry))
+        return sum(compress(map(_LENGTH, pieces), map(step.__ge__, map(_ARRIVAL, pieces))))
 
     @staticmethod
     def _arrived_tokens(plan: PackPlan, queues, step: int) -> int:
