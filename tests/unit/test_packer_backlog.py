@@ -8,6 +8,7 @@ nothing: every held piece, the step and the statistics are checked before it is 
 """
 from __future__ import annotations
 
+import gc
 import json
 
 import numpy as np
@@ -16,6 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import wlb_opt as wlb
+import wlb_opt.packer.packer as packer_module
+from wlb_opt.step_pack import solve_pack
 from conftest import unit_cost
 
 COST = unit_cost(attn=1e-6, linear=1e-3)
@@ -73,6 +76,34 @@ def test_overload_raises_once_and_the_stream_continues_with_smaller_batches():
         p.pack([90] * 3, [3, 4, 5])
     plans = [p.pack([30], [3]), p.pack([], None)] + p.drain()
     assert sorted(i for i, _, _ in _placed(plans)) == [2, 3]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_pack_and_drain_leave_the_garbage_collector_as_they_found_it(enabled):
+    # the collector is paused within a step (trial.gc_paused), also one that raises
+    seen = []
+
+    def watch(lengths, n_micro, max_tokens, cost, method, **kwargs):
+        seen.append(gc.isenabled())
+        return solve_pack(lengths, n_micro, max_tokens, cost, method, **kwargs)
+
+    p = wlb.WLBPacker(2, 100, COST, max_backlog_tokens=150, config=wlb.PackerConfig(thresholds=[], max_delay=None,
+                                                                                     method="wlb_ls"))
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(packer_module, "solve_pack", watch)
+            p.pack([90] * 3, [0, 1, 2])
+            assert gc.isenabled() is enabled
+            with pytest.raises(ValueError, match="overload"):
+                p.pack([90] * 3, [3, 4, 5])
+            assert gc.isenabled() is enabled
+            p.drain()
+            assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen and not any(seen)
 
 
 @pytest.mark.parametrize("lookahead", [1, 2, 4])

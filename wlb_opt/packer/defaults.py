@@ -26,6 +26,11 @@ docs/tuning.md gives what was tried, the measurements and the selection rule.
 """
 from __future__ import annotations
 
+from itertools import compress
+from operator import mul
+
+from .state import _ARRIVAL, _LENGTH
+
 DEFAULT_CUTOFF_SHARE = 0.3
 """Default outlier cutoff: pieces >= int(0.3 x max_tokens) tokens wait in the pool."""
 DEFAULT_MAX_DELAY = 16
@@ -55,11 +60,13 @@ def running_displacement(totals: dict, held, step: int, capacity_tokens: int, ta
     smoothed by `PRIOR_STEPS` steps of capacity at `target`. Held pieces that have not
     arrived yet (lookahead) have neither waited nor joined the stream: left out, rather than
     counted as tokens of no displacement, which would understate it."""
-    tokens = weighted = 0  # one pass: accrued = sum((step - arrival) x length) = step x tokens - weighted
-    for _, _, length, arrival in held:  # HeldPiece fields, unpacked
-        if arrival <= step:
-            tokens += length
-            weighted += arrival * length
+    # accrued = sum((step - arrival) x length) = step x tokens - weighted, in C-level maps
+    pieces = list(held)
+    arrivals = list(map(_ARRIVAL, pieces))
+    arrived = list(map(step.__ge__, arrivals))
+    lengths = list(compress(map(_LENGTH, pieces), arrived))
+    tokens = sum(lengths)
+    weighted = sum(map(mul, compress(arrivals, arrived), lengths))
     accrued = step * tokens - weighted
     prior = PRIOR_STEPS * capacity_tokens
     return (totals["displacement_token_sum"] + accrued + target * prior) / (totals["tokens"] + tokens + prior)

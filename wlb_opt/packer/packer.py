@@ -66,7 +66,7 @@ from .release import MAX_PACKED, SPARSE_MIN_BINS, DrainRelease, ReleasePolicy, m
 from .state import (_ARRIVAL, _LENGTH, HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state,
                     encode_state, held_tokens, pieces_of)
 from .stats import StreamStats
-from .trial import COARSE_MIN_BINS, StepSolver, as_pack_plan, piece_table, pieces_from_table
+from .trial import COARSE_MIN_BINS, StepSolver, as_pack_plan, gc_paused, piece_table, pieces_from_table
 
 _log = logging.getLogger("wlb_opt")
 
@@ -392,6 +392,7 @@ class WLBPacker:
         self._step += 1
         self._stats.add(plan, self.max_delay, plan.info.extra["queue_wait_max"])
 
+    @gc_paused()  # a step's temporaries are freed by reference counting (`trial.gc_paused`)
     def pack(self, lengths, ids=None, offsets=None) -> PackPlan | None:
         """Pack one global batch; returns the step's PackPlan (with `lookahead=K`: the plan
         of the step K batches back, None while the first K batches arrive).
@@ -405,6 +406,9 @@ class WLBPacker:
         `max_backlog_tokens` and more than before the call. An empty batch is never refused:
         `pack([])` always makes progress (with lookahead too, where the step planned holds the
         pieces of the batch K calls back, which the call's own batch cannot change).
+
+        Python's cyclic garbage collector is paused during the call and turned back on after
+        it (if it was on): the step's short-lived objects are freed by reference counting.
         """
         started = time.perf_counter()
         lengths, ids, offsets = self._validate_batch(lengths, ids, offsets)
@@ -513,6 +517,7 @@ class WLBPacker:
             plans.append(plan)
         return plans
 
+    @gc_paused()
     def _drain_step(self) -> PackPlan | None:
         """One step of `drain`, committed (None when nothing is held): a caller that
         checkpoints per step (`WLBStream`) takes the state between two of them."""

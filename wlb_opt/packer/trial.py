@@ -26,6 +26,7 @@ are Algorithm 1's packings with the step's short pieces in lumps (`StepSolver.as
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 from itertools import chain, repeat
 
@@ -61,22 +62,30 @@ def piece_table(pieces: list[HeldPiece]) -> np.ndarray:
     return np.fromiter(chain.from_iterable(pieces), dtype=np.int64, count=4 * len(pieces)).reshape(-1, 4).T
 
 
-def pieces_from_table(table: np.ndarray) -> list[HeldPiece]:
-    """The pieces of a `piece_table` (4 x n int64: ids, offsets, lengths, arrival steps).
-
-    Thousands of pieces are made at once, and Python's cyclic garbage collector would
-    otherwise run every 700 of them, each time walking the list made so far (a tuple subclass
-    is never untracked): it is paused while they are made. They hold only ints, so no cycle
-    can form meanwhile, and the collection that was due runs at the next allocation."""
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off within the block, and back on after it if it was
+    on. A step makes thousands of short-lived objects (pieces, candidate lists) that reference
+    counting frees; a collection in the middle of it would walk them all (a list of a step's
+    pieces, and each piece: a tuple subclass is never untracked) only to free nothing. The
+    allocation count goes on meanwhile, so a collection that is due runs after the block, on
+    what is still alive then."""
     paused = gc.isenabled()
     if paused:
         gc.disable()
     try:
-        # tuple.__new__ makes each piece in C (HeldPiece(*row) runs a Python __new__ per piece)
-        return list(map(tuple.__new__, repeat(HeldPiece, table.shape[1]), zip(*table.tolist())))
+        yield
     finally:
         if paused:
             gc.enable()
+
+
+def pieces_from_table(table: np.ndarray) -> list[HeldPiece]:
+    """The pieces of a `piece_table` (4 x n int64: ids, offsets, lengths, arrival steps),
+    made with the garbage collector paused (`gc_paused`)."""
+    with gc_paused():
+        # tuple.__new__ makes each piece in C (HeldPiece(*row) runs a Python __new__ per piece)
+        return list(map(tuple.__new__, repeat(HeldPiece, table.shape[1]), zip(*table.tolist())))
 
 
 class StepSolver:
