@@ -444,7 +444,7 @@ class TrialPack:
         the imbalance from below, so the packing stops once that bound passes the threshold
         (with a margin of 1e-9 for rounding), once the tokens deferred so far reach the limit,
         or once a piece of `keep` is deferred. When it does not stop, the candidate is packed whole and its exact
-        values compared."""
+        values compared (the compiled loops always pack it whole)."""
         if "_placed_bin" not in self.__dict__ and compiled_loop() is not None:
             self._placed_bin = self._assign()  # the compiled loops pack whole: no stop to derive
         if "_placed_bin" not in self.__dict__:
