@@ -219,7 +219,11 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
             if agg < bounds[s.budget] - 1e-6:
                 raise AssertionError(f"{dist}: the offline schedule at budget {s.budget} ({objective}, {agg:.6f}) "
                                      f"beats the proven bound {bounds[s.budget]:.6f}: the window or the check is wrong")
-            source = names[int(s.source.split()[1]) - 1] if s.source.startswith("start ") else s.source
+            source = s.source
+            if source.startswith("start "):
+                source = names[int(source.split()[1]) - 1]
+            elif source.startswith("search from start "):
+                source = "search from " + names[int(source.split()[3]) - 1]
             curve.append(dict(dist=dist, objective=objective, budget=s.budget, imbalance=check["imbalance"],
                               imbalance_bwd=check["imbalance_bwd"], sim=check["sim"], aggregate=agg,
                               displacement_per_token=check["displacement_per_token"], bound=bounds[s.budget],

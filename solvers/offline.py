@@ -14,7 +14,8 @@ The schedule (what is searched):
   short pieces sorted by arrival. For given per-step amounts this order has the least total
   |step - arrival| (a transport on a line with cost |.|), so only the boundaries P are searched.
 
-The search (per budget; budgets ascending, each warm-started from the schedule of the one below):
+The search (per budget; budgets ascending, each warm-started from the schedule of the one below;
+and, from each start given, a second search seeded there, see below):
 - a step is ranked by `offline_step.step_model` (outliers by LPT on cost, short pieces poured
   as a fluid up to a common level), memoised on the step's content;
 - moves: one outlier to another step of its window (when the step would overflow, the short
@@ -34,8 +35,19 @@ The search (per budget; budgets ascending, each warm-started from the schedule o
   pass to the next step) and measured from the assignment: per-step max / mean of micro-batch
   cost (the per-micro-batch constant included), and displacement per token.
 
+Seeded searches: a streaming planner's schedule packs its steps to within a few hundred tokens
+of the cap, and its short pieces are not in arrival order, so the path from the arrivals never
+comes near it, and the model finds it over capacity as given. From each start given, the
+search's own form of it (`start_state`) is made feasible for the model (`_Search.feasible`:
+short pieces at the edges of a step over capacity move to a neighbour, the least displacement
+first), then searched at each budget from its displacement less `SEED_REACH` up
+(`_Search.seeded`: below its displacement, displacement is first shed at rising prices). On
+heavy-tailed streams these seeded schedules are far better than the path's at the budgets near
+the planner's.
+
 The returned schedule is the best exactly-measured one within the budget and window among the
-starts, the warm start and the search's result, so it is never worse than a start it was given.
+starts, the warm start, the search's result and the seeded searches' results, so it is never
+worse than a start it was given.
 """
 from __future__ import annotations
 
@@ -59,6 +71,11 @@ PARTITION_MAX = 8
 """Outliers (the costliest) whose side a two-step repartition enumerates; the rest stay put."""
 CHAIN_FROM = 0.03
 """Ejection chains start from the outliers of steps whose weighted model exceeds 1 by this much."""
+SHED_PRICES = (0.12, 0.25, 0.5, 1.0, 2.0, 4.0)
+"""Prices, in turn, at which a search seeded from a start sheds displacement down to a budget
+below the start's (each phase from where the one before stopped, until the budget is met)."""
+SEED_REACH = 0.05
+"""A start seeds searches at budgets down to its own displacement per token less this much."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +137,8 @@ class OfflineSchedule:
     objective: float
     """sum_t weight_t x step_imbalance_t, what the search lowers."""
     source: str
-    """Which candidate won: "search", "warm" (the schedule of the budget below) or "start k"."""
+    """Which candidate won: "search" (from the arrivals), "search from start k" (seeded from start
+    k), "warm" (the schedule of the budget below) or "start k"."""
     info: dict = field(default_factory=dict)
     """Counters of the search (moves taken, model evaluations, seconds are left to the caller)."""
 
@@ -260,6 +278,67 @@ class _Search:
         P = np.minimum(np.maximum(P, self.lowP), self.highP)
         P[0], P[-1] = 0, len(self.short)
         return big_step, np.maximum.accumulate(P).tolist()
+
+    def feasible(self, big_step: list[int], P: list[int]) -> tuple[list[int], list[int]]:
+        """`(big_step, P)` with the short pieces at the edges of each step the model finds over
+        capacity moved to a neighbouring step, one at a time, the move of least displacement
+        first (to the step before only where that one stays within capacity), until none is
+        over or no move is left. A streaming planner's schedule packs its steps to within a
+        few hundred tokens of the cap, which `start_state`'s boundaries, rounded to whole
+        pieces, and the model's slack of one short piece often pass."""
+        self.load(big_step, P)
+        P = list(P)
+
+        def fits(t: int, p: int, q: int) -> bool:
+            return self.model(self.bigs[t], p, q) < OVERFLOW
+
+        for _ in range(self.T):
+            over = [t for t in range(self.T) if not fits(t, P[t], P[t + 1])]
+            if not over:
+                break
+            for t in over:
+                while P[t + 1] > P[t] and not fits(t, P[t], P[t + 1]):
+                    options = []
+                    if t > 0 and P[t] + 1 <= self.highP[t] and fits(t - 1, P[t - 1], P[t] + 1):  # first piece back
+                        options.append((self.seg_disp(t - 1, P[t - 1], P[t] + 1) + self.seg_disp(t, P[t] + 1, P[t + 1])
+                                        - self.seg_disp(t - 1, P[t - 1], P[t]) - self.seg_disp(t, P[t], P[t + 1]),
+                                        0, t))
+                    if t + 1 < self.T and P[t + 1] - 1 >= self.lowP[t + 1]:  # last piece on
+                        q = P[t + 1] - 1
+                        options.append((self.seg_disp(t, P[t], q) + self.seg_disp(t + 1, q, P[t + 2])
+                                        - self.seg_disp(t, P[t], P[t + 1]) - self.seg_disp(t + 1, P[t + 1], P[t + 2]),
+                                        0 if fits(t + 1, q, P[t + 2]) else 1, t + 1))
+                    if not options:
+                        break
+                    _, _, at = min(options, key=lambda o: (o[1], o[0]))
+                    if at == t:
+                        P[t] += 1
+                    else:
+                        P[t + 1] -= 1
+        return list(big_step), P
+
+    def seeded(self, state: tuple[list[int], list[int]], d_caps: list[int], sweeps: int,
+               rng: np.random.Generator) -> dict[int, tuple[list[int], list[int]]]:
+        """Per index of `d_caps` (token-steps): a state within that cap searched from `state`
+        (made `feasible` first). Caps at or above its displacement: the search at price 0 within
+        the cap. Below: the displacement is shed at `SHED_PRICES` in turn (each phase within the
+        displacement it starts from) until under the cap, then the search at price 0 within the
+        cap; each lower cap continues from the state shed for the one above."""
+        self.load(*self.feasible(*state))
+        out = {}
+        for i in sorted(range(len(d_caps)), key=lambda i: -d_caps[i]):
+            d_max = d_caps[i]
+            for price in SHED_PRICES:
+                if self.D <= d_max:
+                    break
+                self.run([price], sweeps, self.D, rng)
+            if self.D > d_max:
+                break
+            shed = (list(self.bstep), list(self.P))
+            self.run([0.0], sweeps, d_max, rng)
+            out[i] = (list(self.bstep), list(self.P))
+            self.load(*shed)
+        return out
 
     # -- moves ------------------------------------------------------------------------------
     def _delta(self, changes: dict, dd: int, price: float, d_max: int):
@@ -711,9 +790,25 @@ def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_co
     for price in prices:
         moves = search.run([price], sweeps, d_cap[-1], rng)
         path.append((price, search.D, search.objective(), (list(search.bstep), list(search.P)), moves))
+    # Searches seeded from each given start (made feasible for the model), at the budgets from
+    # its displacement less SEED_REACH up: a streaming planner's schedule lies in a region the
+    # path from the arrivals does not reach.
+    seeded, seed_rng = {}, np.random.default_rng([seed, 1])  # its own draws: the path's are unchanged
+    for k, (s, _) in enumerate(candidates[1:], start=1):
+        own = float((np.abs(s - arrival) * stream.lengths).sum()) / max(stream.total_tokens, 1)
+        at = [i for i, b in enumerate(budgets) if b >= own - SEED_REACH]
+        if at:
+            for i, state in search.seeded(search.start_state(s), [d_cap[i] for i in at], sweeps, seed_rng).items():
+                seeded.setdefault(at[i], []).append((f"search from start {k}", state))
     out, warm = [], None
-    for budget, d_max in zip(budgets, d_cap):
+    for j, (budget, d_max) in enumerate(zip(budgets, d_cap)):
         within = [e for e in exact if e[3] <= budget + 1e-12] + ([warm] if warm is not None else [])
+        for name, state in seeded.get(j, []):
+            search.load(*state)
+            r = realise(stream, search.piece_steps(), n_micro, max_tokens, mb_const, outlier_min, n_slots)
+            if r is not None and in_window(r[0]):
+                imb, disp = measure(stream, *r, n_micro, mb_const, n_slots)
+                within.append((name, r, imb, disp))
         # finish from the best state of the path within the budget, at the price where the
         # path left the budget (its Lagrange multiplier), the budget now a hard cap
         inside = [i for i, p in enumerate(path) if p[1] <= d_max]

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wlb_opt.solvers.offline import OfflineStream, offline_frontier, offline_schedule, offline_stream
+from wlb_opt.solvers.offline import OfflineStream, _Search, offline_frontier, offline_schedule, offline_stream
+from wlb_opt.solvers.offline_step import OVERFLOW
 from wlb_opt.solvers.offline_step import pack_step, step_model, water_level
 
 
@@ -104,6 +105,40 @@ def test_a_schedule_is_valid_within_its_budget_and_never_worse_than_its_start(st
     assert out[budgets.index(d_start)].objective <= at_start.objective + 1e-12
     if len(out) == 2:
         assert out[1].objective <= out[0].objective + 1e-12
+
+
+def test_a_start_packed_to_the_cap_is_made_feasible_for_the_model_by_moving_edge_pieces():
+    # step 0's short pieces fill its one micro-batch to the token: the model wants one short
+    # piece of slack, so the last one goes on to step 1, which has room for it
+    batches, stream = _stream([[30, 30, 40], [10]])
+    search = _Search(stream, 1, 100, 0.5, 1, 1, 50, np.ones(3))
+    state = search.start_state(stream.arrival)
+    search.load(*state)
+    assert search.f[0] >= OVERFLOW
+    big_step, P = search.feasible(*state)
+    search.load(big_step, P)
+    assert max(search.f) < OVERFLOW
+    assert P == [0, 2, 4, 4]  # 30, 30 at step 0; 40, 10 at step 1
+    assert all(search.lowP[t] <= P[t] <= search.highP[t] for t in range(4))
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 60), min_size=1, max_size=4), min_size=2, max_size=5), st.integers(1, 3))
+def test_a_seeded_search_keeps_each_state_within_its_cap(steps, n_micro):
+    # at most 240 tokens a step: the model finds every step within capacity, so the start is
+    # kept as given and the caps from its own displacement up are met
+    batches, stream = _stream(steps)
+    n_slots = len(steps) + 1
+    start = np.minimum(stream.arrival + 1, n_slots - 1)  # everything one step late
+    search = _Search(stream, n_micro, 300, 0.5, 1, 1, 20, np.ones(n_slots))
+    d_start = int((np.abs(start - stream.arrival) * stream.lengths).sum())
+    caps = [0, d_start // 2, d_start, 2 * d_start]
+    out = search.seeded(search.start_state(start), caps, 2, np.random.default_rng(0))
+    assert {2, 3} <= set(out)
+    for i, state in out.items():
+        search.load(*state)
+        assert search.D <= caps[i]
+        assert all(search.lowP[t] <= state[1][t] <= search.highP[t] for t in range(n_slots + 1))
 
 
 def test_the_stream_is_flat_in_batch_order():
