@@ -71,6 +71,8 @@ BRACKETED = {"default (no tuning)": {}, "default, lookahead 2": dict(lookahead=2
 BUDGETS, QUICK_BUDGETS = "0.1,0.2,0.3,0.44", "0.2,0.44"
 TIME_LIMIT, QUICK_TIME_LIMIT = 4.0, 1.0  # HiGHS seconds per budget: the bound is what HiGHS proves by then
 QUICK_PRICES = (1.0, 0.25, 0.06, 0.0)
+QUICK_SEEDED_STARTS = 1
+"""With `--quick`, only the best default's schedule seeds a search of its own (all of them otherwise)."""
 EDGE_WEIGHT = 0.1
 """Objective weight of a warm-up or drain step in the offline search (the measured steps weigh 1)."""
 OBJECTIVES = {"fwd": "fwd", "fwd+bwd": "fwd_bwd"}
@@ -141,7 +143,8 @@ def _piece_steps(plans, stream) -> tuple[np.ndarray, np.ndarray]:
 
 
 def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, budgets: list[float],
-                     time_limit: float, outlier_min: int, seed: int, prices, warmup: int, show) -> dict:
+                     time_limit: float, outlier_min: int, seed: int, prices, warmup: int, show,
+                     seeded_starts: int | None = None) -> dict:
     """Heuristics, bounds and offline schedules of one distribution's stream; see the module docstring."""
     from .frontier import model_window, stream_plans, sum_of_max
 
@@ -199,7 +202,7 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
         at = all_budgets if phase == "fwd" else sorted({r["displacement_per_token"] for r in rows})
         offline_frontier(searched, N, max_tokens, cost.mb_const(phase), at, early=early, late=late,
                          outlier_min=outlier_min, starts=in_window, n_slots=n_slots, step_weights=weights,
-                         prices=prices, on_budget=progress, skip_infeasible=True)
+                         prices=prices, on_budget=progress, skip_infeasible=True, seeded_starts=seeded_starts)
         search_s[objective] = time.perf_counter() - t1
         for b in sorted(set(at) - {s.budget for s in found}):
             show(f"  {dist}: budget {b:.3f} ({objective}): no offline schedule found")
@@ -273,6 +276,7 @@ def main(args, argv, cost, budgets: list[float] | None) -> int:
             results.append(run_distribution(dist, cost, steps=steps, window=args.window, n_micro=args.n_micro,
                                             budgets=budgets, time_limit=time_limit, outlier_min=args.outlier_min,
                                             seed=args.seed, prices=prices, warmup=20,
+                                            seeded_starts=QUICK_SEEDED_STARTS if args.quick else None,
                                             show=lambda m: print(m, flush=True)))
     print("\noffline schedules (checked): objective = what the search balances; imbalance = mean max/mean "
           "forward cost per step after 20 steps (bwd: the same of the backward cost); agg = aggregate "

@@ -726,7 +726,7 @@ def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_co
                      *, early: int, late: int, outlier_min: int = 32768, starts: Sequence[np.ndarray] = (),
                      n_slots: int | None = None, step_weights: np.ndarray | None = None, prices: Sequence[float] = PRICES, sweeps: int = SWEEPS,
                      seed: int = 0, on_budget: Callable[[OfflineSchedule], None] | None = None,
-                     skip_infeasible: bool = False) -> list[OfflineSchedule]:
+                     skip_infeasible: bool = False, seeded_starts: int | None = None) -> list[OfflineSchedule]:
     """One `OfflineSchedule` per budget (displacement per token), in ascending budget order.
 
     `starts`: schedules to start from and never do worse than: a training step per piece (each
@@ -735,7 +735,9 @@ def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_co
     `step_weights`: weight of each step in the objective (default 1 each). `on_budget` is
     called with each schedule as it is found (progress). When no schedule is found within a
     budget (a budget of 0 on a stream whose arrivals overflow a step), raises ValueError, or
-    with `skip_infeasible` leaves that budget out of the list."""
+    with `skip_infeasible` leaves that budget out of the list. `seeded_starts`: at most this
+    many starts seed a search of their own (module docstring), those of least exactly measured
+    objective first; None: every start."""
     if not isinstance(stream, OfflineStream):
         raise TypeError(f"stream must be an OfflineStream (see offline_stream), got {type(stream).__name__}")
     budgets = sorted(budgets)
@@ -744,6 +746,9 @@ def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_co
         np.asarray(step_weights, dtype=np.float64).reshape(-1)
     _check_args(stream, n_micro, max_tokens, mb_const, budgets, early, late, outlier_min, weights, tuple(prices), sweeps,
                 n_slots)
+    if seeded_starts is not None and (isinstance(seeded_starts, bool) or not isinstance(seeded_starts, (int, np.integer))
+                                      or seeded_starts < 0):
+        raise ValueError(f"seeded_starts must be an integer >= 0 or None, got {seeded_starts!r}")
     arrival = stream.arrival
     candidates = [(np.asarray(arrival, dtype=np.int64), None)]
     for i, s in enumerate(starts):
@@ -794,7 +799,16 @@ def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_co
     # its displacement less SEED_REACH up: a streaming planner's schedule lies in a region the
     # path from the arrivals does not reach.
     seeded, seed_rng = {}, np.random.default_rng([seed, 1])  # its own draws: the path's are unchanged
-    for k, (s, _) in enumerate(candidates[1:], start=1):
+    best_of = {}  # start index: its least exactly measured objective
+    for name, _, imb, _ in exact:
+        if name.startswith("start "):
+            k = int(name.split()[1])
+            best_of[k] = min(best_of.get(k, math.inf), float(np.dot(weights, imb)))
+    seeds = sorted(range(1, len(candidates)), key=lambda k: (best_of.get(k, math.inf), k))
+    if seeded_starts is not None:
+        seeds = seeds[:seeded_starts]
+    for k in sorted(seeds):
+        s = candidates[k][0]
         own = float((np.abs(s - arrival) * stream.lengths).sum()) / max(stream.total_tokens, 1)
         at = [i for i, b in enumerate(budgets) if b >= own - SEED_REACH]
         if at:

@@ -192,6 +192,8 @@ def test_pack_step_places_every_piece_within_the_cap():
     (dict(step_weights=np.ones(2)), "step_weights must be 3 finite numbers"),
     (dict(prices=()), "prices must be finite numbers >= 0"),
     (dict(starts=[np.array([2, 0, 0, 0, 0])]), "start 0 must give each of the 5 pieces a step within"),
+    (dict(seeded_starts=-1), "seeded_starts must be an integer >= 0 or None, got -1"),
+    (dict(seeded_starts=1.5), "seeded_starts must be an integer >= 0 or None, got 1.5"),
 ])
 def test_bad_input_is_refused_by_name(kw, message):
     batches, stream = _stream([[40, 12], [30], [28, 6]])
