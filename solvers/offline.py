@@ -35,8 +35,8 @@ and, from each start given, a second search seeded there, see below):
   pass to the next step) and measured from the assignment: per-step max / mean of micro-batch
   cost (the per-micro-batch constant included), and displacement per token.
 
-Seeded searches: a streaming planner's schedule packs its steps to within a few hundred tokens
-of the cap, and its short pieces are not in arrival order, so the path from the arrivals never
+Seeded searches: a streaming planner's schedule packs its steps to the token cap or nearly,
+and its short pieces are not in arrival order, so the path from the arrivals never
 comes near it, and the model finds it over capacity as given. From each start given, the
 search's own form of it (`start_state`) is made feasible for the model (`_Search.feasible`:
 short pieces at the edges of a step over capacity move to a neighbour, the least displacement
@@ -144,7 +144,7 @@ class OfflineSchedule:
 
 
 def _check_args(stream, n_micro, max_tokens, mb_const, budgets, early, late, outlier_min, weights, prices, sweeps,
-                n_slots):
+                n_slots, seeded_starts=None):
     for name, value, low in (("n_micro", n_micro, 1), ("max_tokens", max_tokens, 1), ("early", early, 0),
                              ("late", late, 0), ("outlier_min", outlier_min, 1), ("sweeps", sweeps, 0)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
@@ -163,6 +163,9 @@ def _check_args(stream, n_micro, max_tokens, mb_const, budgets, early, late, out
         raise ValueError(f"step_weights must be {n_slots} finite numbers >= 0 (one per slot), got {len(weights)}")
     if not prices or any(not math.isfinite(p) or p < 0 for p in prices):
         raise ValueError(f"prices must be finite numbers >= 0 (at least one), got {prices!r}")
+    if seeded_starts is not None and (isinstance(seeded_starts, bool) or not isinstance(seeded_starts, (int, np.integer))
+                                      or seeded_starts < 0):
+        raise ValueError(f"seeded_starts must be an integer >= 0 or None, got {seeded_starts!r}")
 
 
 _BITS = [((np.arange(1 << n)[:, None] >> np.arange(n)) & 1).astype(np.int64) for n in range(PARTITION_MAX + 1)]
@@ -283,9 +286,9 @@ class _Search:
         """`(big_step, P)` with the short pieces at the edges of each step the model finds over
         capacity moved to a neighbouring step, one at a time, the move of least displacement
         first (to the step before only where that one stays within capacity), until none is
-        over or no move is left. A streaming planner's schedule packs its steps to within a
-        few hundred tokens of the cap, which `start_state`'s boundaries, rounded to whole
-        pieces, and the model's slack of one short piece often pass."""
+        over or no move is left. A streaming planner's schedule packs its steps to the token
+        cap or nearly, which `start_state`'s boundaries, rounded to whole pieces, and the
+        model's slack of one short piece often pass."""
         self.load(big_step, P)
         P = list(P)
 
@@ -745,10 +748,7 @@ def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_co
     weights = np.ones(n_slots if isinstance(n_slots, (int, np.integer)) else 0) if step_weights is None else \
         np.asarray(step_weights, dtype=np.float64).reshape(-1)
     _check_args(stream, n_micro, max_tokens, mb_const, budgets, early, late, outlier_min, weights, tuple(prices), sweeps,
-                n_slots)
-    if seeded_starts is not None and (isinstance(seeded_starts, bool) or not isinstance(seeded_starts, (int, np.integer))
-                                      or seeded_starts < 0):
-        raise ValueError(f"seeded_starts must be an integer >= 0 or None, got {seeded_starts!r}")
+                n_slots, seeded_starts)
     arrival = stream.arrival
     candidates = [(np.asarray(arrival, dtype=np.int64), None)]
     for i, s in enumerate(starts):
