@@ -79,6 +79,10 @@ OBJECTIVES = {"fwd": "fwd", "fwd+bwd": "fwd_bwd"}
 """What each offline search balances (the cost model's phase): "fwd", the measured forward cost,
 on which the bound is proven; "fwd+bwd", the forward plus backward cost, as Algorithm 1 and the
 defaults balance it. Both are measured in each phase (module docstring)."""
+PHASES_BUDGETS = (0.4, 0.45)
+"""Budgets the forward + backward search meets besides the heuristics' displacements: the
+streaming planner's balance targets (the defaults at <= 0.45 displacement per token, lookahead
+at <= 0.40), so that what a schedule balancing both phases reaches there is known."""
 
 
 def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: int, max_tokens: int, n_slots: int,
@@ -144,8 +148,10 @@ def _piece_steps(plans, stream) -> tuple[np.ndarray, np.ndarray]:
 
 def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, budgets: list[float],
                      time_limit: float, outlier_min: int, seed: int, prices, warmup: int, show,
-                     seeded_starts: int | None = None) -> dict:
-    """Heuristics, bounds and offline schedules of one distribution's stream; see the module docstring."""
+                     seeded_starts: int | None = None, phases_budgets=PHASES_BUDGETS) -> dict:
+    """Heuristics, bounds and offline schedules of one distribution's stream; see the module
+    docstring. `phases_budgets`: budgets the forward + backward search meets besides the
+    heuristics' displacements."""
     from .frontier import model_window, stream_plans, sum_of_max
 
     t0 = time.perf_counter()
@@ -180,7 +186,7 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
     show(f"{dist}: {len(batches)} steps, window [-{early}, +{late}], {n_slots} slots; bounds ({time_limit:g} s each)")
     bounds, previous = {}, None
     mip_starts = [plan_solution(problem, plans)[0] for plans in runs.values()]
-    for b in all_budgets:
+    for b in sorted(set(all_budgets) | set(phases_budgets)):
         r = solve_frontier(problem, b, time_limit, starts=mip_starts + [previous])
         previous = r.values
         bounds[b] = aggregate_imbalance(r.bound, problem)
@@ -198,8 +204,9 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
 
         t1 = time.perf_counter()
         searched = stream if phase == "fwd" else offline_stream(batches, lambda d, phase=phase: cost.doc_cost(d, phase))
-        # the forward search draws the frontier; the other one only needs the heuristics' budgets
-        at = all_budgets if phase == "fwd" else sorted({r["displacement_per_token"] for r in rows})
+        # the forward search draws the frontier; the other one the heuristics' budgets and the targets'
+        at = all_budgets if phase == "fwd" else sorted({r["displacement_per_token"] for r in rows}
+                                                       | set(phases_budgets))
         offline_frontier(searched, N, max_tokens, cost.mb_const(phase), at, early=early, late=late,
                          outlier_min=outlier_min, starts=in_window, n_slots=n_slots, step_weights=weights,
                          prices=prices, on_budget=progress, skip_infeasible=True, seeded_starts=seeded_starts)
@@ -277,6 +284,7 @@ def main(args, argv, cost, budgets: list[float] | None) -> int:
                                             budgets=budgets, time_limit=time_limit, outlier_min=args.outlier_min,
                                             seed=args.seed, prices=prices, warmup=20,
                                             seeded_starts=QUICK_SEEDED_STARTS if args.quick else None,
+                                            phases_budgets=() if args.quick else PHASES_BUDGETS,
                                             show=lambda m: print(m, flush=True)))
     print("\noffline schedules (checked): objective = what the search balances; imbalance = mean max/mean "
           "forward cost per step after 20 steps (bwd: the same of the backward cost); agg = aggregate "

@@ -157,7 +157,12 @@ SECTIONS = (
                    "imbalance, forward; `_bwd`: the same of the backward cost; `_packing`: max / mean of the packing "
                    "cost; `_sim`: the 1F1B pipeline's simulated step time over that of the same step with every "
                    "micro-batch at the mean; `loop_*`: imbalance (backward) / displacement / median CPU ms per "
-                   "step)."),)),
+                   "step)."),
+             Table("step_packers.json", ("regimes",), caption="The defaults' steps filled to 99% of their token "
+                   "capacity (`full`) and the others, over the streams of each kind: `share` of the steps, the "
+                   "defaults' mean forward imbalance on them (the stream's mean is the share-weighted mean of the "
+                   "two), and on the steps CP-SAT solved (spread evenly over each stream), the packing imbalance of "
+                   "Algorithm 1, of CP-SAT's plan and of its proven bound."))),
     Section("pack_speed", "Packing speed",
             "CPU time of `solve_pack` on one large global batch.",
             (Table("pack_speed.json", ("rows",)),)),

@@ -7,10 +7,13 @@ packer, `PackerConfig.method`). This benchmark separates the two.
 - **Re-pack** (unchanged displacement): the no-tuning defaults (`PackerConfig()`) plan each
   stream; every step after the warm-up keeps exactly the pieces the defaults placed in it,
   and is packed again by each step packer ("wlb" = Algorithm 1, "wlb_ls", "wlb_fill",
-  "wlb_phases" = the defaults' packer). With `--exact-steps K`, the first K steps of each
-  stream are also solved by CP-SAT (`--time-limit` seconds each; the `exact` extra): its
-  best plan and its proven bound on the largest micro-batch bracket what ANY step packer can
-  reach on those pieces, in the packing cost. One more re-packing, "wlb_fwd", is Algorithm 1
+  "wlb_phases" = the defaults' packer). With `--exact-steps K`, K steps spread evenly over
+  each stream (after the warm-up) are also solved by CP-SAT (`--time-limit` seconds each;
+  the `exact` extra): its best plan and its proven bound on the largest micro-batch bracket
+  what ANY step packer can reach on those pieces, in the packing cost. Steps the defaults
+  fill to at least `FULL_SHARE` of their token capacity ("full": a step of long outliers
+  packed to the caps, its pieces leaving little choice) are reported apart from the others,
+  for the defaults and for CP-SAT. One more re-packing, "wlb_fwd", is Algorithm 1
   balancing the forward cost alone (the measured one): it shows what a step packer gains on
   the forward measure by letting the backward phase go.
 - **In the loop**: the packer runs with each method as its step packer ("wlb_phases" and
@@ -54,6 +57,8 @@ REPACKED = METHODS + ("wlb_fwd",)
 """The re-packings: the step packers, and Algorithm 1 on the forward cost alone."""
 LOOP_METHODS = ("wlb", "wlb_phases", "wlb_fill")
 SCORED, CALIBRATION = (0, 1, 2), (100, 101, 102)
+FULL_SHARE = 0.99
+"""A step is "full" when its placed tokens reach this share of n_micro x max_tokens."""
 
 
 def _has_exact() -> bool:
@@ -94,12 +99,16 @@ def repack_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, exa
     sim = {m: [] for m in ("defaults", *REPACKED)}
     pp = cost.degree("pp")
     forward_only = forward_cost(cost)
-    exact = dict(steps=0, wlb=[], cpsat=[], bound=[])
+    exact = dict(steps=0, wlb=[], cpsat=[], bound=[], full=[])
+    exact_at = set(np.linspace(0, len(plans) - 1, exact_steps).round().astype(int).tolist()) \
+        if exact_steps and plans else set()
+    full = []  # whether each step re-packed is full (FULL_SHARE)
     for k, plan in enumerate(plans):
         placed = np.concatenate(plan.micro_batches) if plan.micro_batches else np.zeros(0, np.int64)
         if not len(placed):
             continue
         lengths = plan.lengths[placed]
+        full.append(int(np.add.reduce(lengths)) >= FULL_SHARE * n_micro * max_tokens)
         fwd["defaults"].append(per_step_imbalance(plan, cost, "fwd"))
         sim["defaults"].append(pipeline_ratio(plan, cost, pp))
         for m in REPACKED:
@@ -113,11 +122,12 @@ def repack_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, exa
             bwd[m].append(per_step_imbalance(q, cost, "bwd"))
             packing[m].append(q.imbalance if m != "wlb_fwd" else per_step_imbalance(q, cost, "fwd_bwd"))
             sim[m].append(pipeline_ratio(q, cost, pp))
-        if k < exact_steps:
+        if k in exact_at:
             q = solve_pack(lengths, n_micro, max_tokens, cost, "cpsat", time_limit=time_limit)
             alg1 = solve_pack(lengths, n_micro, max_tokens, cost, "wlb")
             mean = float(q.loads.mean())
             exact["steps"] += 1
+            exact["full"].append(full[-1])
             exact["wlb"].append(alg1.imbalance)
             exact["cpsat"].append(q.imbalance)
             exact["bound"].append(q.info.bound / mean if q.info.bound is not None else float("nan"))
@@ -131,7 +141,50 @@ def repack_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, exa
         row |= dict(exact_steps=exact["steps"], exact_wlb_packing=float(np.mean(exact["wlb"])),
                     exact_cpsat_packing=float(np.mean(exact["cpsat"])),
                     exact_bound_packing=float(np.nanmean(exact["bound"])))
+    # full steps apart: the defaults' forward imbalance (the stream's mean is the share-weighted
+    # mean of the two), and the packing imbalance of Algorithm 1, CP-SAT and its bound
+    full = np.array(full, dtype=bool)
+    defaults = np.array(fwd["defaults"])
+    was_full = np.array(exact["full"], dtype=bool)
+    regimes = {}
+    for name, steps_in, exact_in in (("full", full, was_full), ("other", ~full, ~was_full)):
+        regimes[name] = dict(steps=int(steps_in.sum()), defaults_imbalance=_mean_or_none(defaults[steps_in]),
+                             exact_steps=int(exact_in.sum()),
+                             **{f"exact_{key}_packing": _mean_or_none(np.array(exact[key], dtype=np.float64)[exact_in])
+                                for key in ("wlb", "cpsat", "bound")})
+    row["regimes"] = regimes
     return row
+
+
+def _mean_or_none(values: np.ndarray) -> float | None:
+    values = values[~np.isnan(values)]
+    return float(values.mean()) if len(values) else None
+
+
+def regime_summary(repack: list[dict]) -> list[dict]:
+    """Per distribution, kind of stream and regime ("full": steps the defaults fill to
+    `FULL_SHARE` of their token capacity; "other"), over the streams: the share of the steps,
+    the defaults' mean forward imbalance on them, and on the steps CP-SAT solved, the packing
+    imbalance of Algorithm 1, of CP-SAT's plan and of its bound (each step weighs one)."""
+    out = []
+    for dist, kind in dict.fromkeys((r["dist"], r["streams"]) for r in repack):
+        rows = [r["regimes"] for r in repack if r["dist"] == dist and r["streams"] == kind]
+        total = sum(g["steps"] for r in rows for g in r.values())
+        for name in ("full", "other"):
+            parts = [r[name] for r in rows]
+            steps = sum(p["steps"] for p in parts)
+            exact_steps = sum(p["exact_steps"] for p in parts)
+
+            def weighted(key, weight):
+                pairs = [(p[key], p[weight]) for p in parts if p[key] is not None and p[weight]]
+                n = sum(w for _, w in pairs)
+                return sum(v * w for v, w in pairs) / n if n else None
+
+            out.append(dict(dist=dist, streams=kind, steps=name, share=steps / total if total else 0.0,
+                            defaults_imbalance=weighted("defaults_imbalance", "steps"), exact_steps=exact_steps,
+                            **{f"exact_{key}_packing": weighted(f"exact_{key}_packing", "exact_steps")
+                               for key in ("wlb", "cpsat", "bound")}))
+    return out
 
 
 def loop_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, method: str) -> dict:
@@ -219,10 +272,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['dist']:>7} {r['streams']:>11} disp {r['displacement_per_token']:.3f}: defaults "
               f"{r['defaults_imbalance']:.4f} sim {r['defaults_sim']:.4f} {cells}{exact}")
         print(f"{'':>20} loop " + ", ".join(f"{m} {r['loop_' + m]}" for m in LOOP_METHODS))
+    print(f"steps filled to {FULL_SHARE:g} of the token capacity (full) and the others: share, defaults' imbalance; "
+          "on the CP-SAT steps, packing imbalance of wlb / cpsat / bound")
+    for g in regime_summary(repack):
+        exact = " / ".join("-" if g[f"exact_{k}_packing"] is None else f"{g[f'exact_{k}_packing']:.4f}"
+                           for k in ("wlb", "cpsat", "bound"))
+        imb = "-" if g["defaults_imbalance"] is None else f"{g['defaults_imbalance']:.4f}"
+        print(f"{g['dist']:>7} {g['streams']:>11} {g['steps']:>5}: share {g['share']:.3f}, defaults {imb}; "
+              f"{g['exact_steps']} CP-SAT steps: {exact}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        data = dict(provenance=provenance("step_packers", argv), summary=summary, repack=repack, loop=loop)
+        data = dict(provenance=provenance("step_packers", argv), summary=summary, regimes=regime_summary(repack),
+                    repack=repack, loop=loop)
         (out / "step_packers.json").write_text(json.dumps(data, indent=2))
         print(f"wrote {out / 'step_packers.json'}")
     return 0

@@ -58,6 +58,33 @@ def test_bench_frontier_offline_checks_its_schedules_and_brackets_the_defaults(t
         frontier.main(["--dists", "real", "--out", str(tmp_path)])
 
 
+def test_the_forward_and_backward_search_also_meets_the_target_budgets():
+    """Besides the defaults' own displacements, the search that balances both phases runs at
+    `phases_budgets` (the balance targets' displacements), each schedule checked and within
+    its budget, and a bound is proven there too."""
+    from wlb_opt.bench._frontier_offline import PHASES_BUDGETS, run_distribution
+    from wlb_opt.solvers.offline import PRICES
+
+    import wlb_opt as wlb
+
+    assert PHASES_BUDGETS == tuple(sorted(PHASES_BUDGETS)) and all(0 < b < 1 for b in PHASES_BUDGETS)
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4),
+                                  wlb.HardwareSpec.preset("h100"))
+    out = run_distribution("real", cost, steps=16, window=131072, n_micro=4, budgets=[0.3], time_limit=1.0,
+                           outlier_min=32768, seed=0, prices=PRICES[-3:], warmup=4, show=lambda m: None,
+                           seeded_starts=1, phases_budgets=(0.25,))
+    phases = [c for c in out["offline"] if c["objective"] == "fwd+bwd"]
+    own = {b["displacement_per_token"] for b in out["brackets"]}
+    assert {c["budget"] for c in phases} == own | {0.25}
+    at_target = [c for c in phases if c["budget"] == 0.25]
+    assert at_target[0]["bound"] is not None
+    for c in at_target:
+        assert c["source"] in ("none found", "none exists") or (
+            c["checked"] and c["displacement_per_token"] <= 0.25 + 1e-9 and c["aggregate"] >= c["bound"] - 1e-6)
+    # the forward search, which draws the frontier, stays at --budgets and the defaults' displacements
+    assert {c["budget"] for c in out["offline"] if c["objective"] == "fwd"} == own | {0.3}
+
+
 def test_the_schedule_checker_measures_both_phases_as_the_plans_do():
     """`check_schedule` rebuilds each step's plan from (step, micro-batch) arrays alone; on the
     defaults' own schedule it must give the plans' forward and backward imbalance."""

@@ -10,7 +10,7 @@ from wlb_opt.bench import step_packers
 
 def test_step_packers_quick_run_writes_a_consistent_summary(tmp_path, capsys):
     exact = step_packers._has_exact()
-    argv = ["--quick", "--steps", "24", "--warmup", "4", "--exact-steps", "1" if exact else "0",
+    argv = ["--quick", "--steps", "24", "--warmup", "4", "--exact-steps", "2" if exact else "0",
             "--time-limit", "2", "--no-progress", "--out", str(tmp_path)]
     assert step_packers.main(argv) == 0
     data = json.loads((tmp_path / "step_packers.json").read_text())
@@ -27,6 +27,19 @@ def test_step_packers_quick_run_writes_a_consistent_summary(tmp_path, capsys):
         if exact:  # proven bound <= CP-SAT's plan <= Algorithm 1 (CP-SAT starts from it)
             assert row["exact_bound_packing"] <= row["exact_cpsat_packing"] + 1e-9
             assert row["exact_cpsat_packing"] <= row["exact_wlb_packing"] + 1e-9
+    # full steps and the others: shares summing to one, and (one stream per kind here) the
+    # share-weighted mean of their imbalance is the stream's
+    for kind in kinds:
+        parts = [g for g in data["regimes"] if g["streams"] == kind]
+        assert [g["steps"] for g in parts] == ["full", "other"]
+        assert sum(g["share"] for g in parts) == pytest.approx(1.0)
+        whole = next(r for r in data["summary"] if r["streams"] == kind)["defaults_imbalance"]
+        assert sum(g["share"] * g["defaults_imbalance"] for g in parts if g["share"]) == pytest.approx(whole)
+        if exact:  # the CP-SAT steps are spread over the stream: both of them solved, each in its regime
+            assert sum(g["exact_steps"] for g in parts) == 2
+            for g in parts:
+                if g["exact_steps"]:
+                    assert g["exact_bound_packing"] <= g["exact_cpsat_packing"] + 1e-9 <= g["exact_wlb_packing"] + 2e-9
     assert {r["method"] for r in data["loop"]} == {"wlb", "wlb_phases", "wlb_fill"}
     assert all(r["median_ms"] > 0 and r["displacement_per_token"] >= 0 and r["imbalance_bwd"] >= 1.0
                for r in data["loop"])
