@@ -62,7 +62,7 @@ from ..solvers.frontier_milp import aggregate_imbalance, frontier_problem, plan_
 from ..solvers.offline import PRICES, offline_frontier, offline_stream
 from ..workloads import DEFAULT_SEED, global_batches
 from .data import run_packer
-from .step_packers import pipeline_ratio
+from .step_packers import is_full, pipeline_ratio
 from ._provenance import provenance
 
 OFFLINE_DISTS = ("default", "real", "code", "heavy", "prose")
@@ -90,8 +90,10 @@ def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: i
     """Check a schedule of the pieces (ids, offsets, lengths) against `batches` and measure it;
     raise AssertionError on any violation. Returns imbalance (forward), imbalance_bwd (the
     same of the backward cost), sim (the same mean of `step_packers.pipeline_ratio`, a
-    1F1B pipeline of `pp` stages), aggregate sum of maxima, displacement per token and the
-    number of steps used."""
+    1F1B pipeline of `pp` stages), aggregate sum of maxima, displacement per token, the
+    number of steps used and `full_share`, the share of the measured steps filled to
+    99% of their token capacity (`step_packers.is_full`: the steps whose imbalance the
+    pieces they hold set)."""
     arrival = {}
     for t, (lb, ib, ob) in enumerate(batches):
         for key in zip(ib.tolist(), ob.tolist(), lb.tolist()):
@@ -107,7 +109,7 @@ def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: i
         raise AssertionError(f"steps must lie in [0, {n_slots}) and micro-batches in [0, {n_micro})")
     ids, offsets = np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
     mbc = cost.mb_const("fwd")
-    imbs, bwds, sims, sum_max, disp = [], [], [], 0.0, 0
+    imbs, bwds, sims, fulls, sum_max, disp = [], [], [], [], 0.0, 0
     for t in range(n_slots):
         here = np.flatnonzero(step == t)
         if not len(here):
@@ -124,6 +126,7 @@ def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: i
             imbs.append((t, per_step_imbalance(plan, cost, "fwd")))
             bwds.append((t, per_step_imbalance(plan, cost, "bwd")))
             sims.append((t, pipeline_ratio(plan, cost, pp)))
+            fulls.append((t, float(is_full(plan))))
         sum_max += max(cost.micro_batch_cost(L[mb], "fwd") - mbc for mb in mbs)
         disp += sum(n * abs(t - arrival[k]) for k, n in
                     zip(zip(ids[here].tolist(), offsets[here].tolist(), L.tolist()), L.tolist()))
@@ -132,7 +135,9 @@ def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: i
         return float(np.mean([x for t, x in values if t >= warmup] or [x for _, x in values]))
 
     return dict(imbalance=measured(imbs), imbalance_bwd=measured(bwds), sim=measured(sims), sum_of_max=sum_max,
-                displacement_per_token=disp / max(int(lengths.sum()), 1), steps_used=int(len(np.unique(step))))
+                displacement_per_token=disp / max(int(lengths.sum()), 1), steps_used=int(len(np.unique(step))),
+                full_share=measured(fulls))
+
 
 
 def _piece_steps(plans, stream) -> tuple[np.ndarray, np.ndarray]:
@@ -174,9 +179,11 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
         imbs = [per_step_imbalance(plan, cost, "fwd") for plan in plans[:len(batches)]]
         bwds = [per_step_imbalance(plan, cost, "bwd") for plan in plans[:len(batches)]]
         sims = [pipeline_ratio(plan, cost, pp) for plan in plans[:len(batches)]]
+        fulls = [float(is_full(plan)) for plan in plans[:len(batches)]]
         rows.append(dict(dist=dist, method=name, settings=BRACKETED[name],
                          imbalance=float(np.mean(imbs[warmup:] or imbs)),
                          imbalance_bwd=float(np.mean(bwds[warmup:] or bwds)), sim=float(np.mean(sims[warmup:] or sims)),
+                         full_share=float(np.mean(fulls[warmup:] or fulls)),
                          aggregate=aggregate_imbalance(sum_of_max(plans, cost), problem),
                          displacement_per_token=displacement[name]))
         starts.append(_piece_steps(plans, stream))
@@ -216,7 +223,7 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
             # an infeasible bound model proves that no schedule exists within the budget and window
             proven = not np.isfinite(bounds[b])
             curve.append(dict(dist=dist, objective=objective, budget=b, imbalance=None, imbalance_bwd=None,
-                              sim=None, aggregate=None, displacement_per_token=None,
+                              sim=None, full_share=None, aggregate=None, displacement_per_token=None,
                               bound=None if proven else bounds[b],
                               source="none exists" if proven else "none found", checked=False))
         for s in found:
@@ -235,7 +242,8 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
             elif source.startswith("search from start "):
                 source = "search from " + names[int(source.split()[3]) - 1]
             curve.append(dict(dist=dist, objective=objective, budget=s.budget, imbalance=check["imbalance"],
-                              imbalance_bwd=check["imbalance_bwd"], sim=check["sim"], aggregate=agg,
+                              imbalance_bwd=check["imbalance_bwd"], sim=check["sim"], full_share=check["full_share"],
+                              aggregate=agg,
                               displacement_per_token=check["displacement_per_token"], bound=bounds[s.budget],
                               source=source, checked=True))
     curve.sort(key=lambda c: (list(OBJECTIVES).index(c["objective"]), c["budget"]))

@@ -108,7 +108,7 @@ def repack_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, exa
         if not len(placed):
             continue
         lengths = plan.lengths[placed]
-        full.append(int(np.add.reduce(lengths)) >= FULL_SHARE * n_micro * max_tokens)
+        full.append(is_full(plan))
         fwd["defaults"].append(per_step_imbalance(plan, cost, "fwd"))
         sim["defaults"].append(pipeline_ratio(plan, cost, pp))
         for m in REPACKED:
@@ -154,6 +154,12 @@ def repack_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, exa
                                 for key in ("wlb", "cpsat", "bound")})
     row["regimes"] = regimes
     return row
+
+
+def is_full(plan) -> bool:
+    """Whether a step's plan places at least `FULL_SHARE` of its micro-batches' token capacity."""
+    placed = sum(int(np.add.reduce(plan.lengths[mb])) for mb in plan.micro_batches)
+    return placed >= FULL_SHARE * len(plan.micro_batches) * plan.max_tokens
 
 
 def _mean_or_none(values: np.ndarray) -> float | None:

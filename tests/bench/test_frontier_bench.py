@@ -44,6 +44,7 @@ def test_bench_frontier_offline_checks_its_schedules_and_brackets_the_defaults(t
     assert {c["budget"] for c in curve if c["objective"] == "fwd+bwd"} == \
         {b["displacement_per_token"] for b in out["brackets"]}
     assert all(c["imbalance"] >= 1.0 and c["imbalance_bwd"] >= 1.0 and c["sim"] > 0 for c in curve)
+    assert all(0.0 <= r["full_share"] <= 1.0 for r in curve + out["brackets"])
     for b in out["brackets"]:
         # each heuristic meets an offline schedule of at most its displacement; the bound is below both
         assert b["offline_displacement"] <= b["displacement_per_token"] + 1e-12

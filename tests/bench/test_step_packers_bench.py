@@ -79,3 +79,16 @@ def test_pipeline_ratio_is_one_for_equal_micro_batches_and_grows_with_a_heavy_on
     # the same tokens, one micro-batch holding one long document: 1F1B pays its stage times
     skewed = wlb.solve_pack(np.array([16384, 4096, 4096, 4096, 4096, 8192, 8192]), 4, 16384, cost, "wlb")
     assert step_packers.pipeline_ratio(skewed, cost, 4) > 1.0
+
+
+def test_a_step_is_full_from_99_percent_of_its_token_capacity():
+    import numpy as np
+
+    import wlb_opt as wlb
+
+    cap, n = 1000, 4
+    for placed, full in ((n * cap, True), (int(0.99 * n * cap), True), (int(0.99 * n * cap) - 1, False)):
+        lengths = np.array([cap] * (placed // cap) + ([placed % cap] if placed % cap else []), dtype=np.int64)
+        plan = wlb.solve_pack(lengths, n, cap, method="wlb")
+        assert not len(plan.deferred)
+        assert step_packers.is_full(plan) is full, placed
