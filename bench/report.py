@@ -111,16 +111,18 @@ SECTIONS = (
             "Per distribution, the best schedule an offline search finds with the whole stream known, at each "
             "displacement budget, checked independently, beside the proven bound; each default bracketed between "
             "the two. One search balances the forward cost (the measure), the other the forward plus backward "
-            "cost, as the defaults do (at their displacements).",
-            (Table("offline.json", ("offline",), caption="Offline schedules (checked) and the bound at each budget.",
+            "cost, as the defaults do (at their displacements and at the balance targets' 0.40 and 0.45).",
+            (Table("offline.json", ("offline",), caption="Offline schedules (checked) and the bound at each budget "
+                   "(`full_share`: the share of steps filled to 99% of their token capacity).",
                    columns=("dist", "objective", "budget", "displacement_per_token", "imbalance", "imbalance_bwd",
-                            "sim", "aggregate", "bound", "source")),
+                            "sim", "full_share", "aggregate", "bound", "source")),
              Table("offline.json", ("brackets",), caption="The defaults: achievable = their imbalance minus the best "
                    "offline schedule's at no more displacement, searched on the forward cost (`offline_`) and on "
                    "the forward plus backward cost (`phases_offline_`); `_bwd`: the same of the backward cost; "
                    "`sim`: the 1F1B pipeline's simulated step time over that of the same step with every "
-                   "micro-batch at the mean; lower = their aggregate minus the bound.",
-                   columns=("dist", "method", "imbalance", "imbalance_bwd", "sim", "displacement_per_token",
+                   "micro-batch at the mean; `full_share`: the share of their steps filled to 99% of the token "
+                   "capacity; lower = their aggregate minus the bound.",
+                   columns=("dist", "method", "imbalance", "imbalance_bwd", "sim", "full_share", "displacement_per_token",
                             "offline_imbalance", "offline_imbalance_bwd", "offline_sim", "offline_displacement",
                             "gap_achievable", "phases_offline_imbalance", "phases_offline_imbalance_bwd",
                             "phases_offline_sim", "phases_offline_displacement", "gap_achievable_phases",
