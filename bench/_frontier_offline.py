@@ -139,7 +139,6 @@ def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: i
                 full_share=measured(fulls))
 
 
-
 def _piece_steps(plans, stream) -> tuple[np.ndarray, np.ndarray]:
     """Training step and micro-batch of each stream piece in a heuristic's plans."""
     where = {}
