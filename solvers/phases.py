@@ -188,13 +188,26 @@ def tail_lumps(order: np.ndarray, lengths: np.ndarray, n_bins: int, cap: int, n_
     cut = max(n_first, int(long_at[-1]) + 1 if len(long_at) else 0)
     if len(order) - cut < LUMP_MIN_TAIL:
         return None
-    left = np.cumsum(sizes[cut:][::-1], dtype=np.int64)[::-1]  # tokens from each item to the tail's end
-    bits = int(LUMP_SPLIT * n_bins - 1).bit_length()
+    return cut, geometric_lumps(sizes[cut:], LUMP_SPLIT * n_bins)
+
+
+def geometric_lumps(sizes: np.ndarray, split: int, finest: int = 1) -> np.ndarray:
+    """The lump of each of `sizes` (items in placement order, tokens > 0), numbered from 0:
+    consecutive items, cut by the tokens left to place. Where r tokens are left (the item's
+    own included), r in [2^e, 2^(e+1)), the items are cut every 2^(e - b) tokens, 2^b >= `split`,
+    so that a lump holds 1 / (2 x 2^b) to 1 / 2^b of what is left; below `finest` x 2^b tokens
+    left, every `finest` tokens (1: each item alone there). Integers only (the lumps do not
+    depend on a platform's rounding)."""
+    left = np.cumsum(sizes[::-1], dtype=np.int64)[::-1]  # tokens from each item to the end
+    bits = int(split - 1).bit_length()
     octave = np.frexp(np.maximum(left, 1).astype(np.float64))[1].astype(np.int64) - 1  # floor(log2), exact
     key = (octave << 32) | (left >> np.maximum(octave - bits, 0))
+    if finest > 1:  # the fine end: every `finest` tokens (keys below 2^32, apart from the coarse ones)
+        fine = left < (finest << bits)
+        key[fine] = left[fine] // finest
     new = np.ones(len(key), dtype=bool)
     new[1:] = key[1:] != key[:-1]
-    return cut, np.cumsum(new) - 1
+    return np.cumsum(new) - 1
 
 
 def phases_or_algorithm1(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, fwd: np.ndarray,

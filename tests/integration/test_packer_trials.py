@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 import wlb_opt as wlb
 from wlb_opt.packer import PackerConfig, WLBPacker
 from wlb_opt.packer.state import HeldPiece
-from wlb_opt.packer.trial import StepSolver, as_pack_plan
+from wlb_opt.packer.trial import COARSE_CUTS, StepSolver, as_pack_plan
 from wlb_opt.solvers.greedy import compiled_available, use_compiled
+from wlb_opt.solvers.phases import geometric_lumps
 from wlb_opt.workloads import DEFAULT_SEED, global_batches
 
 COST = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=1),
@@ -292,7 +293,7 @@ def _phases_solver(pieces, fresh, n_micro, dp=1):
 @pytest.mark.parametrize("dist, seed", [("real", 0), ("heavy", 1), ("prose", 2)])
 def test_lumped_candidates_place_their_long_pieces_as_algorithm1_and_keep_solve_packs_plan(dist, seed):
     # From 16 micro-batches, "wlb_phases" packs its candidates with the short tail in lumps of
-    # max_tokens / 40 tokens: the pieces before the tail are placed as Algorithm 1 places them
+    # a share of the tail left to place, down to max_tokens / 40 tokens: the pieces before the tail are placed as Algorithm 1 places them
     # (so a group is placed or deferred the same way), every piece of a lump shares its
     # micro-batch, no micro-batch passes the token cap, and the plan kept is solve_pack's
     # "wlb_phases" plan of its pieces (with the phases' own lumps, solvers.phases.tail_lumps).
@@ -316,9 +317,13 @@ def test_lumped_candidates_place_their_long_pieces_as_algorithm1_and_keep_solve_
             exact_bin[mb] = b
         assert np.array_equal(placed[:cut], exact_bin[trial._positions[:cut]])  # the long pieces: Algorithm 1's
         tail_lengths = lengths[cut:]
-        lump = (np.cumsum(tail_lengths) - tail_lengths) // solver.lump_tokens
+        lump = geometric_lumps(tail_lengths, max(COARSE_CUTS, 32), solver.lump_tokens)
+        left = np.cumsum(tail_lengths[::-1])[::-1]
         for k in np.unique(lump):
             assert len(set(placed[cut:][lump == k].tolist())) == 1  # a lump is placed, or deferred, whole
+            first = int(np.flatnonzero(lump == k)[0])  # under a share of the tail left, or lump_tokens
+            assert tail_lengths[lump == k][:-1].sum() < max(left[first] / 32, solver.lump_tokens)
+        assert len(np.unique(lump)) < len(tail_lengths) / 4  # a step's short pieces go by the dozen at first
         tokens = np.bincount(placed[placed >= 0], weights=lengths[placed >= 0], minlength=32)
         assert tokens.max() <= cap
         assert trial.imbalance == wlb.imbalance(trial.loads)

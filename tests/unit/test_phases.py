@@ -13,7 +13,7 @@ from wlb_opt.packer import per_step_imbalance
 from wlb_opt.solvers.greedy import compiled_available, placement_order, use_compiled, wlb_assign_python
 from wlb_opt.solvers import phases as phases_module
 from wlb_opt.solvers.phases import (LUMP_MIN_BINS, LUMP_SHARE, LUMP_SPLIT, phases_assign, phases_assign_reference,
-                                    phases_or_algorithm1, tail_lumps, wlb_phases)
+                                    geometric_lumps, phases_or_algorithm1, tail_lumps, wlb_phases)
 from wlb_opt.solvers.problem import PackProblem
 from wlb_opt.workloads import DEFAULT_SEED, global_batches
 
@@ -155,15 +155,35 @@ def _tail_lumps_twin(sizes, n_bins, cap, n_first):
     cut = max([n_first] + [k + 1 for k in long])
     if len(sizes) - cut < phases_module.LUMP_MIN_TAIL:
         return None
-    bits = (LUMP_SPLIT * n_bins - 1).bit_length()
-    lump_of, keys, left = [], [], sum(sizes[cut:])
-    for size in sizes[cut:]:
+    return cut, _geometric_lumps_twin(sizes[cut:], LUMP_SPLIT * n_bins)
+
+
+def _geometric_lumps_twin(sizes, split, finest=1):
+    """`geometric_lumps` item by item: the bucket of each item's tokens left, by int.bit_length."""
+    bits = (split - 1).bit_length()
+    lump_of, keys, left = [], [], sum(sizes)
+    for size in sizes:
         octave = max(left, 1).bit_length() - 1
-        key = (octave, left >> max(octave - bits, 0))
+        key = ("fine", left // finest) if left < finest * 2**bits else (octave, left >> max(octave - bits, 0))
         lump_of.append(lump_of[-1] + (key != keys[-1]) if lump_of else 0)
         keys.append(key)
         left -= size
-    return cut, lump_of
+    return lump_of
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 800), top=st.integers(1, 5000), split=st.integers(1, 200),
+       finest=st.integers(1, 6000))
+def test_geometric_lumps_cut_as_a_per_item_twin_and_hold_a_share_of_what_is_left(seed, n, top, split, finest):
+    sizes = np.sort(np.random.default_rng(seed).integers(1, top + 1, n))[::-1].astype(np.int64)
+    lump_of = geometric_lumps(sizes, split, finest)
+    assert lump_of.tolist() == _geometric_lumps_twin(sizes.tolist(), split, finest)
+    starts = np.flatnonzero(np.diff(lump_of, prepend=-1))
+    left = np.cumsum(sizes[::-1])[::-1]
+    scale = 2 ** (split - 1).bit_length()
+    for first, end in zip(starts, list(starts[1:]) + [len(sizes)]):
+        # a lump holds under max(1 / 2^b of the tokens left where it starts, finest), its last item aside
+        assert sizes[first:end].sum() - sizes[end - 1] < max(left[first] / scale, finest)
 
 
 @settings(max_examples=60, deadline=None)

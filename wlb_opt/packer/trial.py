@@ -36,7 +36,7 @@ from ..plan import PackPlan, SolveInfo, imbalance
 from ..solvers.bounds import densest_first, densest_order
 from ..solvers.greedy import (AssignStop, argsort_descending, bin_tokens, compiled_loop, insert_sorted, split_by_bin,
                                wlb_assign, wlb_assign_lists)
-from ..solvers.phases import phases_or_algorithm1
+from ..solvers.phases import geometric_lumps, phases_or_algorithm1
 from ._cached import cached_property
 from .state import HeldPiece
 
@@ -52,7 +52,13 @@ COARSE_MIN_BINS = 16
 thousands of pieces and tries up to dp x n_micro outliers per group. Smaller steps are packed
 piece by piece."""
 COARSE_SHARE = 1 / 40
-"""A lump holds about this share of max_tokens (4,096 tokens at max_tokens = 163,840)."""
+"""The pieces after the last one of at least this share of max_tokens (4,096 tokens at
+max_tokens = 163,840) go in lumps, and no lump is cut finer than that many tokens."""
+COARSE_CUTS = 32
+"""A lump holds between 1 / (2 x 2^b) and 1 / 2^b of the short tail's tokens still to place where
+it starts, 2^b >= max(COARSE_CUTS, dp x n_micro) (`solvers.phases.geometric_lumps`), down to
+COARSE_SHARE x max_tokens: a few per micro-batch while the tail is long, the finest where the
+micro-batches are evened out."""
 COARSE_MIN_TAIL = 64
 """A candidate with fewer short pieces than this is packed piece by piece."""
 
@@ -264,13 +270,16 @@ class StepSolver:
         With `lump_tokens` (method "wlb_phases", steps of `COARSE_MIN_BINS` micro-batches or more),
         the pieces shorter than `lump_tokens` that end the placement order (the short fresh
         and carried ones, every candidate's same tail) are packed in lumps: consecutive
-        pieces whose tokens before them in the tail fall in the same multiple of
-        `lump_tokens`, each lump one item of their summed tokens and cost, and every piece of
-        a lump goes where Algorithm 1 puts the lump. The longer pieces come first and are
-        placed one by one, so a candidate places or defers its group the same way; the
-        short tail that balances the micro-batches is packed at a granularity of about 2.5%
-        of a micro-batch, a third as many items (a fifth on heavy-tailed streams). The plan a
-        step keeps is `solve_pack(method="wlb_phases")`'s (`TrialPack.plan`)."""
+        pieces, each lump one item of their summed tokens and cost, and every piece of a lump
+        goes where Algorithm 1 puts the lump. A lump holds 1 / (2 x 2^b) to 1 / 2^b of the
+        tail's tokens still to place, 2^b >= max(`COARSE_CUTS`, micro-batches), down to
+        `lump_tokens` (`solvers.phases.geometric_lumps`): the first short pieces, placed
+        while the micro-batches still differ by several of them, go by the dozen, and the
+        end that balances the micro-batches at a granularity of about 2.5% of one. The
+        longer pieces come first and are placed one by one, so a candidate places or defers
+        its group the same way. A step of the `real` stream then packs a fifth as many items as
+        pieces per candidate, one of `heavy` a fifteenth. The plan a step keeps is
+        `solve_pack(method="wlb_phases")`'s (`TrialPack.plan`)."""
         return self.assign_split(*(self.lumped_split(order) or (order, None)), stop)
 
     def lumped_split(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -323,7 +332,7 @@ class StepSolver:
         if cached is not None and (cached[0] is tail or (len(cached[0]) == len(tail) and np.array_equal(cached[0], tail))):
             return cached[1:]
         lengths = self.lengths[tail]
-        lump_of = (np.cumsum(lengths) - lengths) // self.lump_tokens
+        lump_of = geometric_lumps(lengths, max(COARSE_CUTS, self.dp * self.n_micro), self.lump_tokens)
         lump_lengths = np.bincount(lump_of, weights=lengths).astype(np.int64)
         lump_costs = np.bincount(lump_of, weights=self.weights[tail])
         self._lumps = (tail, lump_of, lump_lengths, lump_costs)
