@@ -293,7 +293,8 @@ def _phases_solver(pieces, fresh, n_micro, dp=1):
 @pytest.mark.parametrize("dist, seed", [("real", 0), ("heavy", 1), ("prose", 2)])
 def test_lumped_candidates_place_their_long_pieces_as_algorithm1_and_keep_solve_packs_plan(dist, seed):
     # From 16 micro-batches, "wlb_phases" packs its candidates with the short tail in lumps of
-    # a share of the tail left to place, down to max_tokens / 40 tokens: the pieces before the tail are placed as Algorithm 1 places them
+    # a share of the tail left to place, down to max_tokens / 40 tokens: the pieces before the
+    # tail are placed as Algorithm 1 places them
     # (so a group is placed or deferred the same way), every piece of a lump shares its
     # micro-batch, no micro-batch passes the token cap, and the plan kept is solve_pack's
     # "wlb_phases" plan of its pieces (with the phases' own lumps, solvers.phases.tail_lumps).
@@ -317,12 +318,14 @@ def test_lumped_candidates_place_their_long_pieces_as_algorithm1_and_keep_solve_
             exact_bin[mb] = b
         assert np.array_equal(placed[:cut], exact_bin[trial._positions[:cut]])  # the long pieces: Algorithm 1's
         tail_lengths = lengths[cut:]
-        lump = geometric_lumps(tail_lengths, max(COARSE_CUTS, 32), solver.lump_tokens)
+        split = max(COARSE_CUTS, 32)
+        lump = geometric_lumps(tail_lengths, split, solver.lump_tokens)
         left = np.cumsum(tail_lengths[::-1])[::-1]
+        share = 2 ** (split - 1).bit_length()  # a lump holds under 1 / share of the tail left, or lump_tokens
         for k in np.unique(lump):
             assert len(set(placed[cut:][lump == k].tolist())) == 1  # a lump is placed, or deferred, whole
-            first = int(np.flatnonzero(lump == k)[0])  # under a share of the tail left, or lump_tokens
-            assert tail_lengths[lump == k][:-1].sum() < max(left[first] / 32, solver.lump_tokens)
+            first = int(np.flatnonzero(lump == k)[0])
+            assert tail_lengths[lump == k][:-1].sum() < max(left[first] / share, solver.lump_tokens)
         assert len(np.unique(lump)) < len(tail_lengths) / 4  # a step's short pieces go by the dozen at first
         tokens = np.bincount(placed[placed >= 0], weights=lengths[placed >= 0], minlength=32)
         assert tokens.max() <= cap
