@@ -7,8 +7,10 @@ their short pieces in lumps, and still keeps solve_pack's plan."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import operator
 from pathlib import Path
 
 import numpy as np
@@ -472,26 +474,32 @@ def test_the_sparse_groups_are_the_sizes_and_starts_named():
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 300), top=st.integers(1, 300), seed=st.integers(0, 2**31))
-def test_the_sparse_groups_summed_size_by_size_are_the_full_layouts(n, top, seed):
-    """From `SPARSE_SUMS_FROM` pieces a group, the sparse set's windows are summed size by size;
-    the windows, their order and every sum (the floats too, added left to right) are those of
-    the full (top x n) layout with the sparse mask."""
-    from wlb_opt.packer.release import _sparse_sums, _window_layout
+@given(n=st.integers(1, 300), top=st.integers(1, 300), seed=st.integers(0, 2**31), sparse=st.booleans(),
+       share=st.floats(0.0, 1.0))
+def test_the_windows_costs_are_their_left_to_right_sums_however_gathered(n, top, seed, sparse, share):
+    """`_window_costs` gathers a pool's windows size by size, a row per window or over the
+    (top x n) layout: each way gives every window's cost added left to right from its first
+    piece (the Python sum over the group, float for float) and its largest, for the sparse
+    set's windows or every one, and for any subset of them (the windows left after the masks)."""
+    from wlb_opt.packer.release import _sparse_windows, _window_costs, _window_layout
 
     top = min(top, n)
     rng = np.random.default_rng(seed)
     costs = rng.gamma(0.5, 1e-3, n)
-    parts = {"tokens": rng.integers(1, 10**6, n), "relief": rng.integers(-10**7, 10**6, n), "total": costs,
-             "heaviest": costs}
-    sizes, starts, flat = _sparse_sums(parts, n, top)
     layout = _window_layout(n, top)
-    assert np.array_equal(sizes, layout.sizes[layout.sparse]) and np.array_equal(starts, layout.starts[layout.sparse])
-    for key, values in parts.items():
-        padded = np.concatenate([values, np.zeros(top - 1, dtype=values.dtype)])
-        accumulate = np.maximum.accumulate if key == "heaviest" else np.add.accumulate
-        full = accumulate(padded[layout.rows], axis=0)[layout.valid][layout.sparse]
-        assert np.array_equal(flat[key], full), key
+    sizes, starts = _sparse_windows(n, top)[1:] if sparse else (layout.sizes, layout.starts)
+    if sparse:  # the sparse set in the layout's order
+        assert np.array_equal(sizes, layout.sizes[layout.sparse]) and np.array_equal(starts, layout.starts[layout.sparse])
+    subset = np.flatnonzero(rng.random(len(sizes)) < share)
+    sizes, starts = sizes[subset], starts[subset]
+    listed = costs.tolist()
+    expected_total = [functools.reduce(operator.add, listed[i:i + k])  # left to right
+                      for k, i in zip(sizes.tolist(), starts.tolist())]
+    expected_heaviest = [max(listed[i:i + k]) for k, i in zip(sizes.tolist(), starts.tolist())]
+    for how in (None, "by_size", "rows", "layout"):
+        total, heaviest = _window_costs(costs, sizes, starts, top, how)
+        assert total.tolist() == expected_total, how
+        assert heaviest.tolist() == expected_heaviest, how
 
 
 def test_a_step_of_64_micro_batches_plans_alike_with_either_sum_of_the_sparse_groups(monkeypatch):
@@ -506,5 +514,5 @@ def test_a_step_of_64_micro_batches_plans_alike_with_either_sum_of_the_sparse_gr
         return [p.digest() for p in [packer.pack(*b) for b in batches] + packer.drain() if p is not None]
 
     size_by_size = digests()
-    monkeypatch.setattr(release, "SPARSE_SUMS_FROM", 10**9)  # the full layout, masked
+    monkeypatch.setattr(release, "SPARSE_SUMS_FROM", 10**9)  # a row per window, or the layout
     assert digests() == size_by_size

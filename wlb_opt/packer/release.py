@@ -129,9 +129,10 @@ def _sparse_mask(sizes: np.ndarray, starts: np.ndarray, n: int, top: int) -> np.
 
 SPARSE_SUMS_FROM = 64
 """When a step's groups may hold this many pieces or more (top = min(dp x n_micro, the pool's
-size)), `GroupRelease._windows` sums the sparse set's windows size by size (`_sparse_sums`)
-instead of every window of the (top x n) layout: for small groups the layout takes fewer numpy
-calls, for large ones it sums mostly windows the set drops (docs/tuning.md)."""
+size)), `GroupRelease._windows` sums the costs of the windows it keeps size by size
+(`_window_costs`) instead of over the (top x n) layout: for small groups the layout or a row
+per window takes fewer numpy calls, for large ones the layout sums mostly windows left out
+(docs/tuning.md)."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -156,18 +157,48 @@ def _sparse_windows(n: int, top: int) -> tuple[tuple[tuple[int, np.ndarray], ...
     return tuple(out), sizes, starts
 
 
-def _sparse_sums(parts: dict, n: int, top: int) -> tuple[np.ndarray, np.ndarray, dict]:
-    """(sizes, starts, each part's sum over each window) for the sparse set's windows, by size
-    then start: `GroupRelease._windows`'s sums for the windows the set keeps, each added left to
-    right from its first piece ("heaviest": its largest), the same floats as the full layout's,
-    in work proportional to the windows kept rather than to top x n."""
-    windows, sizes, starts_all = _sparse_windows(n, top)
-    flat = {}
-    for key, values in parts.items():
-        reduce = np.maximum.accumulate if key == "heaviest" else np.add.accumulate
-        flat[key] = np.concatenate([reduce(values[starts[:, None] + np.arange(size)], axis=1)[:, -1]
-                                    for size, starts in windows])
-    return sizes, starts_all, flat
+def _window_costs(costs: np.ndarray, sizes: np.ndarray, starts: np.ndarray, top: int,
+                  how: Literal["by_size", "rows", "layout"] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(summed cost, largest cost) of each window (`sizes`, `starts`, by size then start) of a
+    pool whose pieces cost `costs`, groups of at most `top`. Each sum is added left to right
+    from the window's first piece, as the Python sum over the group: the same floats, the same
+    decisions, however the windows are gathered (`how`; None: the cheapest for their number):
+
+    - "by_size": a (windows, size) gather per size, for large groups (from `SPARSE_SUMS_FROM`),
+      where the windows kept are few of the (top x n) layout's;
+    - "rows": a row per window, its pieces from column 0 (zeros past its end);
+    - "layout": column i of the (top x n) layout holds pieces i to i + top - 1 (zeros past the
+      end), and accumulating down it gives, at row size - 1, the window of `size` at i."""
+    n = len(costs)
+    if not len(sizes):
+        return np.zeros(0), np.zeros(0)
+    widest = int(sizes[-1])  # by size
+    if how is None:
+        how = "by_size" if top >= SPARSE_SUMS_FROM else "rows" if len(sizes) * widest < top * n else "layout"
+    padded = np.concatenate([costs, np.zeros(top - 1)])
+    if how == "layout":
+        rows = padded[_window_layout(n, top).rows]
+        at = (sizes - 1, starts)
+        return np.add.accumulate(rows, axis=0)[at], np.maximum.accumulate(rows, axis=0)[at]
+    if how == "rows":
+        rows = padded[starts[:, None] + np.arange(widest)]
+        at = (np.arange(len(sizes)), sizes - 1)
+        return np.add.accumulate(rows, axis=1)[at], np.maximum.accumulate(rows, axis=1)[at]
+    bounds = np.flatnonzero(np.diff(sizes)) + 1
+    total, heaviest = [], []
+    for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(sizes)]):
+        rows = padded[starts[lo:hi, None] + np.arange(int(sizes[lo]))]
+        total.append(np.add.accumulate(rows, axis=1)[:, -1])
+        heaviest.append(np.maximum.accumulate(rows, axis=1)[:, -1])
+    return np.concatenate(total), np.concatenate(heaviest)
+
+
+def _window_sums(values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The sum of the integers `values[start:end]` for each window, from their prefix sums
+    (exact in any order, unlike a float sum)."""
+    prefix = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(values, out=prefix[1:])
+    return prefix[ends] - prefix[starts]
 
 
 class _WindowLayout(NamedTuple):
@@ -495,9 +526,10 @@ class GroupRelease(ReleasePolicy):
         `early_only` unless it holds exactly one early piece, when it defers over half the
         carry limit whatever the packing (ctx.room), or, with costs and a step that is not
         idle, when it is surely above ctx.limit (`_cannot_pass`, with ctx.kept and ctx.room).
-        The window sums grow one piece at a time, left to right, so each equals the Python
-        sum over the group (the same floats, the same decisions); the windows of every size
-        are then judged at once."""
+        The windows of every size are judged at once. The sums of integers (tokens, early
+        pieces, relief) come from prefix sums; the cost sums grow one piece at a time, left to
+        right, so each equals the Python sum over the group (the same floats, the same
+        decisions)."""
         n = len(remaining)
         top = min(self.need, n)
         if top == 0:
@@ -505,35 +537,22 @@ class GroupRelease(ReleasePolicy):
         if n * top <= SMALL_WINDOWS:
             return self._few_windows(remaining, ctx, early_only)
         lengths = np.fromiter(map(_LENGTH, remaining), dtype=np.int64, count=n)
-        parts = {"tokens": lengths}
-        if self.lookahead:
-            lead = np.fromiter(map(_ARRIVAL, remaining), dtype=np.int64, count=n) - ctx.step
-            is_early = (lead > 0).astype(np.int64)
-            parts["early"] = is_early
-            parts["relief"] = np.where(lead > 0, -lengths * lead, lengths)  # `displacement_relief` of each piece
-        if ctx.costs:
-            costs = np.fromiter(map(ctx.costs.__getitem__, map(_ID_OFFSET, remaining)), dtype=np.float64, count=n)
-            parts["total"] = parts["heaviest"] = costs
-        # Column i of a part's (top, n) layout holds pieces i to i + top - 1 (zeros past the
-        # end); accumulating down it sums (or takes the max of) the windows starting at i one
-        # piece at a time, left to right: entry (size - 1, i) is the window of `size` at i.
-        # Taken by size then start, where the window ends within the pool.
-        if self.sparse_windows and top >= SPARSE_SUMS_FROM:  # only the sparse set's windows, each on its own
-            sizes, starts, flat = _sparse_sums(parts, n, top)
+        # The windows judged, by size then start: the sparse set's (`sparse_window`) or every one.
+        if self.sparse_windows:
+            _, sizes, starts = _sparse_windows(n, top)
         else:
             layout = _window_layout(n, top)
-            flat = {}
-            for key, values in parts.items():
-                padded = np.concatenate([values, np.zeros(top - 1, dtype=values.dtype)])
-                accumulate = np.maximum.accumulate if key == "heaviest" else np.add.accumulate
-                flat[key] = accumulate(padded[layout.rows], axis=0)[layout.valid]
             sizes, starts = layout.sizes, layout.starts
-        tokens = flat["tokens"]
-        keep = np.ones(len(sizes), dtype=bool) if not self.lookahead else 2 * flat["early"] <= sizes
-        if self.sparse_windows and top < SPARSE_SUMS_FROM:
-            keep &= layout.sparse
-        if early_only:
-            keep &= flat["early"] == 1
+        ends = starts + sizes
+        # integer sums are exact in any order: each window's is a difference of prefix sums
+        tokens = _window_sums(lengths, starts, ends)
+        keep = np.ones(len(sizes), dtype=bool)
+        if self.lookahead:
+            lead = np.fromiter(map(_ARRIVAL, remaining), dtype=np.int64, count=n) - ctx.step
+            early = _window_sums((lead > 0).astype(np.int64), starts, ends)
+            keep = 2 * early <= sizes
+            if early_only:
+                keep &= early == 1
         # the token capacity only bounds a step that a group can take past it (`remaining` is
         # sorted by length: no window holds more than its `need` last pieces)
         room = ctx.room if ctx.room is not None and ctx.room.overflows(int(lengths[-self.need:].sum())) else None
@@ -541,7 +560,12 @@ class GroupRelease(ReleasePolicy):
             keep &= room.deferred_at_least(tokens) < self.max_backlog_tokens // 2 + 1
         at_least = None
         if ctx.costs:
-            total, heaviest_cost = flat["total"], flat["heaviest"]
+            # a window's cost is summed left to right from its first piece (`_window_costs`)
+            costs = np.fromiter(map(ctx.costs.__getitem__, map(_ID_OFFSET, remaining)), dtype=np.float64, count=n)
+            if not keep.all():  # only the windows still kept are summed
+                kept = np.flatnonzero(keep)
+                sizes, starts, ends, tokens, keep = sizes[kept], starts[kept], ends[kept], tokens[kept], keep[kept]
+            total, heaviest_cost = _window_costs(costs, sizes, starts, top)
             heaviest = (heaviest_cost if not ctx.kept else np.maximum(heaviest_cost, ctx.kept[0])) + self.bin_const
             placed = ctx.base_cost + total
             if room is not None:
@@ -554,7 +578,8 @@ class GroupRelease(ReleasePolicy):
         tokens_of = tokens[kept].tolist()
         return (sizes[kept].tolist(), starts[kept].tolist(), tokens_of,
                 None if at_least is None else at_least[kept].tolist(),
-                flat["relief"][kept].tolist() if self.lookahead else tokens_of)
+                _window_sums(np.where(lead > 0, -lengths * lead, lengths), starts[kept], ends[kept]).tolist()
+                if self.lookahead else tokens_of)
 
     def _few_windows(self, remaining: list[HeldPiece], ctx: "_StepContext", early_only: bool):
         """`_windows` in plain Python: a pool of a few pieces makes a few windows, fewer than
