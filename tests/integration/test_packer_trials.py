@@ -452,7 +452,46 @@ def test_large_steps_of_the_default_step_packer_pack_at_most_max_packed_per_sear
         if cap is None:
             assert max(packed) > release_module.MAX_PACKED  # the searches the cap would cut
         else:
+            assert max(packed) == cap, str(packed)
+
+
+def test_large_steps_of_the_default_step_packer_pack_at_most_max_step_packed_per_step(monkeypatch):
+    # From 32 micro-batches "wlb_phases" also packs at most MAX_STEP_PACKED candidates per step,
+    # over all its rounds and pair searches; a step that reaches it keeps what it has taken, and
+    # every piece is still trained exactly once. The cap is set to 24 here so that a short heavy
+    # stream reaches it; without it the same steps pack more.
+    from wlb_opt.packer import packer as packer_module
+    from wlb_opt.packer import release as release_module
+    from wlb_opt.packer.trial import TrialPack
+    with_group = TrialPack.with_group
+    packed: list[int] = []
+
+    def counted_group(self, group, account=None):
+        packed[-1] += 1
+        return with_group(self, group, account)
+
+    monkeypatch.setattr(TrialPack, "with_group", counted_group)
+    window = 131072
+    for n_micro, method, cap in ((32, "wlb_phases", release_module.MAX_STEP_PACKED), (32, "wlb", None),
+                                 (16, "wlb_phases", None)):
+        assert WLBPacker(n_micro, int(1.25 * window), COST,
+                         config=PackerConfig(method=method))._release.max_step_packed == cap
+    batches = global_batches("heavy", window, 32 * window, 40, seed=DEFAULT_SEED + 5)
+    for cap in (None, 24):
+        monkeypatch.setattr(packer_module, "MAX_STEP_PACKED", cap)
+        packer = WLBPacker(32, int(1.25 * window), COST, config=PackerConfig(lookahead=4))
+        packed.clear()
+        plans = []
+        for batch in batches:
+            packed.append(0)
+            plans.append(packer.pack(*batch))
+        if cap is None:
+            assert max(packed) > 24  # the steps the cap cuts
+        else:
             assert max(packed) == cap
+        plans = [plan for plan in plans if plan is not None] + packer.drain()
+        trained = np.concatenate([plan.doc_ids[mb] for plan in plans for mb in plan.micro_batches])
+        assert sorted(trained.tolist()) == sorted(np.concatenate([ids for _, ids, _ in batches]).tolist())
 
 
 def test_the_sparse_groups_are_the_sizes_and_starts_named():

@@ -62,7 +62,7 @@ from .defaults import (MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, TARGET_SHARE, TO
 from .fill_trial import FillStepSolver
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
-from .release import MAX_PACKED, SPARSE_MIN_BINS, DrainRelease, ReleasePolicy, make_release_policy
+from .release import MAX_PACKED, MAX_STEP_PACKED, SPARSE_MIN_BINS, DrainRelease, ReleasePolicy, make_release_policy
 from .state import (_ARRIVAL, _LENGTH, HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state,
                     encode_state, held_tokens, pieces_of)
 from .stats import StreamStats
@@ -195,7 +195,8 @@ class WLBPacker:
                      lookahead=self.lookahead, piece_cost=self.cost._doc_cost_valid, bin_const=self.cost.mb_const(),
                      max_tokens=self.max_tokens,
                      room_bounds=not (self.method == "wlb_phases" and self.dp * self.n_micro >= COARSE_MIN_BINS),
-                     sparse_windows=sparse, max_packed=MAX_PACKED if sparse else None)
+                     sparse_windows=sparse, max_packed=MAX_PACKED if sparse else None,
+                     max_step_packed=MAX_STEP_PACKED if sparse else None)
         marginal = {}
         if self.release == "marginal":  # the price of a group's tokens, per step of capacity
             marginal = dict(price=MARGINAL_PRICE, capacity_tokens=self.capacity_tokens)

@@ -38,7 +38,8 @@ defaults.py says why).
   packed at all: the same plans, a fraction of the planning time. Tolerance ~1.3 (fwd + bwd
   loads) suits the default stream. On steps of `SPARSE_MIN_BINS` micro-batches or more the
   default step packer tries a sparse set of these groups (`sparse_window`: a few sizes, starts
-  a quarter group apart), chosen among exactly as the full set.
+  a quarter group apart), chosen among exactly as the full set, and packs at most `MAX_PACKED`
+  of them per search and `MAX_STEP_PACKED` per step.
 - "marginal" (beyond the paper): the pool and the candidates of "group", chosen at the
   margin: a group leaves while the imbalance it adds is worth the tokens it stops holding.
   `MarginalRelease` states the rule (score, price, pairs, carried pieces, trim).
@@ -102,6 +103,13 @@ MAX_PACKED = 32
 second groups) packs at most this many candidates, in its visiting order (the lowest bounds
 first): on the slowest steps at 32 micro-batches it packed 100 to 180, and the balance of the
 calibration streams held with 32 (docs/tuning.md)."""
+MAX_STEP_PACKED = 96
+"""On the same steps, all the searches of a step (its rounds and their pairs) pack at most this
+many candidates together; once they have, the step keeps what it has taken and its last round
+chooses among the candidates packed. Most steps pack a dozen; the slowest steps at 32
+micro-batches packed up to 130-200 (`real` with lookahead 4), and the balance of the
+calibration streams held with 96 (docs/tuning.md)."""
+
 SPARSE_STRIDE = 4
 """With `sparse_windows`, a group of `size` pieces starts every max(1, size // SPARSE_STRIDE)
 pieces of the pool (a quarter of the group moves from one to the next)."""
@@ -320,6 +328,9 @@ class ReleasePolicy(ABC):
     """At most this many candidates packed per search of `_candidates` (a round's groups, or a
     pair's second groups), in its visiting order; None: every one the bounds leave. The packer
     sets `MAX_PACKED` with `sparse_windows`."""
+    max_step_packed: int | None = None
+    """At most this many candidates packed by all of a step's searches together (`_StepContext.budget`);
+    None: no limit but `max_packed`. The packer sets `MAX_STEP_PACKED` with `sparse_windows`."""
 
     @abstractmethod
     def plan_step(self, fresh: list[HeldPiece], queues: list[deque], carry: list[HeldPiece], step: int,
@@ -708,6 +719,8 @@ class GroupRelease(ReleasePolicy):
                 continue
             if self.max_packed is not None and packed >= self.max_packed:
                 break  # the search's most promising groups are packed
+            if ctx.budget is not None and ctx.budget.left <= 0:
+                break  # the step has packed its share of candidates
             group = source[start:start + size]
             threshold = None if ctx.idle else ctx.limit
             useful = None if cutoff is None else cutoff(relief)
@@ -720,6 +733,8 @@ class GroupRelease(ReleasePolicy):
                         or (hopeless is not None and hopeless(tokens, at_least, relief))):
                     continue
             packed += 1
+            if ctx.budget is not None:
+                ctx.budget.left -= 1
             if with_group is not None:
                 t_plan = with_group(list(joining) + group, account=account)
             if t_plan is None:
@@ -778,6 +793,7 @@ class GroupRelease(ReleasePolicy):
         if self.room_bounds and self.max_tokens is not None and costs and len(carry) + len(fresh) >= ROOM_MIN_PIECES:
             own_pieces = _DensestPieces(own_lengths, np.asarray(own, dtype=np.float64))
         by_size = sorted(pool, key=_LENGTH_ARRIVAL)  # a stable sort: each round's remaining pieces in order
+        budget = None if self.max_step_packed is None else _Budget(self.max_step_packed)
         while True:
             remaining = [piece for piece in by_size if _ID_OFFSET(piece) not in taken]
             if not remaining:
@@ -789,7 +805,8 @@ class GroupRelease(ReleasePolicy):
                 # a step that would train nothing takes its most balanced group whatever the tolerance
                 idle=is_idle(plan),
                 kept=() if own_pieces is None else _kept_costs((), released[n_forced:], costs),
-                room=None if own_pieces is None else _Room.of(own_pieces, released, costs, self.need * self.max_tokens))
+                room=None if own_pieces is None else _Room.of(own_pieces, released, costs, self.need * self.max_tokens),
+                budget=budget)
             chosen = self._choose(remaining, ctx)
             if chosen is None:
                 break
@@ -942,6 +959,18 @@ class _StepContext:
     """Costs of the held pieces every candidate must place (the groups taken, a pair's first
     group), largest first: `_bound_with` (empty without costs, and on steps of fewer than
     ROOM_MIN_PIECES pieces, where the bound costs about what it saves)."""
+    budget: "_Budget | None" = None
+    """The candidates the step may still pack, shared by its rounds (`max_step_packed`; None: no limit)."""
+
+
+class _Budget:
+    """Candidates a step may still pack (`ReleasePolicy.max_step_packed`), counted down by
+    `_candidates` across the step's rounds and pair searches."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, left: int):
+        self.left = left
 
 
 @dataclass(frozen=True, kw_only=True)
