@@ -106,9 +106,9 @@ calibration streams held with 32 (docs/tuning.md)."""
 MAX_STEP_PACKED = 96
 """On the same steps, all the searches of a step (its rounds and their pairs) pack at most this
 many candidates together; once they have, the step keeps what it has taken and its last round
-chooses among the candidates packed. Most steps pack a dozen; the slowest steps at 32
-micro-batches packed up to 130-200 (`real` with lookahead 4), and the balance of the
-calibration streams held with 96 (docs/tuning.md)."""
+chooses among the candidates packed. A median step packs about 14; the slowest steps at 32
+micro-batches packed about 130 (`real` with lookahead 4), and the balance of the calibration
+streams held with 96 (docs/tuning.md)."""
 
 SPARSE_STRIDE = 4
 """With `sparse_windows`, a group of `size` pieces starts every max(1, size // SPARSE_STRIDE)
