@@ -144,10 +144,9 @@ per window takes fewer numpy calls, for large ones the layout sums mostly window
 
 
 @functools.lru_cache(maxsize=256)
-def _sparse_windows(n: int, top: int) -> tuple[tuple[tuple[int, np.ndarray], ...], np.ndarray, np.ndarray]:
-    """The sparse set's windows of a pool of n pieces, groups of 1 to top: ((size, starts) for
-    each size that has some, the size of each window, the start of each window), by size then
-    start (`sparse_window`), made once per (n, top)."""
+def _sparse_windows(n: int, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """(size, start) of each of the sparse set's windows of a pool of n pieces, groups of 1 to
+    top, by size then start (`sparse_window`), made once per (n, top)."""
     sizes = np.arange(1, top + 1)
     kept = sizes[_sparse_mask(sizes, np.zeros(top, dtype=np.int64), n, top)].tolist()  # start 0 passes any stride
     out = []
@@ -157,12 +156,11 @@ def _sparse_windows(n: int, top: int) -> tuple[tuple[tuple[int, np.ndarray], ...
         starts = np.arange(0, n - size + 1, max(1, size // SPARSE_STRIDE))
         if starts[-1] != n - size:  # the run that ends at the last piece
             starts = np.append(starts, n - size)
-        starts.flags.writeable = False
         out.append((size, starts))
     sizes = np.concatenate([np.full(len(starts), size) for size, starts in out])
     starts = np.concatenate([starts for _, starts in out])
     sizes.flags.writeable = starts.flags.writeable = False
-    return tuple(out), sizes, starts
+    return sizes, starts
 
 
 def _window_costs(costs: np.ndarray, sizes: np.ndarray, starts: np.ndarray, top: int,
@@ -214,14 +212,12 @@ class _WindowLayout(NamedTuple):
 
     rows: np.ndarray
     """(top, n) indices into the pool padded with top - 1 zeros: entry (k, i) is piece i + k."""
-    valid: np.ndarray
-    """(top, n): whether the window of size k + 1 at start i ends within the pool."""
     sizes: np.ndarray
-    """Size of each valid window, by size then start."""
+    """Size of each window that ends within the pool, by size then start."""
     starts: np.ndarray
-    """Start of each valid window, in the same order."""
+    """Start of each of those windows, in the same order."""
     sparse: np.ndarray
-    """`sparse_window` of each valid window."""
+    """`sparse_window` of each of those windows."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -231,7 +227,7 @@ def _window_layout(n: int, top: int) -> _WindowLayout:
     valid = np.arange(n)[None, :] <= n - np.arange(1, top + 1)[:, None]
     sizes = np.repeat(np.arange(1, top + 1), n - np.arange(top))
     starts = np.nonzero(valid)[1]
-    layout = _WindowLayout(rows, valid, sizes, starts, _sparse_mask(sizes, starts, n, top))
+    layout = _WindowLayout(rows, sizes, starts, _sparse_mask(sizes, starts, n, top))
     for array in layout:
         array.flags.writeable = False
     return layout
@@ -550,7 +546,7 @@ class GroupRelease(ReleasePolicy):
         lengths = np.fromiter(map(_LENGTH, remaining), dtype=np.int64, count=n)
         # The windows judged, by size then start: the sparse set's (`sparse_window`) or every one.
         if self.sparse_windows:
-            _, sizes, starts = _sparse_windows(n, top)
+            sizes, starts = _sparse_windows(n, top)
         else:
             layout = _window_layout(n, top)
             sizes, starts = layout.sizes, layout.starts
