@@ -1,5 +1,5 @@
 """WLBPacker(..., lookahead=K): plans of step s - K, every id once, displacement in
-[-K, max_delay], resume identity with a buffer, K = 0 reproduces the plans of the packer
+[-K, max_delay] ([-MAX_LEAD, max_delay] with "marginal"), resume identity with a buffer, K = 0 reproduces the plans of the packer
 before lookahead existed (digests recorded from commit d1cf72e by
 tests/data/make_packer_k0_digests.py), stats keys, bad input."""
 import hashlib
@@ -16,6 +16,7 @@ from conftest import unit_cost as _unit_cost
 import wlb_opt as wlb
 from wlb_opt.workloads import DEFAULT_SEED, global_batches
 from wlb_opt.packer import PackerConfig, WLBPacker
+from wlb_opt.packer.defaults import MAX_LEAD
 
 COST = _unit_cost(1e-6, 1e-3, backward=True)
 CAP = 100
@@ -36,9 +37,10 @@ def arrivals_of(batches):
     return {int(i): s for s, (_, ids) in enumerate(batches) for i in ids}
 
 
-def check_stream(plans, batches, k, max_delay, stats):
+def check_stream(plans, batches, k, max_delay, stats, lead=None):
     """Every id placed exactly once; each plan's step and arrival steps are right;
-    displacement in [-k, max_delay] except the counted late pieces."""
+    displacement in [-min(k, lead), max_delay] except the counted late pieces (lead None: k)."""
+    k = k if lead is None else min(k, lead)
     arrival = arrivals_of(batches)
     placed = np.concatenate([p.placed_ids() for p in plans]) if plans else np.zeros(0, np.int64)
     assert sorted(placed.tolist()) == sorted(arrival)
@@ -78,7 +80,7 @@ def test_lookahead_stream_trains_every_id_once_within_its_window(seed, k, n_micr
     assert all(p is None for p in streamed[:k]) and all(p is not None for p in streamed[k:])
     plans = [p for p in streamed if p is not None] + drained
     assert [p.step for p in streamed[k:]] == list(range(len(batches) - k))  # pack(batch s) plans step s - K
-    check_stream(plans, batches, k, max_delay, packer.stats())
+    check_stream(plans, batches, k, max_delay, packer.stats(), lead=MAX_LEAD if release == "marginal" else None)
     assert packer.stats()["buffered_pieces"] == 0 and not packer.queued_ids().size and not packer.carried_ids().size
 
 
@@ -208,6 +210,25 @@ def test_lookahead_holds_the_displacement_budget_on_a_lumpy_stream():
     s = packer.stats()
     assert s["displacement_per_token"] <= packer.delay_budget
     assert s["early_token_share"] < 0.2
+
+
+def test_the_default_trains_pieces_at_most_max_lead_steps_early_and_plans_as_lookahead_2():
+    # prose (most tokens in outliers) trains pieces early. With lookahead 4 a piece seen 3 or 4
+    # steps ahead waits out of the step's pool until it is MAX_LEAD = 2 steps ahead, so the
+    # plans are those of lookahead 2, made two calls later
+    W = 131072
+    batches = global_batches("prose", W, 4 * W, 60, seed=DEFAULT_SEED + 200)
+    plans = {}
+    for k in (2, 4):
+        packer = WLBPacker(4, int(1.25 * W), _cost_7b(), config=PackerConfig(lookahead=k))
+        streamed = [packer.pack(*b) for b in batches]
+        assert all(p is None for p in streamed[:k])
+        plans[k] = [p for p in streamed if p is not None] + packer.drain()
+    assert [p.digest() for p in plans[4]] == [p.digest() for p in plans[2]]
+    delays = np.concatenate([p.delays()[np.concatenate(p.micro_batches)] for p in plans[4]])
+    assert delays.min() == -MAX_LEAD  # pieces do train early, up to the lead
+    placed = sorted((int(p.doc_ids[i]), int(p.offsets[i])) for p in plans[4] for mb in p.micro_batches for i in mb)
+    assert placed == sorted((int(i), int(o)) for _, ids, offsets in batches for i, o in zip(ids, offsets))
 
 
 def test_stats_keys_and_calibration_with_lookahead():

@@ -66,7 +66,9 @@ class PackerConfig:
     or another method that keeps pieces whole and honours `carried`."""
     lookahead: int = 0
     """Global batches the packer sees ahead (>= 0). With K > 0, `pack(batch s)` returns the
-    plan of step s - K and outliers may train up to K steps early (lookahead.py)."""
+    plan of step s - K and outliers may train up to K steps early (lookahead.py); with
+    release="marginal" (the default), up to `defaults.MAX_LEAD` = 2 steps early, so K > 2
+    makes the plans of K = 2."""
 
     def __post_init__(self):
         object.__setattr__(self, "thresholds", _check_thresholds(self.thresholds))

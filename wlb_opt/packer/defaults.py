@@ -7,7 +7,8 @@
 - release="marginal" (`MarginalRelease` in release.py states the rule), with or without
   lookahead: a group with pieces seen ahead pays for their lead in the score, and the groups
   of arrived pieces are formed among those alone (`GroupRelease._candidates`), so that
-  lookahead only adds candidates to those a step has without it;
+  lookahead only adds candidates to those a step has without it; a piece trains at most
+  `MAX_LEAD` steps early;
 - max_delay `DEFAULT_MAX_DELAY` steps;
 - method="wlb_phases": each step packed by Algorithm 1's rule with the forward and the
   backward time of each micro-batch balanced apart (solvers/phases.py); the release decides
@@ -45,6 +46,13 @@ MARGINAL_TOLERANCE_HIGH = 2.0
 of capacity)."""
 MARGINAL_PRICE = 0.5
 """release="marginal": price of a group's tokens per unit of tolerance above 1 (release.py)."""
+MAX_LEAD = 2
+"""release="marginal" with lookahead: a held outlier trains at most this many steps before the
+step it arrives in (`ReleasePolicy.max_lead`). Pieces seen further ahead wait in the pool, out
+of the step's groups, until they are that close. On the calibration streams (4 micro-batches,
+lookahead 4) a lead of 2 beat 1, 3 and no limit by the selection rule (docs/tuning.md), so a
+packer with lookahead K > 2 makes the plans of lookahead 2, K - 2 calls later: what it sees
+beyond two batches does not change them."""
 TARGET_SHARE = 0.9
 """The feedback aims at this share of `delay_budget` (margin for the drain and noise)."""
 # The rule rises from TOLERANCE_LOW at RISE_FROM x target to TOLERANCE_HIGH at RISE_TO x target.

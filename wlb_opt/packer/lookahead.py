@@ -8,13 +8,14 @@ returns the rest. The rules (beyond the paper):
   so the queues of step t = s - K already hold the outliers of batches t+1..s. Every
   release policy then works unchanged: a queue that fills (paper rule) or a group that
   balances ("group", "balance") may take outliers that arrive up to K steps later, which
-  are trained early. FIFO order is arrival order, so the outliers that arrived first leave
-  first.
+  are trained early; "marginal", the default, takes those that arrive up to
+  `defaults.MAX_LEAD` = 2 steps later (a longer lead did not pay on the calibration
+  streams). FIFO order is arrival order, so the outliers that arrived first leave first.
 - a regular document (below L1) waits in the buffer for its own step and is fresh there
   (it may still be carried later, as without lookahead).
-- displacement of a piece = training step - arrival step, in [-K, max_delay] (a piece
-  placed later than max_delay because a step was over capacity counts in
-  `stats()["late_pieces"]`). `stats()` reports `displacement_per_token` (token-weighted
+- displacement of a piece = training step - arrival step, in [-K, max_delay] (in [-2,
+  max_delay] with "marginal"; a piece placed later than max_delay because a step was over
+  capacity counts in `stats()["late_pieces"]`). `stats()` reports `displacement_per_token` (token-weighted
   mean of |displacement|), `early_token_share` and `late_token_share`.
 - K = 0 is the paper's behaviour, and the plans are exactly those of the packer without
   lookahead (the batch's outliers are queued and its regular documents are fresh in the

@@ -32,7 +32,8 @@ and carry. What the paper leaves open about a training job is settled here:
   records the arrival step of each of its pieces in `plan.arrival_step`.
 - lookahead (`lookahead=K`, beyond the paper): `pack(batch s)` returns the plan of step
   s - K (None for the first K batches); outliers join the queues on arrival, so a step may
-  train them up to K steps early (displacement in [-K, max_delay]); see lookahead.py.
+  train them up to K steps early (displacement in [-K, max_delay]; with release="marginal",
+  the default, up to `defaults.MAX_LEAD` = 2 steps); see lookahead.py.
 
 Plans are frozen: each step's plan is built once, from `solve_pack`'s, with `plan.replace`.
 """
@@ -57,8 +58,8 @@ from ..solvers.deal import deal_to_replicas
 from ..step_pack import solve_pack
 from .calibrate import CALIBRATION_BUDGET, calibrate_thresholds, candidate_thresholds
 from .config import PackerConfig, PackerMethod, queue_thresholds
-from .defaults import (MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, TARGET_SHARE, TOLERANCE_HIGH, TOLERANCE_LOW,
-                       adaptive_tolerance, running_displacement)
+from .defaults import (MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, MAX_LEAD, TARGET_SHARE, TOLERANCE_HIGH,
+                       TOLERANCE_LOW, adaptive_tolerance, running_displacement)
 from .fill_trial import FillStepSolver
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
@@ -199,7 +200,7 @@ class WLBPacker:
                      max_step_packed=MAX_STEP_PACKED if sparse else None)
         marginal = {}
         if self.release == "marginal":  # the price of a group's tokens, per step of capacity
-            marginal = dict(price=MARGINAL_PRICE, capacity_tokens=self.capacity_tokens)
+            marginal = dict(price=MARGINAL_PRICE, capacity_tokens=self.capacity_tokens, max_lead=MAX_LEAD)
         self._release: ReleasePolicy = make_release_policy(self.release, **rules, **marginal)
         self._drain_release: ReleasePolicy = DrainRelease(**rules)
 

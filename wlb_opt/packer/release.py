@@ -45,7 +45,8 @@ defaults.py says why).
   `MarginalRelease` states the rule (score, price, pairs, carried pieces, trim).
 - `drain()` (end of data) releases every queue whatever the policy (`DrainRelease`).
 - lookahead (`WLBPacker(..., lookahead=K)`, lookahead.py): the queues also hold outliers that
-  arrive up to K steps later. A group (a full queue's dp x n_micro, a "balance" or "group"
+  arrive up to K steps later ("group" and "marginal" take those up to `max_lead` steps ahead
+  into a step's pool). A group (a full queue's dp x n_micro, a "balance" or "group"
   candidate) leaves early only if at most half of it is early (arrival after the step): a
   group then trains at or after the median of its arrival steps, which minimises its total
   displacement |step - arrival|; leaving as soon as the last member is visible would train
@@ -301,6 +302,11 @@ class ReleasePolicy(ABC):
     steps' capacity when that is the default)."""
     lookahead: int = 0
     """Batches the queues see ahead (lookahead.py); 0: no held piece is early."""
+    max_lead: int | None = None
+    """With lookahead, "group" and "marginal" leave the pieces that arrive more than this many
+    steps after the step out of its pool (they wait in their queues until they are that close),
+    so that no piece trains more than `max_lead` steps early; None: up to `lookahead`. The
+    packer sets `defaults.MAX_LEAD` for "marginal"."""
     piece_cost: Callable[[np.ndarray], np.ndarray] | None = None
     """Cost of pieces by length, as the packing weighs them (the packer's `cost.doc_cost`);
     with `bin_const`, lets "group" skip candidates that cannot pass the tolerance (None: try
@@ -772,7 +778,10 @@ class GroupRelease(ReleasePolicy):
         return None if best is None else _resolved(*best[1:])
 
     def plan_step(self, fresh, queues, carry, step, solve) -> StepRelease:
-        pool = sorted((piece for q in queues for piece in q), key=_ARRIVAL)  # FIFO among equals
+        held = chain.from_iterable(queues)
+        if self.max_lead is not None and self.lookahead > self.max_lead:  # pieces seen further ahead wait
+            held = (piece for piece in held if piece.arrival - step <= self.max_lead)
+        pool = sorted(held, key=_ARRIVAL)  # FIFO among equals
         released = [piece for piece in pool if self._is_due(piece, step)]
         taken = {piece.key for piece in released}
         n_forced = len(released)
