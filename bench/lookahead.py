@@ -3,10 +3,11 @@
 Lookahead lets outliers train early (up to K steps; with the default release, up to
 `packer.defaults.MAX_LEAD` = 2, so lookahead 4 plans as lookahead 2), which is displacement
 too, so a packer with lookahead that balances better at a little more displacement has not
-yet shown that it is better. This runs the defaults (`parity`'s "default" and "default+K" settings, same
-streams, same measures) at several delay budgets (`PackerConfig.delay_budget`, which sets
-where balance_tolerance="auto" holds the displacement), so that each lookahead draws a curve
-of (displacement per token, mean forward imbalance), means over the seeds, and compares:
+yet shown that it is better. This runs the defaults (`parity`'s "default" and "default+K"
+settings, same streams, same measures) at several delay budgets (`PackerConfig.delay_budget`,
+which sets where balance_tolerance="auto" holds the displacement), so that each lookahead
+draws a curve of (displacement per token, mean forward imbalance), means over the seeds, and
+compares:
 
 - "at or below": for each point of K = 0, the lowest imbalance a K point reaches at no more
   displacement (measured points only; "holds" when it is no worse than K = 0's, None when no

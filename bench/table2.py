@@ -26,8 +26,9 @@ batches (N x window tokens each, `wlb_opt.workloads.global_batches`) feeds every
                        balance_tolerance "auto", each step packed by "wlb_phases"). The rows
                        above pack each step by Algorithm 1 ("wlb"), as the paper.
 - WLB default, lookahead K: the same with lookahead=K (K = 1, 2, 4): the packer sees K
-                       batches ahead and may train outliers up to min(K, 2) steps early; the delay
-                       column is then displacement per token (mean |step - arrival|).
+                       batches ahead and may train outliers up to min(K, 2) steps early;
+                       the delay column is then displacement per token (mean |step -
+                       arrival|).
 
 Imbalance of a step = max / mean of the modelled forward time of its N micro-batches
 (`cost.micro_batch_cost(..., phase="fwd")`, the paper's Max x N / Total); the table shows the

@@ -1,7 +1,7 @@
 """WLBPacker(..., lookahead=K): plans of step s - K, every id once, displacement in
-[-K, max_delay] ([-MAX_LEAD, max_delay] with "marginal"), resume identity with a buffer, K = 0 reproduces the plans of the packer
-before lookahead existed (digests recorded from commit d1cf72e by
-tests/data/make_packer_k0_digests.py), stats keys, bad input."""
+[-K, max_delay] ([-MAX_LEAD, max_delay] with "marginal"), resume identity with a buffer,
+K = 0 reproduces the plans of the packer before lookahead existed (digests recorded from
+commit d1cf72e by tests/data/make_packer_k0_digests.py), stats keys, bad input."""
 import hashlib
 import json
 from pathlib import Path

@@ -15,8 +15,9 @@ returns the rest. The rules (beyond the paper):
   (it may still be carried later, as without lookahead).
 - displacement of a piece = training step - arrival step, in [-K, max_delay] (in [-2,
   max_delay] with "marginal"; a piece placed later than max_delay because a step was over
-  capacity counts in `stats()["late_pieces"]`). `stats()` reports `displacement_per_token` (token-weighted
-  mean of |displacement|), `early_token_share` and `late_token_share`.
+  capacity counts in `stats()["late_pieces"]`). `stats()` reports
+  `displacement_per_token` (token-weighted mean of |displacement|), `early_token_share` and
+  `late_token_share`.
 - K = 0 is the paper's behaviour, and the plans are exactly those of the packer without
   lookahead (the batch's outliers are queued and its regular documents are fresh in the
   same order).
