@@ -22,7 +22,7 @@ batches (N x window tokens each, `wlb_opt.workloads.global_batches`) feeds every
 - WLB auto:            thresholds="auto" (calibrated on the first global batch), max_delay=8,
                        release="balance" (balance rows: balance_tolerance 1.02, the old default).
 - WLB default:         `WLBPacker(N, max_tokens, cost)`, nothing tuned (wlb_opt.packer.defaults:
-                       one pool from 0.3 x max_tokens, release="marginal", max_delay 16,
+                       one pool from 0.3 x max_tokens, release="marginal", max_delay 32,
                        balance_tolerance "auto", each step packed by "wlb_phases"). The rows
                        above pack each step by Algorithm 1 ("wlb"), as the paper.
 - WLB default, lookahead K: the same with lookahead=K (K = 1, 2, 4): the packer sees K

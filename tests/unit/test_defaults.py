@@ -17,7 +17,7 @@ COST = unit_cost(1e-6, 1e-3, backward=True)
 def test_the_defaults_are_one_pool_marginal_release_and_the_feedback_tolerance():
     packer = WLBPacker(4, 163840, COST)
     assert packer.thresholds == [int(163840 * d.DEFAULT_CUTOFF_SHARE)] == [49152]
-    assert packer.release == "marginal" and packer.max_delay == d.DEFAULT_MAX_DELAY == 16
+    assert packer.release == "marginal" and packer.max_delay == d.DEFAULT_MAX_DELAY == 32
     assert packer._release.price == d.MARGINAL_PRICE and packer._release.capacity_tokens == 4 * 163840
     # with lookahead too (defaults.py); "group" by name
     assert WLBPacker(4, 163840, COST, config=PackerConfig(lookahead=2)).release == "marginal"

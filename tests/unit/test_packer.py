@@ -505,7 +505,7 @@ def test_packer_config_is_frozen_keyword_only_and_normalises_its_fields():
         config.max_delay = 3
     with pytest.raises(TypeError):
         wlb.PackerConfig([30, 60])
-    assert config.replace(max_delay=None).max_delay is None and config.max_delay == 16
+    assert config.replace(max_delay=None).max_delay is None and config.max_delay == 32
     assert wlb.PackerConfig().resolved_release == "marginal"
     assert wlb.PackerConfig(lookahead=2).resolved_release == "marginal"
     assert wlb.PackerConfig(lookahead=2, release="paper").resolved_release == "paper"
