@@ -68,7 +68,8 @@ def test_the_order_in_which_candidates_are_packed_changes_no_plan(seed, lookahea
 
     def checked(self, remaining, ctx, early_only=False):  # the reliefs the rules read are the groups'
         sizes, starts, tokens, at_least, relief = windows(self, remaining, ctx, early_only)
-        assert relief == [displacement_relief(remaining[i:i + n], ctx.step) for n, i in zip(sizes, starts)]
+        assert relief == [displacement_relief(remaining[i:i + n], ctx.step, self.early_credit)
+                          for n, i in zip(sizes, starts)]
         seen[0] += sum(r != t for r, t in zip(relief, tokens))  # windows with early pieces
         return sizes, starts, tokens, at_least, relief
 

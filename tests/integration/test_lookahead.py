@@ -194,6 +194,29 @@ def test_displacement_relief_charges_the_lead_of_early_pieces():
     pieces = [HeldPiece(i, 0, length, arrival) for i, (length, arrival) in enumerate([(100, 3), (50, 5), (40, 7)])]
     assert displacement_relief(pieces[:2], 5) == 150  # both have arrived: their tokens
     assert displacement_relief(pieces, 5) == 150 - 2 * 40  # the third is 2 steps early
+    # with a credit the lead counts less it: 0.5 steps here, exact in floats
+    assert displacement_relief(pieces, 5, 0.5) == 150 - 1.5 * 40
+    assert displacement_relief(pieces[:2], 5, 0.5) == 150
+
+
+def test_early_credit_is_a_multiple_of_its_unit():
+    from wlb_opt.packer.release import EARLY_CREDIT_UNIT, make_release_policy
+
+    rules = dict(need=4, max_delay=8, balance_tolerance=1.1, max_backlog_tokens=1000, lookahead=2)
+    marginal = make_release_policy("marginal", price=0.5, capacity_tokens=100, early_credit=0.5, **rules)
+    assert marginal.early_credit == 0.5
+    assert make_release_policy("group", early_credit=3 * EARLY_CREDIT_UNIT, **rules).early_credit == 3 / 64
+    for bad in (0.1, -0.5, 65, True, "0.5"):
+        with pytest.raises(ValueError, match=r"early_credit must be a multiple of 0.015625 in \[0, 64\].*got"):
+            make_release_policy("group", early_credit=bad, **rules)
+
+
+def test_the_default_packer_credits_early_pieces():
+    from wlb_opt.packer.defaults import EARLY_CREDIT
+
+    packer = WLBPacker(4, 2 * CAP, COST, config=PackerConfig(lookahead=2))
+    assert packer._release.early_credit == EARLY_CREDIT == 0.5
+    assert WLBPacker(4, 2 * CAP, COST, config=PackerConfig(lookahead=2, release="group"))._release.early_credit == 0
 
 
 def test_lookahead_holds_the_displacement_budget_on_a_lumpy_stream():

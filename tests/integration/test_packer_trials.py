@@ -183,8 +183,8 @@ def test_a_candidate_rejects_exactly_what_its_full_packing_fails(step, data, com
                 assert counted == [1]  # still one packing
 
 
-@pytest.mark.parametrize("dist, lookahead", [("prose", 0), ("code", 2), ("real", 4)])
-def test_a_trimmed_step_is_the_step_packed_again_without_its_piece(dist, lookahead, monkeypatch):
+@pytest.mark.parametrize("dist, lookahead, steps", [("prose", 0, 80), ("code", 2, 80), ("real", 4, 100)])
+def test_a_trimmed_step_is_the_step_packed_again_without_its_piece(dist, lookahead, steps, monkeypatch):
     # `MarginalRelease._trim` makes the step less one piece from the kept candidate
     # (`TrialPack.without`: its order less the piece) rather than through `solve`: the same
     # candidate, so the same decision and the same plan, trim taken or not
@@ -232,7 +232,7 @@ def test_a_trimmed_step_is_the_step_packed_again_without_its_piece(dist, lookahe
     monkeypatch.setattr(MarginalRelease, "_trim", both)
     W = 131072
     packer = WLBPacker(4, int(1.25 * W), COST, config=PackerConfig(lookahead=lookahead))
-    for batch in global_batches(dist, W, 4 * W, 80, seed=DEFAULT_SEED + 7):
+    for batch in global_batches(dist, W, 4 * W, steps, seed=DEFAULT_SEED + 7):  # long enough for 3 trims
         packer.pack(*batch)
     assert seen["taken"] >= 3 and seen["refused"] >= 20
 

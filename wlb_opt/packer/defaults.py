@@ -5,7 +5,8 @@
 - one pool of outliers: pieces of at least `DEFAULT_CUTOFF_SHARE` x max_tokens tokens, no
   calibration (thresholds calibrated on a first batch did not carry over to other streams);
 - release="marginal" (`MarginalRelease` in release.py states the rule), with or without
-  lookahead: a group with pieces seen ahead pays for their lead in the score, and the groups
+  lookahead: a group with pieces seen ahead pays for their lead, less `EARLY_CREDIT` steps,
+  in the score, and the groups
   of arrived pieces are formed among those alone (`GroupRelease._candidates`), so that
   lookahead only adds candidates to those a step has without it; a piece trains at most
   `MAX_LEAD` steps early;
@@ -56,6 +57,15 @@ of the step's groups, until they are that close. On the calibration streams (4 m
 lookahead 4) a lead of 2 beat 1, 3 and no limit by the selection rule (docs/tuning.md), so a
 packer with lookahead K > 2 makes the plans of lookahead 2, K - 2 calls later: what it sees
 beyond two batches does not change them."""
+EARLY_CREDIT = 0.5
+"""release="marginal" with lookahead: an early piece is valued at its lead less this many steps
+(`release.displacement_relief`). Left to wait, an outlier that has arrived still waits for a
+step that suits it, so training it early does not cost its whole lead; with no credit the rule
+took few early pieces. On the calibration streams (4 micro-batches, lookahead 2, seeds 100-119,
+each curve read against the curve without credit at equal displacement) credits of 0.5 and 1
+lowered the imbalance of `default`, `real` and `code` alike, within the seeds' noise of each
+other; 1 makes a piece one step early free, so the feedback's price no longer holds early
+pieces back, and on `prose` it cost three times as much (docs/tuning.md)."""
 TARGET_SHARE = 0.9
 """The feedback aims at this share of `delay_budget` (margin for the drain and noise)."""
 # The rule rises from TOLERANCE_LOW at RISE_FROM x target to TOLERANCE_HIGH at RISE_TO x target.

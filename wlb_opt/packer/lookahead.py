@@ -10,7 +10,8 @@ returns the rest. The rules (beyond the paper):
   balances ("group", "balance") may take outliers that arrive up to K steps later, which
   are trained early; "marginal", the default, takes those that arrive up to
   `defaults.MAX_LEAD` = 2 steps later (a longer lead did not pay on the calibration
-  streams). FIFO order is arrival order, so the outliers that arrived first leave first.
+  streams) and values such a piece at its lead less `defaults.EARLY_CREDIT` = 0.5 steps.
+  FIFO order is arrival order, so the outliers that arrived first leave first.
 - a regular document (below L1) waits in the buffer for its own step and is fresh there
   (it may still be carried later, as without lookahead).
 - displacement of a piece = training step - arrival step, in [-K, max_delay] (in [-2,

@@ -201,9 +201,10 @@ def _window_costs(costs: np.ndarray, sizes: np.ndarray, starts: np.ndarray, top:
 
 
 def _window_sums(values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """The sum of the integers `values[start:end]` for each window, from their prefix sums
-    (exact in any order, unlike a float sum)."""
-    prefix = np.zeros(len(values) + 1, dtype=np.int64)
+    """The sum of `values[start:end]` for each window, from their prefix sums: integers, or
+    floats that are multiples of `EARLY_CREDIT_UNIT` (the reliefs, `_reliefs`), exact in any
+    order either way (unlike a sum of arbitrary floats)."""
+    prefix = np.zeros(len(values) + 1, dtype=np.float64 if values.dtype.kind == "f" else np.int64)
     np.cumsum(values, out=prefix[1:])
     return prefix[ends] - prefix[starts]
 
@@ -271,15 +272,36 @@ def split_due(carry: list[HeldPiece], released: list[HeldPiece], fresh: list[Hel
     return first, [piece for piece in released if piece.key not in due_keys] + fresh
 
 
-def displacement_relief(group, step: int) -> int:
+def displacement_relief(group, step: int, early_credit: float = 0.0) -> int | float:
     """Token-steps of displacement that training `group` at `step` saves: a piece that has
     arrived saves at least one step of waiting (its tokens); an early one (lookahead) adds
-    its lead, (arrival - step) x tokens. Without lookahead this is the group's tokens. With
-    lookahead, ranking groups by tokens took early pieces as readily as waiting ones, and
-    the displacement feedback (which raises the tolerance when the stream is over its
-    target) then released still more early ones, past the budget (docs/tuning.md)."""
-    return sum(piece.length if piece.arrival <= step else -piece.length * (piece.arrival - step)
+    its lead less `early_credit` steps, (arrival - step - early_credit) x tokens. Without
+    lookahead this is the group's tokens. With lookahead, ranking groups by tokens took early
+    pieces as readily as waiting ones, and the displacement feedback (which raises the
+    tolerance when the stream is over its target) then released still more early ones, past
+    the budget (docs/tuning.md).
+
+    `early_credit` (`ReleasePolicy.early_credit`; "marginal" has `defaults.EARLY_CREDIT`):
+    steps of waiting an early piece would still have had after its arrival had it not left
+    early; a multiple of 1/64, so that every relief, and every sum of them, is exact in
+    float64 (the groups' reliefs summed in any order compare the same)."""
+    if not early_credit:
+        return sum(piece.length if piece.arrival <= step else -piece.length * (piece.arrival - step)
+                   for piece in group)
+    return sum(piece.length if piece.arrival <= step else piece.length * (early_credit - (piece.arrival - step))
                for piece in group)
+
+
+def _reliefs(lengths, leads, early_credit: float):
+    """`displacement_relief` of each single piece (`lengths`, `leads` = arrival - step), as
+    an int64 array (float64 with an `early_credit`: exact, see there)."""
+    if not early_credit:
+        return np.where(leads > 0, -lengths * leads, lengths)
+    return np.where(leads > 0, lengths * (early_credit - leads), lengths).astype(np.float64)
+
+
+EARLY_CREDIT_UNIT = 1 / 64
+"""`ReleasePolicy.early_credit` is a multiple of this: the reliefs stay exact in float64."""
 
 
 def nearest_levels(queues: list[deque], level: int) -> list[int]:
@@ -333,6 +355,17 @@ class ReleasePolicy(ABC):
     max_step_packed: int | None = None
     """At most this many candidates packed by all of a step's searches together (`_StepContext.budget`);
     None: no limit but `max_packed`. The packer sets `MAX_STEP_PACKED` with `sparse_windows`."""
+    early_credit: float = 0.0
+    """With lookahead, "group" and "marginal" value an early piece at its lead less this many
+    steps (`displacement_relief`); a multiple of `EARLY_CREDIT_UNIT` in [0, 64]. The packer sets
+    `defaults.EARLY_CREDIT` for "marginal"; 0: the whole lead."""
+
+    def __post_init__(self):
+        credit = self.early_credit
+        if (isinstance(credit, bool) or not isinstance(credit, (int, float)) or not 0 <= credit <= 64
+                or (credit / EARLY_CREDIT_UNIT) % 1):
+            raise ValueError(f"early_credit must be a multiple of {EARLY_CREDIT_UNIT} in [0, 64] (steps), "
+                             f"got {credit!r}")
 
     @abstractmethod
     def plan_step(self, fresh: list[HeldPiece], queues: list[deque], carry: list[HeldPiece], step: int,
@@ -591,7 +624,7 @@ class GroupRelease(ReleasePolicy):
         tokens_of = tokens[kept].tolist()
         return (sizes[kept].tolist(), starts[kept].tolist(), tokens_of,
                 None if at_least is None else at_least[kept].tolist(),
-                _window_sums(np.where(lead > 0, -lengths * lead, lengths), starts[kept], ends[kept]).tolist()
+                _window_sums(_reliefs(lengths, lead, self.early_credit), starts[kept], ends[kept]).tolist()
                 if self.lookahead else tokens_of)
 
     def _few_windows(self, remaining: list[HeldPiece], ctx: "_StepContext", early_only: bool):
@@ -601,8 +634,8 @@ class GroupRelease(ReleasePolicy):
         n, top, step = len(remaining), min(self.need, len(remaining)), ctx.step
         lengths = list(map(_LENGTH, remaining))
         lookahead = self.lookahead
-        relief = [piece.length if piece.arrival <= step else -piece.length * (piece.arrival - step)
-                  for piece in remaining] if lookahead else None
+        credit = self.early_credit
+        relief = [displacement_relief((piece,), step, credit) for piece in remaining] if lookahead else None
         early = [int(piece.arrival > step) for piece in remaining] if lookahead else None
         costs = list(map(ctx.costs.__getitem__, map(_ID_OFFSET, remaining))) if ctx.costs else None
         need, bin_const, base_cost = self.need, self.bin_const, ctx.base_cost
@@ -771,7 +804,7 @@ class GroupRelease(ReleasePolicy):
                 remaining, ctx, hopeless=hopeless, cutoff=cutoff, lowest_bound_first=ctx.idle,
                 most_tokens_first=not ctx.idle):
             first = min(piece.arrival for piece in group)
-            relief = displacement_relief(group, ctx.step)
+            relief = displacement_relief(group, ctx.step, self.early_credit)
             key = (t_plan.imbalance, -relief, first, i) if ctx.idle else (-relief, t_plan.imbalance, first, i)
             if best is None or key < best[0]:
                 best = (key, group, t_pending, t_plan, t_arrival)
@@ -988,8 +1021,8 @@ class MarginalRelease(GroupRelease):
 
         (imbalance of the step with it) - (imbalance without it) - lambda x relief / capacity_tokens
 
-    (relief: `displacement_relief`, the group's tokens less the lead of its early pieces;
-    the tokens without lookahead)
+    (relief: `displacement_relief`, the group's tokens less the lead of its early pieces, each
+    lead less `early_credit` steps; the tokens without lookahead)
     and the step takes the lowest-scoring group while its score is <= 0 (and the step stays
     within the tolerance, the deferral rules of "group" unchanged). Unlike "most tokens first
     within the tolerance", a starved step takes what lowers its imbalance, and a pair of
@@ -1125,7 +1158,8 @@ class MarginalRelease(GroupRelease):
         for i, group, tokens, t_pending, t_plan, t_arrival in self._candidates(remaining, ctx, hopeless=hopeless,
                                                                                 lowest_bound_first=True, price=lam,
                                                                                 cutoff=cutoff):
-            score = t_plan.imbalance - ctx.plan.imbalance - lam * displacement_relief(group, ctx.step)
+            score = t_plan.imbalance - ctx.plan.imbalance - lam * displacement_relief(group, ctx.step,
+                                                                                      self.early_credit)
             entry = ((score, -tokens, min(piece.arrival for piece in group), i), group, t_pending, t_plan, t_arrival)
             if score > 0:
                 if rejected is None or entry[0] < rejected[0]:
@@ -1141,7 +1175,7 @@ class MarginalRelease(GroupRelease):
         keys = {piece.key for piece in first_group}
         rest = [piece for piece in remaining if piece.key not in keys]
         first_tokens = sum(piece.length for piece in first_group)
-        first_relief = displacement_relief(first_group, ctx.step)
+        first_relief = displacement_relief(first_group, ctx.step, self.early_credit)
         costs = ctx.costs
         with_first = dataclasses.replace(
             ctx, released=ctx.released + first_group,
@@ -1165,7 +1199,8 @@ class MarginalRelease(GroupRelease):
                                                                                 hopeless, joining=first_group,
                                                                                 cutoff=cutoff, lowest_bound_first=True,
                                                                                 price=lam):
-            score = t_plan.imbalance - ctx.plan.imbalance - lam * (first_relief + displacement_relief(group, ctx.step))
+            score = t_plan.imbalance - ctx.plan.imbalance - lam * (
+                first_relief + displacement_relief(group, ctx.step, self.early_credit))
             key = (score, -(first_tokens + tokens), min(piece.arrival for piece in first_group + group), i)
             if score <= 0 and (best is None or key < best[0]):
                 best = (key, first_group + group, t_pending, t_plan, t_arrival)
