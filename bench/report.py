@@ -81,7 +81,10 @@ _STREAM_SPEED_TABLES = (
                    "p99_ms", "worst_ms", "mean_ms", "median_vs_k0", "median_of_runs_ms")),
     Table("stream_speed.json", ("shard",),
           caption="CP sharding of all micro-batches of a step: `solve_shards` (at once) and `solve_shard` (one "
-                  "micro-batch at a time; the same ShardPlans)."))
+                  "micro-batch at a time; the same ShardPlans)."),
+    Table("stream_speed.json", ("reference",),
+          caption="The machine's speed in the same run: least CPU ms of a fixed workload (`bench.stream_speed."
+                  "reference_ms`), before and after the streams. Compare runs by their times over this."))
 """`bench stream-speed`'s tables (the quick run and the long one)."""
 
 
@@ -185,7 +188,7 @@ SECTIONS = (
             "The same measure with dp replicas (`--dp`): global batches of dp x n_micro x window tokens, packed "
             "into dp x n_micro micro-batches and dealt n_micro to each replica by their modelled 1F1B time "
             "(`solvers.deal`).",
-            (_STREAM_SPEED_TABLES[0],)),
+            (_STREAM_SPEED_TABLES[0], _STREAM_SPEED_TABLES[2])),
     Section("stream_speed_gpu_host", "Streaming planner speed on a GPU machine's CPU",
             "The long-stream measure on the host CPU of the H200 machine that ran the GPU check (16 Xeon cores, "
             "otherwise idle; 8 streams timed at once, each in its own process and CPU time), without CP sharding: "

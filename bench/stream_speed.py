@@ -22,6 +22,11 @@ machine are not counted); the median, p99 and worst step are over every step of 
   step triggers it. The planner's own objects are collected as usual.
 - With `--jobs J` the streams are timed in J worker processes at once, each in its own CPU
   time (on a machine with at least J idle cores).
+- A machine reference is timed before the streams and after them (`reference_ms`): the least
+  CPU time of a fixed workload of the two kinds a step spends its time on (a pure-Python heap
+  loop and small numpy calls), code of this module that does not change with the planner. The
+  same machine can differ by half from one day to the next; runs are compared by their
+  times over their reference.
 - Each stream is timed with the packing loops in pure Python (the default install) and, when
   numba is installed (the `fast` extra), compiled (`--loops`: Algorithm 1's loop and the
   balanced placement's). `--methods wlb_phases,wlb,wlb_fill` also times Algorithm 1 as the
@@ -40,7 +45,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import heapq
 import json
+import random
 import time
 from pathlib import Path
 
@@ -55,6 +62,33 @@ from ._provenance import provenance
 
 SEED_OFFSET = 300
 """Streams of this benchmark start at DEFAULT_SEED + SEED_OFFSET (away from calibration seeds)."""
+
+
+REFERENCE_REPEATS = 7
+"""Runs of the reference workload per measurement; its least CPU time counts."""
+
+
+def _reference_workload() -> None:
+    """Fixed work of the kinds a planning step does: 20,000 placements of a heap loop over 32
+    (load, micro-batch) pairs, then 2,000 rounds of small numpy calls."""
+    rng = random.Random(0)
+    heap = [(0.0, b) for b in range(32)]
+    for _ in range(20000):
+        load, b = heap[0]
+        heapq.heapreplace(heap, (load + rng.random(), b))
+    a = np.arange(64, dtype=np.int64)
+    for _ in range(2000):
+        np.concatenate([a[:10], a[np.searchsorted(a, a[::-7])]])
+
+
+def reference_ms(repeats: int = REFERENCE_REPEATS) -> float:
+    """Least CPU milliseconds (`time.process_time`) of `_reference_workload` over `repeats` runs."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.process_time()
+        _reference_workload()
+        best = min(best, time.process_time() - t0)
+    return 1e3 * best
 
 
 def _percentiles(times_s: list[float]) -> dict:
@@ -204,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     cp = cost.parallel.cp if cost.parallel is not None else 1
     max_tokens = int(1.25 * args.window)
     rows, shard_rows = [], []
-    print(f"max_tokens={max_tokens}, dp={args.dp}, {steps} steps x {seeds} seeds, CPU ms per pack()")
+    reference = [dict(when="before", reference_ms=reference_ms())]
+    print(f"max_tokens={max_tokens}, dp={args.dp}, {steps} steps x {seeds} seeds, CPU ms per pack(); "
+          f"machine reference {reference[0]['reference_ms']:.2f} ms")
     loops = [loop for loop in args.loops.split(",") if loop == "python" or compiled_available()]
     if len(loops) < len(args.loops.split(",")):
         print("numba is not installed (the `fast` extra): the compiled loop is not timed")
@@ -241,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                     ratio = f"{row['median_vs_k0']:.2f}" if row["median_vs_k0"] is not None else "-"
                     print(f"{n_micro:>3} {dist:>6} {method:>8} {k:>2} {loop:>9} {row['median_ms']:>8.2f} "
                           f"{row['p99_ms']:>8.2f} {row['worst_ms']:>8.2f} {ratio:>7}", flush=True)
+    reference.append(dict(when="after", reference_ms=reference_ms()))
+    print(f"machine reference after the streams: {reference[1]['reference_ms']:.2f} ms")
     for r in shard_rows:
         print(f"{r['call']} {r['strategy']} (N={r['n_micro']}, {r['dist']}, cp={r['cp']}, all micro-batches of a step): "
               f"median {r['median_ms']:.2f} ms, "
@@ -248,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        data = dict(provenance=provenance("stream_speed", argv), rows=rows, shard=shard_rows)
+        data = dict(provenance=provenance("stream_speed", argv), rows=rows, shard=shard_rows, reference=reference)
         (out / "stream_speed.json").write_text(json.dumps(data, indent=2))
         print(f"wrote {out / 'stream_speed.json'}")
     return 0

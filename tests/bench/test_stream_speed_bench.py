@@ -25,7 +25,19 @@ def test_stream_speed_writes_a_row_per_setting(tmp_path, capsys):
     assert sorted((r["call"], r["strategy"]) for r in data["shard"]) == [("solve_shard", "adaptive"),
                                                                          ("solve_shards", "adaptive")]
     assert {r["steps"] for r in data["shard"]} == {rows[0]["steps"]}
+    # the machine reference, timed before the streams and after them
+    assert [r["when"] for r in data["reference"]] == ["before", "after"]
+    assert all(r["reference_ms"] > 0 for r in data["reference"])
     assert "wlb_fill" in capsys.readouterr().out
+
+
+def test_the_machine_reference_is_the_least_cpu_time_of_its_runs(monkeypatch):
+    clock = iter([0.0, 0.5, 1.0, 1.2, 2.0, 2.9])  # runs of 0.5, 0.2 and 0.9 s of CPU time
+    ran = []
+    monkeypatch.setattr(stream_speed.time, "process_time", lambda: next(clock))
+    monkeypatch.setattr(stream_speed, "_reference_workload", lambda: ran.append(1))
+    assert stream_speed.reference_ms(3) == pytest.approx(200.0)
+    assert len(ran) == 3
 
 
 def test_repeated_passes_count_each_steps_least_time(tmp_path, monkeypatch):
