@@ -24,9 +24,8 @@ machine are not counted); the median, p99 and worst step are over every step of 
   time (on a machine with at least J idle cores).
 - A machine reference is timed before the streams and after them (`reference_ms`): the least
   CPU time of a fixed workload of the two kinds a step spends its time on (a pure-Python heap
-  loop and small numpy calls), code of this module that does not change with the planner. The
-  same machine can differ by half from one day to the next; runs are compared by their
-  times over their reference.
+  loop and small numpy calls), code of this module that does not change with the planner: a
+  shared machine's speed varies, so runs are compared by their times over their reference.
 - Each stream is timed with the packing loops in pure Python (the default install) and, when
   numba is installed (the `fast` extra), compiled (`--loops`: Algorithm 1's loop and the
   balanced placement's). `--methods wlb_phases,wlb,wlb_fill` also times Algorithm 1 as the

@@ -61,11 +61,11 @@ EARLY_CREDIT = 0.5
 """release="marginal" with lookahead: an early piece is valued at its lead less this many steps
 (`release.displacement_relief`). Left to wait, an outlier that has arrived still waits for a
 step that suits it, so training it early does not cost its whole lead; with no credit the rule
-took few early pieces. On the calibration streams (4 micro-batches, lookahead 2, seeds 100-119,
-each curve read against the curve without credit at equal displacement) credits of 0.5 and 1
-lowered the imbalance of `default`, `real` and `code` alike, within the seeds' noise of each
-other; 1 makes a piece one step early free, so the feedback's price no longer holds early
-pieces back, and on `prose` it cost three times as much (docs/tuning.md)."""
+took few early pieces. On the calibration streams (4 micro-batches, lookahead 2, each curve
+read against the curve without credit at equal displacement) 0.5 lowered the imbalance of
+`default`, `real`, `code` and `heavy`. A credit of 1 lowered `default` and `real` a little more
+but makes a piece one step early free, so the feedback's price no longer holds early pieces
+back: on `prose` the displacement stopped following the budget (docs/tuning.md)."""
 TARGET_SHARE = 0.9
 """The feedback aims at this share of `delay_budget` (margin for the drain and noise)."""
 # The rule rises from TOLERANCE_LOW at RISE_FROM x target to TOLERANCE_HIGH at RISE_TO x target.

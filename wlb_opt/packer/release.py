@@ -202,7 +202,7 @@ def _window_costs(costs: np.ndarray, sizes: np.ndarray, starts: np.ndarray, top:
 
 def _window_sums(values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """The sum of `values[start:end]` for each window, from their prefix sums: integers, or
-    floats that are multiples of `EARLY_CREDIT_UNIT` (the reliefs, `_reliefs`), exact in any
+    floats that are multiples of `EARLY_CREDIT_UNIT` (the reliefs), exact in any
     order either way (unlike a sum of arbitrary floats)."""
     prefix = np.zeros(len(values) + 1, dtype=np.float64 if values.dtype.kind == "f" else np.int64)
     np.cumsum(values, out=prefix[1:])
@@ -285,19 +285,8 @@ def displacement_relief(group, step: int, early_credit: float = 0.0) -> int | fl
     steps of waiting an early piece would still have had after its arrival had it not left
     early; a multiple of 1/64, so that every relief, and every sum of them, is exact in
     float64 (the groups' reliefs summed in any order compare the same)."""
-    if not early_credit:
-        return sum(piece.length if piece.arrival <= step else -piece.length * (piece.arrival - step)
-                   for piece in group)
     return sum(piece.length if piece.arrival <= step else piece.length * (early_credit - (piece.arrival - step))
                for piece in group)
-
-
-def _reliefs(lengths, leads, early_credit: float):
-    """`displacement_relief` of each single piece (`lengths`, `leads` = arrival - step), as
-    an int64 array (float64 with an `early_credit`: exact, see there)."""
-    if not early_credit:
-        return np.where(leads > 0, -lengths * leads, lengths)
-    return np.where(leads > 0, lengths * (early_credit - leads), lengths).astype(np.float64)
 
 
 EARLY_CREDIT_UNIT = 1 / 64
@@ -624,7 +613,8 @@ class GroupRelease(ReleasePolicy):
         tokens_of = tokens[kept].tolist()
         return (sizes[kept].tolist(), starts[kept].tolist(), tokens_of,
                 None if at_least is None else at_least[kept].tolist(),
-                _window_sums(_reliefs(lengths, lead, self.early_credit), starts[kept], ends[kept]).tolist()
+                _window_sums(np.where(lead > 0, lengths * (self.early_credit - lead), lengths), starts[kept],
+                             ends[kept]).tolist()
                 if self.lookahead else tokens_of)
 
     def _few_windows(self, remaining: list[HeldPiece], ctx: "_StepContext", early_only: bool):
@@ -634,8 +624,9 @@ class GroupRelease(ReleasePolicy):
         n, top, step = len(remaining), min(self.need, len(remaining)), ctx.step
         lengths = list(map(_LENGTH, remaining))
         lookahead = self.lookahead
-        credit = self.early_credit
-        relief = [displacement_relief((piece,), step, credit) for piece in remaining] if lookahead else None
+        credit = self.early_credit  # as `displacement_relief` of each piece alone
+        relief = [piece.length if piece.arrival <= step else piece.length * (credit - (piece.arrival - step))
+                  for piece in remaining] if lookahead else None
         early = [int(piece.arrival > step) for piece in remaining] if lookahead else None
         costs = list(map(ctx.costs.__getitem__, map(_ID_OFFSET, remaining))) if ctx.costs else None
         need, bin_const, base_cost = self.need, self.bin_const, ctx.base_cost
