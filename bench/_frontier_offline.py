@@ -34,6 +34,15 @@ with every micro-batch at the mean), and each heuristic is bracketed against bot
 (`gap_achievable` against the forward one, `gap_achievable_phases` against the other, which
 searches at the heuristics' own displacements only).
 
+The search that balances both phases runs again with each heuristic's own reach
+(`heuristic_lead`: no piece trained more than 0 steps before it arrives without lookahead, more
+than `defaults.MAX_LEAD` with it; late as before), at the displacements of the heuristics of
+that reach and the targets' budgets, seeded from their schedules: what a planner that may use
+as much of the future as the heuristic does could reach (`lead_offline_*`,
+`gap_achievable_lead`). The heuristic knows the arrivals of the next K batches at most, the
+search every arrival; the lead bounds what either may do with them. The checker measures how
+far ahead each schedule trains (`max_early`), and a schedule beyond its search's lead fails.
+
 Budgets: `--budgets` plus each heuristic's own displacement, so that each heuristic meets an
 offline schedule of at most its displacement. A budget at which the search finds no schedule
 (a stream whose arrivals overflow their steps by more than the budget moves) is a row without
@@ -46,6 +55,10 @@ The checker (`check_schedule`) reads the global batches and the cost model, not 
 every piece of every batch trained exactly once (by (document id, offset, length)), each step
 a `PackPlan` that `wlb_opt.plan.check_pack` accepts (token caps, loads = the cost model's),
 and the imbalance and displacement recomputed from those plans.
+
+`--jobs J` searches J distributions at once, each in a worker process: every draw of the
+search is seeded, so the schedules are those of one process (the bounds are what HiGHS proves
+within `--time-limit`, which a loaded machine may lower).
 """
 from __future__ import annotations
 
@@ -57,6 +70,7 @@ from pathlib import Path
 import numpy as np
 
 from ..packer import PackerConfig, WLBPacker, per_step_imbalance
+from ..packer.defaults import MAX_LEAD
 from ..plan import PackPlan, SolveInfo, check_pack
 from ..solvers.frontier_milp import aggregate_imbalance, frontier_problem, plan_solution, solve_frontier
 from ..solvers.offline import PRICES, offline_frontier, offline_stream
@@ -85,6 +99,14 @@ streaming planner's balance targets (the defaults at <= 0.45 displacement per to
 at <= 0.40), so that what a schedule balancing both phases reaches there is known."""
 
 
+def heuristic_lead(settings: dict) -> int:
+    """The most steps the packer of `settings` (`PackerConfig` keywords, release "marginal")
+    trains a piece before it arrives: none without lookahead, else up to its lookahead and at
+    most `defaults.MAX_LEAD`. The offline search given the same reach knows what the heuristic
+    may use of the future: any piece's arrival, but no piece trained further ahead."""
+    return min(int(settings.get("lookahead", 0)), MAX_LEAD)
+
+
 def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: int, max_tokens: int, n_slots: int,
                    warmup: int, pp: int = 1) -> dict:
     """Check a schedule of the pieces (ids, offsets, lengths) against `batches` and measure it;
@@ -93,7 +115,8 @@ def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: i
     1F1B pipeline of `pp` stages), aggregate sum of maxima, displacement per token, the
     number of steps used and `full_share`, the share of the measured steps filled to
     99% of their token capacity (`step_packers.is_full`: the steps whose imbalance the
-    pieces they hold set)."""
+    pieces they hold set), and `max_early`, the most steps any piece trains before its
+    arrival (0 when none trains early)."""
     arrival = {}
     for t, (lb, ib, ob) in enumerate(batches):
         for key in zip(ib.tolist(), ob.tolist(), lb.tolist()):
@@ -109,7 +132,7 @@ def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: i
         raise AssertionError(f"steps must lie in [0, {n_slots}) and micro-batches in [0, {n_micro})")
     ids, offsets = np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
     mbc = cost.mb_const("fwd")
-    imbs, bwds, sims, fulls, sum_max, disp = [], [], [], [], 0.0, 0
+    imbs, bwds, sims, fulls, sum_max, disp, max_early = [], [], [], [], 0.0, 0, 0
     for t in range(n_slots):
         here = np.flatnonzero(step == t)
         if not len(here):
@@ -128,15 +151,16 @@ def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: i
             sims.append((t, pipeline_ratio(plan, cost, pp)))
             fulls.append((t, float(is_full(plan))))
         sum_max += max(cost.micro_batch_cost(L[mb], "fwd") - mbc for mb in mbs)
-        disp += sum(n * abs(t - arrival[k]) for k, n in
-                    zip(zip(ids[here].tolist(), offsets[here].tolist(), L.tolist()), L.tolist()))
+        arrived = [arrival[k] for k in zip(ids[here].tolist(), offsets[here].tolist(), L.tolist())]
+        disp += sum(n * abs(t - a) for a, n in zip(arrived, L.tolist()))
+        max_early = max(max_early, max(arrived) - t)
 
     def measured(values):
         return float(np.mean([x for t, x in values if t >= warmup] or [x for _, x in values]))
 
     return dict(imbalance=measured(imbs), imbalance_bwd=measured(bwds), sim=measured(sims), sum_of_max=sum_max,
                 displacement_per_token=disp / max(int(lengths.sum()), 1), steps_used=int(len(np.unique(step))),
-                full_share=measured(fulls))
+                full_share=measured(fulls), max_early=max_early)
 
 
 def _piece_steps(plans, stream) -> tuple[np.ndarray, np.ndarray]:
@@ -184,8 +208,12 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
                          imbalance_bwd=float(np.mean(bwds[warmup:] or bwds)), sim=float(np.mean(sims[warmup:] or sims)),
                          full_share=float(np.mean(fulls[warmup:] or fulls)),
                          aggregate=aggregate_imbalance(sum_of_max(plans, cost), problem),
-                         displacement_per_token=displacement[name]))
+                         displacement_per_token=displacement[name], max_lead=heuristic_lead(BRACKETED[name])))
         starts.append(_piece_steps(plans, stream))
+        trained_early = int((stream.arrival - starts[-1][0]).max(initial=0))
+        if trained_early > rows[-1]["max_lead"]:
+            raise AssertionError(f"{dist}: {name} trains a piece {trained_early} steps early, beyond its reach of "
+                                 f"{rows[-1]['max_lead']}")
     in_window = [s for s in starts if ((s[0] >= stream.arrival - early) & (s[0] <= stream.arrival + late)
                                        & (s[0] < n_slots)).all()]
     all_budgets = sorted(set(budgets) | {r["displacement_per_token"] for r in rows})
@@ -198,39 +226,49 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
         bounds[b] = aggregate_imbalance(r.bound, problem)
     weights = np.full(n_slots, EDGE_WEIGHT)
     weights[warmup:len(batches)] = 1.0
-    names = [n for n, s in zip(runs, starts) if any(s is w for w in in_window)]
     curve, search_s = [], {}
-    for objective, phase in OBJECTIVES.items():
+    own = {r["displacement_per_token"] for r in rows}
+    # the forward search draws the frontier; the other one the heuristics' budgets and the targets'
+    searches = [("fwd", early, all_budgets), ("fwd+bwd", early, sorted(own | set(phases_budgets)))]
+    # and with each heuristic's own reach: its displacements and the targets'
+    for lead in sorted({r["max_lead"] for r in rows}):
+        searches.append(("fwd+bwd", lead, sorted({r["displacement_per_token"] for r in rows if r["max_lead"] == lead}
+                                                 | set(phases_budgets))))
+    for objective, lead, at in searches:
+        phase = OBJECTIVES[objective]
+        label = objective if lead == early else f"{objective}, lead <= {lead}"
         found = []
 
-        def progress(s, objective=objective):
-            show(f"  {dist}: budget {s.budget:.3f} ({objective}): offline schedule found "
+        def progress(s, label=label):
+            show(f"  {dist}: budget {s.budget:.3f} ({label}): offline schedule found "
                  f"({time.perf_counter() - t0:.0f} s)")
             found.append(s)
 
         t1 = time.perf_counter()
         searched = stream if phase == "fwd" else offline_stream(batches, lambda d, phase=phase: cost.doc_cost(d, phase))
-        # the forward search draws the frontier; the other one the heuristics' budgets and the targets'
-        at = all_budgets if phase == "fwd" else sorted({r["displacement_per_token"] for r in rows}
-                                                       | set(phases_budgets))
-        offline_frontier(searched, N, max_tokens, cost.mb_const(phase), at, early=early, late=late,
-                         outlier_min=outlier_min, starts=in_window, n_slots=n_slots, step_weights=weights,
+        seeds = [s for s in in_window if (s[0] >= stream.arrival - lead).all()]
+        offline_frontier(searched, N, max_tokens, cost.mb_const(phase), at, early=lead, late=late,
+                         outlier_min=outlier_min, starts=seeds, n_slots=n_slots, step_weights=weights,
                          prices=prices, on_budget=progress, skip_infeasible=True, seeded_starts=seeded_starts)
-        search_s[objective] = time.perf_counter() - t1
+        search_s[label] = time.perf_counter() - t1
+        names = [n for n, s in zip(runs, starts) if any(s is w for w in seeds)]
         for b in sorted(set(at) - {s.budget for s in found}):
-            show(f"  {dist}: budget {b:.3f} ({objective}): no offline schedule found")
+            show(f"  {dist}: budget {b:.3f} ({label}): no offline schedule found")
             # an infeasible bound model proves that no schedule exists within the budget and window
             proven = not np.isfinite(bounds[b])
-            curve.append(dict(dist=dist, objective=objective, budget=b, imbalance=None, imbalance_bwd=None,
-                              sim=None, full_share=None, aggregate=None, displacement_per_token=None,
-                              bound=None if proven else bounds[b],
+            curve.append(dict(dist=dist, objective=objective, max_lead=lead, budget=b, imbalance=None,
+                              imbalance_bwd=None, sim=None, full_share=None, aggregate=None,
+                              displacement_per_token=None, bound=None if proven else bounds[b],
                               source="none exists" if proven else "none found", checked=False))
         for s in found:
             check = check_schedule(batches, cost, s.step, s.micro_batch, stream.doc_ids, stream.offsets,
                                    stream.lengths, N, max_tokens, n_slots, warmup, pp)
             if check["displacement_per_token"] > s.budget + 1e-9:
-                raise AssertionError(f"{dist}: the offline schedule at budget {s.budget} ({objective}) displaces "
+                raise AssertionError(f"{dist}: the offline schedule at budget {s.budget} ({label}) displaces "
                                      f"{check['displacement_per_token']:.6f} per token")
+            if check["max_early"] > lead:
+                raise AssertionError(f"{dist}: the offline schedule at budget {s.budget} ({label}) trains a piece "
+                                     f"{check['max_early']} steps before it arrives")
             agg = aggregate_imbalance(check["sum_of_max"], problem)
             if agg < bounds[s.budget] - 1e-6:
                 raise AssertionError(f"{dist}: the offline schedule at budget {s.budget} ({objective}, {agg:.6f}) "
@@ -240,19 +278,21 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
                 source = names[int(source.split()[1]) - 1]
             elif source.startswith("search from start "):
                 source = "search from " + names[int(source.split()[3]) - 1]
-            curve.append(dict(dist=dist, objective=objective, budget=s.budget, imbalance=check["imbalance"],
+            curve.append(dict(dist=dist, objective=objective, max_lead=lead, budget=s.budget,
+                              imbalance=check["imbalance"],
                               imbalance_bwd=check["imbalance_bwd"], sim=check["sim"], full_share=check["full_share"],
                               aggregate=agg,
                               displacement_per_token=check["displacement_per_token"], bound=bounds[s.budget],
                               source=source, checked=True))
-    curve.sort(key=lambda c: (list(OBJECTIVES).index(c["objective"]), c["budget"]))
+    curve.sort(key=lambda c: (list(OBJECTIVES).index(c["objective"]), -c["max_lead"], c["budget"]))
     for r in rows:
         d = r["displacement_per_token"]
         above = [b for b in all_budgets if b >= d - 1e-12]
         r["bound"] = bounds[above[0]] if above else None
         r["gap_lower_aggregate"] = None if r["bound"] is None else r["aggregate"] - r["bound"]
-        for objective, prefix in zip(OBJECTIVES, ("", "phases_")):
-            within = [c for c in curve if c["checked"] and c["objective"] == objective
+        for objective, lead, prefix in (("fwd", early, ""), ("fwd+bwd", early, "phases_"),
+                                        ("fwd+bwd", r["max_lead"], "lead_")):
+            within = [c for c in curve if c["checked"] and c["objective"] == objective and c["max_lead"] == lead
                       and c["displacement_per_token"] <= d + 1e-12]
             best = min(within, key=lambda c: c["imbalance"]) if within else None
             r[f"{prefix}offline_imbalance"] = None if best is None else best["imbalance"]
@@ -260,7 +300,7 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
             r[f"{prefix}offline_sim"] = None if best is None else best["sim"]
             r[f"{prefix}offline_displacement"] = None if best is None else best["displacement_per_token"]
             gap = None if best is None else r["imbalance"] - best["imbalance"]
-            r["gap_achievable_phases" if prefix else "gap_achievable"] = gap
+            r[f"gap_achievable_{prefix[:-1]}" if prefix else "gap_achievable"] = gap
             if not prefix:
                 best_agg = min((c["aggregate"] for c in within), default=None)
                 r["gap_achievable_aggregate"] = None if best_agg is None else r["aggregate"] - best_agg
@@ -273,6 +313,18 @@ def _fmt(x, width=6, digits=3) -> str:
     return f"{'-':>{width}}" if x is None else f"{x:>{width}.{digits}f}"
 
 
+def _show(message: str) -> None:
+    print(message, flush=True)
+
+
+def _quiet_run(dist: str, cost, kw: dict) -> dict:
+    """`run_distribution` of one distribution, HiGHS's user warnings silenced (a worker
+    process's entry point)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return run_distribution(dist, cost, **kw)
+
+
 def main(args, argv, cost, budgets: list[float] | None) -> int:
     """The `--offline` run of `wlb-opt bench frontier` (arguments parsed there)."""
     from .frontier import QUICK_STEPS, STEPS, plot
@@ -283,38 +335,42 @@ def main(args, argv, cost, budgets: list[float] | None) -> int:
     budgets = budgets if budgets is not None else [float(x) for x in (QUICK_BUDGETS if args.quick else BUDGETS).split(",")]
     prices = QUICK_PRICES if args.quick else PRICES
     t0 = time.perf_counter()
-    results = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        for dist in dists:
-            results.append(run_distribution(dist, cost, steps=steps, window=args.window, n_micro=args.n_micro,
-                                            budgets=budgets, time_limit=time_limit, outlier_min=args.outlier_min,
-                                            seed=args.seed, prices=prices, warmup=20,
-                                            seeded_starts=QUICK_SEEDED_STARTS if args.quick else None,
-                                            phases_budgets=() if args.quick else PHASES_BUDGETS,
-                                            show=lambda m: print(m, flush=True)))
+    kw = dict(steps=steps, window=args.window, n_micro=args.n_micro, budgets=budgets, time_limit=time_limit,
+              outlier_min=args.outlier_min, seed=args.seed, prices=prices, warmup=20,
+              seeded_starts=QUICK_SEEDED_STARTS if args.quick else None,
+              phases_budgets=() if args.quick else PHASES_BUDGETS, show=_show)
+    jobs = min(args.jobs, len(dists))
+    if jobs <= 1:
+        results = [_quiet_run(dist, cost, kw) for dist in dists]
+    else:  # each distribution's searches in a process of its own (the same schedules: every draw is seeded)
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(_quiet_run, dists, [cost] * len(dists), [kw] * len(dists)))
     print("\noffline schedules (checked): objective = what the search balances; imbalance = mean max/mean "
           "forward cost per step after 20 steps (bwd: the same of the backward cost); agg = aggregate "
           "imbalance; bound = proven lower bound on agg")
-    print(f"{'dist':<8} {'objective':<9} {'budget':>6} {'disp':>6} {'imb':>6} {'bwd':>6} {'sim':>6} {'agg':>6} "
-          f"{'bound':>6} {'from':<8}")
+    print(f"{'dist':<8} {'objective':<9} {'lead':>4} {'budget':>6} {'disp':>6} {'imb':>6} {'bwd':>6} {'sim':>6} "
+          f"{'agg':>6} {'bound':>6} {'from':<8}")
     for res in results:
         for c in res["offline"]:
-            print(f"{c['dist']:<8} {c['objective']:<9} {c['budget']:>6.3f} {_fmt(c['displacement_per_token'])} "
+            print(f"{c['dist']:<8} {c['objective']:<9} {c['max_lead']:>4} {c['budget']:>6.3f} "
+                  f"{_fmt(c['displacement_per_token'])} "
                   f"{_fmt(c['imbalance'])} {_fmt(c['imbalance_bwd'])} {_fmt(c['sim'])} {_fmt(c['aggregate'])} "
                   f"{_fmt(c['bound'])} {c['source']:<8}")
     print("\nbrackets: achievable = heuristic - best offline schedule of at most its displacement (imbalance, "
-          "searched on fwd; on fwd+bwd; agg); lower = heuristic agg - bound")
+          "searched on fwd; on fwd+bwd; on fwd+bwd with the heuristic's lead; agg); lower = heuristic agg - bound")
     print(f"{'dist':<8} {'method':<22} {'imb':>6} {'bwd':>6} {'sim':>6} {'disp':>6} {'offline':>7} {'bwd':>6} "
-          f"{'sim':>6} {'achievable':>10} {'off.fb':>7} {'bwd':>6} {'sim':>6} {'ach.fb':>7} {'agg':>6} {'ach.agg':>7} "
-          f"{'lower':>6}")
+          f"{'sim':>6} {'achievable':>10} {'off.fb':>7} {'bwd':>6} {'sim':>6} {'ach.fb':>7} {'lead':>4} {'off.ld':>7} "
+          f"{'ach.ld':>7} {'agg':>6} {'ach.agg':>7} {'lower':>6}")
     for res in results:
         for r in res["brackets"]:
             print(f"{r['dist']:<8} {r['method']:<22} {r['imbalance']:>6.3f} {r['imbalance_bwd']:>6.3f} "
                   f"{r['sim']:>6.3f} {r['displacement_per_token']:>6.3f} {_fmt(r['offline_imbalance'], 7)} "
                   f"{_fmt(r['offline_imbalance_bwd'])} {_fmt(r['offline_sim'])} {_fmt(r['gap_achievable'], 10)} "
                   f"{_fmt(r['phases_offline_imbalance'], 7)} {_fmt(r['phases_offline_imbalance_bwd'])} "
-                  f"{_fmt(r['phases_offline_sim'])} {_fmt(r['gap_achievable_phases'], 7)} {r['aggregate']:>6.3f} "
+                  f"{_fmt(r['phases_offline_sim'])} {_fmt(r['gap_achievable_phases'], 7)} {r['max_lead']:>4} "
+                  f"{_fmt(r['lead_offline_imbalance'], 7)} {_fmt(r['gap_achievable_lead'], 7)} {r['aggregate']:>6.3f} "
                   f"{_fmt(r['gap_achievable_aggregate'], 7)} {_fmt(r['gap_lower_aggregate'])}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

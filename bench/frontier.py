@@ -195,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
                         "(bench/_frontier_offline.py; writes offline.json and offline_<dist>.png)")
     p.add_argument("--dists", default=None,
                    help=f"with --offline: comma-separated distributions (default {','.join(OFFLINE_DISTS)})")
+    p.add_argument("--jobs", type=count, default=1,
+                   help="with --offline: distributions searched in this many worker processes at once (default 1; "
+                        "at most the machine's idle cores: the schedules are the same, the bounds are HiGHS's within "
+                        "--time-limit)")
     add_cost_args(p, layout=("tp", "cp", "pp"))
     args = p.parse_args(argv)
     if args.offline:
@@ -210,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         return offline_main(args, argv, cost_from_args(args, parser=p), budgets)
     if args.dists:
         p.error("--dists needs --offline (use --dist for the certified frontier)")
+    if args.jobs != 1:
+        p.error(f"--jobs {args.jobs} needs --offline (the certified frontier is one stream)")
     steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else STEPS)
     time_limit = args.time_limit if args.time_limit is not None else (QUICK_TIME_LIMIT if args.quick else TIME_LIMIT)
     try:

@@ -41,14 +41,27 @@ def test_bench_frontier_offline_checks_its_schedules_and_brackets_the_defaults(t
     # the forward search ran at every budget, the forward plus backward one at the defaults' own
     budgets = {c["budget"] for c in curve}
     assert {c["budget"] for c in curve if c["objective"] == "fwd"} == budgets
-    assert {c["budget"] for c in curve if c["objective"] == "fwd+bwd"} == \
+    full = [c for c in curve if c["max_lead"] == out["meta"]["streams"][0]["early"]]
+    assert {c["budget"] for c in full if c["objective"] == "fwd+bwd"} == \
         {b["displacement_per_token"] for b in out["brackets"]}
     assert all(c["imbalance"] >= 1.0 and c["imbalance_bwd"] >= 1.0 and c["sim"] > 0 for c in curve)
     assert all(0.0 <= r["full_share"] <= 1.0 for r in curve + out["brackets"])
+    # and with each heuristic's own lead (none without lookahead, MAX_LEAD with it), at its displacement
+    from wlb_opt.packer.defaults import MAX_LEAD
+    early = out["meta"]["streams"][0]["early"]
+    assert {b["method"]: b["max_lead"] for b in out["brackets"]} == {
+        "default (no tuning)": 0, "default, lookahead 2": min(2, MAX_LEAD), "default, lookahead 4": min(4, MAX_LEAD)}
+    for lead in {b["max_lead"] for b in out["brackets"]}:
+        assert {c["budget"] for c in curve if c["max_lead"] == lead} == \
+            {b["displacement_per_token"] for b in out["brackets"] if b["max_lead"] == lead}
+        assert all(c["objective"] == "fwd+bwd" for c in curve if c["max_lead"] == lead)
+    assert {c["max_lead"] for c in curve} == {early} | {b["max_lead"] for b in out["brackets"]}
     for b in out["brackets"]:
         # each heuristic meets an offline schedule of at most its displacement; the bound is below both
         assert b["offline_displacement"] <= b["displacement_per_token"] + 1e-12
         assert b["phases_offline_displacement"] <= b["displacement_per_token"] + 1e-12
+        assert b["lead_offline_displacement"] <= b["displacement_per_token"] + 1e-12
+        assert b["gap_achievable_lead"] == pytest.approx(b["imbalance"] - b["lead_offline_imbalance"])
         assert b["gap_lower_aggregate"] >= b["gap_achievable_aggregate"] - 1e-6
         assert b["gap_achievable_phases"] == pytest.approx(b["imbalance"] - b["phases_offline_imbalance"])
         assert b["imbalance_bwd"] >= 1.0
@@ -115,3 +128,26 @@ def test_the_schedule_checker_measures_both_phases_as_the_plans_do():
         assert check[key] == pytest.approx(expected, rel=1e-12)
     expected = np.mean([pipeline_ratio(p, cost, 4) for p in plans[:len(batches)]][warmup:])
     assert check["sim"] == pytest.approx(expected, rel=1e-9)
+    # without lookahead nothing trains early; moving a piece of step 5 to step 2 trains it 3 steps early
+    assert check["max_early"] == 0
+    moved = step.copy()
+    piece = int(np.flatnonzero(stream.arrival == 5)[0])
+    moved[piece] = 2
+    assert check_schedule(batches, cost, moved, micro, stream.doc_ids, stream.offsets, stream.lengths, N,
+                          10 * W, n_slots, warmup)["max_early"] == 3
+
+
+def test_offline_distributions_in_worker_processes_give_the_same_schedules(tmp_path):
+    """`--jobs 2` searches each distribution in a process of its own: every draw is seeded,
+    so the schedules, and the brackets read from them, are those of one process."""
+    from wlb_opt.bench import frontier
+
+    args = ["--offline", "--quick", "--steps", "8", "--dists", "real,code", "--budgets", "0.3", "--time-limit", "1"]
+    runs = []
+    for jobs in ("1", "2"):
+        assert frontier.main(args + ["--jobs", jobs, "--out", str(tmp_path / jobs)]) == 0
+        out = json.loads((tmp_path / jobs / "offline.json").read_text())
+        runs.append(([{k: v for k, v in c.items() if k != "bound"} for c in out["offline"]],
+                     [{k: v for k, v in b.items() if "bound" not in k and "lower" not in k} for b in out["brackets"]]))
+    assert runs[0] == runs[1]
+    assert {c["dist"] for c in runs[0][0]} == {"real", "code"}

@@ -57,6 +57,8 @@ CLI_CASES = [
     ("bench.frontier_offline_budget", ["bench", "frontier", "--offline", "--budgets", "-0.1"],
      "--budgets must be finite numbers >= 0"),
     ("bench.frontier_dists_without_offline", ["bench", "frontier", "--dists", "real"], "--dists needs --offline"),
+    ("bench.frontier_jobs_without_offline", ["bench", "frontier", "--jobs", "2"], "--jobs 2 needs --offline"),
+    ("bench.frontier_jobs_zero", ["bench", "frontier", "--offline", "--jobs", "0"], "--jobs: expected an integer >= 1"),
     ("bench.exact_workers", ["bench", "exact", "--workers", "0"], "--workers: expected an integer >= 1"),
     ("bench.exact_instances", ["bench", "exact", "--instances", "-2"], "--instances: expected an integer >= 1"),
     ("bench.shard_steps", ["bench", "shard", "--steps", "0"], "--steps: expected an integer >= 1"),
