@@ -226,7 +226,7 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
         bounds[b] = aggregate_imbalance(r.bound, problem)
     weights = np.full(n_slots, EDGE_WEIGHT)
     weights[warmup:len(batches)] = 1.0
-    curve, search_s = [], {}
+    curve, search_s, streams = [], {}, {"fwd": stream}
     own = {r["displacement_per_token"] for r in rows}
     # the forward search draws the frontier; the other one the heuristics' budgets and the targets'
     searches = [("fwd", early, all_budgets), ("fwd+bwd", early, sorted(own | set(phases_budgets)))]
@@ -245,7 +245,9 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
             found.append(s)
 
         t1 = time.perf_counter()
-        searched = stream if phase == "fwd" else offline_stream(batches, lambda d, phase=phase: cost.doc_cost(d, phase))
+        if phase not in streams:  # one stream per phase, whatever the lead of its searches
+            streams[phase] = offline_stream(batches, lambda d, phase=phase: cost.doc_cost(d, phase))
+        searched = streams[phase]
         seeds = [s for s in in_window if (s[0] >= stream.arrival - lead).all()]
         offline_frontier(searched, N, max_tokens, cost.mb_const(phase), at, early=lead, late=late,
                          outlier_min=outlier_min, starts=seeds, n_slots=n_slots, step_weights=weights,
