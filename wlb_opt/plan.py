@@ -31,8 +31,17 @@ def _freeze(obj, name: str, dtype) -> None:
 
 
 def _frozen_tuple(arrays, dtype, name: str = "micro_batches") -> tuple:
-    return tuple(read_only(exact_integers(a, f"plan field {name}") if np.dtype(dtype).kind in "iu" else a, dtype)
+    return tuple(a if _frozen_already(a, dtype) else
+                 read_only(exact_integers(a, f"plan field {name}") if np.dtype(dtype).kind in "iu" else a, dtype)
                  for a in arrays)
+
+
+def _frozen_already(a, dtype) -> bool:
+    """Whether `a` is what `read_only` makes of it already: an array of `dtype` that owns its
+    contiguous data and is read-only (a changed copy of a plan shares it, as it shares the
+    fields it leaves unchanged)."""
+    return (type(a) is np.ndarray and a.dtype == dtype and not a.flags.writeable and a.flags.owndata
+            and a.flags.c_contiguous)
 
 
 def imbalance(loads) -> float:

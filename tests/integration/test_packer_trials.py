@@ -555,3 +555,98 @@ def test_a_step_of_64_micro_batches_plans_alike_with_either_sum_of_the_sparse_gr
     size_by_size = digests()
     monkeypatch.setattr(release, "SPARSE_SUMS_FROM", 10**9)  # a row per window, or the layout
     assert digests() == size_by_size
+
+
+def _reference_shed(plan, pending, released, fresh, step, max_delay, price, backlog_half):
+    """`MarginalRelease._shed` written from its definition, on whole arrays: the heaviest
+    micro-batch (lowest index among equals) sheds its shortest movable piece (the first
+    placed among equals) while the imbalance falls by more than price x its tokens."""
+    loads = plan.loads.astype(np.float64).copy()
+    mbs = [list(mb) for mb in plan.micro_batches]
+    costs = COST.doc_cost(plan.lengths)
+    room = backlog_half - int(plan.lengths[plan.deferred].sum())
+    fresh_set, released_set = set(fresh), set(released)
+
+    def movable(i):
+        piece = pending[i]
+        if max_delay is None:
+            return piece in fresh_set
+        return piece not in released_set and step - piece.arrival < max_delay
+
+    shed = []
+    while True:
+        h = int(np.argmax(loads))
+        options = [i for i in mbs[h] if movable(i)]
+        if len(mbs[h]) <= 1 or not options:
+            break
+        i = min(options, key=lambda i: (plan.lengths[i], mbs[h].index(i)))
+        if plan.lengths[i] > room:
+            break
+        after = loads.copy()
+        after[h] -= costs[i]
+        gain = loads.max() / loads.mean() - after.max() / after.mean()
+        if gain <= price * plan.lengths[i]:
+            break
+        loads, room = after, room - int(plan.lengths[i])
+        mbs[h].remove(i)
+        shed.append(i)
+    return shed
+
+
+@pytest.mark.parametrize("dist, lookahead, max_delay", [("default", 0, 32), ("real", 2, 32), ("heavy", 0, None)])
+def test_a_shed_step_defers_what_its_definition_defers_and_keeps_the_rest_in_place(dist, lookahead, max_delay,
+                                                                                   monkeypatch):
+    # `MarginalRelease._shed` against a plain re-implementation on every step of a stream:
+    # the same pieces deferred, each a movable one, the others where they were, in order, and
+    # the loads and tokens those of the pieces left (check_pack)
+    from wlb_opt.packer.release import MarginalRelease
+    from wlb_opt.plan import check_pack
+
+    shed_step, seen = MarginalRelease._shed, {"steps": 0, "shed": 0}
+
+    def checked(self, result, fresh, step):
+        before = as_pack_plan(result.plan)
+        out = shed_step(self, result._replace(plan=before), fresh, step)
+        after = out.plan
+        n_before = len(before.deferred)
+        got = after.deferred[n_before:].tolist()
+        want = _reference_shed(before, result.pending, result.released, fresh, step, self.max_delay,
+                               self._token_price(), self.max_backlog_tokens // 2)
+        assert got == want
+        assert np.array_equal(after.deferred[:n_before], before.deferred)
+        gone = set(got)
+        for old, new in zip(before.micro_batches, after.micro_batches):
+            assert new.tolist() == [i for i in old.tolist() if i not in gone] and len(new) >= 1 or not len(old)
+        assert out.pending is result.pending and out.released is result.released
+        check_pack(after, after.lengths, after.max_tokens, ids=after.doc_ids, offsets=after.offsets, cost=COST)
+        if got:
+            assert after.imbalance < before.imbalance and after.info.extra["shed"] == len(got)
+        seen["steps"] += 1
+        seen["shed"] += len(got)
+        return out
+
+    monkeypatch.setattr(MarginalRelease, "_shed", checked)
+    W = 131072
+    packer = WLBPacker(4, int(1.25 * W), COST, config=PackerConfig(lookahead=lookahead, max_delay=max_delay))
+    for batch in global_batches(dist, W, 4 * W, 60, seed=DEFAULT_SEED + 11):
+        packer.pack(*batch)
+    assert seen["steps"] >= 50 and seen["shed"] >= 20
+
+
+def test_a_policy_without_shedding_keeps_the_trimmed_plan():
+    # shed=False: the plan is the one the groups and the trim made, nothing more deferred
+    from wlb_opt.packer.release import MarginalRelease
+
+    W = 131072
+    batches = global_batches("default", W, 4 * W, 40, seed=DEFAULT_SEED + 11)
+    runs = {}
+    for shed in (True, False):
+        packer = WLBPacker(4, int(1.25 * W), COST)
+        assert isinstance(packer._release, MarginalRelease) and packer._release.shed
+        packer._release = dataclasses.replace(packer._release, shed=shed)
+        runs[shed] = [packer.pack(*batch) for batch in batches]
+    counts = [plan.info.extra.get("shed", 0) for plan in runs[True]]
+    assert sum(counts) > 0 and all("shed" not in plan.info.extra for plan in runs[False])
+    first = next(i for i, c in enumerate(counts) if c)  # the streams agree until a step sheds
+    assert [p.digest() for p in runs[True][:first]] == [p.digest() for p in runs[False][:first]]
+    assert len(runs[True][first].deferred) == len(runs[False][first].deferred) + counts[first]

@@ -1032,6 +1032,10 @@ class MarginalRelease(GroupRelease):
     which can outweigh the rest together. A carried piece may be trimmed again while that
     pays, until its deadline.
 
+    Shed: then the shortest such pieces of the heaviest micro-batch are deferred one by one
+    while each is worth its tokens at the same price, the other pieces left in place
+    (`_shed`): a step that took a few outliers is often full to its token cap.
+
     Carried pieces: "group" packs the carried pieces first (Algorithm 1), spread over the
     micro-batches, which leaves less than a window's room in each; here only pieces at their
     deadline are packed first, the other carried ones with the rest, longest first (a short
@@ -1043,6 +1047,8 @@ class MarginalRelease(GroupRelease):
     """Tokens one step can place (dp x n_micro x max_tokens): the unit of a group's tokens."""
     trim: bool = True
     """Whether a step may defer the longest piece of its heaviest micro-batch (`_trim`)."""
+    shed: bool = True
+    """Whether a step may then defer short pieces of its heaviest micro-batch (`_shed`)."""
 
     def _token_price(self) -> float:
         """lambda per token: the imbalance one token held one more step is worth."""
@@ -1050,7 +1056,72 @@ class MarginalRelease(GroupRelease):
 
     def plan_step(self, fresh, queues, carry, step, solve) -> StepRelease:
         result = super().plan_step(fresh, queues, carry, step, solve)
-        return (self._trim(result, fresh, carry, step, solve) or result) if self.trim else result
+        result = (self._trim(result, fresh, carry, step, solve) or result) if self.trim else result
+        return self._shed(result, fresh, step) if self.shed else result
+
+    def _shed(self, result: StepRelease, fresh, step: int) -> StepRelease:
+        """The step's plan (a PackPlan) with short pieces of its heaviest micro-batch deferred,
+        one at a time, while each lowers the imbalance by more than holding its tokens one
+        more step costs, at the price of the groups:
+
+            (imbalance with it) - (imbalance without it) > lambda x its tokens / capacity.
+
+        Each time the piece is the shortest movable one (`_movable`: fresh, or carried and not
+        due) of the micro-batch that is then the heaviest, never a micro-batch's only piece,
+        and the step defers at most half the carry limit in all. The other pieces stay where
+        they are: the loads of the micro-batches that lose a piece are summed again as the
+        plan sums them. A step that took a few outliers is often full to its token cap, every
+        micro-batch at the cap and the one with the longest outlier the heaviest; its short
+        pieces then wait a step, where one without outliers has room for them."""
+        plan = as_pack_plan(result.plan)
+        kept = result._replace(plan=plan)
+        room = self.max_backlog_tokens // 2 - plan.deferred_tokens
+        n = len(plan.loads)
+        if n < 2 or room <= 0 or self.piece_cost is None:
+            return kept
+        lam, movable = self._token_price(), self._movable_test(result, fresh, step)
+        loads = plan.loads.tolist()
+        total = sum(loads)
+        queues = {}  # micro-batch: [pieces it holds, its pieces shortest first (ties: the first placed),
+        shed = []    #               their tokens, their costs, how many of them were passed, those shed]
+        while True:
+            h = max(range(n), key=loads.__getitem__)
+            queue = queues.get(h)
+            if queue is None:
+                mb = plan.micro_batches[h]
+                lengths = plan.lengths[mb]
+                by = np.lexsort((mb, lengths))
+                queue = queues[h] = [len(mb), mb[by].tolist(), lengths[by].tolist(),
+                                     self.piece_cost(lengths[by]).tolist(), 0, []]
+            held, order, lengths, costs, at, gone = queue
+            while at < len(order) and not movable(order[at]):
+                at += 1
+            queue[4] = at
+            if held <= 1 or at == len(order) or lengths[at] > room:
+                break
+            lighter = loads[h] - costs[at]
+            after = max(max(loads[:h] + loads[h + 1:]), lighter) / ((total - costs[at]) / n)
+            if loads[h] / (total / n) - after <= lam * lengths[at]:
+                break
+            loads[h], total, room = lighter, total - costs[at], room - lengths[at]
+            queue[0], queue[4] = held - 1, at + 1
+            gone.append(order[at])
+            shed.append(order[at])
+        if not shed:
+            return kept
+        micro_batches, exact, tokens = list(plan.micro_batches), plan.loads.copy(), plan.tokens.copy()
+        for h, queue in queues.items():
+            if queue[5]:  # summed as `TrialPack._plan_loads` sums a micro-batch, in placement order
+                gone = set(queue[5])
+                mb = micro_batches[h] = np.array([i for i in micro_batches[h].tolist() if i not in gone],
+                                                 dtype=np.int64)
+                lengths = plan.lengths[mb]
+                exact[h] = np.add.reduce(self.piece_cost(lengths)) + self.bin_const
+                tokens[h] = np.add.reduce(lengths)
+        info = dataclasses.replace(plan.info, extra={**plan.info.extra, "shed": len(shed)})
+        plan = plan.replace(micro_batches=tuple(micro_batches), deferred=np.append(plan.deferred, shed), loads=exact,
+                            tokens=tokens, info=info)
+        return result._replace(plan=plan)
 
     def _trim(self, result: StepRelease, fresh, carry, step, solve) -> StepRelease | None:
         """The step with the longest fresh or carried (not due; only with a max_delay) piece of
@@ -1099,15 +1170,19 @@ class MarginalRelease(GroupRelease):
         """The `positions` (in result.pending) of pieces the trim may defer: fresh ones, and
         carried ones while they have a deadline to come (max_delay=None: fresh pieces only, so
         that no piece is deferred twice without a bound)."""
+        return list(filter(self._movable_test(result, fresh, step), positions))
+
+    def _movable_test(self, result: StepRelease, fresh, step: int) -> Callable[[int], bool]:
+        """Whether the piece at a position of result.pending is one `_movable` keeps."""
         pending = result.pending
         if self.max_delay is None:
             movable = set(fresh)  # pieces, hashed whole: their keys are unique
-            return [i for i in positions if pending[i] in movable]
+            return lambda i: pending[i] in movable
         # the step's pieces are its carried, released and fresh ones, and the fresh ones arrived
         # at this step: all may move but the released ones and those at their deadline, which
         # are carried (found without a pass over the carry)
         fixed, due_by = set(result.released), step - self.max_delay
-        return [i for i in positions if pending[i].arrival > due_by and pending[i] not in fixed]
+        return lambda i: pending[i].arrival > due_by and pending[i] not in fixed
 
     def _split(self, carry, released, fresh, step):
         first, rest = split_due(carry, released, fresh, step, self.max_delay)
