@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
@@ -320,8 +321,13 @@ class ReleasePolicy(ABC):
     packer sets `defaults.MAX_LEAD` for "marginal"."""
     piece_cost: Callable[[np.ndarray], np.ndarray] | None = None
     """Cost of pieces by length, as the packing weighs them (the packer's `cost.doc_cost`);
-    with `bin_const`, lets "group" skip candidates that cannot pass the tolerance (None: try
-    every candidate; the plans are the same)."""
+    with `bin_const`, lets "group" skip candidates that cannot pass the tolerance
+    (`cost_bounds`), and lets "marginal" weigh the pieces it sheds (`MarginalRelease.shed`).
+    None: neither."""
+    cost_bounds: bool = True
+    """Whether "group" and "marginal" skip the candidates that surely fail (the lower bounds
+    from `piece_cost`, and from the token cap with `max_tokens`). False: try every candidate;
+    the plans are the same."""
     bin_const: float = 0.0
     """Cost every micro-batch adds (`cost.mb_const()`)."""
     max_tokens: int | None = None
@@ -497,7 +503,7 @@ class GroupRelease(ReleasePolicy):
 
     def _costs(self, pieces: list[HeldPiece]) -> dict:
         """Cost of each piece by key (empty without `piece_cost`)."""
-        if self.piece_cost is None or not pieces:
+        if self.piece_cost is None or not self.cost_bounds or not pieces:
             return {}
         weights = self.piece_cost(np.fromiter(map(_LENGTH, pieces), dtype=np.int64, count=len(pieces))).tolist()
         return dict(zip(map(_ID_OFFSET, pieces), weights))
@@ -812,7 +818,7 @@ class GroupRelease(ReleasePolicy):
         pending, plan, arrival = solve(*self._split(carry, released, fresh, step))
         costs = self._costs(pool)  # the held pieces', by key; the step's own ones only count in base_cost
         base_cost = 0.0
-        if self.piece_cost is not None and (carry or fresh or pool):
+        if self.piece_cost is not None and self.cost_bounds and (carry or fresh or pool):
             own_lengths = np.fromiter(map(_LENGTH, chain(carry, fresh)), dtype=np.int64,
                                       count=len(carry) + len(fresh))  # HeldPiece.length
             own = self.piece_cost(own_lengths)
@@ -1082,10 +1088,12 @@ class MarginalRelease(GroupRelease):
         lam, movable = self._token_price(), self._movable_test(result, fresh, step)
         loads = plan.loads.tolist()
         total = sum(loads)
+        heaviest = [(-load, h) for h, load in enumerate(loads)]  # the heaviest first (ties: the lowest index)
+        heapq.heapify(heaviest)
         queues = {}  # micro-batch: [pieces it holds, its pieces shortest first (ties: the first placed),
         shed = []    #               their tokens, their costs, how many of them were passed, those shed]
         while True:
-            h = max(range(n), key=loads.__getitem__)
+            h = heaviest[0][1]
             queue = queues.get(h)
             if queue is None:
                 mb = plan.micro_batches[h]
@@ -1100,10 +1108,12 @@ class MarginalRelease(GroupRelease):
             if held <= 1 or at == len(order) or lengths[at] > room:
                 break
             lighter = loads[h] - costs[at]
-            after = max(max(loads[:h] + loads[h + 1:]), lighter) / ((total - costs[at]) / n)
+            second = -min(heaviest[1][0], heaviest[2][0]) if n > 2 else -heaviest[1][0]
+            after = max(second, lighter) / ((total - costs[at]) / n)
             if loads[h] / (total / n) - after <= lam * lengths[at]:
                 break
             loads[h], total, room = lighter, total - costs[at], room - lengths[at]
+            heapq.heapreplace(heaviest, (-lighter, h))
             queue[0], queue[4] = held - 1, at + 1
             gone.append(order[at])
             shed.append(order[at])
