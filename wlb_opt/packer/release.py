@@ -808,6 +808,11 @@ class GroupRelease(ReleasePolicy):
         return None if best is None else _resolved(*best[1:])
 
     def plan_step(self, fresh, queues, carry, step, solve) -> StepRelease:
+        return self._plan_groups(fresh, queues, carry, step, solve)[0]
+
+    def _plan_groups(self, fresh, queues, carry, step, solve) -> tuple[StepRelease, StepRelease]:
+        """(the step with the groups its rounds take, the step without any: its carried, due
+        and fresh pieces, as the first round weighed the groups against)."""
         held = chain.from_iterable(queues)
         if self.max_lead is not None and self.lookahead > self.max_lead:  # pieces seen further ahead wait
             held = (piece for piece in held if piece.arrival - step <= self.max_lead)
@@ -816,6 +821,7 @@ class GroupRelease(ReleasePolicy):
         taken = {piece.key for piece in released}
         n_forced = len(released)
         pending, plan, arrival = solve(*self._split(carry, released, fresh, step))
+        without_groups = StepRelease(pending, plan, arrival, released, 0)
         costs = self._costs(pool)  # the held pieces', by key; the step's own ones only count in base_cost
         base_cost = 0.0
         if self.piece_cost is not None and self.cost_bounds and (carry or fresh or pool):
@@ -853,7 +859,7 @@ class GroupRelease(ReleasePolicy):
             kept = [piece for piece in q if _ID_OFFSET(piece) not in taken]
             q.clear()
             q.extend(kept)
-        return StepRelease(pending, plan, arrival, released, n_early=len(released) - n_forced)
+        return StepRelease(pending, plan, arrival, released, n_early=len(released) - n_forced), without_groups
 
 
 def _visiting_order(windows: list[tuple], lowest_bound_first: bool, most_tokens_first: bool, price: float) -> list:
@@ -1038,6 +1044,11 @@ class MarginalRelease(GroupRelease):
     which can outweigh the rest together. A carried piece may be trimmed again while that
     pays, until its deadline.
 
+    Without groups: a step that took groups is weighed again against the step without them,
+    each trimmed (`_without_groups_instead`): a group is taken when it beats the step without
+    it as that step is, and a starved step whose short pieces include a long one is less
+    balanced without its outliers than with them, though without that piece it is balanced.
+
     Shed: then the shortest such pieces of the heaviest micro-batch are deferred one by one
     while each is worth its tokens at the same price, the other pieces left in place
     (`_shed`): a step that took a few outliers is often full to its token cap.
@@ -1055,15 +1066,54 @@ class MarginalRelease(GroupRelease):
     """Whether a step may defer the longest piece of its heaviest micro-batch (`_trim`)."""
     shed: bool = True
     """Whether a step may then defer short pieces of its heaviest micro-batch (`_shed`)."""
+    trim_without_groups: bool = True
+    """Whether a step that took groups is weighed, trimmed, against the step without them,
+    trimmed too (`_without_groups_instead`; needs `trim`)."""
 
     def _token_price(self) -> float:
         """lambda per token: the imbalance one token held one more step is worth."""
         return self.price * (self.balance_tolerance - 1.0) / self.capacity_tokens
 
     def plan_step(self, fresh, queues, carry, step, solve) -> StepRelease:
-        result = super().plan_step(fresh, queues, carry, step, solve)
-        result = (self._trim(result, fresh, carry, step, solve) or result) if self.trim else result
-        return self._shed(result, fresh, step) if self.shed else result
+        weigh = self.trim and self.trim_without_groups
+        before = [list(q) for q in queues] if weigh else None
+        result, without_groups = self._plan_groups(fresh, queues, carry, step, solve)
+        trimmed = (self._trim(result, fresh, carry, step, solve) or result) if self.trim else result
+        if weigh and result.n_early:
+            trimmed = self._without_groups_instead(trimmed, result, without_groups, fresh, queues, before, carry,
+                                                   step, solve)
+        return self._shed(trimmed, fresh, step) if self.shed else trimmed
+
+    def _without_groups_instead(self, chosen: StepRelease, grouped: StepRelease, without_groups: StepRelease,
+                                fresh, queues, before, carry, step, solve) -> StepRelease:
+        """`chosen` (the step with its groups, `grouped`, then trimmed), or the step without
+        any group, trimmed, if that scores lower. A group is taken when it beats the step
+        without it, untrimmed; a starved step whose short pieces include a long one (a batch
+        of a few short documents after one of outliers) can be less balanced without the
+        outliers than with them, while without that one piece it would be balanced. So the
+        two are weighed again, each trimmed:
+
+            chosen:  its imbalance - lambda x the groups' relief + lambda x its trimmed piece's tokens
+            without: its imbalance + lambda x its trimmed piece's tokens
+
+        (lambda per token, `_token_price`). No step's imbalance is below 1, so a chosen
+        step that scores 1 or less is kept without trimming the other. Taking the step
+        without groups puts the groups' pieces back in their queues, in their order."""
+        lam = self._token_price()
+        groups = grouped.released[len(grouped.released) - grouped.n_early:]
+        score = chosen.plan.imbalance - lam * displacement_relief(groups, step, self.early_credit)
+        if chosen is not grouped:  # `_trim` appends the piece it defers to the step's pieces
+            score += lam * chosen.pending[-1].length
+        if score <= 1.0 or is_idle(without_groups.plan):
+            return chosen
+        trimmed = self._trim(without_groups, fresh, carry, step, solve)
+        if trimmed is None or trimmed.plan.imbalance + lam * trimmed.pending[-1].length >= score:
+            return chosen
+        forced = {piece.key for piece in without_groups.released}
+        for q, was in zip(queues, before):
+            q.clear()
+            q.extend(piece for piece in was if piece.key not in forced)
+        return trimmed
 
     def _shed(self, result: StepRelease, fresh, step: int) -> StepRelease:
         """The step's plan (a PackPlan) with short pieces of its heaviest micro-batch deferred,
