@@ -185,12 +185,12 @@ def test_a_candidate_rejects_exactly_what_its_full_packing_fails(step, data, com
 
 @pytest.mark.parametrize("dist, lookahead, steps", [("prose", 0, 80), ("code", 2, 80), ("real", 4, 100)])
 def test_a_trimmed_step_is_the_step_packed_again_without_its_piece(dist, lookahead, steps, monkeypatch):
-    # `MarginalRelease._trim` makes the step less one piece from the kept candidate
+    # `MarginalRelease._trimmed` makes the step less one piece from the kept candidate
     # (`TrialPack.without`: its order less the piece) rather than through `solve`: the same
     # candidate, so the same decision and the same plan, trim taken or not
     from wlb_opt.packer.release import MarginalRelease
     from wlb_opt.packer.trial import TrialPack
-    trim, seen = MarginalRelease._trim, {"taken": 0, "refused": 0}
+    trim, seen = MarginalRelease._trimmed, {"taken": 0, "refused": 0}
 
     without, made = TrialPack.without, {"got": [], "want": []}
 
@@ -206,30 +206,32 @@ def test_a_trimmed_step_is_the_step_packed_again_without_its_piece(dist, lookahe
             return out
         return counted
 
-    def both(self, result, fresh, carry, step, solve):
+    def both(self, result, fresh, carry, step, solve, below=None):
         made["got"].clear()
         made["want"].clear()
         with monkeypatch.context() as m:
             m.setattr(TrialPack, "without", made_without)
-            got = trim(self, result, fresh, carry, step, solve)
+            got = trim(self, result, fresh, carry, step, solve, below)
         with monkeypatch.context() as m:
             m.delattr(TrialPack, "without")
-            want = trim(self, result, fresh, carry, step, made_by_solve(solve))
+            want = trim(self, result, fresh, carry, step, made_by_solve(solve), below)
         assert len(made["got"]) == len(made["want"]) <= 1
         for a, b in zip(made["got"], made["want"]):  # the candidates themselves
             assert (a._n_first, a._n_rest, a.pending) == (b._n_first, b._n_rest, b.pending)
             assert np.array_equal(a._pending_idx, b._pending_idx) and np.array_equal(a._order, b._order)
         assert (got is None) == (want is None)
         if got is not None:
+            assert got[1] == want[1]  # the trimmed step's imbalance as the rule weighs it
+            (got, _), (want, _) = got, want
             assert got.pending == want.pending and got.released == want.released and got.n_early == want.n_early
             assert np.array_equal(got.arrival, want.arrival)
             assert got.plan.digest() == want.plan.digest()
             assert np.array_equal(got.plan.deferred, want.plan.deferred)
             assert np.array_equal(got.plan.loads, want.plan.loads)
         seen["taken" if got is not None else "refused"] += 1
-        return got
+        return None if got is None else (got, _)
 
-    monkeypatch.setattr(MarginalRelease, "_trim", both)
+    monkeypatch.setattr(MarginalRelease, "_trimmed", both)
     W = 131072
     packer = WLBPacker(4, int(1.25 * W), COST, config=PackerConfig(lookahead=lookahead))
     for batch in global_batches(dist, W, 4 * W, steps, seed=DEFAULT_SEED + 7):  # long enough for 3 trims
@@ -258,14 +260,14 @@ def test_the_trim_may_defer_exactly_the_fresh_pieces_and_the_carried_ones_not_du
         seen["stays"] += sum(result.pending[i] in carry and result.pending[i] not in allowed for i in positions)
         return got
 
-    trim = MarginalRelease._trim
+    trim = MarginalRelease._trimmed
 
-    def trim_seeing_carry(self, result, fresh, carry, step, solve):
+    def trim_seeing_carry(self, result, fresh, carry, step, solve, below=None):
         current["carry"] = carry
-        return trim(self, result, fresh, carry, step, solve)
+        return trim(self, result, fresh, carry, step, solve, below)
 
     monkeypatch.setattr(MarginalRelease, "_movable", both)
-    monkeypatch.setattr(MarginalRelease, "_trim", trim_seeing_carry)
+    monkeypatch.setattr(MarginalRelease, "_trimmed", trim_seeing_carry)
     W = 131072
     packer = WLBPacker(4, int(1.25 * W), COST, config=PackerConfig(lookahead=lookahead, max_delay=max_delay))
     for batch in global_batches(dist, W, 4 * W, 80, seed=DEFAULT_SEED + 9):
@@ -650,3 +652,79 @@ def test_a_policy_without_shedding_keeps_the_trimmed_plan():
     first = next(i for i, c in enumerate(counts) if c)  # the streams agree until a step sheds
     assert [p.digest() for p in runs[True][:first]] == [p.digest() for p in runs[False][:first]]
     assert len(runs[True][first].deferred) == len(runs[False][first].deferred) + counts[first]
+
+
+@pytest.mark.parametrize("dist, lookahead", [("prose", 0), ("prose", 2), ("heavy", 0)])
+def test_a_step_without_its_groups_is_taken_only_where_it_scores_lower(dist, lookahead, monkeypatch):
+    # `MarginalRelease._without_groups_instead` on every step that weighs it: the step without
+    # groups is taken only where its imbalance plus its trimmed piece's tokens at the price is
+    # below the chosen step's score; where it is not taken, the trim run without the early
+    # stop of `below` finds no such step either; a step taken puts every group piece back in
+    # its queue, in its order, and keeps the rest of the queues as they were
+    from wlb_opt.packer.release import MarginalRelease
+    from wlb_opt.plan import check_pack
+
+    weigh, seen = MarginalRelease._without_groups_instead, {"weighed": 0, "taken": 0}
+
+    def checked(self, chosen, score, without_groups, fresh, queues, before, carry, step, solve):
+        out = weigh(self, chosen, score, without_groups, fresh, queues, before, carry, step, solve)
+        if score <= 1.0:
+            assert out is chosen
+            return out
+        seen["weighed"] += 1
+        free = self._trimmed(without_groups, fresh, carry, step, solve)  # without `below`'s early stop
+        lower = free is not None and free[1] + self._token_price() * free[0].pending[-1].length < score
+        assert (out is not chosen) == lower
+        if out is chosen:
+            return out
+        seen["taken"] += 1
+        assert out.pending == free[0].pending and out.plan.digest() == free[0].plan.digest()
+        assert out.released == without_groups.released and out.n_early == 0
+        gone = {piece.key for piece in without_groups.released}
+        assert [list(q) for q in queues] == [[p for p in was if p.key not in gone] for was in before]
+        assert {piece.key for piece in chosen.released} - gone <= {p.key for q in queues for p in q}
+        plan = as_pack_plan(out.plan)
+        check_pack(plan, plan.lengths, plan.max_tokens, ids=plan.doc_ids, offsets=plan.offsets, cost=COST)
+        return out
+
+    monkeypatch.setattr(MarginalRelease, "_without_groups_instead", checked)
+    W = 131072
+    packer = WLBPacker(4, int(1.25 * W), COST, config=PackerConfig(lookahead=lookahead))
+    batches = global_batches(dist, W, 4 * W, 120, seed=DEFAULT_SEED + 11)
+    plans = [packer.pack(*batch) for batch in batches] + packer.drain()
+    assert seen["weighed"] >= 4 and seen["taken"] >= 3
+    trained = sorted((int(i), int(o)) for p in plans if p is not None for mb in p.micro_batches
+                     for i, o in zip(p.doc_ids[mb], p.offsets[mb]))
+    fed = sorted((int(i), int(o)) for b in batches for i, o in zip(b[1], b[2]))
+    assert trained == fed  # every piece trained once
+
+
+def test_a_policy_that_does_not_weigh_the_step_without_groups_keeps_the_grouped_step():
+    # trim_without_groups=False: the plans of the groups, trim and shed alone; the streams
+    # agree until a step of the default takes the step without its groups
+    from wlb_opt.packer.release import MarginalRelease
+
+    W = 131072
+    batches = global_batches("prose", W, 4 * W, 80, seed=DEFAULT_SEED + 11)
+    runs, taken = {}, []
+    weigh = MarginalRelease._without_groups_instead
+
+    def counted(self, chosen, *args):
+        out = weigh(self, chosen, *args)
+        taken.append(out is not chosen)
+        return out
+
+    for on in (True, False):
+        packer = WLBPacker(4, int(1.25 * W), COST)
+        assert isinstance(packer._release, MarginalRelease) and packer._release.trim_without_groups
+        packer._release = dataclasses.replace(packer._release, trim_without_groups=on)
+        if on:
+            MarginalRelease._without_groups_instead = counted
+        try:
+            runs[on] = [packer.pack(*batch) for batch in batches]
+        finally:
+            MarginalRelease._without_groups_instead = weigh
+    assert any(taken)
+    first = next(i for i, plan in enumerate(runs[True]) if plan is not None and plan.info.extra.get("released") == 0
+                 and runs[False][i] is not None and runs[False][i].info.extra.get("released", 0) > 0)
+    assert [p.digest() for p in runs[True][:first]] == [p.digest() for p in runs[False][:first]]

@@ -26,7 +26,7 @@ close to `wlb_fill`'s packed imbalance as placing the large pieces one by one (m
 |error| 0.002). `FillTrial` answers what the release policies read (imbalance, deferred
 tokens, whether a piece is deferred, whether the step is idle) from that prediction, and
 packs the candidate the step keeps with `wlb_fill` itself (`FillTrial.plan`, also
-`micro_batches` and `loads`, which `MarginalRelease._trim` reads). The predicted imbalance
+`micro_batches` and `loads`, which `MarginalRelease._trimmed` reads). The predicted imbalance
 is what `wlb_fill` would reach if the short pieces filled the gaps exactly; its descent and
 polish only lower the largest load.
 """

@@ -59,7 +59,8 @@ from ..step_pack import solve_pack
 from .calibrate import CALIBRATION_BUDGET, calibrate_thresholds, candidate_thresholds
 from .config import PackerConfig, PackerMethod, queue_thresholds
 from .defaults import (EARLY_CREDIT, MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, MAX_LEAD, SHED_SHORT_PIECES,
-                       TARGET_SHARE, TOLERANCE_HIGH, TOLERANCE_LOW, adaptive_tolerance, running_displacement)
+                       TARGET_SHARE, TOLERANCE_HIGH, TOLERANCE_LOW, TRIM_WITHOUT_GROUPS, adaptive_tolerance,
+                       running_displacement)
 from .fill_trial import FillStepSolver
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
@@ -201,7 +202,8 @@ class WLBPacker:
         marginal = {}
         if self.release == "marginal":  # the price of a group's tokens, per step of capacity
             marginal = dict(price=MARGINAL_PRICE, capacity_tokens=self.capacity_tokens, max_lead=MAX_LEAD,
-                            early_credit=EARLY_CREDIT, shed=SHED_SHORT_PIECES)
+                            early_credit=EARLY_CREDIT, shed=SHED_SHORT_PIECES,
+                            trim_without_groups=TRIM_WITHOUT_GROUPS)
         self._release: ReleasePolicy = make_release_policy(self.release, **rules, **marginal)
         self._drain_release: ReleasePolicy = DrainRelease(**rules)
 

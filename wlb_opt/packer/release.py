@@ -808,6 +808,11 @@ class GroupRelease(ReleasePolicy):
         return None if best is None else _resolved(*best[1:])
 
     def plan_step(self, fresh, queues, carry, step, solve) -> StepRelease:
+        return self._plan_groups(fresh, queues, carry, step, solve)[0]
+
+    def _plan_groups(self, fresh, queues, carry, step, solve) -> tuple[StepRelease, StepRelease]:
+        """(the step with the groups its rounds take, the step without any: its carried, due
+        and fresh pieces, as the first round weighed the groups against)."""
         held = chain.from_iterable(queues)
         if self.max_lead is not None and self.lookahead > self.max_lead:  # pieces seen further ahead wait
             held = (piece for piece in held if piece.arrival - step <= self.max_lead)
@@ -816,6 +821,7 @@ class GroupRelease(ReleasePolicy):
         taken = {piece.key for piece in released}
         n_forced = len(released)
         pending, plan, arrival = solve(*self._split(carry, released, fresh, step))
+        without_groups = StepRelease(pending, plan, arrival, released, 0)
         costs = self._costs(pool)  # the held pieces', by key; the step's own ones only count in base_cost
         base_cost = 0.0
         if self.piece_cost is not None and self.cost_bounds and (carry or fresh or pool):
@@ -853,7 +859,7 @@ class GroupRelease(ReleasePolicy):
             kept = [piece for piece in q if _ID_OFFSET(piece) not in taken]
             q.clear()
             q.extend(kept)
-        return StepRelease(pending, plan, arrival, released, n_early=len(released) - n_forced)
+        return StepRelease(pending, plan, arrival, released, n_early=len(released) - n_forced), without_groups
 
 
 def _visiting_order(windows: list[tuple], lowest_bound_first: bool, most_tokens_first: bool, price: float) -> list:
@@ -1034,9 +1040,14 @@ class MarginalRelease(GroupRelease):
 
     Trim: after the groups, the longest fresh or carried (not due) piece of the heaviest
     micro-batch is deferred to the next step if the imbalance that removes is worth its
-    tokens at the same price (`_trim`): a starved step keeps a few short documents, one of
+    tokens at the same price (`_trimmed`): a starved step keeps a few short documents, one of
     which can outweigh the rest together. A carried piece may be trimmed again while that
     pays, until its deadline.
+
+    Without groups: a step that took groups is weighed again against the step without them,
+    each trimmed (`_without_groups_instead`): a group is taken when it beats the step without
+    it as that step is, and a starved step whose short pieces include a long one is less
+    balanced without its outliers than with them, though without that piece it is balanced.
 
     Shed: then the shortest such pieces of the heaviest micro-batch are deferred one by one
     while each is worth its tokens at the same price, the other pieces left in place
@@ -1052,18 +1063,58 @@ class MarginalRelease(GroupRelease):
     capacity_tokens: int
     """Tokens one step can place (dp x n_micro x max_tokens): the unit of a group's tokens."""
     trim: bool = True
-    """Whether a step may defer the longest piece of its heaviest micro-batch (`_trim`)."""
+    """Whether a step may defer the longest piece of its heaviest micro-batch (`_trimmed`)."""
     shed: bool = True
     """Whether a step may then defer short pieces of its heaviest micro-batch (`_shed`)."""
+    trim_without_groups: bool = True
+    """Whether a step that took groups is weighed, trimmed, against the step without them,
+    trimmed too (`_without_groups_instead`; needs `trim`)."""
 
     def _token_price(self) -> float:
         """lambda per token: the imbalance one token held one more step is worth."""
         return self.price * (self.balance_tolerance - 1.0) / self.capacity_tokens
 
     def plan_step(self, fresh, queues, carry, step, solve) -> StepRelease:
-        result = super().plan_step(fresh, queues, carry, step, solve)
-        result = (self._trim(result, fresh, carry, step, solve) or result) if self.trim else result
-        return self._shed(result, fresh, step) if self.shed else result
+        weigh = self.trim and self.trim_without_groups
+        before = [list(q) for q in queues] if weigh else None
+        result, without_groups = self._plan_groups(fresh, queues, carry, step, solve)
+        found = self._trimmed(result, fresh, carry, step, solve) if self.trim else None
+        chosen = result if found is None else found[0]
+        if weigh and result.n_early:
+            lam = self._token_price()
+            groups = result.released[len(result.released) - result.n_early:]
+            score = (result.plan.imbalance if found is None else found[1] + lam * chosen.pending[-1].length) \
+                - lam * displacement_relief(groups, step, self.early_credit)
+            chosen = self._without_groups_instead(chosen, score, without_groups, fresh, queues, before, carry, step,
+                                                  solve)
+        return self._shed(chosen, fresh, step) if self.shed else chosen
+
+    def _without_groups_instead(self, chosen: StepRelease, score: float, without_groups: StepRelease, fresh,
+                                queues, before, carry, step, solve) -> StepRelease:
+        """`chosen` (the step with its groups, then trimmed), or the step without any group,
+        trimmed, if that scores lower. A group is taken when it beats the step without it,
+        untrimmed; a starved step whose short pieces include a long one (a batch of a few
+        short documents after one of outliers) can be less balanced without the outliers than
+        with them, while without that one piece it would be balanced. So the two are weighed
+        again, each trimmed (`score`, chosen's):
+
+            chosen:  its imbalance - lambda x the groups' relief + lambda x its trimmed piece's tokens
+            without: its imbalance + lambda x its trimmed piece's tokens
+
+        (lambda per token, `_token_price`; imbalances as the rule weighs them, `_trimmed`). No
+        step's imbalance is below 1, so a chosen step that scores 1 or less is kept without
+        trimming the other. Taking the step without groups puts the groups' pieces back in
+        their queues, in their order (`before`: the queues before the groups were taken)."""
+        if score <= 1.0 or is_idle(without_groups.plan):
+            return chosen
+        found = self._trimmed(without_groups, fresh, carry, step, solve, below=score)
+        if found is None:
+            return chosen
+        forced = {piece.key for piece in without_groups.released}
+        for q, was in zip(queues, before):
+            q.clear()
+            q.extend(piece for piece in was if piece.key not in forced)
+        return found[0]
 
     def _shed(self, result: StepRelease, fresh, step: int) -> StepRelease:
         """The step's plan (a PackPlan) with short pieces of its heaviest micro-batch deferred,
@@ -1133,18 +1184,21 @@ class MarginalRelease(GroupRelease):
                             tokens=tokens, info=info)
         return result._replace(plan=plan)
 
-    def _trim(self, result: StepRelease, fresh, carry, step, solve) -> StepRelease | None:
+    def _trimmed(self, result: StepRelease, fresh, carry, step, solve,
+                 below: float | None = None) -> tuple[StepRelease, float] | None:
         """The step with the longest fresh or carried (not due; only with a max_delay) piece of
         its heaviest micro-batch deferred, if the imbalance that removes is worth more than
         holding the piece one more step costs, at the price of the groups:
 
             (imbalance without it) - (imbalance with it) + lambda x its tokens / capacity < 0.
 
-        Otherwise None. A step whose batch brought almost only outliers, its pool held, is
+        With the trimmed step's imbalance as the rule weighs it (the packing's `solve` or
+        `TrialPack` made, before it is kept); otherwise None. A step whose batch brought almost only outliers, its pool held, is
         left with a few short documents, one of which can outweigh the others together (prose
         calibration seed 100: steps whose micro-batches cost a twentieth of a window's, at
         1.4-1.6 imbalance). The piece joins the carry (packed with the next step's pieces,
-        and first once at max_delay)."""
+        and first once at max_delay). `below`: the trimmed step must also score below it (its
+        imbalance plus the piece's tokens at the price), which lets its packing stop sooner."""
         plan = result.plan
         if sum(len(mb) for mb in plan.micro_batches) <= 1:
             return None
@@ -1165,16 +1219,18 @@ class MarginalRelease(GroupRelease):
         # the re-packing defers nothing more, nor more than "group"'s carry limit, nor a released
         # piece; a TrialPack is packed only until it surely fails (`_rejects`), then compared exactly
         deferred_limit = min(plan.deferred_tokens + 1, self.max_backlog_tokens // 2 - piece.length + 1)
-        if (self._rejects(t_plan, pending, plan.imbalance - lam * piece.length, deferred_limit, result.released)
-                or t_plan.imbalance - plan.imbalance + lam * piece.length >= 0):
+        limit = plan.imbalance if below is None else min(plan.imbalance, below)
+        if (self._rejects(t_plan, pending, limit - lam * piece.length, deferred_limit, result.released)
+                or t_plan.imbalance - limit + lam * piece.length >= 0):
             return None
+        weighed = t_plan.imbalance
         t_plan = as_pack_plan(t_plan)
         t_plan = t_plan.replace(doc_ids=np.append(t_plan.doc_ids, piece.id),
                                 lengths=np.append(t_plan.lengths, piece.length),
                                 offsets=np.append(t_plan.offsets, piece.offset),
                                 deferred=np.append(t_plan.deferred, len(pending)))
         return StepRelease(pending + [piece], t_plan, np.append(arrival, piece.arrival), result.released,
-                           result.n_early)
+                           result.n_early), weighed
 
     def _movable(self, positions: list[int], result: StepRelease, fresh, step: int) -> list[int]:
         """The `positions` (in result.pending) of pieces the trim may defer: fresh ones, and

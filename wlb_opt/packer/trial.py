@@ -193,7 +193,7 @@ class StepSolver:
 
     def _fresh_but_one(self, tail: list[HeldPiece]) -> int | None:
         """j such that `tail` is the step's fresh pieces without the j-th, else None (a trimmed
-        step: `MarginalRelease._trim` packs the step again without one fresh piece). The
+        step: `MarginalRelease._trimmed` packs the step again without one fresh piece). The
         longest prefix in common is found by bisection on list comparisons, in C."""
         fresh = self.fresh
         if len(tail) != len(fresh) - 1:
@@ -513,7 +513,7 @@ class TrialPack:
         placed first): what `solve(first, rest)` returns for the same pieces less that one, as
         (pending, TrialPack packed when first read, arrival). Its placement order is this one's
         less the piece (the order of a stable sort is kept when an item leaves it), so nothing
-        is sorted again: `MarginalRelease._trim` packs the step without one piece this way."""
+        is sorted again: `MarginalRelease._trimmed` packs the step without one piece this way."""
         cut, n_held = self._n_first, self._n_first + self._n_rest
         if not cut <= position < len(self._pending_idx):
             raise ValueError(f"position {position} is not a carried or fresh piece of the candidate "
