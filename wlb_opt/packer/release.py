@@ -1193,8 +1193,9 @@ class MarginalRelease(GroupRelease):
             (imbalance without it) - (imbalance with it) + lambda x its tokens / capacity < 0.
 
         With the trimmed step's imbalance as the rule weighs it (the packing's `solve` or
-        `TrialPack` made, before it is kept); otherwise None. A step whose batch brought almost only outliers, its pool held, is
-        left with a few short documents, one of which can outweigh the others together (prose
+        `TrialPack` made, before it is kept); otherwise None. A step whose batch brought almost
+        only outliers, its pool held, is left with a few short documents, one of which can
+        outweigh the others together (prose
         calibration seed 100: steps whose micro-batches cost a twentieth of a window's, at
         1.4-1.6 imbalance). The piece joins the carry (packed with the next step's pieces,
         and first once at max_delay). `below`: the trimmed step must also score below it (its
