@@ -347,10 +347,7 @@ class WLBPacker:
         shown = running_displacement(self._stats.totals, held, self._step, self.capacity_tokens,
                                      TARGET_SHARE * self.delay_budget)
         high = MARGINAL_TOLERANCE_HIGH if self.release == "marginal" else TOLERANCE_HIGH
-        tolerance = adaptive_tolerance(shown, self.delay_budget, high)
-        if self.release == "marginal" and tolerance >= high:  # over the budget: no group held back
-            return dataclasses.replace(self._release, balance_tolerance=tolerance, trim_without_groups=False)
-        return dataclasses.replace(self._release, balance_tolerance=tolerance)
+        return dataclasses.replace(self._release, balance_tolerance=adaptive_tolerance(shown, self.delay_budget, high))
 
     def _make_step_solver(self, held: list[HeldPiece], fresh: list[HeldPiece],
                           fresh_table: np.ndarray | None = None) -> StepSolver | None:
