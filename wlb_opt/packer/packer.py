@@ -58,9 +58,9 @@ from ..solvers.deal import deal_to_replicas
 from ..step_pack import solve_pack
 from .calibrate import CALIBRATION_BUDGET, calibrate_thresholds, candidate_thresholds
 from .config import PackerConfig, PackerMethod, queue_thresholds
-from .defaults import (EARLY_CREDIT, MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, MAX_LEAD, SHED_SHORT_PIECES,
-                       TARGET_SHARE, TOLERANCE_HIGH, TOLERANCE_LOW, TRIM_WITHOUT_GROUPS, adaptive_tolerance,
-                       running_displacement)
+from .defaults import (EARLY_CREDIT, HELD_GROUP_STEPS, MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, MAX_LEAD,
+                       SHED_SHORT_PIECES, TARGET_SHARE, TOLERANCE_HIGH, TOLERANCE_LOW, TRIM_WITHOUT_GROUPS,
+                       adaptive_tolerance, running_displacement)
 from .fill_trial import FillStepSolver
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
@@ -203,7 +203,7 @@ class WLBPacker:
         if self.release == "marginal":  # the price of a group's tokens, per step of capacity
             marginal = dict(price=MARGINAL_PRICE, capacity_tokens=self.capacity_tokens, max_lead=MAX_LEAD,
                             early_credit=EARLY_CREDIT, shed=SHED_SHORT_PIECES,
-                            trim_without_groups=TRIM_WITHOUT_GROUPS)
+                            trim_without_groups=TRIM_WITHOUT_GROUPS, held_group_steps=HELD_GROUP_STEPS)
         self._release: ReleasePolicy = make_release_policy(self.release, **rules, **marginal)
         self._drain_release: ReleasePolicy = DrainRelease(**rules)
 

@@ -1069,6 +1069,9 @@ class MarginalRelease(GroupRelease):
     trim_without_groups: bool = True
     """Whether a step that took groups is weighed, trimmed, against the step without them,
     trimmed too (`_without_groups_instead`; needs `trim`)."""
+    held_group_steps: float = 1.0
+    """Steps of the groups' relief that the step without them must outweigh
+    (`_without_groups_instead`): a group held back once meets the same choice next step."""
 
     def _token_price(self) -> float:
         """lambda per token: the imbalance one token held one more step is worth."""
@@ -1084,7 +1087,7 @@ class MarginalRelease(GroupRelease):
             lam = self._token_price()
             groups = result.released[len(result.released) - result.n_early:]
             score = (result.plan.imbalance if found is None else found[1] + lam * chosen.pending[-1].length) \
-                - lam * displacement_relief(groups, step, self.early_credit)
+                - self.held_group_steps * lam * displacement_relief(groups, step, self.early_credit)
             chosen = self._without_groups_instead(chosen, score, without_groups, fresh, queues, before, carry, step,
                                                   solve)
         return self._shed(chosen, fresh, step) if self.shed else chosen
@@ -1098,10 +1101,12 @@ class MarginalRelease(GroupRelease):
         with them, while without that one piece it would be balanced. So the two are weighed
         again, each trimmed (`score`, chosen's):
 
-            chosen:  its imbalance - lambda x the groups' relief + lambda x its trimmed piece's tokens
+            chosen:  its imbalance - s x lambda x the groups' relief + lambda x its trimmed piece's tokens
             without: its imbalance + lambda x its trimmed piece's tokens
 
-        (lambda per token, `_token_price`; imbalances as the rule weighs them, `_trimmed`). No
+        (lambda per token, `_token_price`; imbalances as the rule weighs them, `_trimmed`;
+        s = `held_group_steps`: groups held back once tend to be held again, and at s = 1 the
+        held groups' wait outran the displacement feedback on a stream of mostly outliers). No
         step's imbalance is below 1, so a chosen step that scores 1 or less is kept without
         trimming the other. Taking the step without groups puts the groups' pieces back in
         their queues, in their order (`before`: the queues before the groups were taken)."""
