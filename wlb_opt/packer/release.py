@@ -1200,9 +1200,8 @@ class MarginalRelease(GroupRelease):
         With the trimmed step's imbalance as the rule weighs it (the packing's `solve` or
         `TrialPack` made, before it is kept); otherwise None. A step whose batch brought almost
         only outliers, its pool held, is left with a few short documents, one of which can
-        outweigh the others together (prose
-        calibration seed 100: steps whose micro-batches cost a twentieth of a window's, at
-        1.4-1.6 imbalance). The piece joins the carry (packed with the next step's pieces,
+        outweigh the others together (prose calibration seed 100: steps whose micro-batches
+        cost a twentieth of a window's, at 1.4-1.6 imbalance). The piece joins the carry (packed with the next step's pieces,
         and first once at max_delay). `below`: the trimmed step must also score below it (its
         imbalance plus the piece's tokens at the price), which lets its packing stop sooner."""
         plan = result.plan
