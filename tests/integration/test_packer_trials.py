@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import wlb_opt as wlb
 from wlb_opt.packer import PackerConfig, WLBPacker
+from wlb_opt.packer.defaults import REPAIR_FROM
 from wlb_opt.packer.state import HeldPiece
 from wlb_opt.packer.trial import COARSE_CUTS, StepSolver, as_pack_plan
 from wlb_opt.solvers.greedy import compiled_available, use_compiled
@@ -654,8 +655,8 @@ def test_a_policy_without_shedding_keeps_the_trimmed_plan():
     assert len(runs[True][first].deferred) == len(runs[False][first].deferred) + counts[first]
 
 
-@pytest.mark.parametrize("dist, lookahead", [("prose", 0), ("prose", 2), ("heavy", 0)])
-def test_a_step_without_its_groups_is_taken_only_where_it_scores_lower(dist, lookahead, monkeypatch):
+@pytest.mark.parametrize("dist, lookahead, seed", [("prose", 0, 11), ("prose", 2, 11), ("heavy", 0, 12)])
+def test_a_step_without_its_groups_is_taken_only_where_it_scores_lower(dist, lookahead, seed, monkeypatch):
     # `MarginalRelease._without_groups_instead` on every step that weighs it: the step without
     # groups is taken only where its imbalance plus its trimmed piece's tokens at the price is
     # below the chosen step's score; where it is not taken, the trim run without the early
@@ -690,7 +691,7 @@ def test_a_step_without_its_groups_is_taken_only_where_it_scores_lower(dist, loo
     monkeypatch.setattr(MarginalRelease, "_without_groups_instead", checked)
     W = 131072
     packer = WLBPacker(4, int(1.25 * W), COST, config=PackerConfig(lookahead=lookahead))
-    batches = global_batches(dist, W, 4 * W, 120, seed=DEFAULT_SEED + 11)
+    batches = global_batches(dist, W, 4 * W, 120, seed=DEFAULT_SEED + seed)
     plans = [packer.pack(*batch) for batch in batches] + packer.drain()
     assert seen["weighed"] >= 3 and seen["taken"] >= 2
     trained = sorted((int(i), int(o)) for p in plans if p is not None for mb in p.micro_batches
@@ -763,3 +764,103 @@ def test_the_groups_relief_counted_twice_takes_the_step_without_groups_less_read
     assert taken[1.0][first] and not taken[2.0].get(first, False)
     assert [p.digest() for p in runs[1.0][:first]] == [p.digest() for p in runs[2.0][:first]]
     assert runs[1.0][first].digest() != runs[2.0][first].digest()
+
+
+def _repair_groups(policy, chosen, fresh, queues, carry, step, solve):
+    """The score of every group `MarginalRelease._repaired` may take first from `chosen`
+    (None: not allowed), written apart from the policy, from its docstring."""
+    from wlb_opt.packer.release import displacement_relief
+
+    lam = policy._token_price()
+    back = {chosen.pending[i].key for i in chosen.plan.deferred.tolist()}
+    released = list(chosen.released)
+    fixed = {p.key for p in released}
+    pool = sorted((p for q in queues for p in q if p.key not in fixed and p.arrival - step <= policy.max_lead),
+                  key=lambda p: (p.length, p.arrival))
+    scores = []
+    for n in range(1, policy.need + 1):
+        for i in range(len(pool) - n + 1):
+            group = pool[i:i + n]
+            pending, plan, _ = solve(*policy._split([p for p in carry if p.key not in back], released + group,
+                                                    [p for p in fresh if p.key not in back], step))
+            keep = {p.key for p in released + group}
+            allowed = plan.deferred_tokens <= chosen.plan.deferred_tokens and not any(
+                pending[j].key in keep for j in plan.deferred.tolist())
+            scores.append(plan.imbalance - lam * displacement_relief(group, step, policy.early_credit)
+                          if allowed else None)
+    return scores
+
+
+@pytest.mark.parametrize("dist, lookahead", [("prose", 2), ("prose", 0), ("heavy", 2)])
+def test_a_repaired_step_scores_lower_and_a_step_left_has_no_group_that_would(dist, lookahead, monkeypatch):
+    # `MarginalRelease._repaired` on every step above `repair_from`: a step it changes holds
+    # the step's pieces plus groups of held pieces (gone from their queues, the rest of each
+    # queue in its order), defers what the step deferred and, beyond that, no more tokens than
+    # the step deferred, and its imbalance less the groups' relief at the price is below the
+    # step's imbalance; a step it leaves has no group that
+    # scores lower (the groups packed apart); every piece of the stream is trained once
+    from wlb_opt.packer.release import MarginalRelease, displacement_relief
+    from wlb_opt.plan import check_pack
+
+    repair, seen = MarginalRelease._repaired, {"left": 0, "repaired": 0}
+
+    def checked(self, chosen, fresh, queues, carry, step, solve):
+        before = [list(q) for q in queues]
+        scores = _repair_groups(self, chosen, fresh, before, carry, step, solve)
+        out = repair(self, chosen, fresh, queues, carry, step, solve)
+        base = chosen.plan.imbalance
+        if out is chosen:
+            seen["left"] += 1
+            assert all(score is None or score >= base for score in scores)
+            assert [list(q) for q in queues] == before
+            return out
+        seen["repaired"] += 1
+        assert any(score is not None and score < base for score in scores)
+        n = len(chosen.released)
+        assert out.released[:n] == chosen.released and out.n_early == chosen.n_early + len(out.released) - n
+        group = out.released[n:]
+        taken = {p.key for p in group}
+        held = {p.key for was in before for p in was}
+        assert taken and taken <= held and all(p.arrival - step <= self.max_lead for p in group)
+        assert [list(q) for q in queues] == [[p for p in was if p.key not in taken] for was in before]
+        assert sorted(p.key for p in out.pending) == sorted([p.key for p in chosen.pending] + list(taken))
+        back = {chosen.pending[i].key for i in chosen.plan.deferred.tolist()}
+        deferred = [out.pending[i] for i in out.plan.deferred.tolist()]
+        assert back <= {p.key for p in deferred} and not taken & {p.key for p in deferred}
+        assert sum(p.length for p in deferred if p.key not in back) <= chosen.plan.deferred_tokens
+        _, plan, _ = solve(*self._split([p for p in carry if p.key not in back], list(chosen.released) + group,
+                                        [p for p in fresh if p.key not in back], step))
+        assert plan.imbalance - self._token_price() * displacement_relief(group, step, self.early_credit) < base
+        kept = as_pack_plan(out.plan)
+        check_pack(kept, kept.lengths, kept.max_tokens, ids=kept.doc_ids, offsets=kept.offsets, cost=COST)
+        return out
+
+    monkeypatch.setattr(MarginalRelease, "_repaired", checked)
+    W = 131072
+    packer = WLBPacker(4, int(1.25 * W), COST, config=PackerConfig(lookahead=lookahead))
+    assert packer._release.repair_from == REPAIR_FROM
+    batches = global_batches(dist, W, 4 * W, 100, seed=DEFAULT_SEED + 11)
+    plans = [packer.pack(*batch) for batch in batches] + packer.drain()
+    assert seen["repaired"] >= 1 and seen["left"] >= 3
+    trained = sorted((int(i), int(o)) for p in plans if p is not None for mb in p.micro_batches
+                     for i, o in zip(p.doc_ids[mb], p.offsets[mb]))
+    fed = sorted((int(i), int(o)) for b in batches for i, o in zip(b[1], b[2]))
+    assert trained == fed  # every piece trained once
+
+
+def test_steps_of_16_micro_batches_or_more_are_never_repaired(monkeypatch):
+    # the repair packs every move of a round (tens of packings); from 16 micro-batches the
+    # candidates are packed in lumps and a step's time is the planner's budget, so there the
+    # plans are those without it (the recorded 32-micro-batch digests hold them)
+    from wlb_opt.packer.release import MarginalRelease
+
+    def never(*args):
+        raise AssertionError("a step of 16 micro-batches was repaired")
+
+    monkeypatch.setattr(MarginalRelease, "_repaired", never)
+    W = 131072
+    packer = WLBPacker(16, int(1.25 * W), COST, config=PackerConfig(lookahead=2))
+    assert packer._release.repair_from is None
+    for batch in global_batches("prose", W, 16 * W, 12, seed=DEFAULT_SEED + 11):
+        packer.pack(*batch)
+    assert WLBPacker(15, int(1.25 * W), COST)._release.repair_from == REPAIR_FROM

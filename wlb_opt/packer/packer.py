@@ -58,7 +58,7 @@ from ..solvers.deal import deal_to_replicas
 from ..step_pack import solve_pack
 from .calibrate import CALIBRATION_BUDGET, calibrate_thresholds, candidate_thresholds
 from .config import PackerConfig, PackerMethod, queue_thresholds
-from .defaults import (EARLY_CREDIT, HELD_GROUP_STEPS, MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, MAX_LEAD,
+from .defaults import (EARLY_CREDIT, HELD_GROUP_STEPS, MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, MAX_LEAD, REPAIR_FROM,
                        SHED_SHORT_PIECES, TARGET_SHARE, TOLERANCE_HIGH, TOLERANCE_LOW, TRIM_WITHOUT_GROUPS,
                        adaptive_tolerance, running_displacement)
 from .fill_trial import FillStepSolver
@@ -203,7 +203,8 @@ class WLBPacker:
         if self.release == "marginal":  # the price of a group's tokens, per step of capacity
             marginal = dict(price=MARGINAL_PRICE, capacity_tokens=self.capacity_tokens, max_lead=MAX_LEAD,
                             early_credit=EARLY_CREDIT, shed=SHED_SHORT_PIECES,
-                            trim_without_groups=TRIM_WITHOUT_GROUPS, held_group_steps=HELD_GROUP_STEPS)
+                            trim_without_groups=TRIM_WITHOUT_GROUPS, held_group_steps=HELD_GROUP_STEPS,
+                            repair_from=REPAIR_FROM if self.dp * self.n_micro < COARSE_MIN_BINS else None)
         self._release: ReleasePolicy = make_release_policy(self.release, **rules, **marginal)
         self._drain_release: ReleasePolicy = DrainRelease(**rules)
 

@@ -55,7 +55,9 @@ defaults.py says why).
   plus the groups of all held pieces that hold exactly one early piece: pieces seen ahead
   would otherwise split runs of similar arrived pieces, and a step would lose the groups it
   has without lookahead. (Groups with more early pieces balanced no better on the
-  calibration streams, at more displacement and planning time; docs/tuning.md.)
+  calibration streams, at more displacement and planning time; docs/tuning.md.) Only the
+  repair of "marginal" (`MarginalRelease._repaired`, steps still above `repair_from`
+  imbalance) takes groups of held pieces whatever their arrival, within max_lead.
 
 Every policy is a `ReleasePolicy`: `plan_step(fresh, queues, carry, step, solve)` pops what
 it releases from `queues` (the packer's copies) and returns a `StepRelease`.
@@ -111,6 +113,9 @@ many candidates together; once they have, the step keeps what it has taken and i
 chooses among the candidates packed. A median step packs about 14; the slowest steps at 32
 micro-batches packed about 130 (`real` with lookahead 4), and the balance of the calibration
 streams held with 96 (docs/tuning.md)."""
+
+REPAIR_ROUNDS = 6
+"""A repair (`MarginalRelease._repaired`) takes at most this many groups."""
 
 SPARSE_STRIDE = 4
 """With `sparse_windows`, a group of `size` pieces starts every max(1, size // SPARSE_STRIDE)
@@ -1049,6 +1054,11 @@ class MarginalRelease(GroupRelease):
     it as that step is, and a starved step whose short pieces include a long one is less
     balanced without its outliers than with them, though without that piece it is balanced.
 
+    Repair: a step still above `repair_from` imbalance then takes more groups of held pieces,
+    one at a time, while the best lowers its score (`_repaired`); these groups may hold
+    several early pieces: a starved step of a few medium outliers needs several similar ones,
+    often seen ahead, which a group with one early piece does not bring.
+
     Shed: then the shortest such pieces of the heaviest micro-batch are deferred one by one
     while each is worth its tokens at the same price, the other pieces left in place
     (`_shed`): a step that took a few outliers is often full to its token cap.
@@ -1072,6 +1082,8 @@ class MarginalRelease(GroupRelease):
     held_group_steps: float = 1.0
     """Steps of the groups' relief that the step without them must outweigh
     (`_without_groups_instead`): a group held back once meets the same choice next step."""
+    repair_from: float | None = None
+    """Imbalance above which a step is repaired (`_repaired`); None: never."""
 
     def _token_price(self) -> float:
         """lambda per token: the imbalance one token held one more step is worth."""
@@ -1090,7 +1102,93 @@ class MarginalRelease(GroupRelease):
                 - self.held_group_steps * lam * displacement_relief(groups, step, self.early_credit)
             chosen = self._without_groups_instead(chosen, score, without_groups, fresh, queues, before, carry, step,
                                                   solve)
+        if self.repair_from is not None and chosen.plan.imbalance > self.repair_from and not is_idle(chosen.plan):
+            chosen = self._repaired(chosen, fresh, queues, carry, step, solve)
         return self._shed(chosen, fresh, step) if self.shed else chosen
+
+    def _repaired(self, chosen: StepRelease, fresh, queues, carry, step: int, solve) -> StepRelease:
+        """`chosen`, or the step with more groups of held pieces, found by a local search. Each
+        round packs the step with each group of 1 to need held pieces adjacent in (length,
+        arrival) order, early ones up to max_lead steps ahead included, and takes the group of
+        lowest score
+
+            its imbalance - lambda x the group's relief (`displacement_relief`)
+
+        (lambda per token, `_token_price`) if that is below the step's imbalance, for at most
+        `REPAIR_ROUNDS` rounds. Unlike the groups of the search, a group may hold several early
+        pieces: a starved step of a few medium outliers needs several similar ones, often seen
+        ahead. A group whose packing (without the pieces the step deferred) defers more tokens
+        than the step deferred, or a released piece, is not taken. A group surely above the
+        score it must beat (its heaviest piece against the largest mean the step can have, as
+        `_cannot_pass`) is not packed, and the others are packed only until they surely fail
+        (`TrialPack.rejects`). The pieces the step deferred (its trim) stay deferred; the
+        groups taken leave their queues."""
+        released = list(chosen.released)
+        taken_keys = {piece.key for piece in released}
+        pool = sorted((piece for q in queues for piece in q if piece.key not in taken_keys
+                       and (self.max_lead is None or piece.arrival - step <= self.max_lead)), key=_LENGTH_ARRIVAL)
+        if not pool:
+            return chosen
+        lam = self._token_price()
+        kept_back = [chosen.pending[i] for i in chosen.plan.deferred.tolist()]
+        back_keys = {piece.key for piece in kept_back}
+        carry_in = [piece for piece in carry if piece.key not in back_keys]
+        fresh_in = [piece for piece in fresh if piece.key not in back_keys]
+        limit = chosen.plan.deferred_tokens
+        cost_of = self._costs(pool + released)
+        bin_const = self.bin_const
+        if cost_of:  # the step places every piece but kept_back: what it places costs its loads
+            placed_cost = float(np.add.reduce(chosen.plan.loads)) - self.need * bin_const
+            heaviest = max((cost_of[piece.key] for piece in released), default=0.0)
+        added: list[HeldPiece] = []
+        current, score = None, chosen.plan.imbalance
+        for _ in range(REPAIR_ROUNDS):
+            best = None
+            left = [piece for piece in pool if piece.key not in taken_keys]
+            for size in range(1, min(self.need, len(left)) + 1):
+                for start in range(len(left) - size + 1):
+                    group = left[start:start + size]
+                    gain = lam * displacement_relief(group, step, self.early_credit)
+                    below = (score if best is None else best[0]) + gain
+                    if cost_of:
+                        costs = [cost_of[piece.key] for piece in group]
+                        top = max(heaviest, max(costs)) + bin_const
+                        if top > (below + 1e-9) * ((placed_cost + sum(costs)) / self.need + bin_const):
+                            continue
+                    keep = released + added + group
+                    pending, plan, arrival = solve(*self._split(carry_in, keep, fresh_in, step))
+                    if self._rejects(plan, pending, below, limit + 1, keep):
+                        continue
+                    value = plan.imbalance - gain
+                    if value < score and (best is None or value < best[0]):
+                        best = (value, group, (pending, plan, arrival))
+            if best is None:
+                break
+            _, group, current = best
+            added = added + group
+            taken_keys |= {piece.key for piece in group}
+            score = current[1].imbalance
+            if cost_of:
+                placed_cost += sum(cost_of[piece.key] for piece in group)
+                heaviest = max(heaviest, max(cost_of[piece.key] for piece in group))
+        if current is None:
+            return chosen
+        pending, plan, arrival = current
+        if kept_back:
+            plan = as_pack_plan(plan)
+            plan = plan.replace(doc_ids=np.append(plan.doc_ids, [piece.id for piece in kept_back]),
+                                lengths=np.append(plan.lengths, [piece.length for piece in kept_back]),
+                                offsets=np.append(plan.offsets, [piece.offset for piece in kept_back]),
+                                deferred=np.append(plan.deferred,
+                                                   np.arange(len(pending), len(pending) + len(kept_back))))
+            arrival = np.append(arrival, [piece.arrival for piece in kept_back])
+            pending = pending + kept_back
+        gone = {piece.key for piece in added}
+        for q in queues:  # each queue keeps its FIFO order for what stays
+            kept = [piece for piece in q if piece.key not in gone]
+            q.clear()
+            q.extend(kept)
+        return StepRelease(pending, plan, arrival, released + added, chosen.n_early + len(added))
 
     def _without_groups_instead(self, chosen: StepRelease, score: float, without_groups: StepRelease, fresh,
                                 queues, before, carry, step, solve) -> StepRelease:
