@@ -864,3 +864,12 @@ def test_steps_of_16_micro_batches_or_more_are_never_repaired(monkeypatch):
     for batch in global_batches("prose", W, 16 * W, 12, seed=DEFAULT_SEED + 11):
         packer.pack(*batch)
     assert WLBPacker(15, int(1.25 * W), COST)._release.repair_from == REPAIR_FROM
+
+
+def test_only_the_algorithm_1_step_packers_repair_their_steps():
+    # the candidates of "wlb_fill" are scored apart and those of the other methods cost a
+    # solve each: their steps are never repaired
+    W = 131072
+    for method in ("wlb_phases", "wlb", "wlb_fill", "wlb_ls", "fixed"):
+        packer = WLBPacker(4, int(1.25 * W), COST, config=PackerConfig(method=method))
+        assert packer._release.repair_from == (REPAIR_FROM if method in ("wlb_phases", "wlb") else None)

@@ -96,7 +96,8 @@ steps of the groups' relief (`MarginalRelease.held_group_steps`). At 1, on a str
 outliers (`prose`, lookahead 4) the groups held back ran the displacement 6% over its budget
 with the feedback at its high; at 2 it stays within (docs/tuning.md)."""
 REPAIR_FROM = 1.02
-"""release="marginal", steps of fewer than 16 micro-batches (dp x n_micro): a step whose
+"""release="marginal" with method "wlb_phases" or "wlb" (the step packers whose candidates are
+Algorithm 1's packings), steps of fewer than 16 micro-batches (dp x n_micro): a step whose
 imbalance is still above this after its groups, its trim and the step without groups takes
 more groups of held pieces, one at a time, while the best lowers its score at the groups'
 price (`MarginalRelease._repaired`); these groups may hold several pieces seen ahead. The

@@ -204,7 +204,8 @@ class WLBPacker:
             marginal = dict(price=MARGINAL_PRICE, capacity_tokens=self.capacity_tokens, max_lead=MAX_LEAD,
                             early_credit=EARLY_CREDIT, shed=SHED_SHORT_PIECES,
                             trim_without_groups=TRIM_WITHOUT_GROUPS, held_group_steps=HELD_GROUP_STEPS,
-                            repair_from=REPAIR_FROM if self.dp * self.n_micro < COARSE_MIN_BINS else None)
+                            repair_from=REPAIR_FROM if (self.method in ("wlb", "wlb_phases")
+                                                        and self.dp * self.n_micro < COARSE_MIN_BINS) else None)
         self._release: ReleasePolicy = make_release_policy(self.release, **rules, **marginal)
         self._drain_release: ReleasePolicy = DrainRelease(**rules)
 
