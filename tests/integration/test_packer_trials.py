@@ -655,6 +655,19 @@ def test_a_policy_without_shedding_keeps_the_trimmed_plan():
     assert len(runs[True][first].deferred) == len(runs[False][first].deferred) + counts[first]
 
 
+def _defaults_train_every_piece_once(dist: str, lookahead: int, steps: int, seed: int) -> WLBPacker:
+    """Runs the no-tuning defaults (4 micro-batches) on a stream of `dist` to its drain and
+    checks that every piece fed is trained exactly once; returns the packer."""
+    W = 131072
+    packer = WLBPacker(4, int(1.25 * W), COST, config=PackerConfig(lookahead=lookahead))
+    batches = global_batches(dist, W, 4 * W, steps, seed=DEFAULT_SEED + seed)
+    plans = [packer.pack(*batch) for batch in batches] + packer.drain()
+    trained = sorted((int(i), int(o)) for p in plans if p is not None for mb in p.micro_batches
+                     for i, o in zip(p.doc_ids[mb], p.offsets[mb]))
+    assert trained == sorted((int(i), int(o)) for b in batches for i, o in zip(b[1], b[2]))
+    return packer
+
+
 @pytest.mark.parametrize("dist, lookahead, seed", [("prose", 0, 11), ("prose", 2, 11), ("heavy", 0, 12)])
 def test_a_step_without_its_groups_is_taken_only_where_it_scores_lower(dist, lookahead, seed, monkeypatch):
     # `MarginalRelease._without_groups_instead` on every step that weighs it: the step without
@@ -689,15 +702,8 @@ def test_a_step_without_its_groups_is_taken_only_where_it_scores_lower(dist, loo
         return out
 
     monkeypatch.setattr(MarginalRelease, "_without_groups_instead", checked)
-    W = 131072
-    packer = WLBPacker(4, int(1.25 * W), COST, config=PackerConfig(lookahead=lookahead))
-    batches = global_batches(dist, W, 4 * W, 120, seed=DEFAULT_SEED + seed)
-    plans = [packer.pack(*batch) for batch in batches] + packer.drain()
+    _defaults_train_every_piece_once(dist, lookahead, 120, seed)
     assert seen["weighed"] >= 3 and seen["taken"] >= 2
-    trained = sorted((int(i), int(o)) for p in plans if p is not None for mb in p.micro_batches
-                     for i, o in zip(p.doc_ids[mb], p.offsets[mb]))
-    fed = sorted((int(i), int(o)) for b in batches for i, o in zip(b[1], b[2]))
-    assert trained == fed  # every piece trained once
 
 
 def test_a_policy_that_does_not_weigh_the_step_without_groups_keeps_the_grouped_step():
@@ -836,16 +842,9 @@ def test_a_repaired_step_scores_lower_and_a_step_left_has_no_group_that_would(di
         return out
 
     monkeypatch.setattr(MarginalRelease, "_repaired", checked)
-    W = 131072
-    packer = WLBPacker(4, int(1.25 * W), COST, config=PackerConfig(lookahead=lookahead))
+    packer = _defaults_train_every_piece_once(dist, lookahead, 100, 11)
     assert packer._release.repair_from == REPAIR_FROM
-    batches = global_batches(dist, W, 4 * W, 100, seed=DEFAULT_SEED + 11)
-    plans = [packer.pack(*batch) for batch in batches] + packer.drain()
     assert seen["repaired"] >= 1 and seen["left"] >= 3
-    trained = sorted((int(i), int(o)) for p in plans if p is not None for mb in p.micro_batches
-                     for i, o in zip(p.doc_ids[mb], p.offsets[mb]))
-    fed = sorted((int(i), int(o)) for b in batches for i, o in zip(b[1], b[2]))
-    assert trained == fed  # every piece trained once
 
 
 def test_steps_of_16_micro_batches_or_more_are_never_repaired(monkeypatch):
