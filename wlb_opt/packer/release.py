@@ -860,10 +860,7 @@ class GroupRelease(ReleasePolicy):
             released = released + group
             base_cost += sum(costs[piece.key] for piece in group) if costs else 0.0
             taken |= {piece.key for piece in group}
-        for q in queues:  # keep each queue's FIFO order for what stays
-            kept = [piece for piece in q if _ID_OFFSET(piece) not in taken]
-            q.clear()
-            q.extend(kept)
+        _leave_queues(queues, taken)
         return StepRelease(pending, plan, arrival, released, n_early=len(released) - n_forced), without_groups
 
 
@@ -894,6 +891,26 @@ def _without(pieces: list[HeldPiece], piece: HeldPiece) -> list[HeldPiece]:
     except ValueError:
         return list(pieces)
     return pieces[:j] + pieces[j + 1:]
+
+
+def _leave_queues(queues: list[deque], keys: set) -> None:
+    """Takes the pieces of `keys` ((id, offset)) out of `queues`, each queue keeping its FIFO
+    order for what stays."""
+    for q in queues:
+        kept = [piece for piece in q if _ID_OFFSET(piece) not in keys]
+        q.clear()
+        q.extend(kept)
+
+
+def _deferring(pending: list[HeldPiece], plan, arrival: np.ndarray, pieces: list[HeldPiece]):
+    """(pending, plan, arrival) of a packed step with `pieces`, which it does not hold, added
+    as deferred (they join the carry): the plan is made a PackPlan (`as_pack_plan`)."""
+    plan = as_pack_plan(plan)
+    plan = plan.replace(doc_ids=np.append(plan.doc_ids, [piece.id for piece in pieces]),
+                        lengths=np.append(plan.lengths, [piece.length for piece in pieces]),
+                        offsets=np.append(plan.offsets, [piece.offset for piece in pieces]),
+                        deferred=np.append(plan.deferred, np.arange(len(pending), len(pending) + len(pieces))))
+    return pending + list(pieces), plan, np.append(arrival, [piece.arrival for piece in pieces])
 
 
 def _resolved(group, pending, plan, arrival):
@@ -1173,21 +1190,8 @@ class MarginalRelease(GroupRelease):
                 heaviest = max(heaviest, max(cost_of[piece.key] for piece in group))
         if current is None:
             return chosen
-        pending, plan, arrival = current
-        if kept_back:
-            plan = as_pack_plan(plan)
-            plan = plan.replace(doc_ids=np.append(plan.doc_ids, [piece.id for piece in kept_back]),
-                                lengths=np.append(plan.lengths, [piece.length for piece in kept_back]),
-                                offsets=np.append(plan.offsets, [piece.offset for piece in kept_back]),
-                                deferred=np.append(plan.deferred,
-                                                   np.arange(len(pending), len(pending) + len(kept_back))))
-            arrival = np.append(arrival, [piece.arrival for piece in kept_back])
-            pending = pending + kept_back
-        gone = {piece.key for piece in added}
-        for q in queues:  # each queue keeps its FIFO order for what stays
-            kept = [piece for piece in q if piece.key not in gone]
-            q.clear()
-            q.extend(kept)
+        pending, plan, arrival = _deferring(*current, kept_back) if kept_back else current
+        _leave_queues(queues, {piece.key for piece in added})
         return StepRelease(pending, plan, arrival, released + added, chosen.n_early + len(added))
 
     def _without_groups_instead(self, chosen: StepRelease, score: float, without_groups: StepRelease, fresh,
@@ -1299,9 +1303,10 @@ class MarginalRelease(GroupRelease):
         `TrialPack` made, before it is kept); otherwise None. A step whose batch brought almost
         only outliers, its pool held, is left with a few short documents, one of which can
         outweigh the others together (prose calibration seed 100: steps whose micro-batches
-        cost a twentieth of a window's, at 1.4-1.6 imbalance). The piece joins the carry (packed with the next step's pieces,
-        and first once at max_delay). `below`: the trimmed step must also score below it (its
-        imbalance plus the piece's tokens at the price), which lets its packing stop sooner."""
+        cost a twentieth of a window's, at 1.4-1.6 imbalance). The piece joins the carry
+        (packed with the next step's pieces, and first once at max_delay). `below`: the
+        trimmed step must also score below it (its imbalance plus the piece's tokens at the
+        price), which lets its packing stop sooner."""
         plan = result.plan
         if sum(len(mb) for mb in plan.micro_batches) <= 1:
             return None
@@ -1327,13 +1332,8 @@ class MarginalRelease(GroupRelease):
                 or t_plan.imbalance - limit + lam * piece.length >= 0):
             return None
         weighed = t_plan.imbalance
-        t_plan = as_pack_plan(t_plan)
-        t_plan = t_plan.replace(doc_ids=np.append(t_plan.doc_ids, piece.id),
-                                lengths=np.append(t_plan.lengths, piece.length),
-                                offsets=np.append(t_plan.offsets, piece.offset),
-                                deferred=np.append(t_plan.deferred, len(pending)))
-        return StepRelease(pending + [piece], t_plan, np.append(arrival, piece.arrival), result.released,
-                           result.n_early), weighed
+        pending, t_plan, arrival = _deferring(pending, t_plan, arrival, [piece])
+        return StepRelease(pending, t_plan, arrival, result.released, result.n_early), weighed
 
     def _movable(self, positions: list[int], result: StepRelease, fresh, step: int) -> list[int]:
         """The `positions` (in result.pending) of pieces the trim may defer: fresh ones, and
