@@ -107,12 +107,12 @@ MAX_PACKED = 32
 second groups) packs at most this many candidates, in its visiting order (the lowest bounds
 first): on the slowest steps at 32 micro-batches it packed 100 to 180, and the balance of the
 calibration streams held with 32 (docs/tuning.md)."""
-MAX_STEP_PACKED = 96
+MAX_STEP_PACKED = 64
 """On the same steps, all the searches of a step (its rounds and their pairs) pack at most this
 many candidates together; once they have, the step keeps what it has taken and its last round
 chooses among the candidates packed. A median step packs about 14; the slowest steps at 32
 micro-batches packed about 130 (`real` with lookahead 4), and the balance of the calibration
-streams held with 96 (docs/tuning.md)."""
+streams held with 64 (docs/tuning.md)."""
 
 REPAIR_ROUNDS = 6
 """A repair (`MarginalRelease._repaired`) takes at most this many groups."""
