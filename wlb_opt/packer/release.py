@@ -513,19 +513,16 @@ class GroupRelease(ReleasePolicy):
         weights = self.piece_cost(np.fromiter(map(_LENGTH, pieces), dtype=np.int64, count=len(pieces))).tolist()
         return dict(zip(map(_ID_OFFSET, pieces), weights))
 
-    def _imbalance_at_least(self, group, costs: dict, base_cost: float) -> float:
-        """A lower bound on the step's imbalance with all of `group` placed (see `_cannot_pass`)."""
-        heaviest = max(costs[piece.key] for piece in group) + self.bin_const
-        return heaviest / ((base_cost + sum(costs[piece.key] for piece in group)) / self.need + self.bin_const)
-
-    def _cannot_pass(self, group, costs: dict, base_cost: float, limit: float) -> bool:
+    def _cannot_pass(self, group, costs: dict, base_cost: float, limit: float, heaviest: float = 0.0) -> bool:
         """True when the step with `group` is surely above `limit`: a group is kept only if all
         of it is placed, so the heaviest micro-batch costs at least the group's heaviest piece
-        plus `bin_const`, and the mean is at most (every pending piece + need x bin_const) /
-        need; their ratio bounds the imbalance from below (margin for rounding)."""
-        heaviest = max(costs[piece.key] for piece in group) + self.bin_const
+        (or `heaviest`, a piece the step surely places) plus `bin_const`, and the mean is at
+        most (every pending piece + need x bin_const) / need; their ratio bounds the imbalance
+        from below (margin for rounding). `_windows` applies the same bound to every window at
+        once; `_repaired` to each of its groups."""
+        top = max(heaviest, max(costs[piece.key] for piece in group)) + self.bin_const
         mean_at_most = (base_cost + sum(costs[piece.key] for piece in group)) / self.need + self.bin_const
-        return heaviest > (limit + 1e-9) * mean_at_most
+        return top > (limit + 1e-9) * mean_at_most
 
     def _bound_with(self, ctx: "_StepContext", group) -> float:
         """A lower bound on the step's imbalance with `group` placed and ctx.kept: the heaviest
@@ -704,7 +701,7 @@ class GroupRelease(ReleasePolicy):
         tokens than the group (+ `extra_tokens`, pieces joining with it) brings, at most half the
         carry limit, and no early-released outlier deferred (see the class docstring).
         `hopeless(tokens, imbalance_at_least, relief)`, if given, skips a group before it is
-        packed (imbalance_at_least: `_imbalance_at_least` of the group, None without costs;
+        packed (imbalance_at_least: the bound of `_cannot_pass` as a ratio, None without costs;
         relief: its `displacement_relief`, the tokens without lookahead).
         With `lowest_bound_first` the groups come in increasing imbalance_at_least - `price` x
         relief (`displacement_relief`, summed over each window; with "marginal"'s price, a lower
@@ -1153,9 +1150,8 @@ class MarginalRelease(GroupRelease):
         fresh_in = [piece for piece in fresh if piece.key not in back_keys]
         limit = chosen.plan.deferred_tokens
         cost_of = self._costs(pool + released)
-        bin_const = self.bin_const
         if cost_of:  # the step places every piece but kept_back: what it places costs its loads
-            placed_cost = float(np.add.reduce(chosen.plan.loads)) - self.need * bin_const
+            placed_cost = float(np.add.reduce(chosen.plan.loads)) - self.need * self.bin_const
             heaviest = max((cost_of[piece.key] for piece in released), default=0.0)
         added: list[HeldPiece] = []
         current, score = None, chosen.plan.imbalance
@@ -1167,11 +1163,8 @@ class MarginalRelease(GroupRelease):
                     group = left[start:start + size]
                     gain = lam * displacement_relief(group, step, self.early_credit)
                     below = (score if best is None else best[0]) + gain
-                    if cost_of:
-                        costs = [cost_of[piece.key] for piece in group]
-                        top = max(heaviest, max(costs)) + bin_const
-                        if top > (below + 1e-9) * ((placed_cost + sum(costs)) / self.need + bin_const):
-                            continue
+                    if cost_of and self._cannot_pass(group, cost_of, placed_cost, below, heaviest):
+                        continue
                     keep = released + added + group
                     pending, plan, arrival = solve(*self._split(carry_in, keep, fresh_in, step))
                     if self._rejects(plan, pending, below, limit + 1, keep):
