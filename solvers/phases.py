@@ -130,33 +130,6 @@ def phases_assign(order: np.ndarray, lengths: np.ndarray, fwd: np.ndarray, bwd: 
     return np.array(placed, dtype=np.int64)
 
 
-def phases_assign_reference(order, lengths, fwd, bwd, n_bins: int, cap: int, fwd_const: float = 0.0,
-                            bwd_const: float = 0.0) -> np.ndarray:
-    """`phases_assign` by a scan of every bin per item (the tests' twin, O(items x bins))."""
-    order = np.asarray(order, dtype=np.int64)
-    if not len(order):
-        return np.zeros(0, dtype=np.int64)
-    f_mean = (float(np.add.reduce(fwd[order])) + n_bins * fwd_const) / n_bins
-    b_mean = (float(np.add.reduce(bwd[order])) + n_bins * bwd_const) / n_bins
-    if not (f_mean > 0 and b_mean > 0):
-        return wlb_assign(order, lengths, fwd + bwd, n_bins, cap)
-    f_load = np.full(n_bins, fwd_const / f_mean)
-    b_load = np.full(n_bins, bwd_const / b_mean)
-    toks = np.zeros(n_bins, dtype=np.int64)
-    out = np.full(len(order), -1, dtype=np.int64)
-    for k, i in enumerate(order.tolist()):
-        b = int(np.argmin(np.maximum(f_load, b_load)))  # first of the least: the lowest index
-        if toks[b] + lengths[i] > cap:
-            b = int(np.argmin(toks))
-            if toks[b] + lengths[i] > cap:
-                continue
-        toks[b] += lengths[i]
-        f_load[b] += fwd[i] / f_mean
-        b_load[b] += bwd[i] / b_mean
-        out[k] = b
-    return out
-
-
 LUMP_MIN_BINS = 32
 """From this many bins, `wlb_phases` places the short tail of its order in lumps (`tail_lumps`)."""
 LUMP_SHARE = 1 / 40

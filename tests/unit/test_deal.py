@@ -1,13 +1,42 @@
 """The dealer of micro-batches to data-parallel replicas (`solvers.deal`): its swaps priced in
-numpy give exactly what a scalar loop over every swap gives, on random loads with ties, and it
-stays fast at production sizes (dp x n_micro of several hundred micro-batches)."""
+numpy give exactly what a scalar loop over every swap gives, on random loads with ties, and at
+production sizes (dp x n_micro of several hundred micro-batches)."""
 from __future__ import annotations
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wlb_opt.solvers.deal import _greedy_start, _top_two, deal_to_replicas
+from wlb_opt.solvers.deal import deal_to_replicas
+
+
+def greedy_start(L: list[float], dp: int, n_micro: int, pp: int) -> tuple[list[list[int]], list[float]]:
+    """The dealer's start, written out: micro-batches heaviest first (ties: the lower index),
+    each to the replica whose modelled 1F1B time, (sum + (pp - 1) x largest) / pp, is least
+    once it joins (ties: the lower replica), among replicas with a free slot."""
+    members: list[list[int]] = [[] for _ in range(dp)]
+    for j in sorted(range(len(L)), key=lambda i: (-L[i], i)):
+        def time_with(r):
+            joined = [L[m] for m in members[r]] + [L[j]]
+            return (sum(joined) + (pp - 1) * max(joined)) / pp
+        free = [r for r in range(dp) if len(members[r]) < n_micro]
+        members[min(free, key=lambda r: (time_with(r), r))].append(j)
+    sums = [0.0] * dp
+    for r, ms in enumerate(members):
+        for m in ms:  # summed in the order they joined, as the dealer sums them
+            sums[r] += L[m]
+    return members, sums
+
+
+def top_two(L: list[float], ms: list[int]) -> tuple[float, float, int]:
+    """(largest, second largest, position of the first largest) of the loads of `ms`; -1.0 for
+    a missing one."""
+    values = [L[m] for m in ms]
+    if not values:
+        return -1.0, -1.0, -1
+    pos = max(range(len(values)), key=lambda i: (values[i], -i))
+    rest = values[:pos] + values[pos + 1:]
+    return values[pos], max(rest, default=-1.0), pos
 
 
 def deal_reference(loads: np.ndarray, dp: int, n_micro: int, pp: int, max_passes: int) -> np.ndarray:
@@ -16,8 +45,8 @@ def deal_reference(loads: np.ndarray, dp: int, n_micro: int, pp: int, max_passes
     floats)."""
     L = loads.tolist()
     k = float(pp - 1)
-    members, sums = _greedy_start(L, dp, n_micro, pp)
-    stats = [_top_two(L, ms) for ms in members]
+    members, sums = greedy_start(L, dp, n_micro, pp)
+    stats = [top_two(L, ms) for ms in members]
     times = [(sums[r] + k * stats[r][0]) / pp if members[r] else 0.0 for r in range(dp)]
 
     def top_after_swap(r, i, incoming):
@@ -45,7 +74,7 @@ def deal_reference(loads: np.ndarray, dp: int, n_micro: int, pp: int, max_passes
                             members[ra][ia], members[rb][ib] = b, a
                             sums[ra] += lb - la
                             sums[rb] += la - lb
-                            stats[ra], stats[rb] = _top_two(L, members[ra]), _top_two(L, members[rb])
+                            stats[ra], stats[rb] = top_two(L, members[ra]), top_two(L, members[rb])
                             times[ra], times[rb] = ta, tb
                             old_max, old_sum = max(times), sum(times)
                             improved = True

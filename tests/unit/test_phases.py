@@ -12,8 +12,8 @@ import wlb_opt as wlb
 from wlb_opt.packer import per_step_imbalance
 from wlb_opt.solvers.greedy import compiled_available, placement_order, use_compiled, wlb_assign_python
 from wlb_opt.solvers import phases as phases_module
-from wlb_opt.solvers.phases import (LUMP_MIN_BINS, LUMP_SHARE, LUMP_SPLIT, phases_assign, phases_assign_reference,
-                                    geometric_lumps, phases_or_algorithm1, tail_lumps, wlb_phases)
+from wlb_opt.solvers.phases import (LUMP_MIN_BINS, LUMP_SHARE, LUMP_SPLIT, phases_assign, geometric_lumps,
+                                    phases_or_algorithm1, tail_lumps, wlb_phases)
 from wlb_opt.solvers.problem import PackProblem
 from wlb_opt.workloads import DEFAULT_SEED, global_batches
 
@@ -24,6 +24,40 @@ COST = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8,
 needs_numba = pytest.mark.skipif(not compiled_available(), reason="numba (the `fast` extra) is not installed")
 BOTH_LOOPS = pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_numba)],
                                      ids=["python", "compiled"])
+
+
+def phases_assign_reference(order, lengths, fwd, bwd, n_bins: int, cap: int, fwd_const: float = 0.0,
+                            bwd_const: float = 0.0) -> np.ndarray:
+    """`phases_assign` by a scan of every bin per item (O(items x bins)): each item to the bin
+    whose key, max(forward / mean forward, backward / mean backward), is least (ties: the
+    lowest index) if it fits under `cap` tokens, else to the bin of fewest tokens if it fits
+    there, else deferred (-1). Where a phase has no cost, the key is the bin's summed cost
+    (Algorithm 1)."""
+    order = np.asarray(order, dtype=np.int64)
+    if not len(order):
+        return np.zeros(0, dtype=np.int64)
+    f_mean = (float(np.add.reduce(fwd[order])) + n_bins * fwd_const) / n_bins
+    b_mean = (float(np.add.reduce(bwd[order])) + n_bins * bwd_const) / n_bins
+    apart = f_mean > 0 and b_mean > 0
+    f_load = np.full(n_bins, fwd_const / f_mean if apart else 0.0)
+    b_load = np.full(n_bins, bwd_const / b_mean if apart else 0.0)
+    toks = np.zeros(n_bins, dtype=np.int64)
+    out = np.full(len(order), -1, dtype=np.int64)
+    for k, i in enumerate(order.tolist()):
+        key = np.maximum(f_load, b_load) if apart else f_load
+        b = int(np.argmin(key))  # first of the least: the lowest index
+        if toks[b] + lengths[i] > cap:
+            b = int(np.argmin(toks))
+            if toks[b] + lengths[i] > cap:
+                continue
+        toks[b] += lengths[i]
+        if apart:
+            f_load[b] += fwd[i] / f_mean
+            b_load[b] += bwd[i] / b_mean
+        else:
+            f_load[b] += fwd[i] + bwd[i]
+        out[k] = b
+    return out
 
 
 def _phases(lengths):
