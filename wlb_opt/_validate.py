@@ -204,21 +204,36 @@ def validate_offsets(offsets, n: int, name: str = "offsets") -> np.ndarray:
     return arr
 
 
-def check_unique_pieces(ids: np.ndarray, offsets: np.ndarray, what: str = "in the input") -> None:
+def check_unique_pieces(ids: np.ndarray, offsets: np.ndarray, what: str = "in the input",
+                        lengths: np.ndarray | None = None) -> None:
     """Each (id, offset) names one piece: a repeated pair would be planned twice and then
-    fail `check_pack` (or train a document twice)."""
+    fail `check_pack` (or train a document twice). With `lengths`, the pieces of one document
+    must not overlap either (tokens [offset, offset + length) of one document in two pieces
+    would be trained twice)."""
     if len(ids) < 2:
         return
     by_id = np.sort(ids)
     if not (by_id[1:] == by_id[:-1]).any():  # distinct ids: distinct pieces, whatever the offsets
         return
     order = np.lexsort((offsets, ids))
-    same = (ids[order][1:] == ids[order][:-1]) & (offsets[order][1:] == offsets[order][:-1])
+    ids_o, offsets_o = ids[order], offsets[order]
+    one_doc = ids_o[1:] == ids_o[:-1]
+    same = one_doc & (offsets_o[1:] == offsets_o[:-1])
     if same.any():
         k = int(order[1:][np.argmax(same)])
         hint = "" if np.any(offsets) else " (pieces of one document need distinct offsets: see split_documents)"
         raise ValueError(f"ids: id {int(ids[k])} with offset {int(offsets[k])} is repeated {what} "
                          f"(position {k}){hint}")
+    if lengths is None:
+        return
+    overlap = one_doc & (offsets_o[:-1] + lengths[order][:-1] > offsets_o[1:])
+    if overlap.any():
+        j = int(np.argmax(overlap))
+        a, b = int(order[j]), int(order[j + 1])
+        raise ValueError(f"pieces of document {int(ids[a])} overlap {what}: tokens [{int(offsets[a])}, "
+                         f"{int(offsets[a] + lengths[a])}) at position {a} and [{int(offsets[b])}, "
+                         f"{int(offsets[b] + lengths[b])}) at position {b} (a piece is tokens [offset, "
+                         f"offset + length) of its document)")
 
 
 def exact_integers(values, name: str) -> np.ndarray:

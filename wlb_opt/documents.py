@@ -31,6 +31,14 @@ def split_documents(lengths, window: int, ids=None) -> tuple[np.ndarray, np.ndar
     window = check_int("window", window, 1)
     lengths = validate_lengths(lengths)
     ids = validate_ids(ids, len(lengths))
+    if len(ids) > 1:
+        order = np.argsort(ids, kind="stable")
+        repeated = ids[order][1:] == ids[order][:-1]
+        if repeated.any():
+            k = int(np.argmax(repeated))
+            raise ValueError(f"ids must be distinct (one per document), got id {int(ids[order[k]])} at positions "
+                             f"{int(order[k])} and {int(order[k + 1])}; the pieces split_documents makes of one "
+                             f"document share its id")
     n_pieces = -(-lengths // window)
     if int(n_pieces.sum()) > MAX_PIECES:
         raise ValueError(f"split_documents would make {int(n_pieces.sum())} pieces (more than {MAX_PIECES}) from "

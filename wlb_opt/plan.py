@@ -45,7 +45,24 @@ def _frozen_already(a, dtype) -> bool:
 
 
 def imbalance(loads) -> float:
-    """max / mean of `loads` (1.0 is perfect; 1.0 for empty or all-zero loads)."""
+    """max / mean of `loads` (1.0 is perfect; 1.0 for empty or all-zero loads): the costs of a
+    step's micro-batches, finite numbers >= 0 (else a ValueError naming the first bad one)."""
+    if loads is None or isinstance(loads, (str, bytes)):
+        raise ValueError(f"loads must be a sequence of finite numbers >= 0 (one per micro-batch), got {loads!r}")
+    try:
+        arr = np.asarray(loads, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"loads must be a sequence of finite numbers >= 0 (one per micro-batch): {exc}") from None
+    bad = ~np.isfinite(arr) | (arr < 0)
+    if bad.any():
+        i = int(np.argmax(bad.reshape(-1)))
+        raise ValueError(f"loads must be finite numbers >= 0 (one per micro-batch), got {arr.reshape(-1)[i]} at "
+                         f"index {i}")
+    return _imbalance(arr)
+
+
+def _imbalance(loads) -> float:
+    """`imbalance` without the checks, for loads the library computed itself."""
     arr = np.asarray(loads, dtype=np.float64)
     if arr.size == 0:
         return 1.0
@@ -165,7 +182,7 @@ class PackPlan:
 
     @property
     def imbalance(self) -> float:
-        return imbalance(self.loads)
+        return _imbalance(self.loads)
 
     def delays(self) -> np.ndarray:
         """Steps each piece waited: step - arrival_step (zeros without arrival steps or step)."""
@@ -565,7 +582,7 @@ class ShardPlan:
 
     @property
     def imbalance(self) -> float:
-        return imbalance(self.loads)
+        return _imbalance(self.loads)
 
     @property
     def max_load(self) -> float:

@@ -94,8 +94,8 @@ MAX_CP = 2**16
 """Largest context-parallel degree solve_shard takes: it holds 2 x cp chunks per document."""
 
 
-def _validate(lengths, cp, strategy, offsets, cost):
-    """(lengths, cp, offsets, cost) checked; cp None takes the cost model's."""
+def _cp_and_cost(cp, cost) -> tuple[int, CostModel]:
+    """(cp, cost) checked; cp None takes the cost model's, cost None the default one."""
     if cost is not None and not isinstance(cost, CostModel):
         raise ValueError(f"cost must be a wlb_opt.CostModel or None, got {type(cost).__name__}")
     cost = cost if cost is not None else default_cost()
@@ -103,6 +103,12 @@ def _validate(lengths, cp, strategy, offsets, cost):
     if cp > MAX_CP:
         raise ValueError(f"cp must be an integer >= 1 and <= {MAX_CP} (a document is cut into 2 x cp chunks), "
                          f"got {cp}")
+    return cp, cost
+
+
+def _validate(lengths, cp, strategy, offsets, cost):
+    """(lengths, cp, offsets, cost) checked; cp None takes the cost model's."""
+    cp, cost = _cp_and_cost(cp, cost)
     check_choice("strategy", strategy, SHARD_STRATEGIES)
     lengths = validate_lengths(lengths)
     return lengths, cp, validate_offsets(offsets, len(lengths)), cost
@@ -232,6 +238,7 @@ def solve_shards(plan: PackPlan, cp: int | None = None, strategy: ShardStrategy 
     """
     if not isinstance(plan, PackPlan):
         raise ValueError(f"plan must be a wlb_opt.PackPlan (a step's packing), got {type(plan).__name__}")
+    _cp_and_cost(cp, cost)  # checked even when every micro-batch is empty
     mbs = [np.asarray(mb, dtype=np.int64) for mb in plan.micro_batches]
     if strategy not in BATCHED_STRATEGIES:
         check_choice("strategy", strategy, SHARD_STRATEGIES)

@@ -10,6 +10,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+import numpy as np
+
 from ._validate import INT64_MAX
 
 
@@ -19,6 +21,16 @@ def _finite(value) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def _python_numbers(obj: Any, *names: str) -> None:
+    """The fields `names` of a frozen spec that hold numpy integer or float scalars, as the
+    Python numbers they hold (a spec is compared, hashed and written to JSON as Python values);
+    numpy bools stay as given, to be refused by the checks."""
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, (np.integer, np.floating)):
+            object.__setattr__(obj, name, value.item())
 
 
 def _check_count(owner: str, name: str, value, what: str = "an integer >= 1") -> None:
@@ -75,6 +87,7 @@ class ModelSpec:
     Some models (Qwen3, Gemma) set it apart from hidden / heads."""
 
     def __post_init__(self) -> None:
+        _python_numbers(self, "hidden", "layers", "heads", "ffn", "vocab", "kv_heads", "head_dim")
         for name in ("hidden", "layers", "heads", "ffn", "vocab"):
             _check_count("ModelSpec", name, getattr(self, name))
         if self.kv_heads is None:
@@ -207,6 +220,7 @@ class ParallelSpec:
     """Intra-node group size: TP x CP groups that fit in a node use NVLink."""
 
     def __post_init__(self) -> None:
+        _python_numbers(self, *(f.name for f in fields(self)))
         for f in fields(self):
             _check_count("ParallelSpec", f.name, getattr(self, f.name))
         if self.world_size > INT64_MAX:
@@ -242,6 +256,7 @@ class HardwareSpec:
     """Fixed cost of one kernel launch (per micro-batch and layer constants use it)."""
 
     def __post_init__(self) -> None:
+        _python_numbers(self, *(f.name for f in fields(self)))
         _check_positive(self, "peak_tflops", "hbm_gbps", "nvlink_gbps", "network_gbps")
         _check_fraction(self, "gemm_efficiency", "attn_efficiency")
         value = self.kernel_launch_s

@@ -140,7 +140,7 @@ def solve_pack(
     solver = get_method(method)
     ids = validate_ids(ids, len(lengths))
     offsets = validate_offsets(offsets, len(lengths))
-    check_unique_pieces(ids, offsets)
+    check_unique_pieces(ids, offsets, lengths=lengths)
     if cost is not None and not isinstance(cost, CostModel):
         raise ValueError(f"cost must be a wlb_opt.CostModel or None, got {type(cost).__name__}")
     cost = cost if cost is not None else default_cost()

@@ -204,7 +204,9 @@ DOCS_CASES = (
        ("split_documents.ids_float", lambda: wlb.split_documents([5, 6], 8, ids=[1.5, 2]), ValueError,
         "ids must be integers"),
        ("split_documents.ids_uint64", lambda: wlb.split_documents([5], 8, ids=np.array([2**63], np.uint64)),
-        ValueError, "ids must fit in int64")]
+        ValueError, "ids must fit in int64"),
+       ("split_documents.ids_repeated", lambda: wlb.split_documents([5, 6, 7], 3, ids=[2, 1, 2]), ValueError,
+        "ids must be distinct (one per document), got id 2 at positions 0 and 2")]
 )
 
 
@@ -276,6 +278,8 @@ PACK_CASES = (
        ("solve_pack.ids_uint64", lambda: _pack(ids=np.array([2**63, 1, 2], np.uint64)), ValueError,
         "ids must fit in int64"),
        ("solve_pack.ids_repeated", lambda: _pack(ids=[4, 4, 5]), ValueError, "id 4 with offset 0 is repeated"),
+       ("solve_pack.pieces_overlap", lambda: _pack(ids=[4, 4, 5], offsets=[0, 3, 0]), ValueError,
+        "pieces of document 4 overlap in the input: tokens [0, 5) at position 0 and [3, 12) at position 1"),
        ("solve_pack.offsets_negative", lambda: _pack(offsets=[0, -3, 0]), ValueError, "offsets must be >= 0"),
        ("solve_pack.offsets_size", lambda: _pack(offsets=[0]), ValueError, "offsets must be a 1-D sequence"),
        ("solve_pack.offsets_float", lambda: _pack(offsets=[0, 0.5, 0]), ValueError, "offsets must be integers"),
@@ -399,6 +403,8 @@ PACKER_CASES = (
        for label, v, frag in BAD_LENGTHS]
     + [("WLBPacker.pack.too_long", lambda: _packer().pack([150]), ValueError, "150 tokens > max_tokens=100"),
        ("WLBPacker.pack.ids_repeated", lambda: _packer().pack([5, 6], [1, 1]), ValueError, "repeated within"),
+       ("WLBPacker.pack.pieces_overlap", lambda: _packer().pack([5, 6], [1, 1], [5, 0]), ValueError,
+        "pieces of document 1 overlap within the batch: tokens [0, 6) at position 1 and [5, 10) at position 0"),
        ("WLBPacker.pack.ids_held", lambda: (lambda p: p.pack([5], [int(p.queued_ids()[0])]))(_packed()), ValueError,
         "already held by the packer"),
        ("WLBPacker.pack.ids_size", lambda: _packer().pack([5, 6], [1]), ValueError, "same size as lengths"),
@@ -453,12 +459,22 @@ SHARD_CASES = (
        ("solve_shard.token_skew", lambda: _shard(token_skew=-0.5), ValueError, "token_skew must be a number >= 0"),
        ("solve_shard.token_skew_string", lambda: _shard(token_skew="0.1"), ValueError, "token_skew"),
        ("solve_shard.offsets", lambda: _shard(offsets=[0, -1, 0]), ValueError, "offsets must be >= 0"),
-       ("solve_shard.seed", lambda: _shard(strategy="cpsat", seed=-1), ValueError, "seed must be an integer >= 0")]
+       ("solve_shard.seed", lambda: _shard(strategy="cpsat", seed=-1), ValueError, "seed must be an integer >= 0"),
+       # a step whose micro-batches are all empty still has its arguments checked
+       ("solve_shards.empty_plan_cp", lambda: wlb.solve_shards(wlb.solve_pack([], 2, 10, COST), cp=-1), ValueError,
+        "cp must be an integer >= 1, got -1"),
+       ("solve_shards.empty_plan_cost", lambda: wlb.solve_shards(wlb.solve_pack([], 2, 10, COST), cost="7b"),
+        ValueError, "cost must be a wlb_opt.CostModel")]
 )
 
 
 # ---------------------------------------------------------------- simulator
 SIM_CASES = [
+    ("imbalance.nan", lambda: wlb.imbalance([NAN, 1.0]), ValueError,
+     "loads must be finite numbers >= 0 (one per micro-batch), got nan at index 0"),
+    ("imbalance.negative", lambda: wlb.imbalance([1.0, -2.0]), ValueError, "got -2.0 at index 1"),
+    ("imbalance.none", lambda: wlb.imbalance(None), ValueError, "loads must be a sequence of finite numbers"),
+    ("imbalance.string", lambda: wlb.imbalance("ab"), ValueError, "got 'ab'"),
     ("simulate_step.cost_string", lambda: wlb.simulate_step(PLAN, None, "7b"), ValueError,
      "cost must be a wlb_opt.CostModel"),
     ("simulate_step.parallel", lambda: wlb.simulate_step(PLAN, None, COST, "pp4"), ValueError,

@@ -173,3 +173,15 @@ def _saved(cost, tmp_path):
     path = tmp_path / "cost.json"
     cost.save(path)
     return path
+
+
+def test_specs_take_numpy_numbers_as_the_python_numbers_they_hold():
+    spec = wlb.ParallelSpec(tp=np.int64(8), cp=np.int32(2))
+    assert spec == wlb.ParallelSpec(tp=8, cp=2) and type(spec.cp) is int
+    json.dumps(spec.to_dict() if hasattr(spec, "to_dict") else dataclasses.asdict(spec))
+    model = wlb.ModelSpec(hidden=np.int64(64), layers=2, heads=4, ffn=128, vocab=100, kv_heads=np.int64(2))
+    assert type(model.hidden) is int and type(model.kv_heads) is int
+    hw = dataclasses.replace(wlb.HardwareSpec.preset("h100"), peak_tflops=np.float32(500.0))
+    assert type(hw.peak_tflops) is float and hw.peak_tflops == 500.0
+    with pytest.raises(ValueError, match=r"ParallelSpec.cp must be an integer >= 1, got np.True_"):
+        wlb.ParallelSpec(cp=np.bool_(True))

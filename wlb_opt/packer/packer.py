@@ -286,7 +286,7 @@ class WLBPacker:
             i = int(np.argmax(lengths))
             raise ValueError(f"document {int(ids[i])} (position {i}) has {int(lengths[i])} tokens > "
                              f"max_tokens={self.max_tokens}; cut documents with wlb_opt.split_documents first")
-        check_unique_pieces(ids, offsets, "within the batch")
+        check_unique_pieces(ids, offsets, "within the batch", lengths=lengths)
         # every held or buffered piece has an id <= _max_id: a batch of larger ids (a stream
         # whose ids grow, as automatic ones do) cannot repeat one, and is not compared piece by piece
         fresh_ids = self._max_id is not None and n and int(ids.min()) > self._max_id

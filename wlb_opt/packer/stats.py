@@ -26,7 +26,7 @@ import math
 import numpy as np
 
 from ..cost import CostModel
-from ..plan import PackPlan, imbalance
+from ..plan import PackPlan, _imbalance as imbalance
 
 TOTALS = ("pieces", "tokens", "delay_sum", "delay_token_sum", "delayed_tokens", "delay_max", "queue_wait_max",
           "late_pieces", "displacement_token_sum", "early_tokens")

@@ -32,7 +32,7 @@ from itertools import chain, repeat
 
 import numpy as np
 
-from ..plan import PackPlan, SolveInfo, imbalance
+from ..plan import PackPlan, SolveInfo, _imbalance as imbalance
 from ..solvers.bounds import densest_first, densest_order
 from ..solvers.greedy import (AssignStop, argsort_descending, bin_tokens, compiled_loop, insert_sorted, split_by_bin,
                                wlb_assign, wlb_assign_lists)
