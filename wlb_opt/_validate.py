@@ -122,6 +122,10 @@ def _bool_index(values, arr: np.ndarray) -> int | None:
 def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
     """Positive integer token counts as a 1-D int64 array (a scalar becomes one length)."""
     arr = np.asarray(lengths)
+    if arr.ndim == 0 and arr.dtype.kind == "O" and not isinstance(lengths, (int, np.integer)):
+        # a set, a generator, None: numpy wraps it whole in one object
+        raise ValueError(f"{name} must be a 1-D sequence (list, tuple or array) of token counts, got "
+                         f"{type(lengths).__name__} {lengths!r:.80}")
     if arr.ndim == 0:
         arr = arr.reshape(1)
     if arr.ndim != 1:
@@ -139,6 +143,13 @@ def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
             i = int(np.argmax(np.abs(arr) >= 2.0**62))
             raise ValueError(f"{name} must be token counts below 2**62, got {float(arr[i])} at index {i}")
     elif arr.dtype.kind not in "iu":
+        if arr.dtype.kind in "OUS":  # name the first entry that is not an int64 token count
+            values = arr.tolist() if isinstance(lengths, np.ndarray) else list(lengths)
+            for i, value in enumerate(values):
+                if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                    raise ValueError(f"{name} must be integer token counts, got {value!r:.80} at index {i}")
+                if not 0 < value < MAX_TOKENS:
+                    raise ValueError(f"{name} must be positive token counts below 2**62, got {value} at index {i}")
         raise ValueError(f"{name} must be integers, got dtype {arr.dtype}")
     i = _bool_index(lengths, arr)
     if i is not None:

@@ -64,7 +64,10 @@ def _pack(argv: list[str]) -> int:
         cost = cost_from_args(args)
         max_tokens = int(1.25 * args.window) if args.max_tokens is None else args.max_tokens
         if args.lengths:
-            lengths, ids, offsets = split_documents(load_lengths(args.lengths, field=args.field), args.window)
+            loaded = load_lengths(args.lengths, field=args.field)
+            if not len(loaded):
+                raise ValueError(f"no document lengths in {args.lengths}")
+            lengths, ids, offsets = split_documents(loaded, args.window)
         else:
             lengths, ids, offsets = global_batch(args.dist, args.window, args.dp * args.n_micro * args.window,
                                                  seed=args.seed)

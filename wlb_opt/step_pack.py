@@ -138,6 +138,9 @@ def solve_pack(
     time_limit = check_positive_real("time_limit", time_limit, "seconds", allow_inf=True)
     seed = check_int("seed", seed, 0)
     solver = get_method(method)
+    if backend is not None and method != "milp":
+        raise ValueError(f"backend={backend!r} chooses the solver of method='milp' ('cbc' or 'highs'); "
+                         f"method={method!r} takes no backend")
     ids = validate_ids(ids, len(lengths))
     offsets = validate_offsets(offsets, len(lengths))
     check_unique_pieces(ids, offsets, lengths=lengths)

@@ -31,6 +31,7 @@ CLI_CASES = [
     ("pack.time_limit_nan", ["pack", "--dist", "default", "--time-limit", "nan"], "--time-limit: expected a finite"),
     ("pack.method", ["pack", "--dist", "default", "--method", "magic"], "invalid choice: 'magic'"),
     ("pack.backend", ["pack", "--dist", "default", "--backend", "gurobi"], "invalid choice: 'gurobi'"),
+    ("pack.backend_without_milp", ["pack", "--dist", "default", "--backend", "highs"], "method='wlb' takes no backend"),
     ("pack.missing_lengths", ["pack", "--lengths", "/nonexistent/l.npy"], "does not exist"),
     ("pack.model", ["pack", "--dist", "default", "--model", "13b"], "unknown ModelSpec preset '13b'"),
     ("pack.hardware", ["pack", "--dist", "default", "--hardware", "tpu"], "unknown HardwareSpec preset 'tpu'"),
@@ -104,7 +105,8 @@ def cli_file_cases(cost_model):
     lengths = {"lengths_zero": ("l.txt", "5\n0\n", "positive token counts"),
                "lengths_word": ("l.txt", "5\nfive\n", "expected one integer length per line"),
                "lengths_jsonl_true": ("l.jsonl", '{"length": true}\n', "must be an integer length or a string"),
-               "lengths_jsonl_field": ("l.jsonl", '{"n": 3}\n', "no field 'length'")}
+               "lengths_jsonl_field": ("l.jsonl", '{"n": 3}\n', "no field 'length'"),
+               "lengths_empty": ("l.txt", "", "no document lengths in")}
     out += [(f"pack.{name}", (lambda tmp, n=n, t=t: ["pack", "--lengths", str(_write(tmp, n, t))]), frag)
             for name, (n, t, frag) in lengths.items()]
     out += [("pack.lengths_directory", lambda tmp: ["pack", "--lengths", str(tmp)], "is not a file"),
