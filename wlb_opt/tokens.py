@@ -36,6 +36,9 @@ def as_array(doc_id, values, what: str) -> np.ndarray:
     except (OverflowError, ValueError):
         raise ValueError(f"document {doc_id}: {what} must be a 1-D sequence of integers representable in int64, "
                          f"got {type(values).__name__}") from None
+    if arr.ndim == 0:
+        raise ValueError(f"document {doc_id}: {what} must be a 1-D sequence of token ids, got "
+                         f"{type(values).__name__} {values!r:.80}")
     if arr.ndim != 1:
         raise ValueError(f"document {doc_id}: {what} must be 1-D, got shape {arr.shape}")
     if arr.dtype.kind == "O" and arr.size:  # objects: integers only, each within int64

@@ -240,9 +240,10 @@ def decode_state(state, *, config: dict, auto: bool, thresholds: list[int] | Non
     ValueError naming the field if the state comes from another format version or a packer
     configured differently, or if it is malformed.
     """
-    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-        got = state.get("version") if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"state version {got!r} is not supported; expected {STATE_VERSION}")
+    if not isinstance(state, dict):
+        raise ValueError(f"state must be the dict that WLBPacker.state_dict() returns, got {type(state).__name__}")
+    if state.get("version") != STATE_VERSION:
+        raise ValueError(f"state version {state.get('version')!r} is not supported; expected {STATE_VERSION}")
     theirs = state.get("config", {})
     if not isinstance(theirs, dict):
         raise ValueError(f"state_dict field config must be a dict, got {type(theirs).__name__}")
