@@ -240,14 +240,14 @@ def solve_shards(plan: PackPlan, cp: int | None = None, strategy: ShardStrategy 
         raise ValueError(f"plan must be a wlb_opt.PackPlan (a step's packing), got {type(plan).__name__}")
     _cp_and_cost(cp, cost)  # checked even when every micro-batch is empty
     mbs = [np.asarray(mb, dtype=np.int64) for mb in plan.micro_batches]
+    unknown = sorted(set(options) - {"token_skew", "time_limit", "workers", "seed"})
+    if unknown:
+        raise ValueError(f"unknown options {unknown}; solve_shard takes token_skew, time_limit, workers, seed")
     if strategy not in BATCHED_STRATEGIES:
         check_choice("strategy", strategy, SHARD_STRATEGIES)
         return [solve_shard(plan.lengths[mb], cp, strategy, cost, offsets=plan.offsets[mb], **options)
                 if len(mb) else None for mb in mbs]
     t0 = time.perf_counter()
-    unknown = sorted(set(options) - {"token_skew", "time_limit", "workers", "seed"})
-    if unknown:
-        raise ValueError(f"unknown options {unknown}; solve_shard takes token_skew, time_limit, workers, seed")
     token_skew = options.get("token_skew", DEFAULT_TOKEN_SKEW)
     if not (is_float(token_skew) and token_skew >= 0):
         raise ValueError(f"token_skew must be a number >= 0 (or math.inf), got {token_skew!r}")

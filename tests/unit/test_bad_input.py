@@ -468,6 +468,8 @@ SHARD_CASES = (
        # a step whose micro-batches are all empty still has its arguments checked
        ("solve_shards.empty_plan_cp", lambda: wlb.solve_shards(wlb.solve_pack([], 2, 10, COST), cp=-1), ValueError,
         "cp must be an integer >= 1, got -1"),
+       ("solve_shards.cpsat_unknown_option", lambda: wlb.solve_shards(PLAN, 2, "cpsat", foo=1), ValueError,
+        "unknown options ['foo']; solve_shard takes token_skew, time_limit, workers, seed"),
        ("solve_shards.empty_plan_cost", lambda: wlb.solve_shards(wlb.solve_pack([], 2, 10, COST), cost="7b"),
         ValueError, "cost must be a wlb_opt.CostModel")]
 )

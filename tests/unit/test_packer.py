@@ -606,6 +606,18 @@ def test_the_outlier_notice_is_logged_once(caplog):
                 packer.pack([60, 70, 5])
     notices = [r for r in caplog.records if "tokens are in outliers" in r.getMessage()]
     assert len(notices) == 1 and notices[0].name == "wlb_opt" and notices[0].levelno == logging.WARNING
+    assert "use thresholds='auto'" in notices[0].getMessage()
+
+
+def test_the_outlier_notice_of_calibrated_thresholds_points_to_the_default_pool(caplog):
+    import logging
+
+    packer = wlb.WLBPacker(4, 1000, COST, config=wlb.PackerConfig(thresholds="auto", n_queues=3))
+    with caplog.at_level(logging.INFO, logger="wlb_opt"):
+        packer.pack(list(np.random.default_rng(0).integers(1, 900, 40)))
+    notices = [r.getMessage() for r in caplog.records if "tokens are in outliers" in r.getMessage()]
+    assert len(notices) == 1 and "use the default pool (thresholds=None)" in notices[0]
+    assert "thresholds='auto'" not in notices[0]
 
 
 def test_pieces_from_a_table_are_the_pieces_it_was_made_from_and_the_collector_is_left_as_found():

@@ -512,9 +512,11 @@ class WLBPacker:
         share = float(lengths[lengths >= self.thresholds[0]].sum()) / float(lengths.sum())
         if share > 0.5:
             self._warned_outliers = True
+            hint = ("use the default pool (thresholds=None), which suits such data" if self._auto
+                    else "use thresholds='auto', the default pool (thresholds=None) or higher thresholds")
             _log.warning("step %d: %.0f%% of the batch's tokens are in outliers (length >= %d, thresholds %s), so "
-                         "most tokens wait in queues; use thresholds='auto' or higher thresholds",
-                         self._step, 100 * share, self.thresholds[0], self.thresholds)
+                         "most tokens wait in queues; %s", self._step, 100 * share, self.thresholds[0],
+                         self.thresholds, hint)
 
     def drain(self) -> list[PackPlan]:
         """End of data: plan the batches seen ahead (their steps, by the release policy),
