@@ -238,7 +238,7 @@ def solve_shards(plan: PackPlan, cp: int | None = None, strategy: ShardStrategy 
     """
     if not isinstance(plan, PackPlan):
         raise ValueError(f"plan must be a wlb_opt.PackPlan (a step's packing), got {type(plan).__name__}")
-    _cp_and_cost(cp, cost)  # checked even when every micro-batch is empty
+    cp, cost = _cp_and_cost(cp, cost)  # checked once, even when every micro-batch is empty
     mbs = [np.asarray(mb, dtype=np.int64) for mb in plan.micro_batches]
     unknown = sorted(set(options) - {"token_skew", "time_limit", "workers", "seed"})
     if unknown:
@@ -259,7 +259,8 @@ def solve_shards(plan: PackPlan, cp: int | None = None, strategy: ShardStrategy 
     if not full:
         return out
     order = np.concatenate([mbs[k] for k in full])
-    lengths, cp, offsets, cost = _validate(plan.lengths[order], cp, strategy, plan.offsets[order], cost)
+    lengths = validate_lengths(plan.lengths[order])
+    offsets = validate_offsets(plan.offsets[order], len(lengths))
     counts = np.array([len(mbs[k]) for k in full], dtype=np.int64)
     n_mb, costs = len(full), ShardCosts(cost, cp)
     doc_at = np.concatenate([[0], np.cumsum(counts)]).tolist()
