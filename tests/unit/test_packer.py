@@ -624,7 +624,7 @@ def test_pieces_from_a_table_are_the_pieces_it_was_made_from_and_the_collector_i
     import gc
 
     from wlb_opt.packer.state import HeldPiece
-    from wlb_opt.packer.trial import piece_table, pieces_from_table
+    from wlb_opt.packer.pieces import piece_table, pieces_from_table
 
     pieces = [HeldPiece(7, 0, 5, 2), HeldPiece(-3, 9, 1, 2), HeldPiece(2**62, 2**40, 12, 3)]
     back = pieces_from_table(piece_table(pieces))

@@ -80,7 +80,7 @@ def test_overload_raises_once_and_the_stream_continues_with_smaller_batches():
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_pack_and_drain_leave_the_garbage_collector_as_they_found_it(enabled):
-    # the collector is paused within a step (trial.gc_paused), also one that raises
+    # the collector is paused within a step (pieces.gc_paused), also one that raises
     seen = []
 
     def watch(lengths, n_micro, max_tokens, cost, method, **kwargs):

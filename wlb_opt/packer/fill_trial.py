@@ -300,6 +300,11 @@ class FillTrial:
         """Arrival step of each pending piece."""
         return self._solver.arrival[self._pending_idx]
 
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens of each pending piece (a PackPlan's `lengths`)."""
+        return self._solver.lengths[self._pending_idx]
+
     @cached_property
     def _prediction(self) -> Prediction:
         first_idx, extra_idx, group_idx = self._parts

@@ -33,8 +33,8 @@ from typing import Iterable
 
 import numpy as np
 
+from .pieces import FreshPieces, piece_table, pieces_from_table
 from .state import HeldPiece, ids_of
-from .trial import piece_table, pieces_from_table
 
 STATE_KEY = "lookahead_buffer"
 """Key of the buffer in `WLBPacker.state_dict()`: one list of [id, offset, length, arrival]
@@ -74,12 +74,12 @@ class LookaheadBuffer:
         out._ids.append(ids_of(table))
         return out
 
-    def pop_oldest(self) -> tuple[list[HeldPiece], np.ndarray]:
-        """Remove and return the regular documents of the oldest buffered step, with their
-        `piece_table`."""
+    def pop_oldest(self) -> tuple[FreshPieces, np.ndarray]:
+        """Remove and return the regular documents of the oldest buffered step (read as
+        HeldPieces, made when read), with their `piece_table`."""
         self._ids.popleft()
         table = self._tables.popleft()
-        return pieces_from_table(table), table
+        return FreshPieces(table), table
 
     def pieces(self) -> list[HeldPiece]:
         """Every buffered piece, oldest batch first."""

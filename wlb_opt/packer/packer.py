@@ -64,11 +64,12 @@ from .defaults import (EARLY_CREDIT, HELD_GROUP_STEPS, MARGINAL_PRICE, MARGINAL_
 from .fill_trial import FillStepSolver
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
+from .pieces import FreshPieces, gc_paused, piece_table, pieces_from_table, take
 from .release import MAX_PACKED, MAX_STEP_PACKED, SPARSE_MIN_BINS, DrainRelease, ReleasePolicy, make_release_policy
 from .state import (_ARRIVAL, _LENGTH, HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state,
                     encode_state, held_tokens, pieces_of)
 from .stats import StreamStats
-from .trial import COARSE_MIN_BINS, StepSolver, as_pack_plan, gc_paused, piece_table, pieces_from_table
+from .trial import COARSE_MIN_BINS, StepSolver, as_pack_plan
 
 _log = logging.getLogger("wlb_opt")
 
@@ -337,7 +338,7 @@ class WLBPacker:
                                         min_gain=_DEAL_MIN_GAIN),
             step=step, arrival_step=arrival,
             info=dataclasses.replace(plan.info, extra=extra, wall_s=time.perf_counter() - started))
-        return plan, [pending[i] for i in plan.deferred.tolist()]
+        return plan, take(pending, plan.deferred.tolist())
 
     def _step_policy(self) -> ReleasePolicy:
         """The release policy of the next step: with balance_tolerance="auto" its tolerance
@@ -399,7 +400,7 @@ class WLBPacker:
         self._step += 1
         self._stats.add(plan, self.max_delay, plan.info.extra["queue_wait_max"])
 
-    @gc_paused()  # a step's temporaries are freed by reference counting (`trial.gc_paused`)
+    @gc_paused()  # a step's temporaries are freed by reference counting (`pieces.gc_paused`)
     def pack(self, lengths, ids=None, offsets=None) -> PackPlan | None:
         """Pack one global batch; returns the step's PackPlan (with `lookahead=K`: the plan
         of the step K batches back, None while the first K batches arrive).
@@ -444,7 +445,7 @@ class WLBPacker:
             fresh, table = ahead.pop_oldest()
         else:
             ahead = self._ahead
-            fresh = pieces_from_table(table)
+            fresh = FreshPieces(table)
         plan, carry = self._plan_step(fresh, queues, list(self._carry), step, self._step_policy(), started, table)
         # A step that holds no more than the one before always passes (pack([]) makes
         # progress even from a state above the limit, e.g. one loaded with a lower limit).

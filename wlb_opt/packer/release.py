@@ -78,6 +78,7 @@ import numpy as np
 from ..plan import PackPlan
 from ..solvers.bounds import densest_first, densest_order, pigeonhole_sorted
 from ._cached import cached_property
+from .pieces import PieceChain, lengths_of, take
 from .state import _ARRIVAL, _ID_OFFSET, _LENGTH, _LENGTH_ARRIVAL, HeldPiece
 from .trial import ROOM_MIN_PIECES, TrialPack, as_pack_plan
 
@@ -827,8 +828,7 @@ class GroupRelease(ReleasePolicy):
         costs = self._costs(pool)  # the held pieces', by key; the step's own ones only count in base_cost
         base_cost = 0.0
         if self.piece_cost is not None and self.cost_bounds and (carry or fresh or pool):
-            own_lengths = np.fromiter(map(_LENGTH, chain(carry, fresh)), dtype=np.int64,
-                                      count=len(carry) + len(fresh))  # HeldPiece.length
+            own_lengths = np.concatenate([lengths_of(carry), lengths_of(fresh)])
             own = self.piece_cost(own_lengths)
             # summed in the order carry, fresh, released: the same floats as piece by piece
             base_cost = sum(own.tolist() + [costs[piece.key] for piece in released])
@@ -883,6 +883,7 @@ def _kept_costs(kept: tuple[float, ...], group, costs: dict) -> tuple[float, ...
 
 def _without(pieces: list[HeldPiece], piece: HeldPiece) -> list[HeldPiece]:
     """`pieces` less `piece` (keys are unique: at most one is equal), a new list."""
+    pieces = pieces if isinstance(pieces, list) else list(pieces)
     try:
         j = pieces.index(piece)
     except ValueError:
@@ -1144,7 +1145,7 @@ class MarginalRelease(GroupRelease):
         if not pool:
             return chosen
         lam = self._token_price()
-        kept_back = [chosen.pending[i] for i in chosen.plan.deferred.tolist()]
+        kept_back = take(chosen.pending, chosen.plan.deferred.tolist())
         back_keys = {piece.key for piece in kept_back}
         carry_in = [piece for piece in carry if piece.key not in back_keys]
         fresh_in = [piece for piece in fresh if piece.key not in back_keys]
@@ -1308,7 +1309,11 @@ class MarginalRelease(GroupRelease):
         options = self._movable((one(heaviest) if one else plan.micro_batches[heaviest]).tolist(), result, fresh, step)
         if not options:
             return None
-        position = max(options, key=lambda i: (result.pending[i].length, result.pending[i].arrival))
+        # the first of the longest, then latest arrived (as max() over the options takes it)
+        at = np.asarray(options, dtype=np.int64)
+        lengths, arrival = plan.lengths[at], np.asarray(result.arrival)[at]
+        longest = lengths == lengths.max()
+        position = options[int(np.flatnonzero(longest & (arrival == arrival[longest].max()))[0])]
         piece = result.pending[position]
         lam = self._token_price()
         without = getattr(plan, "without", None)
@@ -1342,9 +1347,13 @@ class MarginalRelease(GroupRelease):
             return lambda i: pending[i] in movable
         # the step's pieces are its carried, released and fresh ones, and the fresh ones arrived
         # at this step: all may move but the released ones and those at their deadline, which
-        # are carried (found without a pass over the carry)
-        fixed, due_by = set(result.released), step - self.max_delay
-        return lambda i: pending[i].arrival > due_by and pending[i] not in fixed
+        # are carried (found without a pass over the carry, nor one over the fresh pieces)
+        fixed, due_by, arrival = set(result.released), step - self.max_delay, result.arrival
+        fresh_at = pending.fresh_ranges() if isinstance(pending, PieceChain) else []
+        if len(fresh_at) == 1:  # the usual chain: a fresh piece is never a released one, nor read
+            lo, hi = fresh_at[0]
+            return lambda i: arrival[i] > due_by and (lo <= i < hi or pending[i] not in fixed)
+        return lambda i: arrival[i] > due_by and pending[i] not in fixed
 
     def _split(self, carry, released, fresh, step):
         first, rest = split_due(carry, released, fresh, step, self.max_delay)

@@ -26,10 +26,6 @@ are Algorithm 1's packings with the step's short pieces in lumps (`StepSolver.as
 """
 from __future__ import annotations
 
-import contextlib
-import gc
-from itertools import chain, repeat
-
 import numpy as np
 
 from ..plan import PackPlan, SolveInfo, _imbalance as imbalance
@@ -38,6 +34,7 @@ from ..solvers.greedy import (AssignStop, argsort_descending, bin_tokens, compil
                                wlb_assign, wlb_assign_lists)
 from ..solvers.phases import geometric_lumps, phases_or_algorithm1
 from ._cached import cached_property
+from .pieces import FreshPieces, PieceChain, piece_table
 from .state import HeldPiece
 
 ROOM_MIN_PIECES = 512
@@ -61,37 +58,6 @@ COARSE_SHARE x max_tokens: a few per micro-batch while the tail is long, the fin
 micro-batches are evened out."""
 COARSE_MIN_TAIL = 64
 """A candidate with fewer short pieces than this is packed piece by piece."""
-
-
-def piece_table(pieces: list[HeldPiece]) -> np.ndarray:
-    """(ids, offsets, lengths, arrival steps) of `pieces`: a 4 x n int64 array."""
-    return np.fromiter(chain.from_iterable(pieces), dtype=np.int64, count=4 * len(pieces)).reshape(-1, 4).T
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Python's cyclic garbage collector off within the block, and back on after it if it was
-    on. A step makes thousands of short-lived objects (pieces, candidate lists) that reference
-    counting frees; a collection in the middle of it would walk them all (a list of a step's
-    pieces, and each piece: a tuple subclass is never untracked) only to free nothing. The
-    allocation count goes on meanwhile, so a collection that is due runs after the block, on
-    what is still alive then."""
-    paused = gc.isenabled()
-    if paused:
-        gc.disable()
-    try:
-        yield
-    finally:
-        if paused:
-            gc.enable()
-
-
-def pieces_from_table(table: np.ndarray) -> list[HeldPiece]:
-    """The pieces of a `piece_table` (4 x n int64: ids, offsets, lengths, arrival steps),
-    made with the garbage collector paused (`gc_paused`)."""
-    with gc_paused():
-        # tuple.__new__ makes each piece in C (HeldPiece(*row) runs a Python __new__ per piece)
-        return list(map(tuple.__new__, repeat(HeldPiece, table.shape[1]), zip(*table.tolist())))
 
 
 class StepSolver:
@@ -239,8 +205,9 @@ class StepSolver:
         `TrialPack.rejects` needs."""
         m, n = len(self.fresh), len(rest)
         tail_idx = tail_sorted = np.zeros(0, np.int64)
-        if m and n >= m and rest[n - m:] == self.fresh:  # the usual case: rest ends with fresh
-            rest, tail = rest[:n - m], self.fresh
+        head = rest.before(self.fresh) if type(rest) is PieceChain else None
+        if head is not None or (m and n >= m and rest[n - m:] == self.fresh):  # the usual case: rest ends with fresh
+            rest, tail = list(rest[:n - m]) if head is None else head, self.fresh
             tail_idx, tail_sorted = self._sorted_tail(tail)
         elif m > 1 and n >= m - 1 and (gone := self._fresh_but_one(tail := rest[n - m + 1:])) is not None:
             rest = rest[:n - m + 1]  # fresh but one: its sorted order less that piece
@@ -255,7 +222,9 @@ class StepSolver:
         at = np.searchsorted(-self.lengths[tail_sorted], -self.lengths[rest_sorted], side="left")
         order = np.concatenate([first_idx, insert_sorted(tail_sorted, at, rest_sorted)])
         pending_idx = np.concatenate([first_idx, rest_idx, tail_idx])
-        pending = list(first) + list(rest) + list(tail)
+        # the fresh pieces (a `FreshPieces`) stay a table: a chain of the three, copying none
+        pending = (PieceChain((list(first), rest, tail)) if isinstance(tail, FreshPieces)
+                   else list(first) + list(rest) + list(tail))
         trial = TrialPack(self, pending_idx, order, n_first=len(first_idx), n_rest=len(rest_idx), pending=pending)
         return pending, trial, self.arrival[pending_idx]  # packed when first read (or `rejects`)
 
@@ -496,6 +465,11 @@ class TrialPack:
     def arrival(self) -> np.ndarray:
         """Arrival step of each pending piece."""
         return self._solver.arrival[self._pending_idx]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens of each pending piece (a PackPlan's `lengths`)."""
+        return self._solver.lengths[self._pending_idx]
 
     @cached_property
     def _merge_keys(self) -> np.ndarray:

@@ -1,0 +1,81 @@
+"""`FreshPieces` and `PieceChain` read as the lists of HeldPieces they stand for."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wlb_opt.packer.pieces import FreshPieces, PieceChain, lengths_of, piece_table, take
+from wlb_opt.packer.state import HeldPiece
+
+
+def _table(rng, n, first_id):
+    return np.stack([np.arange(first_id, first_id + n), rng.integers(0, 3, n), rng.integers(1, 9000, n),
+                     rng.integers(0, 5, n)]).astype(np.int64)
+
+
+def _as_list(table):  # the reference: each column a HeldPiece, made one by one
+    return [HeldPiece(*(int(x) for x in table[:, i])) for i in range(table.shape[1])]
+
+
+@st.composite
+def chains(draw):
+    """(a chain of list and table parts, the list it stands for)."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    parts, ref, next_id = [], [], 0
+    for kind, n in draw(st.lists(st.tuples(st.sampled_from(["list", "fresh"]), st.integers(0, 12)), max_size=4)):
+        view = kind == "fresh" and draw(st.booleans())  # a slice of a larger table
+        table = _table(rng, n + 4 * view, next_id)
+        next_id += table.shape[1]
+        part = _as_list(table) if kind == "list" else FreshPieces(table)
+        if view:
+            part, table = part[2:2 + n], table[:, 2:2 + n]
+        if draw(st.booleans()):  # a chain inside the chain
+            part = PieceChain([part])
+        ref += _as_list(table)
+        parts.append(part)
+    return PieceChain(parts), ref
+
+
+@settings(deadline=None, max_examples=80)
+@given(chains(), st.data())
+def test_a_chain_reads_as_its_list(pair, data):
+    chain, ref = pair
+    assert len(chain) == len(ref) and list(chain) == ref and chain == ref and ref == chain
+    assert (lengths_of(chain) == np.array([p.length for p in ref], dtype=np.int64)).all()
+    for i in range(-len(ref), len(ref)):
+        assert chain[i] == ref[i]
+    a = data.draw(st.integers(-len(ref) - 2, len(ref) + 2))
+    b = data.draw(st.integers(-len(ref) - 2, len(ref) + 2))
+    assert list(chain[a:b]) == ref[a:b] and list(chain[a:]) == ref[a:] and list(chain[:b]) == ref[:b]
+    assert list(chain[::2]) == ref[::2]
+    positions = data.draw(st.lists(st.integers(0, max(len(ref) - 1, 0)), max_size=20)) if ref else []
+    assert take(chain, positions) == [ref[i] for i in positions]
+    extra = [HeldPiece(-1, 0, 5, 0)]
+    assert list(chain + extra) == ref + extra and list(extra + chain) == extra + ref
+    assert list(chain[:a] + chain[a:]) == ref
+    with pytest.raises(IndexError):
+        chain[len(ref)]
+
+
+def test_fresh_pieces_make_each_piece_once_and_only_those_read():
+    table = _table(np.random.default_rng(0), 50, 0)
+    fresh = FreshPieces(table)
+    third = fresh[3]
+    assert fresh._made.pieces is None and set(fresh._made.some) == {3}  # nothing else made
+    assert fresh[3] is third and fresh[1:6][2] is third  # a view reads the same pieces
+    some = take(fresh, [40, 3, 41])
+    assert some[1] is third and some == [HeldPiece(*table[:, i].tolist()) for i in (40, 3, 41)]
+    whole = list(fresh)  # iterating makes them all, keeping those made
+    assert whole[3] is third and whole[40] is some[0] and whole == _as_list(table)
+    assert piece_table(fresh) is table and fresh[:] is fresh and fresh[10:10] == []
+
+
+def test_a_list_joined_to_fresh_pieces_is_a_chain_that_copies_neither():
+    held = [HeldPiece(7, 0, 100, 0)]
+    fresh = FreshPieces(_table(np.random.default_rng(1), 5, 100))
+    joined = held + fresh
+    assert type(joined) is PieceChain and joined.parts == (held, fresh)
+    assert joined.before(fresh) == held and (held + joined).before(fresh) == held + held
+    assert joined.before(held) is None and joined.fresh_ranges() == [(1, 6)]
+    assert fresh._made.pieces is None and not fresh._made.some  # no piece made
+    assert joined.index(fresh[2]) == 3 and fresh[2] in joined and joined.count(held[0]) == 1
