@@ -79,3 +79,28 @@ def test_a_list_joined_to_fresh_pieces_is_a_chain_that_copies_neither():
     assert joined.before(held) is None and joined.fresh_ranges() == [(1, 6)]
     assert fresh._made.pieces is None and not fresh._made.some  # no piece made
     assert joined.index(fresh[2]) == 3 and fresh[2] in joined and joined.count(held[0]) == 1
+
+
+@pytest.mark.parametrize("release,method,lookahead,max_delay", [
+    ("marginal", "wlb_phases", 0, 8), ("marginal", "wlb_phases", 2, 8), ("marginal", "wlb", 0, None),
+    ("marginal", "wlb_fill", 2, 8), ("group", "wlb", 2, 8), ("balance", "wlb_phases", 0, 8),
+    ("paper", "wlb", 0, None), ("paper", "wlb_ls", 2, 8)])
+def test_the_plans_are_the_same_whether_fresh_pieces_are_a_table_or_a_list(release, method, lookahead, max_delay,
+                                                                            monkeypatch):
+    import wlb_opt as wlb
+    import wlb_opt.packer.pieces as pieces_module
+    from wlb_opt.packer import PackerConfig, WLBPacker
+    from wlb_opt.workloads import global_batches
+
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=1),
+                                  wlb.HardwareSpec.preset("h100"))
+    batches = global_batches("heavy", 32768, 4 * 32768, 30, seed=5)
+
+    def plans(lazy_from):
+        monkeypatch.setattr(pieces_module, "LAZY_MIN_PIECES", lazy_from)
+        packer = WLBPacker(4, 40960, cost, config=PackerConfig(release=release, method=method, lookahead=lookahead,
+                                                               max_delay=max_delay))
+        out = [packer.pack(*b) for b in batches] + packer.drain()
+        return [(p.digest(), p.step, p.arrival_step.tolist()) for p in out if p is not None]
+
+    assert plans(0) == plans(10**9)

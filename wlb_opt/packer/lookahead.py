@@ -33,7 +33,7 @@ from typing import Iterable
 
 import numpy as np
 
-from .pieces import FreshPieces, piece_table, pieces_from_table
+from .pieces import FreshPieces, fresh_pieces, piece_table, pieces_from_table
 from .state import HeldPiece, ids_of
 
 STATE_KEY = "lookahead_buffer"
@@ -74,12 +74,12 @@ class LookaheadBuffer:
         out._ids.append(ids_of(table))
         return out
 
-    def pop_oldest(self) -> tuple[FreshPieces, np.ndarray]:
-        """Remove and return the regular documents of the oldest buffered step (read as
-        HeldPieces, made when read), with their `piece_table`."""
+    def pop_oldest(self) -> tuple[FreshPieces | list[HeldPiece], np.ndarray]:
+        """Remove and return the regular documents of the oldest buffered step (`fresh_pieces`:
+        on a large step, HeldPieces made only where read), with their `piece_table`."""
         self._ids.popleft()
         table = self._tables.popleft()
-        return FreshPieces(table), table
+        return fresh_pieces(table), table
 
     def pieces(self) -> list[HeldPiece]:
         """Every buffered piece, oldest batch first."""

@@ -64,7 +64,7 @@ from .defaults import (EARLY_CREDIT, HELD_GROUP_STEPS, MARGINAL_PRICE, MARGINAL_
 from .fill_trial import FillStepSolver
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
-from .pieces import FreshPieces, gc_paused, piece_table, pieces_from_table, take
+from .pieces import fresh_pieces, gc_paused, piece_table, pieces_from_table, take
 from .release import MAX_PACKED, MAX_STEP_PACKED, SPARSE_MIN_BINS, DrainRelease, ReleasePolicy, make_release_policy
 from .state import (_ARRIVAL, _LENGTH, HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state,
                     encode_state, held_tokens, pieces_of)
@@ -445,7 +445,7 @@ class WLBPacker:
             fresh, table = ahead.pop_oldest()
         else:
             ahead = self._ahead
-            fresh = FreshPieces(table)
+            fresh = fresh_pieces(table)
         plan, carry = self._plan_step(fresh, queues, list(self._carry), step, self._step_policy(), started, table)
         # A step that holds no more than the one before always passes (pack([]) makes
         # progress even from a state above the limit, e.g. one loaded with a lower limit).

@@ -119,6 +119,7 @@ class StepSolver:
         self._tail: tuple[list, np.ndarray, np.ndarray] | None = None  # (list, indices, indices longest first)
         self._head: tuple[list, np.ndarray, np.ndarray] = ([], np.zeros(0, np.int64), np.zeros(0, np.int64))
         self._last_rest: list[HeldPiece] = []
+        self._first: tuple[list[HeldPiece], np.ndarray] = ([], np.zeros(0, np.int64))  # the last `first`, indexed
 
     @cached_property
     def _densest(self) -> np.ndarray:
@@ -146,6 +147,15 @@ class StepSolver:
         index.update(zip(zip(*self._table[:, self._indexed:].tolist()), range(self._indexed, n)))
         self._indexed = n
         return self._indices(pieces)
+
+    def _first_indices(self, first: list[HeldPiece]) -> np.ndarray:
+        """`_indices(first)`, reused while the step's candidates place the same pieces first
+        (its carried ones: hundreds on a step after one that deferred many)."""
+        last, idx = self._first
+        if not (first is last or first == last):
+            idx = self._indices(first)
+            self._first = (first, idx)
+        return idx
 
     def _sorted_tail(self, tail: list[HeldPiece]) -> tuple[np.ndarray, np.ndarray]:
         """(indices of `tail`, the same longest first, stable), cached for the last tail given."""
@@ -216,7 +226,7 @@ class StepSolver:
             tail_sorted = fresh_sorted[fresh_sorted != fresh_idx[gone]]
         else:
             tail = ()
-        first_idx = self._indices(first)
+        first_idx = self._first_indices(first)
         rest_idx, rest_sorted = self._sorted_rest(rest)
         # rest before tail among equal lengths: insert at the left end of each run of equals
         at = np.searchsorted(-self.lengths[tail_sorted], -self.lengths[rest_sorted], side="left")
