@@ -34,7 +34,7 @@ from typing import Iterable
 import numpy as np
 
 from .pieces import FreshPieces, fresh_pieces, piece_table, pieces_from_table
-from .state import HeldPiece, ids_of
+from .state import HeldPiece, LazyIds
 
 STATE_KEY = "lookahead_buffer"
 """Key of the buffer in `WLBPacker.state_dict()`: one list of [id, offset, length, arrival]
@@ -54,9 +54,9 @@ class LookaheadBuffer:
 
     def __init__(self, tables: Iterable[np.ndarray] = ()) -> None:
         self._tables: deque[np.ndarray] = deque(tables)
-        # the ids of each batch's pieces, made once per batch: a new batch is checked against
-        # the whole buffer every step (`state.KeySets`)
-        self._ids: deque[frozenset] = deque(ids_of(table) for table in self._tables)
+        # the ids of each batch's pieces, made once per batch, when a new batch is first checked
+        # against the buffer (`state.KeySets`; a stream whose ids grow is never checked)
+        self._ids: deque[LazyIds] = deque(LazyIds(table) for table in self._tables)
 
     def __len__(self) -> int:
         return len(self._tables)
@@ -71,7 +71,7 @@ class LookaheadBuffer:
         (the packer commits a copy only when the whole step is valid)."""
         out = self.copy()
         out._tables.append(table)
-        out._ids.append(ids_of(table))
+        out._ids.append(LazyIds(table))
         return out
 
     def pop_oldest(self) -> tuple[FreshPieces | list[HeldPiece], np.ndarray]:
@@ -89,9 +89,9 @@ class LookaheadBuffer:
         """The buffered pieces, one `piece_table` per batch, oldest first."""
         return list(self._tables)
 
-    def id_sets(self) -> list[frozenset]:
-        """The ids of each batch's pieces, one set per batch (a new batch may not repeat a
-        buffered piece: `state.KeySets` checks a batch's ids against them first)."""
+    def id_sets(self) -> list[LazyIds]:
+        """The ids of each batch's pieces, one `LazyIds` per batch (a new batch may not repeat
+        a buffered piece: `state.KeySets` checks a batch's ids against them first)."""
         return list(self._ids)
 
     def tokens(self) -> int:

@@ -73,20 +73,37 @@ def ids_of(group) -> frozenset:
     return frozenset(group[0].tolist()) if isinstance(group, np.ndarray) else frozenset(map(itemgetter(0), group))
 
 
+class LazyIds:
+    """The ids of a list of pieces or of a `piece_table` (`ids_of`), made when first asked for
+    (`get`), once. A stream whose ids grow never asks: a batch of larger ids than any seen
+    cannot repeat a held piece (`WLBPacker` checks that first)."""
+
+    __slots__ = ("_group", "_ids")
+
+    def __init__(self, group):
+        self._group, self._ids = group, None
+
+    def get(self) -> frozenset:
+        if self._ids is None:
+            self._ids, self._group = ids_of(self._group), None
+        return self._ids
+
+
 class KeySets:
     """The identities (`HeldPiece.key`) of a few groups of pieces (held pieces, each batch
     buffered ahead), without building their union: what a new batch is checked against.
-    Each group's ids are made once (`ids`, or from its pieces); its (id, offset) pairs only
-    when a batch shares an id with it, which a stream of whole documents never does."""
+    Each group's ids are made once, when a batch is first checked against them (`ids`, or
+    from its pieces); its (id, offset) pairs only when a batch shares an id with it, which a
+    stream of whole documents never does."""
 
     def __init__(self, *groups, ids=None):
         """`groups`: lists of pieces, or `piece_table`s (4 x n int64 arrays: the lookahead
-        buffer's batches); `ids`, if given: for each, the set of its ids (None: made from its
-        pieces)."""
+        buffer's batches); `ids`, if given: for each, its `LazyIds` (None: made from its
+        pieces when needed)."""
         ids = [None] * len(groups) if ids is None else ids
         sizes = [g.shape[1] if isinstance(g, np.ndarray) else len(g) for g in groups]
         self._groups = [g for g, n in zip(groups, sizes) if n]
-        self._ids = [ids_of(g) if i is None else i for g, i, n in zip(groups, ids, sizes) if n]
+        self._ids = [LazyIds(g) if i is None else i for g, i, n in zip(groups, ids, sizes) if n]
         self._keys: list[frozenset | None] = [None] * len(self._groups)
 
     def _keys_of(self, k: int) -> frozenset:
@@ -100,13 +117,13 @@ class KeySets:
         return bool(self._groups)
 
     def __contains__(self, key) -> bool:
-        return any(key[0] in ids and key in self._keys_of(k) for k, ids in enumerate(self._ids))
+        return any(key[0] in ids.get() and key in self._keys_of(k) for k, ids in enumerate(self._ids))
 
     def isdisjoint_pieces(self, ids: list[int], offsets: list[int]) -> bool:
         """Whether no (id, offset) of a batch's pieces is one of these: first on the ids alone
         (sets of ints), then on the pairs of the lists that share an id with the batch."""
         batch_ids = set(ids)
-        shared = [k for k, group_ids in enumerate(self._ids) if not group_ids.isdisjoint(batch_ids)]
+        shared = [k for k, group_ids in enumerate(self._ids) if not group_ids.get().isdisjoint(batch_ids)]
         if not shared:
             return True
         keys = set(zip(ids, offsets))
