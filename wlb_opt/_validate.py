@@ -221,7 +221,7 @@ def check_unique_pieces(ids: np.ndarray, offsets: np.ndarray, what: str = "in th
     fail `check_pack` (or train a document twice). With `lengths`, the pieces of one document
     must not overlap either (tokens [offset, offset + length) of one document in two pieces
     would be trained twice)."""
-    if len(ids) < 2:
+    if len(ids) < 2 or (ids[1:] > ids[:-1]).all():  # increasing ids (automatic ones): distinct pieces
         return
     by_id = np.sort(ids)
     if not (by_id[1:] == by_id[:-1]).any():  # distinct ids: distinct pieces, whatever the offsets
