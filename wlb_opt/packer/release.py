@@ -881,6 +881,19 @@ def _kept_costs(kept: tuple[float, ...], group, costs: dict) -> tuple[float, ...
     return tuple(sorted(kept + tuple(costs[piece.key] for piece in group), reverse=True))
 
 
+def _longest(positions: list[int], result: StepRelease) -> int:
+    """The first of `positions` (in result.pending) of the longest piece, then the latest
+    arrived, as max() over them takes it; a chain's pieces (`PieceChain`) are read from the
+    plan's arrays, not made."""
+    pending = result.pending
+    if not isinstance(pending, PieceChain):
+        return max(positions, key=lambda i: (pending[i].length, pending[i].arrival))
+    at = np.asarray(positions, dtype=np.int64)
+    lengths, arrival = result.plan.lengths[at], np.asarray(result.arrival)[at]
+    longest = lengths == lengths.max()
+    return positions[int(np.flatnonzero(longest & (arrival == arrival[longest].max()))[0])]
+
+
 def _without(pieces: list[HeldPiece], piece: HeldPiece) -> list[HeldPiece]:
     """`pieces` less `piece` (keys are unique: at most one is equal), a new list."""
     pieces = pieces if isinstance(pieces, list) else list(pieces)
@@ -1309,11 +1322,7 @@ class MarginalRelease(GroupRelease):
         options = self._movable((one(heaviest) if one else plan.micro_batches[heaviest]).tolist(), result, fresh, step)
         if not options:
             return None
-        # the first of the longest, then latest arrived (as max() over the options takes it)
-        at = np.asarray(options, dtype=np.int64)
-        lengths, arrival = plan.lengths[at], np.asarray(result.arrival)[at]
-        longest = lengths == lengths.max()
-        position = options[int(np.flatnonzero(longest & (arrival == arrival[longest].max()))[0])]
+        position = _longest(options, result)
         piece = result.pending[position]
         lam = self._token_price()
         without = getattr(plan, "without", None)
@@ -1348,12 +1357,12 @@ class MarginalRelease(GroupRelease):
         # the step's pieces are its carried, released and fresh ones, and the fresh ones arrived
         # at this step: all may move but the released ones and those at their deadline, which
         # are carried (found without a pass over the carry, nor one over the fresh pieces)
-        fixed, due_by, arrival = set(result.released), step - self.max_delay, result.arrival
+        fixed, due_by = set(result.released), step - self.max_delay
         fresh_at = pending.fresh_ranges() if isinstance(pending, PieceChain) else []
-        if len(fresh_at) == 1:  # the usual chain: a fresh piece is never a released one, nor read
-            lo, hi = fresh_at[0]
+        if len(fresh_at) == 1:  # a chain's fresh pieces: never released ones, and not made to be read
+            (lo, hi), arrival = fresh_at[0], result.arrival
             return lambda i: arrival[i] > due_by and (lo <= i < hi or pending[i] not in fixed)
-        return lambda i: arrival[i] > due_by and pending[i] not in fixed
+        return lambda i: pending[i].arrival > due_by and pending[i] not in fixed
 
     def _split(self, carry, released, fresh, step):
         first, rest = split_due(carry, released, fresh, step, self.max_delay)
