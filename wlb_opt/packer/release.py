@@ -70,7 +70,7 @@ import heapq
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, takewhile
 from typing import Callable, Literal, NamedTuple
 
 import numpy as np
@@ -1368,7 +1368,8 @@ class MarginalRelease(GroupRelease):
         first, rest = split_due(carry, released, fresh, step, self.max_delay)
         if self.max_delay is None:
             return first, rest
-        n_due = sum(1 for piece in first if step - piece.arrival >= self.max_delay)  # due pieces lead `first`
+        due_by = step - self.max_delay  # the due pieces lead `first` (`split_due`): count them, not the rest
+        n_due = sum(1 for _ in takewhile(lambda piece: piece.arrival <= due_by, first))
         return first[:n_due], first[n_due:] + rest
 
     def _choose(self, remaining, ctx):
