@@ -511,7 +511,7 @@ class GroupRelease(ReleasePolicy):
         """Cost of each piece by key (empty without `piece_cost`)."""
         if self.piece_cost is None or not self.cost_bounds or not pieces:
             return {}
-        weights = self.piece_cost(np.fromiter(map(_LENGTH, pieces), dtype=np.int64, count=len(pieces))).tolist()
+        weights = self.piece_cost(lengths_of(pieces)).tolist()
         return dict(zip(map(_ID_OFFSET, pieces), weights))
 
     def _cannot_pass(self, group, costs: dict, base_cost: float, limit: float, heaviest: float = 0.0) -> bool:
@@ -580,7 +580,7 @@ class GroupRelease(ReleasePolicy):
             return [], [], [], (None if not ctx.costs else []), []
         if n * top <= SMALL_WINDOWS:
             return self._few_windows(remaining, ctx, early_only)
-        lengths = np.fromiter(map(_LENGTH, remaining), dtype=np.int64, count=n)
+        lengths = lengths_of(remaining)
         # The windows judged, by size then start: the sparse set's (`sparse_window`) or every one.
         if self.sparse_windows:
             sizes, starts = _sparse_windows(n, top)
