@@ -17,7 +17,7 @@ import heapq
 import os
 from bisect import bisect_left
 from itertools import chain, islice
-from operator import neg
+from operator import itemgetter, neg
 from typing import NamedTuple
 
 import numpy as np
@@ -185,14 +185,16 @@ def wlb_assign_python(order: np.ndarray, lengths: np.ndarray, weights: np.ndarra
 
 def wlb_assign_lists(sizes: list[int], costs: list[float], n_bins: int, cap: int, *, loads: np.ndarray | None = None,
                      toks: np.ndarray | None = None, stop: AssignStop | None = None,
-                     sizes_array=None) -> np.ndarray | None:
+                     sizes_array=None, as_list: bool = False) -> np.ndarray | list[int] | None:
     """`wlb_assign_python` on items given as Python lists in placement order: `sizes`
     (tokens) and `costs`, the loop's own input (a caller that holds them as lists, such as
     the lumps a step's candidates share, skips the conversion). `sizes_array()`, if given,
-    returns `sizes` as an int64 array (read at the first run of deferred items, if any)."""
+    returns `sizes` as an int64 array (read at the first run of deferred items, if any).
+    `loads` and `toks` may be lists; `as_list`: the bins are returned as a list."""
     start_loads, start_toks = loads, toks
-    toks = [0] * n_bins if start_toks is None else start_toks.tolist()
-    loads = [0.0] * n_bins if start_loads is None else start_loads.tolist()
+    toks = [0] * n_bins if start_toks is None else list(start_toks) if isinstance(start_toks, list) else start_toks.tolist()
+    loads = ([0.0] * n_bins if start_loads is None else list(start_loads) if isinstance(start_loads, list)
+             else start_loads.tolist())
     placed_bin: list[int] = []
     put = placed_bin.append
     heap = [(loads[b], b) for b in range(n_bins)]  # (load, bin): a heap orders ties by the lowest bin index
@@ -293,7 +295,156 @@ def wlb_assign_lists(sizes: list[int], costs: list[float], n_bins: int, cap: int
         start_loads[:] = loads
     if start_toks is not None:
         start_toks[:] = toks
-    return np.array(placed_bin, dtype=np.int64)
+    return placed_bin if as_list else np.array(placed_bin, dtype=np.int64)
+
+
+class Unshared(Exception):
+    """`SharedPlacements.assign` cannot reuse the shared placements for this candidate."""
+
+
+class SharedPlacements:
+    """Algorithm 1 (`wlb_assign_lists`) on many item lists of the form first + group + rest,
+    where `first` and `rest` are the same for all and only the few items of `group` differ:
+    a step's candidates, whose group of outliers, the longest pieces, is placed right after
+    the pieces placed first, the other pieces in the same order after it.
+
+    Until an item of `rest` goes to a bin the group went to (or to a bin where it does not
+    fit), it goes where Algorithm 1 puts it on the other bins alone: the least-loaded bin
+    overall is the least-loaded of those as long as their least load (ties: bin index) is
+    below that of the group's bins, and that least load only grows. Candidates whose groups
+    fill the same bins therefore share the placements of `rest` on the others up to that
+    point. Those are computed once, as far as the candidates have needed them (a `_Run`), and
+    each candidate packs `rest` only from where it leaves them. The placements, loads and
+    `stop` are exactly those of `wlb_assign_lists` on the whole list (the loads are the same
+    sums, in the same order).
+
+    `assign` raises `Unshared` where the shared placements do not apply: an item of `first`
+    or `group` that does not fit the least-loaded bin."""
+
+    def __init__(self, first_sizes: list[int], first_costs: list[float], sizes: list[int], costs: list[float],
+                 n_bins: int, cap: int):
+        self.sizes, self.costs, self.n_bins, self.cap = sizes, costs, n_bins, cap
+        self.n_first = len(first_sizes)
+        loads, toks = [0.0] * n_bins, [0] * n_bins
+        heap = [(0.0, b) for b in range(n_bins)]
+        placed = _lean_placements(first_sizes, first_costs, loads, toks, heap, cap)
+        self._first = None if placed is None else (loads, toks, heap, *placed)
+        self._runs: dict[frozenset, _Run] = {}
+
+    def assign(self, group_sizes: list[int], group_costs: list[float],
+               stop: AssignStop | None = None) -> list[int] | None:
+        """`wlb_assign_lists(first + group + rest, n_bins, cap, stop=stop)`, as a list (None:
+        stopped)."""
+        if self._first is None:
+            raise Unshared("an item placed first does not fit the least-loaded bin")
+        loads, toks, heap, placed_first, peak = self._first
+        loads, toks, heap = loads[:], toks[:], heap[:]
+        placed = _lean_placements(group_sizes, group_costs, loads, toks, heap, self.cap)
+        if placed is None:
+            raise Unshared("an item of the group does not fit the least-loaded bin")
+        placed_group, peak_group = placed
+        touched = frozenset(placed_group)
+        run = self._runs.get(touched)
+        if run is None:
+            run = self._runs[touched] = _Run(self, touched)
+        stop = AssignStop() if stop is None else stop
+        stop_load = min(float(stop.load), float(stop.load_cap))
+        if max(peak, peak_group) > stop_load:
+            return None  # a bin above the stop after the items placed first or the group
+        # the least (load, bin) of the group's bins: none, and every item of `rest` is shared
+        level = min((loads[b], b) for b in touched) if touched else (float("inf"), self.n_bins)
+        k = run.reach(level, stop_load)
+        shared_bins, peak = run.state(k, loads, toks)
+        if peak > stop_load:
+            return None  # ... or after the shared placements
+        offset = self.n_first + len(group_sizes) + k
+        if stop.keep:
+            stop = stop._replace(keep=frozenset(i - offset for i in stop.keep if i >= offset))
+        rest = wlb_assign_lists(self.sizes[k:], self.costs[k:], self.n_bins, self.cap, loads=loads, toks=toks,
+                                stop=stop, as_list=True)
+        if rest is None:
+            return None
+        return placed_first + placed_group + shared_bins + rest
+
+
+_BIN = itemgetter(1)
+
+
+class _Run:
+    """Algorithm 1's placements of `SharedPlacements.rest` on the bins a group left alone,
+    from their state after the items placed first, as far as callers have asked (`reach`)."""
+
+    __slots__ = ("sizes", "costs", "cap", "heap", "chosen")
+
+    def __init__(self, shared: SharedPlacements, touched: frozenset):
+        loads, toks = shared._first[:2]
+        self.sizes, self.costs, self.cap = shared.sizes, shared.costs, shared.cap
+        # (load, bin, tokens) of each bin: a heap ordered by (load, bin), bins being distinct
+        self.heap = [(loads[b], b, toks[b]) for b in range(shared.n_bins) if b not in touched]
+        heapq.heapify(self.heap)
+        self.chosen: list[tuple[float, int, int]] = []  # the bin each item goes to, as it is then: non-decreasing
+
+    def reach(self, level: tuple[float, int], stop_load: float = float("inf")) -> int:
+        """How many items go where they go here in a packing whose group's bins have their least
+        (load, bin) at `level`: those placed while this run's least (load, bin) is below it,
+        placing more as needed, but none after one that brings a bin above `stop_load` (the
+        caller's packing stops there)."""
+        chosen = self.chosen
+        if chosen and chosen[-1] >= level:
+            return bisect_left(chosen, level)
+        heap, sizes, costs, cap = self.heap, self.sizes, self.costs, self.cap
+        choose, replace = chosen.append, heapq.heapreplace
+        level_load, level_bin = level
+        for i in range(len(chosen), len(sizes) if heap else 0):
+            top = heap[0]
+            load, b, t = top
+            if load >= level_load and (load > level_load or b > level_bin):
+                break
+            t += sizes[i]
+            if t > cap:  # the shared placements end here: the packing falls back, or defers
+                break
+            load += costs[i]
+            replace(heap, (load, b, t))
+            choose(top)
+            if load > stop_load:
+                break
+        return len(chosen)
+
+    def state(self, k: int, loads: list[float], toks: list[int]) -> tuple[list[int], float]:
+        """Set `loads` and `toks` of the bins the first `k` items go to as they are after them
+        (each bin's last item: its load and tokens then plus the item's, the same sums); returns
+        those items' bins and the highest of those loads (-inf: none)."""
+        chosen, sizes, costs = self.chosen, self.sizes, self.costs
+        bins = list(map(_BIN, chosen[:k]))
+        peak = float("-inf")
+        for b, i in dict(zip(bins, range(k))).items():
+            load, _, t = chosen[i]
+            load = loads[b] = load + costs[i]
+            toks[b] = t + sizes[i]
+            if load > peak:
+                peak = load
+        return bins, peak
+
+
+def _lean_placements(sizes: list[int], costs: list[float], loads: list[float], toks: list[int],
+                     heap: list[tuple[float, int]], cap: int) -> tuple[list[int], float] | None:
+    """Algorithm 1's bin of each item while each fits the least-loaded bin (None at the first
+    that does not), from the bins' `loads`, `toks` and their (load, bin) `heap`, all updated;
+    with the highest load an item brings a bin to (-inf: no item)."""
+    placed, peak = [], float("-inf")
+    for d, w in zip(sizes, costs):
+        load, b = heap[0]
+        t = toks[b] + d
+        if t > cap:
+            return None
+        toks[b] = t
+        load += w
+        loads[b] = load
+        heapq.heapreplace(heap, (load, b))
+        placed.append(b)
+        if load > peak:
+            peak = load
+    return placed, peak
 
 
 def _group(order: np.ndarray, placed_bin: np.ndarray, n_bins: int) -> PackResult:

@@ -22,7 +22,9 @@ import wlb_opt as wlb
 from wlb_opt.packer import PackerConfig, WLBPacker
 from wlb_opt.packer.defaults import REPAIR_FROM
 from wlb_opt.packer.state import HeldPiece
-from wlb_opt.packer.trial import COARSE_CUTS, StepSolver, as_pack_plan
+import wlb_opt.packer.trial as trial_module
+import wlb_opt.solvers.greedy as greedy_module
+from wlb_opt.packer.trial import COARSE_CUTS, StepSolver, TrialPack, as_pack_plan
 from wlb_opt.solvers.greedy import compiled_available, use_compiled
 from wlb_opt.solvers.phases import geometric_lumps
 from wlb_opt.workloads import DEFAULT_SEED, global_batches
@@ -116,11 +118,20 @@ def _algorithm1_solver(step) -> StepSolver:
                       dp=1, max_tokens=cap, bin_const=COST.mb_const())
 
 
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not compiled_available(), reason="numba (the `fast` extra) is not installed"))], ids=["python", "compiled"])
 @settings(max_examples=60, deadline=None)
 @given(step=steps(), data=st.data())
-def test_candidates_made_from_a_packing_equal_those_packed_alone(step, data):
+def test_candidates_made_from_a_packing_equal_those_packed_alone(step, data, compiled):
     # TrialPack.with_groups (each group merged into the packing's order, packed when first
-    # read) against StepSolver.solve of the same pieces, also for a candidate of a candidate
+    # read; in Python, a group that goes first shares the packing's placements:
+    # `SharedPlacements`) against StepSolver.solve of the same pieces, also for a candidate
+    # of a candidate
+    with use_compiled(compiled):
+        _check_candidates_made_from_a_packing(step, data)
+
+
+def _check_candidates_made_from_a_packing(step, data):
     n_micro, cap, pieces, first, rest, tail = step
     solver = _algorithm1_solver(step)
     n_held = data.draw(st.integers(0, len(rest)))
@@ -872,3 +883,31 @@ def test_only_the_algorithm_1_step_packers_repair_their_steps():
     for method in ("wlb_phases", "wlb", "wlb_fill", "wlb_ls", "fixed"):
         packer = WLBPacker(4, int(1.25 * W), COST, config=PackerConfig(method=method))
         assert packer._release.repair_from == (REPAIR_FROM if method in ("wlb_phases", "wlb") else None)
+
+
+@pytest.mark.parametrize("n_micro,dist,lookahead", [(32, "real", 4), (32, "heavy", 0), (4, "real", 2), (4, "code", 0)])
+def test_the_plans_are_the_same_whether_candidates_share_placements_or_not(n_micro, dist, lookahead, monkeypatch):
+    # the candidates whose group goes first share their packing's placements of the other
+    # pieces (`TrialPack._assign_shared`): the default packer's plans are those it makes with
+    # every candidate packed alone, and candidates did share placements
+    window = 32768
+    batches = global_batches(dist, window, n_micro * window, 30 if n_micro == 32 else 80, seed=DEFAULT_SEED + 7)
+
+    def plans():
+        packer = WLBPacker(n_micro, int(1.25 * window), COST, config=PackerConfig(lookahead=lookahead))
+        out = [packer.pack(*b) for b in batches] + packer.drain()
+        return [(p.digest(), p.step, p.arrival_step.tolist()) for p in out if p is not None]
+
+    reused = []
+    state = greedy_module._Run.state
+
+    def counted_state(run, k, loads, toks):  # the shared placements a candidate reuses
+        reused.append(k)
+        return state(run, k, loads, toks)
+
+    monkeypatch.setattr(greedy_module._Run, "state", counted_state)
+    with use_compiled(False):
+        shared = plans()
+        assert sum(reused) > 0
+        monkeypatch.setattr(TrialPack, "_assign_shared", lambda self, stop: trial_module._UNSHARED)
+        assert shared == plans()

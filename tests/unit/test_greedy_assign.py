@@ -11,8 +11,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from wlb_opt.solvers.greedy import (AssignStop, argsort_descending, bin_tokens, compiled_available, placement_order,
-                                    split_by_bin, use_compiled, warm_up_compiled, wlb_assign_python, wlb_greedy)
+from wlb_opt.solvers.greedy import (AssignStop, SharedPlacements, Unshared, argsort_descending, bin_tokens,
+                                    compiled_available, placement_order, split_by_bin, use_compiled, warm_up_compiled,
+                                    wlb_assign_lists, wlb_assign_python, wlb_greedy)
 from wlb_opt.solvers.problem import PackProblem
 
 
@@ -121,6 +122,65 @@ def test_the_python_loop_stops_exactly_when_the_packing_passes_a_limit(problem, 
     assert (got is None) == (want is None)
     if got is not None:
         assert np.array_equal(got, full)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_shared_placements_place_each_candidate_as_the_whole_loop(data):
+    # candidates first + group + rest, one SharedPlacements for all of them (groups of equal
+    # size share its runs), each with a stop drawn at random: the same bins, or None, as
+    # Algorithm 1's loop on the candidate's whole list
+    n_bins, cap = data.draw(st.integers(1, 9)), data.draw(st.integers(4, 60))
+    quadratic = data.draw(st.sampled_from([0.0, 0.5, 1.0]))
+    coarse = data.draw(st.booleans())  # costs rounded: equal loads (ties) are common
+
+    def items(max_size):
+        sizes = data.draw(st.lists(st.integers(1, cap), max_size=max_size))
+        if data.draw(st.booleans()):  # longest first, as a step places its pieces
+            sizes.sort(reverse=True)
+        costs = [round(quadratic * d * d / 7 + d) if coarse else quadratic * d * d + 0.37 * d for d in sizes]
+        return sizes, [float(c) * (d % 5 != 0 or not coarse) for d, c in zip(sizes, costs)]  # some cost 0
+
+    first, rest = items(4), items(3 * n_bins * cap // 8 + 2)
+    shared = SharedPlacements(*first, *rest, n_bins, cap)
+    for _ in range(data.draw(st.integers(1, 6))):
+        group = items(4)
+        sizes, costs = first[0] + group[0] + rest[0], first[1] + group[1] + rest[1]
+        full = wlb_assign_lists(sizes, costs, n_bins, cap)
+        top = max(costs, default=0.0) * (len(sizes) + 1)
+        stop = data.draw(st.one_of(st.none(), st.builds(
+            AssignStop, load=st.floats(-1.0, top), slope=st.sampled_from([0.0, 0.1, 1.0]),
+            load_cap=st.one_of(st.just(float("inf")), st.floats(-1.0, top)),
+            deferred_tokens=st.sampled_from([float("inf"), 1, 5, 20]),
+            keep=st.frozensets(st.integers(0, max(len(sizes) - 1, 0)), max_size=3))))
+        want = full if stop is None else wlb_assign_lists(sizes, costs, n_bins, cap, stop=stop)
+        try:
+            got = shared.assign(*group, stop=stop)
+        except Unshared:  # only where an item placed first or of the group does not fit the least-loaded bin
+            loads, toks = [0.0] * n_bins, [0] * n_bins
+            for d, w in zip(first[0] + group[0], first[1] + group[1]):
+                b = min(range(n_bins), key=lambda j: (loads[j], j))
+                if toks[b] + d > cap:
+                    break
+                loads[b], toks[b] = loads[b] + w, toks[b] + d
+            else:
+                raise AssertionError("Unshared, though every item placed first and of the group fits")
+            continue
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert got == want.tolist()
+
+
+def test_shared_placements_share_the_run_of_groups_that_fill_the_same_bins():
+    # two groups of one item, each to bin 0: the rest's placements on bins 1-2 are found once,
+    # as far as the heavier group needs them, and the lighter one reuses a prefix of them
+    rest = [1] * 12
+    shared = SharedPlacements([], [], rest, [1.0] * 12, 3, 100)
+    assert shared.assign([1], [5.0]) == wlb_assign_lists([1] + rest, [5.0] + [1.0] * 12, 3, 100).tolist()
+    (run,) = shared._runs.values()
+    assert len(run.chosen) == 10  # bins 1 and 2 up to load 5 each; the 11th item would go to bin 0
+    assert shared.assign([1], [2.0]) == wlb_assign_lists([1] + rest, [2.0] + [1.0] * 12, 3, 100).tolist()
+    assert len(shared._runs) == 1 and len(run.chosen) == 10
 
 
 def test_the_python_loop_stops_when_a_deferred_item_lowers_the_stop_below_a_bin():

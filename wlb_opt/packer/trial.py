@@ -30,8 +30,8 @@ import numpy as np
 
 from ..plan import PackPlan, SolveInfo, _imbalance as imbalance
 from ..solvers.bounds import densest_first, densest_order
-from ..solvers.greedy import (AssignStop, argsort_descending, bin_tokens, compiled_loop, insert_sorted, split_by_bin,
-                               wlb_assign, wlb_assign_lists)
+from ..solvers.greedy import (AssignStop, SharedPlacements, Unshared, argsort_descending, bin_tokens, compiled_loop,
+                               insert_sorted, split_by_bin, wlb_assign, wlb_assign_lists)
 from ..solvers.phases import geometric_lumps, phases_or_algorithm1
 from ._cached import cached_property
 from .pieces import FreshPieces, PieceChain, piece_table
@@ -58,6 +58,8 @@ COARSE_SHARE x max_tokens: a few per micro-batch while the tail is long, the fin
 micro-batches are evened out."""
 COARSE_MIN_TAIL = 64
 """A candidate with fewer short pieces than this is packed piece by piece."""
+
+_UNSHARED = object()  # `TrialPack._assign_shared`: the shared placements do not apply
 
 
 class StepSolver:
@@ -359,13 +361,19 @@ class TrialPack:
             return np.concatenate(derived)
         return self._merged(self._extends[0]._order)
 
+    @cached_property
+    def _group_merge(self) -> tuple[np.ndarray, np.ndarray]:
+        """(the group's solver indices longest first, where each goes among its packing's
+        pieces after those placed first: `insert_sorted` positions)."""
+        s, base, idx = self._solver, self._extends[0], self._group_idx
+        ranked = idx[argsort_descending(s.lengths[idx])]
+        return ranked, np.searchsorted(base._merge_keys, 2 * (s.max_tokens - s.lengths[ranked]), side="right")
+
     def _merged(self, base_order: np.ndarray) -> np.ndarray:
         """`base_order` (the packing's placement order, or a prefix of it that ends after the
         last place the group goes) with the group merged in."""
-        s, base, idx = self._solver, self._extends[0], self._group_idx
-        cut = base._n_first
-        ranked = idx[argsort_descending(s.lengths[idx])]
-        at = np.searchsorted(base._merge_keys, 2 * (s.max_tokens - s.lengths[ranked]), side="right")
+        cut = self._extends[0]._n_first
+        ranked, at = self._group_merge
         return np.concatenate([base_order[:cut], insert_sorted(base_order[cut:], at, ranked)])
 
     @cached_property
@@ -414,12 +422,63 @@ class TrialPack:
         if self._account is not None:
             self._account(1, len(self._pending_idx))
             self._account = None
+        placed = self._assign_shared(stop)
+        if placed is not _UNSHARED:
+            return placed
         s = self._solver
         placed, sums, deferred_tokens = s.assign_split(*(self._split or (self._order, None)), stop)
         if sums is not None:  # the values `loads` and `deferred_tokens` would compute from `placed`
             self.__dict__["loads"] = sums + s.bin_const
             self.__dict__["deferred_tokens"] = deferred_tokens
         return placed
+
+    def _assign_shared(self, stop: AssignStop | None):
+        """`_assign` of a candidate whose group goes right after the pieces placed first, with
+        the placements its packing's other candidates share (`SharedPlacements`), or
+        `_UNSHARED` where they do not apply: another kind of candidate, the compiled loops,
+        a candidate that `assign_split` would cut elsewhere, or one whose first or group
+        pieces do not all fit where they go first."""
+        extends = self._extends
+        if extends is None or compiled_loop() is not None:
+            return _UNSHARED
+        base, split = extends[0], self._split
+        ranked, at = self._group_merge
+        if len(at) and at[-1]:  # a group piece goes after a piece of the packing
+            return _UNSHARED
+        if split is not None and (self._derived_split is None
+                                  or (stop is not None and stop.keep and max(stop.keep) >= len(split[0]))):
+            return _UNSHARED  # not the packing's tail, or a tail cut after a piece the stop watches
+        if (split is None) != (base._split is None):
+            return _UNSHARED
+        s = self._solver
+        try:
+            placed = base._shared.assign(s.lengths[ranked].tolist(), s.weights[ranked].tolist(), stop)
+        except Unshared:
+            return _UNSHARED
+        if placed is None:
+            return None
+        placed = np.array(placed, dtype=np.int64)
+        if split is None:
+            return placed
+        cut = len(split[0])
+        return np.concatenate([placed[:cut], placed[cut:][s._lumps_of(split[1])[0]]])
+
+    @cached_property
+    def _shared(self) -> SharedPlacements:
+        """Algorithm 1's placements shared by the candidates made from this packing whose group
+        goes right after its pieces placed first (`_assign_shared`): its own items after those,
+        the head's pieces one by one and its tail in lumps (`StepSolver.assign_split`)."""
+        s, cut = self._solver, self._n_first
+        if self._split is None:
+            order = self._order
+            first, rest, sizes, costs = order[:cut], order[cut:], [], []
+        else:
+            head, tail = self._split
+            s._lumps_of(tail)
+            first, rest, (sizes, costs) = head[:cut], head[cut:], s._lump_lists
+        return SharedPlacements(s.lengths[first].tolist(), s.weights[first].tolist(),
+                                s.lengths[rest].tolist() + sizes, s.weights[rest].tolist() + costs,
+                                s.dp * s.n_micro, s.max_tokens)
 
     def rejects(self, threshold: float | None = None, deferred_tokens: float = float("inf"),
                 keep: list[HeldPiece] = ()) -> bool:
