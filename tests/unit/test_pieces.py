@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wlb_opt.packer.pieces import FreshPieces, PieceChain, lengths_of, piece_table, take
+import wlb_opt.packer.pieces as pieces_module
+from wlb_opt.packer.pieces import FreshPieces, PieceChain, arrived_sums, common_prefix, lengths_of, piece_table, take
 from wlb_opt.packer.state import HeldPiece
 
 
@@ -57,6 +58,37 @@ def test_a_chain_reads_as_its_list(pair, data):
         chain[len(ref)]
 
 
+@settings(deadline=None, max_examples=60)
+@given(chains(), st.data())
+def test_a_chains_pieces_taken_as_a_table_and_its_sums_read_as_its_list(pair, data):
+    # `take` from LAZY_MIN_PIECES positions (here 2) of a chain that holds a table: a
+    # FreshPieces of their own table (a step's carry), read as the pieces taken;
+    # `arrived_sums` and `piece_table` of a chain, against the list's
+    chain, ref = pair
+    positions = data.draw(st.lists(st.integers(0, max(len(ref) - 1, 0)), max_size=20)) if ref else []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pieces_module, "LAZY_MIN_PIECES", 2)
+        taken = take(chain, positions)
+    assert taken == [ref[i] for i in positions]
+    if len(positions) >= 2 and any(isinstance(part, FreshPieces) for part in chain.parts):
+        assert isinstance(taken, FreshPieces)
+    for step in (-1, 0, 2, 4, 9):
+        want = [p for p in ref if p.arrival <= step]
+        assert arrived_sums(chain, step) == (sum(p.length for p in want), sum(p.arrival * p.length for p in want))
+        assert arrived_sums(ref, step) == arrived_sums(chain, step)
+    assert np.array_equal(piece_table(chain), piece_table(ref).reshape(4, -1))
+
+
+def test_the_common_prefix_of_chains_skips_the_parts_they_share_unread():
+    held = FreshPieces(_table(np.random.default_rng(0), 6, 0))
+    released = _as_list(_table(np.random.default_rng(1), 3, 100))
+    a, b = PieceChain([held, released]), PieceChain([held, released[:2] + [HeldPiece(-1, 0, 5, 0)]])
+    assert common_prefix(a, b) == 8 and common_prefix(a, a) == 9 and common_prefix(released, released[:2]) == 2
+    assert held._made.pieces is None and not held._made.some  # the shared table was not read
+    assert common_prefix(PieceChain([FreshPieces(held.table), released]), a) == 0  # another table: not read
+    assert a[:8] == b[:8] and a != b and held._made.pieces is None
+
+
 def test_fresh_pieces_make_each_piece_once_and_only_those_read():
     table = _table(np.random.default_rng(0), 50, 0)
     fresh = FreshPieces(table)
@@ -104,3 +136,33 @@ def test_the_plans_are_the_same_whether_fresh_pieces_are_a_table_or_a_list(relea
         return [(p.digest(), p.step, p.arrival_step.tolist()) for p in out if p is not None]
 
     assert plans(0) == plans(10**9)
+
+
+def test_a_packer_resumed_from_its_state_with_a_carry_held_as_a_table_makes_the_same_plans(monkeypatch):
+    # from LAZY_MIN_PIECES pieces (here 2) a step's carry is a table (`take`), and so is the
+    # carry of a packer loaded from a state (`as_carry`): a stream resumed at every step plans
+    # as the stream run through, and as the one that holds everything as lists
+    import wlb_opt as wlb
+    from wlb_opt.packer import PackerConfig, WLBPacker
+    from wlb_opt.workloads import global_batches
+
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=1),
+                                  wlb.HardwareSpec.preset("h100"))
+    batches = global_batches("heavy", 32768, 4 * 32768, 30, seed=6)
+
+    def plans(lazy_from, resume):
+        monkeypatch.setattr(pieces_module, "LAZY_MIN_PIECES", lazy_from)
+        packer, out, tables = WLBPacker(4, 40960, cost, config=PackerConfig(lookahead=2)), [], 0
+        for b in batches:
+            if resume:
+                state = packer.state_dict()
+                packer = WLBPacker(4, 40960, cost, config=PackerConfig(lookahead=2))
+                packer.load_state_dict(state)
+            tables += isinstance(packer._carry, FreshPieces)
+            out.append(packer.pack(*b))
+        out += packer.drain()
+        return [(p.digest(), p.step, p.arrival_step.tolist()) for p in out if p is not None], tables
+
+    (through, tables), (resumed, loaded) = plans(2, False), plans(2, True)
+    assert tables > 5 and loaded > 5
+    assert through == resumed == plans(10**9, False)[0]

@@ -34,10 +34,7 @@ docs/tuning.md gives what was tried, the measurements and the selection rule.
 """
 from __future__ import annotations
 
-from itertools import compress
-from operator import mul
-
-from .state import _ARRIVAL, _LENGTH
+from .pieces import PieceChain, arrived_sums
 
 DEFAULT_CUTOFF_SHARE = 0.3
 """Default outlier cutoff: pieces >= int(0.3 x max_tokens) tokens wait in the pool."""
@@ -123,13 +120,9 @@ def running_displacement(totals: dict, held, step: int, capacity_tokens: int, ta
     smoothed by `PRIOR_STEPS` steps of capacity at `target`. Held pieces that have not
     arrived yet (lookahead) have neither waited nor joined the stream: left out, rather than
     counted as tokens of no displacement, which would understate it."""
-    # accrued = sum((step - arrival) x length) = step x tokens - weighted, in C-level maps
-    pieces = list(held)
-    arrivals = list(map(_ARRIVAL, pieces))
-    arrived = list(map(step.__ge__, arrivals))
-    lengths = list(compress(map(_LENGTH, pieces), arrived))
-    tokens = sum(lengths)
-    weighted = sum(map(mul, compress(arrivals, arrived), lengths))
+    # accrued = sum((step - arrival) x length) = step x tokens - weighted (`pieces.arrived_sums`:
+    # C-level maps, or arrays for the parts of a chain held as tables)
+    tokens, weighted = arrived_sums(held if isinstance(held, (list, PieceChain)) else list(held), step)
     accrued = step * tokens - weighted
     prior = PRIOR_STEPS * capacity_tokens
     return (totals["displacement_token_sum"] + accrued + target * prior) / (totals["tokens"] + tokens + prior)

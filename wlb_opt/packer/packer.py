@@ -44,7 +44,7 @@ import logging
 import time
 import warnings
 from collections import deque
-from itertools import chain, compress
+from itertools import chain
 from typing import Literal
 
 import numpy as np
@@ -64,10 +64,10 @@ from .defaults import (EARLY_CREDIT, HELD_GROUP_STEPS, MARGINAL_PRICE, MARGINAL_
 from .fill_trial import FillStepSolver
 from .lookahead import STATE_KEY as LOOKAHEAD_STATE_KEY
 from .lookahead import LookaheadBuffer
-from .pieces import fresh_pieces, gc_paused, piece_table, pieces_from_table, take
+from .pieces import (FreshPieces, PieceChain, arrived_sums, as_carry, fresh_pieces, gc_paused, owned, piece_table,
+                     pieces_from_table, take)
 from .release import MAX_PACKED, MAX_STEP_PACKED, SPARSE_MIN_BINS, DrainRelease, ReleasePolicy, make_release_policy
-from .state import (_ARRIVAL, _LENGTH, HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state,
-                    encode_state, held_tokens, pieces_of)
+from .state import HeldPiece, KeySets, check_ids_issued, cost_fingerprint, decode_state, encode_state, held_tokens
 from .stats import StreamStats
 from .trial import COARSE_MIN_BINS, StepSolver, as_pack_plan
 
@@ -346,7 +346,7 @@ class WLBPacker:
         (MARGINAL_TOLERANCE_HIGH for release="marginal")."""
         if self.balance_tolerance != "auto":
             return self._release
-        held = chain(*self._queues, self._carry)  # one pass, no list
+        held = PieceChain([*(list(q) for q in self._queues), self._carry])  # a carry's table read as arrays
         shown = running_displacement(self._stats.totals, held, self._step, self.capacity_tokens,
                                      TARGET_SHARE * self.delay_budget)
         high = MARGINAL_TOLERANCE_HIGH if self.release == "marginal" else TOLERANCE_HIGH
@@ -363,6 +363,8 @@ class WLBPacker:
         if self.method not in ("wlb", "wlb_fill", "wlb_phases"):
             return None
         table = piece_table(held + fresh) if fresh_table is None else np.concatenate([piece_table(held), fresh_table], 1)
+        parts = held.parts if type(held) is PieceChain else ()
+        carry = parts[0] if parts and isinstance(parts[0], FreshPieces) else None  # a carry held as a table leads
         lengths = table[2]  # validated on arrival (`_validate_batch`)
         weigh = self.cost._doc_cost_valid
         weights = weigh(lengths)
@@ -376,7 +378,7 @@ class WLBPacker:
                       self.cost.mb_const("bwd"))
         return StepSolver(None, weights, fresh, n_micro=self.n_micro, dp=self.dp, max_tokens=self.max_tokens,
                           bin_const=self.cost.mb_const(), method=self.method, phases=phases, table=table,
-                          fresh_at=len(held))
+                          fresh_at=len(held), carry=carry)
 
     def _solve(self, first: list[HeldPiece], rest: list[HeldPiece]):
         """Pack `first` (placed first) then `rest`; returns (pending, plan, arrival steps).
@@ -396,7 +398,7 @@ class WLBPacker:
 
     def _commit(self, plan: PackPlan, queues: list[deque], carry: list[HeldPiece]) -> None:
         self._queues, self._carry = queues, carry
-        self._held = KeySets(pieces_of(queues, carry), *self._ahead.tables(), ids=[None, *self._ahead.id_sets()])
+        self._held = _held_keys(queues, carry, self._ahead)
         self._step += 1
         self._stats.add(plan, self.max_delay, plan.info.extra["queue_wait_max"])
 
@@ -440,13 +442,13 @@ class WLBPacker:
             if len(ahead) <= self.lookahead:  # step s - K does not exist yet
                 self._record_ids(ids)
                 self._queues, self._ahead = queues, ahead
-                self._held = KeySets(pieces_of(queues, self._carry), *ahead.tables(), ids=[None, *ahead.id_sets()])
+                self._held = _held_keys(queues, self._carry, ahead)
                 return None
             fresh, table = ahead.pop_oldest()
         else:
             ahead = self._ahead
             fresh = fresh_pieces(table)
-        plan, carry = self._plan_step(fresh, queues, list(self._carry), step, self._step_policy(), started, table)
+        plan, carry = self._plan_step(fresh, queues, owned(self._carry), step, self._step_policy(), started, table)
         # A step that holds no more than the one before always passes (pack([]) makes
         # progress even from a state above the limit, e.g. one loaded with a lower limit).
         # What was seen ahead is not counted (the buffer, and outliers queued before their
@@ -493,8 +495,7 @@ class WLBPacker:
     def _tokens_due(queues, carry, step: int) -> int:
         """Tokens of the queued and carried pieces that arrived by `step` (what the backlog
         guard counts), in one pass over them."""
-        pieces = list(chain(*queues, carry))
-        return sum(compress(map(_LENGTH, pieces), map(step.__ge__, map(_ARRIVAL, pieces))))
+        return sum(arrived_sums(group, step)[0] for group in (*queues, carry))
 
     @staticmethod
     def _arrived_tokens(plan: PackPlan, queues, step: int) -> int:
@@ -650,12 +651,12 @@ class WLBPacker:
         self.thresholds = loaded.thresholds
         if loaded.thresholds is not None:
             self.n_queues = len(loaded.thresholds)
-        self._queues, self._carry = loaded.queues, loaded.carry
+        self._queues, self._carry = loaded.queues, as_carry(loaded.carry)
         self._step, self._next_auto_id, self._max_id = loaded.step, loaded.next_auto_id, loaded.max_id
         self._calibration = loaded.calibration
         self._stats = loaded.stats
         self._ahead = ahead
-        self._held = KeySets(pieces_of(loaded.queues, loaded.carry), *ahead.tables(), ids=[None, *ahead.id_sets()])
+        self._held = _held_keys(loaded.queues, loaded.carry, ahead)
 
     def _decode_lookahead(self, state: dict, step: int) -> LookaheadBuffer:
         """The lookahead part of a state (lookahead.py; its config.lookahead is checked by
@@ -671,3 +672,12 @@ class WLBPacker:
         return (f"WLBPacker(n_micro={self.n_micro}, max_tokens={self.max_tokens}, dp={self.dp}, "
                 f"thresholds={self.thresholds if self.thresholds is not None else 'auto'}, "
                 f"max_delay={self.max_delay}, lookahead={self.lookahead}, step={self._step})")
+
+
+def _held_keys(queues, carry, ahead: LookaheadBuffer) -> KeySets:
+    """What a new batch is checked against: the queued and carried pieces (a carry held as a
+    table as its table) and the batches buffered ahead."""
+    queued = [piece for q in queues for piece in q]
+    if isinstance(carry, FreshPieces):
+        return KeySets(queued, carry.table, *ahead.tables(), ids=[None, None, *ahead.id_sets()])
+    return KeySets(queued + list(carry), *ahead.tables(), ids=[None, *ahead.id_sets()])

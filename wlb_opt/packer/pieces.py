@@ -16,17 +16,20 @@ import contextlib
 import gc
 from bisect import bisect_right
 from collections.abc import Sequence
-from itertools import accumulate, chain, repeat
+from itertools import accumulate, chain, compress, repeat
+from operator import mul
 
 import numpy as np
 
-from .state import _LENGTH, HeldPiece
+from .state import _ARRIVAL, _LENGTH, HeldPiece
 
 
 def piece_table(pieces) -> np.ndarray:
     """(ids, offsets, lengths, arrival steps) of `pieces`: a 4 x n int64 array."""
     if isinstance(pieces, FreshPieces):
         return pieces.table
+    if isinstance(pieces, PieceChain):
+        return np.concatenate([piece_table(part) for part in pieces.parts] or [np.zeros((4, 0), np.int64)], axis=1)
     return np.fromiter(chain.from_iterable(pieces), dtype=np.int64, count=4 * len(pieces)).reshape(-1, 4).T
 
 
@@ -67,6 +70,37 @@ def fresh_pieces(table: np.ndarray) -> FreshPieces | list[HeldPiece]:
     """A step's fresh pieces of the `piece_table` `table`: a `FreshPieces` from
     `LAZY_MIN_PIECES` pieces, else a list."""
     return FreshPieces(table) if table.shape[1] >= LAZY_MIN_PIECES else pieces_from_table(table)
+
+
+def arrived_sums(pieces, step: int) -> tuple[int, int]:
+    """(tokens, sum of arrival step x tokens) of the `pieces` that arrived by `step`; a
+    `FreshPieces` or a chain's `FreshPieces` parts are read as arrays, without making them."""
+    if isinstance(pieces, PieceChain):
+        sums = [arrived_sums(part, step) for part in pieces.parts]
+        return sum(t for t, _ in sums), sum(w for _, w in sums)
+    if isinstance(pieces, FreshPieces):
+        _, _, lengths, arrival = pieces.table
+        if len(arrival) and arrival.max() <= step:  # a carry: every piece arrived
+            return int(np.add.reduce(lengths)), int(np.dot(arrival, lengths))
+        arrived = arrival <= step
+        return int(np.add.reduce(lengths[arrived])), int(np.dot(arrival[arrived], lengths[arrived]))
+    if not pieces:
+        return 0, 0
+    arrivals = list(map(_ARRIVAL, pieces))
+    arrived = list(map(step.__ge__, arrivals))
+    lengths = list(compress(map(_LENGTH, pieces), arrived))
+    return sum(lengths), sum(map(mul, compress(arrivals, arrived), lengths))
+
+
+def as_carry(pieces):
+    """A carry loaded as a list (`WLBPacker.load_state_dict`) held as a step leaves it
+    (`take`): from `LAZY_MIN_PIECES` pieces, a `FreshPieces` of their table."""
+    return FreshPieces(piece_table(pieces)) if len(pieces) >= LAZY_MIN_PIECES else pieces
+
+
+def owned(pieces):
+    """A caller's own copy of a step's pieces: a list copied, a `FreshPieces` (read-only) as is."""
+    return pieces if isinstance(pieces, FreshPieces) else list(pieces)
 
 
 def lengths_of(pieces) -> np.ndarray:
@@ -115,9 +149,14 @@ class _Made:
         return piece
 
 
-def take(pieces, positions: list[int]) -> list[HeldPiece]:
+def take(pieces, positions: list[int]):
     """`[pieces[i] for i in positions]`, the pieces of a `FreshPieces` (in a chain or not)
-    made together rather than one by one (a step may defer thousands of its fresh pieces)."""
+    made together rather than one by one (a step may defer thousands of its fresh pieces).
+    From `LAZY_MIN_PIECES` positions in a table or a chain that holds one, a `FreshPieces` of
+    their own table: a step's carry, which the next step reads as arrays."""
+    if len(positions) >= LAZY_MIN_PIECES and isinstance(pieces, (FreshPieces, PieceChain)):
+        if isinstance(pieces, FreshPieces) or any(isinstance(part, FreshPieces) for part in pieces.parts):
+            return FreshPieces(_taken_table(pieces, np.asarray(positions, dtype=np.int64)))
     if isinstance(pieces, FreshPieces):
         return pieces._made.many([pieces._start + i for i in positions])
     if not isinstance(pieces, PieceChain) or len(positions) < 8:
@@ -130,6 +169,21 @@ def take(pieces, positions: list[int]) -> list[HeldPiece]:
         if len(where):
             for j, piece in zip(where.tolist(), take(part, (at[where] - start).tolist())):
                 out[j] = piece
+    return out
+
+
+def _taken_table(pieces, at: np.ndarray) -> np.ndarray:
+    """The `piece_table` of `pieces[i] for i in at`, read from the parts' tables."""
+    if isinstance(pieces, FreshPieces):
+        return pieces._made.table[:, pieces._start + at]
+    out = np.empty((4, len(at)), dtype=np.int64)
+    part_of = np.searchsorted(pieces._starts, at, side="right") - 1
+    for k, (part, start) in enumerate(zip(pieces.parts, pieces._starts)):
+        where = np.flatnonzero(part_of == k)
+        if len(where):
+            local = at[where] - start
+            out[:, where] = (_taken_table(part, local) if isinstance(part, FreshPieces)
+                             else piece_table([part[i] for i in local.tolist()]))
     return out
 
 
@@ -208,10 +262,19 @@ class FreshPieces(_PieceSequence):
         return self._made.one(self._start + i)
 
     def __iter__(self):
+        if self._start == self._stop:  # an empty view: nothing to make
+            return iter(())
         pieces = self._made.all()
         if self._start == 0 and self._stop == len(pieces):
             return iter(pieces)
         return iter(pieces[self._start:self._stop])
+
+    def __eq__(self, other):
+        if type(other) is FreshPieces and other._made is self._made:  # views of one table: their ranges
+            return (other._start, other._stop) == (self._start, self._stop) or len(self) == len(other) == 0
+        return super().__eq__(other)
+
+    __hash__ = None
 
 
 class PieceChain(_PieceSequence):
@@ -260,11 +323,41 @@ class PieceChain(_PieceSequence):
         return chain.from_iterable(self.parts)
 
     def fresh_ranges(self) -> list[tuple[int, int]]:
-        """(start, stop) of each `FreshPieces` part."""
+        """(start, stop) of each `FreshPieces` part (the fresh pieces, a carry held as a table)."""
         return [(at, at + len(part)) for part, at in zip(self.parts, self._starts) if isinstance(part, FreshPieces)]
 
-    def before(self, tail) -> list[HeldPiece] | None:
-        """The pieces before `tail`, as a list, if the chain's last part is `tail` itself; else None."""
-        if self.parts and self.parts[-1] is tail:
-            return list(chain.from_iterable(self.parts[:-1]))
-        return None
+    def before(self, tail):
+        """The pieces before `tail` (a list, or a chain of the parts that hold a `FreshPieces`),
+        if the chain's last part is `tail` itself; else None."""
+        if not self.parts or self.parts[-1] is not tail:
+            return None
+        parts = self.parts[:-1]
+        if any(isinstance(part, FreshPieces) for part in parts):
+            return PieceChain(parts)
+        return list(chain.from_iterable(parts))
+
+    def __eq__(self, other):
+        if (type(other) is PieceChain and len(other.parts) == len(self.parts)
+                and all(len(a) == len(b) for a, b in zip(self.parts, other.parts))):  # part by part
+            return all(a is b or a == b for a, b in zip(self.parts, other.parts))
+        return super().__eq__(other)
+
+    __hash__ = None
+
+
+def common_prefix(a, b) -> int:
+    """How many leading pieces `a` and `b` (lists or `PieceChain`s) hold as the same objects,
+    or fewer: parts the two share are counted whole, and the first parts they do not share
+    are compared piece by piece only if both are lists (a `FreshPieces` is not read)."""
+    n = 0
+    for part_a, part_b in zip(a.parts if type(a) is PieceChain else (a,), b.parts if type(b) is PieceChain else (b,)):
+        if part_a is part_b:
+            n += len(part_a)
+            continue
+        if isinstance(part_a, list) and isinstance(part_b, list):
+            for x, y in zip(part_a, part_b):
+                if x is not y:
+                    break
+                n += 1
+        break
+    return n

@@ -78,7 +78,7 @@ import numpy as np
 from ..plan import PackPlan
 from ..solvers.bounds import densest_first, densest_order, pigeonhole_sorted
 from ._cached import cached_property
-from .pieces import PieceChain, lengths_of, take
+from .pieces import FreshPieces, PieceChain, lengths_of, owned, take
 from .state import _ARRIVAL, _ID_OFFSET, _LENGTH, _LENGTH_ARRIVAL, HeldPiece
 from .trial import ROOM_MIN_PIECES, TrialPack, as_pack_plan
 
@@ -269,10 +269,13 @@ def split_due(carry: list[HeldPiece], released: list[HeldPiece], fresh: list[Hel
     longest first, then the other carried pieces; the other released outliers and the
     fresh documents after. Without max_delay: the carried pieces first."""
     if max_delay is None:
-        return list(carry), released + fresh
-    due = [piece for piece in carry + released if step - piece.arrival >= max_delay]
+        return owned(carry), released + fresh
+    if isinstance(carry, FreshPieces) and not (len(carry) and carry.table[3].min() <= step - max_delay):
+        due = [piece for piece in released if step - piece.arrival >= max_delay]  # none carried: the table unread
+    else:
+        due = [piece for piece in carry + released if step - piece.arrival >= max_delay]
     if not due:
-        return list(carry), released + fresh
+        return owned(carry), released + fresh
     due.sort(key=lambda piece: -piece.length)  # stable: longest first among the due ones
     due_keys = {piece.key for piece in due}
     first = due + [piece for piece in carry if piece.key not in due_keys]
@@ -1358,10 +1361,16 @@ class MarginalRelease(GroupRelease):
         # at this step: all may move but the released ones and those at their deadline, which
         # are carried (found without a pass over the carry, nor one over the fresh pieces)
         fixed, due_by = set(result.released), step - self.max_delay
-        fresh_at = pending.fresh_ranges() if isinstance(pending, PieceChain) else []
-        if len(fresh_at) == 1:  # a chain's fresh pieces: never released ones, and not made to be read
-            (lo, hi), arrival = fresh_at[0], result.arrival
+        tables = pending.fresh_ranges() if isinstance(pending, PieceChain) else []
+        arrival = result.arrival
+        if len(tables) == 1:  # a chain's fresh pieces: never released ones, and not made to be read
+            (lo, hi), = tables
             return lambda i: arrival[i] > due_by and (lo <= i < hi or pending[i] not in fixed)
+        if len(tables) == 2:  # ... and its carry held as a table (never released either)
+            (lo, hi), (lo2, hi2) = tables
+            return lambda i: arrival[i] > due_by and (lo <= i < hi or lo2 <= i < hi2 or pending[i] not in fixed)
+        if tables:
+            return lambda i: arrival[i] > due_by and (any(lo <= i < hi for lo, hi in tables) or pending[i] not in fixed)
         return lambda i: pending[i].arrival > due_by and pending[i] not in fixed
 
     def _split(self, carry, released, fresh, step):
@@ -1369,6 +1378,8 @@ class MarginalRelease(GroupRelease):
         if self.max_delay is None:
             return first, rest
         due_by = step - self.max_delay  # the due pieces lead `first` (`split_due`): count them, not the rest
+        if isinstance(first, FreshPieces):  # the carry's table, none of it due (`split_due`)
+            return first[:0], first + rest
         n_due = sum(1 for _ in takewhile(lambda piece: piece.arrival <= due_by, first))
         return first[:n_due], first[n_due:] + rest
 

@@ -53,11 +53,6 @@ class HeldPiece(NamedTuple):
         return self.id, self.offset
 
 
-def pieces_of(queues, carry) -> list[HeldPiece]:
-    """Every piece in `queues` and `carry`."""
-    return [piece for q in queues for piece in q] + list(carry)
-
-
 _ID_OFFSET = itemgetter(0, 1)
 """(id, offset) of a HeldPiece: its identity (`HeldPiece.key`)."""
 _LENGTH = itemgetter(2)

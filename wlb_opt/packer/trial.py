@@ -34,7 +34,7 @@ from ..solvers.greedy import (AssignStop, SharedPlacements, Unshared, argsort_de
                                insert_sorted, split_by_bin, wlb_assign, wlb_assign_lists)
 from ..solvers.phases import geometric_lumps, phases_or_algorithm1
 from ._cached import cached_property
-from .pieces import FreshPieces, PieceChain, piece_table
+from .pieces import FreshPieces, PieceChain, common_prefix, piece_table
 from .state import HeldPiece
 
 ROOM_MIN_PIECES = 512
@@ -82,12 +82,14 @@ class StepSolver:
         table: `piece_table(pieces)`, if the caller has it already.
         fresh_at: where `fresh` starts in `pieces` when the caller knows that `pieces` ends with
             it (the packer's pieces are held + fresh; `pieces` may then be None, with `table`).
+        carry: a `FreshPieces` that `pieces` starts with (the step's carry, held as a table):
+            its pieces are found by position, like the fresh ones, not looked up.
     """
 
     def __init__(self, pieces: list[HeldPiece] | None, weights: np.ndarray, fresh: list[HeldPiece], *, n_micro: int,
                  dp: int, max_tokens: int, bin_const: float, method: str = "wlb",
                  phases: tuple[np.ndarray, np.ndarray, float, float] | None = None, table: np.ndarray | None = None,
-                 fresh_at: int | None = None):
+                 fresh_at: int | None = None, carry: FreshPieces | None = None):
         if table is None:
             table = piece_table(pieces)
         self._table = table
@@ -104,10 +106,13 @@ class StepSolver:
         elif fresh_at + m != len(self.ids):
             raise ValueError(f"fresh_at={fresh_at} + {m} fresh pieces != {len(self.ids)} pieces")
         self._fresh_at = fresh_at
-        self._indexed = len(pieces) if self._fresh_at is None else self._fresh_at
+        self._carry = carry
+        start = 0 if carry is None else len(carry)
+        stop = len(self.ids) if self._fresh_at is None else self._fresh_at
+        self._unindexed = [(0, start), (stop, len(self.ids))]  # the carry and the fresh pieces: by position
         # keyed by the whole piece (id, offset, length, arrival), which a HeldPiece hashes and
         # compares as: a piece is looked up as itself, without building its (id, offset)
-        self.index = dict(zip(zip(*table[:, :self._indexed].tolist()), range(self._indexed)))
+        self.index = dict(zip(zip(*table[:, start:stop].tolist()), range(start, stop)))
         self.n_micro, self.dp, self.max_tokens = n_micro, dp, max_tokens
         self.bin_const = float(bin_const)
         self.method = method
@@ -138,16 +143,25 @@ class StepSolver:
         return float(np.interp(tokens, cum_tokens, cum_cost))
 
     def _indices(self, pieces: list[HeldPiece]) -> np.ndarray:
-        """Solver index of each of `pieces`."""
+        """Solver index of each of `pieces`: the carry's and the fresh pieces' by position
+        (a `FreshPieces` view of either, or a chain of such parts and lists), the others
+        looked up."""
+        if type(pieces) is PieceChain:
+            return np.concatenate([self._indices(part) for part in pieces.parts] or [np.zeros(0, np.int64)])
+        if type(pieces) is FreshPieces:
+            for whole, at in ((self._carry, 0), (self.fresh, self._fresh_at)):
+                if type(whole) is FreshPieces and at is not None and pieces._made is whole._made:
+                    start = at + pieces._start - whole._start
+                    return np.arange(start, start + len(pieces), dtype=np.int64)
         index = self.index
         try:
             return np.fromiter(map(index.__getitem__, pieces), dtype=np.int64, count=len(pieces))
         except KeyError:
-            if self._indexed == len(self.ids):
+            if not self._unindexed:
                 raise
-        n = len(self.ids)  # a fresh piece looked up: index them all
-        index.update(zip(zip(*self._table[:, self._indexed:].tolist()), range(self._indexed, n)))
-        self._indexed = n
+        for start, stop in self._unindexed:  # a carried or fresh piece looked up: index them all
+            index.update(zip(zip(*self._table[:, start:stop].tolist()), range(start, stop)))
+        self._unindexed = []
         return self._indices(pieces)
 
     def _first_indices(self, first: list[HeldPiece]) -> np.ndarray:
@@ -193,11 +207,7 @@ class StepSolver:
         head, head_idx, head_sorted = self._head
         n = len(head)
         if not (n and len(rest) >= n and rest[:n] == head):
-            last, n = self._last_rest, 0
-            for a, b in zip(rest, last):  # the prefix this call shares with the previous one
-                if a is not b:
-                    break
-                n += 1
+            n = common_prefix(rest, self._last_rest)  # the prefix this call shares with the previous one
             self._last_rest = rest
             head = rest[:n]
             head_idx = self._indices(head)
@@ -219,7 +229,8 @@ class StepSolver:
         tail_idx = tail_sorted = np.zeros(0, np.int64)
         head = rest.before(self.fresh) if type(rest) is PieceChain else None
         if head is not None or (m and n >= m and rest[n - m:] == self.fresh):  # the usual case: rest ends with fresh
-            rest, tail = list(rest[:n - m]) if head is None else head, self.fresh
+            rest, tail = rest[:n - m] if head is None else head, self.fresh
+            rest = rest if isinstance(rest, (list, PieceChain)) else list(rest)
             tail_idx, tail_sorted = self._sorted_tail(tail)
         elif m > 1 and n >= m - 1 and (gone := self._fresh_but_one(tail := rest[n - m + 1:])) is not None:
             rest = rest[:n - m + 1]  # fresh but one: its sorted order less that piece
@@ -235,7 +246,8 @@ class StepSolver:
         order = np.concatenate([first_idx, insert_sorted(tail_sorted, at, rest_sorted)])
         pending_idx = np.concatenate([first_idx, rest_idx, tail_idx])
         # the fresh pieces (a `FreshPieces`) stay a table: a chain of the three, copying none
-        pending = (PieceChain((list(first), rest, tail)) if isinstance(tail, FreshPieces)
+        pending = (PieceChain((first if isinstance(first, (list, FreshPieces)) else list(first), rest, tail))
+                   if isinstance(tail, FreshPieces) or isinstance(first, FreshPieces) or type(rest) is PieceChain
                    else list(first) + list(rest) + list(tail))
         trial = TrialPack(self, pending_idx, order, n_first=len(first_idx), n_rest=len(rest_idx), pending=pending)
         return pending, trial, self.arrival[pending_idx]  # packed when first read (or `rejects`)
