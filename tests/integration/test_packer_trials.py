@@ -127,7 +127,8 @@ def test_candidates_made_from_a_packing_equal_those_packed_alone(step, data, com
     # read; in Python, a group that goes first shares the packing's placements:
     # `SharedPlacements`) against StepSolver.solve of the same pieces, also for a candidate
     # of a candidate
-    with use_compiled(compiled):
+    with use_compiled(compiled), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trial_module, "SHARED_MIN_BINS", 1)  # shared on steps of any size
         _check_candidates_made_from_a_packing(step, data)
 
 
@@ -889,7 +890,9 @@ def test_only_the_algorithm_1_step_packers_repair_their_steps():
 def test_the_plans_are_the_same_whether_candidates_share_placements_or_not(n_micro, dist, lookahead, monkeypatch):
     # the candidates whose group goes first share their packing's placements of the other
     # pieces (`TrialPack._assign_shared`): the default packer's plans are those it makes with
-    # every candidate packed alone, and candidates did share placements
+    # every candidate packed alone, and candidates did share placements (at 4 micro-batches
+    # too, below SHARED_MIN_BINS)
+    monkeypatch.setattr(trial_module, "SHARED_MIN_BINS", 1)
     window = 32768
     batches = global_batches(dist, window, n_micro * window, 30 if n_micro == 32 else 80, seed=DEFAULT_SEED + 7)
 

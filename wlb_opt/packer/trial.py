@@ -59,6 +59,11 @@ micro-batches are evened out."""
 COARSE_MIN_TAIL = 64
 """A candidate with fewer short pieces than this is packed piece by piece."""
 
+SHARED_MIN_BINS = 16
+"""From this many micro-batches (dp x n_micro) the candidates whose group goes first share their
+packing's placements of its other pieces (`TrialPack._assign_shared`). With fewer, the group's
+micro-batches soon become the least loaded, so little is shared, and a step of 4 micro-batches
+took 1-3% more instructions with the sharing than without."""
 _UNSHARED = object()  # `TrialPack._assign_shared`: the shared placements do not apply
 
 
@@ -447,11 +452,12 @@ class TrialPack:
     def _assign_shared(self, stop: AssignStop | None):
         """`_assign` of a candidate whose group goes right after the pieces placed first, with
         the placements its packing's other candidates share (`SharedPlacements`), or
-        `_UNSHARED` where they do not apply: another kind of candidate, the compiled loops,
+        `_UNSHARED` where they do not apply: another kind of candidate, fewer than
+        `SHARED_MIN_BINS` micro-batches, the compiled loops,
         a candidate that `assign_split` would cut elsewhere, or one whose first or group
         pieces do not all fit where they go first."""
-        extends = self._extends
-        if extends is None or compiled_loop() is not None:
+        extends, s = self._extends, self._solver
+        if extends is None or s.dp * s.n_micro < SHARED_MIN_BINS or compiled_loop() is not None:
             return _UNSHARED
         base, split = extends[0], self._split
         ranked, at = self._group_merge
@@ -462,7 +468,6 @@ class TrialPack:
             return _UNSHARED  # not the packing's tail, or a tail cut after a piece the stop watches
         if (split is None) != (base._split is None):
             return _UNSHARED
-        s = self._solver
         try:
             placed = base._shared.assign(s.lengths[ranked].tolist(), s.weights[ranked].tolist(), stop)
         except Unshared:
