@@ -346,7 +346,7 @@ class WLBPacker:
         (MARGINAL_TOLERANCE_HIGH for release="marginal")."""
         if self.balance_tolerance != "auto":
             return self._release
-        held = PieceChain([*(list(q) for q in self._queues), self._carry])  # a carry's table read as arrays
+        held = _held(self._queues, self._carry)
         shown = running_displacement(self._stats.totals, held, self._step, self.capacity_tokens,
                                      TARGET_SHARE * self.delay_budget)
         high = MARGINAL_TOLERANCE_HIGH if self.release == "marginal" else TOLERANCE_HIGH
@@ -495,7 +495,7 @@ class WLBPacker:
     def _tokens_due(queues, carry, step: int) -> int:
         """Tokens of the queued and carried pieces that arrived by `step` (what the backlog
         guard counts), in one pass over them."""
-        return sum(arrived_sums(group, step)[0] for group in (*queues, carry))
+        return arrived_sums(_held(queues, carry), step)[0]
 
     @staticmethod
     def _arrived_tokens(plan: PackPlan, queues, step: int) -> int:
@@ -672,6 +672,13 @@ class WLBPacker:
         return (f"WLBPacker(n_micro={self.n_micro}, max_tokens={self.max_tokens}, dp={self.dp}, "
                 f"thresholds={self.thresholds if self.thresholds is not None else 'auto'}, "
                 f"max_delay={self.max_delay}, lookahead={self.lookahead}, step={self._step})")
+
+
+def _held(queues, carry):
+    """The queued and carried pieces, one list, or a chain of the queued ones and a carry held
+    as a table (read as arrays where summed: `pieces.arrived_sums`)."""
+    queued = [piece for q in queues for piece in q]
+    return PieceChain((queued, carry)) if isinstance(carry, FreshPieces) else queued + carry
 
 
 def _held_keys(queues, carry, ahead: LookaheadBuffer) -> KeySets:
