@@ -9,6 +9,10 @@ pieces as a `FreshPieces` (the table; a piece is made when read, and kept) and t
 and the step solver join them to the held pieces as a `PieceChain` (a concatenation that
 copies nothing). Both behave as read-only lists of HeldPieces: indexing, slicing, `len`,
 iteration, `+` with a list, and equality with a list compare as the list they stand for.
+
+A large carry stays a table too (`take`): the thousands of short pieces a step sheds are
+found by position in the next step, compared and sliced part by part in its chains
+(`common_prefix`), and summed as arrays (`arrived_sums`).
 """
 from __future__ import annotations
 
