@@ -34,7 +34,7 @@ docs/tuning.md gives what was tried, the measurements and the selection rule.
 """
 from __future__ import annotations
 
-from .pieces import PieceChain, arrived_sums
+from .pieces import arrived_sums
 
 DEFAULT_CUTOFF_SHARE = 0.3
 """Default outlier cutoff: pieces >= int(0.3 x max_tokens) tokens wait in the pool."""
@@ -122,7 +122,7 @@ def running_displacement(totals: dict, held, step: int, capacity_tokens: int, ta
     counted as tokens of no displacement, which would understate it."""
     # accrued = sum((step - arrival) x length) = step x tokens - weighted (`pieces.arrived_sums`:
     # C-level maps, or arrays for the parts of a chain held as tables)
-    tokens, weighted = arrived_sums(held if isinstance(held, (list, PieceChain)) else list(held), step)
+    tokens, weighted = arrived_sums(held, step)
     accrued = step * tokens - weighted
     prior = PRIOR_STEPS * capacity_tokens
     return (totals["displacement_token_sum"] + accrued + target * prior) / (totals["tokens"] + tokens + prior)

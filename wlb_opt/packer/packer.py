@@ -682,9 +682,11 @@ def _held(queues, carry):
 
 
 def _held_keys(queues, carry, ahead: LookaheadBuffer) -> KeySets:
-    """What a new batch is checked against: the queued and carried pieces (a carry held as a
-    table as its table) and the batches buffered ahead."""
-    queued = [piece for q in queues for piece in q]
-    if isinstance(carry, FreshPieces):
-        return KeySets(queued, carry.table, *ahead.tables(), ids=[None, None, *ahead.id_sets()])
-    return KeySets(queued + list(carry), *ahead.tables(), ids=[None, *ahead.id_sets()])
+    """What a new batch is checked against: the queued and carried pieces (`_held`; a carry
+    held as a table as its table) and the batches buffered ahead."""
+    held = _held(queues, carry)
+    if isinstance(held, list):
+        groups = [held]
+    else:  # the queued pieces, if any, and the carry's table
+        groups = [part if isinstance(part, list) else part.table for part in held.parts]
+    return KeySets(*groups, *ahead.tables(), ids=[None] * len(groups) + list(ahead.id_sets()))

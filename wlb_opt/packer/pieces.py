@@ -77,8 +77,9 @@ def fresh_pieces(table: np.ndarray) -> FreshPieces | list[HeldPiece]:
 
 
 def arrived_sums(pieces, step: int) -> tuple[int, int]:
-    """(tokens, sum of arrival step x tokens) of the `pieces` that arrived by `step`; a
-    `FreshPieces` or a chain's `FreshPieces` parts are read as arrays, without making them."""
+    """(tokens, sum of arrival step x tokens) of the `pieces` (any iterable of them) that
+    arrived by `step`; a `FreshPieces` or a chain's `FreshPieces` parts are read as arrays,
+    without making them."""
     if isinstance(pieces, PieceChain):
         sums = [arrived_sums(part, step) for part in pieces.parts]
         return sum(t for t, _ in sums), sum(w for _, w in sums)
@@ -88,6 +89,7 @@ def arrived_sums(pieces, step: int) -> tuple[int, int]:
             return int(np.add.reduce(lengths)), int(np.dot(arrival, lengths))
         arrived = arrival <= step
         return int(np.add.reduce(lengths[arrived])), int(np.dot(arrival[arrived], lengths[arrived]))
+    pieces = pieces if isinstance(pieces, list) else list(pieces)
     if not pieces:
         return 0, 0
     arrivals = list(map(_ARRIVAL, pieces))
@@ -165,14 +167,10 @@ def take(pieces, positions: list[int]):
         return pieces._made.many([pieces._start + i for i in positions])
     if not isinstance(pieces, PieceChain) or len(positions) < 8:
         return [pieces[i] for i in positions]
-    at = np.asarray(positions, dtype=np.int64)
-    part_of = np.searchsorted(pieces._starts, at, side="right") - 1
     out: list = [None] * len(positions)
-    for k, (part, start) in enumerate(zip(pieces.parts, pieces._starts)):
-        where = np.flatnonzero(part_of == k)
-        if len(where):
-            for j, piece in zip(where.tolist(), take(part, (at[where] - start).tolist())):
-                out[j] = piece
+    for where, part, local in _by_part(pieces, np.asarray(positions, dtype=np.int64)):
+        for j, piece in zip(where.tolist(), take(part, local.tolist())):
+            out[j] = piece
     return out
 
 
@@ -181,14 +179,20 @@ def _taken_table(pieces, at: np.ndarray) -> np.ndarray:
     if isinstance(pieces, FreshPieces):
         return pieces._made.table[:, pieces._start + at]
     out = np.empty((4, len(at)), dtype=np.int64)
+    for where, part, local in _by_part(pieces, at):
+        out[:, where] = (_taken_table(part, local) if isinstance(part, FreshPieces)
+                         else piece_table([part[i] for i in local.tolist()]))
+    return out
+
+
+def _by_part(pieces: PieceChain, at: np.ndarray):
+    """For each part of the chain `pieces` that holds some of the positions `at`: (where they
+    are in `at`, the part, their positions in the part)."""
     part_of = np.searchsorted(pieces._starts, at, side="right") - 1
     for k, (part, start) in enumerate(zip(pieces.parts, pieces._starts)):
         where = np.flatnonzero(part_of == k)
         if len(where):
-            local = at[where] - start
-            out[:, where] = (_taken_table(part, local) if isinstance(part, FreshPieces)
-                             else piece_table([part[i] for i in local.tolist()]))
-    return out
+            yield where, part, at[where] - start
 
 
 class _PieceSequence(Sequence):

@@ -1363,11 +1363,8 @@ class MarginalRelease(GroupRelease):
         fixed, due_by = set(result.released), step - self.max_delay
         tables = pending.fresh_ranges() if isinstance(pending, PieceChain) else []
         arrival = result.arrival
-        if len(tables) == 1:  # a chain's fresh pieces: never released ones, and not made to be read
-            (lo, hi), = tables
-            return lambda i: arrival[i] > due_by and (lo <= i < hi or pending[i] not in fixed)
-        if len(tables) == 2:  # ... and its carry held as a table (never released either)
-            (lo, hi), (lo2, hi2) = tables
+        if 0 < len(tables) <= 2:  # a chain's fresh pieces and its carry held as a table: never released, not read
+            (lo, hi), (lo2, hi2) = (tables + [(0, 0)])[:2]
             return lambda i: arrival[i] > due_by and (lo <= i < hi or lo2 <= i < hi2 or pending[i] not in fixed)
         if tables:
             return lambda i: arrival[i] > due_by and (any(lo <= i < hi for lo, hi in tables) or pending[i] not in fixed)
