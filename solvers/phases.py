@@ -34,7 +34,7 @@ Algorithm 1 places piece by piece.
 from __future__ import annotations
 
 import heapq
-from itertools import chain
+from itertools import chain, islice
 
 import numpy as np
 
@@ -50,7 +50,9 @@ def phases_assign(order: np.ndarray, lengths: np.ndarray, fwd: np.ndarray, bwd: 
     bin adds. A bin's key, max(forward / mean forward, backward / mean backward) over the
     bins (every item of `order` counted in the means), only grows, so the heaps' keys may lag
     behind as in `greedy.wlb_assign_python` and are re-keyed at the top; as there, a leaner
-    loop places the items until the first fallback. With numba (the `fast` extra) the same
+    loop places the items until the first fallback, and an item that fits nowhere is deferred
+    with every next item longer than the most room left, at once (an overloaded step of 32
+    micro-batches defers a thousand of its tail's items). With numba (the `fast` extra) the same
     loop runs compiled (`greedy_compiled.phases_assign_compiled`, the same placements) unless
     `greedy.use_compiled(False)`."""
     order = np.asarray(order, dtype=np.int64)
@@ -67,6 +69,7 @@ def phases_assign(order: np.ndarray, lengths: np.ndarray, fwd: np.ndarray, bwd: 
                         dtype=np.float64), np.ascontiguousarray(b_share, dtype=np.float64), fwd_const / f_mean,
                         bwd_const / b_mean, int(n_bins), int(cap))
     sizes = lengths[order].tolist()
+    n_items = len(sizes)
     f_share, b_share = f_share.tolist(), b_share.tolist()
     f_load = [fwd_const / f_mean] * n_bins
     b_load = [bwd_const / b_mean] * n_bins
@@ -112,8 +115,15 @@ def phases_assign(order: np.ndarray, lengths: np.ndarray, fwd: np.ndarray, bwd: 
             while tok != toks[b]:
                 replace(tok_heap, (toks[b], b))
                 tok, b = tok_heap[0]
-            if tok + d > cap:
-                put(-1)
+            if tok + d > cap:  # fits nowhere, nor does any next item longer than the most room left:
+                # all deferred at once (the bins do not change while items are deferred)
+                k, room = len(placed), cap - tok
+                j = k + 1
+                while j < n_items and sizes[j] > room:
+                    j += 1
+                placed.extend([-1] * (j - k))
+                if j - k > 1:
+                    next(islice(items, j - k - 2, j - k - 1), None)  # skip the items deferred with this one
                 continue
         toks[b] += d
         f = f_load[b] + fs
