@@ -34,6 +34,7 @@ Algorithm 1 places piece by piece.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from itertools import chain, islice
 
 import numpy as np
@@ -43,8 +44,13 @@ from .problem import PackProblem, PackResult
 
 
 def phases_assign(order: np.ndarray, lengths: np.ndarray, fwd: np.ndarray, bwd: np.ndarray, n_bins: int, cap: int,
-                  fwd_const: float = 0.0, bwd_const: float = 0.0) -> np.ndarray:
+                  fwd_const: float = 0.0, bwd_const: float = 0.0,
+                  stop_if_placed_by: Callable[[], np.ndarray] | None = None) -> np.ndarray | None:
     """The bin of each item of `order` (placement order) under the module's rule, -1 = deferred.
+
+    `stop_if_placed_by`, if given, is called at the first item that fits nowhere and returns
+    another placement of `order` (-1 = deferred); the Python loop then returns None as soon
+    as it defers an item that placement places (the compiled loop places every item).
 
     `fwd`, `bwd`: seconds of each item in each phase; `fwd_const`, `bwd_const`: seconds every
     bin adds. A bin's key, max(forward / mean forward, backward / mean backward) over the
@@ -100,6 +106,7 @@ def phases_assign(order: np.ndarray, lengths: np.ndarray, fwd: np.ndarray, bwd: 
     for key, b in heap:
         keys[b] = key
     stuck = -1  # >= 0: the room of the least-loaded bin, current at the top (as in wlb_assign_python)
+    other = None  # the placement of `stop_if_placed_by`, once called
     for d, fs, bs in items:
         least = False
         if d <= stuck or stuck < 0:
@@ -121,6 +128,11 @@ def phases_assign(order: np.ndarray, lengths: np.ndarray, fwd: np.ndarray, bwd: 
                 j = k + 1
                 while j < n_items and sizes[j] > room:
                     j += 1
+                if stop_if_placed_by is not None:
+                    if other is None:
+                        other = stop_if_placed_by().tolist()
+                    if max(other[k:j]) >= 0:
+                        return None
                 placed.extend([-1] * (j - k))
                 if j - k > 1:
                     next(islice(items, j - k - 2, j - k - 1), None)  # skip the items deferred with this one
@@ -223,13 +235,23 @@ def phases_or_algorithm1(order: np.ndarray, lengths: np.ndarray, weights: np.nda
 
 def _balanced_or_algorithm1(order, lengths, fwd, bwd, n_bins, cap, fwd_const, bwd_const, algorithm1):
     """`phases_or_algorithm1` item by item; `algorithm1()` gives Algorithm 1's placement,
-    made only where the balanced one defers an item."""
-    placed = phases_assign(order, lengths, fwd, bwd, n_bins, cap, fwd_const, bwd_const)
+    made only where the balanced one defers an item (at the first it defers: the balanced
+    placement stops at the first item it defers that Algorithm 1 places)."""
+    made = []
+
+    def algorithm1_once():
+        if not made:
+            made.append(algorithm1())
+        return made[0]
+
+    placed = phases_assign(order, lengths, fwd, bwd, n_bins, cap, fwd_const, bwd_const,
+                           stop_if_placed_by=algorithm1_once)
+    if placed is None:
+        return made[0], True
     if placed.min(initial=0) >= 0:
         return placed, False
-    algorithm1 = algorithm1()
-    if np.any((placed < 0) & (algorithm1 >= 0)):
-        return algorithm1, True
+    if np.any((placed < 0) & (algorithm1_once() >= 0)):
+        return made[0], True
     return placed, False
 
 

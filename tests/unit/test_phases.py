@@ -115,6 +115,38 @@ def test_nothing_algorithm1_places_is_deferred(lengths, n_bins, slack):
     assert result.extra["fallback"] == fallback
 
 
+@settings(max_examples=80, deadline=None)
+@given(lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=70), n_bins=st.integers(1, 6),
+       slack=st.floats(0.3, 1.5), carried_frac=st.floats(0, 1), data=st.data())
+def test_the_loop_stops_at_the_first_item_it_defers_that_another_placement_places(lengths, n_bins, slack,
+                                                                                  carried_frac, data):
+    # against the scan of every bin: None exactly where the whole placement defers an item the
+    # other placement places, else the whole placement; the other one is asked for once, and
+    # only where an item is deferred
+    lengths = np.array(lengths, dtype=np.int64)
+    cap = max(1, int(slack * lengths.sum() / n_bins))
+    fwd, bwd = _phases(lengths)
+    problem = PackProblem(lengths=lengths, weights=fwd + bwd, n_bins=n_bins, max_tokens=cap,
+                          carried=int(carried_frac * len(lengths)))
+    order = placement_order(problem, lengths)
+    whole = phases_assign_reference(order, lengths, fwd, bwd, n_bins, cap)
+    other = np.array(data.draw(st.lists(st.integers(-1, n_bins - 1), min_size=len(order), max_size=len(order))),
+                     dtype=np.int64)
+    asked = []
+
+    def placed_by():
+        asked.append(1)
+        return other
+
+    with use_compiled(False):
+        got = phases_assign(order, lengths, fwd, bwd, n_bins, cap, stop_if_placed_by=placed_by)
+    if np.any((whole < 0) & (other >= 0)):
+        assert got is None
+    else:
+        np.testing.assert_array_equal(got, whole)
+    assert len(asked) == int(bool(np.any(whole < 0)))
+
+
 def test_algorithm1_is_kept_where_the_balanced_placement_would_defer_more():
     # two bins of 20 tokens; the balanced placement leaves the fifth item (6 tokens) no room
     # that Algorithm 1 keeps for it
