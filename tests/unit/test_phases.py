@@ -1,4 +1,5 @@
-"""wlb_phases: its heap loop (Python and compiled) against a scan of every bin, Algorithm 1
+"""wlb_phases: its heap loop (Python and compiled) against a scan of every bin, and its stop at
+the first item it defers that another placement places, Algorithm 1
 when the phases weigh alike, never deferring what Algorithm 1 places, lower forward and
 backward imbalance than Algorithm 1 on the steps of a real-length stream, and, from 32 bins,
 its short tail in lumps: cut as a per-item twin cuts it, placed as the scan places the lumps,
