@@ -33,6 +33,7 @@ Algorithm 1 places piece by piece.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Callable
 from itertools import chain, islice
@@ -237,21 +238,15 @@ def _balanced_or_algorithm1(order, lengths, fwd, bwd, n_bins, cap, fwd_const, bw
     """`phases_or_algorithm1` item by item; `algorithm1()` gives Algorithm 1's placement,
     made only where the balanced one defers an item (at the first it defers: the balanced
     placement stops at the first item it defers that Algorithm 1 places)."""
-    made = []
-
-    def algorithm1_once():
-        if not made:
-            made.append(algorithm1())
-        return made[0]
-
+    algorithm1 = functools.cache(algorithm1)  # made once, where first asked for
     placed = phases_assign(order, lengths, fwd, bwd, n_bins, cap, fwd_const, bwd_const,
-                           stop_if_placed_by=algorithm1_once)
+                           stop_if_placed_by=algorithm1)
     if placed is None:
-        return made[0], True
+        return algorithm1(), True
     if placed.min(initial=0) >= 0:
         return placed, False
-    if np.any((placed < 0) & (algorithm1_once() >= 0)):
-        return made[0], True
+    if np.any((placed < 0) & (algorithm1() >= 0)):
+        return algorithm1(), True
     return placed, False
 
 
