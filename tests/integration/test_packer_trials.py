@@ -402,6 +402,7 @@ def test_a_lumped_candidate_rejects_exactly_what_its_full_packing_fails():
 def test_large_steps_of_the_default_step_packer_try_the_sparse_groups(dist, lookahead, monkeypatch):
     # From 32 micro-batches "wlb_phases" tries the groups `sparse_window` keeps: on every call of
     # a stream, `_windows` gives exactly the windows of every run of held pieces that it keeps
+    # (those holding an early piece at their own stride)
     # (bounds and reliefs included), in Python as with numpy, and leaves some out. With
     # method="wlb", or at 16 micro-batches, every run is tried.
     from wlb_opt.packer import release as release_module
@@ -417,7 +418,7 @@ def test_large_steps_of_the_default_step_packer_try_the_sparse_groups(dist, look
         every = windows(dataclasses.replace(self, sparse_windows=False), remaining, ctx, early_only)
         top = min(self.need, len(remaining))
         chosen = [k for k, (size, start) in enumerate(zip(every[0], every[1]))
-                  if release_module.sparse_window(size, start, len(remaining), top)]
+                  if release_module.sparse_window(size, start, len(remaining), top, early=early_only)]
         assert got == tuple(None if part is None else [part[k] for k in chosen] for part in every)
         seen["thinned"] += len(chosen) < len(every[0])
         monkeypatch.setattr(release_module, "SMALL_WINDOWS", 10**9)
@@ -525,6 +526,15 @@ def test_the_sparse_groups_are_the_sizes_and_starts_named():
         layout = _window_layout(n, top)
         assert layout.sparse.tolist() == [listed(int(s), int(i), n, top) for s, i in zip(layout.sizes, layout.starts)]
     assert int(_window_layout(34, 32).sparse.sum()) == 193 and int(_window_layout(88, 32).sparse.sum()) == 536
+    # a group holding an early piece: the same sizes, a start every size pieces (no overlap) and the last run
+    assert [i for i in range(100 - 24 + 1) if sparse_window(24, i, 100, 32, early=True)] == [0, 24, 48, 72, 76]
+    assert [i for i in range(10 - 3 + 1) if sparse_window(3, i, 10, 32, early=True)] == [0, 3, 6, 7]
+    assert [i for i in range(10 - 1 + 1) if sparse_window(1, i, 10, 32, early=True)] == list(range(10))
+    assert not any(sparse_window(5, i, 100, 32, early=True) for i in range(96))
+    for n, top in ((34, 32), (88, 32), (7, 7), (20, 16), (70, 64)):
+        layout = _window_layout(n, top)
+        assert layout.sparse_early.tolist() == [listed(int(s), int(i), n, top) and (i % s == 0 or i == n - s)
+                                                for s, i in zip(layout.sizes.tolist(), layout.starts.tolist())]
 
 
 @settings(max_examples=60, deadline=None)

@@ -38,8 +38,9 @@ defaults.py says why).
   packed at all: the same plans, a fraction of the planning time. Tolerance ~1.3 (fwd + bwd
   loads) suits the default stream. On steps of `SPARSE_MIN_BINS` micro-batches or more the
   default step packer tries a sparse set of these groups (`sparse_window`: a few sizes, starts
-  a quarter group apart), chosen among exactly as the full set, and packs at most `MAX_PACKED`
-  of them per search and `MAX_STEP_PACKED` per step.
+  a quarter group apart, a whole group apart for those holding an early piece), chosen among
+  exactly as the full set, and packs at most `MAX_PACKED` of them per search and
+  `MAX_STEP_PACKED` per step.
 - "marginal" (beyond the paper): the pool and the candidates of "group", chosen at the
   margin: a group leaves while the imbalance it adds is worth the tokens it stops holding.
   `MarginalRelease` states the rule (score, price, pairs, carried pieces, trim).
@@ -121,26 +122,35 @@ REPAIR_ROUNDS = 6
 SPARSE_STRIDE = 4
 """With `sparse_windows`, a group of `size` pieces starts every max(1, size // SPARSE_STRIDE)
 pieces of the pool (a quarter of the group moves from one to the next)."""
+EARLY_SPARSE_STRIDE = 1
+"""With `sparse_windows` and lookahead, a group that holds an early piece (the second list of
+`GroupRelease._candidates`) starts every max(1, size // EARLY_SPARSE_STRIDE) pieces: the groups
+of one size follow each other without overlap. They are as many again as the groups of the
+arrived pieces, and on the calibration streams at 32 micro-batches the balance held with a
+quarter as many of them (docs/tuning.md)."""
 
 
-def sparse_window(size: int, start: int, n: int, top: int) -> bool:
+def sparse_window(size: int, start: int, n: int, top: int, early: bool = False) -> bool:
     """Whether the run of `size` pieces at `start`, in a pool of `n` sorted pieces whose groups
     hold at most `top`, is a group of the sparse set: sizes 1 to 4, then 2**k and 3 x 2**k
     (6, 8, 12, 16, 24, 32, ...) and `top`; for each size, the starts every
-    max(1, size // SPARSE_STRIDE) pieces and the run that ends at the last piece. At 32
+    max(1, size // SPARSE_STRIDE) pieces (with `early`, a group holding an early piece: every
+    max(1, size // EARLY_SPARSE_STRIDE)) and the run that ends at the last piece. At 32
     micro-batches a pool of 34 outliers then makes 193 groups instead of 592, one of 88
     makes 536 instead of 2,320, and a group seldom differs much from the nearest one kept."""
-    return bool(_sparse_mask(np.array([size]), np.array([start]), n, top)[0])
+    stride = EARLY_SPARSE_STRIDE if early else SPARSE_STRIDE
+    return bool(_sparse_mask(np.array([size]), np.array([start]), n, top, stride)[0])
 
 
-def _sparse_mask(sizes: np.ndarray, starts: np.ndarray, n: int, top: int) -> np.ndarray:
-    """`sparse_window` of each (size, start), as a boolean array."""
+def _sparse_mask(sizes: np.ndarray, starts: np.ndarray, n: int, top: int, stride: int = SPARSE_STRIDE) -> np.ndarray:
+    """`sparse_window` of each (size, start), as a boolean array; `stride`: `SPARSE_STRIDE` or
+    `EARLY_SPARSE_STRIDE`."""
     power_of_two = (sizes & (sizes - 1)) == 0
     thirds = sizes // 3
     three_times = (sizes % 3 == 0) & ((thirds & (thirds - 1)) == 0)
     size_kept = (sizes <= 4) | (sizes == top) | power_of_two | three_times
-    stride = np.maximum(1, sizes // SPARSE_STRIDE)
-    return size_kept & ((starts % stride == 0) | (starts == n - sizes))
+    every = np.maximum(1, sizes // stride)
+    return size_kept & ((starts % every == 0) | (starts == n - sizes))
 
 
 SPARSE_SUMS_FROM = 64
@@ -152,16 +162,17 @@ per window takes fewer numpy calls, for large ones the layout sums mostly window
 
 
 @functools.lru_cache(maxsize=256)
-def _sparse_windows(n: int, top: int) -> tuple[np.ndarray, np.ndarray]:
+def _sparse_windows(n: int, top: int, stride: int = SPARSE_STRIDE) -> tuple[np.ndarray, np.ndarray]:
     """(size, start) of each of the sparse set's windows of a pool of n pieces, groups of 1 to
-    top, by size then start (`sparse_window`), made once per (n, top)."""
+    top, by size then start (`sparse_window`; `stride` as `_sparse_mask`), made once per
+    (n, top, stride)."""
     sizes = np.arange(1, top + 1)
     kept = sizes[_sparse_mask(sizes, np.zeros(top, dtype=np.int64), n, top)].tolist()  # start 0 passes any stride
     out = []
     for size in kept:
         if size > n:
             break
-        starts = np.arange(0, n - size + 1, max(1, size // SPARSE_STRIDE))
+        starts = np.arange(0, n - size + 1, max(1, size // stride))
         if starts[-1] != n - size:  # the run that ends at the last piece
             starts = np.append(starts, n - size)
         out.append((size, starts))
@@ -227,6 +238,8 @@ class _WindowLayout(NamedTuple):
     """Start of each of those windows, in the same order."""
     sparse: np.ndarray
     """`sparse_window` of each of those windows."""
+    sparse_early: np.ndarray
+    """`sparse_window` of each of those windows with early=True."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -236,7 +249,8 @@ def _window_layout(n: int, top: int) -> _WindowLayout:
     valid = np.arange(n)[None, :] <= n - np.arange(1, top + 1)[:, None]
     sizes = np.repeat(np.arange(1, top + 1), n - np.arange(top))
     starts = np.nonzero(valid)[1]
-    layout = _WindowLayout(rows, sizes, starts, _sparse_mask(sizes, starts, n, top))
+    layout = _WindowLayout(rows, sizes, starts, _sparse_mask(sizes, starts, n, top),
+                           _sparse_mask(sizes, starts, n, top, EARLY_SPARSE_STRIDE))
     for array in layout:
         array.flags.writeable = False
     return layout
@@ -586,7 +600,7 @@ class GroupRelease(ReleasePolicy):
         lengths = lengths_of(remaining)
         # The windows judged, by size then start: the sparse set's (`sparse_window`) or every one.
         if self.sparse_windows:
-            sizes, starts = _sparse_windows(n, top)
+            sizes, starts = _sparse_windows(n, top, EARLY_SPARSE_STRIDE if early_only else SPARSE_STRIDE)
         else:
             layout = _window_layout(n, top)
             sizes, starts = layout.sizes, layout.starts
@@ -650,7 +664,10 @@ class GroupRelease(ReleasePolicy):
             excess = room.base_tokens + room.joined_tokens - room.capacity
             defer_limit = self.max_backlog_tokens // 2 + 1
         windows = []  # (size, start, tokens, relief, total cost, heaviest cost) past the early and deferral rules
-        sparse = iter(_window_layout(n, top).sparse.tolist()) if self.sparse_windows else None  # by size, start
+        sparse = None
+        if self.sparse_windows:  # by size, start
+            layout = _window_layout(n, top)
+            sparse = iter((layout.sparse_early if early_only else layout.sparse).tolist())
         tokens, reliefs, earlies, totals, heaviest = lengths, relief, early, costs, costs  # windows of 1
         for size in range(1, top + 1):
             if size > 1:  # windows of `size` from those of size - 1 and the piece after them
