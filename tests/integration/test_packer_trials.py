@@ -869,6 +869,36 @@ def test_a_repaired_step_scores_lower_and_a_step_left_has_no_group_that_would(di
     assert seen["repaired"] >= 1 and seen["left"] >= 3
 
 
+@settings(max_examples=150, deadline=None)
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=7), n_bins=st.integers(1, 3),
+       cap=st.integers(1, 24), n_held=st.integers(0, 7))
+def test_a_step_surely_defers_only_where_no_placement_places_every_piece(lengths, n_bins, cap, n_held):
+    # `_surely_defers` (the repair's bound before it packs a group) against every placement of
+    # the pieces, held ones and lengths alike, into n_bins micro-batches of cap tokens
+    import itertools
+
+    from wlb_opt.packer.release import _surely_defers
+
+    held = [HeldPiece(i, 0, d, 0) for i, d in enumerate(lengths[:n_held])]
+    others = sorted(lengths[n_held:], reverse=True)
+    fits = any(all(sum(d for d, b in zip(lengths, bins) if b == k) <= cap for k in range(n_bins))
+               for bins in itertools.product(range(n_bins), repeat=len(lengths)))
+    if _surely_defers(held, others, n_bins, cap):
+        assert not fits
+    if max(lengths) <= cap and len(lengths) <= n_bins:
+        assert not _surely_defers(held, others, n_bins, cap)
+
+
+def test_a_step_surely_defers_where_the_pigeonhole_says_so():
+    from wlb_opt.packer.release import _surely_defers
+
+    held = [HeldPiece(i, 0, 60, 0) for i in range(3)]
+    assert _surely_defers(held, [60, 60], 4, 100)  # five pieces of 60 in four micro-batches of 100
+    assert not _surely_defers(held, [60, 40], 4, 100)  # 60 + 40 fit one
+    assert _surely_defers([], [30] * 9, 4, 89)  # some micro-batch holds three of nine
+    assert not _surely_defers([], [30] * 9, 4, 90)
+
+
 def test_steps_of_16_micro_batches_or_more_are_never_repaired(monkeypatch):
     # the repair packs every move of a round (tens of packings); from 16 micro-batches the
     # candidates are packed in lumps and a step's time is the planner's budget, so there the

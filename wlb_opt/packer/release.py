@@ -881,6 +881,20 @@ class GroupRelease(ReleasePolicy):
         return StepRelease(pending, plan, arrival, released, n_early=len(released) - n_forced), without_groups
 
 
+_MUST_PLACE_TOP = 4
+"""`_repaired` bounds a group's step by the step's own pieces among the `_MUST_PLACE_TOP` x
+need longest it must place (`_surely_defers`; any of them give a valid bound)."""
+
+
+def _surely_defers(pieces: list[HeldPiece], longest: list[int], n_bins: int, cap: int) -> bool:
+    """Whether `pieces` and the pieces of lengths `longest` cannot all be placed in n_bins
+    micro-batches of `cap` tokens: whatever the placement, some micro-batch holds k + 1 of the
+    k x n_bins + 1 longest of them (pigeonhole), and for some k even the k + 1 shortest of
+    those exceed `cap` (`pigeonhole_sorted`)."""
+    lengths = sorted([piece.length for piece in pieces] + longest, reverse=True)
+    return pigeonhole_sorted(lengths, n_bins) > cap
+
+
 def _visiting_order(windows: list[tuple], lowest_bound_first: bool, most_tokens_first: bool, price: float) -> list:
     """The order in which `_candidates` visits its windows, (index, size, tokens,
     imbalance_at_least, source, start, relief) each: with `lowest_bound_first`, increasing
@@ -1168,7 +1182,9 @@ class MarginalRelease(GroupRelease):
         ahead. A group whose packing (without the pieces the step deferred) defers more tokens
         than the step deferred, or a released piece, is not taken. A group surely above the
         score it must beat (its heaviest piece against the largest mean the step can have, as
-        `_cannot_pass`) is not packed, and the others are packed only until they surely fail
+        `_cannot_pass`), or whose step surely defers a piece it must place (`_surely_defers`:
+        the released pieces, the group's, and those longer than the tokens the step may
+        defer), is not packed, and the others are packed only until they surely fail
         (`TrialPack.rejects`). The pieces the step deferred (its trim) stay deferred; the
         groups taken leave their queues."""
         released = list(chosen.released)
@@ -1183,6 +1199,10 @@ class MarginalRelease(GroupRelease):
         carry_in = [piece for piece in carry if piece.key not in back_keys]
         fresh_in = [piece for piece in fresh if piece.key not in back_keys]
         limit = chosen.plan.deferred_tokens
+        longest = None  # the longest pieces of the step's own that a packing kept must place
+        if self.max_tokens is not None:
+            own = np.concatenate([lengths_of(carry_in), lengths_of(fresh_in)])
+            longest = (-np.sort(-own[own > limit]))[:_MUST_PLACE_TOP * self.need].tolist()
         cost_of = self._costs(pool + released)
         if cost_of:  # the step places every piece but kept_back: what it places costs its loads
             placed_cost = float(np.add.reduce(chosen.plan.loads)) - self.need * self.bin_const
@@ -1200,6 +1220,8 @@ class MarginalRelease(GroupRelease):
                     if cost_of and self._cannot_pass(group, cost_of, placed_cost, below, heaviest):
                         continue
                     keep = released + added + group
+                    if longest is not None and _surely_defers(keep, longest, self.need, self.max_tokens):
+                        continue
                     pending, plan, arrival = solve(*self._split(carry_in, keep, fresh_in, step))
                     if self._rejects(plan, pending, below, limit + 1, keep):
                         continue
