@@ -158,13 +158,14 @@ def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
         i = int(np.argmax(arr >= np.uint64(MAX_TOKENS)))
         raise ValueError(f"{name} must be token counts below 2**62, got {int(arr[i])} at index {i}")
     arr = arr.astype(np.int64)
-    if np.any(arr <= 0):
+    low, high = int(np.minimum.reduce(arr)), int(np.maximum.reduce(arr))
+    if low <= 0:
         i = int(np.argmax(arr <= 0))
         raise ValueError(f"{name} must be positive token counts, got {int(arr[i])} at index {i}")
-    if np.any(arr >= MAX_TOKENS):
+    if high >= MAX_TOKENS:
         i = int(np.argmax(arr >= MAX_TOKENS))
         raise ValueError(f"{name} must be token counts below 2**62, got {int(arr[i])} at index {i}")
-    if float(arr.sum(dtype=np.float64)) >= MAX_TOKENS:
+    if high * arr.size >= MAX_TOKENS and float(arr.sum(dtype=np.float64)) >= MAX_TOKENS:
         # int64 sums of token counts (micro-batches, cumulative offsets) would wrap
         raise ValueError(f"{name} must hold fewer than 2**62 tokens in total, got about "
                          f"{float(arr.sum(dtype=np.float64)):.3e}")

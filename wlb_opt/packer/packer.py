@@ -39,6 +39,7 @@ Plans are frozen: each step's plan is built once, from `solve_pack`'s, with `pla
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -350,7 +351,11 @@ class WLBPacker:
         shown = running_displacement(self._stats.totals, held, self._step, self.capacity_tokens,
                                      TARGET_SHARE * self.delay_budget)
         high = MARGINAL_TOLERANCE_HIGH if self.release == "marginal" else TOLERANCE_HIGH
-        return dataclasses.replace(self._release, balance_tolerance=adaptive_tolerance(shown, self.delay_budget, high))
+        # the policy with its tolerance changed: a copy of the frozen dataclass (`dataclasses.replace`
+        # would run its __init__ over every field, each step; no field derives from the tolerance)
+        policy = copy.copy(self._release)
+        object.__setattr__(policy, "balance_tolerance", adaptive_tolerance(shown, self.delay_budget, high))
+        return policy
 
     def _make_step_solver(self, held: list[HeldPiece], fresh: list[HeldPiece],
                           fresh_table: np.ndarray | None = None) -> StepSolver | None:
