@@ -845,11 +845,15 @@ class GroupRelease(ReleasePolicy):
         n_forced = len(released)
         pending, plan, arrival = solve(*self._split(carry, released, fresh, step))
         without_groups = StepRelease(pending, plan, arrival, released, 0)
-        costs = self._costs(pool)  # the held pieces', by key; the step's own ones only count in base_cost
+        costs = {}  # the held pieces', by key; the step's own ones only count in base_cost
         base_cost = 0.0
         if self.piece_cost is not None and self.cost_bounds and (carry or fresh or pool):
             own_lengths = np.concatenate([lengths_of(carry), lengths_of(fresh)])
-            own = self.piece_cost(own_lengths)
+            # the step's own pieces and the held ones weighed in one call (each cost is its own)
+            weighed = self.piece_cost(np.concatenate([own_lengths, lengths_of(pool)]) if pool else own_lengths)
+            own = weighed[:len(own_lengths)]
+            if pool:
+                costs = dict(zip(map(_ID_OFFSET, pool), weighed[len(own_lengths):].tolist()))
             # summed in the order carry, fresh, released: the same floats as piece by piece
             base_cost = sum(own.tolist() + [costs[piece.key] for piece in released])
         own_pieces = None
@@ -1299,15 +1303,18 @@ class MarginalRelease(GroupRelease):
         heapq.heapify(heaviest)
         queues = {}  # micro-batch: [pieces it holds, its pieces shortest first (ties: the first placed),
         shed = []    #               their tokens, their costs, how many of them were passed, those shed]
+        piece_costs = None  # every piece's, weighed in one call when a micro-batch is first read
         while True:
             h = heaviest[0][1]
             queue = queues.get(h)
             if queue is None:
+                if piece_costs is None:
+                    piece_costs = self.piece_cost(plan.lengths)
                 mb = plan.micro_batches[h]
                 lengths = plan.lengths[mb]
                 by = np.lexsort((mb, lengths))
-                queue = queues[h] = [len(mb), mb[by].tolist(), lengths[by].tolist(),
-                                     self.piece_cost(lengths[by]).tolist(), 0, []]
+                queue = queues[h] = [len(mb), mb[by].tolist(), lengths[by].tolist(), piece_costs[mb[by]].tolist(), 0,
+                                     []]
             held, order, lengths, costs, at, gone = queue
             while at < len(order) and not movable(order[at]):
                 at += 1
@@ -1332,9 +1339,8 @@ class MarginalRelease(GroupRelease):
                 gone = set(queue[5])
                 mb = micro_batches[h] = np.array([i for i in micro_batches[h].tolist() if i not in gone],
                                                  dtype=np.int64)
-                lengths = plan.lengths[mb]
-                exact[h] = np.add.reduce(self.piece_cost(lengths)) + self.bin_const
-                tokens[h] = np.add.reduce(lengths)
+                exact[h] = np.add.reduce(piece_costs[mb]) + self.bin_const
+                tokens[h] = np.add.reduce(plan.lengths[mb])
         info = dataclasses.replace(plan.info, extra={**plan.info.extra, "shed": len(shed)})
         plan = plan.replace(micro_batches=tuple(micro_batches), deferred=np.append(plan.deferred, shed), loads=exact,
                             tokens=tokens, info=info)
