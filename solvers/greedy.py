@@ -454,10 +454,13 @@ def _group(order: np.ndarray, placed_bin: np.ndarray, n_bins: int) -> PackResult
     return PackResult(bins=split_by_bin(items.astype(np.int64, copy=False), bins_of, n_bins), deferred=order[~keep])
 
 
-def split_by_bin(items: np.ndarray, bins_of: np.ndarray, n_bins: int) -> list[np.ndarray]:
+def split_by_bin(items: np.ndarray, bins_of: np.ndarray, n_bins: int, read_only: bool = False) -> list[np.ndarray]:
     """Per bin, the `items` whose `bins_of` is that bin, in their given order (`np.split` of a
-    stable sort by bin, without its per-piece overhead)."""
+    stable sort by bin, without its per-piece overhead): views of one array, read-only with
+    `read_only` (a `PackPlan` then keeps them as they are)."""
     grouped = items[bin_order(bins_of, n_bins)]
+    if read_only:
+        grouped.flags.writeable = False
     ends = np.cumsum(np.bincount(bins_of, minlength=n_bins)).tolist()
     return [grouped[start:end] for start, end in zip([0] + ends[:-1], ends)]
 

@@ -25,6 +25,8 @@ PLAN_FORMAT_VERSION = 2  # 2: arrival_step is a field; 1 still loads (arrival in
 
 def _freeze(obj, name: str, dtype) -> None:
     value = getattr(obj, name)
+    if _frozen_already(value, dtype):
+        return
     if np.dtype(dtype).kind in "iu":  # a cast would truncate 990.9 to 990 and change the plan silently
         value = exact_integers(value, f"plan field {name}")
     object.__setattr__(obj, name, read_only(value, dtype))
@@ -37,11 +39,14 @@ def _frozen_tuple(arrays, dtype, name: str = "micro_batches") -> tuple:
 
 
 def _frozen_already(a, dtype) -> bool:
-    """Whether `a` is what `read_only` makes of it already: an array of `dtype` that owns its
-    contiguous data and is read-only (a changed copy of a plan shares it, as it shares the
-    fields it leaves unchanged)."""
-    return (type(a) is np.ndarray and a.dtype == dtype and not a.flags.writeable and a.flags.owndata
-            and a.flags.c_contiguous)
+    """Whether `a` is as good as what `read_only` makes of it: a read-only contiguous array of
+    `dtype` that owns its data, or a view of a read-only array that does (a changed copy of a
+    plan shares it, as it shares the fields it leaves unchanged; the packer's own plans are
+    made of such arrays, not copied again)."""
+    if type(a) is not np.ndarray or a.dtype != dtype or a.flags.writeable or not a.flags.c_contiguous:
+        return False
+    base = a.base
+    return a.flags.owndata or (type(base) is np.ndarray and base.flags.owndata and not base.flags.writeable)
 
 
 def imbalance(loads) -> float:

@@ -182,6 +182,27 @@ def test_plans_are_frozen_and_their_digest_cannot_change():
     before = built.digest()
     ids[0] = 99
     assert built.digest() == before and built.doc_ids[0] == 0
+    # a read-only view is kept as it is only where what it views is read-only too
+    base = np.arange(6, dtype=np.int64)
+    view = base[:3]
+    view.flags.writeable = False
+
+    def with_ids(doc_ids):
+        return wlb.PackPlan(doc_ids=doc_ids, lengths=[1, 2, 3], offsets=[0, 0, 0], micro_batches=[[0, 1, 2]],
+                            replica_of=[0], deferred=[], loads=[1.0], tokens=[6], n_micro=1)
+
+    copied = with_ids(view)
+    base[0] = 99
+    assert copied.doc_ids is not view and copied.doc_ids[0] == 0
+    base.flags.writeable = False
+    assert with_ids(base[:3]).doc_ids.base is base
+    # the streaming packer's plans, made from its own arrays without a copy, are as frozen
+    packer = wlb.WLBPacker(2, 400, analytic(dp=1))
+    packed = packer.pack(np.arange(1, 40))
+    for arr in (packed.doc_ids, packed.lengths, packed.offsets, packed.replica_of, packed.deferred, packed.loads,
+                packed.tokens, *packed.micro_batches):
+        with pytest.raises(ValueError, match="read-only"):
+            arr[0:1] = 0
 
 
 

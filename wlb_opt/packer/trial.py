@@ -648,7 +648,8 @@ class TrialPack:
     def micro_batches(self) -> tuple[np.ndarray, ...]:
         """Positions (in the pending list) of each micro-batch's pieces, in placement order."""
         keep = self._placed_bin >= 0
-        return tuple(split_by_bin(self._positions[keep], self._placed_bin[keep], self._solver.dp * self._solver.n_micro))
+        return tuple(split_by_bin(self._positions[keep], self._placed_bin[keep], self._solver.dp * self._solver.n_micro,
+                                  read_only=True))
 
     @property
     def n_placed(self) -> int:
@@ -697,10 +698,14 @@ class TrialPack:
         n_bins = s.dp * s.n_micro
         info = SolveInfo(method=s.method, status="heuristic", objective=float(loads.max()) if len(loads) else 0.0,
                          extra=extra)
-        return PackPlan(doc_ids=s.ids[idx], lengths=s.lengths[idx], offsets=s.offsets[idx],
-                        micro_batches=self.micro_batches, replica_of=np.arange(n_bins, dtype=np.int64) // s.n_micro,
-                        deferred=self.deferred, loads=loads, tokens=tokens, n_micro=s.n_micro, dp=s.dp,
-                        max_tokens=s.max_tokens, info=info)
+        # arrays made here for the plan alone, read-only: the PackPlan keeps them without a copy
+        fields = dict(doc_ids=s.ids[idx], lengths=s.lengths[idx], offsets=s.offsets[idx],
+                      replica_of=np.arange(n_bins, dtype=np.int64) // s.n_micro, deferred=self.deferred.copy(),
+                      loads=loads, tokens=tokens)
+        for array in fields.values():
+            array.flags.writeable = False
+        return PackPlan(micro_batches=self.micro_batches, n_micro=s.n_micro, dp=s.dp, max_tokens=s.max_tokens,
+                        info=info, **fields)
 
 
 def as_pack_plan(plan: PackPlan | TrialPack) -> PackPlan:
