@@ -39,7 +39,6 @@ Plans are frozen: each step's plan is built once, from `solve_pack`'s, with `pla
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import time
@@ -351,9 +350,10 @@ class WLBPacker:
         shown = running_displacement(self._stats.totals, held, self._step, self.capacity_tokens,
                                      TARGET_SHARE * self.delay_budget)
         high = MARGINAL_TOLERANCE_HIGH if self.release == "marginal" else TOLERANCE_HIGH
-        # the policy with its tolerance changed: a copy of the frozen dataclass (`dataclasses.replace`
-        # would run its __init__ over every field, each step; no field derives from the tolerance)
-        policy = copy.copy(self._release)
+        # the policy with its tolerance changed: its fields copied as they are (`dataclasses.replace`
+        # would run __init__ over every field, each step; no field derives from the tolerance)
+        policy = object.__new__(type(self._release))
+        policy.__dict__.update(self._release.__dict__)
         object.__setattr__(policy, "balance_tolerance", adaptive_tolerance(shown, self.delay_budget, high))
         return policy
 
