@@ -24,7 +24,7 @@ from wlb_opt.packer.defaults import REPAIR_FROM
 from wlb_opt.packer.state import HeldPiece
 import wlb_opt.packer.trial as trial_module
 import wlb_opt.solvers.greedy as greedy_module
-from wlb_opt.packer.trial import COARSE_CUTS, StepSolver, TrialPack, as_pack_plan
+from wlb_opt.packer.trial import BELOW_ANY, COARSE_CUTS, StepSolver, TrialPack, as_pack_plan
 from wlb_opt.solvers.greedy import compiled_available, use_compiled
 from wlb_opt.solvers.phases import geometric_lumps
 from wlb_opt.workloads import DEFAULT_SEED, global_batches
@@ -166,7 +166,8 @@ def test_a_candidate_rejects_exactly_what_its_full_packing_fails(step, data, com
     # TrialPack.rejects stops packing once the candidate surely fails a limit (a lower bound on
     # its imbalance passes the threshold, its deferred tokens reach the limit, a piece to keep
     # is deferred): it must answer as the full packing does (overloaded steps, whose deferred
-    # pieces lower the mean, included), count one packing, and leave the candidate readable.
+    # pieces lower the mean, included), count one packing (none under a threshold below 1),
+    # and leave the candidate readable.
     # A step meets an order again: a packing of it done whole is reused, one stopped stops
     # again under limits no looser (thresholds in any order); the reference is packed whole by
     # a solver of its own. The Python loop stops early; the compiled one packs whole.
@@ -190,7 +191,8 @@ def test_a_candidate_rejects_exactly_what_its_full_packing_fails(step, data, com
                 trial = base.with_groups([group], account=lambda n, n_pieces: counted.append(n))[0]
                 assert trial.rejects(threshold, limit, keep) == want, (threshold, at, limit, deferred)
                 assert trial.rejects(threshold, limit, keep) == want  # asked again, stopped or not
-                assert counted == [1]
+                # a threshold below 1 rejects without a packing: no imbalance is below 1
+                assert counted == ([] if threshold is not None and threshold < BELOW_ANY else [1])
             if trial is not None:  # the last candidate read whole, after its packing stopped or not
                 assert trial.imbalance == at and trial.deferred_tokens == deferred
                 assert counted == [1]  # still one packing

@@ -64,6 +64,11 @@ SHARED_MIN_BINS = 16
 packing's placements of its other pieces (`TrialPack._assign_shared`). With fewer, the group's
 micro-batches soon become the least loaded, so little is shared: a step of 4 micro-batches took
 0.5-1.6% more instructions with the sharing than without (`real` and `heavy`, lookahead 4)."""
+BELOW_ANY = 1 - 1e-9
+"""A threshold below this rejects every packing (`TrialPack.rejects`, without packing it): the
+heaviest micro-batch is at least the mean, so an imbalance is at least 1 but for the rounding of
+the mean's sum (a relative 1e-12 at most, for any number of micro-batches a step has)."""
+
 _UNSHARED = object()  # `TrialPack._assign_shared`: the shared placements do not apply
 
 
@@ -507,7 +512,11 @@ class TrialPack:
         the imbalance from below, so the packing stops once that bound passes the threshold
         (with a margin of 1e-9 for rounding), once the tokens deferred so far reach the limit,
         or once a piece of `keep` is deferred. When it does not stop, the candidate is packed whole and its exact
-        values compared (the compiled loops always pack it whole)."""
+        values compared (the compiled loops always pack it whole). A threshold below `BELOW_ANY`
+        rejects without packing: the trim of a step already near 1 asks for less than 1 once the
+        price of the piece it defers is taken off."""
+        if threshold is not None and threshold < BELOW_ANY:
+            return True
         if "_placed_bin" not in self.__dict__ and compiled_loop() is not None:
             self._placed_bin = self._assign()  # the compiled loops pack whole: no stop to derive
         if "_placed_bin" not in self.__dict__:
