@@ -81,7 +81,7 @@ from ..solvers.bounds import densest_first, densest_order, pigeonhole_sorted
 from ._cached import cached_property
 from .pieces import FreshPieces, PieceChain, lengths_of, owned, take
 from .state import _ARRIVAL, _ID_OFFSET, _LENGTH, _LENGTH_ARRIVAL, HeldPiece
-from .trial import ROOM_MIN_PIECES, TrialPack, as_pack_plan
+from .trial import BELOW_ANY, ROOM_MIN_PIECES, TrialPack, as_pack_plan
 
 ReleaseName = Literal["paper", "balance", "group", "marginal"]
 
@@ -1363,7 +1363,8 @@ class MarginalRelease(GroupRelease):
         trimmed step must also score below it (its imbalance plus the piece's tokens at the
         price), which lets its packing stop sooner."""
         plan = result.plan
-        if sum(len(mb) for mb in plan.micro_batches) <= 1:
+        n_placed = getattr(plan, "n_placed", None)  # a TrialPack counts them without its micro-batches
+        if (n_placed if n_placed is not None else sum(len(mb) for mb in plan.micro_batches)) <= 1:
             return None
         heaviest = int(np.argmax(plan.loads))
         one = getattr(plan, "micro_batch", None)  # a TrialPack finds one micro-batch without the others
@@ -1373,6 +1374,10 @@ class MarginalRelease(GroupRelease):
         position = _longest(options, result)
         piece = result.pending[position]
         lam = self._token_price()
+        limit = plan.imbalance if below is None else min(plan.imbalance, below)
+        threshold = limit - lam * piece.length
+        if threshold < BELOW_ANY:  # no packing is below 1: nothing to pack to know it fails
+            return None
         without = getattr(plan, "without", None)
         if without is not None:  # a TrialPack: the same candidate as `solve` makes, less one piece
             pending, t_plan, arrival = without(position)
@@ -1382,8 +1387,7 @@ class MarginalRelease(GroupRelease):
         # the re-packing defers nothing more, nor more than "group"'s carry limit, nor a released
         # piece; a TrialPack is packed only until it surely fails (`_rejects`), then compared exactly
         deferred_limit = min(plan.deferred_tokens + 1, self.max_backlog_tokens // 2 - piece.length + 1)
-        limit = plan.imbalance if below is None else min(plan.imbalance, below)
-        if (self._rejects(t_plan, pending, limit - lam * piece.length, deferred_limit, result.released)
+        if (self._rejects(t_plan, pending, threshold, deferred_limit, result.released)
                 or t_plan.imbalance - limit + lam * piece.length >= 0):
             return None
         weighed = t_plan.imbalance
