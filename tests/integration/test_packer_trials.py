@@ -132,6 +132,38 @@ def test_candidates_made_from_a_packing_equal_those_packed_alone(step, data, com
         _check_candidates_made_from_a_packing(step, data)
 
 
+@settings(max_examples=80, deadline=None)
+@given(step=steps(), data=st.data())
+def test_a_candidate_takes_algorithm1s_input_from_its_packing(step, data):
+    # TrialPack._item_lists: a candidate of a packing already packed in Python takes the loop's
+    # input lists from the packing's (its group's pieces put in), and a trimmed packing
+    # (`without`) from its own less the piece: each must equal the lists of its own placement
+    # order, and pack as StepSolver.solve's packing of the same pieces / as its order packed
+    with use_compiled(False):
+        n_micro, cap, pieces, first, rest, tail = step
+        solver = _algorithm1_solver(step)
+        n_held = data.draw(st.integers(0, len(rest)))
+        held, extra = rest[:n_held], rest[n_held:]
+        groups = [extra[i:i + k] for i in range(len(extra)) for k in (1, 2, 3) if i + k <= len(extra)][:6]
+        _, base, _ = solver.solve(first, held + tail)
+        assert base.imbalance >= 0 and "_item_lists" in base.__dict__  # packed: its lists are kept
+
+        def lists_of(order):
+            return solver.lengths[order].tolist(), solver.weights[order].tolist()
+
+        for group in groups:
+            trial = base.with_group(group)
+            _, alone, _ = solver.solve(first, held + group + tail)
+            assert as_pack_plan(trial).digest() == as_pack_plan(alone).digest()
+            assert trial._item_lists == lists_of(trial._order)
+            if len(trial.pending) > len(first):
+                position = data.draw(st.integers(len(first), len(trial.pending) - 1))
+                _, smaller, _ = trial.without(position)
+                assert smaller._item_lists == lists_of(smaller._order)
+                want = greedy_module.wlb_assign_python(smaller._order, solver.lengths, solver.weights, n_micro, cap)
+                assert np.array_equal(smaller._placed_bin, want)
+
+
 def _check_candidates_made_from_a_packing(step, data):
     n_micro, cap, pieces, first, rest, tail = step
     solver = _algorithm1_solver(step)

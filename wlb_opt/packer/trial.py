@@ -448,6 +448,10 @@ class TrialPack:
         if placed is not _UNSHARED:
             return placed
         s = self._solver
+        if self._split is None and compiled_loop() is None:  # piece by piece, in Python: from lists
+            sizes, costs = self._item_lists
+            return wlb_assign_lists(sizes, costs, s.dp * s.n_micro, s.max_tokens, stop=stop,
+                                    sizes_array=lambda: s.lengths[self._order])
         placed, sums, deferred_tokens = s.assign_split(*(self._split or (self._order, None)), stop)
         if sums is not None:  # the values `loads` and `deferred_tokens` would compute from `placed`
             self.__dict__["loads"] = sums + s.bin_const
@@ -484,6 +488,30 @@ class TrialPack:
             return placed
         cut = len(split[0])
         return np.concatenate([placed[:cut], placed[cut:][s._lumps_of(split[1])[0]]])
+
+    @cached_property
+    def _item_lists(self) -> tuple[list[int], list[float]]:
+        """(tokens, cost) of each piece of the placement order, as the Python lists Algorithm 1's
+        loop reads. A candidate of a packing that has its lists takes theirs with its group's
+        pieces put in (slices of the lists, not a conversion of every piece again): the
+        candidates of a step of 4 micro-batches are packed piece by piece, a few hundred each."""
+        s, extends = self._solver, self._extends
+        base_lists = None if extends is None else extends[0].__dict__.get("_item_lists")
+        if base_lists is None:
+            order = self._order
+            return s.lengths[order].tolist(), s.weights[order].tolist()
+        sizes, costs = base_lists
+        ranked, at = self._group_merge
+        group_sizes, group_costs = s.lengths[ranked].tolist(), s.weights[ranked].tolist()
+        start = extends[0]._n_first  # the group goes after the pieces placed first
+        merged_sizes, merged_costs = sizes[:start], costs[:start]
+        for size, cost, where in zip(group_sizes, group_costs, (at + start).tolist()):
+            merged_sizes += sizes[start:where]
+            merged_costs += costs[start:where]
+            merged_sizes.append(size)
+            merged_costs.append(cost)
+            start = where
+        return merged_sizes + sizes[start:], merged_costs + costs[start:]
 
     @cached_property
     def _shared(self) -> SharedPlacements:
@@ -590,10 +618,15 @@ class TrialPack:
         idx = self._pending_idx
         gone = idx[position]
         pending_idx = np.concatenate([idx[:position], idx[position + 1:]])
-        order = self._order[self._order != gone]
+        kept = self._order != gone
+        order = self._order[kept]
         pending = self.pending[:position] + self.pending[position + 1:]
         trial = TrialPack(self._solver, pending_idx, order, n_first=cut,
                           n_rest=self._n_rest - (position < n_held), pending=pending)
+        lists = self.__dict__.get("_item_lists")
+        if lists is not None:  # Algorithm 1's input less the piece, sliced from this one's
+            at = int(kept.argmin())
+            trial._item_lists = tuple(items[:at] + items[at + 1:] for items in lists)
         return pending, trial, self._solver.arrival[pending_idx]
 
     def with_groups(self, groups: list[list[HeldPiece]], account=None) -> list["TrialPack"]:
