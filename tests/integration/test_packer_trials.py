@@ -292,20 +292,24 @@ def test_a_trimmed_step_is_the_step_packed_again_without_its_piece(dist, lookahe
 def test_the_trim_may_defer_exactly_the_fresh_pieces_and_the_carried_ones_not_due(dist, lookahead, max_delay,
                                                                                    carried_move, carried_stay,
                                                                                    monkeypatch):
-    # `MarginalRelease._movable` finds them from the released pieces and the deadline alone:
-    # the same positions as the plain definition over the step's fresh and carried pieces
+    # `MarginalRelease._movable_test` finds them from the released pieces and the deadline
+    # alone: the same answer as the plain definition over the step's fresh and carried pieces
     from wlb_opt.packer.release import MarginalRelease
-    movable, seen, current = MarginalRelease._movable, {"carried": 0, "fresh": 0, "stays": 0}, {}
+    movable_test, seen, current = MarginalRelease._movable_test, {"carried": 0, "fresh": 0, "stays": 0}, {}
 
-    def both(self, positions, result, fresh, step):
-        got = movable(self, positions, result, fresh, step)
-        carry = set(current["carry"])
-        allowed = set(fresh) | {p for p in carry if max_delay is not None and step - p.arrival < max_delay}
-        assert got == [i for i in positions if result.pending[i] in allowed]
-        seen["carried"] += sum(result.pending[i] in carry for i in got)
-        seen["fresh"] += sum(result.pending[i] in set(fresh) for i in got)
-        seen["stays"] += sum(result.pending[i] in carry and result.pending[i] not in allowed for i in positions)
-        return got
+    def both(self, result, fresh, step):
+        test = movable_test(self, result, fresh, step)
+        carry, fresh_set = set(current["carry"]), set(fresh)
+        allowed = fresh_set | {p for p in carry if max_delay is not None and step - p.arrival < max_delay}
+
+        def checked(i):
+            got, piece = test(i), result.pending[i]
+            assert got == (piece in allowed)
+            seen["carried"] += got and piece in carry
+            seen["fresh"] += got and piece in fresh_set
+            seen["stays"] += piece in carry and piece not in allowed
+            return got
+        return checked
 
     trim = MarginalRelease._trimmed
 
@@ -313,7 +317,7 @@ def test_the_trim_may_defer_exactly_the_fresh_pieces_and_the_carried_ones_not_du
         current["carry"] = carry
         return trim(self, result, fresh, carry, step, solve, below)
 
-    monkeypatch.setattr(MarginalRelease, "_movable", both)
+    monkeypatch.setattr(MarginalRelease, "_movable_test", both)
     monkeypatch.setattr(MarginalRelease, "_trimmed", trim_seeing_carry)
     W = 131072
     packer = WLBPacker(4, int(1.25 * W), COST, config=PackerConfig(lookahead=lookahead, max_delay=max_delay))

@@ -78,6 +78,7 @@ import numpy as np
 
 from ..plan import PackPlan
 from ..solvers.bounds import densest_first, densest_order, pigeonhole_sorted
+from ..solvers.greedy import argsort_descending
 from ._cached import cached_property
 from .pieces import FreshPieces, PieceChain, lengths_of, owned, take
 from .state import _ARRIVAL, _ID_OFFSET, _LENGTH, _LENGTH_ARRIVAL, HeldPiece
@@ -1283,7 +1284,7 @@ class MarginalRelease(GroupRelease):
 
             (imbalance with it) - (imbalance without it) > lambda x its tokens / capacity.
 
-        Each time the piece is the shortest movable one (`_movable`: fresh, or carried and not
+        Each time the piece is the shortest movable one (`_movable_test`: fresh, or carried and not
         due) of the micro-batch that is then the heaviest, never a micro-batch's only piece,
         and the step defers at most half the carry limit in all. The other pieces stay where
         they are: the loads of the micro-batches that lose a piece are summed again as the
@@ -1368,16 +1369,20 @@ class MarginalRelease(GroupRelease):
             return None
         heaviest = int(np.argmax(plan.loads))
         one = getattr(plan, "micro_batch", None)  # a TrialPack finds one micro-batch without the others
-        options = self._movable((one(heaviest) if one else plan.micro_batches[heaviest]).tolist(), result, fresh, step)
-        if not options:
+        positions = one(heaviest) if one else plan.micro_batches[heaviest]
+        movable = self._movable_test(result, fresh, step)
+        lengths = plan.lengths[positions]
+        ranked = argsort_descending(lengths)  # the longest movable piece's length first, from the longest down
+        length = next((d for i, d in zip(positions[ranked].tolist(), lengths[ranked].tolist()) if movable(i)), None)
+        if length is None:
             return None
-        position = _longest(options, result)
-        piece = result.pending[position]
         lam = self._token_price()
         limit = plan.imbalance if below is None else min(plan.imbalance, below)
-        threshold = limit - lam * piece.length
+        threshold = limit - lam * length
         if threshold < BELOW_ANY:  # no packing is below 1: nothing to pack to know it fails
             return None
+        position = _longest(list(filter(movable, positions.tolist())), result)
+        piece = result.pending[position]
         without = getattr(plan, "without", None)
         if without is not None:  # a TrialPack: the same candidate as `solve` makes, less one piece
             pending, t_plan, arrival = without(position)
@@ -1394,14 +1399,10 @@ class MarginalRelease(GroupRelease):
         pending, t_plan, arrival = _deferring(pending, t_plan, arrival, [piece])
         return StepRelease(pending, t_plan, arrival, result.released, result.n_early), weighed
 
-    def _movable(self, positions: list[int], result: StepRelease, fresh, step: int) -> list[int]:
-        """The `positions` (in result.pending) of pieces the trim may defer: fresh ones, and
-        carried ones while they have a deadline to come (max_delay=None: fresh pieces only, so
-        that no piece is deferred twice without a bound)."""
-        return list(filter(self._movable_test(result, fresh, step), positions))
-
     def _movable_test(self, result: StepRelease, fresh, step: int) -> Callable[[int], bool]:
-        """Whether the piece at a position of result.pending is one `_movable` keeps."""
+        """Whether the piece at a position of result.pending is one the trim and the shed may
+        defer: a fresh one, or a carried one while it has a deadline to come (max_delay=None:
+        fresh pieces only, so that no piece is deferred twice without a bound)."""
         pending = result.pending
         if self.max_delay is None:
             movable = set(fresh)  # pieces, hashed whole: their keys are unique

@@ -1,0 +1,140 @@
+"""Instructions per `WLBPacker.pack`, counted under valgrind.
+
+    python scripts/pack_instructions.py heavy --n-micro 4 --lookahead 4
+    python scripts/pack_instructions.py real --n-micro 32 --lookahead 4 --json out.json
+
+A count of instructions does not move with the load of a shared machine, as CPU times do, so
+it is the measure docs/tuning.md gives for exact changes to the streaming planner (changes that
+keep every plan: the digests tests check that).
+
+The stream is `wlb-opt bench stream-speed`'s first seed of the distribution: the same window,
+max_tokens and default cost model. The packer plans its first --steps steps; --sample steps,
+evenly spaced after a 20-step warm-up, are kept with the packer's state before each
+(`state_dict`). They are then replayed in a child process under valgrind (cachegrind, no cache
+simulation), twice: each state loaded and its step packed, and each state loaded alone. Both
+first pack every kept step once (imports, caches), so the difference of the two totals is what
+the counted `pack` calls ran. Packing loops in pure Python (the default install); hash seed 0
+so that the counts repeat.
+
+Needs valgrind (Debian: `apt-get install valgrind`). Run it from the repository root, or with
+PYTHONPATH naming the checkout whose code to count.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+WARM_UP = 20
+"""Steps planned before the first kept one (bench parity's warm-up)."""
+
+
+def _stream(dist: str, n_micro: int, steps: int):
+    from wlb_opt.bench.stream_speed import SEED_OFFSET
+    from wlb_opt.cost_args import add_cost_args, cost_from_args
+    from wlb_opt.workloads import DEFAULT_SEED, global_batches
+
+    parser = argparse.ArgumentParser()
+    add_cost_args(parser, layout=("tp", "cp", "pp", "dp"))
+    cost = cost_from_args(parser.parse_args([]), parser=parser)
+    window = 131072
+    max_tokens = int(1.25 * window)  # bench stream-speed's
+    batches = global_batches(dist, window, n_micro * window, steps, seed=DEFAULT_SEED + SEED_OFFSET)
+    return batches, max_tokens, cost
+
+
+def snapshot(dist: str, n_micro: int, lookahead: int, steps: int, sample: int) -> dict:
+    """The kept steps: (packer state before the step, its batch), with what rebuilds the packer."""
+    from wlb_opt.packer import PackerConfig, WLBPacker
+
+    if steps < WARM_UP + sample:
+        raise SystemExit(f"--steps must be at least {WARM_UP} + --sample = {WARM_UP + sample}, got {steps}")
+    batches, max_tokens, cost = _stream(dist, n_micro, steps)
+    packer = WLBPacker(n_micro, max_tokens, cost, config=PackerConfig(lookahead=lookahead))
+    stride = (steps - WARM_UP) / sample
+    keep = {WARM_UP + int(i * stride) for i in range(sample)}
+    kept = []
+    for step, batch in enumerate(batches):
+        if step in keep:
+            kept.append((copy.deepcopy(packer.state_dict()), batch))
+        packer.pack(*batch)
+    return dict(n_micro=n_micro, lookahead=lookahead, max_tokens=max_tokens, cost=cost, steps=kept,
+                kept=sorted(keep))
+
+
+def replay(path: str, mode: str) -> None:
+    """The child: every kept step packed once, then each state loaded again and (mode "pack")
+    packed."""
+    from wlb_opt.packer import PackerConfig, WLBPacker
+
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    packer = WLBPacker(snap["n_micro"], snap["max_tokens"], snap["cost"],
+                       config=PackerConfig(lookahead=snap["lookahead"]))
+    for state, batch in snap["steps"]:
+        packer.load_state_dict(state)
+        packer.pack(*batch)
+    for state, batch in snap["steps"]:
+        packer.load_state_dict(state)
+        if mode == "pack":
+            packer.pack(*batch)
+
+
+def _instructions(path: str, mode: str) -> int:
+    env = dict(os.environ, PYTHONHASHSEED="0", WLB_OPT_COMPILED="0")
+    cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+           sys.executable, __file__, "--replay", path, mode]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"valgrind run failed ({mode}):\n{out.stderr[-2000:]}")
+    found = re.search(r"I\s+refs:\s+([\d,]+)", out.stderr)
+    if found is None:
+        raise SystemExit(f"no instruction count in valgrind's output ({mode}):\n{out.stderr[-2000:]}")
+    return int(found.group(1).replace(",", ""))
+
+
+def main(argv=None) -> None:
+    from wlb_opt.workloads import DISTRIBUTIONS
+
+    if argv is None and len(sys.argv) == 4 and sys.argv[1] == "--replay":
+        replay(sys.argv[2], sys.argv[3])
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dist", choices=sorted(DISTRIBUTIONS), help="length distribution of the stream")
+    p.add_argument("--n-micro", type=int, default=4, help="micro-batches per step (default 4)")
+    p.add_argument("--lookahead", type=int, default=0, help="PackerConfig.lookahead (default 0)")
+    p.add_argument("--steps", type=int, default=600, help="steps of the stream planned (default 600)")
+    p.add_argument("--sample", type=int, default=16, help="steps counted, evenly spaced (default 16)")
+    p.add_argument("--json", help="also write the result to this file")
+    args = p.parse_args(argv)
+    if shutil.which("valgrind") is None:
+        raise SystemExit("valgrind is not installed (Debian: apt-get install valgrind)")
+    if args.n_micro < 1 or args.lookahead < 0 or args.sample < 1:
+        raise SystemExit(f"--n-micro and --sample must be >= 1 and --lookahead >= 0, got {args.n_micro}, "
+                         f"{args.sample}, {args.lookahead}")
+    snap = snapshot(args.dist, args.n_micro, args.lookahead, args.steps, args.sample)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "steps.pkl")
+        with open(path, "wb") as f:
+            pickle.dump(snap, f)
+        packed, loaded = _instructions(path, "pack"), _instructions(path, "load")
+    per_step = (packed - loaded) / len(snap["steps"])
+    result = dict(dist=args.dist, n_micro=args.n_micro, lookahead=args.lookahead, steps=args.steps,
+                  counted_steps=snap["kept"], instructions_per_pack=per_step)
+    print(f"{args.dist}, {args.n_micro} micro-batches, lookahead {args.lookahead}: "
+          f"{per_step / 1e6:.2f} M instructions per pack ({len(snap['steps'])} steps of {args.steps})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
