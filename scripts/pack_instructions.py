@@ -3,27 +3,31 @@
     python scripts/pack_instructions.py heavy --n-micro 4 --lookahead 4
     python scripts/pack_instructions.py real --n-micro 32 --lookahead 4 --json out.json
 
-A count of instructions does not move with the load of a shared machine, as CPU times do, so
-it is the measure docs/tuning.md gives for exact changes to the streaming planner (changes that
-keep every plan: the digests tests check that).
+A count of instructions does not move with the load of a shared machine, as CPU times do, and
+it repeats exactly from run to run, so it is the measure docs/tuning.md gives for exact changes
+to the streaming planner (changes that keep every plan: the digests tests check that).
 
 The stream is `wlb-opt bench stream-speed`'s first seed of the distribution: the same window,
 max_tokens and default cost model. The packer plans its first --steps steps; --sample steps,
 evenly spaced after a 20-step warm-up, are kept with the packer's state before each
-(`state_dict`). They are then replayed in a child process under valgrind (cachegrind, no cache
-simulation), twice: each state loaded and its step packed, and each state loaded alone. Both
-first pack every kept step once (imports, caches), so the difference of the two totals is what
-the counted `pack` calls ran. Packing loops in pure Python (the default install); hash seed 0
-so that the counts repeat.
+(`state_dict`). A child process under valgrind's callgrind packs every kept step once (imports,
+caches), leaves the objects alive then out of the garbage collector (`gc.freeze`, as `bench
+stream-speed` does), then loads each state again and packs its step through `operator.call`:
+callgrind counts only while that C function runs (`--toggle-collect`), so the total is what
+the `pack` calls ran, nothing else. Packing loops in pure Python (the default install); hash
+seed 0.
 
-Needs valgrind (Debian: `apt-get install valgrind`). Run it from the repository root, or with
-PYTHONPATH naming the checkout whose code to count.
+Needs valgrind (Debian: `apt-get install valgrind`) and a Python whose symbols valgrind can
+read (it finds `_operator_call`; a stripped interpreter counts nothing, and the script says
+so). Run it from the repository root, or with PYTHONPATH naming the checkout whose code to count.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
+import operator
 import os
 import pickle
 import re
@@ -70,9 +74,9 @@ def snapshot(dist: str, n_micro: int, lookahead: int, steps: int, sample: int) -
                 kept=sorted(keep))
 
 
-def replay(path: str, mode: str) -> None:
-    """The child: every kept step packed once, then each state loaded again and (mode "pack")
-    packed."""
+def replay(path: str) -> None:
+    """The child: every kept step packed once, then each state loaded again and its step packed
+    through `operator.call`, where callgrind counts."""
     from wlb_opt.packer import PackerConfig, WLBPacker
 
     with open(path, "rb") as f:
@@ -82,30 +86,35 @@ def replay(path: str, mode: str) -> None:
     for state, batch in snap["steps"]:
         packer.load_state_dict(state)
         packer.pack(*batch)
+    gc.collect()
+    gc.freeze()  # as bench stream-speed: a collection does not walk the harness's objects
     for state, batch in snap["steps"]:
         packer.load_state_dict(state)
-        if mode == "pack":
-            packer.pack(*batch)
+        operator.call(packer.pack, *batch)
 
 
-def _instructions(path: str, mode: str) -> int:
+def _instructions(path: str, tmp: str) -> int:
+    """Instructions callgrind counted inside `operator.call` in the child."""
     env = dict(os.environ, PYTHONHASHSEED="0", WLB_OPT_COMPILED="0")
-    cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
-           sys.executable, __file__, "--replay", path, mode]
+    out_file = str(Path(tmp) / "callgrind.out")
+    cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=_operator_call",
+           f"--callgrind-out-file={out_file}", sys.executable, __file__, "--replay", path]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
-        raise SystemExit(f"valgrind run failed ({mode}):\n{out.stderr[-2000:]}")
-    found = re.search(r"I\s+refs:\s+([\d,]+)", out.stderr)
-    if found is None:
-        raise SystemExit(f"no instruction count in valgrind's output ({mode}):\n{out.stderr[-2000:]}")
-    return int(found.group(1).replace(",", ""))
+        raise SystemExit(f"valgrind run failed:\n{out.stderr[-2000:]}")
+    found = re.search(r"^summary:\s+(\d+)", Path(out_file).read_text(), re.MULTILINE)
+    count = int(found.group(1)) if found else 0
+    if count == 0:
+        raise SystemExit("callgrind counted no instruction inside operator.call: valgrind cannot read this "
+                         "Python's symbols (install its debug symbols, or use a Python built with them)")
+    return count
 
 
 def main(argv=None) -> None:
     from wlb_opt.workloads import DISTRIBUTIONS
 
-    if argv is None and len(sys.argv) == 4 and sys.argv[1] == "--replay":
-        replay(sys.argv[2], sys.argv[3])
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--replay":
+        replay(sys.argv[2])
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -126,8 +135,7 @@ def main(argv=None) -> None:
         path = str(Path(tmp) / "steps.pkl")
         with open(path, "wb") as f:
             pickle.dump(snap, f)
-        packed, loaded = _instructions(path, "pack"), _instructions(path, "load")
-    per_step = (packed - loaded) / len(snap["steps"])
+        per_step = _instructions(path, tmp) / len(snap["steps"])
     result = dict(dist=args.dist, n_micro=args.n_micro, lookahead=args.lookahead, steps=args.steps,
                   counted_steps=snap["kept"], instructions_per_pack=per_step)
     print(f"{args.dist}, {args.n_micro} micro-batches, lookahead {args.lookahead}: "
