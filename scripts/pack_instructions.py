@@ -60,7 +60,7 @@ def snapshot(dist: str, n_micro: int, lookahead: int, steps: int, sample: int) -
     from wlb_opt.packer import PackerConfig, WLBPacker
 
     if steps < WARM_UP + sample:
-        raise SystemExit(f"--steps must be at least {WARM_UP} + --sample = {WARM_UP + sample}, got {steps}")
+        raise ValueError(f"steps must be at least {WARM_UP} + sample = {WARM_UP + sample}, got {steps}")
     batches, max_tokens, cost = _stream(dist, n_micro, steps)
     packer = WLBPacker(n_micro, max_tokens, cost, config=PackerConfig(lookahead=lookahead))
     stride = (steps - WARM_UP) / sample
@@ -125,11 +125,13 @@ def main(argv=None) -> None:
     p.add_argument("--sample", type=int, default=16, help="steps counted, evenly spaced (default 16)")
     p.add_argument("--json", help="also write the result to this file")
     args = p.parse_args(argv)
-    if shutil.which("valgrind") is None:
-        raise SystemExit("valgrind is not installed (Debian: apt-get install valgrind)")
     if args.n_micro < 1 or args.lookahead < 0 or args.sample < 1:
         raise SystemExit(f"--n-micro and --sample must be >= 1 and --lookahead >= 0, got {args.n_micro}, "
                          f"{args.sample}, {args.lookahead}")
+    if args.steps < WARM_UP + args.sample:
+        raise SystemExit(f"--steps must be at least {WARM_UP} + --sample = {WARM_UP + args.sample}, got {args.steps}")
+    if shutil.which("valgrind") is None:
+        raise SystemExit("valgrind is not installed (Debian: apt-get install valgrind)")
     snap = snapshot(args.dist, args.n_micro, args.lookahead, args.steps, args.sample)
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "steps.pkl")

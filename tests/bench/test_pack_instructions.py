@@ -1,0 +1,44 @@
+"""scripts/pack_instructions.py: bad arguments are named before anything runs, and under
+valgrind the count of a short stream is positive and repeats exactly."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "pack_instructions.py"
+
+
+def _run(*args: str, timeout: int = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["real", "--n-micro", "0"], "--n-micro and --sample must be >= 1"),
+    (["real", "--lookahead", "-1"], "--lookahead >= 0, got 4, 16, -1"),
+    (["real", "--steps", "30", "--sample", "16"], "--steps must be at least 20 + --sample = 36, got 30"),
+])
+def test_bad_arguments_are_named(args, says):
+    res = _run(*args)
+    assert res.returncode != 0 and says in res.stderr, res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
+def test_the_count_is_positive_and_repeats(tmp_path):
+    counts = []
+    for i in range(2):
+        out = tmp_path / f"count{i}.json"
+        res = _run("real", "--n-micro", "4", "--lookahead", "2", "--steps", "24", "--sample", "2", "--json", str(out),
+                   timeout=600)
+        assert res.returncode == 0, res.stderr[-2000:]
+        result = json.loads(out.read_text())
+        assert result["counted_steps"] == [20, 22] and result["lookahead"] == 2
+        counts.append(result["instructions_per_pack"])
+    assert counts[0] > 1e5 and counts[0] == counts[1]
