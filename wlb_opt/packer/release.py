@@ -1381,7 +1381,9 @@ class MarginalRelease(GroupRelease):
         threshold = limit - lam * length
         if threshold < BELOW_ANY:  # no packing is below 1: nothing to pack to know it fails
             return None
-        position = _longest(list(filter(movable, positions.tolist())), result)
+        # the piece: among the movable ones of that length (`_longest`'s tie rule, in the same order)
+        position = _longest([i for i, d in zip(positions.tolist(), lengths.tolist()) if d == length and movable(i)],
+                            result)
         piece = result.pending[position]
         without = getattr(plan, "without", None)
         if without is not None:  # a TrialPack: the same candidate as `solve` makes, less one piece
