@@ -203,6 +203,15 @@ SECTIONS = (
             "otherwise idle; 8 streams timed at once, each in its own process and CPU time), without CP sharding: "
             "planning runs on such a host in training.",
             (_STREAM_SPEED_TABLES[0],)),
+    Section("pack_instructions", "Instructions per planning step",
+            "What the streaming planner's `pack` executes, counted by valgrind (callgrind) inside the `pack` calls "
+            "alone, pure-Python loops: a count that does not move with the load of a shared machine and repeats "
+            "exactly, so it compares exact changes of the planner where CPU times cannot. Each row: the first seed's "
+            "stream of `bench stream-speed`, planned for `steps` steps, and `counted` of them, evenly spaced after a "
+            "20-step warm-up, packed again from their saved state (`scripts/pack_instructions.py` says how).",
+            (Table("pack_instructions.json", ("rows",), caption="Millions of instructions per `pack` (mean over the "
+                   "counted steps).", columns=("dist", "n_micro", "lookahead", "steps", "counted",
+                                                "m_instructions_per_pack")),)),
     Section("validate_sim", "The simulator against real execution",
             "Predicted step time against measured steps of a 2-stage gloo pipeline, per schedule "
             "(error = predicted / measured - 1). `simulated_s`: the simulator on the measured op times as "

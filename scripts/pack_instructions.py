@@ -1,11 +1,14 @@
 """Instructions per `WLBPacker.pack`, counted under valgrind.
 
     python scripts/pack_instructions.py heavy --n-micro 4 --lookahead 4
-    python scripts/pack_instructions.py real --n-micro 32 --lookahead 4 --json out.json
+    python scripts/pack_instructions.py real,heavy --n-micro 4,32 --lookahead 0,4 --out docs/results/pack_instructions
 
 A count of instructions does not move with the load of a shared machine, as CPU times do, and
-it repeats exactly from run to run, so it is the measure docs/tuning.md gives for exact changes
-to the streaming planner (changes that keep every plan: the digests tests check that).
+it repeats exactly from run to run, so it is the measure for exact changes to the streaming
+planner (changes that keep every plan: the digests tests check that). Each distribution,
+micro-batch count and lookahead given (comma-separated) is one row; with --out the rows go to
+FOLDER/pack_instructions.json (with the command, the code and the machine), which
+`wlb-opt bench report` renders into docs/results.md.
 
 The stream is `wlb-opt bench stream-speed`'s first seed of the distribution: the same window,
 max_tokens and default cost model. The packer plans its first --steps steps; --sample steps,
@@ -31,6 +34,7 @@ import operator
 import os
 import pickle
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -110,6 +114,32 @@ def _instructions(path: str, tmp: str) -> int:
     return count
 
 
+def _list(text: str, name: str, kind=int, choices=None) -> list:
+    """The distinct values of a comma-separated option, in their given order."""
+    try:
+        values = list(dict.fromkeys(kind(x) for x in text.split(",") if x))
+    except ValueError:
+        raise SystemExit(f"{name} must be comma-separated {kind.__name__}s, got {text!r}") from None
+    if not values:
+        raise SystemExit(f"{name} must name at least one value, got {text!r}")
+    if choices is not None and any(v not in choices for v in values):
+        raise SystemExit(f"{name} must be among {', '.join(choices)}, got {text!r}")
+    return values
+
+
+def count(dist: str, n_micro: int, lookahead: int, steps: int, sample: int) -> dict:
+    """One row: instructions per `pack` over the kept steps of one stream."""
+    snap = snapshot(dist, n_micro, lookahead, steps, sample)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "steps.pkl")
+        with open(path, "wb") as f:
+            pickle.dump(snap, f)
+        per_step = _instructions(path, tmp) / len(snap["steps"])
+    return dict(dist=dist, n_micro=n_micro, lookahead=lookahead, steps=steps, counted=len(snap["steps"]),
+                m_instructions_per_pack=round(per_step / 1e6, 3), instructions_per_pack=per_step,
+                counted_steps=snap["kept"])
+
+
 def main(argv=None) -> None:
     from wlb_opt.workloads import DISTRIBUTIONS
 
@@ -118,32 +148,48 @@ def main(argv=None) -> None:
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("dist", choices=sorted(DISTRIBUTIONS), help="length distribution of the stream")
-    p.add_argument("--n-micro", type=int, default=4, help="micro-batches per step (default 4)")
-    p.add_argument("--lookahead", type=int, default=0, help="PackerConfig.lookahead (default 0)")
-    p.add_argument("--steps", type=int, default=600, help="steps of the stream planned (default 600)")
+    p.add_argument("dists", help=f"comma-separated length distributions of the streams ({', '.join(sorted(DISTRIBUTIONS))})")
+    p.add_argument("--n-micro", default="4", help="comma-separated micro-batches per step (default 4)")
+    p.add_argument("--lookahead", default="0", help="comma-separated PackerConfig.lookahead values (default 0)")
+    p.add_argument("--steps", type=int, default=600, help="steps of each stream planned (default 600)")
     p.add_argument("--sample", type=int, default=16, help="steps counted, evenly spaced (default 16)")
-    p.add_argument("--json", help="also write the result to this file")
+    p.add_argument("--out", help="folder for pack_instructions.json (default: none, printed only)")
     args = p.parse_args(argv)
-    if args.n_micro < 1 or args.lookahead < 0 or args.sample < 1:
+    dists = _list(args.dists, "dists", str, sorted(DISTRIBUTIONS))
+    n_micros = _list(args.n_micro, "--n-micro")
+    lookaheads = _list(args.lookahead, "--lookahead")
+    if min(n_micros) < 1 or min(lookaheads) < 0 or args.sample < 1:
         raise SystemExit(f"--n-micro and --sample must be >= 1 and --lookahead >= 0, got {args.n_micro}, "
                          f"{args.sample}, {args.lookahead}")
     if args.steps < WARM_UP + args.sample:
         raise SystemExit(f"--steps must be at least {WARM_UP} + --sample = {WARM_UP + args.sample}, got {args.steps}")
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (Debian: apt-get install valgrind)")
-    snap = snapshot(args.dist, args.n_micro, args.lookahead, args.steps, args.sample)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "steps.pkl")
-        with open(path, "wb") as f:
-            pickle.dump(snap, f)
-        per_step = _instructions(path, tmp) / len(snap["steps"])
-    result = dict(dist=args.dist, n_micro=args.n_micro, lookahead=args.lookahead, steps=args.steps,
-                  counted_steps=snap["kept"], instructions_per_pack=per_step)
-    print(f"{args.dist}, {args.n_micro} micro-batches, lookahead {args.lookahead}: "
-          f"{per_step / 1e6:.2f} M instructions per pack ({len(snap['steps'])} steps of {args.steps})")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    rows = []
+    for dist in dists:
+        for n_micro in n_micros:
+            for lookahead in lookaheads:
+                rows.append(count(dist, n_micro, lookahead, args.steps, args.sample))
+                print(f"{dist}, {n_micro} micro-batches, lookahead {lookahead}: "
+                      f"{rows[-1]['m_instructions_per_pack']:.2f} M instructions per pack "
+                      f"({args.sample} steps of {args.steps})", flush=True)
+    if args.out:
+        from wlb_opt._provenance import code, machine
+
+        argv_used = sys.argv[1:] if argv is None else list(argv)
+        provenance = dict(command=shlex.join(["python", "scripts/pack_instructions.py", *argv_used]), code=code(),
+                          machine=machine())
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "pack_instructions.json").write_text(json.dumps(dict(
+            provenance=provenance, valgrind=_valgrind_version(), steps=args.steps, sample=args.sample, warm_up=WARM_UP,
+            rows=rows), indent=1) + "\n")
+        print(f"wrote {out / 'pack_instructions.json'}")
+
+
+def _valgrind_version() -> str:
+    out = subprocess.run(["valgrind", "--version"], capture_output=True, text=True)
+    return out.stdout.strip()
 
 
 if __name__ == "__main__":
