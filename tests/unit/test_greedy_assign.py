@@ -12,8 +12,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from wlb_opt.solvers.greedy import (AssignStop, SharedPlacements, Unshared, argsort_descending, bin_tokens,
-                                    compiled_available, placement_order, split_by_bin, use_compiled, warm_up_compiled,
-                                    wlb_assign_lists, wlb_assign_python, wlb_greedy)
+                                    compiled_available, insert_sorted, placement_order, split_by_bin, use_compiled,
+                                    warm_up_compiled, wlb_assign_lists, wlb_assign_python, wlb_greedy)
 from wlb_opt.solvers.problem import PackProblem
 
 
@@ -245,6 +245,17 @@ def test_argsort_descending_is_numpys_stable_sort(values, modulus):
     assert np.array_equal(argsort_descending(key), np.argsort(-key, kind="stable"))
     floats = key.astype(np.float64) / 7
     assert np.array_equal(argsort_descending(floats), np.argsort(-floats, kind="stable"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 10**6), max_size=60), st.data())
+def test_insert_sorted_is_numpys_insert(values, data):
+    values = np.asarray(values, dtype=np.int64)
+    k = data.draw(st.integers(0, 20))
+    at = np.sort(np.asarray(data.draw(st.lists(st.integers(0, len(values)), min_size=k, max_size=k)), dtype=np.int64))
+    items = np.asarray(data.draw(st.lists(st.integers(0, 10**6), min_size=k, max_size=k)), dtype=np.int64)
+    got = insert_sorted(values, at, items)
+    assert got.dtype == values.dtype and np.array_equal(got, np.insert(values, at, items))
 
 
 @settings(max_examples=200, deadline=None)
