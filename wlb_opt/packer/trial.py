@@ -30,8 +30,8 @@ import numpy as np
 
 from ..plan import PackPlan, SolveInfo, _imbalance as imbalance
 from ..solvers.bounds import densest_first, densest_order
-from ..solvers.greedy import (AssignStop, SharedPlacements, Unshared, argsort_descending, bin_tokens, compiled_loop,
-                               insert_sorted, split_by_bin, wlb_assign, wlb_assign_lists)
+from ..solvers.greedy import (AssignStop, SharedPlacements, Unshared, argsort_descending, bin_order, compiled_loop,
+                               insert_sorted, wlb_assign, wlb_assign_lists)
 from ..solvers.phases import geometric_lumps, phases_or_algorithm1
 from ._cached import cached_property
 from .pieces import FreshPieces, PieceChain, common_prefix, piece_table
@@ -649,10 +649,25 @@ class TrialPack:
         return where[self._order]
 
     @cached_property
+    def _by_bin(self) -> tuple[np.ndarray, list[int]]:
+        """(the placed pieces' places in the placement order, micro-batch by micro-batch, each in
+        placement order; where each micro-batch ends in that list): the one stable sort by
+        micro-batch that `_bins`, `micro_batches` and the plan's sums share."""
+        placed = self._placed_bin
+        kept = np.flatnonzero(placed >= 0)
+        bins_of = placed[kept]
+        n_bins = self._solver.dp * self._solver.n_micro
+        return kept[bin_order(bins_of, n_bins)], np.cumsum(np.bincount(bins_of, minlength=n_bins)).tolist()
+
+    @cached_property
+    def _members(self) -> np.ndarray:
+        """Global piece indices of the placed pieces, micro-batch by micro-batch (`_by_bin`)."""
+        return self._order[self._by_bin[0]]
+
+    @cached_property
     def _bins(self) -> list[np.ndarray]:
         """Global piece indices of each micro-batch, in placement order."""
-        keep = self._placed_bin >= 0
-        return split_by_bin(self._order[keep], self._placed_bin[keep], self._solver.dp * self._solver.n_micro)
+        return _cut(self._members, self._by_bin[1])
 
     @cached_property
     def loads(self) -> np.ndarray:
@@ -666,9 +681,9 @@ class TrialPack:
 
     def _plan_loads(self) -> np.ndarray:
         """Seconds of each micro-batch summed as `solve_pack` sums them (the PackPlan's loads)."""
-        weights, const = self._solver.weights, self._solver.bin_const
-        add = np.add.reduce  # what ndarray.sum() runs, without its overhead
-        return np.array([add(weights[b]) + const for b in self._bins], dtype=np.float64)
+        weights, const = self._solver.weights[self._members], self._solver.bin_const
+        add = np.add.reduce  # what ndarray.sum() runs, without its overhead (on each contiguous slice)
+        return np.array([add(w) + const for w in _cut(weights, self._by_bin[1])], dtype=np.float64)
 
     @cached_property
     def imbalance(self) -> float:
@@ -689,9 +704,10 @@ class TrialPack:
     @cached_property
     def micro_batches(self) -> tuple[np.ndarray, ...]:
         """Positions (in the pending list) of each micro-batch's pieces, in placement order."""
-        keep = self._placed_bin >= 0
-        return tuple(split_by_bin(self._positions[keep], self._placed_bin[keep], self._solver.dp * self._solver.n_micro,
-                                  read_only=True))
+        grouped, ends = self._by_bin
+        positions = self._positions[grouped]
+        positions.flags.writeable = False
+        return tuple(_cut(positions, ends))
 
     @property
     def n_placed(self) -> int:
@@ -736,7 +752,9 @@ class TrialPack:
         """This packing as a PackPlan, `extra` its `info.extra`."""
         s, idx = self._solver, self._pending_idx
         loads = self._plan_loads()
-        tokens = bin_tokens(s.lengths, self._bins)
+        running = np.concatenate([[0], np.cumsum(s.lengths[self._members])])  # integer sums: exact in any order
+        ends = np.asarray(self._by_bin[1], dtype=np.int64)
+        tokens = running[ends] - running[np.concatenate([[0], ends[:-1]])]
         n_bins = s.dp * s.n_micro
         info = SolveInfo(method=s.method, status="heuristic", objective=float(loads.max()) if len(loads) else 0.0,
                          extra=extra)
@@ -748,6 +766,11 @@ class TrialPack:
             array.flags.writeable = False
         return PackPlan(micro_batches=self.micro_batches, n_micro=s.n_micro, dp=s.dp, max_tokens=s.max_tokens,
                         info=info, **fields)
+
+
+def _cut(values: np.ndarray, ends: list[int]) -> list[np.ndarray]:
+    """`values` cut into consecutive slices (views) that end at `ends`."""
+    return [values[start:end] for start, end in zip([0] + ends[:-1], ends)]
 
 
 def as_pack_plan(plan: PackPlan | TrialPack) -> PackPlan:
