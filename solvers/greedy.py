@@ -461,8 +461,12 @@ def split_by_bin(items: np.ndarray, bins_of: np.ndarray, n_bins: int, read_only:
     grouped = items[bin_order(bins_of, n_bins)]
     if read_only:
         grouped.flags.writeable = False
-    ends = np.cumsum(np.bincount(bins_of, minlength=n_bins)).tolist()
-    return [grouped[start:end] for start, end in zip([0] + ends[:-1], ends)]
+    return cut_at(grouped, np.cumsum(np.bincount(bins_of, minlength=n_bins)).tolist())
+
+
+def cut_at(values: np.ndarray, ends: list[int]) -> list[np.ndarray]:
+    """`values` cut into consecutive slices (views) that end at `ends`."""
+    return [values[start:end] for start, end in zip([0] + ends[:-1], ends)]
 
 
 def insert_sorted(values: np.ndarray, at: np.ndarray, items: np.ndarray) -> np.ndarray:
@@ -493,9 +497,15 @@ def bin_tokens(lengths: np.ndarray, bins: list[np.ndarray]) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     counts = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
     members = np.concatenate(bins).astype(np.int64) if counts.sum() else np.zeros(0, dtype=np.int64)
-    running = np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64)[members])])
-    ends = np.cumsum(counts)
-    return (running[ends] - running[ends - counts]).astype(np.int64)
+    return run_sums(np.asarray(lengths, dtype=np.int64)[members], np.cumsum(counts))
+
+
+def run_sums(values: np.ndarray, ends) -> np.ndarray:
+    """int64 sums of the consecutive runs of integer `values` that end at `ends`, from one
+    cumulative sum (exact in any order)."""
+    ends = np.asarray(ends, dtype=np.int64)
+    running = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+    return running[ends] - running[np.concatenate([[0], ends[:-1]])]
 
 
 def fixed_greedy(problem: PackProblem) -> PackResult:

@@ -31,7 +31,7 @@ import numpy as np
 from ..plan import PackPlan, SolveInfo, _imbalance as imbalance
 from ..solvers.bounds import densest_first, densest_order
 from ..solvers.greedy import (AssignStop, SharedPlacements, Unshared, argsort_descending, bin_order, compiled_loop,
-                               insert_sorted, wlb_assign, wlb_assign_lists)
+                               cut_at, insert_sorted, run_sums, wlb_assign, wlb_assign_lists)
 from ..solvers.phases import geometric_lumps, phases_or_algorithm1
 from ._cached import cached_property
 from .pieces import FreshPieces, PieceChain, common_prefix, piece_table
@@ -667,7 +667,7 @@ class TrialPack:
     @cached_property
     def _bins(self) -> list[np.ndarray]:
         """Global piece indices of each micro-batch, in placement order."""
-        return _cut(self._members, self._by_bin[1])
+        return cut_at(self._members, self._by_bin[1])
 
     @cached_property
     def loads(self) -> np.ndarray:
@@ -683,7 +683,7 @@ class TrialPack:
         """Seconds of each micro-batch summed as `solve_pack` sums them (the PackPlan's loads)."""
         weights, const = self._solver.weights[self._members], self._solver.bin_const
         add = np.add.reduce  # what ndarray.sum() runs, without its overhead (on each contiguous slice)
-        return np.array([add(w) + const for w in _cut(weights, self._by_bin[1])], dtype=np.float64)
+        return np.array([add(w) + const for w in cut_at(weights, self._by_bin[1])], dtype=np.float64)
 
     @cached_property
     def imbalance(self) -> float:
@@ -707,7 +707,7 @@ class TrialPack:
         grouped, ends = self._by_bin
         positions = self._positions[grouped]
         positions.flags.writeable = False
-        return tuple(_cut(positions, ends))
+        return tuple(cut_at(positions, ends))
 
     @property
     def n_placed(self) -> int:
@@ -752,9 +752,7 @@ class TrialPack:
         """This packing as a PackPlan, `extra` its `info.extra`."""
         s, idx = self._solver, self._pending_idx
         loads = self._plan_loads()
-        running = np.concatenate([[0], np.cumsum(s.lengths[self._members])])  # integer sums: exact in any order
-        ends = np.asarray(self._by_bin[1], dtype=np.int64)
-        tokens = running[ends] - running[np.concatenate([[0], ends[:-1]])]
+        tokens = run_sums(s.lengths[self._members], self._by_bin[1])
         n_bins = s.dp * s.n_micro
         info = SolveInfo(method=s.method, status="heuristic", objective=float(loads.max()) if len(loads) else 0.0,
                          extra=extra)
@@ -766,11 +764,6 @@ class TrialPack:
             array.flags.writeable = False
         return PackPlan(micro_batches=self.micro_batches, n_micro=s.n_micro, dp=s.dp, max_tokens=s.max_tokens,
                         info=info, **fields)
-
-
-def _cut(values: np.ndarray, ends: list[int]) -> list[np.ndarray]:
-    """`values` cut into consecutive slices (views) that end at `ends`."""
-    return [values[start:end] for start, end in zip([0] + ends[:-1], ends)]
 
 
 def as_pack_plan(plan: PackPlan | TrialPack) -> PackPlan:
