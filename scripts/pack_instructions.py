@@ -148,7 +148,8 @@ def main(argv=None) -> None:
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("dists", help=f"comma-separated length distributions of the streams ({', '.join(sorted(DISTRIBUTIONS))})")
+    p.add_argument("dists", help="comma-separated length distributions of the streams "
+                                 f"({', '.join(sorted(DISTRIBUTIONS))})")
     p.add_argument("--n-micro", default="4", help="comma-separated micro-batches per step (default 4)")
     p.add_argument("--lookahead", default="0", help="comma-separated PackerConfig.lookahead values (default 0)")
     p.add_argument("--steps", type=int, default=600, help="steps of each stream planned (default 600)")
