@@ -458,10 +458,16 @@ def split_by_bin(items: np.ndarray, bins_of: np.ndarray, n_bins: int, read_only:
     """Per bin, the `items` whose `bins_of` is that bin, in their given order (`np.split` of a
     stable sort by bin, without its per-piece overhead): views of one array, read-only with
     `read_only` (a `PackPlan` then keeps them as they are)."""
-    grouped = items[bin_order(bins_of, n_bins)]
+    order, ends = group_by_bin(bins_of, n_bins)
+    grouped = items[order]
     if read_only:
         grouped.flags.writeable = False
-    return cut_at(grouped, np.cumsum(np.bincount(bins_of, minlength=n_bins)).tolist())
+    return cut_at(grouped, ends)
+
+
+def group_by_bin(bins_of: np.ndarray, n_bins: int) -> tuple[np.ndarray, list[int]]:
+    """(the stable sort of `bins_of` by bin, where each bin's run ends in it)."""
+    return bin_order(bins_of, n_bins), np.cumsum(np.bincount(bins_of, minlength=n_bins)).tolist()
 
 
 def cut_at(values: np.ndarray, ends: list[int]) -> list[np.ndarray]:

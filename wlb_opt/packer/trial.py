@@ -30,8 +30,8 @@ import numpy as np
 
 from ..plan import PackPlan, SolveInfo, _imbalance as imbalance
 from ..solvers.bounds import densest_first, densest_order
-from ..solvers.greedy import (AssignStop, SharedPlacements, Unshared, argsort_descending, bin_order, compiled_loop,
-                               cut_at, insert_sorted, run_sums, wlb_assign, wlb_assign_lists)
+from ..solvers.greedy import (AssignStop, SharedPlacements, Unshared, argsort_descending, compiled_loop, cut_at,
+                               group_by_bin, insert_sorted, run_sums, wlb_assign, wlb_assign_lists)
 from ..solvers.phases import geometric_lumps, phases_or_algorithm1
 from ._cached import cached_property
 from .pieces import FreshPieces, PieceChain, common_prefix, piece_table
@@ -652,22 +652,16 @@ class TrialPack:
     def _by_bin(self) -> tuple[np.ndarray, list[int]]:
         """(the placed pieces' places in the placement order, micro-batch by micro-batch, each in
         placement order; where each micro-batch ends in that list): the one stable sort by
-        micro-batch that `_bins`, `micro_batches` and the plan's sums share."""
+        micro-batch that `micro_batches` and the plan's sums and tokens share."""
         placed = self._placed_bin
         kept = np.flatnonzero(placed >= 0)
-        bins_of = placed[kept]
-        n_bins = self._solver.dp * self._solver.n_micro
-        return kept[bin_order(bins_of, n_bins)], np.cumsum(np.bincount(bins_of, minlength=n_bins)).tolist()
+        order, ends = group_by_bin(placed[kept], self._solver.dp * self._solver.n_micro)
+        return kept[order], ends
 
     @cached_property
     def _members(self) -> np.ndarray:
         """Global piece indices of the placed pieces, micro-batch by micro-batch (`_by_bin`)."""
         return self._order[self._by_bin[0]]
-
-    @cached_property
-    def _bins(self) -> list[np.ndarray]:
-        """Global piece indices of each micro-batch, in placement order."""
-        return cut_at(self._members, self._by_bin[1])
 
     @cached_property
     def loads(self) -> np.ndarray:
