@@ -45,6 +45,8 @@ def argsort_descending(key: np.ndarray) -> np.ndarray:
     int64, from about `RADIX_FROM` keys up (below, the two passes cost more than they save)."""
     if len(key) < 2:  # nothing to sort (a group of one piece, most often)
         return np.arange(len(key), dtype=np.int64)
+    if key.dtype.kind == "u":  # -key would wrap around
+        key = key.astype(np.int64)
     if key.dtype.kind not in "iu" or len(key) < RADIX_FROM:
         return np.argsort(-key, kind="stable")
     top = int(key.max())
@@ -105,7 +107,9 @@ _COMPILED: dict = {"enabled": os.environ.get("WLB_OPT_COMPILED", "1") != "0", "m
 
 def compiled_loop(name: str = "wlb_assign_compiled"):
     """The compiled loop `name` of greedy_compiled.py (Algorithm 1's "wlb_assign_compiled",
-    the balanced placement's "phases_assign_compiled"), or None: numba missing, or switched off."""
+    the balanced placement's "phases_assign_compiled", the lumped candidates' packing
+    "lumped_assign_compiled" of `StepSolver.assign_split`), or None: numba missing, or
+    switched off."""
     if not _COMPILED["enabled"]:
         return None
     if not _COMPILED["tried"]:
@@ -144,8 +148,8 @@ def warm_up_compiled() -> bool:
 
 @contextlib.contextmanager
 def use_compiled(enabled: bool):
-    """Within the block, `wlb_assign` and `phases.phases_assign` run the compiled loops (if
-    numba imports) or, with enabled=False, the Python loops; the environment variable
+    """Within the block, `wlb_assign`, `phases.phases_assign` and the lumped candidates'
+    packing (`StepSolver.assign_split`) run the compiled loops (if numba imports) or, with enabled=False, the Python loops; the environment variable
     WLB_OPT_COMPILED=0 sets the default to the Python loops."""
     before = _COMPILED["enabled"]
     _COMPILED["enabled"] = bool(enabled)
@@ -371,8 +375,9 @@ _BIN = itemgetter(1)
 
 
 class _Run:
-    """Algorithm 1's placements of `SharedPlacements.rest` on the bins a group left alone,
-    from their state after the items placed first, as far as callers have asked (`reach`)."""
+    """Algorithm 1's placements of the items after the group (`SharedPlacements.sizes`,
+    `.costs`) on the bins a group left alone, from their state after the items placed first,
+    as far as callers have asked (`reach`)."""
 
     __slots__ = ("sizes", "costs", "cap", "heap", "chosen")
 
@@ -454,15 +459,11 @@ def _group(order: np.ndarray, placed_bin: np.ndarray, n_bins: int) -> PackResult
     return PackResult(bins=split_by_bin(items.astype(np.int64, copy=False), bins_of, n_bins), deferred=order[~keep])
 
 
-def split_by_bin(items: np.ndarray, bins_of: np.ndarray, n_bins: int, read_only: bool = False) -> list[np.ndarray]:
+def split_by_bin(items: np.ndarray, bins_of: np.ndarray, n_bins: int) -> list[np.ndarray]:
     """Per bin, the `items` whose `bins_of` is that bin, in their given order (`np.split` of a
-    stable sort by bin, without its per-piece overhead): views of one array, read-only with
-    `read_only` (a `PackPlan` then keeps them as they are)."""
+    stable sort by bin, without its per-piece overhead): views of one array."""
     order, ends = group_by_bin(bins_of, n_bins)
-    grouped = items[order]
-    if read_only:
-        grouped.flags.writeable = False
-    return cut_at(grouped, ends)
+    return cut_at(items[order], ends)
 
 
 def group_by_bin(bins_of: np.ndarray, n_bins: int) -> tuple[np.ndarray, list[int]]:

@@ -436,6 +436,27 @@ def test_a_lumped_candidate_rejects_exactly_what_its_full_packing_fails():
                 assert base.with_group(group).rejects(threshold, limit, group) == want
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_candidate_watching_short_pieces_in_the_lumped_tail_packs_as_the_whole_candidate(compiled):
+    # a group of short held pieces (user thresholds below max_tokens / 40) falls in the tail
+    # that "wlb_phases" packs in lumps: a stop that watches them must not change the lumps,
+    # so the stopped packing, the whole one and the compiled loop's agree
+    if compiled and not compiled_available():
+        pytest.skip("the compiled loops need the 'fast' extra (numba)")
+    held, fresh = _step_of_32("real", 4, 0)
+    rng = np.random.default_rng(4)
+    short = [HeldPiece(id=10**6 + i, offset=0, length=int(d), arrival=-1) for i, d in enumerate(rng.integers(1, 99, 5))]
+    solver, reference = _phases_solver(short + fresh, fresh, 32), _phases_solver(short + fresh, fresh, 32)
+    with use_compiled(False):
+        whole = reference.solve([], short + fresh)[1]
+        want = (whole._placed_bin, whole.imbalance, whole.deferred_tokens)
+    with use_compiled(compiled):
+        watched = solver.solve([], short + fresh)[1]
+        assert watched._split is not None and set(solver._indices(short)) <= set(watched._split[1].tolist())
+        assert watched.rejects(None, float("inf"), short) == whole.defers_any(short)
+        assert np.array_equal(watched._placed_bin, want[0]) and (watched.imbalance, watched.deferred_tokens) == want[1:]
+
+
 @pytest.mark.parametrize("dist, lookahead", [("real", 0), ("heavy", 4)])
 def test_large_steps_of_the_default_step_packer_try_the_sparse_groups(dist, lookahead, monkeypatch):
     # From 32 micro-batches "wlb_phases" tries the groups `sparse_window` keeps: on every call of

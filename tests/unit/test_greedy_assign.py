@@ -245,6 +245,8 @@ def test_argsort_descending_is_numpys_stable_sort(values, modulus):
     assert np.array_equal(argsort_descending(key), np.argsort(-key, kind="stable"))
     floats = key.astype(np.float64) / 7
     assert np.array_equal(argsort_descending(floats), np.argsort(-floats, kind="stable"))
+    unsigned = key.astype(np.uint64)  # the same order: no key wraps around when negated
+    assert np.array_equal(argsort_descending(unsigned), np.argsort(-key, kind="stable"))
 
 
 @settings(max_examples=300, deadline=None)

@@ -12,7 +12,7 @@ answers what the policies read (imbalance, deferred tokens, micro-batches) and b
 PackPlan only when asked, for the candidate the step keeps.
 
 The candidates of one round differ only in the group of held pieces they add to the step's
-current packing (release.py). `TrialPack.with_groups` builds them from that packing: a
+current packing (release.py). `TrialPack.with_group` builds them from that packing: a
 group's pieces are merged into its placement order (after the held pieces of equal length,
 before the fresh ones, as the stable sort puts them), and a candidate is packed only when a
 policy first reads it, so that the groups a policy skips unread cost nothing.
@@ -299,25 +299,22 @@ class StepSolver:
     def assign_split(self, head: np.ndarray, tail: np.ndarray | None, stop: AssignStop | None = None) -> tuple:
         """`assign_and_sum` of the placement order head + tail (`lumped_split`): the head's
         pieces one by one, the tail in lumps; tail None: `head` is the whole order,
-        packed piece by piece. Pieces a stop watches stay items of their own: a tail that holds
-        one is cut after it."""
+        packed piece by piece. A stop that watches a piece of the tail watches its lump (the
+        piece goes where its lump goes), so the lumps, hence the packing, are those of the
+        candidate packed whole."""
         n_bins = self.dp * self.n_micro
         if tail is None:
             return wlb_assign(head, self.lengths, self.weights, n_bins, self.max_tokens, stop), None, None
-        if stop is not None and stop.keep and max(stop.keep) >= len(head):
-            order = np.concatenate([head, tail])
-            cut = max(stop.keep) + 1
-            if len(order) - cut < COARSE_MIN_TAIL:
-                return wlb_assign(order, self.lengths, self.weights, n_bins, self.max_tokens, stop), None, None
-            head, tail = order[:cut], order[cut:]
         lump_of, lump_lengths, lump_costs = self._lumps_of(tail)
+        cut = len(head)
+        if stop is not None and stop.keep and max(stop.keep) >= cut:
+            stop = stop._replace(keep=frozenset(p if p < cut else cut + int(lump_of[p - cut]) for p in stop.keep))
         compiled = compiled_loop("lumped_assign_compiled")
         if compiled is not None:  # packs the whole candidate (no stop: fast enough without)
             placed, sums, deferred = compiled(np.ascontiguousarray(head), np.ascontiguousarray(tail), lump_of,
                                               lump_lengths, lump_costs, self.lengths, self.weights, int(n_bins),
                                               int(self.max_tokens))
             return placed, sums, int(deferred)
-        cut = len(head)
         sizes, costs = self._lump_lists
         head_sizes = self.lengths[head]
         placed = wlb_assign_lists(head_sizes.tolist() + sizes, self.weights[head].tolist() + costs, n_bins,
@@ -360,7 +357,7 @@ class TrialPack:
         self._n_first, self._n_rest = n_first, n_rest
         if pending is not None:
             self.pending = pending
-        self._extends = extends  # (packing, group) of a candidate made by `with_groups`
+        self._extends = extends  # (packing, group) of a candidate made by `with_group`
         self._account = account
 
     @cached_property
@@ -426,7 +423,7 @@ class TrialPack:
     @cached_property
     def _total_cost(self) -> float:
         """The pending pieces' summed cost, for the stop of `rejects` (a candidate made by
-        `with_groups`: its packing's sum plus its group's; the order of the sum differs by
+        `with_group`: its packing's sum plus its group's; the order of the sum differs by
         rounding, far inside the stop's margin)."""
         weights = self._solver.weights
         if self._extends is None:
@@ -474,7 +471,7 @@ class TrialPack:
             return _UNSHARED
         if split is not None and (self._derived_split is None
                                   or (stop is not None and stop.keep and max(stop.keep) >= len(split[0]))):
-            return _UNSHARED  # not the packing's tail, or a tail cut after a piece the stop watches
+            return _UNSHARED  # not the packing's tail, or a stop that watches a piece of the tail
         if (split is None) != (base._split is None):
             return _UNSHARED
         try:
@@ -539,10 +536,11 @@ class TrialPack:
         more tokens than the micro-batches, no more than the densest tokens that fit) bounds
         the imbalance from below, so the packing stops once that bound passes the threshold
         (with a margin of 1e-9 for rounding), once the tokens deferred so far reach the limit,
-        or once a piece of `keep` is deferred. When it does not stop, the candidate is packed whole and its exact
-        values compared (the compiled loops always pack it whole). A threshold below `BELOW_ANY`
-        rejects without packing: the trim of a step already near 1 asks for less than 1 once the
-        price of the piece it defers is taken off."""
+        or once a piece of `keep` is deferred. When it does not stop, the candidate is packed
+        whole and its exact values compared (the compiled loops always pack it whole). A
+        threshold below `BELOW_ANY` rejects without packing: no packing is below 1, and a
+        policy's `cutoff` (a score less the price of the displacement a group relieves) can
+        ask for less."""
         if threshold is not None and threshold < BELOW_ANY:
             return True
         if "_placed_bin" not in self.__dict__ and compiled_loop() is not None:
