@@ -60,10 +60,12 @@ class PackerConfig:
     method: PackerMethod = "wlb_phases"
     """The `solve_pack` method that packs each step: "wlb_phases" (Algorithm 1 with each
     micro-batch's forward and backward time balanced apart; the release policies decide on
-    Algorithm 1's packings, so the same pieces train in each step as with "wlb"), "wlb"
-    (Algorithm 1), "wlb_fill" (large pieces balanced first, short ones into the gaps; release
-    candidates scored without packing their short pieces, docs/tuning.md says when it helps)
-    or another method that keeps pieces whole and honours `carried`."""
+    Algorithm 1's packings: from the same state a step takes the groups "wlb" takes, and
+    only the short pieces it sheds from its heaviest micro-batch, read on the plan kept,
+    may differ), "wlb" (Algorithm 1), "wlb_fill" (large pieces balanced first, short ones
+    into the gaps; release candidates scored without packing their short pieces,
+    docs/tuning.md says when it helps) or another method that keeps pieces whole and honours
+    `carried`."""
     lookahead: int = 0
     """Global batches the packer sees ahead (>= 0). With K > 0, `pack(batch s)` returns the
     plan of step s - K and outliers may train up to K steps early (lookahead.py); with

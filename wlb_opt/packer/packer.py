@@ -57,7 +57,7 @@ from ..plan import PackPlan
 from ..solvers.deal import deal_to_replicas
 from ..step_pack import solve_pack
 from .calibrate import CALIBRATION_BUDGET, calibrate_thresholds, candidate_thresholds
-from .config import PackerConfig, PackerMethod, queue_thresholds
+from .config import PackerConfig, queue_thresholds
 from .defaults import (EARLY_CREDIT, HELD_GROUP_STEPS, MARGINAL_PRICE, MARGINAL_TOLERANCE_HIGH, MAX_LEAD, REPAIR_FROM,
                        SHED_SHORT_PIECES, TARGET_SHARE, TOLERANCE_HIGH, TOLERANCE_LOW, TRIM_WITHOUT_GROUPS,
                        adaptive_tolerance, running_displacement)
@@ -632,7 +632,11 @@ class WLBPacker:
         invalid (the packer is then unchanged). `max_backlog_tokens`: None (the state's limit
         must equal this packer's), or a new limit that this packer adopts whatever the
         state's (e.g. to resume a stream that overloaded; any state loads under it, and a
-        step above it passes as long as it holds no more than the step before)."""
+        step above it passes as long as it holds no more than the step before). The packer
+        then runs as one built with `max_backlog_tokens` = that limit: strict, and release
+        "group" / "marginal" defer at most half of it per step (the default limit bounds
+        their deferrals by one step's capacity instead), so its plans may differ from the
+        packer's before."""
         config = self._config()
         theirs = state.get("config") if isinstance(state, dict) else None
         theirs = theirs if isinstance(theirs, dict) else {}  # a malformed state fails in decode_state

@@ -97,8 +97,8 @@ scored together without it (`FillTrial.with_groups`; calibration's meter counts 
 _TOLERANCE_SLACK = 1e-12
 
 SMALL_WINDOWS = 64
-"""`GroupRelease._windows` judges a pool of n pieces in plain Python when n x need is at most
-this (fewer windows than numpy's per-call cost pays for), with numpy above."""
+"""`GroupRelease._windows` judges a pool of n pieces in plain Python when n x min(need, n) is
+at most this (fewer windows than numpy's per-call cost pays for), with numpy above."""
 
 
 SPARSE_MIN_BINS = 32
@@ -192,7 +192,8 @@ def _window_costs(costs: np.ndarray, sizes: np.ndarray, starts: np.ndarray, top:
 
     - "by_size": a (windows, size) gather per size, for large groups (from `SPARSE_SUMS_FROM`),
       where the windows kept are few of the (top x n) layout's;
-    - "rows": a row per window, its pieces from column 0 (zeros past its end);
+    - "rows": a row per window, its pieces from column 0 (the pool's next pieces past its
+      end, zeros past the pool's; only column size - 1 of the running sum is read);
     - "layout": column i of the (top x n) layout holds pieces i to i + top - 1 (zeros past the
       end), and accumulating down it gives, at row size - 1, the window of `size` at i."""
     n = len(costs)
@@ -523,7 +524,9 @@ class GroupRelease(ReleasePolicy):
     defers would be carried, and a carried piece is placed first in the next step whatever
     joins it: often alone, one window among short documents (imbalance ~2). It stays in the
     pool instead, to leave with similar ones (less imbalance at the same displacement;
-    docs/tuning.md)."""
+    docs/tuning.md). With method "wlb_fill" the step's packing is predicted
+    (`FillTrial`) and the plan kept is `wlb_fill`'s, which may still defer a piece of a
+    group the prediction placed: that piece is carried, as any deferred piece."""
 
     def _costs(self, pieces: list[HeldPiece]) -> dict:
         """Cost of each piece by key (empty without `piece_cost`)."""
@@ -1185,7 +1188,8 @@ class MarginalRelease(GroupRelease):
         `REPAIR_ROUNDS` rounds. Unlike the groups of the search, a group may hold several early
         pieces: a starved step of a few medium outliers needs several similar ones, often seen
         ahead. A group whose packing (without the pieces the step deferred) defers more tokens
-        than the step deferred, or a released piece, is not taken. A group surely above the
+        than the step deferred, or than half the carry limit leaves beside those pieces (which
+        stay deferred), or a released piece, is not taken. A group surely above the
         score it must beat (its heaviest piece against the largest mean the step can have, as
         `_cannot_pass`), or whose step surely defers a piece it must place (`_surely_defers`:
         the released pieces, the group's, and those longer than the tokens the step may
@@ -1203,7 +1207,8 @@ class MarginalRelease(GroupRelease):
         back_keys = {piece.key for piece in kept_back}
         carry_in = [piece for piece in carry if piece.key not in back_keys]
         fresh_in = [piece for piece in fresh if piece.key not in back_keys]
-        limit = chosen.plan.deferred_tokens
+        # no more than the step deferred, nor (with its deferred pieces) more than half the carry limit
+        limit = min(chosen.plan.deferred_tokens, self.max_backlog_tokens // 2 - sum(p.length for p in kept_back))
         longest = None  # the longest pieces of the step's own that a packing kept must place
         if self.max_tokens is not None:
             own = np.concatenate([lengths_of(carry_in), lengths_of(fresh_in)])
