@@ -110,13 +110,14 @@ def heuristic_lead(settings: dict) -> int:
 def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: int, max_tokens: int, n_slots: int,
                    warmup: int, pp: int = 1) -> dict:
     """Check a schedule of the pieces (ids, offsets, lengths) against `batches` and measure it;
-    raise AssertionError on any violation. Returns imbalance (forward), imbalance_bwd (the
-    same of the backward cost), sim (the same mean of `step_packers.pipeline_ratio`, a
-    1F1B pipeline of `pp` stages), aggregate sum of maxima, displacement per token, the
-    number of steps used and `full_share`, the share of the measured steps filled to
-    99% of their token capacity (`step_packers.is_full`: the steps whose imbalance the
-    pieces they hold set), and `max_early`, the most steps any piece trains before its
-    arrival (0 when none trains early)."""
+    raise AssertionError on any violation (a micro-batch over `max_tokens` included). Returns
+    imbalance (forward), imbalance_bwd (the same of the backward cost), sim (the same mean of
+    `step_packers.pipeline_ratio`, a 1F1B pipeline of `pp` stages), each over the stream's
+    steps from `warmup` on, an empty step counted as the packers' empty plans are (1), the
+    aggregate sum of maxima, displacement per token, `full_share`, the share of the measured
+    steps filled to 99% of their token capacity (`step_packers.is_full`: the steps whose
+    imbalance the pieces they hold set), and `max_early` / `max_late`, the most steps any
+    piece trains before / after its arrival (0 when none does)."""
     arrival = {}
     for t, (lb, ib, ob) in enumerate(batches):
         for key in zip(ib.tolist(), ob.tolist(), lb.tolist()):
@@ -132,10 +133,10 @@ def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: i
         raise AssertionError(f"steps must lie in [0, {n_slots}) and micro-batches in [0, {n_micro})")
     ids, offsets = np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
     mbc = cost.mb_const("fwd")
-    imbs, bwds, sims, fulls, sum_max, disp, max_early = [], [], [], [], 0.0, 0, 0
+    imbs, bwds, sims, fulls, sum_max, disp, max_early, max_late = [], [], [], [], 0.0, 0, 0, 0
     for t in range(n_slots):
         here = np.flatnonzero(step == t)
-        if not len(here):
+        if not len(here) and t >= len(batches):
             continue
         mbs = [np.flatnonzero(micro[here] == j) for j in range(n_micro)]
         L = lengths[here]
@@ -144,7 +145,10 @@ def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: i
                         loads=np.array([cost.micro_batch_cost(L[mb]) for mb in mbs]),
                         tokens=np.array([int(L[mb].sum()) for mb in mbs]), n_micro=n_micro, max_tokens=max_tokens,
                         info=SolveInfo(method="offline"), step=t)
-        check_pack(plan, L, max_tokens, ids=ids[here], offsets=offsets[here], cost=cost)
+        try:
+            check_pack(plan, L, max_tokens, ids=ids[here], offsets=offsets[here], cost=cost)
+        except ValueError as exc:
+            raise AssertionError(f"step {t}: {exc}") from None
         if t < len(batches):
             imbs.append((t, per_step_imbalance(plan, cost, "fwd")))
             bwds.append((t, per_step_imbalance(plan, cost, "bwd")))
@@ -153,14 +157,15 @@ def check_schedule(batches, cost, step, micro, ids, offsets, lengths, n_micro: i
         sum_max += max(cost.micro_batch_cost(L[mb], "fwd") - mbc for mb in mbs)
         arrived = [arrival[k] for k in zip(ids[here].tolist(), offsets[here].tolist(), L.tolist())]
         disp += sum(n * abs(t - a) for a, n in zip(arrived, L.tolist()))
-        max_early = max(max_early, max(arrived) - t)
+        max_early = max([max_early] + [a - t for a in arrived])
+        max_late = max([max_late] + [t - a for a in arrived])
 
     def measured(values):
         return float(np.mean([x for t, x in values if t >= warmup] or [x for _, x in values]))
 
     return dict(imbalance=measured(imbs), imbalance_bwd=measured(bwds), sim=measured(sims), sum_of_max=sum_max,
-                displacement_per_token=disp / max(int(lengths.sum()), 1), steps_used=int(len(np.unique(step))),
-                full_share=measured(fulls), max_early=max_early)
+                displacement_per_token=disp / max(int(lengths.sum()), 1), full_share=measured(fulls),
+                max_early=max_early, max_late=max_late)
 
 
 def _piece_steps(plans, stream) -> tuple[np.ndarray, np.ndarray]:
@@ -268,9 +273,10 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
             if check["displacement_per_token"] > s.budget + 1e-9:
                 raise AssertionError(f"{dist}: the offline schedule at budget {s.budget} ({label}) displaces "
                                      f"{check['displacement_per_token']:.6f} per token")
-            if check["max_early"] > lead:
+            if check["max_early"] > lead or check["max_late"] > late:
                 raise AssertionError(f"{dist}: the offline schedule at budget {s.budget} ({label}) trains a piece "
-                                     f"{check['max_early']} steps before it arrives")
+                                     f"{check['max_early']} steps before or {check['max_late']} after it arrives, "
+                                     f"outside its window [-{lead}, +{late}]")
             agg = aggregate_imbalance(check["sum_of_max"], problem)
             if agg < bounds[s.budget] - 1e-6:
                 raise AssertionError(f"{dist}: the offline schedule at budget {s.budget} ({objective}, {agg:.6f}) "

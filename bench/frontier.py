@@ -5,8 +5,8 @@ achievable side, offline schedules checked and set beside the bound (bench/_fron
 Stream: 7B, (tp, cp, pp, dp) = (8, 2, 4, 1), H100, window W = 131072, N = 4, max_tokens
 1.25 W, 200 global batches (`--dist` or `--lengths`; `--quick`: 100 batches, three budgets,
 12 s solves). The heuristics run first; the model's window is then widened to cover every one
-of them (early = the largest lookahead, late = the longest wait of an outlier, at least 16),
-so that each heuristic's plans are a point of the model: `plan_solution` maps them exactly
+of them (early = the most steps an outlier trains before it arrives, at least 4; late = the
+longest wait of an outlier, at least 16), so that each heuristic's plans are a point of the model: `plan_solution` maps them exactly
 and `solution_violation` checks the point against every row (a violation aborts the run),
 and the points are the MIP starts. For each displacement budget the MILP of
 `wlb_opt.solvers.frontier_milp` (HiGHS, `--time-limit` seconds) gives a proven lower bound on the
@@ -92,8 +92,8 @@ def sum_of_max(plans, cost) -> float:
 
 
 def model_window(plan_lists, n_steps: int, outlier_min: int) -> tuple[int, int, int]:
-    """(early, late, n_slots) of a window that covers every heuristic: early = the largest
-    lookahead (>= EARLY), late = the longest wait of an outlier (>= LATE), slots up to the
+    """(early, late, n_slots) of a window that covers every heuristic: early = the most steps
+    an outlier trains before its arrival (>= EARLY), late = the longest wait of an outlier (>= LATE), slots up to the
     last step any heuristic uses."""
     outlier_delays = [d for plans in plan_lists for plan in plans
                       for d in plan.delays()[plan.lengths >= outlier_min].tolist()]

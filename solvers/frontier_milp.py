@@ -306,14 +306,14 @@ def _build(problem: FrontierProblem, budget: float, fixed: dict[int, int] | None
         steps = P.window(int(P.outlier_arrival[o])) if fixed is None else [fixed[o]]
         for t in steps:
             z[o, t] = m.col(0.0, 0.0, 1.0, integral and fixed is None)
-    backward = P.early > 0
     C = P.n_classes
     # Filler of class c as two parts, u at the class's lowest cost per token and v at its
     # highest: any (tokens, cost) with cost / tokens in that range is one such pair, so the
     # ratio needs no rows. Keys (c, t, part), part 0 = u, 1 = v.
     present = {(c, t, q): m.col() for c in range(C) for t in range(T) for q in range(2)}
     fwd = {(c, t, q): m.col() for c in range(C) for t in range(T - 1) for q in range(2)}  # t -> t+1
-    bwd = {(c, t, q): m.col() for c in range(C) for t in range(T - 1) for q in range(2)} if backward else {}
+    # filler may train early whatever the outliers' window (`early` bounds the outliers only)
+    bwd = {(c, t, q): m.col() for c in range(C) for t in range(T - 1) for q in range(2)}
     for o in range(len(P.outlier_length)):
         cols = [z[o, t] for t in range(T) if (o, t) in z]
         m.row(cols, [1.0] * len(cols), 1.0, 1.0)
@@ -322,9 +322,9 @@ def _build(problem: FrontierProblem, budget: float, fixed: dict[int, int] | None
         for t in range(T):
             cols = [(present, t, 1.0)]
             if t + 1 < T:
-                cols += [(fwd, t, 1.0)] + ([(bwd, t, -1.0)] if backward else [])
+                cols += [(fwd, t, 1.0), (bwd, t, -1.0)]
             if t > 0:
-                cols += [(fwd, t - 1, -1.0)] + ([(bwd, t - 1, 1.0)] if backward else [])
+                cols += [(fwd, t - 1, -1.0), (bwd, t - 1, 1.0)]
             for quantity in range(2):  # tokens, cost: both conserved
                 idx, vals = [], []
                 for group, e, sgn in cols:
@@ -530,7 +530,12 @@ def solve_frontier(problem: FrontierProblem, budget: float, time_limit: float = 
     h = _run(lp, max(time_limit - (time.perf_counter() - t0), 1.0), threads, starts=best_start)
     info, status = h.getInfo(), h.modelStatusToString(h.getModelStatus())
     scale = idx["scale"]
-    bound = (info.mip_dual_bound if idx["z"] else info.objective_function_value) / scale
+    if idx["z"]:
+        bound = info.mip_dual_bound / scale
+    elif status == "Optimal":  # no outliers: the LP's optimum
+        bound = info.objective_function_value / scale
+    else:  # an LP stopped early proves nothing beyond the cost's conservation (aggregate 1)
+        bound = problem.total_cost / problem.n_micro
     placement = displacement = objective = values = None
     if info.primal_solution_status == 2:  # feasible
         values = np.asarray(h.getSolution().col_value)

@@ -24,8 +24,9 @@ and, from each start given, a second search seeded there, see below):
   worst-ranked steps also the best split of two steps' outliers between them and ejection
   chains (one outlier into a step, one of that step's outliers out to a third);
 - splits and chains are branch and bound: `_Search.floor` (the overflow of a step's
-  tokens, else its costliest outlier or its mean cost over its mean) is a lower bound on the
-  model that needs no packing, so a candidate whose floor cannot beat the best move found is
+  tokens, else its costliest outlier or its mean cost over its mean; the search evaluates it
+  for many steps at once, `_floors` and `_floors_with`) is a lower bound on the model that
+  needs no packing, so a candidate whose floor cannot beat the best move found is
   never modelled; the moves taken are those of the full enumeration;
 - a move is taken when it lowers sum_t weight_t x model_t + price x displacement (token-steps
   divided by the mean tokens per step) and keeps the displacement within the budget. The price
@@ -153,6 +154,8 @@ def _check_args(stream, n_micro, max_tokens, mb_const, budgets, early, late, out
         raise ValueError(f"a piece of {int(stream.lengths.max())} tokens cannot fit max_tokens={max_tokens}")
     if not (isinstance(mb_const, (int, float)) and math.isfinite(mb_const) and mb_const >= 0):
         raise ValueError(f"mb_const must be finite seconds >= 0, got {mb_const!r}")
+    if not len(budgets):
+        raise ValueError("budgets must hold at least one displacement budget, got none")
     for b in budgets:
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b < 0:
             raise ValueError(f"a displacement budget must be a finite number >= 0 (tokens' mean |step - arrival|), "
@@ -284,9 +287,9 @@ class _Search:
 
     def feasible(self, big_step: list[int], P: list[int]) -> tuple[list[int], list[int]]:
         """`(big_step, P)` with the short pieces at the edges of each step the model finds over
-        capacity moved to a neighbouring step, one at a time, the move of least displacement
-        first (to the step before only where that one stays within capacity), until none is
-        over or no move is left. A streaming planner's schedule packs its steps to the token
+        capacity moved to a neighbouring step, one at a time: a move to a step that stays
+        within capacity first, then the move of least displacement (to the step before only
+        where that one stays within capacity), until none is over or no move is left. A streaming planner's schedule packs its steps to the token
         cap or nearly, which `start_state`'s boundaries, rounded to whole pieces, and the
         model's slack of one short piece often pass."""
         self.load(big_step, P)

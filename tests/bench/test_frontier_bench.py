@@ -135,6 +135,19 @@ def test_the_schedule_checker_measures_both_phases_as_the_plans_do():
     moved[piece] = 2
     assert check_schedule(batches, cost, moved, micro, stream.doc_ids, stream.offsets, stream.lengths, N,
                           10 * W, n_slots, warmup)["max_early"] == 3
+    # a step emptied counts as an empty plan does (1), here the only step measured; its pieces
+    # train a step late
+    two = batches[:2]
+    stream2 = offline_stream(two, lambda d: cost.doc_cost(d, "fwd"))
+    late = stream2.arrival.copy()
+    late[late == 1] = 2
+    check = check_schedule(two, cost, late, np.zeros_like(late), stream2.doc_ids, stream2.offsets, stream2.lengths,
+                           N, 10 * W, 3, 1)
+    assert check["imbalance"] == 1.0 and check["max_late"] == 1 and check["max_early"] == 0
+    # a micro-batch over the token cap is a violation like any other
+    with pytest.raises(AssertionError, match="step 0"):
+        check_schedule(two, cost, stream2.arrival, np.zeros_like(late), stream2.doc_ids, stream2.offsets,
+                       stream2.lengths, N, int(1.25 * W), 2, 1)
 
 
 def test_offline_distributions_in_worker_processes_give_the_same_schedules(tmp_path):

@@ -2,8 +2,8 @@
 whole-piece plans found by enumerating every (step, micro-batch) of every piece (an
 independent reference), its optimum equals the enumeration of its own outlier steps, every
 packer plan maps onto a feasible point of the model whose value is the plan's own sum of
-maxima (so the bound lies below every packer plan within its displacement), and `wlb-opt
-bench frontier` runs end to end on a short stream."""
+maxima (so the bound lies below every packer plan within its displacement); `wlb-opt bench
+frontier` runs end to end in tests/bench/test_frontier_bench.py."""
 import itertools
 
 import numpy as np
@@ -210,6 +210,32 @@ def test_plan_solution_names_what_does_not_fit():
     assert solution is None and "not in the plans" in why
     solution, why = plan_solution(wide, plans + plans[:1])
     assert solution is None and "twice" in why
+
+
+def test_the_bound_holds_for_short_pieces_trained_early_when_outliers_may_not():
+    # `early` bounds the outliers' window only: with early=0 a plan may still train short
+    # pieces ahead of their arrival, and the bound must lie below it
+    from wlb_opt.plan import PackPlan, SolveInfo
+    batches = [(np.array([60]), np.array([0]), np.array([0])),
+               (np.array([20, 20, 20, 20]), np.array([1, 2, 3, 4]), np.zeros(4, dtype=np.int64))]
+    problem = frontier_problem(batches, fwd, n_micro=2, max_tokens=120, outlier_min=40, early=0, late=0)
+
+    def plan(step, lengths, ids, micro_batches):
+        lengths = np.array(lengths)
+        return PackPlan(doc_ids=np.array(ids), lengths=lengths, offsets=np.zeros(len(lengths), dtype=np.int64),
+                        micro_batches=micro_batches, replica_of=np.zeros(2, dtype=np.int64),
+                        deferred=np.zeros(0, dtype=np.int64), loads=np.array([fwd(lengths[mb]).sum() for mb in micro_batches]),
+                        tokens=np.array([int(lengths[mb].sum()) for mb in micro_batches]), n_micro=2, max_tokens=120,
+                        info=SolveInfo(method="by hand"), step=step)
+
+    # two of step 1's short pieces train in step 0, beside its outlier
+    plans = [plan(0, [60, 20, 20], [0, 1, 2], (np.array([0]), np.array([1, 2]))),
+             plan(1, [20, 20], [3, 4], (np.array([0]), np.array([1])))]
+    solution, why = plan_solution(problem, plans)
+    assert solution is not None, why
+    assert solution_violation(problem, solution, 0.3) < 1e-9
+    sum_of_max = max(fwd(np.array([60])).sum(), fwd(np.array([20, 20])).sum()) + fwd(np.array([20])).sum()
+    assert solve_frontier(problem, 0.3, time_limit=10).bound <= sum_of_max * (1 + 1e-9)
 
 
 def test_filler_classes_keep_cost_per_token_within_the_tolerance():

@@ -205,6 +205,8 @@ def test_bad_input_is_refused_by_name(kw, message):
         offline_schedule(stream, args["n_micro"], args["max_tokens"], args["mb_const"], args["budget"], **window, **kw)
     with pytest.raises(TypeError, match="OfflineStream"):
         offline_schedule(batches, 2, 60, 0.5, 0.2, early=1, late=1)
+    with pytest.raises(ValueError, match="budgets must hold at least one displacement budget"):
+        offline_frontier(stream, 2, 60, 0.5, [], early=1, late=1)
     with pytest.raises(ValueError, match="one entry per piece"):
         OfflineStream(lengths=np.ones(2, dtype=np.int64), doc_ids=np.zeros(1, dtype=np.int64),
                       offsets=np.zeros(2, dtype=np.int64), arrival=np.zeros(2, dtype=np.int64), cost=np.ones(2),
