@@ -276,3 +276,19 @@ def test_bare_half_window_thresholds_log_a_notice_once(caplog):
         packer.pack([300, 300, 300, 20])
         packer.pack([300, 300, 300, 20])
     assert sum("outliers" in r.getMessage() for r in caplog.records if r.name == "wlb_opt") == 1
+
+
+@pytest.mark.parametrize("method, extra", [("cpsat", "ortools"), ("milp", "pulp")])
+def test_a_stream_packed_by_an_exact_model_defers_what_a_step_cannot_hold(method, extra):
+    # the first step's 7 + 7 + 6 tokens fill its capacity but fit no two micro-batches of 10:
+    # the exact model defers the 6 to the next step, as Algorithm 1 does, instead of refusing
+    # the step
+    pytest.importorskip(extra)
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"), wlb.ParallelSpec(cp=1), wlb.HardwareSpec.preset("cpu"))
+    docs = [(i, np.arange(n)) for i, n in enumerate([7, 7, 6, 3, 3])]
+    plans = {}
+    for m in ("wlb", method):
+        packer = wlb.WLBPacker(2, 10, cost, config=wlb.PackerConfig(thresholds=[], method=m))
+        steps = list(wlb.WLBStream(docs, packer, 20))
+        plans[m] = [sorted(sorted(int(s.plan.lengths[i]) for i in mb) for mb in s.plan.micro_batches) for s in steps]
+    assert plans[method] == plans["wlb"] == [[[7], [7]], [[3, 3], [6]]]

@@ -397,8 +397,11 @@ class WLBPacker:
                                                          count=4 * len(pending)).reshape(-1, 4).T
         else:
             ids = offsets = lengths = arrival = np.zeros(0, dtype=np.int64)
+        # the exact models place every piece unless told they may defer: a step can hold more
+        # than its capacity (carried pieces, released outliers), and the packer carries what waits
+        options = dict(allow_defer=True) if self.method in ("cpsat", "milp") else {}
         plan = solve_pack(lengths, self.n_micro, self.max_tokens, self.cost, self.method, ids=ids, offsets=offsets,
-                          dp=self.dp, carried=len(first), seed=self.seed)
+                          dp=self.dp, carried=len(first), seed=self.seed, **options)
         return pending, plan, arrival
 
     def _commit(self, plan: PackPlan, queues: list[deque], carry: list[HeldPiece]) -> None:
