@@ -506,16 +506,20 @@ class WLBStream:
         the digest of its fed prefix when it is read again. A map-style dataset without
         `lengths` is not re-read before the checkpoint, so only its size and the document in
         flight are checked."""
-        if not isinstance(state, dict) or state.get("version") != STREAM_STATE_VERSION:
-            got = state.get("version") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"not a WLBStream state of version {STREAM_STATE_VERSION} (got version {got!r}); "
-                             "states of other versions cannot be resumed")
+        if not isinstance(state, dict):
+            raise ValueError(f"a WLBStream state is a dict (state_dict()), got {type(state).__name__}")
+        if state.get("version") != STREAM_STATE_VERSION:
+            raise ValueError(f"not a WLBStream state of version {STREAM_STATE_VERSION} (got version "
+                             f"{state.get('version')!r}); states of other versions cannot be resumed")
         if self._step or self._consumed or self._generation:
             raise ValueError("load_state_dict needs a fresh stream (this one has already produced steps)")
         fields = check_state_fields(state)
         if state["config"] != self._config():
-            raise ValueError(f"the state was saved by a stream with settings {state['config']}, this one has "
-                             f"{self._config()}")
+            ours = self._config()
+            differ = [k for k in sorted(set(ours) | set(state["config"])) if state["config"].get(k) != ours.get(k)]
+            raise ValueError(f"the state was saved by a stream with other settings: "
+                             + ", ".join(f"{k}={state['config'].get(k)!r} there, {ours.get(k)!r} here" for k in differ)
+                             + "; build the stream with the state's settings")
         consumed, pending_from = fields["consumed"], fields["pending_from"]
         if self._documents is not None and iter(self._documents) is self._documents and consumed:
             raise ValueError("documents is a one-shot iterator: a stream can only resume over a re-iterable "
@@ -532,7 +536,10 @@ class WLBStream:
         if self._lengths is not None:
             fingerprint.check_lengths(self._lengths, consumed)
         scratch = copy.deepcopy(self.packer)  # checked on a copy: a refused state changes nothing
-        scratch.load_state_dict(state["packer"], max_backlog_tokens)  # checks its own fields
+        try:
+            scratch.load_state_dict(state["packer"], max_backlog_tokens)  # checks its own fields
+        except ValueError as exc:
+            raise ValueError(f"state field packer (the packer's state): {exc}") from None
         self._check_against_packer(scratch, cache, fields)
         check_integrity(state)
         self.packer.load_state_dict(state["packer"], max_backlog_tokens)

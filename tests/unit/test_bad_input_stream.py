@@ -86,7 +86,7 @@ def _ended_with_pieces():
 
 STATE_CASES = [
     ("state.version_old", lambda: _load(_changed("version", 1)), ValueError, "got version 1"),
-    ("state.not_dict", lambda: _load([1]), ValueError, "not a WLBStream state"),
+    ("state.not_dict", lambda: _load([1]), ValueError, "a WLBStream state is a dict (state_dict()), got list"),
     *[(f"state.missing.{k}", (lambda k=k: _load(_changed(k, _DELETE))), ValueError, f"no field {k!r}")
       for k in ("config", "packer", "step", "consumed", "pending_from", "draining", "ended", "fingerprint",
                 "cache", "integrity")],
@@ -102,7 +102,8 @@ STATE_CASES = [
      "pending_from="),
     ("state.draining_int", lambda: _load(_changed("draining", 1)), ValueError, "state field draining"),
     ("state.ended_with_pieces", lambda: _load(_ended_with_pieces()), ValueError, "ended=True"),
-    ("state.config_other", lambda: _load(_changed("config.window", 64)), ValueError, "with settings"),
+    ("state.config_other", lambda: _load(_changed("config.window", 64)), ValueError,
+     "with other settings: window=64 there"),
     ("state.cache_not_list", lambda: _load(_changed("cache", {})), ValueError, "state field cache must be"),
     ("state.cache_row_short", lambda: _load(_changed("cache.0", [1, 0])), ValueError, "cache[0] must be"),
     ("state.cache_negative_token", lambda: _load(_changed("cache.0.2", [-1, 2])), ValueError, "is negative"),
@@ -151,6 +152,8 @@ STATE_CASES = [
     ("state.packer_buffer_offset_huge", lambda: _load(_changed("packer.lookahead_buffer.0.0.1", 2**63)), ValueError,
      "0 <= offset < 2**63"),
     ("state.packer_auto_not_bool", lambda: _load(_changed("packer.auto", "yes")), ValueError, "field auto"),
+    ("state.packer_version", lambda: _load(_changed("packer.version", None)), ValueError,
+     "state field packer (the packer's state): state version None"),
 ]
 
 
