@@ -186,8 +186,10 @@ class WLBStream:
             a 1-D integer list, numpy array or tensor; the mask True where a token is a
             target. Re-iterable (a list, a dataset) if the stream is to be resumed or run in a
             DataLoader worker. Ids are unique integers.
-        packer: a `WLBPacker`; `tokens_per_step` must fit its capacity (dp x n_micro x max_tokens;
-            equal to it works).
+        packer: a `WLBPacker`; `tokens_per_step` must fit its capacity (dp x n_micro x max_tokens).
+            Equal to it works where the pieces can fill the micro-batches; where they cannot
+            (three 8-token pieces a step for two micro-batches of 12), the carry grows each step
+            until the packer refuses the backlog (ValueError naming max_backlog_tokens).
         tokens_per_step: the global batch's token budget; each step takes pieces in data order
             while they fit.
         cp: context-parallel ranks to shard each micro-batch for (None: the cost model's).
