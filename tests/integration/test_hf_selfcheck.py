@@ -113,6 +113,26 @@ def test_a_layer_that_differs_under_the_stage_is_named(pp):
         hf.split_hf_stages(model, pp)
 
 
+def test_a_decoder_layer_that_drops_the_stage_attention_is_refused_by_name():
+    # StableLM's decoder layer calls its attention without the keyword arguments it is given,
+    # so the stage's attention (documents, CP shards) never reaches it: refused, not trained
+    model = build(transformers.StableLmConfig(**SMALL), dtype=torch.float32)
+    with pytest.raises(ValueError, match="StableLmAttention was called inside a pipeline stage without the stage's "
+                                         "attention"):
+        hf.split_hf_stages(model, 1)
+
+
+def test_a_model_that_does_not_pass_positions_to_its_attention_is_refused_in_its_own_forward():
+    # GPT-BigCode's attention gets neither position_ids nor cu_seq_lens_q: a packed row's
+    # documents cannot be told apart, so its own forward under "wlb" is refused
+    model = build(transformers.GPTBigCodeConfig(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=512,
+                                                attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+                  dtype=torch.float32)
+    ids = torch.arange(12)[None] % 97
+    with pytest.raises(ValueError, match="got neither position_ids nor cu_seq_lens_q in GPTBigCodeAttention"):
+        model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]]), use_cache=False)
+
+
 def test_skipping_the_check_returns_unproven_stages(monkeypatch):
     monkeypatch.setattr(hf, "_head_scaling", lambda model: {})
     assert len(hf.split_hf_stages(build(cohere()), 1, self_check=False)) == 1

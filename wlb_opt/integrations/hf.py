@@ -6,7 +6,10 @@
   with `doc_attention` at the model's own softmax scale (`module.scaling`). Called by the
   model's own forward on a packed batch of one row, documents are found from `position_ids`
   (a token whose position is not its predecessor's + 1 starts a document), as transformers'
-  own packed path does; called by the executor, the attention is its CP attention.
+  own packed path does; called by the executor, the attention is its CP attention. An
+  attention that receives neither `position_ids` nor `cu_seq_lens_q` (GPT-BigCode,
+  Persimmon), or, inside a stage, not the stage's attention (a decoder layer that drops its
+  keyword arguments, such as StableLM's), raises a ValueError naming its class.
 - `split_hf_stages(model, pp, virtual_stages=1)` cuts a causal LM (embeddings, decoder layers,
   final norm, LM head) into executor stages with the library's stage contract
   ``stage(x, positions, attend)`` (`wlb_opt.executor.model.Stage`), sharing the model's
@@ -31,6 +34,7 @@ build models from configs.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 
 import numpy as np
@@ -47,6 +51,8 @@ NAME = "wlb"
 TESTED_TRANSFORMERS = "5.24.0"
 _registered = False
 _log = logging.getLogger("wlb_opt")
+_IN_STAGE = contextvars.ContextVar("wlb_in_stage", default=False)
+"""True while an `HFStage` runs its layers: each attention call must then carry the stage's attention."""
 
 
 # ---------------------------------------------------------------------- attention
@@ -105,7 +111,17 @@ def wlb_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     else:
         from ..kernels import doc_attention
 
+        name = type(module).__name__
+        if _IN_STAGE.get():
+            raise ValueError(f"{name} was called inside a pipeline stage without the stage's attention (wlb_attend): "
+                             "its decoder layer does not pass the attention's keyword arguments on, so the "
+                             "micro-batch's documents and CP shards cannot reach it; the adapter does not support "
+                             "this architecture")
         bounds = kwargs.get("cu_seq_lens_q")  # explicit piece boundaries (`hf_batch`), else from the positions
+        if bounds is None and kwargs.get("position_ids") is None:
+            raise ValueError(f"attn_implementation='wlb' got neither position_ids nor cu_seq_lens_q in {name}: its "
+                             "model does not pass them to the attention, so the documents of a packed row cannot "
+                             "be told apart; this architecture is not supported")
         seg = (_segments_from_bounds(bounds, q.shape[0]) if bounds is not None
                else _segments_from_positions(kwargs.get("position_ids"), q.shape[0]))
         out = doc_attention(q, k, v, seg, softmax_scale=scaling)
@@ -387,11 +403,15 @@ class HFStage(nn.Module):
         h = x.unsqueeze(0)
         position_ids = positions.unsqueeze(0)
         cos_sin = self._rotary(h, position_ids)
-        for layer in self.blocks:
-            h = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=cos_sin,
-                      wlb_attend=attend)
-            if isinstance(h, tuple):  # older decoder layers return (hidden_states, ...)
-                h = h[0]
+        inside = _IN_STAGE.set(True)  # a layer that drops wlb_attend is refused by wlb_attention
+        try:
+            for layer in self.blocks:
+                h = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=cos_sin,
+                          wlb_attend=attend)
+                if isinstance(h, tuple):  # older decoder layers return (hidden_states, ...)
+                    h = h[0]
+        finally:
+            _IN_STAGE.reset(inside)
         h = h[0]
         if self.head is not None:
             return self.norm(h)
@@ -445,7 +465,8 @@ def split_hf_stages(model: nn.Module, pp: int, virtual_stages: int = 1, *, self_
 
 
 # ---------------------------------------------------------------------- self-check
-_CHECK_DOCS = ((7, 0), (5, 3))  # (tokens, first position): a document, and a piece continuing one
+_CHECK_DOCS = ((7, 0), (5, 7))  # (tokens, first position): a document, and a piece whose positions
+# continue it, so that attention told the documents by their positions alone would join them
 _CHECK_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
