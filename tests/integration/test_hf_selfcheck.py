@@ -133,6 +133,15 @@ def test_a_model_that_does_not_pass_positions_to_its_attention_is_refused_in_its
         model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]]), use_cache=False)
 
 
+def test_latent_attention_with_values_of_another_head_size_is_refused_by_name():
+    cfg = transformers.DeepseekV3Config(**{**SMALL, "num_key_value_heads": 4}, n_routed_experts=2,
+                                        first_k_dense_replace=3, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                                        qk_nope_head_dim=8, v_head_dim=16, moe_intermediate_size=16, n_group=1,
+                                        topk_group=1, num_experts_per_tok=1)
+    with pytest.raises(ValueError, match="DeepseekV3Attention has keys of 12 and values of 16 channels per head"):
+        hf.split_hf_stages(build(cfg, dtype=torch.float32), 1)
+
+
 def test_skipping_the_check_returns_unproven_stages(monkeypatch):
     monkeypatch.setattr(hf, "_head_scaling", lambda model: {})
     assert len(hf.split_hf_stages(build(cohere()), 1, self_check=False)) == 1

@@ -104,6 +104,10 @@ def wlb_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     if query.shape[0] != 1:
         raise ValueError(f"attn_implementation='wlb' takes packed sequences: a batch of one row, got batch size "
                          f"{query.shape[0]} (pack the documents into one row with position_ids)")
+    if value.shape[-1] != key.shape[-1]:
+        raise ValueError(f"attn_implementation='wlb' needs values of the keys' head size; {type(module).__name__} has "
+                         f"keys of {key.shape[-1]} and values of {value.shape[-1]} channels per head (multi-head "
+                         "latent attention): this architecture is not supported")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D] views; the kernel takes strides
     attend = kwargs.get("wlb_attend")
     if attend is not None:  # the executor's CP attention over the micro-batch's ShardPlan
