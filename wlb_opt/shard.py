@@ -136,7 +136,9 @@ def solve_shard(
         cost: the cost model of the loads (default: `default_cost()`).
         offsets: start of each piece inside its document (for RoPE positions; default 0).
         token_skew: hybrid / cpsat token bound, ranks hold <= ceil((1 + token_skew) T / cp).
-        time_limit, workers, seed: CP-SAT only (one worker is deterministic).
+        time_limit, workers, seed: CP-SAT only (one worker is deterministic where it proves its
+            optimum; a search stopped by `time_limit`, wall-clock seconds, depends on the
+            machine's load).
 
     Returns a ShardPlan; `plan.strategy` is the strategy actually taken.
     """
@@ -228,7 +230,8 @@ def solve_shards(plan: PackPlan, cp: int | None = None, strategy: ShardStrategy 
 
     Each is the ShardPlan `solve_shard(plan.lengths[mb], cp, strategy, cost,
     offsets=plan.offsets[mb], **options)` returns: the same chunk table, loads (the same
-    floats) and tokens, the same strategy taken; only `info.wall_s` differs (each gets the
+    floats) and tokens, the same strategy taken ("cpsat": where its searches prove their
+    optimum, see `solve_shard`); only `info.wall_s` differs (each gets the
     batch's time over its micro-batches). For "per_seq", "per_doc", "adaptive" and "hybrid"
     the chunk tables and their costs are made for all micro-batches together, a few array
     operations per step rather than per micro-batch ("hybrid" still decides each
@@ -243,6 +246,13 @@ def solve_shards(plan: PackPlan, cp: int | None = None, strategy: ShardStrategy 
     unknown = sorted(set(options) - {"token_skew", "time_limit", "workers", "seed"})
     if unknown:
         raise ValueError(f"unknown options {unknown}; solve_shard takes token_skew, time_limit, workers, seed")
+    n = len(plan.lengths)
+    every = np.concatenate(mbs) if mbs else np.zeros(0, dtype=np.int64)
+    if len(every) and (int(every.min()) < 0 or int(every.max()) >= n):
+        k, mb = next((k, mb) for k, mb in enumerate(mbs) if len(mb) and (mb.min() < 0 or mb.max() >= n))
+        raise ValueError(f"plan.micro_batches[{k}] holds piece index {int(mb[(mb < 0) | (mb >= n)][0])}, outside "
+                         f"0 .. {n - 1} (the plan's pieces)")
+    all_lengths = validate_lengths(plan.lengths, "plan.lengths")  # an error names the plan's piece index
     if strategy not in BATCHED_STRATEGIES:
         check_choice("strategy", strategy, SHARD_STRATEGIES)
         return [solve_shard(plan.lengths[mb], cp, strategy, cost, offsets=plan.offsets[mb], **options)
@@ -259,7 +269,7 @@ def solve_shards(plan: PackPlan, cp: int | None = None, strategy: ShardStrategy 
     if not full:
         return out
     order = np.concatenate([mbs[k] for k in full])
-    lengths = validate_lengths(plan.lengths[order])
+    lengths = all_lengths[order]
     offsets = validate_offsets(plan.offsets[order], len(lengths))
     counts = np.array([len(mbs[k]) for k in full], dtype=np.int64)
     n_mb, costs = len(full), ShardCosts(cost, cp)

@@ -471,7 +471,14 @@ SHARD_CASES = (
        ("solve_shards.cpsat_unknown_option", lambda: wlb.solve_shards(PLAN, 2, "cpsat", foo=1), ValueError,
         "unknown options ['foo']; solve_shard takes token_skew, time_limit, workers, seed"),
        ("solve_shards.empty_plan_cost", lambda: wlb.solve_shards(wlb.solve_pack([], 2, 10, COST), cost="7b"),
-        ValueError, "cost must be a wlb_opt.CostModel")]
+        ValueError, "cost must be a wlb_opt.CostModel"),
+       # a hand-made plan: its piece indices and lengths are the plan's, named as such
+       ("solve_shards.piece_index", lambda: wlb.solve_shards(PLAN.replace(micro_batches=([0], [7])), 2), ValueError,
+        "plan.micro_batches[1] holds piece index 7, outside 0 .. 2"),
+       ("solve_shards.negative_piece_index", lambda: wlb.solve_shards(PLAN.replace(micro_batches=([0], [-1])), 2),
+        ValueError, "plan.micro_batches[1] holds piece index -1"),
+       ("solve_shards.zero_length", lambda: wlb.solve_shards(PLAN.replace(lengths=[5, 0, 3]), 2, "cpsat"), ValueError,
+        "plan.lengths must be positive token counts, got 0 at index 1")]
 )
 
 
