@@ -46,6 +46,12 @@ def _cases():
 
     plan, cost = make_plan(1)
     shards = make_shards(plan, cost, 1)
+    plan2, cost2 = make_plan(2)
+    moved = np.zeros(len(plan.micro_batches), dtype=np.int64)
+    moved[-1] = 1  # a micro-batch dealt to a replica the plan does not have
+
+    def per_token(h, labels, head):  # the losses of the tokens, not their sum
+        return torch.nn.functional.cross_entropy(head(h), labels.clamp(min=0), reduction="none")
 
     def step(model=None, plan=plan, shards=shards, data=doc_tokens, **kw):
         return ex.train_step(make_model() if model is None else model, plan, shards, data=data, backend="torch", **kw)
@@ -83,6 +89,12 @@ def _cases():
         ("train_step.loss_mask_shape", lambda: step(data=lambda i: (doc_tokens(i), torch.ones(2, dtype=torch.bool))),
          ValueError, "loss mask of shape (2,)"),
         ("train_step.loss_chunk_zero", lambda: step(loss_chunk=0), ValueError, "loss_chunk must be an integer >= 1"),
+        ("train_step.dp_without_mesh", lambda: step(plan=plan2, shards=make_shards(plan2, cost2, 1)), ValueError,
+         "plan has dp=2 replicas; without a mesh train_step runs one replica"),
+        ("train_step.replica_of", lambda: step(plan=plan.replace(replica_of=moved)), ValueError,
+         "plan.replica_of must give each of the plan's dp=1 replicas"),
+        ("train_step.loss_fn_per_token", lambda: step(loss_fn=per_token), ValueError,
+         "loss_fn must return the micro-batch's summed loss as a scalar tensor"),
         ("make_mesh.timeout_not_initialised", lambda: ex.make_mesh(timeout=-1), ValueError,
          "needs torch.distributed initialised"),
     ]

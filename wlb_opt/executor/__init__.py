@@ -9,7 +9,7 @@
   `train_step` checks more in the same exchange (tokens within a replica, the vocabulary,
   replicated weights); a wait that fails raises `PeerWaitError` naming who did not arrive.
 - `make_mesh`, `train_step`: CP x PP x DP groups and one training step of a PackPlan
-  (variable-length 1F1B or interleaved pipeline issuing `p2p_schedule`'s groups, CP
+  (variable-length 1F1B issuing `p2p_schedule`'s groups, or interleaved on per-pair channels, CP
   attention, DP gradient sums) with the loss normalised over the whole global batch;
   `TinyLM` and `split_stages`, a small model for tests and examples; `StageOutputs`, what
   a rank ran (`train_step(record=...)`).

@@ -9,11 +9,13 @@ ranks, which gives exactly the single-process gradient of the global mean loss.
 
 With a pipeline (mesh.pp > 1) each rank holds v model chunks (`split_stages(model, pp, v)`;
 v = 1 is plain 1F1B, v > 1 Megatron's interleaved 1F1B) and runs the simulator's order
-(`wlb_opt.schedule.stage_order`). Point-to-point traffic follows `p2p_schedule` exactly:
-groups of sends and receives posted together (`batch_isend_irecv`) and waited on together,
-an order that is deadlock-free without any buffering (NCCL's rendezvous), with every
-shape known from the plan (no shape handshake). Every micro-batch slot is scheduled, an
-empty one with zero-row tensors, so what runs is always `p2p_schedule(pp, n_micro, v)`.
+(`wlb_opt.schedule.stage_order`). Point-to-point traffic of 1F1B follows `p2p_schedule`
+exactly: groups of sends and receives posted together (`batch_isend_irecv`) and waited on
+together, an order that is deadlock-free without any buffering (NCCL's rendezvous), with
+every shape known from the plan (no shape handshake); the interleaved pipeline sends on one
+channel per pair of neighbouring ranks (`mesh.channel_groups`) in `channel_messages`
+order. Every micro-batch slot is scheduled, an empty one with zero-row tensors, so what runs
+is always the schedule of (pp, n_micro, v).
 
 Before any of it the ranks agree, in one exchange (`plumbing.agree_on_step`): same plan and
 shards, same tokens within a replica, token ids inside the vocabulary, and on a first step
@@ -269,7 +271,12 @@ class _StageForward:
         if self.loss_fn is None:
             out = chunked_cross_entropy(out, inputs.labels, head, self.loss_chunk) / self.total
         else:
-            out = self.loss_fn(out, inputs.labels, head) / self.total
+            loss = self.loss_fn(out, inputs.labels, head)
+            if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+                got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise ValueError(f"loss_fn must return the micro-batch's summed loss as a scalar tensor (train_step "
+                                 f"divides by the global batch's target tokens), got {got}")
+            out = loss / self.total
         self.loss_sum += out.detach().to(torch.float64)
         return out
 
@@ -318,7 +325,7 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
     the ShardPlan of micro-batch j (cp ranks = mesh.cp; None for an empty micro-batch).
     Micro-batches of this rank's DP replica run in the order of `wlb_opt.schedule.stage_order`
     (the simulator's); activations and their gradients go between stages in the groups of
-    `p2p_schedule`, sized from the plan. A send's tensor is released as soon as its group
+    `p2p_schedule` (interleaved: on the channels of `channel_messages`), sized from the plan. A send's tensor is released as soon as its group
     completes. Gradients are summed over the ranks that hold the same stage, and left in
     `param.grad`. `regather_kv`: see `context_parallel_attention` (default: on for GPUs).
     `prefetch`: let models that support it start the K/V all-gather before the Q projection.
@@ -363,6 +370,14 @@ def _check_step_arguments(stages, plan, shards, data, mesh, check_weights) -> No
     if check_weights is not None and not isinstance(check_weights, bool):
         raise ValueError(f"check_weights must be None (check on the first call with these stages), True or False, "
                          f"got {check_weights!r}")
+    if mesh is None and plan.dp != 1:
+        raise ValueError(f"plan has dp={plan.dp} replicas; without a mesh train_step runs one replica: pass "
+                         "make_mesh(dp=...), or plan with dp=1")
+    replica_of = np.asarray(plan.replica_of, dtype=np.int64)
+    if replica_of.size and (replica_of.min() < 0 or replica_of.max() >= plan.dp
+                            or np.any(np.bincount(replica_of, minlength=plan.dp) != plan.n_micro)):
+        raise ValueError(f"plan.replica_of must give each of the plan's dp={plan.dp} replicas n_micro={plan.n_micro} "
+                         f"micro-batches (values in 0 .. {plan.dp - 1}), got {replica_of.tolist()}")
 
 
 
