@@ -252,6 +252,13 @@ def _bucketed_forward(plan: _Plan, q, k, v, scale: float):
     return out, lse
 
 
+def _dense_rows(t: torch.Tensor) -> torch.Tensor:
+    """`t`, copied where its last dimension is strided: torch's CPU attention reads a head's
+    channels as if they were adjacent whatever the stride (a view of every other channel gave
+    wrong values, silently)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Any,
                  softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out ``[Tq, Hq, D]`` in q's dtype, lse ``[Hq, Tq]`` in the compute dtype), no autograd.
@@ -266,7 +273,7 @@ def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: An
         return q.new_zeros(q.shape), q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=dtype)
     plan = _plan(seg, q.shape[0], k.shape[0], q.device)
     run = _dense_forward if plan.visible is not None else _bucketed_forward
-    out, lse = run(plan, q.to(dtype), k.to(dtype), v.to(dtype), softmax_scale)
+    out, lse = run(plan, *(_dense_rows(t.to(dtype)) for t in (q, k, v)), softmax_scale)
     return out.to(q.dtype), lse
 
 
@@ -311,7 +318,7 @@ def sdpa_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     d = q.shape[2]
     plan = _plan(seg, q.shape[0], k.shape[0], q.device)
-    q_, k_, v_, out_, dout_ = (t.to(dtype) for t in (q, k, v, out, dout))
+    q_, k_, v_, out_, dout_ = (_dense_rows(t.to(dtype)) for t in (q, k, v, out, dout))
     if dlse is not None:  # one extra head-dim column carries dlse into the kernel's delta
         dlse_ = torch.nan_to_num(dlse.to(dtype), posinf=0.0, neginf=0.0).t()[:, :, None]
         q_, k_, v_ = (torch.nn.functional.pad(t, (0, 1)) for t in (q_, k_, v_))

@@ -94,6 +94,18 @@ def test_random_tables_match_reference(mode, table, heads, dtype, scale):
     _check(*_qkv(n_q, n_k, *heads, 8, dtype), seg, scale=scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_views_whose_channels_are_strided_match_reference(mode, dtype):
+    # q, k and v as views of every other channel (stride 2 along the head dimension): torch's
+    # CPU attention reads such a view as if its channels were adjacent, so they are copied first
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(13, 2, 16, 2, generator=gen, dtype=torch.float64).to(dtype)[..., 0].requires_grad_()
+               for _ in range(3))
+    assert q.stride(-1) == 2
+    seg = segments_from_lengths([3, 1, 9])
+    _check(q, k, v, seg)
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.integers(1, 90), min_size=1, max_size=6), cp=st.sampled_from([2, 3]),
        dtype=st.sampled_from([torch.float64, torch.float32]))
