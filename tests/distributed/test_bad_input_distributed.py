@@ -8,6 +8,8 @@ that fails or stalls) are in tests/distributed/test_rank_agreement.py and tests/
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -97,6 +99,15 @@ def _cases():
          "loss_fn must return the micro-batch's summed loss as a scalar tensor"),
         ("make_mesh.timeout_not_initialised", lambda: ex.make_mesh(timeout=-1), ValueError,
          "needs torch.distributed initialised"),
+        ("split_stages.pp_zero", lambda: ex.split_stages(make_model(), 0), ValueError,
+         "pp must be an integer >= 1 (the pipeline stages), got 0"),
+        ("split_stages.pp_float", lambda: ex.split_stages(make_model(), 2.0), ValueError, "got 2.0"),
+        ("apply_tensor_parallel.not_a_mesh", lambda: ex.apply_tensor_parallel(ex.split_stages(make_model(), 1)[0],
+                                                                            object()), ValueError,
+         "tp_mesh must be a 1-D DeviceMesh of the TP ranks"),
+        ("apply_tensor_parallel.whole_mesh", lambda: ex.apply_tensor_parallel(
+            ex.split_stages(make_model(), 1)[0], SimpleNamespace(ndim=2, size=lambda: 4)), ValueError,
+         "got SimpleNamespace of 2 dimensions"),
     ]
 
 

@@ -128,6 +128,8 @@ def split_stages(model: TinyLM, pp: int, virtual_stages: int = 1) -> list[Stage]
     """The pp x virtual_stages stages of `model` in pipeline order (layers split evenly, as the
     cost model assumes). Pipeline rank r holds stages r, r + pp, r + 2 pp, ...:
     ``split_stages(model, pp, v)[r::pp]`` (for v = 1, stage r alone)."""
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"pp must be an integer >= 1 (the pipeline stages), got {pp!r}")
     if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
     n = pp * virtual_stages

@@ -50,6 +50,10 @@ def apply_tensor_parallel(stage: torch.nn.Module, tp_mesh) -> torch.nn.Module:
     and the reason."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    if not callable(getattr(tp_mesh, "size", None)) or getattr(tp_mesh, "ndim", 1) != 1:
+        raise ValueError(f"tp_mesh must be a 1-D DeviceMesh of the TP ranks (from make_mesh: mesh.device_mesh['tp']), "
+                         f"got {type(tp_mesh).__name__}" + (f" of {tp_mesh.ndim} dimensions"
+                                                           if hasattr(tp_mesh, "ndim") else ""))
     tp = tp_mesh.size()
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor parallelism needs a mesh whose size() is an integer >= 1 (the TP ranks), got "
