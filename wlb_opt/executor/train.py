@@ -311,7 +311,9 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
     rank naming the parameter. None (default): on the first call with these stage modules,
     and again after a `load_state_dict` reaches them; True: on this call; False: never.
     FSDP2 shards are compared only where replicated (HSDP); docs/reliability.md says what is
-    covered.
+    covered. With `check_plan=False` the exchange runs only for this check, which each rank
+    decides from its own modules under None: load a state on every rank alike, or pass True
+    or False on every rank, or the ranks wait in different collectives.
 
     A wait that fails (a peer stalled past the group's timeout, see `make_mesh(timeout=...)`,
     or gone) raises RuntimeError naming the step, this rank, the operation (the plan check,
