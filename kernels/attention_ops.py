@@ -137,6 +137,8 @@ def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtypes: tu
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"head dims differ: q has {q.shape[2]}, k/v have {k.shape[2]}")
+    if q.shape[2] == 0:
+        raise ValueError(f"head dim must be >= 1, got shape {tuple(q.shape)}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(
             f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"

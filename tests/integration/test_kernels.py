@@ -362,6 +362,8 @@ def test_bad_tensors(backend):
         doc_attention(q, k.half(), v.half(), seg, backend=backend)
     with pytest.raises(ValueError, match=r"head dims differ"):
         doc_attention(q, k[..., :8], v[..., :8], seg, backend=backend)
+    with pytest.raises(ValueError, match=r"head dim must be >= 1, got shape \(8, 4, 0\)"):
+        doc_attention(q[..., :0], k[..., :0], v[..., :0], seg, backend=backend)
     with pytest.raises(ValueError, match=r"dtype torch.int64"):
         doc_attention(q.long(), k.long(), v.long(), seg, backend=backend)
     with pytest.raises(ValueError, match=r"one device"):
