@@ -310,6 +310,16 @@ class PlanError(ValueError):
     """A plan violates its input or its capacity (raised by check_pack)."""
 
 
+def check_replicas(plan: PackPlan) -> None:
+    """Raise PlanError unless `plan.replica_of` gives each of the plan's dp replicas n_micro
+    micro-batches (values in 0 .. dp - 1)."""
+    replica_of = np.asarray(plan.replica_of, dtype=np.int64)
+    if replica_of.size and (replica_of.min() < 0 or replica_of.max() >= plan.dp
+                            or np.any(np.bincount(replica_of, minlength=plan.dp) != plan.n_micro)):
+        raise PlanError(f"plan.replica_of must give each of the plan's dp={plan.dp} replicas n_micro={plan.n_micro} "
+                        f"micro-batches (values in 0 .. {plan.dp - 1}), got {replica_of.tolist()}")
+
+
 def check_pack(plan: PackPlan, lengths, max_tokens: int, ids=None, offsets=None, cost=None) -> None:
     """Check `plan` against the input it was made from; raise PlanError on any violation.
 
@@ -342,9 +352,7 @@ def check_pack(plan: PackPlan, lengths, max_tokens: int, ids=None, offsets=None,
         raise PlanError(f"plan has {n_mb} micro-batches, expected dp*n_micro = {plan.dp * plan.n_micro}")
     if len(plan.replica_of) != n_mb or len(plan.loads) != n_mb or len(plan.tokens) != n_mb:
         raise PlanError("replica_of, loads and tokens need one entry per micro-batch")
-    counts = np.bincount(np.asarray(plan.replica_of, dtype=np.int64), minlength=plan.dp)
-    if len(counts) != plan.dp or np.any(counts != plan.n_micro):
-        raise PlanError(f"each of the {plan.dp} replicas needs {plan.n_micro} micro-batches, got {counts.tolist()}")
+    check_replicas(plan)
 
     used = np.zeros(n_pieces, dtype=np.int64)
     for j, mb in enumerate(plan.micro_batches):

@@ -268,7 +268,7 @@ def solve_shards(plan: PackPlan, cp: int | None = None, strategy: ShardStrategy 
     out: list[ShardPlan | None] = [None] * len(mbs)
     if not full:
         return out
-    order = np.concatenate([mbs[k] for k in full])
+    order = every  # the non-empty micro-batches' pieces, in their order
     lengths = all_lengths[order]
     offsets = validate_offsets(plan.offsets[order], len(lengths))
     counts = np.array([len(mbs[k]) for k in full], dtype=np.int64)

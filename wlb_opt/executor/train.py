@@ -327,9 +327,9 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
     the ShardPlan of micro-batch j (cp ranks = mesh.cp; None for an empty micro-batch).
     Micro-batches of this rank's DP replica run in the order of `wlb_opt.schedule.stage_order`
     (the simulator's); activations and their gradients go between stages in the groups of
-    `p2p_schedule` (interleaved: on the channels of `channel_messages`), sized from the plan. A send's tensor is released as soon as its group
-    completes. Gradients are summed over the ranks that hold the same stage, and left in
-    `param.grad`. `regather_kv`: see `context_parallel_attention` (default: on for GPUs).
+    `p2p_schedule` (interleaved: on the channels of `channel_messages`), sized from the plan.
+    A send's tensor is released as soon as its group completes. Gradients are summed over the
+    ranks that hold the same stage, and left in `param.grad`. `regather_kv`: see `context_parallel_attention` (default: on for GPUs).
     `prefetch`: let models that support it start the K/V all-gather before the Q projection.
 
     The last stage returns hidden states and exposes its output projection as `stage.head`.
@@ -356,7 +356,7 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
 
 
 def _check_step_arguments(stages, plan, shards, data, mesh, check_weights) -> None:
-    from ..plan import PackPlan
+    from ..plan import PackPlan, check_replicas
 
     if not isinstance(plan, PackPlan):
         raise TypeError(f"plan must be a wlb_opt.PackPlan, got {type(plan).__name__}")
@@ -375,11 +375,7 @@ def _check_step_arguments(stages, plan, shards, data, mesh, check_weights) -> No
     if mesh is None and plan.dp != 1:
         raise ValueError(f"plan has dp={plan.dp} replicas; without a mesh train_step runs one replica: pass "
                          "make_mesh(dp=...), or plan with dp=1")
-    replica_of = np.asarray(plan.replica_of, dtype=np.int64)
-    if replica_of.size and (replica_of.min() < 0 or replica_of.max() >= plan.dp
-                            or np.any(np.bincount(replica_of, minlength=plan.dp) != plan.n_micro)):
-        raise ValueError(f"plan.replica_of must give each of the plan's dp={plan.dp} replicas n_micro={plan.n_micro} "
-                         f"micro-batches (values in 0 .. {plan.dp - 1}), got {replica_of.tolist()}")
+    check_replicas(plan)  # PlanError, a ValueError
 
 
 
