@@ -16,9 +16,9 @@ Four measured runs of the same steps (same plans, same model, one thread per pro
    `wlb_opt.profile.profile_comm` (latency + bytes x s/byte), priced per micro-batch
    boundary; and the measured pipeline's wall time minus the DAG on its own op times.
 4. **The pipeline** (`--pp` gloo processes, one stage each, or v interleaved chunks): the
-   simulator fed the measured per-op times, as `simulate_step` times a pipeline (the ideal
-   DAG for 1F1B, the replay of the executor's p2p channels for the interleaved schedule; the
-   DAG beside it), and the prediction from the plan alone, then with the
+   simulator fed the measured per-op times, as `simulate_step` times a pipeline (the replay
+   of the executor's p2p: its blocking groups for 1F1B, its channels for the interleaved
+   schedule; the DAG beside it), and the prediction from the plan alone, then with the
    measured contention factor, then with the profiled p2p: the breakdown of the prediction
    error.
 
@@ -240,14 +240,12 @@ def analyse_single(records: list[dict], cost) -> list[dict]:
 
 
 def predicted_pipeline_s(f: np.ndarray, b: np.ndarray, v: int, p2p_s=0.0) -> float:
-    """The simulator's estimate of a pipeline step, as `simulate_step` makes it: the ideal DAG
-    for 1F1B, the replay of the executor's channels for the interleaved schedule."""
-    from ..simulate import _replayed, simulate_pipeline
+    """The simulator's estimate of a pipeline step, as `simulate_step` makes it: the replay of
+    the executor's p2p (1F1B: its blocking groups; interleaved: its channels)."""
+    from ..simulate import _replayed
 
-    if v > 1:
-        return _replayed(np.asarray(f, dtype=np.float64), np.asarray(b, dtype=np.float64), v,
-                         np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (np.shape(f)[-1],)), None).step_time_s
-    return simulate_pipeline(f, b, schedule="1f1b", virtual_stages=1, p2p_s=p2p_s).step_time_s
+    return _replayed(np.asarray(f, dtype=np.float64), np.asarray(b, dtype=np.float64), v,
+                     np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (np.shape(f)[-1],)), None).step_time_s
 
 
 def breakdown(pipeline_rows: list[dict], contention: float, p2p_s_per_mb) -> list[dict]:
@@ -332,7 +330,7 @@ def replay_with_overheads(fwd: np.ndarray, bwd: np.ndarray, v: int, overheads: d
     from measured op times ([pp, v, m] seconds) and `step_overheads`: each rank starts at its
     `start_s`, every receive waits `p2p_s` (seconds, a scalar or one per micro-batch) for its
     data once both sides are posted, and the step ends `teardown_s` after the last rank's
-    pipeline. For 1F1B this replay and the DAG agree (`wlb_opt.rendezvous`)."""
+    pipeline. For 1F1B this replay can be slower than the DAG (`wlb_opt.rendezvous`)."""
     from ..rendezvous import _replay, _replay_channels
     from ..schedule import step_plan
 
@@ -365,7 +363,7 @@ def analyse(gathered: list, pp: int, cost=None, virtual_stages: int = 1, p2p_s_p
             for phase, j, vs, secs in gathered[stage][s]["ops"]:
                 (fwd if phase == "F" else bwd)[vs % pp, vs // pp, col[j]] = secs
         dag = simulate_pipeline(fwd, bwd, schedule=schedule, virtual_stages=v)
-        sim = _replayed(fwd, bwd, v, np.zeros(len(mbs)), None) if v > 1 else dag
+        sim = _replayed(fwd, bwd, v, np.zeros(len(mbs)), None)
         measured = max(gathered[stage][s]["wall"] for stage in range(pp))
         busy = fwd.sum(axis=(1, 2)) + bwd.sum(axis=(1, 2))
         err = compare_to_measured(sim, measured, busy)

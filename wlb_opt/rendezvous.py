@@ -6,9 +6,11 @@ machine a send completes only when its receiver has posted the matching receive 
 large messages; gloo's `isend` too). A rank that waits for its sends can therefore wait for a
 neighbour to *take* its output, which the DAG does not model. For 1F1B the executor posts
 the groups of `p2p_schedule` and waits for each whole group; they pair sends with the
-receives the peer needs next, so the two models agree. For the interleaved schedule no
-schedule of blocking groups does (`wlb-opt bench pipeline-replay`), and the executor runs
-channels instead.
+receives the peer needs next, yet a rank that sends a gradient back and receives the next
+one in the same group waits for its upstream neighbour to take the first, so where the
+micro-batches differ the groups can run a few percent slower than the DAG (`wlb-opt bench
+pipeline-replay`: up to 2.5% on its draws). For the interleaved schedule no schedule of
+blocking groups comes close, and the executor runs channels instead.
 
 `simulate_rendezvous(fwd, bwd, virtual_stages, p2p_s)` replays `step_plan` with given
 operation times: a rank posts its group when its previous op ends; the group completes when

@@ -38,9 +38,15 @@ def stage_order(stage: int, pp: int, n_micro: int, virtual_stages: int = 1) -> l
     Interleaved (Megatron-LM, Narayanan et al. 2021): micro-batches go in groups of pp; within
     a group all micro-batches run chunk 0, then chunk 1, ...; backwards run chunks in reverse.
     Warm-up is 2 (pp - stage - 1) + (v - 1) pp forwards. With v = 1 Megatron runs the plain
-    1F1B schedule, and so does this function (the grouping is then the identity).
+    1F1B schedule, and so does this function (the grouping is then the identity). The
+    interleaved order needs n_micro to be a multiple of pp (Megatron's constraint: with a
+    partial last group it deadlocks); ValueError otherwise.
     """
     v = virtual_stages
+    if v > 1 and pp > 1 and n_micro % pp:
+        check_pipeline_shape(pp, n_micro, v)
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage must be in [0, pp={pp}), got {stage!r}")
     fwd_seq, bwd_seq = [], []
     for g in range(0, n_micro, pp):
         group = range(g, min(g + pp, n_micro))
@@ -341,8 +347,8 @@ def _plans(pp: int, n_micro: int, virtual_stages: int, placement: str = "auto") 
     """Every rank's (group, op) pairs, deadlock-free under rendezvous semantics.
 
     1F1B (v = 1) starts from `_initial_plan`: Megatron's pairing of each op's sends with the
-    receives the next op needs, which in 1F1B are exactly the messages the two neighbours
-    exchange when both are ready. The interleaved schedule has slack: an input is made well
+    receives the next op needs, which in 1F1B are the messages the two neighbours exchange
+    next (a rank can still wait for a neighbour to take its gradient: `wlb_opt.rendezvous`). The interleaved schedule has slack: an input is made well
     before it is needed, so that pairing has ranks wait for neighbours to take what they send
     (a blocking send is a meeting of both ranks, and each meeting costs the earlier rank the
     gap). `placement` chooses the interleaved groups:

@@ -39,7 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from ._validate import INT64_MAX, bool_position, check_int, check_real
-from .plan import imbalance
+from .plan import check_replicas, imbalance
 from .schedule import SCHEDULES, Op, Schedule, stage_order
 from .specs import ParallelSpec
 
@@ -303,10 +303,11 @@ def simulate_pipeline(fwd, bwd, schedule: Schedule = "1f1b", virtual_stages: int
                       order: Sequence[int] | None = None) -> SimResult:
     """Step time of one pipeline replica: the longest path of the schedule's DAG.
 
-    For the interleaved schedule this is the ideal pipeline, in which a send never waits for
-    its receive; the executor's own p2p groups run slower (`wlb_opt.rendezvous`), and
-    `simulate_step`, the simulator's step estimate, times the interleaved pipeline by their
-    replay. For 1F1B the two agree.
+    This is the ideal pipeline, in which a send never waits for its receive. The executor's
+    interleaved channels run it (`wlb_opt.rendezvous`); its 1F1B groups, in which a rank waits
+    for its neighbour to take what it sends, can run slower (up to a few percent where
+    micro-batches differ), and `simulate_step`, the simulator's step estimate, times the
+    pipeline by the replay of what the executor runs.
 
     Args:
         fwd, bwd: seconds per operation, shape [stages, micro_batches] (a virtual stage of the
@@ -345,15 +346,19 @@ def pipeline_step_time(fwd, bwd, schedule: Schedule = "1f1b", virtual_stages: in
 
 
 def _replayed(f: np.ndarray, b: np.ndarray, v: int, p2p: np.ndarray, order) -> SimResult:
-    """The replay of the executor's interleaved channels ([pp, m] seconds split over v chunks),
-    slot k running micro-batch order[k]; the timeline names micro-batches as
-    `simulate_pipeline`'s does."""
-    from .rendezvous import _replay_channels
+    """The replay of the executor's p2p ([pp, m] seconds split over v chunks): for 1F1B its
+    blocking groups (`step_plan`), for the interleaved schedule its channels; slot k running
+    micro-batch order[k]; the timeline names micro-batches as `simulate_pipeline`'s does."""
+    from .rendezvous import _replay, _replay_channels
+    from .schedule import step_plan
 
-    fc, bc, p2p = _validate(f, b, "interleaved", v, p2p)
+    fc, bc, p2p = _validate(f, b, "interleaved" if v > 1 else "1f1b", v, p2p)
     pp, _, m = fc.shape
     fc, bc, p2p, perm = _permute(fc, bc, p2p, order, m)
-    res = _replay_channels(fc, bc, p2p)
+    if v > 1:
+        res = _replay_channels(fc, bc, p2p)
+    else:
+        res = _replay(fc, bc, [step_plan(r, pp, m, 1) for r in range(pp)], p2p)
     for row in res.timeline:
         row["micro_batch"] = int(perm[row["micro_batch"]])
     res.timeline.sort(key=lambda r: (r["stage"], r["start_s"]))
@@ -502,8 +507,10 @@ def _phase_split(cost, lengths) -> float:
 
 def p2p_seconds(tokens, cost, parallel: ParallelSpec) -> np.ndarray:
     """PP send time of one micro-batch's activations: tokens / (tp * cp) x hidden x 2 bytes
-    per rank (sequence parallel), over the inter-node network (stages sit on different nodes
-    whenever tp x cp fills a node) or NVLink. 0 when the cost model has no model or hardware."""
+    per rank (sequence parallel), over NVLink when a replica's tp x cp x pp GPUs fit in one
+    node, else over the inter-node network: some stage boundary then crosses nodes, and every
+    boundary is priced alike (the slowest sets the pipeline's pace). 0 when the cost model
+    has no model or hardware."""
     if parallel.pp == 1 or cost.model is None or cost.hardware is None:
         return np.zeros(len(np.atleast_1d(tokens)))
     hw = cost.hardware
@@ -556,13 +563,14 @@ def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, s
         allreduce_s: DP gradient sync seconds (default from `allreduce_seconds`).
         search_order: pick each replica's micro-batch order by simulation (`best_order`).
         use_dag: networkx DAG (with critical path) or the recurrence twin (faster).
-        blocking_p2p: the interleaved pipeline (v > 1) as the executor runs it, the replay of
-            its p2p channels (`wlb_opt.rendezvous.simulate_channels`: a message moves once its
-            receive is posted, the receive posted one message ahead); False: the ideal DAG, in
-            which sends never wait. The two give the same step time (the replay checks the
-            executor's order of messages; the DAG also gives the critical path). 1F1B is the
-            DAG either way (its groups pair each send with the receive the peer needs next, so
-            the two agree). The micro-batch order search runs on the DAG.
+        blocking_p2p: the pipeline as the executor runs it (pp > 1): the interleaved schedule
+            (v > 1) by the replay of its p2p channels (`wlb_opt.rendezvous.simulate_channels`:
+            a message moves once its receive is posted, the receive posted one message ahead),
+            which gives the ideal DAG's step time; 1F1B by the replay of its blocking groups
+            (`simulate_rendezvous`: a rank waits for each whole group, so a send waits for its
+            receiver), which can be slower than the DAG (up to a few percent where the
+            micro-batches differ). False: the ideal DAG, in which sends never wait (it also
+            gives the critical path). The micro-batch order search runs on the DAG.
 
     A micro-batch's forward and backward split its fwd_bwd load by the cost model's own
     fwd / fwd_bwd ratio for that micro-batch (ShardPlan loads are fwd_bwd only).
@@ -578,6 +586,7 @@ def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, s
         raise ValueError(f"shards must hold one ShardPlan per micro-batch ({n_mb}), got {len(shards)}")
     if plan.dp != parallel.dp:
         raise ValueError(f"plan has dp={plan.dp} replicas but parallel.dp={parallel.dp}")
+    check_replicas(plan)  # PlanError (a ValueError) naming replica_of
     total = np.empty(n_mb)
     cp_imb = np.ones(n_mb)
     fwd_share = np.empty(n_mb)
@@ -616,7 +625,7 @@ def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, s
         order = None
         if search_order and len(idx) > 1:
             order, _ = best_order(f, b, sched, v, p2p_all[idx])
-        if v > 1 and blocking_p2p:
+        if blocking_p2p and pp > 1:
             res = _replayed(f, b, v, p2p_all[idx], order)
         else:
             res = sim(f, b, sched, v, p2p_all[idx], order)

@@ -97,6 +97,14 @@ def _cases():
          "plan.replica_of must give each of the plan's dp=1 replicas"),
         ("train_step.loss_fn_per_token", lambda: step(loss_fn=per_token), ValueError,
          "loss_fn must return the micro-batch's summed loss as a scalar tensor"),
+        ("train_step.stage_without_embedding", lambda: step(model=ex.split_stages(make_model(), 2)[1]), ValueError,
+         "chunk 0 (virtual stage 0 of 1: pp=1 x 1 chunks per rank) is the first virtual stage but has no token "
+         "embedding (`embed` is None): the stages were split for another pipeline"),
+        ("train_step.stage_without_head", lambda: step(model=ex.split_stages(make_model(), 2)[0]), ValueError,
+         "is the last virtual stage but has no output projection"),
+        ("train_step.two_whole_models", lambda: step(model=ex.split_stages(make_model(), 1) * 2), ValueError,
+         "chunk 0 (virtual stage 0 of 2: pp=1 x 2 chunks per rank) holds the output projection (`head`), which "
+         "only the last virtual stage (1) may"),
         ("make_mesh.timeout_not_initialised", lambda: ex.make_mesh(timeout=-1), ValueError,
          "needs torch.distributed initialised"),
         ("split_stages.pp_zero", lambda: ex.split_stages(make_model(), 0), ValueError,

@@ -7,6 +7,8 @@
 - Vocabulary: a token id outside the first stage's embedding raises a ValueError on every
   rank, the ranks that do not read it included, naming the document and the value.
 - Reading: a rank whose data fails re-raises its own error; the other names it.
+- Stages split for another pipeline degree raise a ValueError on every rank, naming the
+  rank and chunk whose virtual stage may not hold (or must hold) the embedding or the head.
 - Weights: DP replicas (or TP ranks, for what TP does not shard) that start from different
   weights raise at the first step naming the parameter; `check_weights=False` skips it,
   None checks once per stage module and again after a `load_state_dict`, True forces it.
@@ -79,6 +81,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             data = _changed(2, 35, 9 if doc_tokens(2)[35] != 9 else 10) if rank == 1 else doc_tokens
             seen[f"tokens {name}"] = _outcome(lambda: ex.train_step(
                 stage, plan, make_shards(plan, cost, mesh.cp), data=data, mesh=mesh, backend="torch"))
+        # stages split for four pipeline ranks on two: rank 1's is not the last, and has no head
+        mesh = ex.make_mesh(pp=2)
+        plan, cost = make_plan(1, 1, 2)
+        seen["stages"] = _outcome(lambda: ex.train_step(ex.split_stages(make_model(), 4)[rank], plan,
+                                                        make_shards(plan, cost, 1), data=doc_tokens, mesh=mesh))
         mesh = ex.make_mesh(cp=2)
         plan, cost = make_plan(1, 2)
         shards = make_shards(plan, cost, 2)
@@ -149,6 +156,10 @@ def test_ranks_that_must_agree_raise_on_every_rank(tmp_path):
             assert seen["read"].startswith("RuntimeError: step 5: rank 1 could not read its micro-batches"), seen
             assert "document 4 is not in this shard" in seen["read"]
         assert seen["same"] == "no error"
+        assert seen["stages"].startswith("ValueError: pipeline rank 1's chunk 0 (virtual stage 1 of 2: pp=2 x 1 "
+                                         "chunks per rank) is the last virtual stage but has no output projection"), \
+            seen["stages"]
+        assert seen["stages"].endswith("[pp_rank::2] (found on rank 1)"), seen["stages"]
         assert seen["vocab"].startswith(f"ValueError: step 6: document 8 holds token id {VOCAB} at position 5 "
                                         "(micro-batch 3), outside the model's vocabulary"), seen["vocab"]
         assert seen["vocab"].endswith("(found on rank 1)") and f"[0, {VOCAB - 1}]" in seen["vocab"]

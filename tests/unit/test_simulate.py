@@ -242,6 +242,9 @@ def test_simulate_step_checks_its_input(cost7b):
         simulate_step(plan, None, cost7b, wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=1))
     with pytest.raises(ValueError, match="shards"):
         simulate_step(plan, [_Shard([1.0, 1.0])], cost7b, wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=2))
+    # a replica left without micro-batches is named by replica_of, not by the pipeline's shape
+    with pytest.raises(ValueError, match=r"replica_of must give each of the plan's dp=2 replicas n_micro=4"):
+        simulate_step(plan.replace(replica_of=[0] * 8), None, cost7b, wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=2))
 
 
 # ---------------------------------------------------------------------- rendezvous replay
@@ -294,3 +297,36 @@ def test_simulate_step_times_the_interleaved_pipeline_as_the_executor_runs_it(co
         simulate_channels(f[:, order], b[:, order], 2).step_time_s, rel=1e-12)
     assert sorted(r["micro_batch"] for r in searched.pipelines[0].timeline if r["phase"] == "F" and
                   r["virtual_stage"] == 0) == list(range(len(idx)))
+
+
+def test_simulate_step_times_1f1b_by_the_executors_blocking_groups(cost7b):
+    import wlb_opt as wlb
+
+    # pp = 3, micro-batches of forward 5, 1, 2 (backward twice that) on every stage: stage 1
+    # sends B(0) back and receives B(1) in one group, and stage 0 posts it only at t = 45 (after
+    # its own F(2)), so stage 1 waits from 43; the last backward of stage 0 ends at 53, where the
+    # DAG (sends never wait) ends at 51
+    f = np.tile([5.0, 1.0, 2.0], (3, 1))
+    assert wlb.simulate_rendezvous(f, 2 * f).step_time_s == pytest.approx(53.0)
+    assert simulate_pipeline(f, 2 * f, "1f1b").step_time_s == pytest.approx(51.0)
+
+    pp = cost7b.parallel.pp
+    rng = np.random.default_rng(5)
+    plan = wlb.solve_pack(rng.integers(500, 20000, 60), 8, 131072, cost7b, "wlb", dp=cost7b.parallel.dp)
+    kw = dict(schedule="1f1b", p2p_s=0.0, allreduce_s=0.0)
+    step = simulate_step(plan, None, cost7b, **kw)
+    ideal = simulate_step(plan, None, cost7b, blocking_p2p=False, **kw)
+    for r in range(plan.dp):
+        idx = plan.replica_micro_batches(r)
+        fr = np.tile(step.mb_fwd_s[idx] / pp, (pp, 1))
+        br = np.tile(step.mb_bwd_s[idx] / pp, (pp, 1))
+        assert step.replica_step_s[r] == pytest.approx(wlb.simulate_rendezvous(fr, br).step_time_s, rel=1e-12)
+        assert ideal.replica_step_s[r] == pytest.approx(pipeline_recurrence(fr, br, "1f1b").step_time_s, rel=1e-12)
+        assert step.replica_step_s[r] >= ideal.replica_step_s[r] * (1 - 1e-12)
+    searched = simulate_step(plan, None, cost7b, search_order=True, **kw)
+    idx = plan.replica_micro_batches(0)
+    order = [idx.index(j) for j in searched.orders[0]]
+    fr = np.tile(step.mb_fwd_s[idx] / pp, (pp, 1))
+    br = np.tile(step.mb_bwd_s[idx] / pp, (pp, 1))
+    assert searched.replica_step_s[0] == pytest.approx(
+        wlb.simulate_rendezvous(fr[:, order], br[:, order]).step_time_s, rel=1e-12)

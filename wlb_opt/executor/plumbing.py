@@ -184,10 +184,11 @@ def agree_on_step(plan, shards, *, step, where: str, tokens=None, pieces_of=None
     initialised or has one rank): its `micro_batch_digests` with `tokens` (when
     `check_plan`), its `finding` about its own input ((kind, message): "read" when reading
     a document failed, its exception in `local_error`; "vocab" for a token outside the
-    vocabulary), and a digest per key of `weights` (`weight_checksums`; None: not checked).
+    vocabulary; "stages" for chunks split for another pipeline, `stage_layout_problem`),
+    and a digest per key of `weights` (`weight_checksums`; None: not checked).
     Then, in this order: the plans must agree (RuntimeError naming the first micro-batch);
     no rank may have a finding (the reading rank re-raises its own exception, the others a
-    RuntimeError naming it; a vocabulary finding is a ValueError on every rank); the ranks
+    RuntimeError naming it; any other finding is a ValueError on every rank); the ranks
     that read a micro-batch must have read the same tokens; the ranks of one key of
     `weights` must hold the same parameters. The last two exchange more only on a mismatch,
     `pieces_of(j)` (this rank's `piece_digests` of micro-batch j) to name the document, and
@@ -279,6 +280,33 @@ def vocabulary(stage: torch.nn.Module) -> tuple[int, str] | None:
         logger.warning("train_step: the first stage (%s) has %s and no vocab_size attribute, so token ids are not "
                        "checked against the vocabulary", type(stage).__name__,
                        "several nn.Embedding modules" if found else "no nn.Embedding")
+    return None
+
+
+def stage_layout_problem(chunks, pp_rank: int, pp: int) -> str | None:
+    """What is wrong with this rank's chunks for a pipeline of `pp` ranks (None: nothing seen):
+    chunk c is virtual stage c x pp + pp_rank of pp x len(chunks), so only virtual stage 0 may
+    hold a token embedding and only the last an output projection, and they must (`embed`,
+    `head`: checked where the chunk has the attribute). Stages split for another pipeline degree fail here, by name,
+    instead of deep in a layer."""
+    n = pp * len(chunks)
+    for c, chunk in enumerate(chunks):
+        vs = c * pp + pp_rank
+        embeds = getattr(chunk, "embed", None) is not None
+        heads = getattr(chunk, "head", None) is not None
+        wrong = None
+        if vs == 0 and hasattr(chunk, "embed") and not embeds:
+            wrong = "is the first virtual stage but has no token embedding (`embed` is None)"
+        elif vs != 0 and embeds:
+            wrong = "holds the token embedding (`embed`), which only the first virtual stage may"
+        elif vs != n - 1 and heads:
+            wrong = f"holds the output projection (`head`), which only the last virtual stage ({n - 1}) may"
+        elif vs == n - 1 and hasattr(chunk, "head") and not heads:
+            wrong = "is the last virtual stage but has no output projection (`head` is None)"
+        if wrong is not None:
+            return (f"pipeline rank {pp_rank}'s chunk {c} (virtual stage {vs} of {n}: pp={pp} x {len(chunks)} "
+                    f"chunks per rank) {wrong}: the stages were split for another pipeline; pass "
+                    f"split_stages(model, pp={pp}, virtual_stages={len(chunks)})[pp_rank::{pp}]")
     return None
 
 

@@ -48,8 +48,8 @@ from .fsdp import is_fsdp
 from .pipeline import (DistTransport, PipelineRunner, StageOutputs, _no_wait_report,  # noqa: F401 - re-exported
                        check_boundary_dtype)
 from .tp import local_tensor
-from .plumbing import (agree_on_step, out_of_vocabulary, piece_digests, read_micro_batches, token_digest,
-                       vocabulary, weight_checksums)
+from .plumbing import (agree_on_step, out_of_vocabulary, piece_digests, read_micro_batches, stage_layout_problem,
+                       token_digest, vocabulary, weight_checksums)
 from .rollcall import ROLLCALL_GRACE_S, PeerWaitError, RollCall, reporting_waits, step_words
 
 
@@ -302,7 +302,8 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
     ranks read the same micro-batches); what a rank found wrong with its input travels in
     the same exchange. Every rank raises alike: RuntimeError naming the step and the first
     micro-batch whose plan differs, or the document whose tokens differ; ValueError naming
-    the document and the token id outside the vocabulary; the reading rank's own error (a
+    the document and the token id outside the vocabulary, or a chunk that holds the
+    embedding or the head where its virtual stage may not (stages split for another `pp`); the reading rank's own error (a
     RuntimeError naming it elsewhere) when a document could not be read.
 
     `check_weights`: compare the parameters that ranks hold as replicas (the ranks of one
@@ -381,8 +382,14 @@ def _check_step_arguments(stages, plan, shards, data, mesh, check_weights) -> No
 
 def _agree_before_step(stages, chunks, plan, shards, packed, finding, local_error, *, mbs, mesh, dp_rank, pp_rank,
                        pp, step, label, check_plan, check_weights, distributed, waiting) -> None:
-    """The first stage's vocabulary check, then the one exchange of `agree_on_step` (plan and
-    shard digests, token digests within a replica, findings, replicated weights)."""
+    """The stages' layout and the first stage's vocabulary checks, then the one exchange of
+    `agree_on_step` (plan and shard digests, token digests within a replica, findings,
+    replicated weights)."""
+    if finding is None:
+        problem = stage_layout_problem(chunks, pp_rank, pp)
+        if problem is not None and not (check_plan and distributed):
+            raise ValueError(problem)
+        finding = None if problem is None else ("stages", problem)
     if finding is None and pp_rank == 0:
         vocab = vocabulary(chunks[0])
         problem = out_of_vocabulary(plan, packed, vocab, f"{step_words(label)}: ") if vocab else None
