@@ -215,7 +215,7 @@ SECTIONS = (
     Section("validate_sim", "The simulator against real execution",
             "Predicted step time against measured steps of a 2-stage gloo pipeline, per schedule "
             "(error = predicted / measured - 1). `simulated_s`: the simulator on the measured op times as "
-            "`simulate_step` times a pipeline (v = 2: the replay of the executor's p2p channels; v = 1: the DAG), "
+            "`simulate_step` times a pipeline (the replay of the executor's p2p: v = 2 its channels, v = 1 its groups), "
             "`dag_s` the ideal DAG; `replay_s`: the replay of the executor's p2p (v = 1: its groups) also fed what "
             "the step did outside its ops, measured on the executor's clocks (`setup_s` before the pipeline, "
             "`teardown_s` after it), with the profiled p2p per message, `replay_measured_p2p_s` with the median "

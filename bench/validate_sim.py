@@ -519,8 +519,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['rel_error']:>+7.1%} {r['bubble_fraction']:>7.1%} {pair('dag')} {over} {pair('replay')} "
               f"{pair('replay_measured_p2p')} {pair('predicted')} {r.get('load_average', float('nan')):>5.2f}  "
               f"{r['tokens']}")
-    print("simulator: as simulate_step times a pipeline (1F1B: the DAG; interleaved: the replay of the executor's "
-          "channels), on measured op times; +profiled / +measured: that replay also fed the measured work before "
+    print("simulator: as simulate_step times a pipeline (the replay of the executor's p2p, 1F1B: its groups; "
+          "interleaved: its channels), on measured op times; +profiled / +measured: that replay also fed the measured work before "
           "and after the pipeline and the profiled / measured transfer per message")
     for v in vs_list:
         mine = [r for r in rows if r["virtual_stages"] == v]
