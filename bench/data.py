@@ -53,10 +53,10 @@ def carried_plans(batches: Sequence[GlobalBatch], n_micro: int, max_tokens: int,
     for p in progress(range(len(batches) // pool), desc=desc, enable=show):
         group = batches[p * pool:(p + 1) * pool]
         pieces, ids, offsets = (np.concatenate([carry[f]] + [b[f] for b in group]) for f in range(3))
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         plan = solve_pack(pieces, n_micro, max_tokens, cost, method, ids=ids, offsets=offsets,
                           carried=len(carry[0]), **solve_kw)
-        seconds = time.perf_counter() - t0
+        seconds = time.process_time() - t0
         yield plan, seconds
         d = plan.deferred
         carry = (plan.lengths[d], plan.doc_ids[d], plan.offsets[d])
@@ -78,9 +78,9 @@ def run_packer(packer, batches: Sequence[GlobalBatch], *, desc: str | None = Non
     """Feed every global batch to `packer` (a WLBPacker), then drain it (nothing stays queued)."""
     plans, seconds = [], []
     for pieces, ids, offsets in progress(batches, desc=desc, enable=show):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         plans.append(packer.pack(pieces, ids, offsets))
-        seconds.append(time.perf_counter() - t0)
+        seconds.append(time.process_time() - t0)
     streamed = packer.stats()
     drained = packer.drain()
     return PackerRun(plans=plans, seconds=seconds, streamed_stats=streamed, drained=drained, stats=packer.stats())

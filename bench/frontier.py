@@ -15,13 +15,13 @@ budget and window, including plans that move short documents (see that module).
 
 Axes: displacement per token (mean |training step - arrival step|, token-weighted) and the
 aggregate imbalance sum_t max_j cost_tj x N / total cost (the model's objective as a ratio;
-it weighs each step by its cost, so it is larger than the Table 2 imbalance, the mean over
+it weighs each step by its cost, so it is larger than the imbalance of `bench parity`, the mean over
 steps of max / mean forward cost after a 20-step warm-up, which each row also reports). A
 heuristic's gap is its aggregate imbalance minus the bound at the smallest budget >= its
 displacement (the bound does not increase with the budget, so that bound holds at its
 displacement). Per budget, "best" is the best real plan within the budget: a heuristic's, or
 the model's outlier placement realised with whole documents (the short documents of each
-step by Algorithm 1, deferred pieces carried), whose true aggregate and Table 2 imbalance
+step by Algorithm 1, deferred pieces carried), whose true aggregate and imbalance
 and displacement are printed; "model" is the model's own best solution (divisible filler).
 
 Order bias (per method): the Pearson correlation between a piece's length and its
@@ -83,6 +83,12 @@ def stream_plans(run) -> list:
     """Every plan of a packer run in step order (with lookahead the first K `pack` calls
     return None and the drain plans the last K steps)."""
     return [p for p in run.plans if p is not None] + list(run.drained)
+
+
+def planning_seconds(run) -> list:
+    """CPU seconds of the `pack` calls that planned a step (with lookahead the first K plan
+    nothing)."""
+    return [t for t, plan in zip(run.seconds, run.plans) if plan is not None] or run.seconds
 
 
 def sum_of_max(plans, cost) -> float:
@@ -267,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                          aggregate=aggregate_imbalance(sum_of_max(plans, cost), problem),
                          displacement_per_token=run.stats["displacement_per_token"],
                          late_pieces=run.stats["late_pieces"], in_model=solution is not None, not_in_model=why,
-                         ms_per_batch=1e3 * float(np.median(run.seconds)), **order_bias(plans, len(batches))))
+                         ms_per_batch=1e3 * float(np.median(planning_seconds(run))), **order_bias(plans, len(batches))))
     widest = max((r["displacement_per_token"] for r in rows if r["in_model"]), default=0.0)
     if widest > budgets[-1]:  # one more budget, so that every heuristic has a bound at its displacement
         budgets.append(float(np.ceil(widest * 100) / 100))

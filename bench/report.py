@@ -65,6 +65,10 @@ class Section:
     """Keys from the meta file's top level down to its provenance."""
 
 
+_ON_THE_DEVICE = ("Run by scripts/gpu_check.sh on the GPU machine: the command's output folder is one on that machine, "
+                  "whose JSON is this section's folder.")
+
+
 def _lookahead_tables(first_caption: str) -> tuple[Table, ...]:
     """`bench lookahead`'s tables, the first captioned `first_caption`."""
     return (Table("lookahead.json", ("equal_displacement",), caption=first_caption),
@@ -98,7 +102,8 @@ SECTIONS = (
                             "cp_strategy")),),
             meta_file="e2e_meta.json"),
     Section("table2", "Packing balance and overhead (paper Table 2)",
-            "PP imbalance and displacement of the packers on one stream at 7B-128K.",
+            "PP imbalance and displacement of the packers on one stream at 7B-128K: the mean over every step "
+            "(no warm-up left out, as the paper's table), and the median CPU time of planning a global batch.",
             (Table("table2.json", ("rows",), columns=(
                 "row", "steps", "imbalance", "imbalance_p90", "ms_per_batch", "displacement_per_token",
                 "delay_max", "release", "max_delay", "lookahead", "carried_tokens_end")),)),
@@ -109,7 +114,7 @@ SECTIONS = (
             "Lower bound on imbalance at each displacement budget (HiGHS), with the heuristics beside it.",
             (Table("frontier.json", ("frontier",), caption="The frontier."),
              Table("frontier.json", ("heuristics",), caption="The heuristics on the same stream.")),
-            images="frontier.png"),
+            meta_file="frontier.json", images="frontier.png"),
     Section("frontier", "Achievable imbalance-displacement frontier (offline schedules)",
             "Per distribution, the best schedule an offline search finds with the whole stream known, at each "
             "displacement budget, checked independently, beside the proven bound; each default bracketed between "
@@ -167,8 +172,8 @@ SECTIONS = (
             "Each step of the defaults' plans re-packed by every step packer (its pieces, hence the displacement, "
             "unchanged), and by Algorithm 1 on the forward cost alone (`wlb_fwd`), with CP-SAT's optimum and "
             "proven bound on some steps; then the packer run with each method as its step packer.",
-            (Table("step_packers.json", ("summary",), caption="Means over the streams of each kind (Table 2 "
-                   "imbalance, forward; `_bwd`: the same of the backward cost; `_packing`: max / mean of the packing "
+            (Table("step_packers.json", ("summary",), caption="Means over the streams of each kind (imbalance "
+                   "as `bench parity` measures it, forward, after the warm-up; `_bwd`: the same of the backward cost; `_packing`: max / mean of the packing "
                    "cost; `_sim`: the 1F1B pipeline's simulated step time over that of the same step with every "
                    "micro-batch at the mean; `loop_*`: imbalance (backward) / displacement / median CPU ms per "
                    "step)."),
@@ -201,7 +206,7 @@ SECTIONS = (
     Section("stream_speed_gpu_host", "Streaming planner speed on a GPU machine's CPU",
             "The long-stream measure on the host CPU of the H200 machine that ran the GPU check (16 Xeon cores, "
             "otherwise idle; 8 streams timed at once, each in its own process and CPU time), without CP sharding: "
-            "planning runs on such a host in training.",
+            "planning runs on such a host in training. " + _ON_THE_DEVICE,
             (_STREAM_SPEED_TABLES[0],)),
     Section("pack_instructions", "Instructions per planning step",
             "What the streaming planner's `pack` executes, counted by valgrind (callgrind) inside the `pack` calls "
@@ -284,7 +289,7 @@ SECTIONS = (
     Section("kernel", "Document-masked attention kernel",
             "Useful TFLOP/s of `doc_attention` against SDPA and FlexAttention on packed documents, single "
             "documents and equal documents of growing length (bf16, 32 query heads, 8 KV heads, head dim 128; "
-            "baselines past the time budget are left out).",
+            "baselines past the time budget are left out). " + _ON_THE_DEVICE,
             (Table("kernel_bench.json", ("cases",), caption="Per case, the median of 3 timed repeats (CUDA events) after a warm-up.", columns=(
                 "case", "tokens", "n_docs", "max_doc", "fwd_gflop", "ours_fwd_ms", "ours_fwd_tflops",
                 "ours_fwd_bwd_ms", "ours_fwd_bwd_tflops", "sdpa_fwd_tflops", "sdpa_fwd_bwd_tflops",
@@ -295,7 +300,7 @@ SECTIONS = (
                    "lengths at equal tokens."))),
     Section("cp_path_gpu", "CP attention on one GPU",
             "One rank's CP attention layer (forward and backward) on a CUDA device under NCCL: device time per "
-            "layer, and the host index path's CPU and wall time per layer.",
+            "layer, and the host index path's CPU and wall time per layer. " + _ON_THE_DEVICE,
             (Table("cp_path.json", ("full",), caption="The whole layer."),
              Table("cp_path.json", ("host",), caption="The host index path."))),
     Section("cost_check", "The analytic cost model against a measured one",
@@ -310,7 +315,7 @@ SECTIONS = (
     Section("profile_7b", "A 7B block profiled on one GPU",
             "`wlb-opt profile` on one 7B block (bf16): the fitted cost model (seconds per term, for the whole "
             "model), its error on held-out micro-batches, the attention latency over 128K keys, and the "
-            "memory calibration from the CUDA allocator's peaks.",
+            "memory calibration from the CUDA allocator's peaks. " + _ON_THE_DEVICE,
             (Table("cost_7b.json", ("coef",), caption="Fitted coefficients, forward and backward."),
              Table("cost_7b.json", ("meta", "validation"), caption="Mean and worst absolute percentage error "
                    "on held-out micro-batches."),

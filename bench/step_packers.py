@@ -20,7 +20,7 @@ packer, `PackerConfig.method`). This benchmark separates the two.
   "wlb" release the same way, on Algorithm 1's packings; "wlb_fill" scores candidates by its
   prediction, wlb_opt/packer/fill_trial.py): imbalance, displacement and CPU ms per step.
 
-Imbalance is the Table 2 measure (max / mean forward cost per step, mean over the steps
+Imbalance is `bench parity`'s measure (max / mean forward cost per step, mean over the steps
 after a 20-step warm-up), `_bwd` the same of the backward cost (a pipeline pays the heaviest
 forward and the heaviest backward); "packing" is max / mean of the packing cost (forward +
 backward, what Algorithm 1 balances); `_sim` is what a pipeline pays for both: the step time
@@ -193,6 +193,9 @@ def regime_summary(repack: list[dict]) -> list[dict]:
     return out
 
 
+_DISTS = ("real", "default", "heavy", "code", "prose")
+
+
 def loop_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, method: str) -> dict:
     """The packer with `method` as its step packer: imbalance (forward, backward), displacement,
     CPU ms per step."""
@@ -200,9 +203,13 @@ def loop_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, metho
     plans, cpu = [], []
     for batch in batches:
         t0 = time.process_time()
-        plans.append(packer.pack(*batch))
-        cpu.append(time.process_time() - t0)
-    plans = [plan for plan in plans if plan is not None] + list(packer.drain())
+        plan = packer.pack(*batch)
+        if plan is not None:  # with lookahead the first K calls plan nothing
+            cpu.append(time.process_time() - t0)
+        plans.append(plan)
+    # one step per global batch, as `parity` measures: the drain's first K plans are the last
+    # K batches' steps (lookahead), what it plans after them only empties the queues
+    plans = [plan for plan in plans if plan is not None] + list(packer.drain())[:packer.lookahead]
     imbs = [per_step_imbalance(plan, cost, "fwd") for plan in plans]
     bwds = [per_step_imbalance(plan, cost, "bwd") for plan in plans]
     return dict(imbalance=float(np.mean(imbs[warmup:] or imbs)), imbalance_bwd=float(np.mean(bwds[warmup:] or bwds)),
@@ -212,8 +219,8 @@ def loop_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, metho
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt bench step-packers", description=__doc__.splitlines()[0])
-    p.add_argument("--dists", default="real,default,heavy,code,prose",
-                   help="comma-separated length distributions (default real,default,heavy,code,prose)")
+    p.add_argument("--dists", default=None,
+                   help=f"comma-separated length distributions (default {','.join(_DISTS)}; --quick real)")
     p.add_argument("--n-micro", type=count, default=4, help="micro-batches per step (default 4)")
     p.add_argument("--steps", type=count, default=None, help="global batches per stream (default 200; --quick 60)")
     p.add_argument("--window", type=count, default=131072, help="training context length (default 131072)")
@@ -221,16 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exact-steps", type=natural, default=None,
                    help="steps per stream also solved by CP-SAT (default 10, --quick 3; 0: none; needs the exact extra)")
     p.add_argument("--time-limit", type=seconds, default=5.0, help="CP-SAT seconds per step (default 5)")
-    p.add_argument("--quick", action="store_true", help="real only, seeds 0 and 100; 60 steps, 3 exact steps")
+    p.add_argument("--quick", action="store_true",
+                   help="seeds 0 and 100; real, 60 steps, 3 exact steps (unless given)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", default=None, help="folder for step_packers.json (default: print only)")
     add_cost_args(p, layout=("tp", "cp", "pp"))
     args = p.parse_args(argv)
-    dists = ["real"] if args.quick else args.dists.split(",")
+    dists = args.dists.split(",") if args.dists is not None else (["real"] if args.quick else list(_DISTS))
     bad = [d for d in dists if d not in DISTRIBUTIONS]
     if bad:
         p.error(f"unknown distributions {bad}; valid: {', '.join(sorted(DISTRIBUTIONS))}")
     steps = args.steps or (60 if args.quick else 200)
+    if steps <= args.warmup:
+        p.error(f"--steps ({steps}) must be more than --warmup ({args.warmup}): the means leave out the warm-up")
     seeds = [(0, "scored"), (100, "calibration")] if args.quick else \
         [(s, "scored") for s in SCORED] + [(s, "calibration") for s in CALIBRATION]
     exact_steps = args.exact_steps if args.exact_steps is not None else (3 if args.quick else 10)
@@ -266,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                                          f"{np.mean([r['displacement_per_token'] for r in lrows]):.3f} / "
                                          f"{np.median([r['median_ms'] for r in lrows]):.2f} ms")
             summary.append(out)
-    print(f"N={N}, {steps} steps; re-pack at unchanged pieces: mean Table 2 imbalance / backward (packing "
+    print(f"N={N}, {steps} steps; re-pack at unchanged pieces: mean imbalance / backward (packing "
           "imbalance) sim = 1F1B step time over balanced; in the loop: imbalance (backward) / displacement / "
           "median CPU ms")
     for r in summary:

@@ -98,9 +98,10 @@ def _percentiles(times_s: list[float]) -> dict:
 
 def time_stream(batches, n_micro: int, max_tokens: int, cost, lookahead: int, shard_cp: int | None,
                 method: str = "wlb_phases", shard_strategies: tuple[str, ...] = ("adaptive",)) -> tuple:
-    """(CPU seconds of each `pack`, {(call, strategy): CPU seconds of sharding each emitted
-    plan}, call "solve_shards" (the plan at once) or "solve_shard" (one micro-batch at a
-    time); {} without `shard_cp`)."""
+    """(CPU seconds of each `pack` that plans a step, {(call, strategy): CPU seconds of
+    sharding each emitted plan}, call "solve_shards" (the plan at once) or "solve_shard" (one
+    micro-batch at a time); {} without `shard_cp`). With lookahead K the first K calls plan
+    nothing and are left out, and the drain that plans the last K steps is not timed."""
     packer = WLBPacker(n_micro, max_tokens, cost, config=PackerConfig(lookahead=lookahead, method=method))
     pack_s = []
     shard_s = {} if shard_cp is None else {(call, s): [] for s in shard_strategies
@@ -108,8 +109,10 @@ def time_stream(batches, n_micro: int, max_tokens: int, cost, lookahead: int, sh
     for batch in batches:
         t0 = time.process_time()
         plan = packer.pack(*batch)
+        if plan is None:
+            continue
         pack_s.append(time.process_time() - t0)
-        if shard_cp is None or plan is None:
+        if shard_cp is None:
             continue
         for strategy in shard_strategies:
             t0 = time.process_time()
@@ -187,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-micro", default="32", help="micro-batches per step, comma-separated (default 32)")
     p.add_argument("--dists", default="real,heavy", help="comma-separated length distributions (default real,heavy)")
     p.add_argument("--lookaheads", default="0,4", help="comma-separated lookaheads (default 0,4)")
-    p.add_argument("--steps", type=count, default=2000, help="steps per stream (default 2000)")
-    p.add_argument("--seeds", type=count, default=3, help="streams per distribution (default 3)")
-    p.add_argument("--quick", action="store_true", help="200 steps x 1 seed")
+    p.add_argument("--steps", type=count, default=None, help="steps per stream (default 2000; --quick 200)")
+    p.add_argument("--seeds", type=count, default=None, help="streams per distribution (default 3; --quick 1)")
+    p.add_argument("--quick", action="store_true", help="200 steps x 1 seed (unless given)")
     p.add_argument("--repeats", type=count, default=1,
                    help="plan each stream this many times and count each step's least time (default 1)")
     p.add_argument("--window", type=count, default=131072, help="training context length (default 131072)")
@@ -232,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         n_micros = [count(n) for n in args.n_micro.split(",")]
     except argparse.ArgumentTypeError:
         p.error(f"--n-micro must be comma-separated integers >= 1, got {args.n_micro!r}")
-    steps, seeds = (200, 1) if args.quick else (args.steps, args.seeds)
+    steps = args.steps or (200 if args.quick else 2000)  # --quick sets only what is not given
+    seeds = args.seeds or (1 if args.quick else 3)
     cost = cost_from_args(args, parser=p)
     cp = cost.parallel.cp if cost.parallel is not None else 1
     max_tokens = int(1.25 * args.window)

@@ -34,7 +34,7 @@ Imbalance of a step = max / mean of the modelled forward time of its N micro-bat
 (`cost.micro_batch_cost(..., phase="fwd")`, the paper's Max x N / Total); the table shows the
 mean over steps (and p90). WLB rows measure the streaming steps; their delays (iterations per
 token, token-weighted, undelayed tokens count 0) include the final drain. ms/batch is the
-median wall time of planning one global batch (a pool's time / k for pooled rows; WLB rows
+median CPU time of planning one global batch (a pool's time / k for pooled rows; WLB rows
 include queueing; calibration is reported apart).
 """
 from __future__ import annotations
@@ -185,10 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--lengths", metavar="FILE", help="document lengths in stream order (.npy, .txt, .jsonl)")
     src.add_argument("--dist", default="default", choices=sorted(DISTRIBUTIONS),
                      help="built-in length distribution (default: default)")
-    p.add_argument("--steps", type=count, default=200, help="global batches (default 200)")
-    p.add_argument("--exact-steps", type=natural, default=8, help="steps for the exact rows (default 8)")
-    p.add_argument("--exact-time-limit", type=seconds, default=10.0, help="seconds per exact solve (default 10)")
-    p.add_argument("--quick", action="store_true", help="40 steps, 4 exact steps of 2 s")
+    p.add_argument("--steps", type=count, default=None, help="global batches (default 200; --quick 40)")
+    p.add_argument("--exact-steps", type=natural, default=None, help="steps for the exact rows (default 8; --quick 4)")
+    p.add_argument("--exact-time-limit", type=seconds, default=None,
+                   help="seconds per exact solve (default 10; --quick 2)")
+    p.add_argument("--quick", action="store_true", help="40 steps, 4 exact steps of 2 s (unless given)")
     p.add_argument("--window", type=count, default=131072, help="training context length (default 131072)")
     p.add_argument("--n-micro", type=count, default=4, help="micro-batches per DP replica and step (default 4)")
     p.add_argument("--max-delay", type=count, default=8, help="max_delay of the calibrated / auto rows (default 8)")
@@ -197,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/table2", help="folder for table2.json and table2.png")
     add_cost_args(p)
     args = p.parse_args(argv)
-    if args.quick:
-        args.steps, args.exact_steps, args.exact_time_limit = 40, 4, 2.0
+    for name, full, quick in (("steps", 200, 40), ("exact_steps", 8, 4), ("exact_time_limit", 10.0, 2.0)):
+        if getattr(args, name) is None:  # --quick sets only what is not given
+            setattr(args, name, quick if args.quick else full)
     cost = cost_from_args(args, parser=p)  # the WLB rows: dp replicas of N micro-batches
     pool_cost = cost_from_args(args, parser=p, dp=1)  # the pooled rows pack all dp x N bins as one replica
     W, N, dp = args.window, args.n_micro, args.dp

@@ -38,6 +38,9 @@ def code() -> dict:
     commit = None
     try:
         run = dict(cwd=root, capture_output=True, text=True, timeout=10, check=True)
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], **run).stdout.strip()
+        if not top or Path(top).resolve() != root:  # a copy inside another repository's work tree
+            return dict(version=__version__, commit=None)
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], **run).stdout.strip()
         changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **run).stdout.strip()
         commit = head + (" dirty" if changed else "") if head else None

@@ -90,6 +90,24 @@ def test_provenance_names_the_code_and_the_page_prints_it(tmp_path):
     assert "Machine: platform p, cpu_count 3. Code: wlb-opt 9.9, commit abc123def456." in text
 
 
+def test_a_copy_inside_another_repository_records_no_commit(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    run = dict(cwd=tmp_path, check=True, capture_output=True)
+    subprocess.run(["git", "init", "-q"], **run)
+    subprocess.run(["git", "-c", "user.email=a@b", "-c", "user.name=x", "commit", "-q", "--allow-empty", "-m", "x"],
+                   **run)
+    site = tmp_path / "venv" / "site"
+    shutil.copytree(ROOT / "wlb_opt", site / "wlb_opt", ignore=shutil.ignore_patterns("__pycache__", "*.npy"))
+    out = subprocess.run([sys.executable, "-c", "import wlb_opt._provenance as p; print(p.code()['commit'])"],
+                         cwd=site, check=True, capture_output=True, text=True).stdout.strip()
+    assert out == "None"  # not the enclosing repository's commit
+
+
 def test_a_missing_results_folder_is_a_usage_error(tmp_path, capsys):
     assert main(["bench", "report", "--results", str(tmp_path / "none"), "--output", str(tmp_path / "r.md")]) == 2
     assert "is not a folder" in capsys.readouterr().err

@@ -92,3 +92,22 @@ def test_a_step_is_full_from_99_percent_of_its_token_capacity():
         plan = wlb.solve_pack(lengths, n, cap, method="wlb")
         assert not len(plan.deferred)
         assert step_packers.is_full(plan) is full, placed
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_the_loop_rows_measure_the_steps_parity_measures(lookahead, monkeypatch):
+    """One step per global batch: the drain's steps past the last batch's are not counted."""
+    from wlb_opt.bench import parity
+    import wlb_opt as wlb
+    from wlb_opt.packer import PackerConfig
+    from wlb_opt.workloads import DEFAULT_SEED, global_batches
+
+    window, n = 131072, 4
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4),
+                                  wlb.HardwareSpec.preset("h100"))
+    batches = global_batches("real", window, n * window, 26, seed=DEFAULT_SEED)
+    monkeypatch.setattr(step_packers, "PackerConfig", lambda **kw: PackerConfig(lookahead=lookahead, **kw))
+    loop = step_packers.loop_stream(batches, cost, n, int(1.25 * window), 4, "wlb_phases")
+    ref = parity.run_stream(batches, cost, n, int(1.25 * window), warmup=4, method="wlb_phases", lookahead=lookahead)
+    assert loop["imbalance"] == pytest.approx(ref["imbalance"], rel=1e-12)
+    assert loop["displacement_per_token"] == pytest.approx(ref["delay_per_token"], rel=1e-12)

@@ -101,3 +101,22 @@ def test_with_replicas_each_step_packs_dp_times_the_tokens_and_deals_them(tmp_pa
     plans = [plan for plan in (stream_speed.WLBPacker(2, 10240, cost).pack(*b)
                                for b in global_batches("real", 8192, 2 * 2 * 8192, 3, seed=1)) if plan is not None]
     assert all(sorted(plan.replica_of.tolist()) == [0, 0, 1, 1] for plan in plans)
+
+
+def test_quick_sets_only_what_is_not_given(tmp_path):
+    argv = ["--quick", "--n-micro", "2", "--steps", "5", "--dists", "real", "--lookaheads", "0", "--methods",
+            "wlb_phases", "--loops", "python", "--window", "8192", "--no-shard", "--out", str(tmp_path)]
+    assert stream_speed.main(argv) == 0
+    data = json.loads((tmp_path / "stream_speed.json").read_text())
+    assert [r["steps"] for r in data["rows"]] == [5]  # --steps given: not --quick's 200
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_only_the_calls_that_plan_a_step_are_timed(lookahead):
+    import wlb_opt as wlb
+
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4),
+                                  wlb.HardwareSpec.preset("h100"))
+    batches = global_batches("real", 8192, 2 * 8192, 9, seed=0)
+    pack_s, _ = stream_speed.time_stream(batches, 2, 10240, cost, lookahead, None)
+    assert len(pack_s) == 9 - lookahead  # with lookahead K the first K calls plan nothing
