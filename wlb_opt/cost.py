@@ -59,6 +59,24 @@ def validate_phase(phase: str) -> None:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
 
 
+
+def attention_tiles(q_len, kv_len, tile: int) -> np.ndarray:
+    """Number of tile x tile blocks a causal, bottom-right-aligned segment visits.
+
+    Query tile i (rows [i*T, min((i+1)*T, q))) sees keys up to kv - q + its last row + 1,
+    so it visits ceil((kv - q + min((i+1)T, q)) / T) key tiles. Summed in closed form.
+    """
+    q = np.asarray(q_len, dtype=np.int64)
+    kv = np.asarray(kv_len, dtype=np.int64)
+    if np.any(q < 0) or np.any(kv < q):
+        raise ValueError("attention segments need 0 <= q_len <= kv_len")
+    T = int(tile)
+    n_q = -(-q // T)
+    s = kv - q
+    tiles = np.maximum(n_q - 1, 0) * (-(-s // T)) + n_q * np.maximum(n_q - 1, 0) // 2 + (-(-kv // T))
+    return np.where(q > 0, tiles, 0)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Coefficients of the four-term document cost, per phase, plus the kernel model.
@@ -271,20 +289,9 @@ class CostModel:
         return float(self._row(phase)[4])
 
     def attention_tiles(self, q_len, kv_len) -> np.ndarray:
-        """Number of tile x tile blocks a causal, bottom-right-aligned segment visits.
-
-        Query tile i (rows [i*T, min((i+1)*T, q))) sees keys up to kv - q + its last row + 1,
-        so it visits ceil((kv - q + min((i+1)T, q)) / T) key tiles. Summed in closed form.
-        """
-        q = np.asarray(q_len, dtype=np.int64)
-        kv = np.asarray(kv_len, dtype=np.int64)
-        if np.any(q < 0) or np.any(kv < q):
-            raise ValueError("attention segments need 0 <= q_len <= kv_len")
-        T = self.tile
-        n_q = -(-q // T)
-        s = kv - q
-        tiles = np.maximum(n_q - 1, 0) * (-(-s // T)) + n_q * np.maximum(n_q - 1, 0) // 2 + (-(-kv // T))
-        return np.where(q > 0, tiles, 0)
+        """Number of tile x tile blocks a causal, bottom-right-aligned segment visits
+        (`attention_tiles` with this model's tile)."""
+        return attention_tiles(q_len, kv_len, self.tile)
 
     def attention_efficiency(self, q_len) -> np.ndarray:
         """Shape-dependent multiplier of achieved attention throughput (see module docstring)."""

@@ -295,9 +295,14 @@ def max_tokens_for(model: ModelSpec, parallel: ParallelSpec | None, hardware: Ha
     return mem.max_tokens(memory_bytes)
 
 
-def resolve_max_tokens(max_tokens, cost, memory_bytes=None) -> int:
+def resolve_max_tokens(max_tokens, cost, memory_bytes=None, *, pp: int | None = None, dp: int | None = None) -> int:
     """`max_tokens` itself, or with "auto" the largest that fits in `memory_bytes` under
-    `cost`'s memory model (calibrated, else analytic from its model, layout and hardware)."""
+    `cost`'s memory model (calibrated, else analytic from its model, layout and hardware).
+
+    `pp`, `dp`: the caller's pipeline stages and replicas where they differ from the memory
+    model's layout: a calibrated model (`wlb-opt profile`, one GPU) is then counted for that
+    pipeline (each stage's layers and weights, the schedule's in-flight micro-batches) and for
+    FSDP over those replicas; its per-token coefficients are one GPU's at its own tp and cp."""
     if not (isinstance(max_tokens, str) and max_tokens == "auto"):
         if memory_bytes is not None:
             raise ValueError("memory_bytes is only read with max_tokens='auto'")
@@ -305,4 +310,8 @@ def resolve_max_tokens(max_tokens, cost, memory_bytes=None) -> int:
     if memory_bytes is None:
         raise ValueError("max_tokens='auto' needs memory_bytes (bytes of memory per GPU)")
     check_positive_real("memory_bytes", memory_bytes, "bytes")  # finite: inf would fit any max_tokens
-    return cost.memory_model_or_analytic().max_tokens(memory_bytes)
+    mem = cost.memory_model_or_analytic()
+    layout = {k: v for k, v in (("pp", pp), ("dp", dp)) if v is not None and v != getattr(mem.parallel, k)}
+    if layout:
+        mem = mem.with_options(parallel=replace(mem.parallel, **layout))
+    return mem.max_tokens(memory_bytes)

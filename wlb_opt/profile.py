@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ._optional import progress, require
-from .cost import CostModel
+from .cost import CostModel, attention_tiles
 from .cost_args import count, natural
 from .cost_fit import (FEATURE_NAMES, FIT_TERMS, Sample, coef_intervals, fit_terms, nnls, sample_micro_batches,
                        validate, validation_line)
@@ -45,6 +45,10 @@ __all__ = ["Sample", "fit_cost_model", "profile_block", "profile_comm", "efficie
            "main"]
 
 QUICK_BUDGET_S = 150.0  # --quick must finish within 3 minutes on CPU; leave room for start-up
+
+
+MAX_ATTN_BWD_RATIO = 1e3
+"""The largest backward / forward attention ratio a CostModel takes (`CostModel.attn_bwd_ratio`)."""
 
 
 def fit_cost_model(samples: list[Sample], layers: int = 1, tile: int = 128, eff_q_len=None, eff_scale=None,
@@ -67,9 +71,17 @@ def fit_cost_model(samples: list[Sample], layers: int = 1, tile: int = 128, eff_
         meta["validation"] = validate(fitted, heldout, layers)
     flops = attn_flops_per_pair or 1.0
     # attention_latency = tiles * tile^2 * flops / (peak * scale): choose peak so a long
-    # segment reproduces the fitted per-pair forward coefficient.
-    peak = flops / max(coef["fwd"]["attn"], 1e-30)
-    bwd_ratio = coef["bwd"]["attn"] / coef["fwd"]["attn"] if coef["fwd"]["attn"] > 0 else 2.5
+    # segment reproduces the fitted per-pair forward coefficient, and the backward's ratio to it
+    fwd_attn, bwd_attn = coef["fwd"]["attn"], coef["bwd"]["attn"]
+    bwd_ratio = bwd_attn / fwd_attn if fwd_attn > 0 else float("inf")
+    if not 0 < bwd_ratio <= MAX_ATTN_BWD_RATIO:
+        # a forward attention term the fit could not see (too short a window for the quadratic
+        # term to show): price attention from the backward one at the usual ratio instead
+        meta["attn_bwd_ratio_note"] = (f"fitted backward / forward attention ratio {bwd_ratio:.3g} is outside "
+                                       f"(0, {MAX_ATTN_BWD_RATIO:g}]: 2.5 used, the forward priced from the backward")
+        bwd_ratio = 2.5
+        fwd_attn = max(fwd_attn, bwd_attn / bwd_ratio)
+    peak = flops / max(fwd_attn, 1e-30)
     kwargs = {}
     if eff_q_len is not None:
         kwargs = dict(eff_q_len=tuple(int(x) for x in eff_q_len), eff_scale=tuple(float(x) for x in eff_scale),
@@ -360,10 +372,12 @@ def _head_seconds_per_token(model: ModelSpec, dev, dt, window: int, repeats: int
     return f / window, max(fb - f, 0.0) / window
 
 
-def _efficiency_table(model: ModelSpec, dev, dt, q_lens, repeats, kv_len: int | None = None):
+def _efficiency_table(model: ModelSpec, dev, dt, q_lens, repeats, kv_len: int | None = None, tile: int = 128):
     """Achieved attention FLOP/s by query length over a fixed key range (default twice the
     longest query; a query is bottom-right aligned, the last q_len rows of the range),
-    normalised to the max; and the raw latencies behind it (plain numbers)."""
+    normalised to the max; and the raw latencies behind it (plain numbers). The FLOP/s count
+    the tile-padded pairs, as `CostModel.attention_latency` does (it divides those by the
+    table's value): a kernel of constant throughput on whole tiles gives a flat table."""
     torch = require("torch", "profiling")
     from .kernels import doc_attention
 
@@ -377,7 +391,7 @@ def _efficiency_table(model: ModelSpec, dev, dt, q_lens, repeats, kv_len: int | 
         seg = np.array([[0, q_len, 0, kv]], dtype=np.int32)
         t = _time(lambda: doc_attention(q, k, k, seg), dev, repeats)
         pairs = q_len * kv - q_len * (q_len - 1) / 2
-        rates.append(pairs / t)
+        rates.append(float(attention_tiles(q_len, kv, tile)) * tile * tile / t)
         latency.append(dict(q_len=int(q_len), kv_len=kv, fwd_s=float(t),
                             tflops=round(float(4.0 * model.q_dim * pairs / t / 1e12), 3)))
     rates = np.array(rates)

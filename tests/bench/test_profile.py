@@ -32,6 +32,42 @@ def test_fit_recovers_known_coefficients(noise):
     assert fit.micro_batch_cost(test) == pytest.approx(truth.micro_batch_cost(test), rel=0.01)
 
 
+def test_the_efficiency_table_of_a_kernel_of_constant_throughput_on_whole_tiles_is_flat(monkeypatch):
+    """attention_latency divides tile-padded FLOPs by the table's value, so the table must be
+    measured on tile-padded FLOPs too: a kernel whose time is its padded tiles over one rate
+    gives a flat table, and the model then reproduces its latencies."""
+    import dataclasses
+
+    import torch
+
+    from wlb_opt import profile
+
+    kernel = wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"))
+    kernel = dataclasses.replace(kernel, eff_q_len=(1,), eff_scale=(1.0,))
+    kv, q_lens = 2048, (16, 64, 128, 256, 512, 1024)
+    calls = iter(q_lens)
+    monkeypatch.setattr(profile, "_time", lambda fn, dev, repeats, warmup=1: kernel.attention_latency(
+        next(calls), kv, "fwd"))
+    eff_q, eff_s, _ = profile._efficiency_table(wlb.ModelSpec.preset("tiny"), torch.device("cpu"), torch.float32,
+                                                q_lens, 1, kv)
+    assert eff_s == pytest.approx([1.0] * len(q_lens))
+    fitted = dataclasses.replace(kernel, eff_q_len=tuple(eff_q), eff_scale=tuple(eff_s))
+    for q in q_lens:
+        assert fitted.attention_latency(q, kv, "fwd") == pytest.approx(kernel.attention_latency(q, kv, "fwd"))
+
+
+def test_a_fit_without_a_visible_forward_attention_term_prices_it_from_the_backward():
+    from wlb_opt.cost_fit import features
+
+    rng = np.random.default_rng(0)
+    fwd, bwd = np.array([1e-17, 5e-7, 5e-7, 7e-5]), np.array([2e-13, 1e-6, 1e-6, 1.5e-4])
+    samples = [Sample(m, float(features(m) @ fwd), float(features(m) @ bwd))
+               for m in sample_micro_batches(4096, 12, rng)]
+    fit = fit_cost_model(samples, layers=2, attn_flops_per_pair=4 * 64 * 2)  # raised: ratio 2e4 > 1e3
+    assert fit.attn_bwd_ratio == 2.5 and "attn_bwd_ratio_note" in fit.meta
+    assert fit.attention_latency(4096, 4096, "bwd") > 0
+
+
 def test_fit_needs_enough_valid_samples():
     with pytest.raises(ValueError, match="at least 4"):
         fit_cost_model([Sample(np.array([3]), 1.0, 1.0)])

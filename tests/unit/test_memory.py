@@ -131,3 +131,22 @@ def test_profiled_model_without_hardware_needs_a_calibration():
     assert again.memory_model == calibrated
 
 
+
+
+def test_a_calibrated_memory_model_is_counted_for_the_packers_pipeline():
+    # a profiled cost model: no layout, its memory model calibrated on one GPU (pp = dp = 1)
+    calibrated = MemoryModel.analytic(M7B, wlb.ParallelSpec(gpus_per_node=1), H100)
+    profiled = wlb.CostModel(coef=wlb.CostModel.analytic(M7B).coef, attn_flops_per_pair=1.0, model=M7B,
+                             memory_model=calibrated)
+    # with pp = 4 each stage holds a quarter of the layers' weights and optimizer state, and four
+    # micro-batches in flight: the count of the same coefficients for that pipeline
+    expected = MemoryModel.analytic(M7B, wlb.ParallelSpec(gpus_per_node=1, pp=4), H100).max_tokens(80 * GiB)
+    assert wlb.WLBPacker(4, "auto", profiled, pp=4, memory_bytes=80 * GiB).max_tokens == expected
+    with pytest.raises(ValueError, match="cannot hold one token"):  # one GPU holding all of 7B
+        wlb.WLBPacker(4, "auto", profiled, memory_bytes=80 * GiB)
+    # FSDP over the replicas the plan has
+    fsdp = calibrated.with_options(fsdp=True)
+    sharded = wlb.CostModel(coef=profiled.coef, attn_flops_per_pair=1.0, model=M7B, memory_model=fsdp)
+    plan = wlb.solve_pack([100, 200], 2, "auto", sharded, dp=4, memory_bytes=80 * GiB)
+    assert plan.max_tokens == MemoryModel.analytic(M7B, wlb.ParallelSpec(gpus_per_node=1, dp=4), H100,
+                                                   fsdp=True).max_tokens(80 * GiB)

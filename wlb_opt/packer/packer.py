@@ -139,11 +139,12 @@ class WLBPacker:
         self.cost = cost if cost is not None else default_cost()
         if not isinstance(self.cost, CostModel):
             raise ValueError(f"cost must be a wlb_opt.CostModel, got {type(self.cost).__name__}")
-        # "auto": the largest max_tokens whose worst case fits in memory_bytes (cost_memory.py)
-        self.max_tokens = check_max_tokens(resolve_max_tokens(max_tokens, self.cost, memory_bytes))
         self.dp = self.cost.degree("dp", dp)
         self.seed = check_int("seed", seed, 0)
         self.pp = self.cost.degree("pp", pp)
+        # "auto": the largest max_tokens whose worst case fits in memory_bytes (cost_memory.py)
+        self.max_tokens = check_max_tokens(resolve_max_tokens(max_tokens, self.cost, memory_bytes, pp=self.pp,
+                                                              dp=self.dp))
         self.thresholds, self.n_queues = queue_thresholds(self.config, self.max_tokens)
         self._auto = self.thresholds is None
         # The notice advises other thresholds; the default pool is meant to hold a majority of
