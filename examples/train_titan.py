@@ -93,11 +93,11 @@ def trainer_config(args, spec, stream, n_micro: int, dump: str):
 
 
 def full_parameters(trainer) -> dict:
-    """name -> full fp64 CPU tensor of every parameter this rank's parts hold (a collective:
-    every rank calls it)."""
+    """name -> full fp64 CPU tensor of every parameter this rank's parts hold, under each of
+    its names (a tied weight under both; a collective: every rank calls it)."""
     out = {}
     for part in trainer.model_parts:
-        for name, p in part.named_parameters():
+        for name, p in part.named_parameters(remove_duplicate=False):
             t = p.full_tensor() if hasattr(p, "full_tensor") else p
             for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):  # activation checkpointing, compile
                 name = name.replace(wrapper, "")

@@ -355,14 +355,19 @@ def solve_lex(data: ExactData, model: LexModel, *, scale: float, build_s: float,
         run = model.maximize_placed(start, budget * opts.phase1_share)
         build_s += time.perf_counter() - t0 - run.solve_s
         solve_s += run.solve_s
-        budget = max(budget - run.solve_s, 0.05 * float(p.time_limit))
+        # deterministic: phase 2 gets the rest of the budget by share, not by the wall clock
+        # phase 1 took (which depends on the machine's load)
+        spent = budget * opts.phase1_share if opts.deterministic else run.solve_s
+        budget = max(budget - spent, 0.05 * float(p.time_limit))
         extra["phase1"] = run.status
-        extra["phase1_bound_tokens"] = data.placeable if run.bound is None else min(data.placeable, int(run.bound))
-        placed_proven = run.proven
+        bound_tokens = data.placeable if run.bound is None else min(data.placeable, int(run.bound))
+        extra["phase1_bound_tokens"] = bound_tokens
         if run.assign is not None:
             got = int(p.lengths[run.assign >= 0].sum())
             if got > placed_target or start is None:
                 start, placed_target = run.assign, got
+        # proven only where the bound meets the tokens placed (a gap_limit stops short of it)
+        placed_proven = run.proven and bound_tokens <= placed_target
 
     # Phase 2: minimise the largest load among plans placing >= placed_target tokens.
     t0 = time.perf_counter()
@@ -372,7 +377,7 @@ def solve_lex(data: ExactData, model: LexModel, *, scale: float, build_s: float,
     if start is not None and upper - lower <= opts.gap_limit * upper:
         # The start is within gap_limit of the lower bound: nothing left to prove (the primer:
         # skip the solver).
-        source, sol, status = PlanSource.START_MEETS_BOUND, start, "optimal"
+        source, sol, status = PlanSource.START_MEETS_BOUND, start, _optimal(upper, lower, opts.gap_limit)
         extra["phase2"] = source.value
     else:
         run = model.minimize_makespan(start, budget)
@@ -380,10 +385,12 @@ def solve_lex(data: ExactData, model: LexModel, *, scale: float, build_s: float,
         extra["phase2"] = run.status
         if run.assign is not None:
             source, sol, status = PlanSource.SOLVER, run.assign, "optimal" if run.proven else "feasible"
+            if run.proven and opts.gap_limit > 0:  # stopped at the gap: optimal only within it
+                status = f"optimal within gap_limit={opts.gap_limit:g}"
         elif start is not None:
             source, sol, status = PlanSource.START_KEPT, start, START_KEPT_STATUS
         else:
-            raise _no_plan_error(model.name, run, p)
+            raise _no_plan_error(model.name, run, p, opts.allow_defer)
     bins, deferred = plan_from_assignment(data, sol, extra)
 
     bound, note = model.bound(LexPlan(bins=bins, deferred=deferred, source=source, status=status, lower=lower,
@@ -398,7 +405,16 @@ def solve_lex(data: ExactData, model: LexModel, *, scale: float, build_s: float,
                       build_s=build_s, solve_s=solve_s, extra=extra)
 
 
-def _no_plan_error(name: str, run: PhaseSolve, p: PackProblem) -> ValueError:
+def _optimal(upper: float, lower: float, gap_limit: float) -> str:
+    """The status of a start that meets the lower bound, exactly or within gap_limit."""
+    return "optimal" if upper - lower <= 1e-12 * max(abs(upper), 1.0) else f"optimal within gap_limit={gap_limit:g}"
+
+
+def _no_plan_error(name: str, run: PhaseSolve, p: PackProblem, allow_defer: bool = False) -> ValueError:
+    if run.infeasible and allow_defer:  # only the carried documents must be placed
+        return ValueError(f"{name} proved that the {p.carried} carried documents (which are never deferred again) "
+                          f"fit no plan of {p.n_bins} micro-batches of max_tokens={p.max_tokens} (infeasible); "
+                          "carry fewer tokens into the step, or give it more micro-batches")
     if run.infeasible:
         return ValueError(f"{name} proved that no plan places every document in {p.n_bins} micro-batches of "
                           f"max_tokens={p.max_tokens} (infeasible); pass allow_defer=True to defer some")

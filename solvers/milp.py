@@ -66,7 +66,7 @@ def _solver(pulp, backend: str, time_limit: float, data: ExactData, warm: bool):
     threads = opts.workers()
     if backend == "cbc":
         return pulp.PULP_CBC_CMD(msg=False, timeLimit=float(time_limit), gapRel=opts.gap_limit, threads=threads,
-                                 warmStart=warm, options=[f"randomSeed {int(data.problem.seed) + 1}",
+                                 warmStart=warm, options=[f"randomSeed {int(data.problem.seed) + 1}", "preprocess off",
                                                           f"increment {_CBC_INCREMENT}"])
 
     class _HiGHSWarm(pulp.HiGHS):

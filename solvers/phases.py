@@ -16,8 +16,9 @@ index) if it fits under the token cap, else to the one of fewest tokens if it fi
 else it is deferred. When the backward costs are a fixed multiple of the forward ones the
 rule is Algorithm 1's.
 
-`wlb_phases` never defers an item that Algorithm 1 places: if the balanced placement defers
-anything Algorithm 1 does not, Algorithm 1's placement is kept (`PackResult.extra["fallback"]`).
+`wlb_phases` never defers an item that Algorithm 1 places (from `LUMP_MIN_BINS` bins:
+Algorithm 1 over the same lumps, below): if the balanced placement defers anything
+Algorithm 1 does not, Algorithm 1's placement is kept (`PackResult.extra["fallback"]`).
 The streaming packer relies on this: its release policies decide on Algorithm 1's packings,
 and the plan it keeps must not defer a piece they counted as placed.
 

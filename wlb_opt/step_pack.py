@@ -11,7 +11,8 @@ loads are recomputed from the cost model, never taken from the solver. Methods:
 - "wlb_fill": large documents balanced first (moves and swaps among them), short ones into
               the gaps by Algorithm 1's rule, then a move/swap polish (wlb_opt.solvers.fill).
 - "wlb_phases": Algorithm 1 with forward and backward time balanced apart, never deferring
-              what Algorithm 1 places (wlb_opt.solvers.phases); the streaming packer's default.
+              what Algorithm 1 places (from 32 micro-batches: Algorithm 1 over the same lumps
+              of the short tail; wlb_opt.solvers.phases); the streaming packer's default.
 - "cpsat", "milp": exact models (`wlb-opt[exact]`), see wlb_opt.solvers.cpsat / .milp.
 
 More methods can be added with `register_method`. The stateful streaming packer with

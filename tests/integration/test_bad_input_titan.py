@@ -58,6 +58,16 @@ def _steps(loader):
         pass
 
 
+def _within_a_step():
+    """A loader resumed from a state saved after the first micro-batch of a step."""
+    items = tt.WLBDataLoader(_stream(), local_batch_size=1)
+    it = iter(items)
+    next(it)
+    loader = tt.WLBDataLoader(_stream())
+    loader.load_state_dict(items.state_dict())
+    return loader
+
+
 class Qwen3_5Model:
     """Stands for torchtitan's qwen3_5 (its config module needs the optional `fla` package):
     the adapter recognises a family by its config class, `<Family>Model.Config`."""
@@ -104,6 +114,17 @@ CASES = [
      ValueError, "plans dp=2 replicas but the trainer has a DP degree (dp_replicate x dp_shard) of 1"),
     ("loader.seq_len", lambda: _steps(tt.WLBDataLoader(tt.WLBDataLoader.Config(stream=_stream()), seq_len=256)),
      ValueError, "past training.seq_len=256"),
+    ("loader.stock_seq_len", lambda: list(tt.WLBDataLoader(tt.WLBDataLoader.Config(stream=_stream()),
+                                                             seq_len=256, local_batch_size=1)),
+     ValueError, "reaches position 299 (piece at offset 0, 300 tokens), past training.seq_len=256"),
+    ("loader.done_negative", lambda: tt.WLBDataLoader(tt.WLBDataLoader.Config(stream=_stream())).load_state_dict(
+        {**tt.WLBDataLoader(_stream()).state_dict(), tt.DONE_KEY: -1}), ValueError,
+     "'wlb_stream_micro_batches_done' must be an integer >= 0"),
+    ("loader.steps_within_a_step", lambda: _steps(_within_a_step()), ValueError,
+     "the loaded state is within a step (1 of its micro-batches handed out through the iterator)"),
+    ("trainer.cp_mismatch", lambda: tt.check_trainer_config(_trainer_config(
+        parallelism={"context_parallel_degree": 2})), ValueError,
+     "the stream shards each micro-batch for cp=1 ranks but parallelism.context_parallel_degree is 2"),
     ("loader.stock_batch", lambda: next(iter(tt.WLBDataLoader(tt.WLBDataLoader.Config(stream=_stream()),
                                                                 local_batch_size=4))),
      ValueError, "training.local_batch_size=1 (got 4)"),

@@ -373,3 +373,67 @@ print("ok")
         out = subprocess.run([sys.executable, "-c", code.format(first=first, second=second)],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr
+
+
+# ------------------------------------------------------------------ found by brute force
+@pytest.mark.parametrize("backend", ["cbc", "highs"])
+@pytest.mark.parametrize("lengths, n_micro, max_tokens, carried", [
+    ([16, 16, 5, 2, 21], 1, 36, 0),  # CBC's preprocessing placed 28 of 34 tokens, "optimal"
+    ([10, 29, 7, 26, 12, 16, 10], 2, 82, 6),  # and called a model the start satisfies infeasible
+])
+def test_milp_reaches_the_brute_force_optimum_where_cbcs_preprocessing_did_not(exact_extra, backend, lengths,
+                                                                              n_micro, max_tokens, carried):
+    cost = wlb.CostModel(coef={"fwd": dict(attn=1e-3, linear=1e-2, comm=0.0, doc_const=0.01, mb_const=0.1),
+                               "bwd": dict(attn=0, linear=0, comm=0.0, doc_const=0.0, mb_const=0.0)},
+                         attn_flops_per_pair=1.0)
+    lengths = np.array(lengths)
+    tokens, load = brute_force(lengths, cost.doc_cost(lengths), n_micro, max_tokens, cost.mb_const(), True, carried)
+    plan = wlb.solve_pack(lengths, n_micro, max_tokens, cost, "milp", backend=backend, carried=carried,
+                          allow_defer=True, time_limit=LIMIT, deterministic=True)
+    assert plan.placed_tokens == tokens
+    assert plan.info.objective == pytest.approx(load, rel=REL_TOL)
+    assert plan.info.status.startswith("optimal")
+
+
+def test_a_gap_limit_is_named_in_the_status_and_in_the_placed_tokens(ortools):
+    cost = unit_cost()
+    lengths = np.array([18, 8, 17, 14, 16, 23, 1])
+    plan = wlb.solve_pack(lengths, 2, 97, cost, "cpsat", time_limit=LIMIT, deterministic=True, gap_limit=0.2)
+    assert plan.info.bound < plan.info.objective  # the start met the bound within the gap: not proven optimal
+    assert plan.info.status.startswith("optimal within gap_limit=0.2")
+    # phase 1 stopped at the gap: fewer tokens than the most placeable, and the status says so
+    lengths = np.array([4, 7, 10, 8, 32, 34, 23])
+    tokens, _ = brute_force(lengths, cost.doc_cost(lengths), 2, 35, allow_defer=True)
+    plan = wlb.solve_pack(lengths, 2, 35, cost, "cpsat", allow_defer=True, time_limit=LIMIT, deterministic=True,
+                          gap_limit=0.1)
+    assert plan.placed_tokens < tokens and "(placed tokens not proven maximal)" in plan.info.status
+    exact = wlb.solve_pack(lengths, 2, 35, cost, "cpsat", allow_defer=True, time_limit=LIMIT, deterministic=True)
+    assert exact.placed_tokens == tokens and exact.info.status == "optimal"
+
+
+def test_deterministic_phase_2_gets_its_share_of_the_budget_whatever_the_clock():
+    class Slow(_NoPlanModel):  # a phase 1 that took the whole budget on the wall clock
+        def maximize_placed(self, start, time_limit):
+            self.calls.append(("maximize_placed", time_limit))
+            return PhaseSolve(status="unknown", assign=None, proven=False, solve_s=100.0)
+
+        def minimize_makespan(self, start, time_limit):
+            self.calls.append(("minimize_makespan", time_limit))
+            return PhaseSolve(status="unknown", assign=None, proven=False)
+
+    data = exact_common.prepare(_driver_problem(allow_defer=True))
+    data.placeable += 1  # phase 1 runs
+    model = Slow(lower=0.5, upper=1.0)
+    exact_common.solve_lex(data, model, scale=1.0, build_s=0.0, extra={})
+    limits = dict(c for c in model.calls if isinstance(c, tuple))
+    assert limits["maximize_placed"] == pytest.approx(10.0 * 0.4)
+    assert limits["minimize_makespan"] == pytest.approx(10.0 * 0.6)
+
+
+@pytest.mark.parametrize("method, backend", EXACT)
+def test_carried_documents_that_fit_no_plan_are_named_with_allow_defer(exact_extra, method, backend):
+    kw = dict(backend=backend) if backend else {}
+    with pytest.raises(ValueError, match=r"the 3 carried documents \(which are never deferred again\) fit no plan "
+                                         r"of 2 micro-batches of max_tokens=10"):
+        wlb.solve_pack([6, 6, 6, 1], 2, 10, unit_cost(), method, carried=3, allow_defer=True, time_limit=LIMIT,
+                       deterministic=True, **kw)

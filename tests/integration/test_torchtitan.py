@@ -172,3 +172,81 @@ def test_a_stock_trainer_gets_batch_one_micro_batches_with_positions_restarting_
         assert inputs["input"].shape == labels.shape == (1, int(lengths.sum()))
         assert torch.equal(inputs["positions"][0], torch.cat([torch.arange(int(n)) for n in lengths]))
         assert torch.equal(inputs["input"][0], step.tokens(j))
+
+
+def _items(loader, n=None):
+    out = []
+    for k, (inputs, labels) in enumerate(loader):
+        if n is not None and k == n:
+            break
+        out.append((inputs["input"].clone(), inputs["positions"].clone(), labels.clone(), loader.state_dict()))
+    return out
+
+
+def test_a_stock_trainer_resumed_within_a_step_gets_exactly_the_micro_batches_it_had_not():
+    """One micro-batch per optimizer step: a checkpoint after any of them resumes with the next."""
+    config = tt.small_config("llama3", dim=32, layers=2, vocab=VOCAB)
+    whole = _items(tt.WLBDataLoader(stream(config, LENGTHS * 2), seq_len=512, local_batch_size=1))
+    assert len(whole) >= 6
+    for cut in range(1, len(whole)):
+        saved = json.loads(json.dumps(whole[cut - 1][3]))  # the state after item cut - 1
+        loader = tt.WLBDataLoader(stream(config, LENGTHS * 2), seq_len=512, local_batch_size=1)
+        loader.load_state_dict(saved)
+        rest = _items(loader)
+        assert len(rest) == len(whole) - cut, cut
+        for (a, pa, la, _), (b, pb, lb, _) in zip(rest, whole[cut:]):
+            assert torch.equal(a, b) and torch.equal(pa, pb) and torch.equal(la, lb)
+
+
+def test_a_stock_trainer_reads_documents_longer_than_seq_len_in_pieces_that_fit():
+    """Through the iterator positions restart at each piece: only a piece must fit the RoPE table."""
+    config = tt.small_config("llama3", dim=32, layers=2, vocab=VOCAB)
+    loader = tt.WLBDataLoader(stream(config, LENGTHS), seq_len=64, local_batch_size=1)
+    positions = [p for _, p, _, _ in _items(loader)]
+    assert max(int(p.max()) for p in positions) <= 63
+    with pytest.raises(ValueError, match="past training.seq_len=64.*the longest document's length"):
+        for _ in tt.WLBDataLoader(stream(config, LENGTHS), seq_len=64).steps():  # positions continue there
+            pass
+
+
+def _fake_trainer(step, loss, monkeypatch):
+    """WLBTrainer.train_step's collaborators, with the step's loss given."""
+    from types import SimpleNamespace
+
+    import wlb_opt.executor as executor
+    from torchtitan.distributed import utils as dist_utils
+
+    monkeypatch.setattr(executor, "train_step", lambda *a, **k: loss)
+    monkeypatch.setattr(dist_utils, "clip_grad_norm_", lambda *a, **k: torch.tensor(0.0))
+    calls = []
+    noop = lambda *a, **k: calls.append(a)  # noqa: E731
+    return SimpleNamespace(
+        step=3, ntokens_seen=0, wlb_stages=[], wlb_mesh=SimpleNamespace(dp_rank=1), model_parts=[],
+        optimizers=SimpleNamespace(zero_grad=noop, step=noop), lr_schedulers=SimpleNamespace(get_metrics=dict,
+                                                                                              step=noop),
+        metrics_processor=SimpleNamespace(data_loading_times=[], ntokens_since_last_log=0,
+                                          should_log=lambda s: False),
+        checkpointer=SimpleNamespace(maybe_wait_for_staging=noop),
+        parallel_dims=SimpleNamespace(world_size=4, get_optional_mesh=lambda name: None, ep_enabled=False),
+        config=SimpleNamespace(attention_backend="torch", training=SimpleNamespace(disable_cuda_graphs=False,
+                                                                                   max_norm=1.0))), calls
+
+
+def test_the_wlb_trainer_step_stops_at_a_loss_that_is_not_finite_and_counts_its_replicas_tokens(monkeypatch):
+    config = tt.small_config("llama3", dim=32, layers=2, vocab=VOCAB)
+    docs_stream = stream(config, LENGTHS * 2)
+    docs_stream.packer = wlb.WLBPacker(2, 64, docs_stream.packer.cost, 2, config=wlb.PackerConfig(thresholds=[]))
+    step = next(iter(wlb.WLBStream([(i, np.zeros(n, dtype=np.int64)) for i, n in enumerate(LENGTHS * 2)],
+                                   docs_stream.packer, 200, window=64)))
+    trainer, calls = _fake_trainer(step, float("nan"), monkeypatch)
+    with pytest.raises(RuntimeError, match="Loss is not finite .* at step 3"):
+        tt.WLBTrainer.train_step(trainer, iter([step]))
+    assert trainer.ntokens_seen == 0  # nothing after the loss: no optimizer step to checkpoint
+    trainer, _ = _fake_trainer(step, 2.5, monkeypatch)
+    tt.WLBTrainer.train_step(trainer, iter([step]))
+    plan = step.plan
+    mine = [i for j in plan.replica_micro_batches(1) for i in plan.micro_batches[j]]
+    # torchtitan's metrics count the tokens of the rank's own replica (tokens per second per device
+    # divides them by the ranks that are not data-parallel)
+    assert trainer.metrics_processor.ntokens_since_last_log == int(plan.lengths[mine].sum()) > 0
+    assert trainer.ntokens_seen == int(sum(plan.lengths[mb].sum() for mb in plan.micro_batches))

@@ -27,6 +27,7 @@ layers, gpt_oss, deepseek_v3, kimi_k2_7, muse_glimmer, flux. Tested with torchti
 from __future__ import annotations
 
 import dataclasses
+import math
 import logging
 
 import torch
@@ -375,6 +376,8 @@ from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 STATE_KEY = "wlb_stream"
+DONE_KEY = "wlb_stream_micro_batches_done"
+"""The loader's state besides the stream's: micro-batches of the next step already handed out."""
 """Key of the stream's JSON state in `WLBDataLoader.state_dict()` (under torchtitan's
 checkpoint key "dataloader")."""
 
@@ -390,13 +393,17 @@ class WLBDataLoader(BaseDataLoader):
     convention; that gives a stock Trainer WLB's balanced DP packing, not its PP or CP; an
     empty slot is one token with no target).
 
-    `state_dict()` is the stream's state after the last step handed out in full, which
-    torchtitan's checkpointer saves after training that step: a checkpoint at step k
-    resumes at step k + 1. Built by torchtitan from `WLBDataLoader.Config(stream=...)`, or
+    `state_dict()` is the stream's state after what was handed out: after a whole step
+    (`steps()`, or the last micro-batch of a step), or before a step with the number of its
+    micro-batches already handed out (a stock Trainer whose optimizer steps take fewer
+    micro-batches than a WLB step holds); torchtitan's checkpointer saves it after training
+    an optimizer step, and a resume hands out exactly what had not been. A checkpoint taken
+    within a step resumes only through the iterator (`steps()` runs whole steps). Built by torchtitan from `WLBDataLoader.Config(stream=...)`, or
     directly as ``WLBDataLoader(stream, dp_world_size=, dp_rank=, seq_len=)``. Refused by
     name: a stream whose packer has another DP degree than the trainer's batch degree, a
-    stock-Trainer batch size other than 1, a piece that reaches past ``training.seq_len``
-    (the size of torchtitan's RoPE table)."""
+    stock-Trainer batch size other than 1, a position past ``training.seq_len`` (the size
+    of torchtitan's RoPE table: with `steps()` positions continue across the pieces of a
+    document, through the iterator they restart at each piece)."""
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
@@ -418,6 +425,7 @@ class WLBDataLoader(BaseDataLoader):
         self.stream, self.dp_rank, self.seq_len = stream, dp_rank, seq_len
         self.local_batch_size = local_batch_size
         self._state = stream.state_dict()
+        self._done = 0  # micro-batches of the next step already handed out (the iterator's)
 
     @property
     def n_micro(self) -> int:
@@ -426,24 +434,31 @@ class WLBDataLoader(BaseDataLoader):
     def steps(self):
         """The stream's steps, each checked against the RoPE table; the state advances when a
         step is handed out."""
+        if self._done:
+            raise ValueError(f"WLBDataLoader.steps(): the loaded state is within a step ({self._done} of its "
+                             "micro-batches handed out through the iterator); resume it through the iterator")
         for step in self.stream:
-            self._check_positions(step)
+            self._check_positions(step, restart=False)
             self._state = step.state
             yield step
 
-    def _check_positions(self, step) -> None:
+    def _check_positions(self, step, restart: bool) -> None:
+        """Positions continue across the pieces of a document (`steps()`), or restart at 0 at
+        each piece (`restart`: the iterator's)."""
         plan = step.plan
         placed = [i for mb in plan.micro_batches for i in mb]
         if self.seq_len is None or not placed:
             return
-        reach = plan.offsets[placed] + plan.lengths[placed]
+        reach = plan.lengths[placed] + (0 if restart else plan.offsets[placed])
         worst = int(reach.argmax())
         if int(reach[worst]) > self.seq_len:
             i = placed[worst]
             raise ValueError(f"step {step.index}: document {int(plan.doc_ids[i])} reaches position "
-                             f"{int(reach[worst]) - 1} (piece at offset {int(plan.offsets[i])}), past "
-                             f"training.seq_len={self.seq_len}, the size of torchtitan's RoPE table; set "
-                             "training.seq_len to at least the longest document's length")
+                             f"{int(reach[worst]) - 1} (piece at offset {int(plan.offsets[i])}, "
+                             f"{int(plan.lengths[i])} tokens), past training.seq_len={self.seq_len}, the size of "
+                             "torchtitan's RoPE table; set training.seq_len to at least "
+                             + ("the longest piece's length (the packer's max_tokens)" if restart
+                                else "the longest document's length"))
 
     def __iter__(self):
         from ..batch import pack_micro_batch
@@ -452,9 +467,16 @@ class WLBDataLoader(BaseDataLoader):
             raise ValueError(f"WLBDataLoader yields one packed micro-batch per item: a stock Trainer needs "
                              f"training.local_batch_size=1 (got {self.local_batch_size}) and gradient accumulation x "
                              f"pipeline micro-batches = n_micro ({self.n_micro}); WLBTrainer runs whole steps")
-        for step in self.steps():
+        skip, before = self._done, self._state
+        for step in self.stream:
+            self._check_positions(step, restart=True)
             plan = step.plan
-            for j in step.local(self.dp_rank):
+            local = list(step.local(self.dp_rank))
+            for k, j in enumerate(local):
+                if k < skip:  # handed out before the checkpoint this state came from
+                    continue
+                # what the trainer holds once it has this item: the whole step after its last
+                self._state, self._done = (step.state, 0) if k == len(local) - 1 else (before, k + 1)
                 if not len(plan.micro_batches[j]):  # an empty slot: one ignored token keeps the count
                     zero = torch.zeros(1, 1, dtype=torch.long)
                     yield {"input": zero, "positions": zero.clone()}, torch.full((1, 1), -100, dtype=torch.long)
@@ -462,11 +484,12 @@ class WLBDataLoader(BaseDataLoader):
                 tokens, labels = pack_micro_batch(plan, j, step)
                 positions = torch.cat([torch.arange(int(n)) for n in plan.lengths[plan.micro_batches[j]]])
                 yield {"input": tokens[None], "positions": positions[None]}, labels[None]
+            skip, before = 0, step.state
 
     def state_dict(self) -> dict:
         import json
 
-        return {STATE_KEY: json.dumps(self._state)}
+        return {STATE_KEY: json.dumps(self._state), DONE_KEY: self._done}
 
     def load_state_dict(self, state_dict: dict) -> None:
         import json
@@ -475,8 +498,12 @@ class WLBDataLoader(BaseDataLoader):
             raise ValueError(f"WLBDataLoader.load_state_dict: no {STATE_KEY!r} in the checkpoint's dataloader state "
                              f"(keys: {sorted(state_dict)}); it was not saved by a WLBDataLoader")
         state = json.loads(state_dict[STATE_KEY])
+        done = state_dict.get(DONE_KEY, 0)
+        if isinstance(done, bool) or not isinstance(done, int) or done < 0:
+            raise ValueError(f"WLBDataLoader.load_state_dict: {DONE_KEY!r} must be an integer >= 0 (micro-batches of "
+                             f"the next step already handed out), got {done!r}")
         self.stream.load_state_dict(state)
-        self._state = state
+        self._state, self._done = state, done
 
 
 class NoTokenizer(BaseTokenizer):
@@ -598,7 +625,8 @@ class WLBTrainer(Trainer):
     interleaved when `virtual_stages` > 1), nor is its CP (`_WithoutTitanCP`).
 
     Refused by name, before anything is built: a data loader that is not a `WLBDataLoader`,
-    a model family `check_family` refuses, `training.local_batch_size` other than the
+    a stream sharded for another CP degree than `parallelism.context_parallel_degree`, a
+    model family `check_family` refuses, `training.local_batch_size` other than the
     packer's n_micro (one packed sequence per micro-batch), gradient accumulation, an
     `spmd_backend` outside `SPMD_BACKENDS`, sequence parallelism with TP > 1, expert
     parallelism, weight tying with PP, a loss other than `CrossEntropyLoss` (chunked
@@ -655,9 +683,16 @@ class WLBTrainer(Trainer):
         self.metrics_processor.data_loading_times.append(time.perf_counter() - started)
         loss = train_step(self.wlb_stages, step.plan, step.shards, data=step, mesh=self.wlb_mesh,
                           loss_fn=full_logits_loss, reduce_grads=False, backend=self.config.attention_backend)
-        tokens = int(step.plan.lengths[[i for mb in step.plan.micro_batches for i in mb]].sum())
+        if not math.isfinite(loss):  # the global loss: every rank stops alike, before the step is checkpointed
+            raise RuntimeError(f"Loss is not finite (loss={loss}) at step {self.step}. Stopping training.")
+        plan = step.plan
+        tokens = int(plan.lengths[[i for mb in plan.micro_batches for i in mb]].sum())
         self.ntokens_seen += tokens
-        self.metrics_processor.ntokens_since_last_log += tokens // max(1, self.parallel_dims.world_size)
+        # as torchtitan counts: this rank's replica's tokens (its metrics divide by the
+        # non-data-parallel ranks to give tokens per second per device)
+        dp_rank = self.wlb_mesh.dp_rank if self.wlb_mesh is not None else 0
+        mine = [i for j in plan.replica_micro_batches(dp_rank) for i in plan.micro_batches[j]]
+        self.metrics_processor.ntokens_since_last_log += int(plan.lengths[mine].sum())
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled)
@@ -687,6 +722,11 @@ def check_trainer_config(config) -> None:
     if training.global_batch_size not in (-1, None):
         raise ValueError(f"WLBTrainer runs one planned step per optimizer step: leave training.global_batch_size at -1 "
                          f"(no gradient accumulation), got {training.global_batch_size}")
+    cp = getattr(parallelism, "context_parallel_degree", 1)
+    if loader.stream.cp != cp:
+        raise ValueError(f"WLBTrainer: the stream shards each micro-batch for cp={loader.stream.cp} ranks but "
+                         f"parallelism.context_parallel_degree is {cp}; build the stream (its cost model's "
+                         f"ParallelSpec, or WLBStream(cp=...)) with cp={cp}")
     if parallelism.spmd_backend not in SPMD_BACKENDS:
         raise ValueError(f"WLBTrainer: parallelism.spmd_backend={parallelism.spmd_backend!r} is not supported; use one "
                          f"of {list(SPMD_BACKENDS)}")
