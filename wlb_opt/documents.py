@@ -56,7 +56,8 @@ def load_lengths(path, field: str = "length") -> np.ndarray:
     """Document lengths from `.npy`, a text file (one length per line) or `.jsonl`.
 
     For `.jsonl`, each line is an object and `field` names its length entry (an int), or a
-    string field whose length in characters / 4 is used as a token estimate.
+    string field whose length in characters / 4 (rounded up) is used as a token estimate.
+    Text is read as UTF-8 (a byte-order mark at the start is allowed).
     """
     path = Path(path)
     if not path.exists():
@@ -86,7 +87,9 @@ def load_lengths(path, field: str = "length") -> np.ndarray:
                 raise ValueError(f"{path}:{lineno}: no field {field!r}; fields are {sorted(obj)}")
             value = obj[field]
             if isinstance(value, str):
-                value = max(1, -(-len(value) // 4))
+                if not value:
+                    raise ValueError(f"{path}:{lineno}: field {field!r} is an empty string: a document of no tokens")
+                value = -(-len(value) // 4)
             elif isinstance(value, bool) or not isinstance(value, int):
                 # JSON true would count as a length of 1, 12.5 would be truncated
                 raise ValueError(f"{path}:{lineno}: field {field!r} must be an integer length or a string, "
@@ -127,6 +130,6 @@ def _integer_line(path: Path, lineno: int, text: str) -> int:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text()
+        return path.read_text(encoding="utf-8-sig")  # UTF-8, a byte-order mark at the start allowed
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not a text file (give .npy for binary arrays)") from None

@@ -7,6 +7,7 @@ trusting any solver code: it only counts tokens.
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
 import functools
@@ -403,6 +404,14 @@ def check_pack(plan: PackPlan, lengths, max_tokens: int, ids=None, offsets=None,
             raise PlanError(f"document {i}: pieces {sorted(got[i])} do not tile the input {sorted(want)} exactly")
         if _total(got[i]) != _total(want):
             raise PlanError(f"document {i}: pieces hold {_total(got[i])} tokens, input has {_total(want)}")
+        # "original" may cut the input's pieces, never join two: each piece lies inside one
+        cuts = sorted(want)
+        starts = [a for a, _ in cuts]
+        for a, b in got[i]:
+            k = bisect.bisect_right(starts, a) - 1
+            if k < 0 or b > cuts[k][1]:
+                raise PlanError(f"document {i}: the plan's piece [{a}, {b}) joins pieces of the input {cuts}; "
+                                "a plan may cut the input's pieces (method='original'), never join them")
 
 
 def _total(intervals) -> int:
@@ -700,6 +709,9 @@ class ShardPlan:
         offsets = np.asarray(d["offsets"], dtype=np.int64)
         chunks = np.asarray(d["chunks"], dtype=np.int64).reshape(-1, 4)
         cp = int(d["cp"])
+        problem = chunk_table_problem(lengths, cp, chunks)
+        if problem is not None:
+            raise ValueError(f"ShardPlan.from_dict: {problem}")
         return cls(cp=cp, strategy=d["strategy"], lengths=lengths, offsets=offsets, chunks=chunks,
                    loads=np.asarray(d["loads"], dtype=np.float64), tokens=chunk_tokens(chunks, cp),
                    requested=d.get("requested", ""), info=SolveInfo.from_dict(d["info"]))
@@ -712,6 +724,37 @@ class ShardPlan:
             h.update(b"|")
             h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
         return h.hexdigest()
+
+
+def chunk_table_problem(lengths, cp: int, chunks: np.ndarray, tiling: bool = True) -> str | None:
+    """What is wrong with a chunk table (rows rank, doc, start, length) for pieces of
+    `lengths` over `cp` ranks, or None: each row's rank in [0, cp) and document in range, the
+    rows holding as many tokens as the pieces, and (`tiling`, a sort of the rows) each
+    document's chunks tiling it exactly (every token held by one rank, none twice)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    chunks = np.asarray(chunks, dtype=np.int64).reshape(-1, 4)
+    rank, doc, start, length = chunks.T
+    bad = np.flatnonzero((rank < 0) | (rank >= cp) | (doc < 0) | (doc >= len(lengths)) | (length <= 0) | (start < 0))
+    if bad.size:
+        return (f"chunk row {int(bad[0])} {chunks[bad[0]].tolist()} (rank, doc, start, length) needs rank in "
+                f"[0, {cp}), doc in [0, {len(lengths)}), start >= 0 and length >= 1")
+    if not tiling:
+        held, total = int(length.sum()), int(lengths.sum())
+        return None if held == total else f"the chunks hold {held} tokens, the pieces {total}"
+    order = np.lexsort((start, doc))
+    d, st, ln = doc[order], start[order], length[order]
+    first = np.ones(len(d), dtype=bool)
+    first[1:] = d[1:] != d[:-1]
+    gap = np.where(first, st != 0, st != np.concatenate([[0], (st + ln)[:-1]]))
+    last = np.ones(len(d), dtype=bool)
+    last[:-1] = d[1:] != d[:-1]
+    short = last & (st + ln != lengths[d] if len(d) else last)
+    missing = np.setdiff1d(np.flatnonzero(lengths > 0), d)
+    if gap.any() or short.any() or missing.size:
+        k = int(missing[0]) if missing.size else int(d[np.flatnonzero(gap | short)[0]])
+        return (f"the chunks of document {k} do not tile its {int(lengths[k])} tokens exactly (a token held by no "
+                f"rank, or by two): {chunks[doc == k].tolist()}")
+    return None
 
 
 def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:

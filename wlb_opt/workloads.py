@@ -43,6 +43,7 @@ from typing import Literal
 
 import numpy as np
 
+from ._validate import check_int, validate_lengths
 from .documents import split_documents
 
 Distribution = Literal["default", "light", "heavy", "real", "code", "prose"]
@@ -120,7 +121,10 @@ def sample_documents(n: int, dist: Distribution = "default", seed: int = DEFAULT
 
 def document_stream(n_tokens: int, dist: Distribution = "default", seed: int = DEFAULT_SEED) -> np.ndarray:
     """Document lengths of a stream holding at least `n_tokens` tokens (the shortest prefix
-    of the stream that does)."""
+    of the stream that does; none for 0)."""
+    n_tokens = check_int("n_tokens", n_tokens, 0)
+    if n_tokens == 0:
+        return np.zeros(0, dtype=np.int64)
     out, total, chunk, k = [], 0, 4096, 0
     while total < n_tokens:
         part = sample_documents(chunk, dist, seed + 7919 * k) if k else sample_documents(chunk, dist, seed)
@@ -140,9 +144,16 @@ def global_batches(dist: Distribution, window: int, tokens_per_batch: int, n_bat
     within its `tokens_per_batch` tokens of the stream, cut to `window`. Ids are positions in
     the stream, so they are unique across batches. `lengths` overrides the sampled stream.
     """
+    window = check_int("window", window, 1)
+    tokens_per_batch = check_int("tokens_per_batch", tokens_per_batch, 1)
+    n_batches = check_int("n_batches", n_batches, 0)
     if lengths is None:
         lengths = document_stream(tokens_per_batch * n_batches, dist, seed)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    elif len(np.atleast_1d(lengths)):
+        lengths = validate_lengths(lengths)
+    else:
+        lengths = np.zeros(0, dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
     which = starts // tokens_per_batch
     batches = []
     for b in range(n_batches):

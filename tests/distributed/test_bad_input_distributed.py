@@ -43,6 +43,15 @@ class _Empty(torch.nn.Module):
         return x
 
 
+def _bad_rank(shards):
+    """The shards with micro-batch 0's first chunk moved to a CP rank the mesh has not."""
+    import dataclasses
+
+    chunks = shards[0].chunks.copy()
+    chunks[0, 0] = 1
+    return [dataclasses.replace(shards[0], chunks=chunks)] + list(shards[1:])
+
+
 def _cases():
     import wlb_opt.executor as ex
 
@@ -105,6 +114,8 @@ def _cases():
         ("train_step.two_whole_models", lambda: step(model=ex.split_stages(make_model(), 1) * 2), ValueError,
          "chunk 0 (virtual stage 0 of 2: pp=1 x 2 chunks per rank) holds the output projection (`head`), which "
          "only the last virtual stage (1) may"),
+        ("train_step.shard_rank_past_cp", lambda: step(shards=_bad_rank(shards)), ValueError,
+         "the shard of micro-batch 0: chunk row 0"),
         ("make_mesh.timeout_not_initialised", lambda: ex.make_mesh(timeout=-1), ValueError,
          "needs torch.distributed initialised"),
         ("split_stages.pp_zero", lambda: ex.split_stages(make_model(), 0), ValueError,

@@ -244,6 +244,8 @@ LENGTH_FILE_CASES = [
     _length_file_case("jsonl_true", "t.jsonl", '{"length": true}\n', "must be an integer length or a string"),
     _length_file_case("jsonl_float", "f.jsonl", '{"length": 12.5}\n', "must be an integer length or a string"),
     _length_file_case("jsonl_null", "n.jsonl", '{"length": null}\n', "must be an integer length or a string"),
+    _length_file_case("jsonl_empty_text", "e.jsonl", '{"text": "abcd"}\n{"text": ""}\n',
+                      "e.jsonl:2: field 'text' is an empty string: a document of no tokens", field="text"),
     _length_file_case("jsonl_list", "l.jsonl", '{"length": [1, 2]}\n', "must be an integer length or a string"),
     _length_file_case("jsonl_bad_json", "b.jsonl", '{"length": 3}\n{oops\n', "b.jsonl:2: not valid JSON"),
     _length_file_case("jsonl_array_line", "a.jsonl", "[1, 2]\n", "expected a JSON object"),
@@ -452,12 +454,26 @@ def _shard(lengths=(30, 20, 10), cp=2, strategy="per_doc", **kw):
     return wlb.solve_shard(list(lengths) if isinstance(lengths, tuple) else lengths, cp, strategy, COST, **kw)
 
 
+def _shard_dict(edit):
+    """ShardPlan.from_dict of a per_doc plan of two documents over 2 ranks, its chunk rows
+    (rank, doc, start, length) edited by `edit`."""
+    d = wlb.solve_shard([6, 4], 2, "per_doc").to_dict()
+    edit(d["chunks"])
+    return wlb.ShardPlan.from_dict(d)
+
+
 SHARD_CASES = (
     [(f"solve_shard.lengths.{label}", (lambda v=v: _shard(v)), ValueError, frag) for label, v, frag in BAD_LENGTHS]
     + _bad_counts("cp", lambda v: _shard(cp=v))
     + _bad_counts("workers", lambda v: _shard(strategy="cpsat", workers=v))
     + _bad_seconds("time_limit", lambda v: _shard(strategy="cpsat", time_limit=v))
-    + [("solve_shard.strategy", lambda: _shard(strategy="zigzag"), ValueError, "strategy must be one of"),
+    + [("ShardPlan.from_dict.rank", lambda: _shard_dict(lambda c: c[-1].__setitem__(0, 2)), ValueError,
+        "chunk row 5 [2, 1, 1, 2] (rank, doc, start, length) needs rank in [0, 2)"),
+       ("ShardPlan.from_dict.dropped_row", lambda: _shard_dict(lambda c: c.pop()), ValueError,
+        "the chunks of document 1 do not tile its 4 tokens exactly"),
+       ("ShardPlan.from_dict.overlap", lambda: _shard_dict(lambda c: c[0].__setitem__(3, 3)), ValueError,
+        "the chunks of document 0 do not tile its 6 tokens exactly"),
+       ("solve_shard.strategy", lambda: _shard(strategy="zigzag"), ValueError, "strategy must be one of"),
        ("solve_shard.cost", lambda: wlb.solve_shard([5], 2, "per_doc", "7b"), ValueError,
         "cost must be a wlb_opt.CostModel"),
        ("solve_shard.cp_mismatch", lambda: wlb.solve_shard([5], 4, "per_doc", LAID_OUT), ValueError, "cp=4 disagrees"),

@@ -61,6 +61,20 @@ def test_pack_micro_batch_with_a_loss_mask_and_offsets():
         batch.pack_micro_batch(plan, 0, lambda i: doc_tokens(i).float())
 
 
+@pytest.mark.parametrize("kind", ["tensor", "list", "tuple", "numpy", "pair of lists", "pair with no mask"])
+def test_a_document_comes_as_any_sequence_of_ids_or_a_pair_with_its_mask(kind):
+    """Every form `data(id)` may return gives the same micro-batch (a 2-token list is the ids,
+    never (ids, mask))."""
+    plan = wlb.solve_pack([3, 2], 1, 8, method="wlb")
+    docs = {0: [10, 11, 12], 1: [20, 21]}
+    form = {"tensor": lambda d: torch.tensor(d), "list": list, "tuple": tuple, "numpy": np.array,
+            "pair of lists": lambda d: (d, [True] * len(d)), "pair with no mask": lambda d: (torch.tensor(d), None)}
+    tokens, labels = batch.pack_micro_batch(plan, 0, lambda i: form[kind](docs[i]))
+    order = [int(plan.doc_ids[i]) for i in plan.micro_batches[0]]
+    assert tokens.tolist() == [t for i in order for t in docs[i]]
+    assert labels.tolist() == [t for i in order for t in docs[i][1:] + [-100]]
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=6), st.integers(1, 4),
        st.sampled_from(["per_seq", "per_doc", "hybrid"]), st.integers(0, 2**16))

@@ -40,6 +40,23 @@ def test_global_batches_cut_one_stream_into_consecutive_batches():
     assert all(np.array_equal(a, b) for a, b in zip(again, batches[0]))
 
 
+def test_global_batches_of_given_lengths_take_any_sequence_and_refuse_bad_sizes():
+    as_list = workloads.global_batches("default", 8, 10, 2, lengths=[5, 7, 3, 9])
+    as_array = workloads.global_batches("default", 8, 10, 2, lengths=np.array([5, 7, 3, 9]))
+    assert [[a.tolist() for a in b] for b in as_list] == [[a.tolist() for a in b] for b in as_array]
+    # documents start at 0, 5, 12, 15 (cut to 8 tokens): two in each batch of 10 tokens
+    assert [b[1].tolist() for b in as_list] == [[0, 1], [2, 3, 3]]
+    empty = workloads.global_batches("default", 8, 10, 2, lengths=np.zeros(0, np.int64))
+    assert [len(b[0]) for b in empty] == [0, 0]
+    assert len(workloads.document_stream(0)) == 0
+    with pytest.raises(ValueError, match="tokens_per_batch must be an integer >= 1, got 0"):
+        workloads.global_batches("default", 8, 0, 2, lengths=[5, 7])
+    with pytest.raises(ValueError, match="n_tokens must be an integer >= 0, got -1"):
+        workloads.document_stream(-1)
+    with pytest.raises(ValueError, match="lengths"):
+        workloads.global_batches("default", 8, 10, 2, lengths=[5, 0])
+
+
 def test_distributions_and_errors():
     assert set(workloads.DISTRIBUTIONS) == {"default", "light", "heavy", "real", "code", "prose"}
     assert workloads.sample_documents(100, "light", seed=1).min() >= 1

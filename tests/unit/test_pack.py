@@ -59,6 +59,25 @@ def test_checker_catches_a_dropped_and_a_duplicated_document():
         wlb.check_pack(plan, [5, 3, 2], 4)
 
 
+def test_checker_lets_original_cut_pieces_but_never_join_them():
+    from wlb_opt.plan import PackPlan, SolveInfo
+
+    pieces, ids, offsets = wlb.split_documents([10], 5)  # (0, [0, 5)), (0, [5, 10))
+
+    def plan_of(starts, ends):
+        n = len(starts)
+        return PackPlan(doc_ids=np.zeros(n, np.int64), lengths=np.array(ends) - np.array(starts),
+                        offsets=np.array(starts), micro_batches=(np.arange(n),), replica_of=np.zeros(1, np.int64),
+                        deferred=np.zeros(0, np.int64), loads=np.zeros(1), tokens=np.array([10]), n_micro=1,
+                        max_tokens=10, info=SolveInfo(method="original"))
+
+    wlb.check_pack(plan_of([0, 3, 5], [3, 5, 10]), pieces, 10, ids=ids, offsets=offsets)  # a cut: allowed
+    with pytest.raises(PlanError, match=r"the plan's piece \[0, 10\) joins pieces of the input"):
+        wlb.check_pack(plan_of([0], [10]), pieces, 10, ids=ids, offsets=offsets)
+    with pytest.raises(PlanError, match=r"the plan's piece \[3, 7\) joins"):
+        wlb.check_pack(plan_of([0, 3, 7], [3, 7, 10]), pieces, 10, ids=ids, offsets=offsets)
+
+
 def test_algorithm1_minimum_workload_first():
     # weights == lengths: 10 -> mb0, 6 -> mb1, 5 -> mb1 (load 6 < 10)
     plan = wlb.solve_pack([5, 10, 6], 2, 100, unit_cost(attn=0.0, linear=1.0), "wlb")
@@ -284,6 +303,8 @@ def test_load_lengths(tmp_path):
     assert wlb.load_lengths(tmp_path / "b.txt").tolist() == [3, 4]
     assert wlb.load_lengths(tmp_path / "c.jsonl", field="n").tolist() == [3, 4]
     assert wlb.load_lengths(tmp_path / "d.jsonl", field="text").tolist() == [2]
+    (tmp_path / "bom.txt").write_bytes("\ufeff3\n4\n".encode())  # a byte-order mark, as some editors write
+    assert wlb.load_lengths(tmp_path / "bom.txt").tolist() == [3, 4]
     with pytest.raises(ValueError, match="field"):
         wlb.load_lengths(tmp_path / "c.jsonl")
     (tmp_path / "e.txt").write_text("3\n0\n")

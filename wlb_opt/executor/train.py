@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from .. import batch as _batch
 from ..batch import RankInputs, rank_inputs
+from ..plan import chunk_table_problem
 from .cp_attention import context_parallel_attention, prefetch_kv
 from .mesh import SELF_GROUP, Mesh, channel_groups
 from .fsdp import is_fsdp
@@ -187,6 +188,9 @@ def check_shards(plan, shards: list, mbs, cp: int, where: str = "") -> None:
                              f"{shards[j].lengths.tolist()}, offsets {shards[j].offsets.tolist()}) than the plan's "
                              f"(lengths {plan.lengths[mb].tolist()}, offsets {plan.offsets[mb].tolist()}); build it "
                              "with solve_shard(plan.lengths[mb], ..., offsets=plan.offsets[mb])")
+        problem = chunk_table_problem(shards[j].lengths, cp, shards[j].chunks, tiling=False)  # the cheap part
+        if problem is not None:
+            raise ValueError(f"{where}the shard of micro-batch {j}: {problem}")
 
 
 def global_target_count(local_count: int, mesh: Mesh | None, device: torch.device, waiting=None) -> float:
