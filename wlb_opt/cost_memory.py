@@ -37,7 +37,7 @@ from typing import Literal
 
 import numpy as np
 
-from ._validate import check_positive_real
+from ._validate import check_positive_real, validate_lengths
 from .specs import HardwareSpec, ModelSpec, ParallelSpec
 
 Dtype = Literal["bf16", "fp16", "fp32"]
@@ -116,10 +116,14 @@ class MemoryModel:
         output (2 q_dim), k and v (2 kv_dim), the SwiGLU's w1 and w3 outputs, silu(w1) and
         their product (4 ffn), plus fp32 norm statistics and log-sum-exp. The attention
         (`context_parallel_attention`) saves no score matrix: on a GPU it re-gathers K/V in
-        backward; on CPU it keeps the gathered K/V (2 kv_dim more), and torch's fused CPU
+        backward (`breakdown` adds the gathered K/V and the whole dK/dV to the backward's
+        working memory under CP); on CPU it keeps the gathered K/V (2 kv_dim more per local
+        token here, `breakdown` adds the other ranks' share under CP), and torch's fused CPU
         attention keeps only its output and log-sum-exp, as the flash kernel does (no
-        quadratic term). Calibrate on a device (`wlb-opt profile`) to replace the count by
-        measurements.
+        quadratic term). With `fsdp`, parameters and optimizer state are sharded over dp x cp
+        (as `apply_fsdp` shards) and the gradients are counted whole (they accumulate
+        unsharded until a chunk's last micro-batch). Calibrate on a device (`wlb-opt
+        profile`) to replace the count by measurements.
         """
         parallel = parallel or ParallelSpec()
         hardware = hardware or HardwareSpec.preset("h100")
@@ -161,8 +165,10 @@ class MemoryModel:
         b = DTYPE_BYTES[self.dtype]
         master = 4 if b < 4 and self.optimizer != "none" else 0
         moments = 8 if self.optimizer in ("adam", "adamw") else 0
-        shard = par.dp if self.fsdp else 1
-        out = dict(params=params * b / shard, grads=params * b / shard, optimizer=params * (master + moments) / shard)
+        # FSDP2 shards over dp x cp (`executor.fsdp.fsdp_mesh`); the executor turns its gradient
+        # sync off until a chunk's last micro-batch, so the gradients accumulate unsharded
+        shard = par.dp * par.cp if self.fsdp else 1
+        out = dict(params=params * b / shard, grads=params * b, optimizer=params * (master + moments) / shard)
         if self.fsdp:  # gathered working copies: two blocks (running + prefetched) and the root
             out["fsdp_gathered"] = (block * min(2, layers_here) + root) * b
         return {k: int(round(v)) for k, v in out.items()}
@@ -192,20 +198,26 @@ class MemoryModel:
 
     def breakdown(self, lengths, stage: int = 0) -> dict[str, int]:
         """Bytes of each part of the peak on `stage` for micro-batches like `lengths`."""
-        d = np.asarray(lengths, dtype=np.float64).ravel()
-        if d.size == 0 or np.any(d < 1):
+        if np.size(lengths) == 0:
             raise ValueError("lengths must be a non-empty list of document lengths >= 1")
+        d = validate_lengths(lengths).astype(np.float64)  # integers >= 1: NaN and 2.5 are refused by name
         m, par = self.model, self.parallel
         b = DTYPE_BYTES[self.dtype]
         tokens = d.sum() / par.cp
         squares = float((d * d).sum()) / par.cp
         full_layer = self.stored_per_token * tokens + self.stored_per_square * squares
-        if par.cp > 1:  # the all-gathered K and V of the whole micro-batch, kept for backward
-            full_layer += 2 * m.kv_dim / par.tp * b * d.sum()
+        gathered = 2 * m.kv_dim / par.tp * b * d.sum()  # K and V of the whole micro-batch
+        if par.cp > 1 and self.attention == "torch":
+            # kept for backward: the coefficients count a copy of this rank's share (what one
+            # rank keeps), the gathered copy holds every rank's
+            full_layer += gathered * (1 - 1 / par.cp)
         per_layer = self.recompute_per_token * tokens if self.recompute else full_layer
         head = (2 * b * m.hidden / par.tp + 4) * tokens  # final norm input and output
         activations = max(layers * per_layer + heads * head for layers, heads in self._in_flight(stage))
         transient = self.transient_per_token * tokens + self.transient_per_square * squares
+        if par.cp > 1 and self.attention != "torch":
+            # the fused kernel's backward gathers K and V again and makes the whole dK and dV
+            transient += 2 * gathered
         if self.recompute:
             transient += full_layer
         if stage == par.pp - 1:
@@ -262,7 +274,16 @@ class MemoryModel:
         missing = [k for k in ("model", "parallel", *MEMORY_TERMS) if k not in d]
         if missing:
             raise ValueError(f"memory_model is missing {missing}")
-        d = dict(d, model=ModelSpec(**d["model"]), parallel=ParallelSpec(**d["parallel"]))
+        parts = {}
+        for name, spec in (("model", ModelSpec), ("parallel", ParallelSpec)):
+            if not isinstance(d[name], dict):
+                raise ValueError(f"memory_model.{name} must be a dict of {spec.__name__} fields, got "
+                                 f"{type(d[name]).__name__}")
+            try:
+                parts[name] = spec(**d[name])
+            except TypeError as exc:
+                raise ValueError(f"memory_model.{name}: {exc}") from None
+        d = dict(d, **parts)
         try:
             return cls(**d)
         except TypeError as exc:

@@ -292,6 +292,9 @@ def profile_block(model: ModelSpec, window: int = 512, n_samples: int = 16, devi
     """
     torch = require("torch", "profiling")
     dev = profile_device(device)
+    if kv_len is not None and max(q_lens) > kv_len:  # before anything is measured
+        raise ValueError(f"kv_len={kv_len} must be >= the longest q_len ({max(q_lens)}): a query attends to keys "
+                         "up to its own position; pass shorter q_lens or a longer kv_len")
     dt = getattr(torch, _TORCH_DTYPES[dtype_name(dtype)]) if dtype else (
         torch.bfloat16 if dev.type == "cuda" else torch.float32)
     n_holdout = max(3, n_samples // 3) if n_holdout is None else n_holdout
@@ -526,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--q-lens", default=None, help="comma list of query lengths of the attention-latency table "
                    "(default 16,64,...,1024, capped at --window)")
     p.add_argument("--kv-len", type=count, default=None, help="key range of the attention-latency table "
-                   "(default twice the longest query)")
+                   "(default twice the longest query; the default queries are then those up to it)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory calibration")
     p.add_argument("--comm", action="store_true", help="also profile send/recv and all-reduce between 2 gloo "
                    "ranks on this machine (saved in meta['comm'])")
@@ -557,12 +560,17 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--q-lens must be increasing positive integers, got {args.q_lens!r}")
     if samples < 4:
         p.error(f"--samples must be >= 4 (one per fitted term), got {samples}")
+    if args.kv_len is not None and q_lens is not None and max(q_lens) > args.kv_len:
+        p.error(f"--kv-len {args.kv_len} must be >= the longest --q-lens ({max(q_lens)})")
+    if q_lens is None:
+        q_lens = (16, 64, 128, 256, 512) if args.quick and not on_gpu else (16, 64, 128, 256, 512, 1024)
+        if args.kv_len is not None:  # the default queries that fit the key range
+            q_lens = tuple(q for q in q_lens if q <= args.kv_len) or (args.kv_len,)
     t0 = time.perf_counter()
     cost = profile_block(spec, window=args.window or (16384 if on_gpu else 512), n_samples=samples,
                          n_holdout=args.holdout, device=args.device, dtype=dtype,
                          repeats=args.repeats or (3 if args.quick else 5), warmup=args.warmup, seed=args.seed,
-                         q_lens=q_lens or ((16, 64, 128, 256, 512) if args.quick and not on_gpu
-                                           else (16, 64, 128, 256, 512, 1024)),
+                         q_lens=q_lens,
                          kv_len=args.kv_len, memory=not args.no_memory,
                          budget_s=QUICK_BUDGET_S if args.quick else None)
     if args.comm:

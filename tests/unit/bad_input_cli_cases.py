@@ -81,6 +81,8 @@ CLI_CASES = [
     ("profile.samples", ["profile", "--samples", "-4"], "--samples: expected an integer >= 1"),
     ("profile.repeats", ["profile", "--repeats", "x"], "--repeats: expected an integer"),
     ("profile.unknown_flag", ["profile", "--gpu"], "unrecognized arguments: --gpu"),
+    ("profile.kv_len_short", ["profile", "--q-lens", "16,64", "--kv-len", "32"],
+     "--kv-len 32 must be >= the longest --q-lens (64)"),
     ("demo.steps", ["demo", "--steps", "0"], "--steps: expected an integer >= 1"),
     ("demo.seed", ["demo", "--seed", "-1"], "--seed: expected an integer >= 0"),
 ]

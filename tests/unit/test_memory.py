@@ -85,6 +85,31 @@ def test_static_part_follows_the_zero_count():
     sharded = MemoryModel.analytic(M7B, wlb.ParallelSpec(dp=8), H100, fsdp=True).static_breakdown(0)
     assert sharded["optimizer"] == pytest.approx(static["optimizer"] / 8, rel=1e-6)
     assert 0 < sharded["fsdp_gathered"] < static["params"] / 4
+    # FSDP2 shards over dp x cp (apply_fsdp's mesh); gradients accumulate unsharded over the
+    # micro-batches (sync off until a chunk's last one), so they are counted whole
+    both = MemoryModel.analytic(M7B, wlb.ParallelSpec(dp=2, cp=4), H100, fsdp=True).static_breakdown(0)
+    assert both["optimizer"] == pytest.approx(static["optimizer"] / 8, rel=1e-6)
+    assert both["params"] == pytest.approx(static["params"] / 8, rel=1e-6)
+    assert both["grads"] == pytest.approx(static["grads"], rel=1e-6)
+
+
+def test_context_parallel_attention_memory_follows_what_each_path_keeps():
+    """torch path: each rank keeps the gathered K and V of the whole micro-batch for backward;
+    flash path: nothing gathered is kept, the backward gathers K and V again and makes the
+    whole dK and dV (working memory)."""
+    T, b, kv = 32768, 2, M7B.kv_dim
+    for attention in ("flash", "torch"):
+        one = MemoryModel.analytic(M7B, wlb.ParallelSpec(cp=1), H100, attention=attention, loss_chunk=16)
+        two = MemoryModel.analytic(M7B, wlb.ParallelSpec(cp=2), H100, attention=attention, loss_chunk=16)
+        a1, a2 = one.breakdown([T]), two.breakdown([T])
+        per_layer_1, per_layer_2 = a1["activations"] / M7B.layers, a2["activations"] / M7B.layers
+        if attention == "torch":
+            # half the tokens per rank, plus the other rank's half of K and V (2 kv_dim x T/2)
+            assert per_layer_2 == pytest.approx(per_layer_1 / 2 + 2 * kv * b * T / 2, rel=1e-6)
+            assert a2["transient"] == pytest.approx(a1["transient"] / 2, rel=1e-6)
+        else:
+            assert per_layer_2 == pytest.approx(per_layer_1 / 2, rel=1e-6)
+            assert a2["transient"] == pytest.approx(a1["transient"] / 2 + 4 * kv * b * T, rel=1e-6)
 
 
 def test_cost_memory_and_solve_pack_auto():
