@@ -206,7 +206,8 @@ SECTIONS = (
     Section("stream_speed_gpu_host", "Streaming planner speed on a GPU machine's CPU",
             "The long-stream measure on the host CPU of the H200 machine that ran the GPU check (16 Xeon cores, "
             "otherwise idle; 8 streams timed at once, each in its own process and CPU time), without CP sharding: "
-            "planning runs on such a host in training. " + _ON_THE_DEVICE,
+            "planning runs on such a host in training. Run by hand on that machine: the command's output folder "
+            "was one there, whose JSON is this section's folder.",
             (_STREAM_SPEED_TABLES[0],)),
     Section("pack_instructions", "Instructions per planning step",
             "What the streaming planner's `pack` executes, counted by valgrind (callgrind) inside the `pack` calls "

@@ -30,17 +30,18 @@ def machine() -> dict:
 
 def code() -> dict:
     """The package's version and, when it runs from a git checkout, the commit (short hash, and
-    "dirty" when tracked files differ from it; None elsewhere, e.g. an installed wheel or a
-    copy without its .git)."""
+    "dirty" when tracked files differ from it); elsewhere (an installed wheel, a copy without
+    its .git) the WLB_OPT_COMMIT environment variable's value, else None (scripts/gpu_check.sh
+    on a device machine, whose copy of the tree has no .git, is told the commit that way)."""
     from . import __version__
 
     root = Path(__file__).resolve().parent.parent
-    commit = None
+    commit = os.environ.get("WLB_OPT_COMMIT") or None
     try:
         run = dict(cwd=root, capture_output=True, text=True, timeout=10, check=True)
         top = subprocess.run(["git", "rev-parse", "--show-toplevel"], **run).stdout.strip()
         if not top or Path(top).resolve() != root:  # a copy inside another repository's work tree
-            return dict(version=__version__, commit=None)
+            return dict(version=__version__, commit=commit)
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], **run).stdout.strip()
         changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **run).stdout.strip()
         commit = head + (" dirty" if changed else "") if head else None

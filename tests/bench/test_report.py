@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -103,9 +104,14 @@ def test_a_copy_inside_another_repository_records_no_commit(tmp_path):
                    **run)
     site = tmp_path / "venv" / "site"
     shutil.copytree(ROOT / "wlb_opt", site / "wlb_opt", ignore=shutil.ignore_patterns("__pycache__", "*.npy"))
-    out = subprocess.run([sys.executable, "-c", "import wlb_opt._provenance as p; print(p.code()['commit'])"],
-                         cwd=site, check=True, capture_output=True, text=True).stdout.strip()
+    code = [sys.executable, "-c", "import wlb_opt._provenance as p; print(p.code()['commit'])"]
+    env = {k: v for k, v in os.environ.items() if k != "WLB_OPT_COMMIT"}
+    out = subprocess.run(code, cwd=site, check=True, capture_output=True, text=True, env=env).stdout.strip()
     assert out == "None"  # not the enclosing repository's commit
+    # told by the environment (a device machine's copy of the tree has no .git)
+    out = subprocess.run(code, cwd=site, check=True, capture_output=True, text=True,
+                         env=dict(env, WLB_OPT_COMMIT="0123abcd")).stdout.strip()
+    assert out == "0123abcd"
 
 
 def test_a_missing_results_folder_is_a_usage_error(tmp_path, capsys):
