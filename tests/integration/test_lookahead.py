@@ -384,3 +384,41 @@ def test_calibrate_is_refused_once_the_buffer_holds_pieces():
     assert packer.queued_ids().tolist() == queued and packer.buffered_ids().tolist() == buffered
     plans = [p for b in batches[1:] if (p := packer.pack(*b)) is not None] + packer.drain()
     check_stream(plans, batches, 2, packer.max_delay, packer.stats())
+
+
+def test_auto_thresholds_calibrate_on_the_first_non_empty_batch_with_lookahead():
+    batches = stream(np.random.default_rng(4), 12)
+    packer = WLBPacker(2, 2 * CAP, COST, config=PackerConfig(thresholds="auto", lookahead=2))
+    assert packer.pack([]) is None  # an empty batch buffered ahead holds no piece
+    plans = [p for b in batches if (p := packer.pack(*b)) is not None] + packer.drain()
+    assert packer.thresholds is not None and packer.calibration is not None
+    tokens = sum(int(b[0].sum()) for b in batches)
+    assert sum(int(p.lengths[np.concatenate(p.micro_batches)].sum()) for p in plans) == tokens
+
+
+def test_calibration_with_lookahead_holds_candidates_to_their_displacement():
+    """Pieces trained early count as far from their arrival as late ones: each candidate's
+    recorded delay per token is the displacement of the same run, recomputed here."""
+    from wlb_opt.packer.calibrate import bootstrap_batches
+
+    rng = np.random.default_rng(1)
+    sample = np.concatenate([rng.integers(1, 600, 40), rng.integers(1200, 4096, 30)])
+    cost = wlb.cost.default_cost()
+    config = PackerConfig(thresholds="auto", release="group", lookahead=3, max_delay=8, delay_budget=0.3,
+                          balance_tolerance=1.3)
+    packer = WLBPacker(2, 4096, cost, config=config)
+    chosen = packer.calibrate(sample, budget=None)
+    record = packer.calibration
+    batches = bootstrap_batches(sample, record["tokens_per_batch"], record["n_batches"], 0)
+    found = {}
+    for candidate in record["candidates"]:
+        rerun = WLBPacker(2, 4096, cost, config=config.replace(thresholds=candidate["thresholds"], n_queues=None))
+        plans = [p for b in batches if (p := rerun.pack(b)) is not None] + rerun.drain()
+        tokens = sum(int(p.lengths.sum()) - int(p.lengths[p.deferred].sum()) for p in plans)
+        moved = sum(int((np.abs(p.delays()) * p.lengths)[np.setdiff1d(np.arange(len(p.lengths)), p.deferred)].sum())
+                    for p in plans)
+        found[tuple(candidate["thresholds"])] = moved / tokens
+        assert candidate["delay_per_token"] == pytest.approx(moved / tokens, rel=1e-9)
+    fits = [t for t, d in found.items() if d <= 0.3]
+    if not fits:  # none within the budget: the least displacement
+        assert found[tuple(chosen)] == min(found.values())

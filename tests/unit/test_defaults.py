@@ -244,7 +244,7 @@ def _every_candidate(packer, sample, n_batches):
         late = trial.drain()[:sum(plan is None for plan in plans)]
         results.append(dict(thresholds=list(thresholds), imbalance=float(np.mean(
             [p.imbalance for p in plans if p is not None] + [p.imbalance for p in late])),
-            delay_per_token=trial.stats()["delay_per_token"]))
+            delay_per_token=trial.stats()["displacement_per_token"]))  # |delay|: early pieces count too
     return _choose(results, packer.delay_budget)["thresholds"], results
 
 

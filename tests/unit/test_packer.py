@@ -638,3 +638,34 @@ def test_pieces_from_a_table_are_the_pieces_it_was_made_from_and_the_collector_i
             assert gc.isenabled() == enabled
     finally:
         gc.enable() if was else gc.disable()
+
+
+def test_config_stores_numpy_integers_as_python_ints_and_legacy_takes_explicit_thresholds():
+    config = wlb.PackerConfig(max_delay=np.int64(4), lookahead=np.int32(1), thresholds="auto", n_queues=np.int64(2))
+    assert all(type(v) is int for v in (config.max_delay, config.lookahead, config.n_queues))
+    packer = wlb.WLBPacker(2, 4096, unit_cost(), config=config)
+    json.dumps(packer.state_dict())  # a JSON checkpoint
+    assert wlb.PackerConfig.legacy().n_queues == 2
+    assert wlb.PackerConfig.legacy(thresholds=[1000, 3000]).thresholds == (1000, 3000)
+    assert wlb.PackerConfig.legacy(thresholds=None).thresholds is None
+
+
+def test_calibration_without_a_bound_or_an_outlier_in_the_sample():
+    import logging
+
+    logging.getLogger("wlb_opt").setLevel(logging.ERROR)
+    rng = np.random.default_rng(0)
+    sample = np.concatenate([rng.integers(1, 600, 60), rng.integers(1200, 4096, 12)])
+    bounded = wlb.WLBPacker(2, 4096, wlb.cost.default_cost(), config=wlb.PackerConfig(thresholds="auto"))
+    unbounded = wlb.WLBPacker(2, 4096, wlb.cost.default_cost(), config=wlb.PackerConfig(thresholds="auto"))
+    # budget=None runs every candidate to the end (a candidate that overloads is no choice)
+    assert unbounded.calibrate(sample, budget=None) == bounded.calibrate(sample, budget=float("inf"))
+    # a tiny budget: candidates that planned no step are never chosen
+    tiny = wlb.WLBPacker(2, 4096, wlb.cost.default_cost(), config=wlb.PackerConfig(thresholds="auto"))
+    tiny.calibrate(sample, budget=1.0)
+    chosen = [c for c in tiny.calibration["candidates"] if c["thresholds"] == tiny.thresholds]
+    assert chosen and chosen[0]["batches"] >= 1
+    # global batches so large that no length is an outlier: no queues, and the packer runs
+    none = wlb.WLBPacker(2, 4096, wlb.cost.default_cost(), config=wlb.PackerConfig(thresholds="auto"))
+    assert none.calibrate([100, 200, 3000, 50, 4000], tokens_per_batch=20 * none.capacity_tokens) == []
+    assert none.n_queues == 0 and none.pack([100, 200, 300]).tokens.sum() == 600

@@ -16,7 +16,7 @@ What the paper leaves open is settled in the module that owns each rule:
   the identity of a piece (id, offset), `plan.step` and `plan.arrival_step`.
 - release.py: when held outliers leave: the paper's rule, `max_delay`, and the policies
   beyond the paper, `release="balance"`, `release="group"` and `release="marginal"`.
-- defaults.py: the no-tuning defaults ("marginal", "group" with lookahead) and the feedback
+- defaults.py: the no-tuning defaults (release "marginal", with or without lookahead) and the feedback
   rule of balance_tolerance="auto"; docs/tuning.md says how they were chosen.
 - calibrate.py: `calibrate(sample)` and `thresholds="auto"`: thresholds chosen by running
   the packer on a bootstrap stream (the paper chose them by hand).

@@ -11,9 +11,12 @@ of the candidates:
 - from the data: quantiles (CALIBRATION_QUANTILES) of the sample's outlier lengths, so that
   levels split the outliers actually seen.
 
-The choice minimises mean imbalance among the candidates whose delay per token is within
-the packer's `delay_budget` (ties within 0.002: less delay), else the least delay.
-`thresholds="auto"` calibrates on the first global batch.
+The choice minimises mean imbalance among the candidates whose displacement per token (the
+record's `delay_per_token`: mean |training step - arrival step|, token-weighted; without
+lookahead the mean delay) is within the packer's `delay_budget` (ties within 0.002: less
+displacement), else the least displacement. `thresholds="auto"` calibrates on the first
+non-empty global batch. The bootstrap draws from the sample by position with the packer's
+seed, so the same lengths in another order can give other thresholds.
 
 Work. Two candidate sets that put every length of the bootstrap stream in the same queue
 plan the same stream, so each such class is run once (`_signature`; with release="group"
@@ -25,7 +28,8 @@ running every candidate. Otherwise the classes race: they advance together, and 
 checkpoints (after 1, 2, 4, ... planned steps) the worse half is dropped, ranked by the same
 rule on the steps planned so far (`_Trial.estimate`), until the survivors' runs fit; if the
 budget runs out first, the choice is made among the survivors on what they planned (each
-candidate's `batches` in the record says how far it ran).
+candidate's `batches` in the record says how far it ran; one that planned no step is not a
+choice).
 """
 from __future__ import annotations
 
@@ -204,8 +208,10 @@ class _Trial:
         # with lookahead=K the last K batches' steps are planned by the drain
         late = drained[:sum(plan is None for plan in self.plans)]
         imbalances = [plan.imbalance for plan in self.plans if plan is not None] + [plan.imbalance for plan in late]
+        # the budget bounds displacement: with lookahead a piece trained early counts as far as
+        # a late one (without it, displacement is the mean delay)
         self.result = dict(imbalance=float(np.mean(imbalances)),
-                           delay_per_token=self.packer.stats()["delay_per_token"], batches=len(self.plans))
+                           delay_per_token=self.packer.stats()["displacement_per_token"], batches=len(self.plans))
         return self.result
 
     def estimate(self) -> dict:
@@ -219,7 +225,7 @@ class _Trial:
                 continue
             placed = np.ones(len(plan.lengths), dtype=bool)
             placed[plan.deferred] = False
-            delay_tokens += int((plan.delays()[placed] * plan.lengths[placed]).sum())
+            delay_tokens += int((np.abs(plan.delays()[placed]) * plan.lengths[placed]).sum())
             tokens += int(plan.lengths[placed].sum())
         now = self.packer.step
         for piece in self.packer.held_pieces():
@@ -227,7 +233,10 @@ class _Trial:
                 delay_tokens += (now - piece.arrival) * piece.length
                 tokens += piece.length
         imbalances = [plan.imbalance for plan in self.plans if plan is not None]
-        self.result = dict(imbalance=float(np.mean(imbalances)) if imbalances else 1.0,
+        if not imbalances:  # nothing planned yet: nothing known, never a choice over a run that planned
+            self.result = dict(imbalance=math.inf, delay_per_token=math.inf, batches=len(self.plans))
+            return self.result
+        self.result = dict(imbalance=float(np.mean(imbalances)),
                            delay_per_token=delay_tokens / tokens if tokens else 0.0, batches=len(self.plans))
         return self.result
 
@@ -240,9 +249,7 @@ def _race(trials: list[_Trial], batches, budget: float | None, meter: _Meter, de
     estimate it was dropped on, for the record."""
     n_batches = len(batches)
     alive = list(trials)
-    if budget is None:
-        for trial in alive:
-            trial.advance(batches, n_batches)
+    budget = math.inf if budget is None else budget  # every run to the end
     k = 0
     while alive and min(len(trial.plans) for trial in alive) < n_batches:
         # checkpoints after 1, 2, 4, ... planned steps (the first K batches plan none)
@@ -287,8 +294,8 @@ def calibrate_thresholds(packer: WLBPacker, sample_lengths, tokens_per_batch: in
     thresholds, within `budget` units of work (solver calls; None: no bound; see the module
     docstring); returns the calibration record (chosen `thresholds`, every candidate's
     imbalance, delay per token and the bootstrap batches it was run on, the stream's size,
-    the work done, seconds), or None if the packer has no queues (nothing to choose). The
-    packer is not changed."""
+    the work done, seconds), or None if the packer has no queues or no length of the sample
+    is a candidate (nothing to choose: no queues). The packer is not changed."""
     sample = validate_lengths(sample_lengths, "sample_lengths")
     if not len(sample):
         raise ValueError("sample_lengths is empty; calibration needs at least one document")
@@ -306,6 +313,8 @@ def calibrate_thresholds(packer: WLBPacker, sample_lengths, tokens_per_batch: in
     t0 = time.perf_counter()
     batches = bootstrap_batches(sample, tokens_per_batch, n_batches, packer.seed)
     grid = packer.candidate_thresholds(sample, tokens_per_batch)
+    if not grid:  # no length of the sample is an outlier at this batch size: nothing to queue
+        return None
     lengths = np.unique(np.concatenate(batches))
     candidates = [list(thresholds) for thresholds in combinations(grid, min(packer.n_queues, len(grid)))]
     meter = _Meter()
@@ -319,14 +328,15 @@ def calibrate_thresholds(packer: WLBPacker, sample_lengths, tokens_per_batch: in
     results, chosen_from = [], []
     for thresholds in candidates:
         trial = classes[_signature(thresholds, lengths, packer.release)]
-        if trial.failed or trial.result is None:
-            continue  # overload under this candidate: not a choice
+        if trial.failed or trial.result is None or not math.isfinite(trial.result["imbalance"]):
+            continue  # overload under this candidate, or no step planned within the budget: not a choice
         results.append(dict(thresholds=thresholds, **trial.result))
         if id(trial) in survivors:
             chosen_from.append(results[-1])
     if not results:
-        raise ValueError("calibration failed: every candidate overloaded the packer on the sample; "
-                         "use a larger max_tokens or fewer tokens per global batch")
+        raise ValueError("calibration failed: every candidate overloaded the packer on the sample (or planned no "
+                         "step within the budget); use a larger max_tokens, fewer tokens per global batch or a "
+                         "larger budget")
     chosen = [int(x) for x in _choose(chosen_from or results, packer.delay_budget)["thresholds"]]
     return dict(thresholds=chosen, candidates=results, sample_pieces=int(len(sample)),
                 tokens_per_batch=tokens_per_batch, n_batches=n_batches, delay_budget=packer.delay_budget,

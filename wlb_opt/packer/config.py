@@ -75,16 +75,18 @@ class PackerConfig:
     def __post_init__(self):
         object.__setattr__(self, "thresholds", _check_thresholds(self.thresholds))
         _check_n_queues(self.thresholds, self.n_queues)
+        if self.n_queues is not None:  # numpy integers as Python ints: a state_dict is JSON
+            object.__setattr__(self, "n_queues", int(self.n_queues))
         if self.release is not None:
             check_choice("release", self.release, RELEASE_POLICIES)
         if self.max_delay is not None:
-            check_int("max_delay", self.max_delay, 1)
+            object.__setattr__(self, "max_delay", check_int("max_delay", self.max_delay, 1))
         object.__setattr__(self, "balance_tolerance", _check_tolerance(self.balance_tolerance))
         if not (_is_number(self.delay_budget) and self.delay_budget >= 0):
             raise ValueError(f"delay_budget must be a finite number of steps >= 0, got {self.delay_budget!r}")
         object.__setattr__(self, "delay_budget", float(self.delay_budget))
         _check_method(self.method)
-        check_int("lookahead", self.lookahead, 0)
+        object.__setattr__(self, "lookahead", check_int("lookahead", self.lookahead, 0))
 
     @classmethod
     def paper(cls, thresholds: Sequence[int], **overrides) -> PackerConfig:
@@ -96,8 +98,10 @@ class PackerConfig:
     def legacy(cls, **overrides) -> PackerConfig:
         """The packer's earlier defaults: two calibrated queues, the paper's release with a
         deadline of 8 steps, tolerance 1.02, Algorithm 1."""
-        return cls(**{**dict(thresholds="auto", n_queues=2, max_delay=8, release="paper",
-                             balance_tolerance=1.02, delay_budget=0.5, method="wlb"), **overrides})
+        # two calibrated queues unless the caller chooses the thresholds (then their count)
+        queues = dict(n_queues=2) if overrides.get("thresholds", "auto") == "auto" else {}
+        return cls(**{**dict(thresholds="auto", max_delay=8, release="paper", balance_tolerance=1.02,
+                             delay_budget=0.5, method="wlb", **queues), **overrides})
 
     @property
     def resolved_release(self) -> str:

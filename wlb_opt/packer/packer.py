@@ -592,14 +592,15 @@ class WLBPacker:
         delay), else the least delay. Resets the stream; call before the first `pack`.
         Returns the thresholds (also recorded in `state_dict()`).
         """
-        # with lookahead a packer holds pieces from its first call on, at step 0: new queues would drop them
-        holding = bool(self._held) or len(self._ahead) > 0
+        # with lookahead a packer holds pieces from its first call on, at step 0: new queues would
+        # drop them (empty batches buffered ahead hold none)
+        holding = bool(self._held) or any(table.shape[1] for table in self._ahead.tables())
         if holding or (self._step and (self._stats.totals["pieces"] or self.thresholds is not None)):
             raise ValueError(f"calibrate must be called before the first step; this packer is at step {self._step}"
                              + (" and holds pieces (queued, carried or buffered ahead)" if holding else ""))
         record = calibrate_thresholds(self, sample_lengths, tokens_per_batch, n_batches, budget)
-        if record is None:  # no queues: nothing to choose
-            self.thresholds = []
+        if record is None:  # no queues, or no outlier in the sample: nothing to choose, no queues
+            self.thresholds, self.n_queues, self._queues = [], 0, []
             return []
         self.thresholds = record["thresholds"]
         self.n_queues = len(self.thresholds)
