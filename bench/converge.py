@@ -44,6 +44,7 @@ import numpy as np
 
 from ._converge_plans import ORDERINGS
 from ._converge_train import ConvergeConfig, load_corpus, run_job
+from ..cost_args import count
 from ._provenance import provenance
 
 QUICK = dict(window=256, n_micro=8, steps=48, layers=2, eval_every=8)
@@ -213,18 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt bench converge", description=__doc__.splitlines()[0])
     p.add_argument("--corpus", default=None, metavar="DIR",
                    help="folder of text files (default: this interpreter's standard library, *.py)")
-    p.add_argument("--steps", type=int, default=None, help="global batches, a multiple of 8 (default 128; quick 48)")
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0..K-1 (model init and data order; default 3)")
+    p.add_argument("--steps", type=count, default=None, help="global batches, a multiple of 8 (default 128; quick 48)")
+    p.add_argument("--seeds", type=count, default=3, help="seeds 0..K-1 (model init and data order; default 3)")
     p.add_argument("--quick", action="store_true", help="window 256, 2 layers, 48 steps (about 3 minutes)")
     p.add_argument("--out", required=True, help="folder for converge.json and converge.png")
     p.add_argument("--orderings", default=",".join(ORDERINGS), help=f"comma-separated subset of {','.join(ORDERINGS)} "
                    "(must include single)")
-    p.add_argument("--window", type=int, default=None, help="context length in bytes (default 512; quick 256)")
-    p.add_argument("--n-micro", type=int, default=None, help="micro-batches per step (default 8)")
-    p.add_argument("--layers", type=int, default=None, help="transformer blocks (default 4; quick 2)")
-    p.add_argument("--dim", type=int, default=None, help="model width (default 64)")
-    p.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations (default 16; quick 8)")
-    p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
+    p.add_argument("--window", type=count, default=None, help="context length in bytes (default 512; quick 256)")
+    p.add_argument("--n-micro", type=count, default=None, help="micro-batches per step (default 8)")
+    p.add_argument("--layers", type=count, default=None, help="transformer blocks (default 4; quick 2)")
+    p.add_argument("--dim", type=count, default=None, help="model width (default 64)")
+    p.add_argument("--eval-every", type=count, default=None, help="steps between held-out evaluations (default 16; quick 8)")
+    p.add_argument("--workers", type=count, default=min(2, os.cpu_count() or 1),
                    help="parallel runs, one torch thread each (default: min(2, CPUs))")
     args = p.parse_args(argv)
     orderings = [o.strip() for o in args.orderings.split(",") if o.strip()]

@@ -35,6 +35,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ..cost_args import count
+
 EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__")
 """Directory names never read: installed packages differ between machines; caches are not text."""
 
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt bench corpus", description=__doc__.splitlines()[0])
     p.add_argument("--corpus", default=None, metavar="DIR",
                    help="folder of text files (default: this interpreter's standard library, *.py)")
-    p.add_argument("--window", type=int, default=512, help="training context in tokens (default 512)")
+    p.add_argument("--window", type=count, default=512, help="training context in tokens (default 512)")
     args = p.parse_args(argv)
     try:
         corpus = read_corpus(args.corpus, args.window)

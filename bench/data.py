@@ -188,7 +188,7 @@ def calibration_report(steps: int = 300, seed: int = 0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m wlb_opt.bench.data", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m wlb_opt.bench.data", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--make-real", action="store_true", help=f"rebuild {REAL_FILE} from this machine's text files")
     p.add_argument("--steps", type=count, default=300, help="Plain-4D steps of the calibration report (default 300)")
     p.add_argument("--seed", type=natural, default=0, help="stream seed, an offset from DEFAULT_SEED (default 0)")

@@ -24,15 +24,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=natural, default=0)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    print("wlb-opt demo: simulated training steps of paper Table 1's configurations on the default document-length "
-          "distribution\n(cost model: analytic, H100; see docs/benchmarks.md, 'What the simulator models').")
+    data = f"the document lengths of {args.lengths}" if args.lengths else "the default document-length distribution"
+    print(f"wlb-opt demo: simulated training steps of paper Table 1's configurations on {data}\n(cost model: "
+          "analytic, H100; see docs/benchmarks.md, 'What the simulator models').")
     forward = ["--quick", "--out", args.out, "--seed", str(args.seed)]
     for flag, value in (("--steps", args.steps), ("--lengths", args.lengths), ("--configs", args.configs)):
         if value is not None:
             forward += [flag, str(value)]
     if args.no_progress:
         forward.append("--no-progress")
-    rc = _quiet_about_own_settings(e2e.main, forward)
+    rc = _quiet_about_own_settings(lambda argv: e2e.main(argv, prog="wlb-opt demo"), forward)
     if rc == 0:
         print(f"\nPictures: {args.out}/speedup.png (speedup per configuration) and {args.out}/gantt_*.png "
               "(one step, Plain-4D above WLB-LLM).\nFull run with the 7B-128K breakdown and the context sweep: "

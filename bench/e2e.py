@@ -462,13 +462,15 @@ def run(steps: int, dist: str = "default", seed: int = 0, lengths=None, hardware
         rows.extend(r)
         if cfg.label == "7B-128K" or gantt is None or gantt[0] != "7B-128K":
             gantt = (cfg.label, _gantt_panels(detail, cfg.dp * cfg.pp * cfg.context))
+    for _ in it:  # a tqdm bar counts an item when the next is asked for: the last one too
+        pass
     if hasattr(bar, "close"):
         bar.close()
     return rows, gantt
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="wlb-opt bench e2e", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str = "wlb-opt bench e2e") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="8 configurations x 4 methods, few steps (< 2 min)")
     p.add_argument("--steps", type=count, default=None, help="global batches per configuration (default 24 quick, 120 full)")
     p.add_argument("--lengths", metavar="FILE", help="document lengths (.npy/.txt/.jsonl) instead of the default distribution")

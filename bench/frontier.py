@@ -180,7 +180,7 @@ def parse_budgets(text: str) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="wlb-opt bench frontier", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="wlb-opt bench frontier", description=" ".join(__doc__.split("\n\n")[0].split()))
     src = p.add_mutually_exclusive_group()
     src.add_argument("--lengths", metavar="FILE", help="document lengths in stream order (.npy, .txt, .jsonl)")
     src.add_argument("--dist", default="default", choices=sorted(DISTRIBUTIONS), help="built-in distribution")

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..cost_args import count
+from ..cost_args import count, natural, seconds
 from ._provenance import provenance
 
 CONFIGS = {"cp2": (2, 1, ("--cp", "2")), "dp2": (2, 2, ("--dp", "2")), "cp2_dp2": (4, 2, ("--cp", "2", "--dp", "2"))}
@@ -118,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("results/hf_throughput"), help="folder for hf_throughput.json")
     p.add_argument("--configs", nargs="+", choices=tuple(CONFIGS), default=list(CONFIGS))
     p.add_argument("--steps", type=count, default=4, help="steps per run, the warm-up included (default 4)")
-    p.add_argument("--warmup", type=int, default=1, help="first steps of every run left out (default 1)")
+    p.add_argument("--warmup", type=natural, default=1, help="first steps of every run left out (default 1)")
     p.add_argument("--rounds", type=count, default=2, help="runs of every command, in rotating order (default 2)")
     p.add_argument("--window", type=count, default=256, help="the example's --window (default 256)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it is stopped")
+    p.add_argument("--timeout", type=seconds, default=600.0, help="seconds per run before it is stopped (default 600)")
     args = p.parse_args(argv)
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup must be in [0, --steps), got {args.warmup} with --steps {args.steps}")
@@ -129,7 +129,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{EXAMPLE} is not there: this benchmark runs from a source checkout of the repository")
     common = ["--steps", str(args.steps), "--window", str(args.window)]
     load_start = os.getloadavg()
-    rows = measure(args.configs, common, args.rounds, args.warmup, args.timeout)
+    try:
+        rows = measure(args.configs, common, args.rounds, args.warmup, args.timeout)
+    except subprocess.TimeoutExpired as exc:
+        print(f"wlb-opt bench hf-throughput: error: {shlex.join(exc.cmd)} ran past --timeout {args.timeout:g} s",
+              file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # a run that failed, named with its output
+        print(f"wlb-opt bench hf-throughput: error: {exc}", file=sys.stderr)
+        return 1
     load_end = os.getloadavg()
     result = dict(provenance=provenance("hf_throughput", argv), threads_per_process=1, rounds=args.rounds,
                   warmup=args.warmup, load_average_start_end=[*load_start, *load_end], rows=rows)

@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--dists must name some of {sorted(DISTRIBUTIONS)}, got {args.dists!r}")
     if 0 not in args.lookaheads:
         p.error(f"--lookaheads must include 0 (the reference), got {args.lookaheads}")
+    if args.steps <= args.warmup:
+        p.error(f"--steps ({args.steps}) must be more than --warmup ({args.warmup}): the means leave out the warm-up")
     W, N = args.window, args.n_micro
     runs = [(dist, s, k, b) for dist in dists for s in args.seeds for k in args.lookaheads for b in args.budgets]
     streams: list[dict] = []

@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+from ..cost_args import count
 from ._provenance import provenance
 
 
@@ -103,11 +104,11 @@ def run(dim: int = 128, layers: int = 4, heads: int = 4, kv_heads: int = 2, voca
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt bench memory", description=__doc__.splitlines()[0])
-    p.add_argument("--dim", type=int, default=128, help="model width (default 128)")
-    p.add_argument("--layers", type=int, default=4, help="blocks (default 4)")
-    p.add_argument("--vocab", type=int, default=2048, help="vocabulary (default 2048)")
-    p.add_argument("--window", type=int, default=1024, help="tokens of the largest micro-batch (default 1024)")
-    p.add_argument("--loss-chunk", type=int, default=512, help="tokens per loss chunk (default 512)")
+    p.add_argument("--dim", type=count, default=128, help="model width (default 128)")
+    p.add_argument("--layers", type=count, default=4, help="blocks (default 4)")
+    p.add_argument("--vocab", type=count, default=2048, help="vocabulary (default 2048)")
+    p.add_argument("--window", type=count, default=1024, help="tokens of the largest micro-batch (default 1024)")
+    p.add_argument("--loss-chunk", type=count, default=512, help="tokens per loss chunk (default 512)")
     p.add_argument("--out", type=Path, default=Path("results/memory"), help="folder for memory.json")
     args = p.parse_args(argv)
     os.environ.setdefault("KINETO_LOG_LEVEL", "99")

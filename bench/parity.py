@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/parity", help="folder for parity.json (default results/parity)")
     add_cost_args(p, layout=("tp", "cp", "pp"))  # one replica: dp stays 1
     args = p.parse_args(argv)
+    if args.steps <= args.warmup:
+        p.error(f"--steps ({args.steps}) must be more than --warmup ({args.warmup}): the means leave out the warm-up")
     cost = cost_from_args(args, parser=p)
     try:
         seeds = [int(x) for x in args.seeds.split(",")]

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cost_args import count, natural
+from ..cost_args import count, natural, seconds
 from ._provenance import provenance
 
 
@@ -223,7 +223,7 @@ def _shape(text: str) -> tuple[int, int, int]:
 def main(argv: list[str] | None = None) -> int:
     import wlb_opt as wlb
 
-    p = argparse.ArgumentParser(prog="wlb-opt bench pipeline-replay", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="wlb-opt bench pipeline-replay", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", default="7b", help="ModelSpec preset of the cost model (default 7b)")
     p.add_argument("--hardware", default="h100", help="HardwareSpec preset (default h100)")
     p.add_argument("--tokens", type=count, default=16384, help="tokens per micro-batch (default 16384)")
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=natural, default=0, help="seed of the draws (default 0)")
     p.add_argument("--bound", type=_shape, action="append", default=[],
                    help="pp,n_micro,v: add the CP-SAT lower bound for this shape (repeatable; needs ortools)")
-    p.add_argument("--bound-time", type=float, default=120.0, help="CP-SAT seconds per bound (default 120)")
+    p.add_argument("--bound-time", type=seconds, default=120.0, help="CP-SAT seconds per bound (default 120)")
     p.add_argument("--bound-per-draw", type=_shape, action="append", default=[],
                    help="pp,n_micro,v: the CP-SAT lower bound for this shape on single draws (repeatable)")
     p.add_argument("--bound-draws", type=count, default=2,
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bound-joint", type=count, default=3,
                    help="draws solved together first per --bound-per-draw shape, the executor's slowest "
                         "(default 3; 1: none)")
-    p.add_argument("--bound-draw-time", type=float, default=60.0,
+    p.add_argument("--bound-draw-time", type=seconds, default=60.0,
                    help="CP-SAT seconds per --bound-per-draw shape, shared by its draws (default 60)")
     p.add_argument("--out", default="results/pipeline_replay", help="folder for pipeline_replay.json")
     args = p.parse_args(argv)

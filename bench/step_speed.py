@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cost_args import count
+from ..cost_args import count, natural
 from ._provenance import provenance
 
 WORKLOADS = ("readme", "4x2560")
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("results/step_speed"), help="folder for step_speed.json")
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     p.add_argument("--steps", type=count, default=8, help="timed steps per workload (default 8)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--warmup", type=natural, default=2, help="untimed steps first (default 2)")
     p.add_argument("--threads", type=count, default=1, help="torch threads (default 1: CPU time per thread)")
     args = p.parse_args(argv)
     import torch

@@ -416,7 +416,7 @@ def _spawn_single(nprocs: int, cfg: dict, out_file: Path) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="wlb-opt bench validate-sim", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="wlb-opt bench validate-sim", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--pp", type=count, default=2, help="pipeline stages = processes (default 2)")
     p.add_argument("--n-micro", type=count, default=4, help="micro-batches per step (default 4)")
     p.add_argument("--window", type=count, default=2048, help="tokens per micro-batch (default 2048)")

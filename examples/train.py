@@ -12,7 +12,8 @@ each micro-batch for CP (solve_shard, adaptive), and runs one training step whos
 normalised over the whole global batch. Documents are synthetic token sequences, with
 lengths from the built-in "default" distribution (`wlb_opt.workloads`) scaled to the window.
 The layout is built once (a ParallelSpec inside the cost model); the packer and the sharding
-read their degrees from `cost.parallel`. `--virtual-stages v` runs the interleaved 1F1B
+read their degrees from `cost.parallel`. After `--steps` steps the packer's `drain()` plans
+what it still holds (outliers waiting in its queue), and those steps train too. `--virtual-stages v` runs the interleaved 1F1B
 schedule with v model chunks per rank. `--check-reference` trains in fp64 with SGD and then
 reruns the same model, documents and steps in one process; its last line is
 `reference check: max abs diff <x>` (losses and parameters), and it exits non-zero above 1e-8
@@ -32,25 +33,27 @@ import torch.distributed as dist
 import wlb_opt as wlb
 import wlb_opt.executor as ex
 from wlb_opt.batch import pack_tokens, packed_labels, packed_positions, target_tokens
+from wlb_opt.cost_args import count
 from wlb_opt.workloads import sample_documents
 from wlb_opt.shard import SHARD_STRATEGIES
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cp", type=int, default=2, help="context-parallel degree (default 2)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1); dp x pp x cp x tp = world size")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree inside a stage (default 1)")
+    p.add_argument("--cp", type=count, default=2, help="context-parallel degree (default 2)")
+    p.add_argument("--dp", type=count, default=1, help="data-parallel replicas (default 1)")
+    p.add_argument("--pp", type=count, default=1, help="pipeline stages (default 1); dp x pp x cp x tp = world size")
+    p.add_argument("--tp", type=count, default=1, help="tensor-parallel degree inside a stage (default 1)")
     p.add_argument("--fsdp", action="store_true", help="shard parameters with FSDP2 over dp x cp (not with --tp)")
-    p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
-    p.add_argument("--n-micro", type=int, default=2, help="micro-batches per DP replica and step (default 2)")
-    p.add_argument("--window", type=int, default=256, help="training context length in tokens (default 256)")
+    p.add_argument("--steps", type=count, default=5, help="training steps (default 5), then the steps that train "
+                   "what the packer still holds")
+    p.add_argument("--n-micro", type=count, default=2, help="micro-batches per DP replica and step (default 2)")
+    p.add_argument("--window", type=count, default=256, help="training context length in tokens (default 256)")
     p.add_argument("--strategy", default="adaptive", choices=[s for s in SHARD_STRATEGIES if s != "cpsat"],
                    help="CP sharding strategy of solve_shard (default adaptive)")
     p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3; AdamW, or SGD with "
                    "--check-reference)")
-    p.add_argument("--virtual-stages", type=int, default=1,
+    p.add_argument("--virtual-stages", type=count, default=1,
                    help="model chunks per pipeline rank (default 1: 1F1B; > 1: interleaved 1F1B, needs "
                         "--n-micro a multiple of --pp)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp64"],
@@ -94,20 +97,22 @@ def main() -> None:
     opt = torch.optim.SGD(params, lr=args.lr) if args.check_reference else torch.optim.AdamW(params, lr=args.lr)
 
     # A synthetic stream scaled down to this window (documents cut to the window, so every
-    # document is one piece); a document's tokens depend on its id only.
-    lengths = np.maximum(1, sample_documents(4000, "default", seed=1) // (131072 // args.window))
-    lengths = np.minimum(lengths, args.window)
+    # document is one piece), long enough for --steps; a document's tokens depend on its id only.
+    per_batch = layout.dp * args.n_micro * args.window
+    parts, total = [], 0
+    while total < args.steps * per_batch + 1:
+        part = sample_documents(4000, "default", seed=1 + len(parts)) // max(1, 131072 // args.window)
+        parts.append(np.minimum(np.maximum(1, part), args.window))
+        total += int(parts[-1].sum())
+    lengths = np.concatenate(parts)
 
     def doc_tokens(doc_id: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(doc_id)
         return torch.randint(0, spec.vocab, (int(lengths[doc_id]),), generator=g)
 
-    cursor, per_batch = 0, layout.dp * args.n_micro * args.window
     plans, losses = [], []
-    for step in range(args.steps):
-        stop = cursor + int(np.searchsorted(np.cumsum(lengths[cursor:]), per_batch))
-        plan = packer.pack(lengths[cursor:stop], np.arange(cursor, stop))
-        cursor = stop
+
+    def train(plan, name: str) -> None:
         shards = wlb.solve_shards(plan, None, args.strategy, cost)  # one per micro-batch; cp: the cost model's
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -117,9 +122,17 @@ def main() -> None:
         plans.append(plan)
         losses.append(loss)
         if dist.get_rank() == 0:
-            print(f"step {step}: loss {loss:.4f}, {len(plan.micro_batches)} micro-batches, "
+            print(f"{name}: loss {loss:.4f}, {len(plan.micro_batches)} micro-batches, "
                   f"tokens {plan.tokens.tolist()}, PP imbalance {plan.imbalance:.3f}, "
                   f"queued {len(packer.queued_ids())}, {time.perf_counter() - t0:.2f} s")
+
+    cursor = 0
+    for step in range(args.steps):
+        stop = cursor + int(np.searchsorted(np.cumsum(lengths[cursor:]), per_batch))
+        train(packer.pack(lengths[cursor:stop], np.arange(cursor, stop)), f"step {step}")
+        cursor = stop
+    for k, plan in enumerate(packer.drain()):  # what the packer still holds: every document trains once
+        train(plan, f"drain step {k}")
     failed = False
     if args.check_reference:
         # every parameter of this rank's chunks, by name; rank 0 merges all ranks' shares

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 import wlb_opt as wlb
+from wlb_opt.cost_args import count
 import wlb_opt.executor as ex
 from wlb_opt.integrations import hf
 
@@ -95,14 +96,14 @@ def main() -> None:
     src.add_argument("--preset", default="tiny-llama", choices=["tiny-llama"], help="a built-in config (default)")
     p.add_argument("--corpus", default=sysconfig.get_paths()["stdlib"],
                    help="directory of text files, bytes as tokens (default: the Python standard library)")
-    p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--cp", type=int, default=1)
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--dp", type=count, default=1)
+    p.add_argument("--pp", type=count, default=1)
+    p.add_argument("--cp", type=count, default=1)
+    p.add_argument("--tp", type=count, default=1)
     p.add_argument("--fsdp", action="store_true", help="FSDP2 over dp x cp (not with --tp)")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--window", type=int, default=1024, help="context length: longer files are cut into pieces")
-    p.add_argument("--n-micro", type=int, default=2, help="micro-batches per replica and step (default 2)")
+    p.add_argument("--steps", type=count, default=5)
+    p.add_argument("--window", type=count, default=1024, help="context length: longer files are cut into pieces")
+    p.add_argument("--n-micro", type=count, default=2, help="micro-batches per replica and step (default 2)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--check-reference", action="store_true",
                    help="fp64 + SGD, then compare with transformers' own single-process path (rank 0)")
@@ -113,6 +114,11 @@ def main() -> None:
                    help="also write each step's tokens, wall and CPU seconds to DIR/rank<r>.jsonl")
     args = p.parse_args()
     if args.hf_packed:
+        ignored = [flag for flag, on in (("--pp", args.pp > 1), ("--cp", args.cp > 1), ("--tp", args.tp > 1),
+                                         ("--fsdp", args.fsdp), ("--check-reference", args.check_reference)) if on]
+        if ignored:
+            p.error(f"--hf-packed runs transformers' own path in one process (only --dp shapes its steps): "
+                    f"drop {' '.join(ignored)}")
         return hf_packed_baseline(args)
     if args.fsdp and args.tp > 1:
         p.error("--fsdp with --tp > 1 is not supported yet (2-D FSDP2 + TP)")
@@ -228,10 +234,17 @@ def hf_packed_baseline(args) -> None:
             _log_step(args.json / "hf_packed.jsonl", step.index, tokens, loss_sum, seconds, cpu_seconds)
 
 
+_LOGGED: set[Path] = set()
+"""The `--json` files this process has written to."""
+
+
 def _log_step(path: Path, index: int, tokens: int, loss: float, wall_s: float, cpu_s: float) -> None:
-    """Appends one step's line to `path` (the `--json` output)."""
+    """Appends one step's line to `path` (the `--json` output; a file from an earlier run is
+    started afresh at this run's first line)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
+    mode = "a" if path in _LOGGED else "w"
+    _LOGGED.add(path)
+    with path.open(mode) as f:
         f.write(json.dumps(dict(step=index, tokens=tokens, loss=float(loss), wall_s=wall_s, cpu_s=cpu_s)) + "\n")
 
 

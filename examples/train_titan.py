@@ -26,12 +26,14 @@ import dataclasses
 import copy
 import os
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 import wlb_opt as wlb
+from wlb_opt.cost_args import count, natural
 from wlb_opt.integrations import torchtitan as tt
 
 
@@ -140,24 +142,28 @@ def check_reference(args, model_config, initial: dict, final: dict, losses: list
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name in ("dp", "pp", "cp", "tp"):
-        p.add_argument(f"--{name}", type=int, default=1)
+        p.add_argument(f"--{name}", type=count, default=1)
     p.add_argument("--fsdp", action="store_true", help="shard over dp (torchtitan's dp_shard) instead of replicating")
-    p.add_argument("--virtual-stages", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--schedule-steps", type=int, default=None,
+    p.add_argument("--virtual-stages", type=count, default=1)
+    p.add_argument("--steps", type=count, default=3)
+    p.add_argument("--schedule-steps", type=count, default=None,
                    help="steps of the LR schedule (default --steps; keep it fixed across a resume)")
     p.add_argument("--family", choices=tt.SUPPORTED, default="llama3")
     p.add_argument("--flavor", default=None, help="a registered torchtitan flavor instead of the small config")
     p.add_argument("--separate-qkv", action="store_true", help="separate Q/K/V projections (default: fused)")
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens per micro-batch")
-    p.add_argument("--seq-len", type=int, default=1024, help="training.seq_len: the RoPE table, >= any document")
-    p.add_argument("--documents", type=int, default=400)
+    p.add_argument("--max-tokens", type=count, default=256, help="tokens per micro-batch")
+    p.add_argument("--seq-len", type=count, default=1024, help="training.seq_len: the RoPE table, >= any document")
+    p.add_argument("--documents", type=count, default=400)
     p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-every", type=int, default=0, help="torchtitan checkpoint interval (0: off)")
+    p.add_argument("--seed", type=natural, default=0)
+    p.add_argument("--checkpoint-every", type=natural, default=0, help="torchtitan checkpoint interval (0: off)")
     p.add_argument("--dump-folder", default=None)
     p.add_argument("--check-reference", action="store_true")
     args = p.parse_args()
+    saved = Path(args.dump_folder or "/nonexistent") / "checkpoint"
+    if args.check_reference and saved.is_dir() and any(saved.iterdir()):
+        p.error(f"--check-reference replays the run from step 1 with fresh weights, so it cannot check a run that "
+                f"resumes from the checkpoints in {saved}; give an empty --dump-folder")
 
     for name, value in os.environ.items():
         if name == "WORLD_SIZE" and int(value) != args.dp * args.pp * args.cp * args.tp:

@@ -71,6 +71,9 @@ def _pack(argv: list[str]) -> int:
         else:
             lengths, ids, offsets = global_batch(args.dist, args.window, args.dp * args.n_micro * args.window,
                                                  seed=args.seed)
+        from .solvers.greedy import warm_up_compiled
+
+        warm_up_compiled()  # numba's import and compilation (or cache load) are not the solve's time
         plan = solve_pack(lengths, args.n_micro, max_tokens, cost, args.method, ids=ids, offsets=offsets,
                           dp=args.dp, time_limit=args.time_limit, seed=args.seed, backend=args.backend)
     except (ValueError, TypeError, ImportError, OSError) as exc:
@@ -79,7 +82,7 @@ def _pack(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(plan.to_dict()))
         return 0
-    print(f"method {args.method}: {len(lengths)} documents, {int(lengths.sum())} tokens, "
+    print(f"method {args.method}: {len(np.unique(ids))} documents in {len(lengths)} pieces, {int(lengths.sum())} tokens, "
           f"{plan.dp * plan.n_micro} micro-batches of <= {max_tokens} tokens")
     print(f"{'mb':>3} {'replica':>7} {'docs':>5} {'tokens':>8} {'model ms':>9} {'share':>6}")
     for r in plan.summary_rows():
@@ -126,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         return _COMMANDS[cmd](rest)
     except SystemExit as exc:  # argparse: usage errors exit 2, --help 0
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    except BrokenPipeError:  # the reader left (`wlb-opt ... | head`): not bad input; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own flush at exit must not fail
+        return 1
     except _BAD_INPUT as exc:
         if os.environ.get("WLB_OPT_TRACEBACK"):
             raise

@@ -301,12 +301,14 @@ def _dumps(table: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .cost_args import count  # the command line only: cost_args sits above this module
+
     p = argparse.ArgumentParser(prog="python -m wlb_opt.p2p_search", description=__doc__.splitlines()[0])
-    p.add_argument("--max-pp", type=int, default=8, help="largest pp (default 8)")
-    p.add_argument("--max-micro", type=int, default=16, help="largest n_micro, multiples of pp (default 16)")
-    p.add_argument("--v", type=int, action="append", default=[], help="virtual stages (repeatable; default 2 and 4)")
-    p.add_argument("--draws", type=int, default=64, help="op-time draws per shape (default 64)")
-    p.add_argument("--iterations", type=int, default=30000, help="annealing moves per shape (default 30000)")
+    p.add_argument("--max-pp", type=count, default=8, help="largest pp (default 8)")
+    p.add_argument("--max-micro", type=count, default=16, help="largest n_micro, multiples of pp (default 16)")
+    p.add_argument("--v", type=count, action="append", default=[], help="virtual stages (repeatable; default 2 and 4)")
+    p.add_argument("--draws", type=count, default=64, help="op-time draws per shape (default 64)")
+    p.add_argument("--iterations", type=count, default=30000, help="annealing moves per shape (default 30000)")
     p.add_argument("--out", default=str(Path(__file__).with_name("p2p_meetings.json")),
                    help="JSON file; shapes already in it are kept unless searched again")
     args = p.parse_args(argv)

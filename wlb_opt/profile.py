@@ -329,7 +329,11 @@ def profile_block(model: ModelSpec, window: int = 512, n_samples: int = 16, devi
     coef = {ph: dict(cost.coef[ph]) for ph in ("fwd", "bwd")}
     coef["fwd"]["linear"] += head_fwd
     coef["bwd"]["linear"] += head_bwd
-    return dataclasses.replace(cost, coef=coef, memory_model=mem)
+    # the resampled fits' brackets of the per-token term move with it (the head is measured apart)
+    intervals = {ph: {t: list(v) for t, v in cost.meta["coef_interval"][ph].items()} for ph in ("fwd", "bwd")}
+    for ph, head in (("fwd", head_fwd), ("bwd", head_bwd)):
+        intervals[ph]["linear"] = [v + head for v in intervals[ph]["linear"]]
+    return dataclasses.replace(cost, coef=coef, memory_model=mem, meta=dict(cost.meta, coef_interval=intervals))
 
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -560,6 +564,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--q-lens must be increasing positive integers, got {args.q_lens!r}")
     if samples < 4:
         p.error(f"--samples must be >= 4 (one per fitted term), got {samples}")
+    window = args.window or (16384 if on_gpu else 512)
+    if q_lens is not None and args.kv_len is None and max(q_lens) > window:
+        p.error(f"--q-lens {args.q_lens} reaches past --window {window} (the default key range is twice the "
+                "longest query within the window); give shorter --q-lens, a longer --window, or --kv-len")
+    if args.holdout is not None and args.holdout < 3:
+        p.error(f"--holdout must be >= 3 (held-out micro-batches for the validation), got {args.holdout}")
     if args.kv_len is not None and q_lens is not None and max(q_lens) > args.kv_len:
         p.error(f"--kv-len {args.kv_len} must be >= the longest --q-lens ({max(q_lens)})")
     if q_lens is None:
@@ -567,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.kv_len is not None:  # the default queries that fit the key range
             q_lens = tuple(q for q in q_lens if q <= args.kv_len) or (args.kv_len,)
     t0 = time.perf_counter()
-    cost = profile_block(spec, window=args.window or (16384 if on_gpu else 512), n_samples=samples,
+    cost = profile_block(spec, window=window, n_samples=samples,
                          n_holdout=args.holdout, device=args.device, dtype=dtype,
                          repeats=args.repeats or (3 if args.quick else 5), warmup=args.warmup, seed=args.seed,
                          q_lens=q_lens,

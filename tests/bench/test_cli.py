@@ -82,18 +82,19 @@ def test_pack_command_reports_bad_options_without_a_traceback(tmp_path, capsys):
 
 
 def test_parity_benchmark_runs(tmp_path, capsys):
-    assert main(["bench", "parity", "--seeds", "0", "--steps", "6", "--no-progress", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "parity", "--seeds", "0", "--steps", "6", "--warmup", "2", "--no-progress",
+                 "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "parity.json").read_text())
     assert set(data["summary"]) == {"paper", "group", "default"}
-    assert main(["bench", "parity", "--seeds", "0", "--steps", "6", "--no-progress", "--settings", "default+2",
-                 "--out", str(tmp_path)]) == 0
+    assert main(["bench", "parity", "--seeds", "0", "--steps", "6", "--warmup", "2", "--no-progress",
+                 "--settings", "default+2", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "parity.json").read_text())
     assert set(data["summary"]) == {"default+2"} and data["streams"]["default+2"][0]["early_token_share"] >= 0
     assert all(0 <= v["delay_per_token"] and v["imbalance"] >= 1.0 for v in data["summary"].values())
     # no plan without lookahead displaces less than the stream's delay floor
     assert len(data["delay_floor"]) == 1 and 0 <= data["delay_floor"][0]
-    assert main(["bench", "parity", "--dist", "prose", "--seeds", "4", "--steps", "30", "--no-progress",
-                 "--settings", "default", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "parity", "--dist", "prose", "--seeds", "4", "--steps", "30", "--warmup", "4",
+                 "--no-progress", "--settings", "default", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "parity.json").read_text())
     assert 0 < data["delay_floor"][0] <= data["streams"]["default"][0]["delay_per_token"]
     assert "floor" in capsys.readouterr().out

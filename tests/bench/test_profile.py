@@ -87,6 +87,13 @@ def test_profile_tiny_block_on_cpu(tmp_path):
     assert np.all(np.diff(c) >= 0) and np.all(c >= 0)
     assert len(cost.eff_scale) == 3 and max(cost.eff_scale) == pytest.approx(1.0)
     assert cost.model == wlb.ModelSpec.preset("tiny") and cost.parallel is None  # typed, and no layout
+    # the per-token term includes the head measured apart, and so does its bracket
+    fitted = [Sample(np.array(r["lengths"]), r["fwd_s"], r["bwd_s"]) for r in cost.meta["samples"] if not r["heldout"]]
+    brackets = coef_intervals(fitted, cost.model.layers)
+    for phase in ("fwd", "bwd"):
+        head = cost.meta["head_s_per_token"][phase]
+        assert cost.meta["coef_interval"][phase]["linear"] == pytest.approx(
+            [v + head for v in brackets[phase]["linear"]])
     cost.save(tmp_path / "c.json")
     assert wlb.CostModel.load(tmp_path / "c.json").doc_cost(d).tolist() == c.tolist()
 

@@ -53,4 +53,5 @@ def test_example_losses_and_gradients_are_the_recorded_ones_to_the_bit(layout, t
                               "MKL_CBWR": "COMPATIBLE"})
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     for rank, records in want["ranks"].items():
-        assert json.loads(Path(f"{out}.rank{rank}").read_text()) == records, f"rank {rank}"
+        # the --steps steps, recorded; the drain's steps after them are held to the reference check
+        assert json.loads(Path(f"{out}.rank{rank}").read_text())[:len(records)] == records, f"rank {rank}"
