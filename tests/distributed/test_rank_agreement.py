@@ -26,6 +26,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from conftest import free_port  # noqa: E402
+import wlb_opt as wlb  # noqa: E402
 from test_training import VOCAB, doc_tokens, make_model, make_plan, make_shards  # noqa: E402
 
 
@@ -86,6 +87,18 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         plan, cost = make_plan(1, 1, 2)
         seen["stages"] = _outcome(lambda: ex.train_step(ex.split_stages(make_model(), 4)[rank], plan,
                                                         make_shards(plan, cost, 1), data=doc_tokens, mesh=mesh))
+        # a loss chunk of 0 on every rank: refused on the first stage too, not only on the last
+        seen["loss_chunk"] = _outcome(lambda: ex.train_step(ex.split_stages(make_model(), 2)[rank], plan,
+                                                            make_shards(plan, cost, 1), data=doc_tokens, mesh=mesh,
+                                                            loss_chunk=0))
+        # replicas: one micro-batch of replica 1's sharded for other offsets; replica 0 raises too
+        mesh = ex.make_mesh(dp=2)
+        plan, cost = make_plan(2)
+        shards = make_shards(plan, cost, 1)
+        j = next(j for j in plan.replica_micro_batches(1) if len(plan.micro_batches[j]))
+        shards[j] = wlb.solve_shard(plan.lengths[plan.micro_batches[j]], 1, "per_doc",
+                                    offsets=plan.offsets[plan.micro_batches[j]] + 1)
+        seen["shard"] = _outcome(lambda: ex.train_step(make_model(), plan, shards, data=doc_tokens, mesh=mesh))
         mesh = ex.make_mesh(cp=2)
         plan, cost = make_plan(1, 2)
         shards = make_shards(plan, cost, 2)
@@ -160,6 +173,9 @@ def test_ranks_that_must_agree_raise_on_every_rank(tmp_path):
                                          "chunks per rank) is the last virtual stage but has no output projection"), \
             seen["stages"]
         assert seen["stages"].endswith("[pp_rank::2] (found on rank 1)"), seen["stages"]
+        assert seen["loss_chunk"] == "ValueError: loss_chunk must be an integer >= 1 (tokens), got 0", seen
+        assert seen["shard"].startswith("ValueError: the shard of micro-batch ") and \
+            seen["shard"].endswith("(found on rank 1)"), seen["shard"]
         assert seen["vocab"].startswith(f"ValueError: step 6: document 8 holds token id {VOCAB} at position 5 "
                                         "(micro-batch 3), outside the model's vocabulary"), seen["vocab"]
         assert seen["vocab"].endswith("(found on rank 1)") and f"[0, {VOCAB - 1}]" in seen["vocab"]
@@ -224,3 +240,14 @@ def test_weight_checksums_see_every_bit_and_not_the_order_of_reduction():
     finally:
         plumbing._CHECKSUM_CHUNK = old
     assert got == want == int(bits_checksum(x)) % (1 << 64)
+
+
+def test_fsdp_over_a_tp_shard_counts_as_a_shard_in_the_weight_check():
+    """FSDP2 over a TP-sharded parameter places it as a _StridedShard, whose is_shard() is
+    False in torch 2.13: it still holds a slice, so its ranks are not compared as replicas."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    from wlb_opt.executor.plumbing import _sharded
+
+    strided = pytest.importorskip("torch.distributed.tensor.placement_types")._StridedShard
+    assert _sharded(Shard(0)) and _sharded(strided(0, split_factor=2)) and not _sharded(Replicate())

@@ -140,3 +140,19 @@ def test_the_executor_exports_its_public_names_only():
             getattr(ex, name)
     with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
         ex.nonexistent  # noqa: B018
+
+
+def test_a_cp_context_leaves_the_cache_with_its_plan():
+    """The cached index tensors of a finished step's ShardPlan are freed with the plan."""
+    import gc
+
+    from wlb_opt.executor import cp_attention
+
+    shard = wlb.solve_shard([40, 7, 13], 2, "per_doc")
+    cp_attention.cp_context(shard, None, "cpu", rank=0, world=2)
+    keys = [k for k in cp_attention._CONTEXTS if k[0] == id(shard)]
+    assert len(keys) == 1 and cp_attention.cp_context(shard, None, "cpu", rank=0, world=2) is \
+        cp_attention._CONTEXTS[keys[0]][1]
+    del shard
+    gc.collect()
+    assert keys[0] not in cp_attention._CONTEXTS

@@ -105,7 +105,8 @@ _CONTEXT_CACHE_SIZE = 64
 def cp_context(shard, group=None, device: torch.device | str = "cpu", *, rank: int | None = None,
                world: int | None = None) -> CPContext:
     """The CPContext of `shard` on `device` for `group`, built on first use and then reused
-    (a small cache keyed by the plan object; ShardPlans are frozen, so it cannot go stale).
+    (a small cache keyed by the plan object, whose entry leaves when the plan is freed;
+    ShardPlans are frozen, so it cannot go stale).
     `rank` and `world` override the group's (benchmarks and tools without a process group)."""
     if rank is None or world is None:
         rank, world = _rank_and_world(group)
@@ -115,7 +116,8 @@ def cp_context(shard, group=None, device: torch.device | str = "cpu", *, rank: i
         _CONTEXTS.move_to_end(key)
         return hit[1]
     ctx = CPContext(shard, rank, world, torch.device(device))
-    _CONTEXTS[key] = (weakref.ref(shard), ctx)
+    # the entry leaves with its plan: a finished step's index tensors are not kept until 64 more come
+    _CONTEXTS[key] = (weakref.ref(shard, lambda _, key=key: _CONTEXTS.pop(key, None)), ctx)
     if len(_CONTEXTS) > _CONTEXT_CACHE_SIZE:
         _CONTEXTS.popitem(last=False)
     return ctx

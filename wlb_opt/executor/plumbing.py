@@ -365,7 +365,13 @@ def replica_key(param: torch.Tensor, pp_rank: int) -> tuple:
     coordinate = mesh.get_coordinate()
     names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
     return (pp_rank,) + tuple((names[i], mesh.size(i), coordinate[i])
-                              for i, placement in enumerate(placements) if placement.is_shard())
+                              for i, placement in enumerate(placements) if _sharded(placement))
+
+
+def _sharded(placement) -> bool:
+    """A placement that splits the tensor: Shard, and the _StridedShard of FSDP2 over a TP
+    shard (its is_shard() is False in torch 2.13, though it holds a dimension's slice)."""
+    return placement.is_shard() or isinstance(getattr(placement, "dim", None), int)
 
 
 def weight_checksums(chunks, pp_rank: int, pp: int) -> dict[tuple, list[tuple]]:

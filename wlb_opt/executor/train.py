@@ -78,7 +78,9 @@ class CPAttend:
 
     def __call__(self, q, k, v, prefetched=None, softmax_scale: float | None = None, deterministic: bool = True):
         if self.shard is None:  # an empty micro-batch (every CP rank holds zero rows): no collective
-            return q * 0.0
+            # k and v in the graph too: their projections get a (zero) gradient, as on every rank
+            # that runs a micro-batch (FSDP2 reduce-scatters only parameters that have one)
+            return q * 0.0 + 0.0 * (k.sum() + v.sum())
         return context_parallel_attention(q, k, v, self.shard, group=self.group, backend=self.backend,
                                           regather=self.regather, prefetched=prefetched,
                                           softmax_scale=softmax_scale, deterministic=deterministic)
@@ -107,6 +109,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: torc
 
     # start from the graph (zero rows still back-propagate, so CP peers meet in backward)
     total = 0.0 * hidden.sum().to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+    if hidden.shape[0] == 0:  # no chunk runs: the head joins the graph anyway (a zero gradient)
+        total = total + 0.0 * head(hidden).sum().to(total.dtype)
     for start in range(0, hidden.shape[0], chunk):
         h, y = hidden[start: start + chunk], labels[start: start + chunk]
         # every chunk runs, even one whose targets are all masked (it adds 0): testing for that
@@ -231,15 +235,32 @@ def _reduce_bucket(bucket: list[torch.Tensor], group) -> None:
         offset += lt.numel()
 
 
+def _set_aside_gradients(chunks, skip) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(parameter, gradient) of every parameter of `chunks` (but the indices in `skip`) that
+    holds a gradient, each parameter's `.grad` then cleared."""
+    out = []
+    for c, chunk in enumerate(chunks):
+        if c in skip:
+            continue
+        for p in chunk.parameters():
+            if p.grad is not None:
+                out.append((p, p.grad))
+                p.grad = None
+    return out
+
+
 def reduce_gradients(chunks: list[torch.nn.Module], mesh: Mesh, *, skip=(), waiting=None) -> None:
     """Sum the gradients of `chunks` (but the indices in `skip`: FSDP2 chunks reduce their own)
-    over the ranks that hold the same stage (`mesh.stage_group`), in flat buckets. A parameter
-    without a gradient takes zeros, so every rank of the group makes the same collectives."""
+    over the ranks that hold the same stage (`mesh.stage_group`), in flat buckets. A trainable
+    parameter without a gradient takes zeros, so every rank of the group makes the same
+    collectives; a frozen one (requires_grad False, alike on every rank) is left alone."""
     grads = []
     for c, chunk in enumerate(chunks):
         if c in skip:
             continue
         for p in chunk.parameters():
+            if not p.requires_grad:
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # a DTensor parameter gets a DTensor zero
             grads.append(p.grad)
@@ -307,7 +328,8 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
     the same exchange. Every rank raises alike: RuntimeError naming the step and the first
     micro-batch whose plan differs, or the document whose tokens differ; ValueError naming
     the document and the token id outside the vocabulary, or a chunk that holds the
-    embedding or the head where its virtual stage may not (stages split for another `pp`); the reading rank's own error (a
+    embedding or the head where its virtual stage may not (stages split for another `pp`), or
+    a ShardPlan that does not fit its micro-batch or the mesh's cp; the reading rank's own error (a
     RuntimeError naming it elsewhere) when a document could not be read.
 
     `check_weights`: compare the parameters that ranks hold as replicas (the ranks of one
@@ -320,12 +342,14 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
     decides from its own modules under None: load a state on every rank alike, or pass True
     or False on every rank, or the ranks wait in different collectives.
 
-    A wait that fails (a peer stalled past the group's timeout, see `make_mesh(timeout=...)`,
-    or gone) raises RuntimeError naming the step, this rank, the operation (the plan check,
+    A wait that fails (a peer stalled past the group's timeout, or gone) raises RuntimeError naming the step, this rank, the operation (the plan check,
     a p2p group and its peers, a micro-batch's forward or backward with its CP collectives,
     or a final all-reduce) and the rank(s) that did not arrive: those that raised in the
     step (with their error), never started it, or reported nothing, from a check-in each
-    rank leaves in the default group's store (`RollCall`; one store operation per step).
+    rank leaves in the default group's store (`RollCall`; one store operation per step). The
+    mesh's groups wait `make_mesh(timeout=...)`; what runs on the default group (the 1F1B
+    pipeline's p2p groups, the global batch's target count and the loss all-reduce) waits the
+    timeout given to init_process_group.
 
     `stages` is this rank's pipeline stage, or its v chunks for the interleaved schedule
     (`split_stages(model, pp, v)[pp_rank::pp]`; the whole model when pp = 1). `shards[j]` is
@@ -360,7 +384,7 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
         raise
 
 
-def _check_step_arguments(stages, plan, shards, data, mesh, check_weights) -> None:
+def _check_step_arguments(stages, plan, shards, data, mesh, check_weights, loss_chunk) -> None:
     from ..plan import PackPlan, check_replicas
 
     if not isinstance(plan, PackPlan):
@@ -374,6 +398,8 @@ def _check_step_arguments(stages, plan, shards, data, mesh, check_weights) -> No
     if not (callable(data) or callable(getattr(data, "piece", None))):
         raise TypeError("data must be a callable data(id) returning a document's token ids (or (ids, loss mask)), "
                         f"or a WLBStream step, got {type(data).__name__}")
+    if isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int) or loss_chunk < 1:  # on every rank
+        raise ValueError(f"loss_chunk must be an integer >= 1 (tokens), got {loss_chunk!r}")
     if check_weights is not None and not isinstance(check_weights, bool):
         raise ValueError(f"check_weights must be None (check on the first call with these stages), True or False, "
                          f"got {check_weights!r}")
@@ -424,7 +450,7 @@ def _agree_before_step(stages, chunks, plan, shards, packed, finding, local_erro
 
 def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce_grads, regather_kv, step, backend,
                 check_plan, check_weights, record, prefetch, rollcall) -> float:
-    _check_step_arguments(stages, plan, shards, data, mesh, check_weights)
+    _check_step_arguments(stages, plan, shards, data, mesh, check_weights, loss_chunk)
     step = plan.step if step is None else step
     where = "" if step is None else f"step {step}: "
     label = step if step is not None else f"the step of plan {plan.digest()[:12]}"
@@ -446,6 +472,13 @@ def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce
     mbs = plan.replica_micro_batches(dp_rank)  # every slot, empty ones too
     packed, finding, local_error = read_micro_batches(plan, mbs, lambda j: _batch.pack_micro_batch(plan, j, data),
                                                       report=check_plan and distributed)
+    if finding is None:  # a shard this rank cannot run is every rank's error, found in the one exchange
+        try:
+            check_shards(plan, shards, mbs, cp, where)
+        except ValueError as exc:
+            if not (check_plan and distributed):
+                raise
+            finding = ("shards", str(exc))
     _agree_before_step(stages, chunks, plan, shards, packed, finding, local_error, mbs=mbs, mesh=mesh,
                        dp_rank=dp_rank, pp_rank=pp_rank, pp=pp, step=step, label=label, check_plan=check_plan,
                        check_weights=check_weights, distributed=distributed, waiting=waiting)
@@ -453,7 +486,6 @@ def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce
     hidden = getattr(chunks[0], "hidden", None)
     if pp * len(chunks) > 1 and hidden is None:
         raise ValueError("pipeline stages need a `hidden` attribute (activation width); use split_stages")
-    check_shards(plan, shards, mbs, cp, where)
 
     inputs = StepInputs(plan, shards, packed, cp_rank, device)
     holds_loss = pp_rank == pp - 1 and (mesh is None or mesh.tp_rank == 0)
@@ -461,7 +493,8 @@ def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce
     if total == 0:
         raise ValueError(f"{where}the global batch has no target tokens (every piece has length 1, or every "
                          "target is masked)")
-    forward = _StageForward(chunks, inputs, mbs, pp=pp, cp_group=mesh.cp_group if mesh else None, backend=backend,
+    # without a mesh the step is this process's alone, whatever torch.distributed holds
+    forward = _StageForward(chunks, inputs, mbs, pp=pp, cp_group=mesh.cp_group if mesh else SELF_GROUP, backend=backend,
                             regather_kv=regather_kv, prefetch=prefetch, loss_fn=loss_fn, loss_chunk=loss_chunk,
                             total=total)
     channels = channel_groups(mesh, device) if pp > 1 and len(chunks) > 1 else None  # the interleaved schedule's
@@ -472,13 +505,25 @@ def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce
                       RuntimeWarning, stacklevel=3)
     transport = DistTransport(lambda p: mesh.global_rank(dp_rank, p, cp_rank), mbs, waiting, pp_rank=pp_rank,
                               channels=channels)
-    PipelineRunner(chunks, pp_rank=pp_rank, pp=pp, mbs=mbs, rows=[inputs.rows(j) for j in mbs], hidden=hidden,
-                   dtype=act_dtype, device=device, transport=transport, waiting=waiting, record=record).run(forward)
+    reducing = mesh is not None and dist.is_initialized() and reduce_grads
+    fsdp_chunks = {c for c in range(len(chunks)) if is_fsdp(chunks[c])}
+    # gradients left from an earlier step (accumulation without zero_grad) are set aside, so that
+    # only this step's are summed over the replicas, and added back after (FSDP2 keeps its own)
+    earlier = _set_aside_gradients(chunks, fsdp_chunks) if reducing else []
+    try:
+        PipelineRunner(chunks, pp_rank=pp_rank, pp=pp, mbs=mbs, rows=[inputs.rows(j) for j in mbs], hidden=hidden,
+                       dtype=act_dtype, device=device, transport=transport, waiting=waiting,
+                       record=record).run(forward)
+    except BaseException:
+        for p, grad in earlier:  # a failed step leaves the earlier gradients as they were
+            p.grad = grad
+        raise
     loss_sum = forward.loss_sum
     if mesh is not None and dist.is_initialized():
         if reduce_grads:  # else every gradient stays local (the user's own DDP or FSDP wrapper)
-            reduce_gradients(chunks, mesh, skip={c for c in range(len(chunks)) if is_fsdp(chunks[c])},
-                             waiting=waiting)
+            reduce_gradients(chunks, mesh, skip=fsdp_chunks, waiting=waiting)
+            for p, grad in earlier:
+                p.grad = grad if p.grad is None else p.grad.add_(grad)
         with waiting("the all-reduce of the loss"):
             dist.all_reduce(loss_sum)  # only last-stage ranks hold a share of the loss ...
         loss_sum /= mesh.tp  # ... and every TP rank of a stage holds the same one
