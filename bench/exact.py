@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..solvers.greedy import warm_up_compiled
 from .._optional import progress
 from ..cost_args import add_cost_args, cost_from_args, count, fraction, natural, seconds
 from ..solvers.bounds import makespan_lower_bound
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_cost_args(p, layout=("tp", "cp", "pp"))  # each instance is one replica: dp stays 1
     args = p.parse_args(argv)
+    warm_up_compiled()  # numba's compile (or cache load) is no step's planning time
     args.instances = args.instances or (2 if args.quick else 10)
     args.exact_instances = args.exact_instances if args.exact_instances is not None else 1
     args.time_limit = args.time_limit or (3.0 if args.quick else 10.0)

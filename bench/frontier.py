@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..solvers.greedy import warm_up_compiled
 from ..cost_args import add_cost_args, cost_from_args, count, natural, seconds
 from ..documents import load_lengths
 from ..packer import PackerConfig, WLBPacker, per_step_imbalance
@@ -207,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--time-limit)")
     add_cost_args(p, layout=("tp", "cp", "pp"))
     args = p.parse_args(argv)
+    warm_up_compiled()  # numba's compile (or cache load) is no step's planning time
     if args.offline:
         if args.lengths:
             p.error("--offline runs the built-in distributions of --dists, not --lengths")

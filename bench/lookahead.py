@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..solvers.greedy import warm_up_compiled
 from .._optional import progress
 from ..cost_args import add_cost_args, cost_from_args, count, natural
 from ..workloads import DEFAULT_SEED, DISTRIBUTIONS, global_batches
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/lookahead", help="folder for lookahead.json (default results/lookahead)")
     add_cost_args(p, layout=("tp", "cp", "pp"))
     args = p.parse_args(argv)
+    warm_up_compiled()  # numba's compile (or cache load) is no step's planning time
     cost = cost_from_args(args, parser=p)
     dists = [d for d in args.dists.split(",") if d]
     unknown = [d for d in dists if d not in DISTRIBUTIONS]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..solvers.greedy import warm_up_compiled
 from ..cost_args import add_cost_args, cost_from_args, count, natural
 from ..solvers.greedy import compiled_available, use_compiled
 from ..step_pack import PACK_METHODS, solve_pack
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="folder for pack_speed.json (default: print only)")
     add_cost_args(p, layout=("tp", "cp", "pp"))  # one replica: dp stays 1
     args = p.parse_args(argv)
+    warm_up_compiled()  # numba's compile (or cache load) is no step's planning time
     bad = [m for m in args.methods.split(",") if m not in PACK_METHODS]
     if bad:
         p.error(f"unknown methods {bad}; valid: {', '.join(sorted(PACK_METHODS))}")

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..solvers.greedy import warm_up_compiled
 from .._optional import progress
 from ..cost_args import add_cost_args, cost_from_args, count, natural
 from ..packer import PackerConfig, WLBPacker, per_step_imbalance
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/parity", help="folder for parity.json (default results/parity)")
     add_cost_args(p, layout=("tp", "cp", "pp"))  # one replica: dp stays 1
     args = p.parse_args(argv)
+    warm_up_compiled()  # numba's compile (or cache load) is no step's planning time
     if args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must be more than --warmup ({args.warmup}): the means leave out the warm-up")
     cost = cost_from_args(args, parser=p)

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..solvers.greedy import warm_up_compiled
 from .._optional import progress
 from ..cost import CostModel
 from ..cost_args import add_cost_args, cost_from_args, count, natural, seconds
@@ -234,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="folder for step_packers.json (default: print only)")
     add_cost_args(p, layout=("tp", "cp", "pp"))
     args = p.parse_args(argv)
+    warm_up_compiled()  # numba's compile (or cache load) is no step's planning time
     dists = args.dists.split(",") if args.dists is not None else (["real"] if args.quick else list(_DISTS))
     bad = [d for d in dists if d not in DISTRIBUTIONS]
     if bad:

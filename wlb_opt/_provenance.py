@@ -30,7 +30,7 @@ def machine() -> dict:
 
 def code() -> dict:
     """The package's version and, when it runs from a git checkout, the commit (short hash, and
-    "dirty" when tracked files differ from it); elsewhere (an installed wheel, a copy without
+    "dirty" when tracked files outside docs/ differ from it); elsewhere (an installed wheel, a copy without
     its .git) the WLB_OPT_COMMIT environment variable's value, else None (scripts/gpu_check.sh
     on a device machine, whose copy of the tree has no .git, is told the commit that way)."""
     from . import __version__
@@ -43,7 +43,9 @@ def code() -> dict:
         if not top or Path(top).resolve() != root:  # a copy inside another repository's work tree
             return dict(version=__version__, commit=commit)
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], **run).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **run).stdout.strip()
+        # the code's state: results and docs a benchmark run rewrites do not make the code dirty
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs"],
+                                 **run).stdout.strip()
         commit = head + (" dirty" if changed else "") if head else None
     except (OSError, subprocess.SubprocessError):
         pass
