@@ -34,7 +34,7 @@ Imbalance of a step = max / mean of the modelled forward time of its N micro-bat
 (`cost.micro_batch_cost(..., phase="fwd")`, the paper's Max x N / Total); the table shows the
 mean over steps (and p90). WLB rows measure the streaming steps; their delays (iterations per
 token, token-weighted, undelayed tokens count 0) include the final drain. ms/batch is the
-median CPU time of planning one global batch (a pool's time / k for pooled rows; WLB rows
+median CPU time (summed over a solver's threads) of planning one global batch (a pool's time / k for pooled rows; WLB rows
 include queueing; calibration is reported apart).
 """
 from __future__ import annotations

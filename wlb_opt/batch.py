@@ -60,10 +60,10 @@ def target_tokens(plan) -> int:
 
 def _document(data, doc_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(token ids, loss mask or None) of a document: `data(id)` returns the token ids (a 1-D
-    tensor, array or list of ints), or a tuple (token ids, loss mask), the mask True where a
-    token is a training target (None: every token is)."""
+    tensor, array or list of ints), or a pair (token ids, loss mask) whose first item is a
+    sequence, the mask True where a token is a training target (None: every token is)."""
     got = data(doc_id)
-    if isinstance(got, tuple) and len(got) == 2 and not np.isscalar(got[0]):
+    if isinstance(got, (tuple, list)) and len(got) == 2 and _is_sequence(got[0]):
         tokens, mask = torch.as_tensor(got[0]), got[1]
         if mask is None:
             return tokens, None
@@ -72,6 +72,11 @@ def _document(data, doc_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
             raise ValueError(f"document {doc_id}: loss mask of shape {tuple(mask.shape)} for {tuple(tokens.shape)} tokens")
         return tokens, mask
     return torch.as_tensor(got), None
+
+
+def _is_sequence(x) -> bool:
+    """A list, tuple, array or tensor of at least one dimension (not one token id)."""
+    return isinstance(x, (list, tuple)) or getattr(x, "ndim", 0) >= 1
 
 
 def _piece(data, doc_id: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -562,7 +562,9 @@ def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, s
         p2p_s: PP send seconds per micro-batch (default from `p2p_seconds`).
         allreduce_s: DP gradient sync seconds (default from `allreduce_seconds`).
         search_order: pick each replica's micro-batch order by simulation (`best_order`).
-        use_dag: networkx DAG (with critical path) or the recurrence twin (faster).
+        use_dag: networkx DAG (with critical path) or the recurrence twin (faster), where the
+            DAG times the step (`blocking_p2p=False`, or pp = 1); the replays keep no critical
+            path.
         blocking_p2p: the pipeline as the executor runs it (pp > 1): the interleaved schedule
             (v > 1) by the replay of its p2p channels (`wlb_opt.rendezvous.simulate_channels`:
             a message moves once its receive is posted, the receive posted one message ahead),

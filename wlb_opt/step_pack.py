@@ -148,8 +148,8 @@ def solve_pack(
     if cost is not None and not isinstance(cost, CostModel):
         raise ValueError(f"cost must be a wlb_opt.CostModel or None, got {type(cost).__name__}")
     cost = cost if cost is not None else default_cost()
+    max_tokens = resolve_max_tokens(max_tokens, cost, memory_bytes, dp=dp)  # dp as given: None keeps the model's
     dp = cost.degree("dp", dp)
-    max_tokens = resolve_max_tokens(max_tokens, cost, memory_bytes, dp=dp)
     if dp * n_micro > MAX_MICRO_BATCHES:
         raise ValueError(f"dp x n_micro must be <= {MAX_MICRO_BATCHES} micro-batches per step (a plan holds an "
                          f"array per micro-batch), got dp={dp} x n_micro={n_micro} = {dp * n_micro}")

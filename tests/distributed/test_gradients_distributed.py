@@ -87,11 +87,13 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         plan, cost = plans["a"]
         ex.train_step(model, plan, make_shards(plan, cost, 1), data=doc_tokens, mesh=mesh, backend="torch")
         got["frozen"] = _grads(model)
-        # no mesh: this process's step alone (every replica of the plan, as one)
+        # no mesh: this process's step alone (every replica of the plan, as one), with no exchange
+        # with the other rank (which runs another plan here)
         model = make_model()
         one = plan.replace(replica_of=np.zeros(len(plan.micro_batches), dtype=np.int64), dp=1,
                            n_micro=len(plan.micro_batches))
-        ex.train_step(model, one, make_shards(one, cost, 1), data=doc_tokens, backend="torch", check_plan=False)
+        other = one.replace(step=rank)  # the ranks' plans differ: a plan check across them would refuse
+        ex.train_step(model, other, make_shards(other, cost, 1), data=doc_tokens, backend="torch")
         got["no_mesh"] = _grads(model)
         torch.save(got, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()

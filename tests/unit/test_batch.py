@@ -61,14 +61,16 @@ def test_pack_micro_batch_with_a_loss_mask_and_offsets():
         batch.pack_micro_batch(plan, 0, lambda i: doc_tokens(i).float())
 
 
-@pytest.mark.parametrize("kind", ["tensor", "list", "tuple", "numpy", "pair of lists", "pair with no mask"])
+@pytest.mark.parametrize("kind", ["tensor", "list", "tuple", "numpy", "pair of lists", "pair with no mask",
+                                  "list pair"])
 def test_a_document_comes_as_any_sequence_of_ids_or_a_pair_with_its_mask(kind):
     """Every form `data(id)` may return gives the same micro-batch (a 2-token list is the ids,
     never (ids, mask))."""
     plan = wlb.solve_pack([3, 2], 1, 8, method="wlb")
     docs = {0: [10, 11, 12], 1: [20, 21]}
     form = {"tensor": lambda d: torch.tensor(d), "list": list, "tuple": tuple, "numpy": np.array,
-            "pair of lists": lambda d: (d, [True] * len(d)), "pair with no mask": lambda d: (torch.tensor(d), None)}
+            "pair of lists": lambda d: (d, [True] * len(d)), "pair with no mask": lambda d: (torch.tensor(d), None),
+            "list pair": lambda d: [np.array(d), np.ones(len(d), dtype=bool)]}
     tokens, labels = batch.pack_micro_batch(plan, 0, lambda i: form[kind](docs[i]))
     order = [int(plan.doc_ids[i]) for i in plan.micro_batches[0]]
     assert tokens.tolist() == [t for i in order for t in docs[i]]

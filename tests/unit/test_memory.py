@@ -169,6 +169,10 @@ def test_a_calibrated_memory_model_is_counted_for_the_packers_pipeline():
     assert wlb.WLBPacker(4, "auto", profiled, pp=4, memory_bytes=80 * GiB).max_tokens == expected
     with pytest.raises(ValueError, match="cannot hold one token"):  # one GPU holding all of 7B
         wlb.WLBPacker(4, "auto", profiled, memory_bytes=80 * GiB)
+    # pp and dp not given: the memory model's own layout stands
+    laid_out = MemoryModel.analytic(M7B, wlb.ParallelSpec(gpus_per_node=1, pp=4, dp=2, cp=2), H100, fsdp=True)
+    own = wlb.CostModel(coef=profiled.coef, attn_flops_per_pair=1.0, model=M7B, memory_model=laid_out)
+    assert wlb.WLBPacker(4, "auto", own, memory_bytes=80 * GiB).max_tokens == laid_out.max_tokens(80 * GiB)
     # FSDP over the replicas the plan has
     fsdp = calibrated.with_options(fsdp=True)
     sharded = wlb.CostModel(coef=profiled.coef, attn_flops_per_pair=1.0, model=M7B, memory_model=fsdp)

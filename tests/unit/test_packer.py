@@ -648,6 +648,7 @@ def test_config_stores_numpy_integers_as_python_ints_and_legacy_takes_explicit_t
     assert wlb.PackerConfig.legacy().n_queues == 2
     assert wlb.PackerConfig.legacy(thresholds=[1000, 3000]).thresholds == (1000, 3000)
     assert wlb.PackerConfig.legacy(thresholds=None).thresholds is None
+    assert wlb.PackerConfig.legacy(thresholds=np.array([1000, 3000])).thresholds == (1000, 3000)
 
 
 def test_calibration_without_a_bound_or_an_outlier_in_the_sample():

@@ -468,7 +468,8 @@ def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce
     def waiting(operation):  # a wait that names the operation and who did not arrive if it fails
         return reporting_waits(label, rank, operation, rollcall)
 
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    # without a mesh the step is this process's alone: no exchange with the other ranks
+    distributed = mesh is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     mbs = plan.replica_micro_batches(dp_rank)  # every slot, empty ones too
     packed, finding, local_error = read_micro_batches(plan, mbs, lambda j: _batch.pack_micro_batch(plan, j, data),
                                                       report=check_plan and distributed)

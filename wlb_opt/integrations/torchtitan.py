@@ -376,10 +376,10 @@ from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 STATE_KEY = "wlb_stream"
-DONE_KEY = "wlb_stream_micro_batches_done"
-"""The loader's state besides the stream's: micro-batches of the next step already handed out."""
 """Key of the stream's JSON state in `WLBDataLoader.state_dict()` (under torchtitan's
 checkpoint key "dataloader")."""
+DONE_KEY = "wlb_stream_micro_batches_done"
+"""The loader's state besides the stream's: micro-batches of the next step already handed out."""
 
 
 class WLBDataLoader(BaseDataLoader):

@@ -55,8 +55,9 @@ class PackerConfig:
     outliers early (>= 1.0), or "auto": set each step from the stream's displacement so far
     against `delay_budget` (defaults.py)."""
     delay_budget: float = 0.5
-    """Delay per token, in steps, that calibration and balance_tolerance="auto" aim to stay
-    within (>= 0; paper §3.2)."""
+    """Displacement per token (mean |training step - arrival step|, token-weighted; without
+    lookahead the mean delay), in steps, that calibration and balance_tolerance="auto" aim
+    to stay within (>= 0; paper §3.2)."""
     method: PackerMethod = "wlb_phases"
     """The `solve_pack` method that packs each step: "wlb_phases" (Algorithm 1 with each
     micro-batch's forward and backward time balanced apart; the release policies decide on
@@ -99,7 +100,8 @@ class PackerConfig:
         """The packer's earlier defaults: two calibrated queues, the paper's release with a
         deadline of 8 steps, tolerance 1.02, Algorithm 1."""
         # two calibrated queues unless the caller chooses the thresholds (then their count)
-        queues = dict(n_queues=2) if overrides.get("thresholds", "auto") == "auto" else {}
+        chosen = overrides.get("thresholds", "auto")
+        queues = dict(n_queues=2) if isinstance(chosen, str) and chosen == "auto" else {}
         return cls(**{**dict(thresholds="auto", max_delay=8, release="paper", balance_tolerance=1.02,
                              delay_budget=0.5, method="wlb", **queues), **overrides})
 

@@ -143,8 +143,8 @@ class WLBPacker:
         self.seed = check_int("seed", seed, 0)
         self.pp = self.cost.degree("pp", pp)
         # "auto": the largest max_tokens whose worst case fits in memory_bytes (cost_memory.py)
-        self.max_tokens = check_max_tokens(resolve_max_tokens(max_tokens, self.cost, memory_bytes, pp=self.pp,
-                                                              dp=self.dp))
+        # pp and dp as given (None: the memory model's own layout)
+        self.max_tokens = check_max_tokens(resolve_max_tokens(max_tokens, self.cost, memory_bytes, pp=pp, dp=dp))
         self.thresholds, self.n_queues = queue_thresholds(self.config, self.max_tokens)
         self._auto = self.thresholds is None
         # The notice advises other thresholds; the default pool is meant to hold a majority of
@@ -588,8 +588,8 @@ class WLBPacker:
         bootstrap stream alike, within `budget` units of work (solver calls, so every rank
         chooses alike; None: no bound; past it the worse half of the groups is dropped at
         checkpoints, see `calibrate.py`). The choice minimises mean imbalance among
-        candidates whose delay per token is within `delay_budget` (ties within 0.002: less
-        delay), else the least delay. Resets the stream; call before the first `pack`.
+        candidates whose displacement per token is within `delay_budget` (ties within 0.002:
+        less displacement), else the least displacement. Resets the stream; call before the first `pack`.
         Returns the thresholds (also recorded in `state_dict()`).
         """
         # with lookahead a packer holds pieces from its first call on, at step 0: new queues would
