@@ -62,7 +62,7 @@ def test_per_draw_mode_records_the_best_draw(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--bound-draw-time", "0"], "--bound-draw-time must be seconds > 0, got 0.0"),
+    (["--bound-draw-time", "0"], "--bound-draw-time: expected a number of seconds > 0, got '0'"),
     (["--bound-draws", "30"], "--bound-draws 30 must be at most --draws (20)"),
     (["--bound-joint", "21"], "--bound-joint 21 must be at most --draws (20)"),
     (["--bound-per-draw", "2,3,2"], "a multiple of pp"),
