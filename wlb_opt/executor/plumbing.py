@@ -184,7 +184,7 @@ def agree_on_step(plan, shards, *, step, where: str, tokens=None, pieces_of=None
     initialised or has one rank): its `micro_batch_digests` with `tokens` (when
     `check_plan`), its `finding` about its own input ((kind, message): "read" when reading
     a document failed, its exception in `local_error`; "vocab" for a token outside the
-    vocabulary; "stages" for chunks split for another pipeline, `stage_layout_problem`),
+    vocabulary; "input" for chunks split for another pipeline or a shard that does not fit),
     and a digest per key of `weights` (`weight_checksums`; None: not checked).
     Then, in this order: the plans must agree (RuntimeError naming the first micro-batch);
     no rank may have a finding (the reading rank re-raises its own exception, the others a

@@ -410,16 +410,25 @@ def _check_step_arguments(stages, plan, shards, data, mesh, check_weights, loss_
 
 
 
+def _shard_problem(plan, shards, mbs, cp: int, where: str) -> str | None:
+    try:
+        check_shards(plan, shards, mbs, cp, where)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def _agree_before_step(stages, chunks, plan, shards, packed, finding, local_error, *, mbs, mesh, dp_rank, pp_rank,
-                       pp, step, label, check_plan, check_weights, distributed, waiting) -> None:
-    """The stages' layout and the first stage's vocabulary checks, then the one exchange of
-    `agree_on_step` (plan and shard digests, token digests within a replica, findings,
-    replicated weights)."""
+                       pp, cp, where, step, label, check_plan, check_weights, distributed, waiting) -> None:
+    """This rank's checks of its own input (the stages' layout, the shards it runs, the first
+    stage's vocabulary), then the one exchange of `agree_on_step` (plan and shard digests,
+    token digests within a replica, findings, replicated weights): what one rank finds wrong
+    every rank raises alike."""
     if finding is None:
-        problem = stage_layout_problem(chunks, pp_rank, pp)
+        problem = stage_layout_problem(chunks, pp_rank, pp) or _shard_problem(plan, shards, mbs, cp, where)
         if problem is not None and not (check_plan and distributed):
             raise ValueError(problem)
-        finding = None if problem is None else ("stages", problem)
+        finding = None if problem is None else ("input", problem)
     if finding is None and pp_rank == 0:
         vocab = vocabulary(chunks[0])
         problem = out_of_vocabulary(plan, packed, vocab, f"{step_words(label)}: ") if vocab else None
@@ -473,16 +482,9 @@ def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce
     mbs = plan.replica_micro_batches(dp_rank)  # every slot, empty ones too
     packed, finding, local_error = read_micro_batches(plan, mbs, lambda j: _batch.pack_micro_batch(plan, j, data),
                                                       report=check_plan and distributed)
-    if finding is None:  # a shard this rank cannot run is every rank's error, found in the one exchange
-        try:
-            check_shards(plan, shards, mbs, cp, where)
-        except ValueError as exc:
-            if not (check_plan and distributed):
-                raise
-            finding = ("shards", str(exc))
     _agree_before_step(stages, chunks, plan, shards, packed, finding, local_error, mbs=mbs, mesh=mesh,
-                       dp_rank=dp_rank, pp_rank=pp_rank, pp=pp, step=step, label=label, check_plan=check_plan,
-                       check_weights=check_weights, distributed=distributed, waiting=waiting)
+                       dp_rank=dp_rank, pp_rank=pp_rank, pp=pp, cp=cp, where=where, step=step, label=label,
+                       check_plan=check_plan, check_weights=check_weights, distributed=distributed, waiting=waiting)
     device, act_dtype = param.device, activation_dtype(param)
     hidden = getattr(chunks[0], "hidden", None)
     if pp * len(chunks) > 1 and hidden is None:
