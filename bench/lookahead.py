@@ -20,6 +20,12 @@ compares:
 Streams are those of `parity` (the built-in distributions, seeds offset from DEFAULT_SEED;
 scored seeds 0-2 by default, never the calibration seeds 100-102 the constants were chosen
 on). One PNG per run draws every distribution's curves.
+
+`--balance fwd` plans with the cost model's backward coefficients set to zero
+(`step_packers.forward_cost`), so that the packer balances the forward phase alone, the
+measure of the imbalance columns; the default, fwd_bwd, plans with the whole cost model, as
+the defaults do. `sim` (the simulated 1F1B step over that of balanced micro-batches) shows
+what balancing the forward phase alone costs the pipeline, which runs both phases.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from ..cost_args import add_cost_args, cost_from_args, count, natural
 from ..workloads import DEFAULT_SEED, DISTRIBUTIONS, global_batches
 from ._provenance import provenance
 from .parity import run_stream
+from .step_packers import forward_cost
 
 DEFAULT_BUDGET = 0.5
 """`PackerConfig.delay_budget`'s default: the defaults' own point of each curve."""
@@ -138,12 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=count, default=131072, help="training context length (default 131072)")
     p.add_argument("--n-micro", type=count, default=4, help="micro-batches per step (default 4)")
     p.add_argument("--warmup", type=natural, default=20, help="steps left out of the mean imbalance (default 20)")
+    p.add_argument("--balance", choices=("fwd_bwd", "fwd"), default="fwd_bwd",
+                   help="the cost the packer balances: fwd_bwd (the whole cost model, as the defaults) or fwd "
+                        "(the forward phase alone); the imbalance measured is the forward one either way "
+                        "(default fwd_bwd)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", default="results/lookahead", help="folder for lookahead.json (default results/lookahead)")
     add_cost_args(p, layout=("tp", "cp", "pp"))
     args = p.parse_args(argv)
     warm_up_compiled()  # numba's compile (or cache load) is no step's planning time
     cost = cost_from_args(args, parser=p)
+    plan_cost = forward_cost(cost) if args.balance == "fwd" else None
     dists = [d for d in args.dists.split(",") if d]
     unknown = [d for d in dists if d not in DISTRIBUTIONS]
     if unknown or not dists:
@@ -159,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     for dist, s, k, b in progress(runs, desc="runs", enable=not args.no_progress):
         if (dist, s) not in batches_of:
             batches_of = {(dist, s): global_batches(dist, W, N * W, args.steps, seed=DEFAULT_SEED + s)}
-        r = run_stream(batches_of[dist, s], cost, N, int(1.25 * W), args.warmup, lookahead=k, delay_budget=b)
+        r = run_stream(batches_of[dist, s], cost, N, int(1.25 * W), args.warmup, plan_cost=plan_cost,
+                       lookahead=k, delay_budget=b)
         streams.append(dict(dist=dist, seed=s, lookahead=k, delay_budget=b, **r))
     points, equal, within = [], [], []
     for dist in dists:
@@ -176,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         points += mine
         equal += [dict(dist=dist, **r) for r in rows]
         within += [dict(dist=dist, **r) for r in best]
-    print(f"{len(args.seeds)} streams x {args.steps} steps, N = {N}; mean forward imbalance / displacement per token")
+    print(f"{len(args.seeds)} streams x {args.steps} steps, N = {N}, planned on the {args.balance} cost; "
+          "mean forward imbalance / displacement per token")
     for dist in dists:
         print(f"{dist}:")
         print(f"  {'budget':>6} " + " ".join(f"{'K=' + str(k):>13}" for k in args.lookaheads))
@@ -193,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "lookahead.json").write_text(json.dumps(dict(
-        provenance=provenance("lookahead", argv), dists=dists, seeds=args.seeds, steps=args.steps, n_micro=N,
+        provenance=provenance("lookahead", argv), balance=args.balance, dists=dists, seeds=args.seeds, steps=args.steps, n_micro=N,
         lookaheads=args.lookaheads, budgets=args.budgets, points=points, equal_displacement=equal, within=within,
         streams=streams), indent=2))
     print(f"wrote {out / 'lookahead.json'}")

@@ -55,13 +55,14 @@ def settings(window: int) -> dict[str, dict]:
     }
 
 
-def run_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int = 20, **kw) -> dict:
+def run_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int = 20, plan_cost=None, **kw) -> dict:
     """One setting on one stream: mean forward imbalance of the stream's steps after
     `warmup`, the same mean of the simulated 1F1B step time over that of balanced micro-batches
     (`sim`, `step_packers.pipeline_ratio`), displacement per token after the drain, median
     planning milliseconds per global batch (with lookahead the first K calls plan nothing and
-    are left out)."""
-    packer = WLBPacker(n_micro, max_tokens, cost, config=PackerConfig(**kw))
+    are left out). `plan_cost`, if given, is the cost model the packer plans with (default
+    `cost`); the measures are `cost`'s either way."""
+    packer = WLBPacker(n_micro, max_tokens, cost if plan_cost is None else plan_cost, config=PackerConfig(**kw))
     run = run_packer(packer, batches)
     k = packer.lookahead
     plans = [plan for plan in run.plans if plan is not None] + list(run.drained[:k])

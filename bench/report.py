@@ -168,6 +168,12 @@ SECTIONS = (
             "The same comparison with 32 micro-batches per step (PP = 16 schedules), over the delay budgets "
             "around the default.",
             _lookahead_tables("As above, at 32 micro-batches."), images="lookahead.png"),
+    Section("lookahead_fwd", "Lookahead at equal displacement, planned on the forward cost",
+            "The same comparison with the packer planning on the forward phase alone (`--balance fwd`: the cost "
+            "model's backward coefficients zero), the phase the imbalance columns measure. The defaults plan on "
+            "both phases: compare `sim`, the simulated 1F1B step over that of balanced micro-batches, with the "
+            "section above.",
+            _lookahead_tables("As above, planned on the forward cost."), images="lookahead.png"),
     Section("step_packers", "Step packers at unchanged pieces, and in the loop",
             "Each step of the defaults' plans re-packed by every step packer (its pieces, hence the displacement, "
             "unchanged), and by Algorithm 1 on the forward cost alone (`wlb_fwd`), with CP-SAT's optimum and "

@@ -48,10 +48,42 @@ def test_lookahead_bench_writes_a_point_per_setting(tmp_path, capsys):
     assert (tmp_path / "lookahead.png").stat().st_size > 0
 
 
+def test_balance_fwd_plans_on_the_forward_cost_and_measures_the_whole_model(tmp_path):
+    """--balance fwd: the packer plans with the backward coefficients zero; the imbalance is
+    still the forward one of the whole cost model, as a packer built by hand on that cost gives."""
+    import argparse
+
+    import numpy as np
+
+    from wlb_opt.bench.data import run_packer
+    from wlb_opt.bench.step_packers import forward_cost
+    from wlb_opt.cost_args import add_cost_args, cost_from_args
+    from wlb_opt.packer import PackerConfig, WLBPacker, per_step_imbalance
+    from wlb_opt.workloads import DEFAULT_SEED, global_batches
+
+    common = ["--dists", "real", "--seeds", "0", "--steps", "30", "--warmup", "5", "--lookaheads", "0",
+              "--budgets", "0.5", "--no-progress", "--window", "16384"]
+    assert lookahead.main(common + ["--balance", "fwd", "--out", str(tmp_path / "fwd")]) == 0
+    assert lookahead.main(common + ["--out", str(tmp_path / "both")]) == 0
+    fwd = json.loads((tmp_path / "fwd" / "lookahead.json").read_text())
+    both = json.loads((tmp_path / "both" / "lookahead.json").read_text())
+    assert fwd["balance"] == "fwd" and both["balance"] == "fwd_bwd"
+    parser = argparse.ArgumentParser()
+    add_cost_args(parser, layout=("tp", "cp", "pp"))
+    cost = cost_from_args(parser.parse_args([]), parser=parser)  # the bench's default cost model
+    batches = global_batches("real", 16384, 4 * 16384, 30, seed=DEFAULT_SEED)
+    packer = WLBPacker(4, int(1.25 * 16384), forward_cost(cost), config=PackerConfig(delay_budget=0.5))
+    plans = [plan for plan in run_packer(packer, batches).plans if plan is not None]
+    by_hand = float(np.mean([per_step_imbalance(plan, cost, "fwd") for plan in plans][5:]))
+    assert fwd["points"][0]["imbalance"] == pytest.approx(by_hand, rel=1e-12)
+    assert fwd["points"][0]["imbalance"] != both["points"][0]["imbalance"]
+
+
 @pytest.mark.parametrize("option, value, message", [("--dists", "real,nope", "--dists must name"),
                                                     ("--lookaheads", "2,4", "must include 0"),
                                                     ("--budgets", "0.4,x", "--budgets must be comma-separated"),
-                                                    ("--seeds", "-1", "--seeds must be integers >= 0")])
+                                                    ("--seeds", "-1", "--seeds must be integers >= 0"),
+                                                    ("--balance", "bwd", "invalid choice")])
 def test_bad_options_are_usage_errors(option, value, message, capsys):
     with pytest.raises(SystemExit):
         lookahead.main([option, value, "--steps", "2"])
