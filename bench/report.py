@@ -174,6 +174,11 @@ SECTIONS = (
             "both phases: compare `sim`, the simulated 1F1B step over that of balanced micro-batches, with the "
             "section above.",
             _lookahead_tables("As above, planned on the forward cost."), images="lookahead.png"),
+    Section("lookahead_fwd_n32", "Lookahead at equal displacement, planned on the forward cost, 32 micro-batches",
+            "The same comparison planned on the forward phase alone at 32 micro-batches per step, over the delay "
+            "budgets around the default; compare with \"Lookahead at equal displacement, 32 micro-batches\".",
+            _lookahead_tables("As above, planned on the forward cost, at 32 micro-batches."),
+            images="lookahead.png"),
     Section("step_packers", "Step packers at unchanged pieces, and in the loop",
             "Each step of the defaults' plans re-packed by every step packer (its pieces, hence the displacement, "
             "unchanged), and by Algorithm 1 on the forward cost alone (`wlb_fwd`), with CP-SAT's optimum and "
