@@ -657,13 +657,16 @@ def test_calibration_without_a_bound_or_an_outlier_in_the_sample():
     logging.getLogger("wlb_opt").setLevel(logging.ERROR)
     rng = np.random.default_rng(0)
     sample = np.concatenate([rng.integers(1, 600, 60), rng.integers(1200, 4096, 12)])
-    bounded = wlb.WLBPacker(2, 4096, wlb.cost.default_cost(), config=wlb.PackerConfig(thresholds="auto"))
     unbounded = wlb.WLBPacker(2, 4096, wlb.cost.default_cost(), config=wlb.PackerConfig(thresholds="auto"))
-    # budget=None runs every candidate to the end (a candidate that overloads is no choice)
-    assert unbounded.calibrate(sample, budget=None) == bounded.calibrate(sample, budget=float("inf"))
-    # a tiny budget: candidates that planned no step are never chosen
+    # budget=None runs every candidate to the end of the bootstrap stream (one that overloads is no choice)
+    unbounded.calibrate(sample, budget=None)
+    record = unbounded.calibration
+    assert record["budget"] is None and len(record["candidates"]) > 1
+    assert all(c["batches"] == record["n_batches"] for c in record["candidates"])
+    # a tiny budget stops runs early: candidates that planned no step are never chosen
     tiny = wlb.WLBPacker(2, 4096, wlb.cost.default_cost(), config=wlb.PackerConfig(thresholds="auto"))
     tiny.calibrate(sample, budget=1.0)
+    assert any(c["batches"] < tiny.calibration["n_batches"] for c in tiny.calibration["candidates"])
     chosen = [c for c in tiny.calibration["candidates"] if c["thresholds"] == tiny.thresholds]
     assert chosen and chosen[0]["batches"] >= 1
     # global batches so large that no length is an outlier: no queues, and the packer runs

@@ -419,13 +419,13 @@ def same_shard(got, want):
 
 
 @given(lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=40), n_micro=st.integers(1, 6),
-       cp=st.integers(1, 8), strategy=st.sampled_from(STRATEGIES), cost_name=st.sampled_from(sorted(COSTS)),
-       skew=st.sampled_from([0.0, 0.0625, 0.5, math.inf]), seed=st.integers(0, 2**16))
+       cp=st.integers(1, 8), strategy=st.sampled_from([s for s in STRATEGIES if s != "cpsat"]),
+       cost_name=st.sampled_from(sorted(COSTS)), skew=st.sampled_from([0.0, 0.0625, 0.5, math.inf]),
+       seed=st.integers(0, 2**16))
 @settings(max_examples=80, deadline=None)
 def test_solve_shards_gives_solve_shard_of_every_micro_batch(lengths, n_micro, cp, strategy, cost_name, skew, seed):
+    """The batched strategies (cpsat solves each micro-batch with `solve_shard` itself)."""
     cost = COSTS[cost_name]
-    if strategy == "cpsat":  # the exact reference: micro-batches it solves to optimality at once
-        lengths, cp = lengths[:6], min(cp, 3)
     offsets = np.random.default_rng(seed).integers(0, 1000, len(lengths))
     plan = wlb.solve_pack(lengths, n_micro, max(lengths) * 2, cost, "wlb", ids=np.arange(len(lengths)), offsets=offsets)
     shards = wlb.solve_shards(plan, cp, strategy, cost, token_skew=skew)
@@ -435,10 +435,7 @@ def test_solve_shards_gives_solve_shard_of_every_micro_batch(lengths, n_micro, c
             assert got is None
             continue
         want = wlb.solve_shard(plan.lengths[mb], cp, strategy, cost, offsets=plan.offsets[mb], token_skew=skew)
-        if strategy == "cpsat":  # its solve times differ run to run
-            assert np.array_equal(got.chunks, want.chunks) and np.array_equal(got.loads, want.loads)
-        else:
-            same_shard(got, want)
+        same_shard(got, want)
 
 
 def test_solve_shards_on_tiny_micro_batches_passes_the_independent_checker():
