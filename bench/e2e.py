@@ -7,8 +7,10 @@ step is simulated (`wlb_opt.simulate.simulate_step`, interleaved 1F1B with 2 chu
 - plain: Plain-4D. Data-order fixed-length packing ("original"), per-sequence CP.
 - fixed: Fixed-4D. Fixed-length greedy on cost ("fixed"), and the better of static per-seq
   and per-doc CP over the run (paper §7.2 reports the better one too).
-- wlb:   WLB-LLM. `WLBPacker` (Algorithm 1, two outlier queues, max_delay 8, S_max = 1.25 x
-         window), adaptive CP per micro-batch.
+- wlb:   WLB-LLM. `WLBPacker` (three calibrated outlier queues, release "balance", max_delay 8,
+         S_max = 1.25 x window; each step packed by the default step packer, `wlb_phases`:
+         Algorithm 1's rule with the forward and backward balanced apart), adaptive CP per
+         micro-batch.
 - best:  everything else this library has, on top of the wlb packer's stream: the improved
          packing heuristic (re-packs each step's placed documents, kept only if its largest
          load is lower), hybrid CP (never predicted worse than adaptive), micro-batches
