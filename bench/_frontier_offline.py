@@ -56,6 +56,12 @@ every piece of every batch trained exactly once (by (document id, offset, length
 a `PackPlan` that `wlb_opt.plan.check_pack` accepts (token caps, loads = the cost model's),
 and the imbalance and displacement recomputed from those plans.
 
+`--balance fwd` plans the heuristics on the forward phase alone (`step_packers.forward_cost`:
+the cost model's backward coefficients zero; measured as above) and brackets them against
+forward searches only: with the whole stream known (`offline_*`) and with each heuristic's own
+reach (`lead_*`, the search that balances both phases replaced by the forward one; no
+`phases_*`). The forward imbalance is then what both the heuristics and the searches balance.
+
 `--jobs J` searches J distributions at once, each in a worker process: every draw of the
 search is seeded, so the schedules are those of one process (the bounds are what HiGHS proves
 within `--time-limit`, which a loaded machine may lower).
@@ -76,7 +82,7 @@ from ..solvers.frontier_milp import aggregate_imbalance, frontier_problem, plan_
 from ..solvers.offline import PRICES, offline_frontier, offline_stream
 from ..workloads import DEFAULT_SEED, global_batches
 from .data import run_packer
-from .step_packers import is_full, pipeline_ratio
+from .step_packers import forward_cost, is_full, pipeline_ratio
 from ._provenance import provenance
 
 OFFLINE_DISTS = ("default", "real", "code", "heavy", "prose")
@@ -181,10 +187,13 @@ def _piece_steps(plans, stream) -> tuple[np.ndarray, np.ndarray]:
 
 def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, budgets: list[float],
                      time_limit: float, outlier_min: int, seed: int, prices, warmup: int, show,
-                     seeded_starts: int | None = None, phases_budgets=PHASES_BUDGETS) -> dict:
+                     seeded_starts: int | None = None, phases_budgets=PHASES_BUDGETS, balance: str = "fwd_bwd") -> dict:
     """Heuristics, bounds and offline schedules of one distribution's stream; see the module
     docstring. `phases_budgets`: budgets the forward + backward search meets besides the
-    heuristics' displacements."""
+    heuristics' displacements. `balance`: "fwd_bwd" (the heuristics plan on the whole cost
+    model) or "fwd" (on the forward phase alone, bracketed by forward searches only)."""
+    if balance not in ("fwd_bwd", "fwd"):
+        raise ValueError(f"balance must be 'fwd_bwd' or 'fwd', got {balance!r}")
     from .frontier import model_window, stream_plans, sum_of_max
 
     t0 = time.perf_counter()
@@ -194,7 +203,8 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
     runs, displacement = {}, {}
     pp = cost.degree("pp")
     for name, kw in BRACKETED.items():
-        run = run_packer(WLBPacker(N, max_tokens, cost, config=PackerConfig(**kw)), batches)
+        plan_cost = forward_cost(cost) if balance == "fwd" else cost
+        run = run_packer(WLBPacker(N, max_tokens, plan_cost, config=PackerConfig(**kw)), batches)
         runs[name] = stream_plans(run)
         displacement[name] = float(run.stats["displacement_per_token"])
     early, late, n_slots = model_window(list(runs.values()), len(batches), outlier_min)
@@ -234,11 +244,15 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
     curve, search_s, streams = [], {}, {"fwd": stream}
     own = {r["displacement_per_token"] for r in rows}
     # the forward search draws the frontier; the other one the heuristics' budgets and the targets'
-    searches = [("fwd", early, all_budgets), ("fwd+bwd", early, sorted(own | set(phases_budgets)))]
+    # (with balance "fwd" the heuristics balance the forward cost: no search of both phases)
+    lead_objective = "fwd" if balance == "fwd" else "fwd+bwd"
+    searches = [("fwd", early, all_budgets)]
+    if balance == "fwd_bwd":
+        searches.append(("fwd+bwd", early, sorted(own | set(phases_budgets))))
     # and with each heuristic's own reach: its displacements and the targets'
     for lead in sorted({r["max_lead"] for r in rows}):
-        searches.append(("fwd+bwd", lead, sorted({r["displacement_per_token"] for r in rows if r["max_lead"] == lead}
-                                                 | set(phases_budgets))))
+        searches.append((lead_objective, lead, sorted({r["displacement_per_token"] for r in rows
+                                                       if r["max_lead"] == lead} | set(phases_budgets))))
     for objective, lead, at in searches:
         phase = OBJECTIVES[objective]
         label = objective if lead == early else f"{objective}, lead <= {lead}"
@@ -299,7 +313,7 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
         r["bound"] = bounds[above[0]] if above else None
         r["gap_lower_aggregate"] = None if r["bound"] is None else r["aggregate"] - r["bound"]
         for objective, lead, prefix in (("fwd", early, ""), ("fwd+bwd", early, "phases_"),
-                                        ("fwd+bwd", r["max_lead"], "lead_")):
+                                        (lead_objective, r["max_lead"], "lead_")):
             within = [c for c in curve if c["checked"] and c["objective"] == objective and c["max_lead"] == lead
                       and c["displacement_per_token"] <= d + 1e-12]
             best = min(within, key=lambda c: c["imbalance"]) if within else None
@@ -312,7 +326,7 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
             if not prefix:
                 best_agg = min((c["aggregate"] for c in within), default=None)
                 r["gap_achievable_aggregate"] = None if best_agg is None else r["aggregate"] - best_agg
-    meta = dict(dist=dist, steps=len(batches), early=early, late=late, n_slots=n_slots,
+    meta = dict(dist=dist, balance=balance, steps=len(batches), early=early, late=late, n_slots=n_slots,
                 search_seconds=search_s, seconds=time.perf_counter() - t0)
     return dict(meta=meta, offline=curve, brackets=rows)
 
@@ -346,7 +360,7 @@ def main(args, argv, cost, budgets: list[float] | None) -> int:
     kw = dict(steps=steps, window=args.window, n_micro=args.n_micro, budgets=budgets, time_limit=time_limit,
               outlier_min=args.outlier_min, seed=args.seed, prices=prices, warmup=20,
               seeded_starts=QUICK_SEEDED_STARTS if args.quick else None,
-              phases_budgets=() if args.quick else PHASES_BUDGETS, show=_show)
+              phases_budgets=() if args.quick else PHASES_BUDGETS, show=_show, balance=args.balance)
     jobs = min(args.jobs, len(dists))
     if jobs <= 1:
         results = [_quiet_run(dist, cost, kw) for dist in dists]
@@ -383,7 +397,7 @@ def main(args, argv, cost, budgets: list[float] | None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     seconds = time.perf_counter() - t0
-    meta = dict(steps=steps, window=args.window, n_micro=args.n_micro, max_tokens=int(1.25 * args.window),
+    meta = dict(balance=args.balance, steps=steps, window=args.window, n_micro=args.n_micro, max_tokens=int(1.25 * args.window),
                 outlier_min=args.outlier_min, time_limit=time_limit, budgets=budgets, prices=list(prices),
                 edge_weight=EDGE_WEIGHT, seconds=seconds, streams=[r["meta"] for r in results])
     (out / "offline.json").write_text(json.dumps(dict(

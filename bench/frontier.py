@@ -206,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --offline: distributions searched in this many worker processes at once (default 1; "
                         "at most the machine's idle cores: the schedules are the same, the bounds are HiGHS's within "
                         "--time-limit)")
+    p.add_argument("--balance", choices=("fwd_bwd", "fwd"), default="fwd_bwd",
+                   help="with --offline: the cost the defaults plan on, fwd_bwd (the whole cost model, as the "
+                        "defaults) or fwd (the forward phase alone, bracketed by forward searches only); default "
+                        "fwd_bwd")
     add_cost_args(p, layout=("tp", "cp", "pp"))
     args = p.parse_args(argv)
     warm_up_compiled()  # numba's compile (or cache load) is no step's planning time
@@ -222,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         return offline_main(args, argv, cost_from_args(args, parser=p), budgets)
     if args.dists:
         p.error("--dists needs --offline (use --dist for the certified frontier)")
+    if args.balance != "fwd_bwd":
+        p.error("--balance needs --offline")
     if args.jobs != 1:
         p.error(f"--jobs {args.jobs} needs --offline (the certified frontier is one stream)")
     steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else STEPS)

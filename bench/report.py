@@ -145,6 +145,21 @@ SECTIONS = (
                             "phases_offline_sim", "phases_offline_displacement", "gap_achievable_phases",
                             "aggregate", "gap_achievable_aggregate", "bound", "gap_lower_aggregate"))),
             meta_file="offline.json", images="offline_*.png"),
+    Section("frontier_fwd", "Achievable frontier with the defaults planned on the forward cost",
+            "The same offline searches with the defaults planning on the forward phase alone (`--balance fwd`: the "
+            "cost model's backward coefficients zero), the phase the imbalance measures, each bracketed by searches "
+            "that balance the forward cost too: with the whole stream known and with its own reach (`max_lead`).",
+            (Table("offline.json", ("offline",), caption="Offline schedules (checked) and the bound at each budget.",
+                   columns=("dist", "objective", "max_lead", "budget", "displacement_per_token", "imbalance",
+                            "imbalance_bwd", "sim", "full_share", "aggregate", "bound", "source")),
+             Table("offline.json", ("brackets",), caption="Each forward-planned default against the forward "
+                   "searches: with its own reach (`lead_`) and with the whole stream known (`offline_`); "
+                   "`gap_achievable*`: its imbalance minus theirs, at no more displacement; `sim` as above.",
+                   columns=("dist", "method", "max_lead", "imbalance", "imbalance_bwd", "sim",
+                            "displacement_per_token", "lead_offline_imbalance", "lead_offline_displacement",
+                            "gap_achievable_lead", "offline_imbalance", "offline_sim", "offline_displacement",
+                            "gap_achievable", "bound", "gap_lower_aggregate"))),
+            meta_file="offline.json", images="offline_*.png"),
     Section("shard", "CP sharding strategies",
             "Attention imbalance across CP ranks of each sharding strategy on packed micro-batches.",
             (Table("shard.json", ("summary",), caption="Per source, CP size and strategy, over all micro-batches.",

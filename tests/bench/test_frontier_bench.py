@@ -150,6 +150,48 @@ def test_the_schedule_checker_measures_both_phases_as_the_plans_do():
                        stream2.lengths, N, int(1.25 * W), 2, 1)
 
 
+def test_bench_frontier_offline_balance_fwd_brackets_forward_planned_defaults_by_forward_searches(tmp_path):
+    """--balance fwd: the defaults plan on the forward phase alone (measured on the whole cost
+    model, as a packer built by hand on that cost gives), and every search balances the forward
+    cost, with the whole stream known and with each default's own reach."""
+    import argparse
+
+    import numpy as np
+
+    from wlb_opt.bench import frontier
+    from wlb_opt.bench.data import run_packer
+    from wlb_opt.bench.step_packers import forward_cost
+    from wlb_opt.cost_args import add_cost_args, cost_from_args
+    from wlb_opt.packer import PackerConfig, WLBPacker, per_step_imbalance
+    from wlb_opt.workloads import DEFAULT_SEED, global_batches
+
+    assert frontier.main(["--offline", "--quick", "--steps", "16", "--dists", "real", "--budgets", "0.3",
+                          "--time-limit", "1", "--balance", "fwd", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "offline.json").read_text())
+    assert out["meta"]["balance"] == "fwd" and out["meta"]["streams"][0]["balance"] == "fwd"
+    curve = out["offline"]
+    assert curve and {c["objective"] for c in curve} == {"fwd"}
+    assert all(c["checked"] and c["displacement_per_token"] <= c["budget"] + 1e-9 for c in curve)
+    early = out["meta"]["streams"][0]["early"]
+    leads = {b["max_lead"] for b in out["brackets"]}
+    assert {c["max_lead"] for c in curve} == {early} | leads
+    for b in out["brackets"]:
+        assert b["phases_offline_imbalance"] is None and b["gap_achievable_phases"] is None
+        assert b["lead_offline_displacement"] <= b["displacement_per_token"] + 1e-12
+        assert b["gap_achievable"] == pytest.approx(b["imbalance"] - b["offline_imbalance"])
+    parser = argparse.ArgumentParser()
+    add_cost_args(parser, layout=("tp", "cp", "pp"))
+    cost = cost_from_args(parser.parse_args([]), parser=parser)  # the bench's default cost model
+    batches = global_batches("real", 131072, 4 * 131072, 16, seed=DEFAULT_SEED)
+    run = run_packer(WLBPacker(4, int(1.25 * 131072), forward_cost(cost), config=PackerConfig()), batches)
+    plans = [plan for plan in run.plans if plan is not None][:16]
+    by_hand = float(np.mean([per_step_imbalance(plan, cost, "fwd") for plan in plans]))
+    row = next(b for b in out["brackets"] if b["method"] == "default (no tuning)")
+    assert row["imbalance"] == pytest.approx(by_hand, rel=1e-12)
+    with pytest.raises(SystemExit):
+        frontier.main(["--balance", "fwd", "--steps", "4", "--out", str(tmp_path)])  # needs --offline
+
+
 def test_offline_distributions_in_worker_processes_give_the_same_schedules(tmp_path):
     """`--jobs 2` searches each distribution in a process of its own: every draw is seeded,
     so the schedules, and the brackets read from them, are those of one process."""
