@@ -4,8 +4,9 @@ A step's dp x n_micro micro-batches are given n_micro to each replica. Replicas 
 parallel and the step waits for the slowest, so the dealer minimises the largest replica
 time. Three levels, each a refinement of the one before:
 
-- heaviest first to the replica with the least total that still has a free slot (LPT with
-  equal slot counts; balances the sums of loads, what `solve_pack` does);
+- heaviest first to the replica with a free slot whose modelled 1F1B time (below) is least
+  once the micro-batch joins it; with pp = 1 that is the least total (LPT with equal slot
+  counts; balances the sums of loads, what `solve_pack` does);
 - with `pp` and `max_passes > 0`: pairwise swaps between replicas while the largest modelled
   1F1B replica time (then the sum of replica times) goes down. The 1F1B time of a replica
   whose micro-batches cost c_j (forward + backward, all stages) is about
@@ -27,7 +28,8 @@ import numpy as np
 def deal_to_replicas(loads, dp: int, n_micro: int, pp: int = 1, max_passes: int = 0,
                      min_gain: float = 0.0) -> np.ndarray:
     """replica_of (int64, one entry per micro-batch) giving n_micro micro-batches to each of
-    dp replicas. `max_passes` = 0: heaviest-first greedy on replica totals; > 0: then up to
+    dp replicas. `max_passes` = 0: heaviest-first greedy on the replicas' modelled 1F1B time
+    (their totals when pp = 1); > 0: then up to
     that many rounds of 1F1B-priced pairwise swaps with `pp` stages (see the module docstring),
     ending after a round that lowers the largest replica time by less than `min_gain` of it
     (0: only a round without any swap ends them)."""

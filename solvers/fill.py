@@ -8,7 +8,7 @@ builds the plan in the order that keeps the large documents movable:
 
 1. **Large items** (the carried ones, and every item whose cost is at least
    `LARGE_SHARE` x the step's mean micro-batch cost) are placed by Algorithm 1's rule,
-   carried first, then by cost descending, and a descent on their loads alone (moves of one
+   carried first, then by length descending (Algorithm 1's order), and a descent on their loads alone (moves of one
    item off the heaviest bin, swaps with a lighter bin's item, `local_search.improve` on the
    large items) lowers the heaviest large load while the bins still have token room.
 2. **Short items** follow longest first, each to the least-loaded bin with room, the

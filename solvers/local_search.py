@@ -14,7 +14,9 @@ input and output and the same millisecond budget, and adds:
    room, else the best swap of an item of h with an item of a lighter bin (lightest bins
    first; partners found by binary search on the weight that would halve the difference),
    accepted only when it lowers max(load_h, load_b) strictly. The sorted vector of loads then
-   decreases lexicographically, so the descent ends; `max_iter` caps it.
+   decreases lexicographically, so the descent ends; `max_iter` caps it. Where a move or swap
+   left room for a deferred item, step 2 runs again and the descent goes on: no deferred item
+   fits a bin at the end.
 
 Deterministic: no randomness, no clock; ties go to the lowest index. Carried items stay
 placed (moves keep every item in some bin; the fill pass never swaps a carried item out).
@@ -71,6 +73,10 @@ class _State:
                 continue
             self._add(i, int(np.argmin(np.where(room, self.loads, np.inf))))
         self.deferred = sorted(keep)
+
+    def deferred_fits(self) -> bool:
+        """Whether some deferred item fits the bin of most room."""
+        return bool(self.deferred) and int(self.L[self.deferred].min()) <= self.cap - int(self.toks.min())
 
     def fill(self, max_steps: int) -> int:
         """Raise placed tokens: swap a placed item i for a longer deferred j that still fits
@@ -156,9 +162,14 @@ def improve(problem: PackProblem, bins, deferred, max_iter: int | None = None,
     m = problem.n_bins
     max_iter = max_iter if max_iter is not None else 20 * m + 200
     fills = 0
-    if st.deferred:
+
+    def place() -> None:  # step 2: deferred items into bins with room, then the fill pass
+        nonlocal fills
         st.place_deferred()
-        fills = st.fill(max_iter)
+        fills += st.fill(max_iter)
+
+    if st.deferred:
+        place()
     iters = moves = swaps = 0
     while iters < max_iter and m > 1:
         iters += 1
@@ -182,7 +193,12 @@ def improve(problem: PackProblem, bins, deferred, max_iter: int | None = None,
                 done = True
                 break
         if not done:
+            if st.deferred_fits():  # the descent freed room for a deferred item: place it, go on
+                place()
+                continue
             break
+    if st.deferred_fits():  # the descent stopped at max_iter with room for a deferred item
+        place()
     out_bins = [np.asarray(sorted(mb), dtype=np.int64) for mb in st.members]
     return PackResult(bins=out_bins, deferred=np.asarray(st.deferred, dtype=np.int64),
                       extra=dict(ls_iterations=iters, ls_moves=moves, ls_swaps=swaps, ls_fills=fills))

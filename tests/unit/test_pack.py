@@ -2,7 +2,7 @@
 dp > 1, carried documents, bad input, and plan serialisation."""
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import unit_cost
@@ -41,6 +41,41 @@ def test_every_heuristic_passes_the_checker(lengths, n_micro, dp, slack, method,
     plan = wlb.solve_pack(lengths, n_micro, max_tokens, cost, method, ids=ids, dp=dp, carried=carried)
     wlb.check_pack(plan, lengths, max_tokens, ids=ids, cost=cost)
     assert plan.info.method == method
+
+
+def _deferred_that_fit(plan, max_tokens):
+    room = max_tokens - plan.tokens
+    return [int(plan.lengths[d]) for d in plan.deferred if len(room) and plan.lengths[d] <= room.max()]
+
+
+@pytest.mark.parametrize("method", ["wlb_ls", "wlb_fill"])
+def test_local_search_places_a_deferred_piece_its_moves_made_room_for(method):
+    """A move of the descent frees 4 tokens in a micro-batch after the deferred pieces were
+    placed; the 4-token piece deferred goes there (Algorithm 1 leaves 61 tokens in the last)."""
+    import dataclasses
+
+    cost = dataclasses.replace(
+        wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=4, pp=4),
+                               wlb.HardwareSpec.preset("h100")),
+        tile=8, eff_q_len=(1, 16, 32), eff_scale=(0.5, 0.8, 1.0)).without_layout()
+    lengths = [30, 2, 23, 4, 7, 8, 33, 6, 33, 50, 47, 43, 63, 11, 53, 40, 63, 46]
+    plan = wlb.solve_pack(lengths, 4, 64, cost=cost, method=method)
+    wlb.check_pack(plan, lengths, 64, cost=cost)
+    assert _deferred_that_fit(plan, 64) == []
+    assert plan.tokens.sum() == 254  # every token but the deferred 63 + 40 + ... that fit nowhere
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths=st.lists(st.integers(1, 64), min_size=1, max_size=40), n_micro=st.integers(1, 5),
+       slack=st.floats(0.3, 1.0), method=st.sampled_from(["wlb_ls", "wlb_fill"]),
+       attn=st.sampled_from([0.0, 1e-6, 1e-3]))
+def test_local_search_leaves_no_deferred_piece_that_fits(lengths, n_micro, slack, method, attn):
+    lengths = np.array(lengths, dtype=np.int64)
+    max_tokens = max(int(lengths.max()), int(slack * lengths.sum() / n_micro))
+    cost = unit_cost(attn=attn, linear=1e-3)
+    plan = wlb.solve_pack(lengths, n_micro, max_tokens, cost, method)
+    wlb.check_pack(plan, lengths, max_tokens, cost=cost)
+    assert _deferred_that_fit(plan, max_tokens) == []
 
 
 def test_checker_catches_a_dropped_and_a_duplicated_document():
