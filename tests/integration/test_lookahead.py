@@ -288,6 +288,27 @@ def test_a_state_of_another_lookahead_or_a_bad_buffer_is_refused():
         packer.pack([3], [held])
 
 
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_a_piece_that_overlaps_a_held_one_is_refused_and_the_state_kept(lookahead):
+    """A piece of a document that shares tokens with one the packer still holds (queued, or
+    buffered ahead) at another offset would train those tokens twice; an adjacent piece is fine."""
+    from wlb_opt.cost import default_cost
+
+    packer = WLBPacker(2, 100, default_cost(), config=PackerConfig(thresholds=[50], max_delay=4, lookahead=lookahead))
+    first = packer.pack([60, 5], [1, 2])  # (1, 0, 60) waits in its queue (and 2 in the buffer, with lookahead)
+    assert 1 in packer.queued_ids().tolist()
+    before = packer.state_dict()
+    with pytest.raises(ValueError, match=r"id 1 \[30, 90\) \(position 0\) overlaps the piece \[0, 60\)"):
+        packer.pack([60], [1], [30])
+    with pytest.raises(ValueError, match=r"id 1 \[59, 61\) \(position 1\) overlaps"):
+        packer.pack([3, 2], [9, 1], [0, 59])
+    assert packer.state_dict() == before
+    plans = [plan for plan in [first, packer.pack([10], [1], [60])] + packer.drain() if plan is not None]
+    placed = sorted((int(plan.doc_ids[i]), int(plan.offsets[i]), int(plan.lengths[i]))
+                    for plan in plans for mb in plan.micro_batches for i in mb.tolist())
+    assert placed == [(1, 0, 60), (1, 60, 10), (2, 0, 5)]
+
+
 def test_a_buffered_piece_is_refused_by_its_id_and_offset_not_its_id_alone():
     # the buffer keeps its batches as arrays: a later piece of a buffered document (another
     # offset) is accepted, the same piece again is refused, and the state is unchanged

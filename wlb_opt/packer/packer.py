@@ -25,8 +25,9 @@ and carry. What the paper leaves open about a training job is settled here:
   micro-batches cost c_j (forward + backward, all stages) runs for about
   (sum_j c_j + (pp - 1) max_j c_j) / pp: the heaviest micro-batch crosses every stage once,
   the others pass the first stage (paper §1.3 / §2.3); p2p ignored.
-- identity: a piece is (id, offset). Ids repeated within a batch, or equal to a piece the
-  packer still holds (queued or carried), raise ValueError. The packer does not remember
+- identity: a piece is (id, offset). Ids repeated within a batch, or a piece equal to or
+  overlapping (the same id, a token in common) one the packer still holds (queued, carried
+  or buffered ahead), raise ValueError. The packer does not remember
   pieces it has already emitted, so re-sending an emitted id later is not detected.
 - delay of a piece = `plan.step` where it is placed - the step it arrived; every plan
   records the arrival step of each of its pieces in `plan.arrival_step`.
@@ -292,11 +293,18 @@ class WLBPacker:
         # every held or buffered piece has an id <= _max_id: a batch of larger ids (a stream
         # whose ids grow, as automatic ones do) cannot repeat one, and is not compared piece by piece
         fresh_ids = self._max_id is not None and n and int(ids.min()) > self._max_id
-        if self._held and not fresh_ids and not self._held.isdisjoint_pieces(ids.tolist(), offsets.tolist()):
-            for k, key in enumerate(zip(ids.tolist(), offsets.tolist())):
-                if key in self._held:
-                    raise ValueError(f"ids: id {key[0]} (offset {key[1]}, position {k}) is already held by the "
-                                     "packer (queued or carried from an earlier step)")
+        clash = None if not self._held or fresh_ids else \
+            self._held.first_clash(ids.tolist(), offsets, lengths)
+        if clash is not None:  # the same tokens of a document twice
+            k, held_offset, held_length = clash
+            key = (int(ids[k]), int(offsets[k]))
+            if held_offset == key[1]:
+                raise ValueError(f"ids: id {key[0]} (offset {key[1]}, position {k}) is already held by the "
+                                 "packer (queued or carried from an earlier step, or buffered ahead)")
+            start, end = key[1], key[1] + int(lengths[k])
+            raise ValueError(f"ids: id {key[0]} [{start}, {end}) (position {k}) overlaps the piece "
+                             f"[{held_offset}, {held_offset + held_length}) the packer still holds (queued or "
+                             "carried from an earlier step, or buffered ahead): its tokens would train twice")
         return lengths, ids, offsets
 
     # ------------------------------------------------------------------ one step

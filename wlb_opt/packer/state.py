@@ -114,15 +114,28 @@ class KeySets:
     def __contains__(self, key) -> bool:
         return any(key[0] in ids.get() and key in self._keys_of(k) for k, ids in enumerate(self._ids))
 
-    def isdisjoint_pieces(self, ids: list[int], offsets: list[int]) -> bool:
-        """Whether no (id, offset) of a batch's pieces is one of these: first on the ids alone
-        (sets of ints), then on the pairs of the lists that share an id with the batch."""
+    def first_clash(self, ids: list[int], offsets: np.ndarray, lengths: np.ndarray):
+        """The first of a batch's pieces that is one of these or shares a token with one (the
+        same id, overlapping [offset, offset + length)), as (position in the batch, held
+        offset, held length), or None. Only the groups that share an id with the batch are
+        read, first on the ids alone (sets of ints): a stream of whole documents reads none."""
         batch_ids = set(ids)
         shared = [k for k, group_ids in enumerate(self._ids) if not group_ids.get().isdisjoint(batch_ids)]
         if not shared:
-            return True
-        keys = set(zip(ids, offsets))
-        return all(self._keys_of(k).isdisjoint(keys) for k in shared)
+            return None
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for k in shared:
+            group = self._groups[k]
+            rows = (zip(*group[:3].tolist()) if isinstance(group, np.ndarray)
+                    else ((p.id, p.offset, p.length) for p in group))
+            for i, offset, length in rows:
+                if i in batch_ids:
+                    spans.setdefault(i, []).append((offset, length))
+        for position, (i, offset, length) in enumerate(zip(ids, offsets.tolist(), lengths.tolist())):
+            for held_offset, held_length in spans.get(i, ()):
+                if offset < held_offset + held_length and held_offset < offset + length:
+                    return position, held_offset, held_length
+        return None
 
 
 def held_tokens(queues, carry) -> int:
