@@ -39,7 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from ._validate import INT64_MAX, bool_position, check_int, check_real
-from .plan import check_replicas, imbalance
+from .plan import ShardPlan, check_replicas, imbalance
 from .schedule import SCHEDULES, Op, Schedule, stage_order
 from .specs import ParallelSpec
 
@@ -545,6 +545,26 @@ def step_layout(plan, cost, parallel: ParallelSpec | None = None) -> ParallelSpe
     return parallel
 
 
+def _step_shard(shard, j: int, lengths: np.ndarray, cp: int):
+    """`shards[j]` of `simulate_step`, checked against micro-batch j (its `lengths`) and the
+    layout's CP degree; None (an empty micro-batch, as `solve_shards` gives it) stays None."""
+    if shard is None:
+        if len(lengths):
+            raise ValueError(f"shards[{j}] is None, but micro-batch {j} holds {len(lengths)} pieces "
+                             "(None is an empty micro-batch's shard)")
+        return None
+    if not isinstance(shard, ShardPlan):
+        raise TypeError(f"shards[{j}] must be a ShardPlan (or None for an empty micro-batch), "
+                        f"got {type(shard).__name__}")
+    if len(shard.lengths) != len(lengths) or not np.array_equal(shard.lengths, lengths):
+        raise ValueError(f"shards[{j}] shards pieces of lengths {shard.lengths.tolist()[:8]}"
+                         f"{'...' if len(shard.lengths) > 8 else ''}, not micro-batch {j}'s "
+                         f"{lengths.tolist()[:8]}{'...' if len(lengths) > 8 else ''}")
+    if shard.cp != cp:
+        raise ValueError(f"shards[{j}] is sharded for cp={shard.cp}, but the layout has cp={cp}")
+    return shard
+
+
 def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, schedule: Schedule = "interleaved", virtual_stages: int = 2,
                   p2p_s=None, allreduce_s: float | None = None, search_order: bool = False,
                   use_dag: bool = True, blocking_p2p: bool = True) -> StepResult:
@@ -595,10 +615,11 @@ def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, s
     for j in range(n_mb):
         lengths = plan.lengths[plan.micro_batches[j]]
         fwd_share[j] = _phase_split(cost, lengths)
-        if shards is None:
+        shard = None if shards is None else _step_shard(shards[j], j, lengths, parallel.cp)
+        if shard is None:
             total[j] = cost.micro_batch_cost(lengths, "fwd_bwd")
         else:
-            loads = np.asarray(shards[j].loads, dtype=np.float64)
+            loads = np.asarray(shard.loads, dtype=np.float64)
             total[j] = float(loads.max())
             cp_imb[j] = float(loads.max() / loads.mean()) if loads.mean() > 0 else 1.0
     mb_fwd, mb_bwd = total * fwd_share, total * (1.0 - fwd_share)

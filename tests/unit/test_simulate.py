@@ -203,7 +203,7 @@ def cost7b():
                                   wlb.HardwareSpec.preset("h100"))
 
 
-class _Shard:
+class _Shard:  # not a ShardPlan: refused
     def __init__(self, loads):
         self.loads = np.asarray(loads, dtype=np.float64)
 
@@ -215,8 +215,14 @@ def test_simulate_step_composes_cp_pp_dp(cost7b):
     plan = wlb.solve_pack(lengths, 4, 131072, cost7b, "wlb", dp=2)
     no_cp = simulate_step(plan, None, cost7b, parallel)
     # A CP imbalance on one micro-batch (max rank 1.5x its mean) can only slow the step down.
-    shards = [_Shard([load, load]) for load in plan.loads]
-    shards[0] = _Shard([1.5 * plan.loads[0], 0.5 * plan.loads[0]])
+    import dataclasses
+
+    def shard(j, loads):  # micro-batch j's shard, its ranks' loads set
+        real = wlb.solve_shard(plan.lengths[plan.micro_batches[j]], None, "per_doc", cost7b)
+        return dataclasses.replace(real, loads=np.asarray(loads, dtype=np.float64))
+
+    shards = [shard(j, [load, load]) for j, load in enumerate(plan.loads)]
+    shards[0] = shard(0, [1.5 * plan.loads[0], 0.5 * plan.loads[0]])
     with_cp = simulate_step(plan, shards, cost7b, parallel)
     assert with_cp.step_time_s >= no_cp.step_time_s
     assert with_cp.imbalance_cp == pytest.approx((1.5 + 7 * 1.0) / 8)
@@ -245,6 +251,28 @@ def test_simulate_step_checks_its_input(cost7b):
     # a replica left without micro-batches is named by replica_of, not by the pipeline's shape
     with pytest.raises(ValueError, match=r"replica_of must give each of the plan's dp=2 replicas n_micro=4"):
         simulate_step(plan.replace(replica_of=[0] * 8), None, cost7b, wlb.ParallelSpec(tp=8, cp=2, pp=4, dp=2))
+    # each shard must be its micro-batch's, for the layout's CP degree; None only for an empty one
+    real = wlb.solve_shards(plan, 2, "per_doc", cost7b)
+    other = wlb.solve_shards(plan, 4, "per_doc", cost7b.without_layout())
+    with pytest.raises(ValueError, match=r"shards\[1\] shards pieces of lengths .*, not micro-batch 1's"):
+        simulate_step(plan, [real[0], real[0]] + real[2:], cost7b)
+    with pytest.raises(ValueError, match=r"shards\[0\] is sharded for cp=4, but the layout has cp=2"):
+        simulate_step(plan, other, cost7b)
+    with pytest.raises(TypeError, match=r"shards\[0\] must be a ShardPlan \(or None for an empty micro-batch\), got int"):
+        simulate_step(plan, [1] * 8, cost7b)
+    with pytest.raises(ValueError, match=r"shards\[0\] is None, but micro-batch 0 holds"):
+        simulate_step(plan, [None] + real[1:], cost7b)
+
+
+def test_simulate_step_takes_solve_shards_of_a_step_with_empty_micro_batches(cost7b):
+    """`solve_shards` gives None for an empty micro-batch: that slot costs its constant alone."""
+    plan = wlb.solve_pack([5000], 4, 131072, cost7b, "wlb", dp=2)  # one piece, seven empty slots
+    shards = wlb.solve_shards(plan, 2, "per_doc", cost7b)
+    assert sum(s is None for s in shards) == 7
+    with_shards = simulate_step(plan, shards, cost7b)
+    empty = cost7b.micro_batch_cost(np.zeros(0, dtype=np.int64), "fwd_bwd")
+    assert with_shards.mb_fwd_s[1] + with_shards.mb_bwd_s[1] == pytest.approx(empty)
+    assert with_shards.step_time_s > 0
 
 
 # ---------------------------------------------------------------------- rendezvous replay
