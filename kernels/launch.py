@@ -169,14 +169,19 @@ def _pow2(n: int) -> int:
 
 
 def _time_ms(fn: Callable[[], None], reps: int = 3) -> float:
+    """Milliseconds per call of `fn` on the current stream. Only this stream is waited on,
+    never the whole device: tuning runs inside a pipeline step, where the interleaved
+    schedule has receives posted on other streams that wait for this rank's later work (a
+    `torch.cuda.synchronize()` there would wait on them forever)."""
+    stream = torch.cuda.current_stream()
     fn()  # compile and warm up
-    torch.cuda.synchronize()
+    stream.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    start.record(stream)
     for _ in range(reps):
         fn()
-    end.record()
-    torch.cuda.synchronize()
+    end.record(stream)
+    end.synchronize()
     return start.elapsed_time(end) / reps
 
 

@@ -386,3 +386,42 @@ def test_triton_rejects_what_it_cannot_run(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match=r"needs CUDA tensors"):
         doc_attention(q, k, v, seg, backend="triton")
+
+
+def test_tuning_times_on_the_current_stream_never_the_whole_device(monkeypatch):
+    """The autotuner runs inside a pipeline step, where the interleaved schedule keeps
+    receives posted that wait for this rank's later work: a device-wide synchronize there
+    would never return. Its timing waits on the current stream and its end event alone."""
+    import torch
+
+    from wlb_opt.kernels import launch
+
+    waited = []
+
+    class Stream:
+        def synchronize(self):
+            waited.append("stream")
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self, stream=None):
+            assert isinstance(stream, Stream)  # recorded on the stream the candidates run on
+            self.at = len(calls)
+
+        def synchronize(self):
+            waited.append("event")
+
+        def elapsed_time(self, other):
+            return float(other.at - self.at)
+
+    def device_wide():
+        raise AssertionError("torch.cuda.synchronize() inside a pipeline step can deadlock")
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    assert launch._time_ms(lambda: calls.append(1), reps=3) == 1.0  # 3 timed calls between the events
+    assert len(calls) == 4 and waited == ["stream", "event"]  # the warm-up call, then the timed ones
