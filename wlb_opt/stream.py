@@ -231,6 +231,10 @@ class WLBStream:
 
         if not isinstance(packer, WLBPacker):
             raise ValueError(f"packer must be a wlb_opt.WLBPacker, got {type(packer).__name__}")
+        if packer.arrival_step:
+            raise ValueError(f"packer has already been given {packer.arrival_step} batches: a stream plans from a "
+                             "fresh packer (its pieces are the stream's); to resume a stream, give it a fresh packer "
+                             "and load the stream's state (WLBStream.load_state_dict)")
         self.packer = packer
         self.tokens_per_step = check_int("tokens_per_step", tokens_per_step, 1)
         if self.tokens_per_step > packer.capacity_tokens:

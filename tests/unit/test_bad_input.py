@@ -605,6 +605,8 @@ STREAM_CASES = (
        ("WLBStream.cp_mismatch", lambda: _stream(cp=0), ValueError, "cp"),
        ("WLBStream.packer_type", lambda: wlb.WLBStream([(0, [1])], "packer", 100), ValueError,
         "packer must be a wlb_opt.WLBPacker"),
+       ("WLBStream.packer_used", lambda: wlb.WLBStream([(0, [1])], _packed(), 100), ValueError,
+        "packer has already been given 1 batches: a stream plans from a fresh packer"),
        ("WLBStream.documents_string", lambda: _drain_stream("abc"), ValueError, "must be (doc_id, tokens)"),
        ("WLBStream.tokens_none", lambda: _drain_stream([(0, None)]), ValueError,
         "document 0: tokens must be a 1-D sequence of token ids, got NoneType None"),
