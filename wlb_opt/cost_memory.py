@@ -96,8 +96,14 @@ class MemoryModel:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         for name in ("virtual_stages", "loss_chunk"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        for name in ("fsdp", "recompute"):  # "False" or "no" would count as true
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+            object.__setattr__(self, name, bool(value))
         if self.model.layers < self.parallel.pp * self.virtual_stages:
             raise ValueError(f"{self.model.layers} layers cannot fill pp x virtual_stages = "
                              f"{self.parallel.pp * self.virtual_stages} pipeline chunks")
@@ -125,6 +131,7 @@ class MemoryModel:
         unsharded until a chunk's last micro-batch). Calibrate on a device (`wlb-opt
         profile`) to replace the count by measurements.
         """
+        _check_specs(model, parallel, hardware)
         parallel = parallel or ParallelSpec()
         hardware = hardware or HardwareSpec.preset("h100")
         m, tp = model, parallel.tp
@@ -242,8 +249,9 @@ class MemoryModel:
     def max_tokens(self, memory_bytes) -> int:
         """The largest `max_tokens` whose worst case fits in `memory_bytes` (binary search:
         `worst_peak` increases with tokens)."""
-        if (isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, float)) or not memory_bytes > 0
-                or not math.isfinite(memory_bytes)):
+        if (isinstance(memory_bytes, (bool, np.bool_)) or not isinstance(memory_bytes, (int, float, np.integer,
+                                                                                         np.floating))
+                or not memory_bytes > 0 or not math.isfinite(memory_bytes)):
             raise ValueError(f"memory_bytes must be a positive number of bytes (finite), got {memory_bytes!r}")
         if self.worst_peak(1) > memory_bytes:
             static = max(sum(self.static_breakdown(s).values()) for s in range(self.parallel.pp))
@@ -295,6 +303,15 @@ def _check_stage(stage, pp: int) -> None:
         raise ValueError(f"stage must be an integer in [0, {pp}), got {stage!r}")
 
 
+def _check_specs(model, parallel, hardware) -> None:
+    if not isinstance(model, ModelSpec):
+        raise TypeError(f"model must be a ModelSpec, got {type(model).__name__}")
+    if parallel is not None and not isinstance(parallel, ParallelSpec):
+        raise TypeError(f"parallel must be a ParallelSpec or None, got {type(parallel).__name__}")
+    if hardware is not None and not isinstance(hardware, HardwareSpec):
+        raise TypeError(f"hardware must be a HardwareSpec or None, got {type(hardware).__name__}")
+
+
 def max_tokens_for(model: ModelSpec, parallel: ParallelSpec | None, hardware: HardwareSpec | None, memory_bytes,
                    *, recompute: bool = False, dtype: str = "bf16", optimizer: str = "adam", fsdp: bool = False,
                    virtual_stages: int = 1, loss_chunk: int = 8192) -> int:
@@ -304,14 +321,8 @@ def max_tokens_for(model: ModelSpec, parallel: ParallelSpec | None, hardware: Ha
     `max_tokens` tokens in one document (the largest attention term). Raises ValueError when
     not even one token fits (the static part alone may not).
     """
-    if not isinstance(model, ModelSpec):
-        raise TypeError(f"model must be a ModelSpec, got {type(model).__name__}")
-    if parallel is not None and not isinstance(parallel, ParallelSpec):
-        raise TypeError(f"parallel must be a ParallelSpec or None, got {type(parallel).__name__}")
-    if hardware is not None and not isinstance(hardware, HardwareSpec):
-        raise TypeError(f"hardware must be a HardwareSpec or None, got {type(hardware).__name__}")
-    mem = MemoryModel.analytic(model, parallel, hardware, recompute=bool(recompute), dtype=dtype,
-                               optimizer=optimizer, fsdp=bool(fsdp), virtual_stages=virtual_stages,
+    mem = MemoryModel.analytic(model, parallel, hardware, recompute=recompute, dtype=dtype,
+                               optimizer=optimizer, fsdp=fsdp, virtual_stages=virtual_stages,
                                loss_chunk=loss_chunk)
     return mem.max_tokens(memory_bytes)
 

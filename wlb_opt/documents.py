@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -57,8 +58,12 @@ def load_lengths(path, field: str = "length") -> np.ndarray:
 
     For `.jsonl`, each line is an object and `field` names its length entry (an int), or a
     string field whose length in characters / 4 (rounded up) is used as a token estimate.
-    Text is read as UTF-8 (a byte-order mark at the start is allowed).
+    Text is read as UTF-8 (a byte-order mark at the start is allowed). A string of digits in
+    the default field, "length", is refused (a number written as a string, which would be read
+    as a text of a few characters).
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a file path (str or os.PathLike), got {type(path).__name__}")
     path = Path(path)
     if not path.exists():
         raise ValueError(f"length file {str(path)!r} does not exist")
@@ -89,6 +94,10 @@ def load_lengths(path, field: str = "length") -> np.ndarray:
             if isinstance(value, str):
                 if not value:
                     raise ValueError(f"{path}:{lineno}: field {field!r} is an empty string: a document of no tokens")
+                if field == "length" and value.strip().isdigit():
+                    raise ValueError(f"{path}:{lineno}: field 'length' is the string {value!r}, which would be read "
+                                     f"as a text of {len(value)} characters: write the length as a JSON integer, or "
+                                     "give field= the name of the document's text")
                 value = -(-len(value) // 4)
             elif isinstance(value, bool) or not isinstance(value, int):
                 # JSON true would count as a length of 1, 12.5 would be truncated

@@ -230,6 +230,8 @@ def _npz_as_npy(tmp_path):
 LENGTH_FILE_CASES = [
     ("load_lengths.missing", lambda tmp_path: wlb.load_lengths(tmp_path / "none.txt"), ValueError, "does not exist"),
     ("load_lengths.directory", lambda tmp_path: wlb.load_lengths(tmp_path), ValueError, "is not a file"),
+    ("load_lengths.none", lambda tmp_path: wlb.load_lengths(None), TypeError,
+     "path must be a file path (str or os.PathLike), got NoneType"),
     ("load_lengths.npz_renamed", _npz_as_npy, ValueError, "arch.npy"),
     _length_file_case("npy_garbage", "g.npy", b"not a numpy file", "not a readable .npy"),
     _length_file_case("npy_float", "f.npy", np.array([1.5, 2.0]), "must be integers, got 1.5"),
@@ -254,6 +256,8 @@ LENGTH_FILE_CASES = [
     _length_file_case("jsonl_other_field", "o.jsonl", '{"length": 3}\n', "no field 'tokens'", field="tokens"),
     _length_file_case("jsonl_huge", "h.jsonl", '{"length": 100000000000000000000}\n', "below 2**62"),
     _length_file_case("jsonl_negative", "neg.jsonl", '{"length": -4}\n', "positive token counts"),
+    _length_file_case("jsonl_digits_string", "s.jsonl", '{"length": 1200}\n{"length": "800"}\n',
+                      "s.jsonl:2: field 'length' is the string '800', which would be read as a text of 3 characters"),
 ]
 
 

@@ -179,3 +179,13 @@ def test_a_calibrated_memory_model_is_counted_for_the_packers_pipeline():
     plan = wlb.solve_pack([100, 200], 2, "auto", sharded, dp=4, memory_bytes=80 * GiB)
     assert plan.max_tokens == MemoryModel.analytic(M7B, wlb.ParallelSpec(gpus_per_node=1, dp=4), H100,
                                                    fsdp=True).max_tokens(80 * GiB)
+
+
+def test_numpy_integers_are_accepted_where_python_ones_are():
+    tiny, cpu = wlb.ModelSpec.preset("tiny"), wlb.HardwareSpec.preset("cpu")
+    par = wlb.ParallelSpec(pp=2)
+    plain = wlb.max_tokens_for(tiny, par, cpu, 10**9, virtual_stages=1, loss_chunk=4096)
+    assert wlb.max_tokens_for(tiny, par, cpu, np.int64(10**9), virtual_stages=np.int64(1),
+                              loss_chunk=np.int32(4096)) == plain
+    mem = wlb.MemoryModel.analytic(tiny, par, cpu, virtual_stages=np.int64(1), fsdp=np.bool_(False))
+    assert type(mem.virtual_stages) is int and mem.fsdp is False

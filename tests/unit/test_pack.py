@@ -338,6 +338,8 @@ def test_load_lengths(tmp_path):
     assert wlb.load_lengths(tmp_path / "b.txt").tolist() == [3, 4]
     assert wlb.load_lengths(tmp_path / "c.jsonl", field="n").tolist() == [3, 4]
     assert wlb.load_lengths(tmp_path / "d.jsonl", field="text").tolist() == [2]
+    (tmp_path / "year.jsonl").write_text('{"text": "2023"}\n')  # a text of digits is a text, outside "length"
+    assert wlb.load_lengths(tmp_path / "year.jsonl", field="text").tolist() == [1]
     (tmp_path / "bom.txt").write_bytes("\ufeff3\n4\n".encode())  # a byte-order mark, as some editors write
     assert wlb.load_lengths(tmp_path / "bom.txt").tolist() == [3, 4]
     with pytest.raises(ValueError, match="field"):
