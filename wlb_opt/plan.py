@@ -338,6 +338,8 @@ def check_pack(plan: PackPlan, lengths, max_tokens: int, ids=None, offsets=None,
     """
     if not isinstance(plan, PackPlan):
         raise ValueError(f"plan must be a wlb_opt.PackPlan, got {type(plan).__name__}")
+    if cost is not None and not callable(getattr(cost, "micro_batch_cost", None)):
+        raise TypeError(f"cost must be a wlb_opt.CostModel or None, got {type(cost).__name__}")
     lengths = validate_lengths(lengths)
     ids = validate_ids(ids, len(lengths))
     offsets = validate_offsets(offsets, len(lengths))

@@ -75,7 +75,7 @@ def register_method(name: str, solver: Callable[[PackProblem], PackResult] | str
 def get_method(name: str) -> Callable[[PackProblem], PackResult]:
     try:
         solver = PACK_METHODS[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable name, such as a list
         raise ValueError(f"unknown packing method {name!r}; valid: {sorted(PACK_METHODS)}") from None
     if isinstance(solver, str):
         module, func = solver.split(":")
