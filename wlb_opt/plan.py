@@ -247,7 +247,9 @@ class PackPlan:
     @classmethod
     def from_dict(cls, d: dict) -> "PackPlan":
         """Inverse of `to_dict`. Raises ValueError naming the field if `d` is malformed (a
-        missing field, a float where an integer belongs: nothing is truncated)."""
+        missing field, a float where an integer belongs: nothing is truncated), and PlanError
+        (a ValueError) if the plan it describes is not one (`check_structure`: a piece
+        dropped or used twice, an index out of range, fields of the wrong size)."""
         if not isinstance(d, Mapping):
             raise ValueError(f"PackPlan.from_dict needs a dict (PackPlan.to_dict()), got {type(d).__name__}")
         version = d.get("format_version")
@@ -263,7 +265,7 @@ class PackPlan:
                 arrival = extra.pop("arrival_step", None)
                 info["extra"] = extra
             step = d.get("step")
-            return cls(
+            plan = cls(
                 doc_ids=i64(d["doc_ids"]), lengths=i64(d["lengths"]), offsets=i64(d["offsets"]),
                 micro_batches=[i64(mb) for mb in d["micro_batches"]], replica_of=i64(d["replica_of"]),
                 deferred=i64(d["deferred"]), loads=np.asarray(d["loads"], dtype=np.float64),
@@ -274,6 +276,8 @@ class PackPlan:
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"PackPlan.from_dict: malformed plan dict ({type(exc).__name__}: {exc})") from None
+        check_structure(plan)
+        return plan
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -319,6 +323,51 @@ def check_replicas(plan: PackPlan) -> None:
                             or np.any(np.bincount(replica_of, minlength=plan.dp) != plan.n_micro)):
         raise PlanError(f"plan.replica_of must give each of the plan's dp={plan.dp} replicas n_micro={plan.n_micro} "
                         f"micro-batches (values in 0 .. {plan.dp - 1}), got {replica_of.tolist()}")
+
+
+def check_structure(plan: PackPlan) -> None:
+    """Raise PlanError unless `plan` is a plan in itself, whatever its input: as many doc_ids,
+    lengths and offsets, lengths > 0 and offsets >= 0; dp x n_micro micro-batches, n_micro per
+    replica (`check_replicas`), each a 1-D list of piece indices; every piece in exactly one
+    micro-batch or in `deferred`; one load (finite, >= 0) and one token count per micro-batch,
+    each count the sum of its pieces' lengths. What `PackPlan.from_dict` checks."""
+    n = len(plan.doc_ids)
+    if not len(plan.lengths) == len(plan.offsets) == n:
+        raise PlanError(f"plan.doc_ids, lengths and offsets must have one entry per piece, got {n}, "
+                        f"{len(plan.lengths)} and {len(plan.offsets)}")
+    if n and (plan.lengths.min() <= 0 or plan.offsets.min() < 0):
+        raise PlanError("plan.lengths must be > 0 and plan.offsets >= 0, got lengths "
+                        f"{plan.lengths.tolist()[:8]} and offsets {plan.offsets.tolist()[:8]}")
+    n_mbs = plan.dp * plan.n_micro
+    if len(plan.micro_batches) != n_mbs:
+        raise PlanError(f"plan has {len(plan.micro_batches)} micro-batches; dp x n_micro = {n_mbs}")
+    if len(plan.replica_of) != n_mbs:
+        raise PlanError(f"plan.replica_of needs one replica per micro-batch ({n_mbs}), got {len(plan.replica_of)}")
+    check_replicas(plan)
+    for j, mb in enumerate(plan.micro_batches):
+        if mb.ndim != 1:
+            raise PlanError(f"plan.micro_batches[{j}] must be a list of piece indices, got an array of shape {mb.shape}")
+    if plan.deferred.ndim != 1:
+        raise PlanError(f"plan.deferred must be a list of piece indices, got an array of shape {plan.deferred.shape}")
+    used = np.concatenate([*plan.micro_batches, plan.deferred]) if n_mbs else plan.deferred
+    if len(used) and (used.min() < 0 or used.max() >= n):
+        bad = used[(used < 0) | (used >= n)]
+        raise PlanError(f"plan refers to pieces {bad.tolist()[:8]} out of range (it has {n} pieces)")
+    counts = np.bincount(used, minlength=n) if len(used) else np.zeros(n, dtype=np.int64)
+    if np.any(counts != 1):
+        missing, twice = np.flatnonzero(counts == 0), np.flatnonzero(counts > 1)
+        parts = ([f"pieces {missing.tolist()[:8]} are in none"] if len(missing) else []) + \
+            ([f"pieces {twice.tolist()[:8]} in several"] if len(twice) else [])
+        raise PlanError(f"every piece must be in exactly one micro-batch or in deferred: {', '.join(parts)}")
+    if len(plan.loads) != n_mbs or len(plan.tokens) != n_mbs:
+        raise PlanError(f"plan needs one load and one token count per micro-batch ({n_mbs}), got "
+                        f"{len(plan.loads)} and {len(plan.tokens)}")
+    if n_mbs and (not np.all(np.isfinite(plan.loads)) or plan.loads.min() < 0):
+        raise PlanError(f"plan.loads must be finite seconds >= 0, got {plan.loads.tolist()[:8]}")
+    sums = np.array([int(plan.lengths[mb].sum()) for mb in plan.micro_batches], dtype=np.int64)
+    if not np.array_equal(sums, plan.tokens):
+        j = int(np.flatnonzero(sums != plan.tokens)[0])
+        raise PlanError(f"plan.tokens[{j}] = {int(plan.tokens[j])}, but micro-batch {j}'s pieces hold {int(sums[j])}")
 
 
 def check_pack(plan: PackPlan, lengths, max_tokens: int, ids=None, offsets=None, cost=None) -> None:
