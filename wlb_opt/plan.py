@@ -753,19 +753,42 @@ class ShardPlan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ShardPlan":
+        """Inverse of `to_dict`. Raises ValueError naming the field if `d` is malformed: a
+        missing field, a float where an integer belongs (nothing is truncated), lengths <= 0,
+        offsets < 0, a chunk table that does not tile the pieces (`chunk_table_problem`), or
+        loads that are not one finite number >= 0 per rank."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"ShardPlan.from_dict needs a dict (ShardPlan.to_dict()), got {type(d).__name__}")
         if d.get("format_version") != SHARD_FORMAT_VERSION:
             raise ValueError(f"ShardPlan format_version {d.get('format_version')!r} is not supported; "
                              f"expected {SHARD_FORMAT_VERSION}")
-        lengths = np.asarray(d["lengths"], dtype=np.int64)
-        offsets = np.asarray(d["offsets"], dtype=np.int64)
-        chunks = np.asarray(d["chunks"], dtype=np.int64).reshape(-1, 4)
-        cp = int(d["cp"])
+        try:
+            lengths = exact_integers(d["lengths"], "ShardPlan lengths").astype(np.int64).reshape(-1)
+            offsets = exact_integers(d["offsets"], "ShardPlan offsets").astype(np.int64).reshape(-1)
+            chunks = exact_integers(d["chunks"], "ShardPlan chunks").astype(np.int64)
+            cp = check_int("cp", d["cp"], 1)
+            loads = np.asarray(d["loads"], dtype=np.float64).reshape(-1)
+            strategy, info = d["strategy"], SolveInfo.from_dict(dict(d["info"]))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"ShardPlan.from_dict: malformed shard dict ({type(exc).__name__}: {exc})") from None
+        if len(offsets) != len(lengths):
+            raise ValueError(f"ShardPlan.from_dict: {len(offsets)} offsets for {len(lengths)} pieces")
+        if len(lengths) and (lengths.min() <= 0 or offsets.min() < 0):
+            raise ValueError(f"ShardPlan.from_dict: lengths must be > 0 and offsets >= 0, got lengths "
+                             f"{lengths.tolist()[:8]} and offsets {offsets.tolist()[:8]}")
+        if chunks.size % len(CHUNK_COLUMNS):
+            raise ValueError(f"ShardPlan.from_dict: chunks must be rows of {CHUNK_COLUMNS}, got {chunks.size} values")
+        chunks = chunks.reshape(-1, len(CHUNK_COLUMNS))
+        if len(loads) != cp or not np.all(np.isfinite(loads)) or (len(loads) and loads.min() < 0):
+            raise ValueError(f"ShardPlan.from_dict: loads must be {cp} finite seconds >= 0 (one per rank), "
+                             f"got {loads.tolist()[:8]}")
+        if not isinstance(strategy, str):
+            raise ValueError(f"ShardPlan.from_dict: strategy must be a string, got {strategy!r}")
         problem = chunk_table_problem(lengths, cp, chunks)
         if problem is not None:
             raise ValueError(f"ShardPlan.from_dict: {problem}")
-        return cls(cp=cp, strategy=d["strategy"], lengths=lengths, offsets=offsets, chunks=chunks,
-                   loads=np.asarray(d["loads"], dtype=np.float64), tokens=chunk_tokens(chunks, cp),
-                   requested=d.get("requested", ""), info=SolveInfo.from_dict(d["info"]))
+        return cls(cp=cp, strategy=strategy, lengths=lengths, offsets=offsets, chunks=chunks, loads=loads,
+                   tokens=chunk_tokens(chunks, cp), requested=d.get("requested", ""), info=info)
 
     def digest(self) -> str:
         """SHA-256 of (cp, lengths, offsets, chunks): equal on every rank that holds this plan."""

@@ -474,6 +474,11 @@ def _shard(lengths=(30, 20, 10), cp=2, strategy="per_doc", **kw):
     return wlb.solve_shard(list(lengths) if isinstance(lengths, tuple) else lengths, cp, strategy, COST, **kw)
 
 
+def _shard_dict_with(**changes):
+    """ShardPlan.from_dict of a per_doc plan of two documents over 2 ranks with fields changed."""
+    return wlb.ShardPlan.from_dict({**wlb.solve_shard([6, 4], 2, "per_doc").to_dict(), **changes})
+
+
 def _shard_dict(edit):
     """ShardPlan.from_dict of a per_doc plan of two documents over 2 ranks, its chunk rows
     (rank, doc, start, length) edited by `edit`."""
@@ -493,6 +498,20 @@ SHARD_CASES = (
         "the chunks of document 1 do not tile its 4 tokens exactly"),
        ("ShardPlan.from_dict.overlap", lambda: _shard_dict(lambda c: c[0].__setitem__(3, 3)), ValueError,
         "the chunks of document 0 do not tile its 6 tokens exactly"),
+       *[(f"ShardPlan.from_dict.{label}", (lambda ch=ch: _shard_dict_with(**ch)), ValueError, frag)
+         for label, ch, frag in [
+             ("length_float", dict(lengths=[6, 4.9]), "ShardPlan lengths must hold integers, got 4.9"),
+             ("cp_string", dict(cp="2"), "cp must be an integer >= 1, got '2'"),
+             ("cp_bool", dict(cp=True), "cp must be an integer >= 1, got True"),
+             ("offset_negative", dict(offsets=[-5, 0]), "offsets >= 0"),
+             ("offsets_short", dict(offsets=[0]), "1 offsets for 2 pieces"),
+             ("loads_short", dict(loads=[1.0]), "loads must be 2 finite seconds >= 0 (one per rank)"),
+             ("loads_nan", dict(loads=[NAN, 1.0]), "loads must be 2 finite seconds"),
+             ("chunks_ragged", dict(chunks=[[0, 0, 0]]), "chunks must be rows of"),
+             ("info_none", dict(info=None), "malformed shard dict"),
+             ("strategy_int", dict(strategy=3), "strategy must be a string")]],
+       ("ShardPlan.from_dict.not_a_dict", lambda: wlb.ShardPlan.from_dict(None), ValueError,
+        "ShardPlan.from_dict needs a dict"),
        ("solve_shard.strategy", lambda: _shard(strategy="zigzag"), ValueError, "strategy must be one of"),
        ("solve_shard.cost", lambda: wlb.solve_shard([5], 2, "per_doc", "7b"), ValueError,
         "cost must be a wlb_opt.CostModel"),
