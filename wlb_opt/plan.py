@@ -210,10 +210,16 @@ class PackPlan:
 
     def micro_batch_lengths(self, j: int) -> np.ndarray:
         """Piece lengths of micro-batch j in packed order."""
+        n = len(self.micro_batches)
+        if isinstance(j, (bool, np.bool_)) or not isinstance(j, (int, np.integer)) or not 0 <= j < n:
+            raise ValueError(f"j must be a micro-batch index in [0, {n}), got {j!r}")
         return self.lengths[self.micro_batches[j]]
 
     def replica_micro_batches(self, replica: int) -> list[int]:
         """Indices of the micro-batches run by DP replica `replica`, in order."""
+        if (isinstance(replica, (bool, np.bool_)) or not isinstance(replica, (int, np.integer))
+                or not 0 <= replica < self.dp):
+            raise ValueError(f"replica must be an integer in [0, {self.dp}), got {replica!r}")
         return [int(j) for j in np.flatnonzero(self.replica_of == replica)]
 
     def deferred_ids(self) -> np.ndarray:
@@ -680,6 +686,7 @@ class ShardPlan:
 
     def short_segment_share(self, tile: int = 128) -> float:
         """Share of segments (all ranks) with fewer query rows than one kernel tile."""
+        tile = check_int("tile", tile, 1)
         q = np.concatenate([s[:, 1] for s in self.segments]) if self.segments else np.zeros(0)
         return float(np.mean(q < tile)) if len(q) else 0.0
 
