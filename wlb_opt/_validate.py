@@ -121,6 +121,9 @@ def _bool_index(values, arr: np.ndarray) -> int | None:
 
 def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
     """Positive integer token counts as a 1-D int64 array (a scalar becomes one length)."""
+    if isinstance(lengths, np.ma.MaskedArray):  # np.asarray would keep the masked entries
+        raise ValueError(f"{name} must not be a masked array (its mask would be ignored): pass the lengths to "
+                         "plan, e.g. lengths.compressed()")
     arr = np.asarray(lengths)
     if arr.ndim == 0 and arr.dtype.kind == "O" and not isinstance(lengths, (int, np.integer)):
         # a set, a generator, None: numpy wraps it whole in one object
@@ -139,8 +142,9 @@ def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
         if np.any(arr != np.round(arr)):
             i = int(np.argmax(arr != np.round(arr)))
             raise ValueError(f"{name} must be integers, got {float(arr[i])} at index {i}")
-        if np.any(np.abs(arr) >= 2.0**62):
-            i = int(np.argmax(np.abs(arr) >= 2.0**62))
+        too_big = np.abs(arr.astype(np.float64)) >= 2.0**62  # compared in float64: float16 overflows 2**62
+        if np.any(too_big):
+            i = int(np.argmax(too_big))
             raise ValueError(f"{name} must be token counts below 2**62, got {float(arr[i])} at index {i}")
     elif arr.dtype.kind not in "iu":
         if arr.dtype.kind in "OUS":  # name the first entry that is not an int64 token count

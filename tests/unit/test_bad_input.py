@@ -60,6 +60,7 @@ BAD_LENGTHS = [
     ("bool", [True, False], "must be integers, got dtype bool"),
     ("huge", [2**62], "below 2**62"),
     ("huge_float", [1e30], "below 2**62"),
+    ("masked", np.ma.array([5, 9, 3], mask=[0, 1, 0]), "must not be a masked array"),
     ("uint64_huge", np.array([2**63 + 5], dtype=np.uint64), "below 2**62"),
     ("total_overflow", [2**61, 2**61, 2**61], "fewer than 2**62 tokens in total"),
     ("object", np.array([1, None], dtype=object), "must be integer token counts, got None at index 1"),
@@ -674,7 +675,7 @@ STREAM_CASES = (
 
 def _floor(batches=([5, 9],), n_micro=2, max_tokens=10):
     from wlb_opt.solvers.bounds import delay_floor
-    return delay_floor([np.asarray(b) for b in batches], n_micro, max_tokens)
+    return delay_floor([b if isinstance(b, np.ma.MaskedArray) else np.asarray(b) for b in batches], n_micro, max_tokens)
 
 
 FLOOR_CASES = (
