@@ -311,10 +311,14 @@ def calibrate_thresholds(packer: WLBPacker, sample_lengths, tokens_per_batch: in
     if budget is not None:
         budget = check_positive_real("budget", budget, "units of work (solver calls)", allow_inf=True)
     t0 = time.perf_counter()
-    batches = bootstrap_batches(sample, tokens_per_batch, n_batches, packer.seed)
     grid = packer.candidate_thresholds(sample, tokens_per_batch)
     if not grid:  # no length of the sample is an outlier at this batch size: nothing to queue
         return None
+    if tokens_per_batch > packer.capacity_tokens:  # every candidate would overload on such batches
+        raise ValueError(f"tokens_per_batch={tokens_per_batch} is more than the packer can place in one step "
+                         f"({packer.dp} x {packer.n_micro} micro-batches x max_tokens={packer.max_tokens} = "
+                         f"{packer.capacity_tokens})")
+    batches = bootstrap_batches(sample, tokens_per_batch, n_batches, packer.seed)
     lengths = np.unique(np.concatenate(batches))
     candidates = [list(thresholds) for thresholds in combinations(grid, min(packer.n_queues, len(grid)))]
     meter = _Meter()

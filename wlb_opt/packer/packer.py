@@ -583,6 +583,10 @@ class WLBPacker:
         lengths at fractions of a micro-batch's fair share of modelled cost, and quantiles of
         the sample's outlier lengths; candidates within 5% of a shorter one are merged (see
         `wlb_opt.packer.calibrate`)."""
+        sample = validate_lengths(sample, "sample")
+        if not len(sample):
+            raise ValueError("sample is empty; candidate thresholds need at least one document length")
+        tokens_per_batch = check_int("tokens_per_batch", tokens_per_batch, 1)
         return candidate_thresholds(self.cost, sample, tokens_per_batch, self.dp * self.n_micro, self.max_tokens)
 
     def calibrate(self, sample_lengths, tokens_per_batch: int | None = None, n_batches: int = 32,
