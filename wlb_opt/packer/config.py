@@ -15,6 +15,7 @@ packer's earlier defaults.
 from __future__ import annotations
 
 import dataclasses
+from collections import abc
 import math
 from dataclasses import dataclass
 from typing import Literal, Sequence
@@ -148,12 +149,12 @@ def _check_thresholds(thresholds):
             raise ValueError(f"thresholds must be None, 'auto' or an increasing list of positive lengths, "
                              f"got {thresholds!r}")
         return thresholds
-    try:
-        values = list(thresholds)
-    except TypeError:
+    # a list, tuple or 1-D array; a dict (its keys), a set (no order) or bytes (their values) are no list of lengths
+    if not ((isinstance(thresholds, abc.Sequence) and not isinstance(thresholds, (bytes, bytearray)))
+            or (isinstance(thresholds, np.ndarray) and thresholds.ndim == 1)):
         raise ValueError(f"thresholds must be None, 'auto' or an increasing list of positive lengths, "
-                         f"got {thresholds!r}") from None
-    return tuple(check_thresholds(values, high=None))
+                         f"got {type(thresholds).__name__} {thresholds!r:.80}")
+    return tuple(check_thresholds(list(thresholds), high=None))
 
 
 def _check_n_queues(thresholds, n_queues) -> None:
