@@ -74,7 +74,11 @@ DAG and the event loop keep a Python object per operation (a real step has thous
 def _seconds_array(values, name: str) -> np.ndarray:
     """`values` as float64 seconds, if they are real numbers (not bools, strings or objects;
     integers within int64, as everywhere else in the library)."""
-    arr = np.asarray(values)
+    try:
+        arr = np.asarray(values)
+    except ValueError:  # numpy's "inhomogeneous shape": rows of different lengths
+        raise ValueError(f"{name} must be a rectangular array of seconds (every row as long), got {values!r:.80}") \
+            from None
     if arr.dtype.kind not in "iuf":
         raise ValueError(f"{name} must hold seconds (real numbers), got dtype {arr.dtype} ({values!r:.60})")
     at = bool_position(values)
@@ -466,6 +470,8 @@ def compare_to_measured(sim: SimResult, measured_step_s: float, measured_stage_b
     stage's busy time. The pipeline executor records these per step; a calibration run feeds
     them here.
     """
+    if not isinstance(sim, SimResult):
+        raise TypeError(f"sim must be a SimResult (simulate_pipeline or simulate_step), got {type(sim).__name__}")
     measured_step_s = check_real("measured_step_s", measured_step_s, strict=True, unit="seconds")
     out = dict(step_rel_error=sim.step_time_s / measured_step_s - 1.0)
     if measured_stage_busy_s is not None:
