@@ -67,12 +67,21 @@ class _DatasetReader:
         self.dataset, self.lengths = dataset, lengths
 
     def __call__(self, doc_id: int, offset: int, length: int):
-        tokens = as_tokens(doc_id, self.dataset[doc_id])
+        tokens = as_tokens(doc_id, _dataset_item(self.dataset, doc_id))
         expected = int(self.lengths[doc_id])
         if len(tokens) != expected:
             raise ValueError(f"document {doc_id}: the dataset returned {len(tokens)} tokens, but its length is "
                              f"{expected}")
         return tokens[offset:offset + length], None
+
+
+def _dataset_item(dataset, i: int):
+    """dataset[i], or a ValueError saying how a map-style dataset is read where it has no item i."""
+    try:
+        return dataset[i]
+    except (KeyError, IndexError) as exc:
+        raise ValueError(f"dataset[{i}] raised {type(exc).__name__}: WLBStream.from_dataset reads items by index, "
+                         f"0 .. len(dataset) - 1 = {len(dataset) - 1}") from exc
 
 
 class Step:
@@ -278,7 +287,7 @@ class WLBStream:
                 if self._lengths is not None:
                     yield i, i, None, None, int(self._lengths[i])
                 else:
-                    tokens = as_tokens(i, self._dataset[i])
+                    tokens = as_tokens(i, _dataset_item(self._dataset, i))
                     yield i, i, tokens, None, len(tokens)
             return
         n_read = 0

@@ -685,7 +685,10 @@ STREAM_CASES = (
        ("WLBStream.from_dataset_iterator", lambda: wlb.WLBStream.from_dataset(iter([]), _packer(), 100), ValueError,
         "map-style"),
        ("WLBStream.from_dataset_lengths", lambda: wlb.WLBStream.from_dataset([[1], [2]], _packer(), 100, lengths=[1]),
-        ValueError, "lengths has 1 entries")]
+        ValueError, "lengths has 1 entries"),
+       ("WLBStream.from_dataset_dict_keys",
+        lambda: list(wlb.WLBStream.from_dataset({5: [1, 2], 7: [3]}, wlb.WLBPacker(2, 64), 100)), ValueError,
+        "dataset[0] raised KeyError: WLBStream.from_dataset reads items by index, 0 .. len(dataset) - 1 = 1")]
 )
 
 
