@@ -103,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     W, N = args.window, args.n_micro
     chosen = {k: v for k, v in settings(W).items() if k in args.settings.split(",")}
     if not chosen:
-        print(f"wlb-opt bench parity: --settings must name some of {sorted(settings(W))}")
-        return 2
+        p.error(f"--settings must name some of {sorted(settings(W))}, got {args.settings!r}")
     results: dict[str, list[dict]] = {name: [] for name in chosen}
     floors = []
     for s in progress(seeds, desc="streams", enable=not args.no_progress):

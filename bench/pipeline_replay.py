@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cost_args import count, natural, seconds
+from ..cost_args import count, natural, nonnegative, seconds
 from ._provenance import provenance
 
 
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=count, default=16384, help="tokens per micro-batch (default 16384)")
     p.add_argument("--docs", type=count, default=4, help="equal documents per micro-batch (default 4)")
     p.add_argument("--draws", type=count, default=20, help="random op-time draws per shape (default 20)")
-    p.add_argument("--sigma", type=float, default=0.3, help="log-normal sigma of each op's time (default 0.3)")
+    p.add_argument("--sigma", type=nonnegative, default=0.3, help="log-normal sigma of each op's time (default 0.3)")
     p.add_argument("--max-pp", type=count, default=8, help="largest pp (default 8)")
     p.add_argument("--max-micro", type=count, default=16, help="largest n_micro (default 16)")
     p.add_argument("--seed", type=natural, default=0, help="seed of the draws (default 0)")

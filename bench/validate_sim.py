@@ -436,8 +436,10 @@ def main(argv: list[str] | None = None) -> int:
         vs_list = sorted({int(x) for x in args.virtual_stages.split(",") if x.strip()})
     except ValueError:
         p.error(f"--virtual-stages must be a comma list of integers, got {args.virtual_stages!r}")
+    if not vs_list or vs_list[0] < 1:
+        p.error(f"--virtual-stages must be integers >= 1, got {args.virtual_stages!r}")
     for v in vs_list:
-        if v < 1 or args.layers < args.pp * v or (v > 1 and args.n_micro % args.pp):
+        if args.layers < args.pp * v or (v > 1 and args.n_micro % args.pp):
             p.error(f"--virtual-stages {v} needs --layers >= pp x v ({args.pp * v}) and, for v > 1, --n-micro a "
                     f"multiple of --pp (got --layers {args.layers}, --n-micro {args.n_micro})")
     os.environ.setdefault("KINETO_LOG_LEVEL", "99")

@@ -138,6 +138,14 @@ def seconds(text: str) -> float:
     return value
 
 
+def nonnegative(text: str) -> float:
+    """A finite number >= 0 (spreads, noise levels)."""
+    value = _real(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def fraction(text: str) -> float:
     """A number in [0, 1) (relative gaps)."""
     value = _real(text)
