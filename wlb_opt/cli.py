@@ -53,18 +53,20 @@ def _pack(argv: list[str]) -> int:
     p.add_argument("--window", type=count, default=131072, help="training context length (default 131072)")
     p.add_argument("--max-tokens", type=count, default=None, help="token cap per micro-batch (default 1.25 x window)")
     p.add_argument("--method", default="wlb", choices=sorted(PACK_METHODS), help="packing method (default wlb)")
-    p.add_argument("--field", default="length", help="field name for .jsonl files")
+    p.add_argument("--field", default=None, help="field name for .jsonl files (default length)")
     p.add_argument("--seed", type=natural, default=0, help="planner and sampling seed (default 0)")
     p.add_argument("--time-limit", type=seconds, default=10.0, help="seconds for an exact method (default 10)")
     p.add_argument("--backend", default=None, choices=["cbc", "highs"], help="milp backend (default cbc)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_cost_args(p)
     args = p.parse_args(argv)
+    if args.field is not None and not (args.lengths and args.lengths.lower().endswith(".jsonl")):
+        p.error("--field names a field of a .jsonl file; give --lengths FILE.jsonl or leave it out")
     try:
         cost = cost_from_args(args)
         max_tokens = int(1.25 * args.window) if args.max_tokens is None else args.max_tokens
         if args.lengths:
-            loaded = load_lengths(args.lengths, field=args.field)
+            loaded = load_lengths(args.lengths, field=args.field or "length")
             if not len(loaded):
                 raise ValueError(f"no document lengths in {args.lengths}")
             lengths, ids, offsets = split_documents(loaded, args.window)

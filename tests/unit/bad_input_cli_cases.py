@@ -33,6 +33,7 @@ CLI_CASES = [
     ("pack.backend", ["pack", "--dist", "default", "--backend", "gurobi"], "invalid choice: 'gurobi'"),
     ("pack.backend_without_milp", ["pack", "--dist", "default", "--backend", "highs"], "method='wlb' takes no backend"),
     ("pack.missing_lengths", ["pack", "--lengths", "/nonexistent/l.npy"], "does not exist"),
+    ("pack.field_without_jsonl", ["pack", "--dist", "default", "--field", "text"], "--field names a field of a .jsonl"),
     ("pack.model", ["pack", "--dist", "default", "--model", "13b"], "unknown ModelSpec preset '13b'"),
     ("pack.hardware", ["pack", "--dist", "default", "--hardware", "tpu"], "unknown HardwareSpec preset 'tpu'"),
     ("pack.tp_zero", ["pack", "--dist", "default", "--tp", "0"], "--tp: expected an integer >= 1"),
