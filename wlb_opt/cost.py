@@ -27,7 +27,7 @@ from typing import Literal
 
 import numpy as np
 
-from ._validate import check_int, check_real, validate_lengths
+from ._validate import check_int, check_real, exact_integers, validate_lengths
 from .cost_memory import MemoryModel
 from .specs import HardwareSpec, ModelSpec, ParallelSpec
 
@@ -60,14 +60,28 @@ def validate_phase(phase: str) -> None:
 
 
 
+def _token_counts(values, name: str) -> np.ndarray:
+    """`values` as int64 token counts: integers (or whole floats); not strings or bools."""
+    arr = np.asarray(values)
+    if arr.dtype.kind not in "iuf":
+        raise ValueError(f"{name} must be integer token counts, got {values!r:.60}")
+    return exact_integers(arr, name).astype(np.int64, copy=False)
+
+
 def attention_tiles(q_len, kv_len, tile: int) -> np.ndarray:
     """Number of tile x tile blocks a causal, bottom-right-aligned segment visits.
 
     Query tile i (rows [i*T, min((i+1)*T, q))) sees keys up to kv - q + its last row + 1,
     so it visits ceil((kv - q + min((i+1)T, q)) / T) key tiles. Summed in closed form.
     """
-    q = np.asarray(q_len, dtype=np.int64)
-    kv = np.asarray(kv_len, dtype=np.int64)
+    q = _token_counts(q_len, "q_len")
+    kv = _token_counts(kv_len, "kv_len")
+    if q.shape != kv.shape and q.ndim and kv.ndim:
+        try:
+            np.broadcast_shapes(q.shape, kv.shape)
+        except ValueError:
+            raise ValueError(f"q_len and kv_len must have the same shape (or one be a scalar), got {q.shape} and "
+                             f"{kv.shape}") from None
     if np.any(q < 0) or np.any(kv < q):
         raise ValueError("attention segments need 0 <= q_len <= kv_len")
     T = int(tile)
@@ -283,7 +297,10 @@ class CostModel:
     def linear_cost(self, tokens, phase: Phase = "fwd_bwd"):
         """Seconds of the token-linear work (GEMMs, element-wise, communication) of `tokens`."""
         _, linear, comm, _, _ = self._row(phase)
-        return (linear + comm) * np.asarray(tokens, dtype=np.float64)
+        arr = np.asarray(tokens)
+        if arr.dtype.kind not in "iuf" or not np.all(np.isfinite(arr)) or np.any(arr < 0):
+            raise ValueError(f"tokens must be finite token counts >= 0, got {tokens!r:.60}")
+        return (linear + comm) * arr.astype(np.float64)
 
     def mb_const(self, phase: Phase = "fwd_bwd") -> float:
         return float(self._row(phase)[4])
