@@ -145,6 +145,8 @@ class CostModel:
         if not isinstance(self.coef, dict) or any(not isinstance(self.coef.get(p), dict) for p in ("fwd", "bwd")):
             got = sorted(self.coef) if isinstance(self.coef, dict) else type(self.coef).__name__
             raise ValueError(f"CostModel.coef needs dicts for phases 'fwd' and 'bwd', got {got}")
+        if set(self.coef) - {"fwd", "bwd"}:  # ("fwd_bwd" is their sum, never stored)
+            raise ValueError(f"CostModel.coef has phases 'fwd' and 'bwd' only, got {sorted(self.coef)}")
         for phase in ("fwd", "bwd"):
             missing = [t for t in TERMS if t not in self.coef[phase]]
             unknown = sorted(set(self.coef[phase]) - set(TERMS))
@@ -164,7 +166,7 @@ class CostModel:
         check_real("CostModel.attn_flops_per_pair", self.attn_flops_per_pair, strict=True, high=_MAX_FLOPS)
         check_real("CostModel.attn_peak_flops", self.attn_peak_flops, strict=True, high=_MAX_FLOPS, unit="FLOP/s")
         check_real("CostModel.attn_bwd_ratio", self.attn_bwd_ratio, high=1e3)
-        check_int("CostModel.tile", self.tile, 1)
+        check_int("CostModel.tile", self.tile, 1, high=1 << 16)  # a tile of rows, not of a sequence
         if (not isinstance(self.eff_q_len, (tuple, list)) or not isinstance(self.eff_scale, (tuple, list))
                 or len(self.eff_q_len) != len(self.eff_scale) or not self.eff_q_len):
             raise ValueError("CostModel.eff_q_len and eff_scale must be non-empty sequences of equal length, got "
@@ -405,6 +407,8 @@ class CostModel:
         return cls(**d)
 
     def save(self, path) -> None:
+        if Path(path).is_dir():
+            raise ValueError(f"CostModel.save: {str(path)!r} is a directory; give a file path (a .json file)")
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True))
 
     @classmethod

@@ -172,6 +172,12 @@ COST_CASES = (
        ("CostModel.linear_cost_negative", lambda: COST.linear_cost(-5), ValueError,
         "tokens must be finite token counts >= 0, got -5"),
        ("CostModel.linear_cost_string", lambda: COST.linear_cost("5"), ValueError, "tokens must be finite"),
+       ("CostModel.from_dict.extra_phase",
+        lambda: wlb.CostModel.from_dict({**COST.to_dict(), "coef": {**COST.to_dict()["coef"],
+                                                                    "fwd_bwd": COST.to_dict()["coef"]["fwd"]}}),
+        ValueError, "CostModel.coef has phases 'fwd' and 'bwd' only"),
+       ("CostModel.from_dict.tile_huge", lambda: wlb.CostModel.from_dict({**COST.to_dict(), "tile": 2**40}),
+        ValueError, "CostModel.tile must be an integer >= 1 and <= 65536"),
        ("CostModel.analytic_exposed", lambda: wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"),
                                                                       tp_comm_exposed=2.0),
         ValueError, "tp_comm_exposed")]
