@@ -37,6 +37,16 @@ from .bounds import check_capacity, makespan_lower_bound, max_placeable_tokens, 
 from .local_search import wlb_local_search
 from .problem import PackProblem, PackResult, assignment_to_bins, bins_to_assignment
 
+def _hint_bin(items, k: int) -> np.ndarray:
+    """Bin k of a `hint`: item indices as int64 (not floats, which would be truncated, nor
+    bools, which numpy reads as 0 and 1)."""
+    arr = np.asarray(items)
+    bools = isinstance(items, (list, tuple)) and any(isinstance(v, (bool, np.bool_)) for v in items)
+    if arr.size and (arr.dtype.kind not in "iu" or bools):
+        raise ValueError(f"hint[{k}] must hold item indices (integers), got {arr.ravel().tolist()[:8]!r}")
+    return arr.astype(np.int64).ravel()
+
+
 _KNOWN = {"allow_defer", "deterministic", "hint", "num_workers", "gap_limit", "phase1_share", "max_iter"}
 
 
@@ -76,7 +86,7 @@ class ExactOptions:
             raise ValueError(f"phase1_share must be a number in (0, 1), got {share!r}")
         hint = opts.get("hint")
         if hint is not None:
-            hint = tuple(np.asarray(b, dtype=np.int64).ravel() for b in hint)
+            hint = tuple(_hint_bin(b, k) for k, b in enumerate(hint))
         return cls(allow_defer=bool(opts.get("allow_defer", False)), deterministic=bool(opts.get("deterministic", False)),
                    hint=hint, num_workers=int(workers), gap_limit=float(gap), phase1_share=float(share))
 

@@ -342,6 +342,11 @@ def test_bad_exact_options():
         wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", hint=[[0], []])
     with pytest.raises(ValueError, match="more than once"):
         wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", hint=[[0, 1], [1]])
+    # a float index would be truncated, a bool read as 0 or 1
+    with pytest.raises(ValueError, match=r"hint\[0\] must hold item indices \(integers\), got \[0.7\]"):
+        wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", hint=[[0.7], [1]])
+    with pytest.raises(ValueError, match=r"hint\[1\] must hold item indices"):
+        wlb.solve_pack([3, 4], 2, 10, cost, "milp", hint=[[0], [True]])
 
 
 @pytest.mark.parametrize("module, method, backend", [("ortools.sat.python.cp_model", "cpsat", None),
