@@ -108,9 +108,10 @@ def load_lengths(path, field: str = "length") -> np.ndarray:
         if arr.dtype == object:
             raise ValueError(f"{path}: lengths must be token counts below 2**62, got {max(values)}")
     else:
-        rows = [ln.strip() for ln in _read_text(path).splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+        rows = [(lineno, ln.strip()) for lineno, ln in enumerate(_read_text(path).splitlines(), 1)
+                if ln.strip() and not ln.lstrip().startswith("#")]
         values = []
-        for lineno, text in enumerate(rows, 1):
+        for lineno, text in rows:
             values.append(_integer_line(path, lineno, text))
         if values and max(abs(v) for v in values) >= 2**62:
             raise ValueError(f"{path}: lengths must be token counts below 2**62, got {max(values, key=abs)}")
@@ -130,10 +131,9 @@ def _integer_line(path: Path, lineno: int, text: str) -> int:
     except ValueError:
         value = math.nan
     if math.isfinite(value) and abs(value) >= 2**62:
-        raise ValueError(f"{path}: lengths must be token counts below 2**62, got {text[:40]!r} (line {lineno})")
+        raise ValueError(f"{path}:{lineno}: lengths must be token counts below 2**62, got {text[:40]!r}")
     if not math.isfinite(value) or value != int(value) or abs(value) >= 2**53:
-        raise ValueError(f"{path}: expected one integer length per line, got {text[:40]!r} "
-                         f"(non-comment line {lineno})")
+        raise ValueError(f"{path}:{lineno}: expected one integer length per line, got {text[:40]!r}")
     return int(value)
 
 

@@ -255,6 +255,7 @@ LENGTH_FILE_CASES = [
     _length_file_case("npy_negative", "n.npy", np.array([3, -1]), "positive token counts"),
     _length_file_case("txt_word", "w.txt", "12\nabc\n", "expected one integer length per line, got 'abc'"),
     _length_file_case("txt_fraction", "f.txt", "12.5\n", "expected one integer length per line"),
+    _length_file_case("txt_line_of_file", "c.txt", "# a\n# b\n\n5\nxyz\n", "c.txt:5: expected one integer length per line"),
     _length_file_case("txt_beyond_float", "b.txt", f"{2**53 + 1}\n{2**62 + 1}\n", "below 2**62"),
     _length_file_case("txt_zero", "z.txt", "0\n", "positive token counts"),
     _length_file_case("txt_binary", "bin.txt", b"\xff\xfe\xfa", "not a text file"),
