@@ -80,33 +80,23 @@ CONFIGS = (
 SWEEP_CONTEXTS = (32768, 65536, 98304, 131072, 163840)
 
 
-# ---------------------------------------------------------------------- CP loads
-def shard_loads(lengths, offsets, cp: int, strategy: str, cost: CostModel) -> np.ndarray:
-    """Per-CP-rank fwd_bwd seconds of one micro-batch under a sharding strategy."""
+# ---------------------------------------------------------------------- CP shards
+def _shards(plan: PackPlan, cfg: Config, cost: CostModel, strategies: tuple[str, ...]) -> list | None:
+    """Per micro-batch, the ShardPlan of the strategy with the smallest max over ranks (None
+    for an empty micro-batch: it costs its constant); None for cp = 1 (each micro-batch its
+    own cost)."""
     from ..shard import solve_shard
 
-    if len(lengths) == 0:
-        return np.full(cp, cost.micro_batch_cost([]))
-    return np.asarray(solve_shard(lengths, cp, strategy, cost, offsets=offsets).loads, dtype=np.float64)
-
-
-class _Loads:
-    """What simulate_step reads from a ShardPlan."""
-
-    def __init__(self, loads):
-        self.loads = loads
-
-
-def _shards(plan: PackPlan, cfg: Config, cost: CostModel, strategies: tuple[str, ...]) -> list:
-    """Per micro-batch, the rank loads of the strategy with the smallest max over ranks."""
+    if cfg.cp == 1:
+        return None
     out = []
     for mb in plan.micro_batches:
-        lengths, offsets = plan.lengths[mb], plan.offsets[mb]
-        if cfg.cp == 1:
-            out.append(_Loads(np.array([cost.micro_batch_cost(lengths)])))
+        if not len(mb):
+            out.append(None)
             continue
-        cands = [shard_loads(lengths, offsets, cfg.cp, s, cost) for s in strategies]
-        out.append(_Loads(min(cands, key=lambda x: float(x.max()))))
+        lengths, offsets = plan.lengths[mb], plan.offsets[mb]
+        cands = [solve_shard(lengths, cfg.cp, s, cost, offsets=offsets) for s in strategies]
+        out.append(min(cands, key=lambda shard: float(np.max(shard.loads))))
     return out
 
 
