@@ -1,7 +1,7 @@
 """`FreshPieces` and `PieceChain` read as the lists of HeldPieces they stand for."""
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import wlb_opt.packer.pieces as pieces_module
@@ -166,3 +166,51 @@ def test_a_packer_resumed_from_its_state_with_a_carry_held_as_a_table_makes_the_
     (through, tables), (resumed, loaded) = plans(2, False), plans(2, True)
     assert tables > 5 and loaded > 5
     assert through == resumed == plans(10**9, False)[0]
+
+
+@settings(max_examples=120, deadline=None)
+@given(seed=st.integers(0, 2**16), n_held=st.integers(0, 30), n_batch=st.integers(1, 12), n_ids=st.integers(1, 5),
+       as_table=st.booleans())
+def test_first_clash_is_the_first_batch_piece_that_shares_a_token_with_a_held_one(seed, n_held, n_batch, n_ids,
+                                                                                  as_table):
+    """`KeySets.first_clash` against a scan of every pair: a clash is found exactly when some
+    batch piece shares a token with a held piece of its id, and the one given is such a pair."""
+    from wlb_opt.packer.state import HeldPiece, KeySets
+
+    rng = np.random.default_rng(seed)
+
+    def pieces(n):  # n pieces of a few documents, none overlapping another of its document
+        out, ends = [], {}
+        for _ in range(n):
+            i = int(rng.integers(0, n_ids))
+            start = ends.get(i, 0) + int(rng.integers(0, 3))
+            length = int(rng.integers(1, 6))
+            ends[i] = start + length
+            out.append((i, start, length))
+        return out
+
+    held = pieces(n_held)
+    batch = [(i, off + int(rng.integers(-4, 5)) if off > 4 else off, ln) for i, off, ln in pieces(n_batch)]
+    batch = [(i, max(0, off), ln) for i, off, ln in batch]
+    half = len(held) // 2
+    groups = [[HeldPiece(i, o, ln, 0) for i, o, ln in held[:half]], [HeldPiece(i, o, ln, 0) for i, o, ln in held[half:]]]
+    if as_table:  # a buffered batch's piece table (ids, offsets, lengths, arrival)
+        groups[1] = np.array([[p.id, p.offset, p.length, 0] for p in groups[1]], dtype=np.int64).reshape(-1, 4).T
+    keys = KeySets(*groups)
+    ids = [i for i, _, _ in batch]
+    offsets = np.array([o for _, o, _ in batch], dtype=np.int64)
+    lengths = np.array([ln for _, _, ln in batch], dtype=np.int64)
+    # the batch's own pieces may overlap each other here: first_clash is told only of held ones
+    # after the batch passed its own check, so keep the batches whose pieces do not
+    spans = sorted(zip(ids, offsets.tolist(), (offsets + lengths).tolist()))
+    assume(not any(a[0] == b[0] and a[2] > b[1] for a, b in zip(spans, spans[1:])))
+    clashing = [k for k, (i, o, ln) in enumerate(batch)
+                if any(hi == i and o < ho + hl and ho < o + ln for hi, ho, hl in held)]
+    got = keys.first_clash(ids, offsets, lengths)
+    if not clashing:
+        assert got is None
+    else:
+        k, held_offset, held_length = got
+        assert k in clashing
+        i, o, ln = batch[k]
+        assert (i, held_offset, held_length) in held and o < held_offset + held_length and held_offset < o + ln

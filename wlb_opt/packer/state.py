@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 from collections import deque
+from itertools import chain
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -85,11 +86,10 @@ class LazyIds:
 
 
 class KeySets:
-    """The identities (`HeldPiece.key`) of a few groups of pieces (held pieces, each batch
-    buffered ahead), without building their union: what a new batch is checked against.
-    Each group's ids are made once, when a batch is first checked against them (`ids`, or
-    from its pieces); its (id, offset) pairs only when a batch shares an id with it, which a
-    stream of whole documents never does."""
+    """A few groups of pieces (held pieces, each batch buffered ahead) that a new batch is
+    checked against, without building their union. Each group's ids are made once, when a
+    batch is first checked against them (`ids`, or from its pieces); its pieces are read only
+    when a batch shares an id with it, which a stream of whole documents never does."""
 
     def __init__(self, *groups, ids=None):
         """`groups`: lists of pieces, or `piece_table`s (4 x n int64 arrays: the lookahead
@@ -99,30 +99,45 @@ class KeySets:
         sizes = [g.shape[1] if isinstance(g, np.ndarray) else len(g) for g in groups]
         self._groups = [g for g, n in zip(groups, sizes) if n]
         self._ids = [LazyIds(g) if i is None else i for g, i, n in zip(groups, ids, sizes) if n]
-        self._keys: list[frozenset | None] = [None] * len(self._groups)
-
-    def _keys_of(self, k: int) -> frozenset:
-        if self._keys[k] is None:
-            group = self._groups[k]
-            self._keys[k] = (frozenset(zip(group[0].tolist(), group[1].tolist())) if isinstance(group, np.ndarray)
-                             else frozenset(map(_ID_OFFSET, group)))
-        return self._keys[k]
 
     def __bool__(self) -> bool:
         return bool(self._groups)
 
-    def __contains__(self, key) -> bool:
-        return any(key[0] in ids.get() and key in self._keys_of(k) for k, ids in enumerate(self._ids))
-
     def first_clash(self, ids: list[int], offsets: np.ndarray, lengths: np.ndarray):
-        """The first of a batch's pieces that is one of these or shares a token with one (the
-        same id, overlapping [offset, offset + length)), as (position in the batch, held
-        offset, held length), or None. Only the groups that share an id with the batch are
-        read, first on the ids alone (sets of ints): a stream of whole documents reads none."""
+        """A batch's piece that is one of these or shares a token with one (the same id,
+        overlapping [offset, offset + length)), as (position in the batch, held offset, held
+        length), or None if none does. Only the groups that share an id with the batch are
+        read, first on the ids alone (sets of ints): a stream of whole documents reads none.
+        The held pieces with a batch's id and the batch's pieces are sorted by (id, offset)
+        together: neither the held pieces nor the batch's overlap among themselves, so where a
+        batch piece overlaps a held one, some batch piece overlaps its neighbour in that order
+        (of the clashes between neighbours, the one of the lowest batch position is given)."""
         batch_ids = set(ids)
         shared = [k for k, group_ids in enumerate(self._ids) if not group_ids.get().isdisjoint(batch_ids)]
         if not shared:
             return None
+        ids_arr = np.asarray(ids, dtype=np.int64)
+        held = []
+        for k in shared:
+            group = self._groups[k]
+            table = (group[:3] if isinstance(group, np.ndarray) else
+                     np.fromiter(chain.from_iterable(group), dtype=np.int64, count=4 * len(group)).reshape(-1, 4).T[:3])
+            held.append(table[:, np.isin(table[0], ids_arr)])
+        held = np.concatenate(held, axis=1)
+        n = len(ids_arr)
+        all_ids = np.concatenate([ids_arr, held[0]])
+        starts = np.concatenate([np.asarray(offsets, dtype=np.int64), held[1]])
+        ends = starts + np.concatenate([np.asarray(lengths, dtype=np.int64), held[2]])
+        order = np.lexsort((starts, all_ids))
+        a, b = order[:-1], order[1:]  # neighbours in (id, offset) order
+        clash = (all_ids[a] == all_ids[b]) & (ends[a] > starts[b]) & ((a < n) != (b < n))
+        if not clash.any():
+            return None
+        batch_side = np.where(a[clash] < n, a[clash], b[clash])
+        held_side = np.where(a[clash] < n, b[clash], a[clash])
+        first = int(np.argmin(batch_side))
+        h = int(held_side[first])
+        return int(batch_side[first]), int(starts[h]), int(ends[h] - starts[h])
         spans: dict[int, list[tuple[int, int]]] = {}
         for k in shared:
             group = self._groups[k]
