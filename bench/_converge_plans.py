@@ -89,15 +89,22 @@ def _pooled_steps(batches: Sequence[GlobalBatch], n_micro: int, window: int, cos
 
 
 def split_steps(plan: PackPlan, n_micro: int) -> list[PackPlan]:
-    """The plan's micro-batches, n_micro at a time in bin order, as one plan per step (dp = 1)."""
+    """The plan's micro-batches, n_micro at a time in bin order, as one plan per step (dp = 1),
+    each holding its own pieces alone (a plan in itself: `plan.check_structure`)."""
     mbs = plan.micro_batches
     if len(mbs) % n_micro:
         raise ValueError(f"a plan of {len(mbs)} micro-batches does not split into steps of {n_micro}")
     out = []
     for k in range(0, len(mbs), n_micro):
-        out.append(plan.replace(micro_batches=mbs[k:k + n_micro], replica_of=np.zeros(n_micro, np.int64),
+        group = mbs[k:k + n_micro]
+        keep = np.concatenate(group).astype(np.int64)
+        index = np.full(len(plan.lengths), -1, dtype=np.int64)
+        index[keep] = np.arange(len(keep))
+        out.append(plan.replace(doc_ids=plan.doc_ids[keep], lengths=plan.lengths[keep], offsets=plan.offsets[keep],
+                                micro_batches=tuple(index[mb] for mb in group), replica_of=np.zeros(n_micro, np.int64),
                                 loads=plan.loads[k:k + n_micro], tokens=plan.tokens[k:k + n_micro],
-                                n_micro=n_micro, dp=1, deferred=np.zeros(0, np.int64)))
+                                n_micro=n_micro, dp=1, deferred=np.zeros(0, np.int64),
+                                arrival_step=None if plan.arrival_step is None else plan.arrival_step[keep]))
     return out
 
 

@@ -80,8 +80,8 @@ def attention_tiles(q_len, kv_len, tile: int) -> np.ndarray:
         try:
             np.broadcast_shapes(q.shape, kv.shape)
         except ValueError:
-            raise ValueError(f"q_len and kv_len must have the same shape (or one be a scalar), got {q.shape} and "
-                             f"{kv.shape}") from None
+            raise ValueError(f"q_len and kv_len must have broadcastable shapes (the same, or one a scalar), got "
+                             f"{q.shape} and {kv.shape}") from None
     if np.any(q < 0) or np.any(kv < q):
         raise ValueError("attention segments need 0 <= q_len <= kv_len")
     T = int(tile)

@@ -578,8 +578,10 @@ def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, s
 
     Args:
         plan: the step's PackPlan (dp x n_micro micro-batches, `replica_of` their replicas).
-        shards: one ShardPlan per micro-batch (its `.loads` are fwd_bwd seconds per CP rank),
-            or None: CP assumed perfectly balanced (the load is `plan.loads[j]`).
+        shards: one ShardPlan per micro-batch, micro-batch j's (its pieces) for the layout's
+            CP degree (its `.loads` are fwd_bwd seconds per CP rank), None in the place of an
+            empty micro-batch (as `solve_shards` gives it); or None: CP assumed perfectly
+            balanced (the load is `cost.micro_batch_cost` of the micro-batch's lengths).
         cost: the CostModel the plan was made with (seconds for all layers of one replica).
         parallel: ParallelSpec; pp stages per replica (layers split evenly). None: the cost
             model's layout (`cost.parallel`); one that disagrees with it raises.

@@ -116,7 +116,13 @@ def test_single_moves_nothing_when_each_batch_fits():
 def test_split_steps_keeps_bin_order():
     plan = wlb.solve_pack([5, 6, 7, 8, 9, 10], 6, 10, None, "fixed")
     parts = plans.split_steps(plan, 2)
-    assert [mb.tolist() for p in parts for mb in p.micro_batches] == [mb.tolist() for mb in plan.micro_batches]
+    # the same pieces, micro-batch for micro-batch in bin order, each step a plan of its own pieces alone
+    assert [p.doc_ids[mb].tolist() for p in parts for mb in p.micro_batches] == \
+        [plan.doc_ids[mb].tolist() for mb in plan.micro_batches]
+    assert [p.lengths[mb].tolist() for p in parts for mb in p.micro_batches] == \
+        [plan.lengths[mb].tolist() for mb in plan.micro_batches]
+    for p in parts:
+        assert wlb.PackPlan.from_dict(p.to_dict()).digest() == p.digest()  # loads: no piece left out
     with pytest.raises(ValueError, match="does not split"):
         plans.split_steps(plan, 4)
 

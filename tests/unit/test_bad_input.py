@@ -168,7 +168,7 @@ COST_CASES = (
        ("CostModel.attention_latency_string", lambda: COST.attention_latency("3", 5), ValueError,
         "q_len must be integer token counts"),
        ("CostModel.attention_latency_shapes", lambda: COST.attention_latency([1, 2, 3], [4, 5]), ValueError,
-        "q_len and kv_len must have the same shape"),
+        "q_len and kv_len must have broadcastable shapes"),
        ("CostModel.linear_cost_negative", lambda: COST.linear_cost(-5), ValueError,
         "tokens must be finite token counts >= 0, got -5"),
        ("CostModel.linear_cost_string", lambda: COST.linear_cost("5"), ValueError, "tokens must be finite"),
