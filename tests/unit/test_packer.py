@@ -673,3 +673,19 @@ def test_calibration_without_a_bound_or_an_outlier_in_the_sample():
     none = wlb.WLBPacker(2, 4096, wlb.cost.default_cost(), config=wlb.PackerConfig(thresholds="auto"))
     assert none.calibrate([100, 200, 3000, 50, 4000], tokens_per_batch=20 * none.capacity_tokens) == []
     assert none.n_queues == 0 and none.pack([100, 200, 300]).tokens.sum() == 600
+
+
+def test_calibrate_warns_when_it_replaces_configured_thresholds(caplog):
+    import logging
+
+    sample = [5, 60, 70, 90, 10, 20, 30]
+    configured = wlb.WLBPacker(2, 100, wlb.cost.default_cost(), config=wlb.PackerConfig(thresholds=[50]))
+    with caplog.at_level(logging.WARNING, logger="wlb_opt"):
+        chosen = configured.calibrate(sample)
+    assert chosen != [50] and configured.thresholds == chosen
+    assert f"replaces the configured thresholds [50] by {chosen}" in caplog.text
+    caplog.clear()
+    auto = wlb.WLBPacker(2, 100, wlb.cost.default_cost(), config=wlb.PackerConfig(thresholds="auto"))
+    with caplog.at_level(logging.WARNING, logger="wlb_opt"):
+        auto.calibrate(sample)
+    assert "replaces the configured thresholds" not in caplog.text  # "auto" asks for it

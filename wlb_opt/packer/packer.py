@@ -602,7 +602,8 @@ class WLBPacker:
         checkpoints, see `calibrate.py`). The choice minimises mean imbalance among
         candidates whose displacement per token is within `delay_budget` (ties within 0.002:
         less displacement), else the least displacement. Resets the stream; call before the first `pack`.
-        Returns the thresholds (also recorded in `state_dict()`).
+        Returns the thresholds (also recorded in `state_dict()`). Thresholds given in the config
+        are replaced (logged as a warning): a checkpoint then carries the calibrated ones.
         """
         # with lookahead a packer holds pieces from its first call on, at step 0: new queues would
         # drop them (empty batches buffered ahead hold none)
@@ -610,7 +611,12 @@ class WLBPacker:
         if holding or (self._step and (self._stats.totals["pieces"] or self.thresholds is not None)):
             raise ValueError(f"calibrate must be called before the first step; this packer is at step {self._step}"
                              + (" and holds pieces (queued, carried or buffered ahead)" if holding else ""))
+        configured = self.config.thresholds
         record = calibrate_thresholds(self, sample_lengths, tokens_per_batch, n_batches, budget)
+        chosen = [] if record is None else record["thresholds"]
+        if isinstance(configured, tuple) and list(configured) != chosen:
+            _log.warning("calibrate() replaces the configured thresholds %s by %s (thresholds='auto' asks for "
+                         "calibration)", list(configured), chosen)
         if record is None:  # no queues, or no outlier in the sample: nothing to choose, no queues
             self.thresholds, self.n_queues, self._queues = [], 0, []
             return []
