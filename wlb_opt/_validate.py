@@ -252,6 +252,14 @@ def check_unique_pieces(ids: np.ndarray, offsets: np.ndarray, what: str = "in th
                          f"offset + length) of its document)")
 
 
+def check_index(name: str, value, n: int, what: str = "an integer") -> int:
+    """`value` as an int if it is an integer in [0, n) (not a bool); else a ValueError naming
+    `name`, `what` it must be and the range."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 <= value < n:
+        raise ValueError(f"{name} must be {what} in [0, {n}), got {value!r}")
+    return int(value)
+
+
 def exact_integers(values, name: str) -> np.ndarray:
     """`values` as an array of whole numbers that fit int64 (integers, or floats with no
     fraction), so that a later int64 cast changes nothing; else a ValueError naming `name`."""

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ._validate import check_int, exact_integers, read_only, validate_ids, validate_lengths, validate_offsets
+from ._validate import check_index, check_int, exact_integers, read_only, validate_ids, validate_lengths, validate_offsets
 
 PLAN_FORMAT_VERSION = 2  # 2: arrival_step is a field; 1 still loads (arrival in info.extra)
 
@@ -210,17 +210,11 @@ class PackPlan:
 
     def micro_batch_lengths(self, j: int) -> np.ndarray:
         """Piece lengths of micro-batch j in packed order."""
-        n = len(self.micro_batches)
-        if isinstance(j, (bool, np.bool_)) or not isinstance(j, (int, np.integer)) or not 0 <= j < n:
-            raise ValueError(f"j must be a micro-batch index in [0, {n}), got {j!r}")
-        return self.lengths[self.micro_batches[j]]
+        return self.lengths[self.micro_batches[check_index("j", j, len(self.micro_batches), "a micro-batch index")]]
 
     def replica_micro_batches(self, replica: int) -> list[int]:
         """Indices of the micro-batches run by DP replica `replica`, in order."""
-        if (isinstance(replica, (bool, np.bool_)) or not isinstance(replica, (int, np.integer))
-                or not 0 <= replica < self.dp):
-            raise ValueError(f"replica must be an integer in [0, {self.dp}), got {replica!r}")
-        return [int(j) for j in np.flatnonzero(self.replica_of == replica)]
+        return [int(j) for j in np.flatnonzero(self.replica_of == check_index("replica", replica, self.dp))]
 
     def deferred_ids(self) -> np.ndarray:
         return self.doc_ids[self.deferred]
@@ -370,10 +364,10 @@ def check_structure(plan: PackPlan) -> None:
                         f"{len(plan.loads)} and {len(plan.tokens)}")
     if n_mbs and (not np.all(np.isfinite(plan.loads)) or plan.loads.min() < 0):
         raise PlanError(f"plan.loads must be finite seconds >= 0, got {plan.loads.tolist()[:8]}")
-    sums = np.array([int(plan.lengths[mb].sum()) for mb in plan.micro_batches], dtype=np.int64)
-    if not np.array_equal(sums, plan.tokens):
-        j = int(np.flatnonzero(sums != plan.tokens)[0])
-        raise PlanError(f"plan.tokens[{j}] = {int(plan.tokens[j])}, but micro-batch {j}'s pieces hold {int(sums[j])}")
+    for j, mb in enumerate(plan.micro_batches):
+        held = sum(plan.lengths[mb].tolist())  # Python ints: an int64 sum could wrap
+        if held != int(plan.tokens[j]):
+            raise PlanError(f"plan.tokens[{j}] = {int(plan.tokens[j])}, but micro-batch {j}'s pieces hold {held}")
 
 
 def check_pack(plan: PackPlan, lengths, max_tokens: int, ids=None, offsets=None, cost=None) -> None:
@@ -399,41 +393,15 @@ def check_pack(plan: PackPlan, lengths, max_tokens: int, ids=None, offsets=None,
     ids = validate_ids(ids, len(lengths))
     offsets = validate_offsets(offsets, len(lengths))
     max_tokens = check_int("max_tokens", max_tokens, 1)
-    n_pieces = len(plan.doc_ids)
-    if not (len(plan.lengths) == len(plan.offsets) == n_pieces):
-        raise PlanError("plan.doc_ids, plan.lengths and plan.offsets differ in size")
-    if np.any(plan.lengths <= 0):
-        raise PlanError(f"plan has a piece of non-positive length: {plan.lengths[plan.lengths <= 0][:5]}")
-
-    n_mb = len(plan.micro_batches)
-    if n_mb != plan.dp * plan.n_micro:
-        raise PlanError(f"plan has {n_mb} micro-batches, expected dp*n_micro = {plan.dp * plan.n_micro}")
-    if len(plan.replica_of) != n_mb or len(plan.loads) != n_mb or len(plan.tokens) != n_mb:
-        raise PlanError("replica_of, loads and tokens need one entry per micro-batch")
-    check_replicas(plan)
-
-    used = np.zeros(n_pieces, dtype=np.int64)
+    check_structure(plan)  # sizes, indices, every piece once, tokens that sum their pieces
     for j, mb in enumerate(plan.micro_batches):
-        mb = np.asarray(mb, dtype=np.int64)
-        if mb.size and (mb.min() < 0 or mb.max() >= n_pieces):
-            raise PlanError(f"micro-batch {j} has piece indices outside [0, {n_pieces})")
-        np.add.at(used, mb, 1)
-        tok = sum(plan.lengths[mb].tolist())  # Python ints: an int64 sum could wrap past max_tokens
-        if tok != int(plan.tokens[j]):
-            raise PlanError(f"micro-batch {j}: plan.tokens says {int(plan.tokens[j])}, pieces hold {tok}")
+        tok = int(plan.tokens[j])
         if tok > max_tokens:
             raise PlanError(f"micro-batch {j} holds {tok} tokens > max_tokens={max_tokens}")
         if cost is not None:
             expect = cost.micro_batch_cost(plan.lengths[mb])
             if not np.isclose(plan.loads[j], expect, rtol=1e-9, atol=1e-12):
                 raise PlanError(f"micro-batch {j}: load {plan.loads[j]} != micro_batch_cost {expect}")
-    deferred = np.asarray(plan.deferred, dtype=np.int64)
-    if deferred.size and (deferred.min() < 0 or deferred.max() >= n_pieces):
-        raise PlanError(f"deferred has piece indices outside [0, {n_pieces})")
-    np.add.at(used, deferred, 1)
-    if np.any(used != 1):
-        bad = np.flatnonzero(used != 1)[:5]
-        raise PlanError(f"pieces {bad.tolist()} are used {used[bad].tolist()} times (must be exactly once)")
 
     # Token coverage per document: sort both sides by (id, offset) and compare intervals.
     expected: dict[int, list[tuple[int, int]]] = {}
@@ -673,9 +641,7 @@ class ShardPlan:
         return int(self.lengths.sum())
 
     def _check_rank(self, rank: int) -> int:
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.cp:
-            raise ValueError(f"rank must be an integer in [0, {self.cp}), got {rank!r}")
-        return int(rank)
+        return check_index("rank", rank, self.cp)
 
     def permutation(self) -> np.ndarray:
         """Packed position of each row of the rank-major all-gather (concatenated rank_indices).

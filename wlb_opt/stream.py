@@ -35,7 +35,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from ._validate import check_int
+from ._validate import check_index, check_int
 from .documents import split_documents
 from .shard import solve_shards
 from .stream_state import (SourceFingerprint, cache_digest, check_integrity, check_state_fields, decode_cache,
@@ -44,12 +44,6 @@ from .tokens import _INT64_MAX, as_mask, as_tokens
 
 STREAM_STATE_VERSION = 2
 _IGNORE = -100
-
-
-def _check_index(name: str, value, n: int) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 <= value < n:
-        raise ValueError(f"{name} must be an integer in [0, {n}), got {value!r}")
-    return int(value)
 
 
 def _doc_id(doc_id) -> int:
@@ -137,7 +131,7 @@ class Step:
 
     # ------------------------------------------------------------------ tensors
     def _check_micro(self, j) -> int:
-        return _check_index("micro-batch index", j, len(self.plan.micro_batches))
+        return check_index("micro-batch index", j, len(self.plan.micro_batches))
 
     def tokens(self, j: int):
         """The packed token ids of micro-batch j (all CP ranks), as a LongTensor."""
@@ -156,7 +150,7 @@ class Step:
         from .batch import pack_micro_batch, rank_inputs  # torch, imported only when tensors are asked for
 
         j = self._check_micro(j)
-        cp_rank = _check_index("cp_rank", cp_rank, self._cp)
+        cp_rank = check_index("cp_rank", cp_rank, self._cp)
         mb = self.plan.micro_batches[j]
         if not len(mb):
             empty = torch.zeros(0, dtype=torch.long)
@@ -170,8 +164,8 @@ class Step:
     def local(self, dp_rank: int = 0, cp_rank: int = 0) -> list[int]:
         """Indices of the micro-batches DP replica `dp_rank` runs, in order (every CP rank of
         the replica runs all of them, each on its own tokens: `inputs(j, cp_rank)`)."""
-        _check_index("cp_rank", cp_rank, self._cp)
-        return self.plan.replica_micro_batches(_check_index("dp_rank", dp_rank, self.plan.dp))
+        check_index("cp_rank", cp_rank, self._cp)
+        return self.plan.replica_micro_batches(check_index("dp_rank", dp_rank, self.plan.dp))
 
     @property
     def state(self) -> dict:
