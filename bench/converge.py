@@ -31,10 +31,8 @@ ordering) and converge.png (training and held-out curves, mean and band over see
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context

@@ -75,9 +75,9 @@ def pooled_rows(batches, cost, bins_per_step: int, window: int, method: str, k: 
                 **solve_kw) -> dict:
     """Fixed-length packing of k pooled global batches at a time (k = 1: one batch per step)."""
     imbs, times, end = [], [], 0
-    for plan, seconds in carried_plans(batches, k * bins_per_step, window, cost, method, pool=k,
+    for plan, solve_s in carried_plans(batches, k * bins_per_step, window, cost, method, pool=k,
                                        desc=f"{method} k={k}", show=show, **solve_kw):
-        times.append(seconds / k)
+        times.append(solve_s / k)
         imbs += _fwd_imbalances(plan, cost, bins_per_step)
         end = plan.deferred_tokens
     return dict(steps=len(imbs), imbalance=float(np.mean(imbs)), imbalance_p90=float(np.percentile(imbs, 90)),

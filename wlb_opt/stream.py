@@ -526,7 +526,7 @@ class WLBStream:
         if state["config"] != self._config():
             ours = self._config()
             differ = [k for k in sorted(set(ours) | set(state["config"])) if state["config"].get(k) != ours.get(k)]
-            raise ValueError(f"the state was saved by a stream with other settings: "
+            raise ValueError("the state was saved by a stream with other settings: "
                              + ", ".join(f"{k}={state['config'].get(k)!r} there, {ours.get(k)!r} here" for k in differ)
                              + "; build the stream with the state's settings")
         consumed, pending_from = fields["consumed"], fields["pending_from"]

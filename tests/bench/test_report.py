@@ -6,6 +6,8 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
+
 from wlb_opt.bench import report
 from wlb_opt.cli import main
 

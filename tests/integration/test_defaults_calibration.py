@@ -66,8 +66,8 @@ def test_the_order_in_which_candidates_are_packed_changes_no_plan(seed, lookahea
     windows, visiting_order = GroupRelease._windows, release_module._visiting_order
     seen = [0]
 
-    def checked(self, remaining, ctx, early_only=False):  # the reliefs the rules read are the groups'
-        sizes, starts, tokens, at_least, relief = windows(self, remaining, ctx, early_only)
+    def checked(self, remaining, ctx, early_only=False, arrived=False):  # the reliefs the rules read are the groups'
+        sizes, starts, tokens, at_least, relief = windows(self, remaining, ctx, early_only, arrived)
         assert relief == [displacement_relief(remaining[i:i + n], ctx.step, self.early_credit)
                           for n, i in zip(sizes, starts)]
         seen[0] += sum(r != t for r, t in zip(relief, tokens))  # windows with early pieces
@@ -110,12 +110,16 @@ def test_a_few_windows_in_python_are_the_windows_numpy_finds(seed, lookahead, mb
     windows = release_module.GroupRelease._windows
     calls = {"windows": 0, "room": 0, "overflows": 0, "kept": 0}
 
-    def both(self, remaining, ctx, early_only=False):
+    def both(self, remaining, ctx, early_only=False, arrived=False):
         monkeypatch.setattr(release_module, "SMALL_WINDOWS", 0)
-        with_numpy = windows(self, remaining, ctx, early_only)
+        with_numpy = windows(self, remaining, ctx, early_only, arrived)
         monkeypatch.setattr(release_module, "SMALL_WINDOWS", 10**9)
-        in_python = windows(self, remaining, ctx, early_only)
+        in_python = windows(self, remaining, ctx, early_only, arrived)
         assert in_python == with_numpy
+        if arrived:  # the hint that no piece is early changes nothing, in either path
+            assert windows(self, remaining, ctx, early_only) == in_python
+            monkeypatch.setattr(release_module, "SMALL_WINDOWS", 0)
+            assert windows(self, remaining, ctx, early_only) == with_numpy
         if with_numpy[0]:
             calls["windows"] += 1
             calls["room"] += ctx.room is not None

@@ -468,19 +468,23 @@ def test_large_steps_of_the_default_step_packer_try_the_sparse_groups(dist, look
     windows, small = release_module.GroupRelease._windows, release_module.SMALL_WINDOWS
     seen = {"sparse": 0, "every": 0, "thinned": 0}
 
-    def checked(self, remaining, ctx, early_only=False):
-        got = windows(self, remaining, ctx, early_only)
+    def checked(self, remaining, ctx, early_only=False, arrived=False):
+        got = windows(self, remaining, ctx, early_only, arrived)
+        if arrived:  # the caller's hint that no piece is early changes no window, bound or relief
+            assert all(piece.arrival <= ctx.step for piece in remaining)
+            assert windows(self, remaining, ctx, early_only) == got
         if not self.sparse_windows:
             seen["every"] += 1
             return got
         seen["sparse"] += 1
-        every = windows(dataclasses.replace(self, sparse_windows=False), remaining, ctx, early_only)
+        every = windows(dataclasses.replace(self, sparse_windows=False), remaining, ctx, early_only, arrived)
         top = min(self.need, len(remaining))
         chosen = [k for k, (size, start) in enumerate(zip(every[0], every[1]))
                   if release_module.sparse_window(size, start, len(remaining), top, early=early_only)]
         assert got == tuple(None if part is None else [part[k] for k in chosen] for part in every)
         seen["thinned"] += len(chosen) < len(every[0])
         monkeypatch.setattr(release_module, "SMALL_WINDOWS", 10**9)
+        assert windows(self, remaining, ctx, early_only, arrived) == got
         assert windows(self, remaining, ctx, early_only) == got
         monkeypatch.setattr(release_module, "SMALL_WINDOWS", small)
         return got

@@ -4,7 +4,6 @@ back to the bin of fewest tokens), through the Python loop and through the compi
 `fast` extra, skipped without numba); the sorting and grouping helpers against numpy's."""
 from __future__ import annotations
 
-import heapq
 
 import numpy as np
 import pytest

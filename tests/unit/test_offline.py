@@ -53,7 +53,6 @@ def _check(stream, sched, n_micro, max_tokens, early, late, n_slots):
 
 def _brute_force(stream, n_micro, max_tokens, mb_const, budget, early, late, n_slots):
     """Least sum of per-step imbalance over every (step, micro-batch) of every piece."""
-    n = len(stream.lengths)
     choices = [[(t, j) for t in range(max(0, a - early), min(n_slots - 1, a + late) + 1) for j in range(n_micro)]
                for a in stream.arrival.tolist()]
     best = np.inf

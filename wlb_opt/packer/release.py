@@ -583,7 +583,8 @@ class GroupRelease(ReleasePolicy):
         """(first, rest) that `solve` packs: `split_due` (Algorithm 1: carried pieces first)."""
         return split_due(carry, released, fresh, step, self.max_delay)
 
-    def _windows(self, remaining: list[HeldPiece], ctx: "_StepContext", early_only: bool = False):
+    def _windows(self, remaining: list[HeldPiece], ctx: "_StepContext", early_only: bool = False,
+                 arrived: bool = False):
         """The groups of `remaining` that `_candidates` packs before `hopeless`, by size then
         start: (sizes, starts, tokens, imbalance_at_least, relief) lists over them
         (imbalance_at_least None without costs; relief: `displacement_relief`, the tokens
@@ -594,13 +595,18 @@ class GroupRelease(ReleasePolicy):
         The windows of every size are judged at once. The sums of integers (tokens, early
         pieces, relief) come from prefix sums; the cost sums grow one piece at a time, left to
         right, so each equals the Python sum over the group (the same floats, the same
-        decisions)."""
+        decisions).
+
+        `arrived`: the caller knows that every piece of `remaining` has arrived (no early
+        piece), so the windows are judged as without lookahead: the same windows, and each
+        relief is its tokens (the same numbers)."""
         n = len(remaining)
         top = min(self.need, n)
         if top == 0:
             return [], [], [], (None if not ctx.costs else []), []
+        lookahead = self.lookahead and not arrived
         if n * top <= SMALL_WINDOWS:
-            return self._few_windows(remaining, ctx, early_only)
+            return self._few_windows(remaining, ctx, early_only, lookahead)
         lengths = lengths_of(remaining)
         # The windows judged, by size then start: the sparse set's (`sparse_window`) or every one.
         if self.sparse_windows:
@@ -609,15 +615,19 @@ class GroupRelease(ReleasePolicy):
             layout = _window_layout(n, top)
             sizes, starts = layout.sizes, layout.starts
         ends = starts + sizes
-        # integer sums are exact in any order: each window's is a difference of prefix sums
-        tokens = _window_sums(lengths, starts, ends)
-        keep = np.ones(len(sizes), dtype=bool)
-        if self.lookahead:
+        if lookahead:  # the early rules first: the windows they leave out are not summed
             lead = np.fromiter(map(_ARRIVAL, remaining), dtype=np.int64, count=n) - ctx.step
             early = _window_sums((lead > 0).astype(np.int64), starts, ends)
             keep = 2 * early <= sizes
             if early_only:
                 keep &= early == 1
+            if not keep.all():
+                kept = np.flatnonzero(keep)
+                sizes, starts, ends, keep = sizes[kept], starts[kept], ends[kept], keep[kept]
+        else:
+            keep = np.ones(len(sizes), dtype=bool)
+        # integer sums are exact in any order: each window's is a difference of prefix sums
+        tokens = _window_sums(lengths, starts, ends)
         # the token capacity only bounds a step that a group can take past it (`remaining` is
         # sorted by length: no window holds more than its `need` last pieces)
         room = ctx.room if ctx.room is not None and ctx.room.overflows(int(lengths[-self.need:].sum())) else None
@@ -645,15 +655,14 @@ class GroupRelease(ReleasePolicy):
                 None if at_least is None else at_least[kept].tolist(),
                 _window_sums(np.where(lead > 0, lengths * (self.early_credit - lead), lengths), starts[kept],
                              ends[kept]).tolist()
-                if self.lookahead else tokens_of)
+                if lookahead else tokens_of)
 
-    def _few_windows(self, remaining: list[HeldPiece], ctx: "_StepContext", early_only: bool):
+    def _few_windows(self, remaining: list[HeldPiece], ctx: "_StepContext", early_only: bool, lookahead: bool):
         """`_windows` in plain Python: a pool of a few pieces makes a few windows, fewer than
         numpy's per-call cost. The same sums in the same order, the same floats, the same
         windows (ctx.room's bound on the cost placed is computed for them all in one call)."""
         n, top, step = len(remaining), min(self.need, len(remaining)), ctx.step
         lengths = list(map(_LENGTH, remaining))
-        lookahead = self.lookahead
         credit = self.early_credit  # as `displacement_relief` of each piece alone
         relief = [piece.length if piece.arrival <= step else piece.length * (credit - (piece.arrival - step))
                   for piece in remaining] if lookahead else None
@@ -761,7 +770,9 @@ class GroupRelease(ReleasePolicy):
                 sources = [arrived, remaining]
         windows, offset = [], 0  # (index of the group, size, tokens, imbalance_at_least, source, start, relief)
         for n, source in enumerate(sources):
-            sizes, starts, tokens_of, at_least_of, relief_of = self._windows(source, ctx, early_only=n > 0)
+            # the first source's pieces have all arrived (with lookahead: `arrived` or all of `remaining`)
+            sizes, starts, tokens_of, at_least_of, relief_of = self._windows(source, ctx, early_only=n > 0,
+                                                                             arrived=n == 0)
             if at_least_of is None:
                 at_least_of = [None] * len(sizes)
             windows += [(offset + i, size, tokens, at_least, source, i, relief)
