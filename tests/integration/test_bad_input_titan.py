@@ -68,9 +68,10 @@ def _within_a_step():
     return loader
 
 
-class Qwen3_5Model:
+class Qwen35Model:
     """Stands for torchtitan's qwen3_5 (its config module needs the optional `fla` package):
-    the adapter recognises a family by its config class, `<Family>Model.Config`."""
+    the adapter recognises a family by its config class, `<Family>Model.Config`
+    (`test_every_refused_family_names_a_class_torchtitan_defines` checks the name)."""
 
     class Config:
         layers: list = []
@@ -88,12 +89,21 @@ def _validator():
     return Validator.Config(enable=True)
 
 
+def _tied_qwen3():
+    """A small qwen3 decoder (built after `use_wlb_attention`) whose LM head is its embedding."""
+    config = dataclasses.replace(tt.small_config("qwen3", dim=32, layers=2, vocab=97), enable_weight_tying=True)
+    tt.use_wlb_attention(config)
+    model = config.build()
+    assert model.lm_head.weight is model.tok_embeddings.weight
+    return model
+
+
 def _moe_qwen3():
     return _registry("qwen3", "debugmodel_moe")
 
 
 CASES = [
-    ("family.qwen3_5", lambda: tt.check_family(Qwen3_5Model.Config()), ValueError, "linear-attention layers"),
+    ("family.qwen3_5", lambda: tt.check_family(Qwen35Model.Config()), ValueError, "linear-attention layers"),
     ("family.muse_glimmer", lambda: tt.check_family(_registry("muse_glimmer", "debugmodel")), ValueError,
      "muse_glimmer"),
     ("family.gpt_oss", lambda: tt.check_family(_registry("gpt_oss", "debugmodel")), ValueError, "gpt_oss"),
@@ -119,7 +129,12 @@ CASES = [
      ValueError, "reaches position 299 (piece at offset 0, 300 tokens), past training.seq_len=256"),
     ("loader.done_negative", lambda: tt.WLBDataLoader(tt.WLBDataLoader.Config(stream=_stream())).load_state_dict(
         {**tt.WLBDataLoader(_stream()).state_dict(), tt.DONE_KEY: -1}), ValueError,
-     "'wlb_stream_micro_batches_done' must be an integer >= 0"),
+     "'wlb_stream_micro_batches_done' must be an integer in [0, n_micro) = [0, 2)"),
+    ("loader.done_whole_step", lambda: tt.WLBDataLoader(tt.WLBDataLoader.Config(stream=_stream())).load_state_dict(
+        {**tt.WLBDataLoader(_stream()).state_dict(), tt.DONE_KEY: 2}), ValueError,
+     "handed out), got 2"),
+    ("titan_stages.tied_pp", lambda: tt.titan_stages(_tied_qwen3(), 2), ValueError,
+     "ties its LM head to its embeddings (enable_weight_tying=True); with pp=2"),
     ("loader.steps_within_a_step", lambda: _steps(_within_a_step()), ValueError,
      "the loaded state is within a step (1 of its micro-batches handed out through the iterator)"),
     ("trainer.cp_mismatch", lambda: tt.check_trainer_config(_trainer_config(
@@ -163,3 +178,17 @@ CASES = [
 @pytest.mark.parametrize("call, exc_type, fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_torchtitan_input_raises_a_clear_error(call, exc_type, fragment):
     _check(call, exc_type, fragment)
+
+
+def test_every_refused_family_names_a_class_torchtitan_defines():
+    """The refusals are keyed on torchtitan's class names: each must be a model class of the
+    installed torchtitan (read from its sources: qwen3_5's module needs the optional `fla`)."""
+    import re
+    from pathlib import Path
+
+    import torchtitan.models
+
+    root = Path(torchtitan.models.__file__).parent
+    defined = {m.group(1) for path in root.rglob("*.py") for m in re.finditer(r"^class (\w+)\(", path.read_text(),
+                                                                                 re.MULTILINE)}
+    assert set(tt._REFUSED) <= defined, sorted(set(tt._REFUSED) - defined)

@@ -198,6 +198,24 @@ def test_a_stock_trainer_resumed_within_a_step_gets_exactly_the_micro_batches_it
             assert torch.equal(a, b) and torch.equal(pa, pb) and torch.equal(la, lb)
 
 
+def test_a_loop_left_within_a_step_and_entered_again_goes_on_where_it_stopped():
+    """A second iter() (a `for` loop left with break, then entered again) hands out the rest of
+    the step the first one stopped in, then the next steps whole: the items of one pass."""
+    config = tt.small_config("llama3", dim=32, layers=2, vocab=VOCAB)
+    whole = _items(tt.WLBDataLoader(stream(config, LENGTHS * 2), seq_len=512, local_batch_size=1))
+    loader = tt.WLBDataLoader(stream(config, LENGTHS * 2), seq_len=512, local_batch_size=1)
+    got = []
+    for cut in (1, 2, 5):  # leave the loop after 1, then 1 more, then 3 more items
+        for inputs, labels in loader:
+            got.append((inputs["input"].clone(), labels.clone(), loader.state_dict()))
+            if len(got) == cut:
+                break
+    got += [(inputs["input"].clone(), labels.clone(), loader.state_dict()) for inputs, labels in loader]
+    assert len(got) == len(whole)
+    for (a, la, sa), (b, _, lb, sb) in zip(got, whole):
+        assert torch.equal(a, b) and torch.equal(la, lb) and sa == sb
+
+
 def test_a_stock_trainer_reads_documents_longer_than_seq_len_in_pieces_that_fit():
     """Through the iterator positions restart at each piece: only a piece must fit the RoPE table."""
     config = tt.small_config("llama3", dim=32, layers=2, vocab=VOCAB)

@@ -27,8 +27,9 @@ layers, gpt_oss, deepseek_v3, kimi_k2_7, muse_glimmer, flux. Tested with torchti
 from __future__ import annotations
 
 import dataclasses
-import math
 import logging
+import math
+from itertools import chain
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ _log = logging.getLogger("wlb_opt")
 
 SUPPORTED = ("llama3", "qwen3")
 _REFUSED = {
-    "Qwen3_5Model": "qwen3_5 (its linear-attention layers cannot be expressed as segment tables)",
+    "Qwen35Model": "qwen3_5 (its linear-attention layers cannot be expressed as segment tables)",
     "GptOssModel": "gpt_oss (MoE layers and attention sinks)",
     "DeepSeekV3Model": "deepseek_v3 (MLA and MoE layers)",
     "KimiK25Model": "kimi_k2_7 (MLA and MoE layers)",
@@ -265,6 +266,10 @@ def titan_stages(model: nn.Module, pp: int, virtual_stages: int = 1) -> list[Tit
     if config is not None:
         check_family(config)
     _check_wlb_attention(model)
+    if pp > 1 and getattr(model.lm_head, "weight", None) is getattr(model.tok_embeddings, "weight", False):
+        raise ValueError("titan_stages: the model ties its LM head to its embeddings (enable_weight_tying=True); "
+                         f"with pp={pp} the first and last stages live on different ranks, each with its own copy "
+                         "of the weight and only its own stage's share of the gradient. Untie them for pp > 1")
     layers = list(model.layers.values())
     n = pp * virtual_stages
     bounds = stage_bounds(len(layers), n)
@@ -397,7 +402,8 @@ class WLBDataLoader(BaseDataLoader):
     (`steps()`, or the last micro-batch of a step), or before a step with the number of its
     micro-batches already handed out (a stock Trainer whose optimizer steps take fewer
     micro-batches than a WLB step holds); torchtitan's checkpointer saves it after training
-    an optimizer step, and a resume hands out exactly what had not been. A checkpoint taken
+    an optimizer step, and a resume hands out exactly what had not been; a loop left within a
+    step and entered again (a new iter()) goes on where it stopped. A checkpoint taken
     within a step resumes only through the iterator (`steps()` runs whole steps). Built by torchtitan from `WLBDataLoader.Config(stream=...)`, or
     directly as ``WLBDataLoader(stream, dp_world_size=, dp_rank=, seq_len=)``. Refused by
     name: a stream whose packer has another DP degree than the trainer's batch degree, a
@@ -426,6 +432,9 @@ class WLBDataLoader(BaseDataLoader):
         self.local_batch_size = local_batch_size
         self._state = stream.state_dict()
         self._done = 0  # micro-batches of the next step already handed out (the iterator's)
+        # the step the iterator is handing out and the position of its next item, while a step is
+        # handed out in part: a new iter() (a loop left and entered again) goes on from there
+        self._partial = None
 
     @property
     def n_micro(self) -> int:
@@ -467,16 +476,25 @@ class WLBDataLoader(BaseDataLoader):
             raise ValueError(f"WLBDataLoader yields one packed micro-batch per item: a stock Trainer needs "
                              f"training.local_batch_size=1 (got {self.local_batch_size}) and gradient accumulation x "
                              f"pipeline micro-batches = n_micro ({self.n_micro}); WLBTrainer runs whole steps")
-        skip, before = self._done, self._state
-        for step in self.stream:
-            self._check_positions(step, restart=True)
+        before = self._state
+        if self._partial is not None:  # an earlier iterator stopped within this step: go on where it stopped
+            partial, skip = self._partial
+            steps = chain([partial], self.stream)
+        else:  # skip: the step's items handed out before the checkpoint this state came from
+            partial, skip = None, self._done
+            steps = iter(self.stream)
+        for step in steps:
+            if step is not partial:
+                self._check_positions(step, restart=True)
             plan = step.plan
             local = list(step.local(self.dp_rank))
             for k, j in enumerate(local):
-                if k < skip:  # handed out before the checkpoint this state came from
+                if k < skip:
                     continue
                 # what the trainer holds once it has this item: the whole step after its last
-                self._state, self._done = (step.state, 0) if k == len(local) - 1 else (before, k + 1)
+                last = k == len(local) - 1
+                self._state, self._done = (step.state, 0) if last else (before, k + 1)
+                self._partial = None if last else (step, k + 1)
                 if not len(plan.micro_batches[j]):  # an empty slot: one ignored token keeps the count
                     zero = torch.zeros(1, 1, dtype=torch.long)
                     yield {"input": zero, "positions": zero.clone()}, torch.full((1, 1), -100, dtype=torch.long)
@@ -499,11 +517,11 @@ class WLBDataLoader(BaseDataLoader):
                              f"(keys: {sorted(state_dict)}); it was not saved by a WLBDataLoader")
         state = json.loads(state_dict[STATE_KEY])
         done = state_dict.get(DONE_KEY, 0)
-        if isinstance(done, bool) or not isinstance(done, int) or done < 0:
-            raise ValueError(f"WLBDataLoader.load_state_dict: {DONE_KEY!r} must be an integer >= 0 (micro-batches of "
-                             f"the next step already handed out), got {done!r}")
+        if isinstance(done, bool) or not isinstance(done, int) or not 0 <= done < self.n_micro:
+            raise ValueError(f"WLBDataLoader.load_state_dict: {DONE_KEY!r} must be an integer in [0, n_micro) = "
+                             f"[0, {self.n_micro}) (micro-batches of the next step already handed out), got {done!r}")
         self.stream.load_state_dict(state)
-        self._state, self._done = state, done
+        self._state, self._done, self._partial = state, done, None
 
 
 class NoTokenizer(BaseTokenizer):
