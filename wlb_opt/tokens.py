@@ -53,7 +53,8 @@ def as_array(doc_id, values, what: str) -> np.ndarray:
 def as_tokens(doc_id, tokens, what: str = "tokens") -> np.ndarray:
     """A document's token ids as a 1-D int64 array, checked where they enter: integers,
     non-negative and representable in int64 (an unsigned array is not wrapped). ValueError
-    naming the document and the offending value otherwise."""
+    naming the document and the offending value otherwise. Always a copy: pieces are held
+    across steps, and a source may refill the buffer it yielded (a reader's usual pattern)."""
     arr = as_array(doc_id, tokens, what)
     if arr.size == 0 and arr.dtype.kind in "fO":
         return np.zeros(0, dtype=np.int64)
@@ -68,11 +69,12 @@ def as_tokens(doc_id, tokens, what: str = "tokens") -> np.ndarray:
         if arr.dtype.kind == "i" and int(arr.min()) < 0:
             k = int(np.argmax(arr < 0))
             raise ValueError(f"document {doc_id}: {what}[{k}] = {int(arr[k])} is negative; token ids must be >= 0")
-    return arr.astype(np.int64, copy=False)
+    return arr.astype(np.int64, copy=True)
 
 
 def as_mask(doc_id, mask, n: int) -> np.ndarray:
-    """A loss mask: booleans (or 0/1 integers) of the document's length."""
+    """A loss mask: booleans (or 0/1 integers) of the document's length; a copy, as
+    `as_tokens`."""
     arr = as_array(doc_id, mask, "loss_mask")
     if arr.dtype != bool:
         if arr.dtype.kind not in "iu" and arr.size:
@@ -83,7 +85,7 @@ def as_mask(doc_id, mask, n: int) -> np.ndarray:
             k = int(np.argmax(bad))
             raise ValueError(f"document {doc_id}: loss_mask[{k}] = {arr[k].item()!r}; a loss mask holds booleans or 0/1 "
                              "(True where a token is a target)")
-        arr = arr.astype(bool)
+    arr = arr.astype(bool, copy=True)
     if len(arr) != n:
         raise ValueError(f"document {doc_id}: loss mask of {len(arr)} entries for {n} tokens")
     return arr

@@ -247,6 +247,30 @@ def test_bad_documents_are_clear_errors(docs, match):
         list(stream)
 
 
+def test_a_source_that_refills_one_buffer_trains_each_documents_own_tokens():
+    """A reader that yields views of one reused buffer: the pieces held across steps (carried,
+    queued, buffered ahead) keep the tokens and masks they were read with."""
+    lengths = long_tail(400, seed=4)
+
+    class OneBuffer:
+        def __iter__(self):
+            tokens, mask = np.empty(max(lengths), dtype=np.int64), np.empty(max(lengths), dtype=bool)
+            for i, n in enumerate(lengths):
+                tokens[:n], mask[:n] = doc_tokens(1000 + i, n), np.arange(n) % 3 > 0
+                yield 1000 + i, tokens[:n], mask[:n]
+
+    seen = {}
+    for step in make_stream(OneBuffer(), lookahead=1):
+        for mb in step.plan.micro_batches:
+            for i in mb:
+                doc, off, n = int(step.plan.doc_ids[i]), int(step.plan.offsets[i]), int(step.plan.lengths[i])
+                seen[doc, off] = step.piece(doc, off, n)
+    for i, n in enumerate(lengths):
+        pieces = sorted((off, got) for (doc, off), got in seen.items() if doc == 1000 + i)
+        assert np.array_equal(np.concatenate([t for _, (t, _) in pieces]), doc_tokens(1000 + i, n)), i
+        assert np.array_equal(np.concatenate([m for _, (_, m) in pieces]), np.arange(n) % 3 > 0), i
+
+
 def test_loss_masks_travel_with_their_pieces():
     tokens = np.arange(20)
     mask = np.arange(20) >= 5
