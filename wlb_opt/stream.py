@@ -79,7 +79,8 @@ def _dataset_item(dataset, i: int):
 
 
 class Step:
-    """One training step: `index`, `plan` (PackPlan), `shards` (one ShardPlan per micro-batch,
+    """One training step: `index` (the packer's step; a step that would place nothing is not
+    yielded, so indices may skip), `plan` (PackPlan), `shards` (one ShardPlan per micro-batch,
     None for an empty one), `target_tokens` (the global batch's count of targets, the loss
     normalisation) and `state` (the stream's state after this step, JSON).
 
@@ -395,7 +396,7 @@ class WLBStream:
             n = self._next_batch()
             if n:
                 plan = self._feed(n)
-                if plan is not None:  # a packer with lookahead returns None while it fills
+                if plan is not None and self._places_any(plan):  # with lookahead None while it fills
                     return self._emit(plan, started)
                 continue
             if not self._draining:
@@ -404,7 +405,20 @@ class WLBStream:
             if self._pending:  # cannot happen: a piece fits a step (window <= tokens_per_step)
                 raise AssertionError("a pending piece does not fit an empty step")
             plan = self.packer._drain_step()  # one step at a time, so each step's state is exact
-            return None if plan is None else self._emit(plan, started)
+            if plan is None:
+                return None
+            if self._places_any(plan):
+                return self._emit(plan, started)
+
+    def _places_any(self, plan) -> bool:
+        """Whether `plan` places a piece; one that does not (a batch of outliers alone, all
+        queued, or with lookahead an empty buffered batch) is not yielded: nothing trains in
+        it, and a training step needs targets. Its index is skipped and its state (committed
+        by the packer) travels with the next step yielded."""
+        if any(len(mb) for mb in plan.micro_batches):
+            return True
+        self._step += 1
+        return False
 
     def _run(self, generation: int) -> Iterator[Step]:
         while True:
@@ -487,7 +501,10 @@ class WLBStream:
             raise ValueError("the stream has no consistent state now: the packer refused the last batch, whose "
                              "pieces span two documents; resume from the state of the last step yielded "
                              "(step.state)")
-        ended = self._draining and pending_from is None and not self.packer.held_pieces()
+        # ended: nothing pending, held or buffered ahead (a lookahead packer still plans a step for
+        # each buffered batch, an empty one too)
+        ended = (self._draining and pending_from is None and not self.packer.held_pieces()
+                 and self.packer.arrival_step == self.packer.step)
         return {"step": self._step, "consumed": self._consumed, "pending_from": pending_from,
                 "draining": self._draining, "ended": ended}
 
@@ -584,9 +601,10 @@ class WLBStream:
                 if tokens is not None and len(tokens) != held[key]:
                     raise ValueError(f"state field cache: piece (id {key[0]}, offset {key[1]}) has {len(tokens)} "
                                      f"tokens, its packer state holds it with {held[key]}")
-        if fields["ended"] and (held or fields["pending_from"] is not None or not fields["draining"]):
-            raise ValueError("state field ended=True, but the state still holds pieces (pending, held by the packer "
-                             "or not draining): an ended stream holds nothing")
+        if fields["ended"] and (held or fields["pending_from"] is not None or not fields["draining"]
+                                or packer.arrival_step != packer.step):
+            raise ValueError("state field ended=True, but the state still holds pieces (pending, held by the packer, "
+                             "batches buffered ahead, or not draining): an ended stream holds nothing")
 
     def __getstate__(self):
         if self._source_iter is not None:

@@ -271,6 +271,24 @@ def test_a_source_that_refills_one_buffer_trains_each_documents_own_tokens():
         assert np.array_equal(np.concatenate([m for _, (_, m) in pieces]), np.arange(n) % 3 > 0), i
 
 
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_a_step_fed_only_outliers_that_wait_is_not_yielded(lookahead):
+    """A document longer than a step is fed across steps piece by piece; where its pieces are
+    all outliers the queues keep them and the step places nothing. Such a step is not yielded
+    (a training step needs targets: `train_step` refuses a step without any), its index is
+    skipped, and every token is still trained once."""
+    lengths = [30, 700, 20, 90, 900, 110, 15, 70, 300, 5] * 2
+    docs = pairs(lengths)
+    packer = wlb.WLBPacker(2, 128, config=wlb.PackerConfig(max_delay=3, lookahead=lookahead, thresholds=[80]))
+    steps = list(wlb.WLBStream(docs, packer, 200, window=128, cp=1))
+    assert all(step.target_tokens for step in steps)
+    indices = [step.index for step in steps]
+    assert len(set(range(indices[-1] + 1)) - set(indices)) >= 2  # the steps of pieces that all wait
+    placed = sorted((int(s.plan.doc_ids[i]), int(s.plan.offsets[i]), int(s.plan.lengths[i]))
+                    for s in steps for mb in s.plan.micro_batches for i in mb)
+    assert sum(n for _, _, n in placed) == sum(lengths) and len(set(p[:2] for p in placed)) == len(placed)
+
+
 def test_loss_masks_travel_with_their_pieces():
     tokens = np.arange(20)
     mask = np.arange(20) >= 5
