@@ -179,6 +179,12 @@ class Step:
     def __getstate__(self):  # a DataLoader worker pickles steps: take the state along, built
         d = dict(self.__dict__)
         d["_state"], d["_state_fn"] = self.state, None
+        if self._reader is not None:  # the step's placed pieces travel, not the dataset they are read from
+            plan = self.plan
+            d["_pieces"] = {(int(plan.doc_ids[i]), int(plan.offsets[i])):
+                            self._reader(int(plan.doc_ids[i]), int(plan.offsets[i]), int(plan.lengths[i]))
+                            for i in self._placed()}
+            d["_reader"] = None
         return d
 
 
@@ -269,6 +275,7 @@ class WLBStream:
         self._source_iter = None  # one reader of the source for every iter() of this stream
         self._generation = 0  # which iter() is current (an older one raises when advanced)
         self._fingerprint = SourceFingerprint()
+        self._handed_out = False  # given to a DataLoader (as_dataset): a worker's copy plans, this one does not
 
     # ------------------------------------------------------------------ reading
     def _items(self) -> Iterator[tuple[int, int, np.ndarray | None, np.ndarray | None, int]]:
@@ -431,7 +438,14 @@ class WLBStream:
                 return
             yield step
 
+    def _check_not_handed_out(self, what: str) -> None:
+        if self._handed_out:
+            raise ValueError(f"{what}: this stream was given to a DataLoader (as_dataset()), whose worker plans the "
+                             "steps on its own copy; this one does not advance. Checkpoint the state of the last step "
+                             "received (step.state: the worker sends it with the step), and resume in a fresh stream")
+
     def _start(self) -> Iterator[Step]:
+        self._check_not_handed_out("iter()")
         if self._broken is not None:
             raise ValueError(f"this stream stopped on an error of its source ({self._broken}); nothing after the last "
                              "step yielded was trained: resume from that step's state over a corrected source") \
@@ -514,6 +528,7 @@ class WLBStream:
 
     def state_dict(self) -> dict:
         """The stream's state now (JSON-serialisable)."""
+        self._check_not_handed_out("state_dict()")
         return self._snapshot()()
 
     def load_state_dict(self, state: dict, max_backlog_tokens: int | None = None) -> None:
@@ -616,9 +631,18 @@ class WLBStream:
     def as_dataset(self):
         """A `torch.utils.data.IterableDataset` that yields this stream's steps, so planning
         runs in a DataLoader worker: `DataLoader(stream.as_dataset(), batch_size=None,
-        num_workers=1)`. More than one worker is refused (the stream is sequential)."""
+        num_workers=1)`. More than one worker is refused (the stream is sequential).
+
+        The worker plans on its own copy of the stream: from then on this stream's
+        `state_dict()` and `iter()` raise (they would give the state it had when handed out);
+        checkpoint `step.state` of the last step received. With `num_workers=0` the DataLoader
+        iterates this very stream, which then advances as usual. A worker that is not
+        persistent starts again from the stream as it was handed out at each pass over the
+        DataLoader: make one pass, or pass `persistent_workers=True`."""
         from torch.utils.data import IterableDataset, get_worker_info
 
+        self._check_not_handed_out("as_dataset()")
+        self._handed_out = True
         stream = self
 
         class _StepDataset(IterableDataset):
@@ -627,6 +651,7 @@ class WLBStream:
                 if info is not None and info.num_workers > 1:
                     raise ValueError(f"a WLBStream runs in at most one DataLoader worker, got num_workers="
                                      f"{info.num_workers} (steps depend on every step before them)")
+                stream._handed_out = False  # the copy that plans (this process's with num_workers=0)
                 return iter(stream)
 
         return _StepDataset()

@@ -164,6 +164,25 @@ def test_the_dataloader_worker_path_yields_the_same_steps():
         list(bad)
 
 
+def test_a_stream_given_to_a_worker_refuses_to_report_a_state_it_does_not_have():
+    """The worker plans on its copy: the stream handed out would give its state as it was
+    (a resumed job would train those steps again). With num_workers=0 the DataLoader runs this
+    very stream, whose state then advances."""
+    docs = pairs(long_tail(300, seed=2))
+    stream = make_stream(docs)
+    loader = torch.utils.data.DataLoader(stream.as_dataset(), batch_size=None, num_workers=1)
+    received = [step for _, step in zip(range(3), loader)]
+    for call in (stream.state_dict, lambda: iter(stream), stream.as_dataset):
+        with pytest.raises(ValueError, match="given to a DataLoader"):
+            call()
+    resumed = make_stream(docs)
+    resumed.load_state_dict(received[-1].state)  # what to checkpoint instead
+    assert next(iter(resumed)).index == received[-1].index + 1
+    in_process = make_stream(docs)
+    steps = [step for _, step in zip(range(3), torch.utils.data.DataLoader(in_process.as_dataset(), batch_size=None))]
+    assert in_process.state_dict() == steps[-1].state
+
+
 def test_from_dataset_reads_tokens_only_for_the_micro_batches_asked():
     lengths = long_tail(400, seed=3)
 
@@ -194,6 +213,16 @@ def test_from_dataset_reads_tokens_only_for_the_micro_batches_asked():
                            [int(step.plan.offsets[i]):int(step.plan.offsets[i] + step.plan.lengths[i])]
                            for i in step.plan.micro_batches[j]])
     assert np.array_equal(got.numpy(), want)
+    # a worker sends a step with its placed pieces read, not with the dataset they come from
+    import pickle
+
+    reads = ds.reads
+    sent = pickle.loads(pickle.dumps(step))
+    assert ds.reads - reads == sum(len(mb) for mb in step.plan.micro_batches)
+    assert len(pickle.dumps(step)) < 16 * 1024 + 16 * int(step.plan.lengths.sum())  # not the dataset's 400 documents
+    for k in range(len(step.plan.micro_batches)):
+        assert all(np.array_equal(sent.inputs(k, r)[key], step.inputs(k, r)[key]) for r in range(2)
+                   for key in ("input_ids", "labels", "position_ids", "segments"))
 
 
 def test_a_dataset_that_returns_the_wrong_length_names_the_document():
