@@ -113,7 +113,27 @@ SPLIT_CASES = [
     ("split_hf_stages.router_aux_loss",
      lambda: _split(transformers.MixtralConfig, sliding_window=None, num_local_experts=4, output_router_logits=True,
                     router_aux_loss_coef=0.5), ValueError, "output_router_logits=True, router_aux_loss_coef=0.5"),
+    ("split_hf_stages.jetmoe_aux_loss",  # JetMoe names its coefficient aux_loss_coef
+     lambda: _split(transformers.JetMoeConfig, output_router_logits=True, aux_loss_coef=0.5, num_local_experts=2,
+                    kv_channels=8), ValueError, "output_router_logits=True, aux_loss_coef=0.5"),
 ]
+
+
+def _decode_step():
+    """A decode step of `generate`: one query against the cached keys of the prompt."""
+    model = _model()
+    cache = model(IDS, use_cache=True).past_key_values
+    return model(IDS[:, :1], past_key_values=cache, use_cache=True)
+
+
+def _bidirectional_gemma3():
+    return _built(transformers.Gemma3TextConfig, head_dim=8, layer_types=["full_attention"] * 2,
+                  use_bidirectional_attention=True)(IDS)
+
+
+def _attention(module, **kwargs):
+    q = torch.zeros(1, 2, 6, 8)
+    return hf.wlb_attention(module, q, q, q, None, position_ids=torch.arange(6)[None], **kwargs)
 
 FORWARD_CASES = [
     ("wlb_forward.padding_mask",
@@ -129,6 +149,15 @@ FORWARD_CASES = [
      "3-D attention_mask of shape (1, 6, 6)"),
     ("wlb_forward.batch_of_two", lambda: _model()(torch.zeros(2, 6, dtype=torch.long)), ValueError,
      "batch of one row"),
+    ("wlb_forward.kv_cache", _decode_step, ValueError, "1 queries and 7 keys (a KV cache"),
+    ("wlb_forward.sinks", lambda: _built(transformers.GptOssConfig, head_dim=8, num_local_experts=2,
+                                         num_experts_per_tok=1, layer_types=["full_attention"] * 2)(IDS),
+     ValueError, "attention sinks"),
+    ("wlb_forward.bidirectional_mask", _bidirectional_gemma3, ValueError, "mask rules of its own"),
+    ("wlb_attention.not_causal", lambda: _attention(SimpleNamespace(is_causal=False)), ValueError,
+     "attends bidirectionally (is_causal=False)"),
+    ("wlb_attention.position_bias", lambda: _attention(torch.nn.Identity(), position_bias=torch.zeros(1)),
+     ValueError, "additive position bias"),
 ]
 
 TP_CASES = [

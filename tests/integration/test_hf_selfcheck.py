@@ -148,16 +148,30 @@ def test_skipping_the_check_returns_unproven_stages(monkeypatch):
 
 
 # ---------------------------------------------------------------------- what the check leaves alone
-def test_the_check_leaves_rng_training_flags_and_grads_as_they_were():
+def test_the_check_leaves_rng_training_flags_and_grads_as_they_were(monkeypatch):
     model = build(cohere(attention_dropout=0.0))
     model.train()
     model.model.layers[0].eval()  # a mixed state, restored module by module
     model(torch.arange(6)[None], labels=torch.arange(6)[None]).loss.backward()
     grads = {n: (p.grad, p.grad.clone()) for n, p in model.named_parameters()}
     flags = [m.training for m in model.modules()]
+    # the final norm, which both the model's own forward and the stages run, draws from the
+    # global RNG (as dropout in training would) and, where autograd records, back-propagates
+    # into the weights: the check must leave neither trace
+    norm, calls = model.model.norm, []
+
+    def drawing(hidden):
+        calls.append(float(torch.rand(())))
+        out = type(norm).forward(norm, hidden)
+        if torch.is_grad_enabled():
+            out.sum().backward(retain_graph=True)
+        return out
+
+    monkeypatch.setattr(norm, "forward", drawing)
     torch.manual_seed(123)
     rng = torch.get_rng_state()
     hf.split_hf_stages(model, 1)
+    assert calls, "the check ran the final norm"
     assert torch.equal(torch.get_rng_state(), rng)
     assert [m.training for m in model.modules()] == flags
     for n, p in model.named_parameters():

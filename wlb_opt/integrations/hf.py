@@ -79,7 +79,26 @@ def _segments_from_bounds(bounds, n: int) -> np.ndarray:
     return segments_from_lengths(np.diff(b))
 
 
+_UNSUPPORTED_KWARGS = {
+    "s_aux": "attention sinks (a learned logit per head in the softmax)",
+    "sinks": "attention sinks (a learned logit per head in the softmax)",
+    "position_bias": "an additive position bias on the attention scores",
+    "indices": "sparse attention over selected key indices",
+    "block_indices": "block-sparse attention over selected key blocks",
+}
+"""Keyword arguments some models pass their attention function, each of which changes what the
+attention computes; "wlb" computes none of them, so a model that passes one is refused."""
+
+
 def _check_supported(module, kwargs, dropout: float) -> None:
+    for name, what in _UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"attn_implementation='wlb' does not do {what}: {type(module).__name__} passes {name}=; "
+                             "this architecture is not supported")
+    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    if causal is False:
+        raise ValueError(f"attn_implementation='wlb' is causal within each document; {type(module).__name__} attends "
+                         "bidirectionally (is_causal=False): not supported")
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     if window is not None:
         raise ValueError(f"attn_implementation='wlb' does not do sliding-window attention (sliding_window="
@@ -121,6 +140,10 @@ def wlb_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
                              "its decoder layer does not pass the attention's keyword arguments on, so the "
                              "micro-batch's documents and CP shards cannot reach it; the adapter does not support "
                              "this architecture")
+        if key.shape[-2] != query.shape[-2]:  # keys from a cache: decoding
+            raise ValueError(f"attn_implementation='wlb' attends within the packed row it is given: {name} has "
+                             f"{query.shape[-2]} queries and {key.shape[-2]} keys (a KV cache, as in generate()); "
+                             "decode with attn_implementation 'sdpa' (model.set_attn_implementation('sdpa'))")
         bounds = kwargs.get("cu_seq_lens_q")  # explicit piece boundaries (`hf_batch`), else from the positions
         if bounds is None and kwargs.get("position_ids") is None:
             raise ValueError(f"attn_implementation='wlb' got neither position_ids nor cu_seq_lens_q in {name}: its "
@@ -137,7 +160,16 @@ def _no_mask(*args, attention_mask=None, **kwargs):
 
     The attention never sees the `attention_mask` given to the model, so one of any rank with a
     zero anywhere (padding, a 3-D token-pair mask) is refused here rather than ignored; an
-    all-ones mask changes nothing and is accepted."""
+    all-ones mask changes nothing and is accepted. So is a model that asks for a mask other
+    than the causal one: bidirectional, or with mask functions of its own added (transformers
+    then asks for the mask built with vmap, e.g. image tokens that see each other)."""
+    if "allow_is_bidirectional_skip" in kwargs:  # only `create_bidirectional_mask` and its sliding form pass it
+        raise ValueError("attn_implementation='wlb' is causal within each document; the model asks for a "
+                         "bidirectional attention mask: not supported")
+    if kwargs.get("use_vmap"):
+        raise ValueError("attn_implementation='wlb' builds a causal mask per document; the model adds mask rules "
+                         "of its own (or_mask_function / and_mask_function, e.g. image tokens that attend to each "
+                         "other), which it would ignore: not supported")
     if not isinstance(attention_mask, torch.Tensor) or bool(attention_mask.all()):
         return None
     hidden = int((~attention_mask.bool()).sum())
@@ -288,11 +320,13 @@ def _refuse_position_dependent(model: nn.Module, decoder: nn.Module) -> None:
                          "packed row is the row, not the document); build the model with a rope_type of "
                          f"{list(_STATIC_ROPE)} in rope_parameters, e.g. rope_parameters={{'rope_type': 'default', "
                          "'rope_theta': 10000.0}")
-    coef = getattr(cfg, "router_aux_loss_coef", None)
-    if getattr(cfg, "output_router_logits", False) and coef:
-        raise ValueError(f"{kind} adds the router's load-balancing loss to its training loss (output_router_logits="
-                         f"True, router_aux_loss_coef={coef}), which the stages do not compute (their loss is the "
-                         "token cross-entropy only); build the model with output_router_logits=False in its config")
+    if getattr(cfg, "output_router_logits", False):  # whatever its coefficient is called (JetMoe: aux_loss_coef)
+        coef = {name: getattr(cfg, name) for name in ("router_aux_loss_coef", "aux_loss_coef", "router_z_loss_coef")
+                if getattr(cfg, name, None)}
+        raise ValueError(f"{kind} adds the router's losses to its training loss (output_router_logits=True"
+                         + "".join(f", {name}={value}" for name, value in coef.items()) + "), which the stages do "
+                         "not compute (their loss is the token cross-entropy only); build the model with "
+                         "output_router_logits=False in its config")
 
 
 def _embedding_scale(model: nn.Module) -> float:
@@ -430,7 +464,7 @@ def split_hf_stages(model: nn.Module, pp: int, virtual_stages: int = 1, *, self_
 
     Self-check (``self_check=True``, the default): before returning, the stages chained run a
     short random input (two documents of 7 and 5 tokens, the second a piece continuing a
-    document at position 3) and must reproduce the model's own logits, computed by the
+    document at position 7) and must reproduce the model's own logits, computed by the
     model's own forward with attn_implementation "sdpa" (or "eager" where the model has no
     sdpa) one document per call with ``position_ids = offset + arange``: max |difference| <=
     1e-5 x max |logit| in fp32 (1e-6 in fp64; 1e-2 in bf16/fp16, or, if larger, 4 units of
