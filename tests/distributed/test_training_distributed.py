@@ -243,6 +243,19 @@ def _worker(rank, world, port):
             ref_loss, _ = reference(plan)
             assert abs(loss - ref_loss) < 0.05 * abs(ref_loss), (loss, ref_loss)
             assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in stage.parameters())
+            # FSDP2 mixed precision (bf16 compute over fp32 shards, torchtitan's default): the
+            # pipeline carries the policy's compute dtype, not the shards' fp32
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            stage = ex.split_stages(make_model(torch.float32), 2)[mesh.pp_rank]
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for block in stage.blocks:
+                fully_shard(block, mesh=mesh.device_mesh["dp"], mp_policy=policy)
+            fully_shard(stage, mesh=mesh.device_mesh["dp"], mp_policy=policy)
+            assert activation_dtype(next(stage.parameters()), stage) == torch.bfloat16
+            loss = ex.train_step(stage, plan, make_shards(plan, cost, 1), data=doc_tokens, mesh=mesh, backend="torch")
+            assert abs(loss - ref_loss) < 0.05 * abs(ref_loss), (loss, ref_loss)
+            assert all(p.grad is not None and torch.isfinite(p.grad.full_tensor()).all() for p in stage.parameters())
             dist.barrier()
     finally:
         dist.destroy_process_group()

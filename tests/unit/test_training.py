@@ -177,6 +177,21 @@ def test_chunked_cross_entropy_equals_the_full_loss_and_its_gradients():
         chunked_cross_entropy(hidden, labels, head, 0)
 
 
+def test_chunked_cross_entropy_of_fp16_states_whose_sum_passes_fp16s_range_is_finite():
+    from wlb_opt.executor.train import chunked_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(512, 256, generator=g) * 0.1 + 1.0).half().requires_grad_()  # sums to about 131072
+    assert torch.isinf(hidden.detach().sum())
+    head = torch.nn.Linear(256, 32, bias=False).half()
+    labels = torch.randint(0, 32, (512,), generator=g)
+    want = torch.nn.functional.cross_entropy(head(hidden).float(), labels, reduction="sum")
+    got = chunked_cross_entropy(hidden, labels, head, 128)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
+    got.backward()
+    assert torch.isfinite(hidden.grad).all()
+
+
 def test_train_step_takes_the_users_loss_and_the_models_softmax_scale():
     """One process: a custom summed loss replaces the default, and an attention scale the
     model passes reaches CP attention (checked against the same model and scale by hand)."""
@@ -222,3 +237,17 @@ _RECORDED = __import__("json").loads(
     (__import__("pathlib").Path(__file__).parents[1] / "data" / "train_reference_losses.json").read_text())["layouts"]
 
 
+
+
+def test_a_hand_built_mesh_names_the_group_its_gradients_are_summed_over():
+    from wlb_opt.executor import Mesh
+    from wlb_opt.executor.mesh import SELF_GROUP
+
+    with pytest.raises(ValueError, match=r"stage_group=None \(the default group, every rank\) with pp=2, tp=1"):
+        Mesh(cp=1, dp=1, cp_rank=0, dp_rank=0, cp_group=SELF_GROUP, dp_group=SELF_GROUP, pp=2, pp_rank=1)
+    with pytest.raises(ValueError, match="with pp=1, tp=2"):
+        Mesh(cp=1, dp=1, cp_rank=0, dp_rank=0, cp_group=SELF_GROUP, dp_group=SELF_GROUP, tp=2)
+    # one stage and TP shard: every rank holds it, and the default group is the right one
+    assert Mesh(cp=2, dp=1, cp_rank=0, dp_rank=0, cp_group=None, dp_group=SELF_GROUP).stage_group is None
+    assert Mesh(cp=1, dp=1, cp_rank=0, dp_rank=0, cp_group=SELF_GROUP, dp_group=SELF_GROUP, pp=2,
+                stage_group=SELF_GROUP).pp == 2

@@ -63,6 +63,15 @@ class Mesh:
     A rank whose wait failed waits at most this long (and at most 30 s) for the others to
     report before it names the ranks that did not arrive."""
 
+    def __post_init__(self) -> None:
+        # the gradients of a parameter shard are summed over stage_group; None is the default
+        # group (every rank), which also holds the other stages and TP shards once pp x tp > 1
+        if self.stage_group is None and self.pp * self.tp > 1:
+            raise ValueError(f"Mesh: stage_group=None (the default group, every rank) with pp={self.pp}, "
+                             f"tp={self.tp}: the gradients are summed over stage_group, which must hold only the "
+                             "ranks of this rank's pipeline stage and TP shard (its DP and CP ranks; SELF_GROUP when "
+                             "dp x cp = 1); pass it, or build the mesh with Mesh.from_device_mesh or make_mesh")
+
     @property
     def rank(self) -> int:
         return self.global_rank(self.dp_rank, self.pp_rank, self.cp_rank)

@@ -54,13 +54,31 @@ from .plumbing import (agree_on_step, out_of_vocabulary, piece_digests, read_mic
 from .rollcall import ROLLCALL_GRACE_S, PeerWaitError, RollCall, reporting_waits, step_words
 
 
-def activation_dtype(param: torch.Tensor) -> torch.dtype:
+def activation_dtype(param: torch.Tensor, stage: torch.nn.Module | None = None) -> torch.dtype:
     """The dtype of what a stage sends and receives: the autocast dtype when autocast is on for
-    the parameters' device type, else the parameters' dtype."""
+    the parameters' device type; else, for a `stage` sharded by FSDP2 with a mixed-precision
+    policy (torchtitan's default: bf16 compute over fp32 shards), the policy's output dtype or
+    its compute dtype; else the parameters' dtype."""
     kind = param.device.type
     if torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
+    policy = None if stage is None else _mixed_precision(stage)
+    if policy is not None and (policy.output_dtype or policy.param_dtype) is not None:
+        return policy.output_dtype or policy.param_dtype
     return param.dtype
+
+
+def _mixed_precision(stage: torch.nn.Module):
+    """The mixed-precision policy of the outermost FSDP2 module of `stage` (itself, the model
+    part it adapts: `fsdp_root`, or the first in its modules), or None."""
+    from torch.distributed.fsdp import FSDPModule
+
+    root = getattr(stage, "fsdp_root", None)
+    for module in ([root] if root is not None else []) + list(stage.modules()):
+        if isinstance(module, FSDPModule):
+            # FSDP2 keeps the policy on its state (no public accessor in torch 2.13)
+            return getattr(module._get_fsdp_state(), "_mp_policy", None)
+    return None
 
 
 class CPAttend:
@@ -108,7 +126,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: torc
         return F.cross_entropy(logits, y, ignore_index=_batch.IGNORE, reduction="sum")
 
     # start from the graph (zero rows still back-propagate, so CP peers meet in backward)
-    total = 0.0 * hidden.sum().to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+    # (summed in the loss's dtype: an fp16 sum of many hidden states overflows to inf, and 0 x inf is NaN)
+    total = 0.0 * hidden.sum(dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     if hidden.shape[0] == 0:  # no chunk runs: the head joins the graph anyway (a zero gradient)
         total = total + 0.0 * head(hidden).sum().to(total.dtype)
     for start in range(0, hidden.shape[0], chunk):
@@ -485,7 +504,7 @@ def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce
     _agree_before_step(stages, chunks, plan, shards, packed, finding, local_error, mbs=mbs, mesh=mesh,
                        dp_rank=dp_rank, pp_rank=pp_rank, pp=pp, cp=cp, where=where, step=step, label=label,
                        check_plan=check_plan, check_weights=check_weights, distributed=distributed, waiting=waiting)
-    device, act_dtype = param.device, activation_dtype(param)
+    device, act_dtype = param.device, activation_dtype(param, chunks[0])
     hidden = getattr(chunks[0], "hidden", None)
     if pp * len(chunks) > 1 and hidden is None:
         raise ValueError("pipeline stages need a `hidden` attribute (activation width); use split_stages")
