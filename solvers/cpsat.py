@@ -144,6 +144,10 @@ class _Model:
         t0 = time.perf_counter()
         status = solver.solve(self.model)
         dt = time.perf_counter() - t0
+        if status == cp_model.MODEL_INVALID:  # our model is valid by construction: its parameters are not
+            raise ValueError(f"CP-SAT refused its parameters (num_workers={prm.num_workers}, random_seed="
+                             f"{prm.random_seed}, max_time_in_seconds={prm.max_time_in_seconds}): "
+                             f"{solver.solution_info() or 'model invalid'}")
         found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
         return PhaseSolve(status=solver.status_name(status).lower(),
                           assign=read_assignment(self.x, solver.boolean_value) if found else None,

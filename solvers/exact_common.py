@@ -50,6 +50,12 @@ def _hint_bin(items, k: int) -> np.ndarray:
 _KNOWN = {"allow_defer", "deterministic", "hint", "num_workers", "gap_limit", "phase1_share", "max_iter"}
 
 
+MAX_WORKERS = 10_000
+"""Most solver threads an exact method takes (CP-SAT refuses more)."""
+SEED_MAX = 2**31 - 1
+"""Largest seed an exact method takes: CP-SAT's, CBC's and HiGHS's seeds are 32-bit."""
+
+
 @dataclass(frozen=True)
 class ExactOptions:
     allow_defer: bool = False
@@ -67,6 +73,7 @@ class ExactOptions:
 
     @classmethod
     def from_problem(cls, problem: PackProblem) -> "ExactOptions":
+        """The options of `problem`, checked (ValueError naming the value and what is valid)."""
         opts = dict(problem.options)
         unknown = sorted(set(opts) - _KNOWN)
         if unknown:
@@ -76,8 +83,10 @@ class ExactOptions:
             if name in opts and not isinstance(opts[name], (bool, np.bool_)):
                 raise ValueError(f"{name} must be True or False, got {opts[name]!r}")
         workers = opts.get("num_workers", 0)
-        if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 0:
-            raise ValueError(f"num_workers must be an integer >= 0 (0 = automatic), got {workers!r}")
+        if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or not 0 <= workers <= MAX_WORKERS:
+            raise ValueError(f"num_workers must be an integer in [0, {MAX_WORKERS}] (0 = automatic), got {workers!r}")
+        if not 0 <= problem.seed <= SEED_MAX:  # the solvers' seeds are 32-bit
+            raise ValueError(f"seed must be an integer in [0, {SEED_MAX}] for an exact method, got {problem.seed}")
         gap = opts.get("gap_limit", 0.0)
         if not isinstance(gap, (int, float)) or not 0.0 <= gap < 1.0:
             raise ValueError(f"gap_limit must be a number in [0, 1), got {gap!r}")
@@ -85,6 +94,8 @@ class ExactOptions:
         if not isinstance(share, (int, float)) or not 0.0 < share < 1.0:
             raise ValueError(f"phase1_share must be a number in (0, 1), got {share!r}")
         hint = opts.get("hint")
+        if hint is not None and not isinstance(hint, (list, tuple)):
+            raise ValueError(f"hint must be one list of piece indices per micro-batch, got {type(hint).__name__}")
         if hint is not None:
             hint = tuple(_hint_bin(b, k) for k, b in enumerate(hint))
         return cls(allow_defer=bool(opts.get("allow_defer", False)), deterministic=bool(opts.get("deterministic", False)),

@@ -25,6 +25,7 @@ start) are exact_common.solve_lex; `_Phases` supplies the PuLP models, one per p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 import warnings
@@ -154,7 +155,13 @@ class _Phases:
         model = _Model(pulp, self.data, self.wn, pulp.LpMaximize)
         model.prob += model.placed
         model.warm(start)
-        return self._solve(model, time_limit, start is not None)
+        # (HiGHS's MIP dual bound is read in phase 2 only: PuLP hands it this maximisation negated)
+        run = self._solve(model, time_limit, start is not None)
+        if run.proven and self.data.options.gap_limit == 0 and run.assign is not None:
+            # no bound comes back through PuLP here, but a proven optimum of this integer
+            # objective (tokens placed) is its own bound
+            run = dataclasses.replace(run, bound=float(self.data.problem.lengths[run.assign >= 0].sum()))
+        return run
 
     def add_makespan(self, placed_tokens: int, start: np.ndarray | None) -> tuple[float, float]:
         pulp, data, wn = self.pulp, self.data, self.wn
@@ -215,6 +222,8 @@ class _Phases:
 
 def solve(problem: PackProblem) -> PackResult:
     """Solve Eq. 2 (Eq. 1 with max_tokens = window) with CBC or HiGHS through PuLP."""
+    if problem.backend is not None and not isinstance(problem.backend, str):
+        raise ValueError(f"milp backend must be one of {list(BACKENDS)}, got {problem.backend!r}")
     backend = (problem.backend or "cbc").lower()
     if backend not in BACKENDS:
         raise ValueError(f"unknown milp backend {problem.backend!r}; valid: {list(BACKENDS)}")

@@ -89,6 +89,9 @@ def solve_cut_or_whole(whole_cost, cut_cost, lengths, cut_tokens, token_cap, *, 
     status = solver.solve(model)
     solve_s = time.perf_counter() - t1
     name = solver.status_name(status).lower()
+    if status == cp_model.MODEL_INVALID:  # the model is valid by construction: its parameters are not
+        raise ValueError(f"CP-SAT refused its parameters (workers={workers}, seed={seed}, time_limit={time_limit}): "
+                         f"{solver.solution_info() or 'model invalid'}")
 
     # read
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

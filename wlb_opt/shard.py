@@ -147,8 +147,8 @@ def solve_shard(
     if not (is_float(token_skew) and token_skew >= 0):
         raise ValueError(f"token_skew must be a number >= 0 (or math.inf), got {token_skew!r}")
     time_limit = check_positive_real("time_limit", time_limit, "seconds", allow_inf=True)
-    workers = check_int("workers", workers, 1)
-    seed = check_int("seed", seed, 0)
+    workers = check_int("workers", workers, 1, 10_000)  # CP-SAT's most threads
+    seed = check_int("seed", seed, 0, 2**31 - 1)  # CP-SAT's seed is 32-bit
     if strategy == "cpsat" and len(lengths) > CPSAT_MAX_DOCS:
         raise ValueError(f"strategy 'cpsat' handles at most {CPSAT_MAX_DOCS} documents (its size cap), got "
                          f"{len(lengths)}; use strategy='hybrid' for larger micro-batches")

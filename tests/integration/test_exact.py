@@ -347,6 +347,19 @@ def test_bad_exact_options():
         wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", hint=[[0.7], [1]])
     with pytest.raises(ValueError, match=r"hint\[1\] must hold item indices"):
         wlb.solve_pack([3, 4], 2, 10, cost, "milp", hint=[[0], [True]])
+    with pytest.raises(ValueError, match="hint must be one list of piece indices per micro-batch, got int"):
+        wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", hint=5)
+    # the solvers' seeds are 32-bit, and CP-SAT takes at most 10,000 workers: named, not a solver's TypeError
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2147483647\] for an exact method"):
+        wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", seed=2**31)
+    with pytest.raises(ValueError, match=r"num_workers must be an integer in \[0, 10000\]"):
+        wlb.solve_pack([3, 4], 2, 10, cost, "cpsat", num_workers=10_001)
+    with pytest.raises(ValueError, match=r"milp backend must be one of \['cbc', 'highs'\], got 3"):
+        wlb.solve_pack([3, 4], 2, 10, cost, "milp", backend=3)
+    with pytest.raises(ValueError, match="seed must be an integer >= 0 and <= 2147483647"):
+        wlb.solve_shard([3, 4], 2, "cpsat", seed=2**31)
+    with pytest.raises(ValueError, match="workers must be an integer >= 1 and <= 10000"):
+        wlb.solve_shard([3, 4], 2, "cpsat", workers=10_001)
 
 
 @pytest.mark.parametrize("module, method, backend", [("ortools.sat.python.cp_model", "cpsat", None),
@@ -398,6 +411,16 @@ def test_milp_reaches_the_brute_force_optimum_where_cbcs_preprocessing_did_not(e
     assert plan.placed_tokens == tokens
     assert plan.info.objective == pytest.approx(load, rel=REL_TOL)
     assert plan.info.status.startswith("optimal")
+
+
+@pytest.mark.parametrize("backend", ["cbc", "highs"])
+def test_milp_proves_the_most_placed_tokens_it_found(exact_extra, backend):
+    # three 6-token documents, two micro-batches of 10: 12 tokens at most; the capacity
+    # estimate (18) is no proof, the solver's optimum of phase 1 is
+    plan = wlb.solve_pack([6, 6, 6], 2, 10, unit_cost(), "milp", backend=backend, allow_defer=True, time_limit=LIMIT,
+                          deterministic=True)
+    assert plan.placed_tokens == 12 and plan.info.extra["phase1_bound_tokens"] == 12
+    assert "not proven maximal" not in plan.info.status and plan.info.status.startswith("optimal")
 
 
 def test_a_gap_limit_is_named_in_the_status_and_in_the_placed_tokens(ortools):
