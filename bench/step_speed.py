@@ -122,15 +122,15 @@ def run_workload(workload: str, steps: int, warmup: int) -> dict:
 
     sides = dict(wlb=wlb_side, wlb_full=lambda step: wlb_side(step, loss_fn=full_logits_loss), transformers=hf_side)
     rows, loss_diff = [], 0.0
-    for step in _stream(workload, steps + warmup, cost):
-        if step.index >= steps + warmup:
+    for k, step in enumerate(_stream(workload, steps + warmup, cost)):  # (indices may skip an empty step)
+        if k >= steps + warmup:
             break
         tokens = int(sum(step.plan.lengths[mb].sum() for mb in step.plan.micro_batches))
-        turn = step.index % len(SIDES)
+        turn = k % len(SIDES)
         timed = {name: _timed(lambda name=name: sides[name](step)) for name in SIDES[turn:] + SIDES[:turn]}
         base = timed["transformers"][0]
         loss_diff = max(loss_diff, *(abs(timed[n][0] - base) / max(abs(base), 1e-12) for n in SIDES))
-        if step.index >= warmup:
+        if k >= warmup:
             rows.append(dict(tokens=tokens, **{f"{name}_{clock}_s": timed[name][i] for name in SIDES
                                                for i, clock in ((1, "cpu"), (2, "wall"))}))
     med = lambda key: float(statistics.median(r[key] for r in rows))  # noqa: E731

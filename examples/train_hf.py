@@ -157,8 +157,8 @@ def main() -> None:
     stream = wlb.WLBStream(corpus, packer, args.dp * args.n_micro * args.window, window=args.window)
     loader = torch.utils.data.DataLoader(stream.as_dataset(), batch_size=None, num_workers=1)
     steps, losses = [], []
-    for step in loader:
-        if step.index >= args.steps:
+    for k, step in enumerate(loader):  # (a step that would place nothing is not yielded: indices may skip)
+        if k >= args.steps:
             break
         t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)
@@ -210,8 +210,8 @@ def hf_packed_baseline(args) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     packer = wlb.WLBPacker(args.n_micro, int(1.25 * args.window), cost)
     stream = wlb.WLBStream(Corpus(args.corpus), packer, args.dp * args.n_micro * args.window, window=args.window)
-    for step in stream:
-        if step.index >= args.steps:
+    for k, step in enumerate(stream):
+        if k >= args.steps:
             break
         t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)

@@ -616,10 +616,11 @@ class WLBStream:
                 if tokens is not None and len(tokens) != held[key]:
                     raise ValueError(f"state field cache: piece (id {key[0]}, offset {key[1]}) has {len(tokens)} "
                                      f"tokens, its packer state holds it with {held[key]}")
-        if fields["ended"] and (held or fields["pending_from"] is not None or not fields["draining"]
-                                or packer.arrival_step != packer.step):
-            raise ValueError("state field ended=True, but the state still holds pieces (pending, held by the packer, "
-                             "batches buffered ahead, or not draining): an ended stream holds nothing")
+        # (empty batches still buffered ahead are harmless: their steps place nothing and are not
+        # yielded; earlier versions of the stream wrote ended=True with them)
+        if fields["ended"] and (held or fields["pending_from"] is not None or not fields["draining"]):
+            raise ValueError("state field ended=True, but the state still holds pieces (pending, held by the packer "
+                             "or not draining): an ended stream holds nothing")
 
     def __getstate__(self):
         if self._source_iter is not None:

@@ -131,6 +131,18 @@ def _bidirectional_gemma3():
                   use_bidirectional_attention=True)(IDS)
 
 
+def _block_mask():
+    """transformers' mask for blocks of tokens that see each other (Molmo 2's images,
+    PaliGemma's prefix: `block_sequence_ids`), asked of the "wlb" mask hook."""
+    from transformers.masking_utils import create_causal_mask
+
+    cfg = transformers.LlamaConfig(**SIZES)
+    cfg._attn_implementation = "wlb"
+    hf.register()
+    return create_causal_mask(config=cfg, inputs_embeds=torch.zeros(1, 6, 32), attention_mask=None, cache=None,
+                              position_ids=torch.arange(6)[None], block_sequence_ids=torch.tensor([[0, 0, 0, -1, -1, -1]]))
+
+
 def _attention(module, **kwargs):
     q = torch.zeros(1, 2, 6, 8)
     return hf.wlb_attention(module, q, q, q, None, position_ids=torch.arange(6)[None], **kwargs)
@@ -154,6 +166,7 @@ FORWARD_CASES = [
                                          num_experts_per_tok=1, layer_types=["full_attention"] * 2)(IDS),
      ValueError, "attention sinks"),
     ("wlb_forward.bidirectional_mask", _bidirectional_gemma3, ValueError, "mask rules of its own"),
+    ("wlb_mask.blocks_that_see_each_other", _block_mask, ValueError, "mask rules of its own"),
     ("wlb_attention.not_causal", lambda: _attention(SimpleNamespace(is_causal=False)), ValueError,
      "attends bidirectionally (is_causal=False)"),
     ("wlb_attention.position_bias", lambda: _attention(torch.nn.Identity(), position_bias=torch.zeros(1)),

@@ -358,6 +358,9 @@ def test_bad_exact_options():
         wlb.solve_pack([3, 4], 2, 10, cost, "milp", backend=3)
     with pytest.raises(ValueError, match="seed must be an integer >= 0 and <= 2147483647"):
         wlb.solve_shard([3, 4], 2, "cpsat", seed=2**31)
+    with pytest.raises(ValueError, match="seed must be an integer >= 0 and <= 2147483647"):  # at construction
+        wlb.WLBPacker(2, 10, cost, seed=2**31, config=wlb.PackerConfig(method="cpsat"))
+    assert wlb.WLBPacker(2, 10, cost, seed=2**31).seed == 2**31  # the heuristics take any int64 seed
     with pytest.raises(ValueError, match="workers must be an integer >= 1 and <= 10000"):
         wlb.solve_shard([3, 4], 2, "cpsat", workers=10_001)
 

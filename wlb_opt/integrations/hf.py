@@ -166,7 +166,9 @@ def _no_mask(*args, attention_mask=None, **kwargs):
     if "allow_is_bidirectional_skip" in kwargs:  # only `create_bidirectional_mask` and its sliding form pass it
         raise ValueError("attn_implementation='wlb' is causal within each document; the model asks for a "
                          "bidirectional attention mask: not supported")
-    if kwargs.get("use_vmap"):
+    # the model's own rules: or_mask_function / and_mask_function (transformers then asks for vmap),
+    # or blocks that see each other (`block_sequence_ids`, OR-ed in: the mask function is an "or_mask")
+    if kwargs.get("use_vmap") or getattr(kwargs.get("mask_function"), "__name__", None) == "or_mask":
         raise ValueError("attn_implementation='wlb' builds a causal mask per document; the model adds mask rules "
                          "of its own (or_mask_function / and_mask_function, e.g. image tokens that attend to each "
                          "other), which it would ignore: not supported")

@@ -141,7 +141,8 @@ class WLBPacker:
         if not isinstance(self.cost, CostModel):
             raise ValueError(f"cost must be a wlb_opt.CostModel, got {type(self.cost).__name__}")
         self.dp = self.cost.degree("dp", dp)
-        self.seed = check_int("seed", seed, 0)
+        # the exact methods' solvers take 32-bit seeds (`solvers.exact_common.SEED_MAX`)
+        self.seed = check_int("seed", seed, 0, 2**31 - 1 if self.config.method in ("cpsat", "milp") else INT64_MAX)
         self.pp = self.cost.degree("pp", pp)
         # "auto": the largest max_tokens whose worst case fits in memory_bytes (cost_memory.py)
         # pp and dp as given (None: the memory model's own layout)
