@@ -35,21 +35,23 @@ _INT32_MAX = 2**31 - 1
 
 # --- custom ops (the Triton backend) ------------------------------------------------------
 
-_VALIDATED: dict[int, tuple] = {}  # id(segments tensor) -> (tensor version, n_q, n_k, table)
+_VALIDATED: dict[int, tuple] = {}  # id(segments tensor) -> (tensor version, n_q, n_k, table, its values)
 
 
 def _segments_np(segments: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
     # Validated here, on concrete values, so that traced (torch.compile) calls check too. The
     # same table tensor (CP attention passes one per micro-batch to every layer) is validated
-    # once: a hit needs the same object, unmodified (its version counter), and the same sizes.
+    # once: a hit needs the same object, unmodified (its version counter, and its values: a
+    # buffer refilled through numpy or `.data` keeps its version), and the same sizes.
     key = id(segments)
     hit = _VALIDATED.get(key)
-    if hit is not None and hit[0] == segments._version and hit[1:3] == (q.shape[0], k.shape[0]):
+    if (hit is not None and hit[0] == segments._version and hit[1:3] == (q.shape[0], k.shape[0])
+            and hit[4].shape == segments.shape and torch.equal(hit[4], segments)):
         return hit[3]
     seg = validate_segments(segments, q.shape[0], k.shape[0])
     if key not in _VALIDATED:
         weakref.finalize(segments, _VALIDATED.pop, key, None)
-    _VALIDATED[key] = (segments._version, q.shape[0], k.shape[0], seg)
+    _VALIDATED[key] = (segments._version, q.shape[0], k.shape[0], seg, segments.detach().clone())
     return seg
 
 
@@ -69,9 +71,15 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.T
     return out.to(q.dtype), lse
 
 
+def _like_dense(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor laid out as the kernels' results over `t` are: `t`'s layout where its
+    last dimension is dense (the kernels take strides), else contiguous (`t` is copied first)."""
+    return torch.empty_like(t if t.stride(-1) == 1 else t.contiguous())
+
+
 @_fwd_op.register_fake
 def _(q, k, v, segments, softmax_scale, deterministic):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return _like_dense(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("wlb_opt::doc_attention_bwd", mutates_args=())
@@ -98,7 +106,8 @@ def backward_with_hook(dout, q, k, v, out, lse, dlse, segments, softmax_scale: f
 
 @_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, segments, softmax_scale, deterministic):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # dK and dV come out of the kernels' fp32 partial sums: contiguous
+    return _like_dense(q), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
@@ -189,7 +198,10 @@ def doc_attention(
 
     Returns:
         ``out [Tq, Hq, D]`` in q's dtype, zeros on rows no segment covers (whose gradients
-        are zero too); ``(out, lse)`` with ``return_lse``.
+        are zero too); ``(out, lse)`` with ``return_lse``. Rows no segment covers must still
+        hold finite values: the torch backend's one-call path over small tables and the
+        Triton dK/dV kernel's tiles read them (masked), and NaN or inf there reaches covered
+        rows (0 x NaN). The library's callers pass no such rows.
 
     Raises:
         ValueError: bad shapes, dtypes, devices, head counts or segment rows (the message

@@ -412,7 +412,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     n_k, hkv, _ = k.shape
     dq = torch.zeros_like(q)
     if len(seg) == 0 or n_q == 0:
-        return dq, torch.zeros_like(k), torch.zeros_like(v)
+        # contiguous, as the dK/dV the kernels sum are (what the custom op's fake declares)
+        return dq, torch.zeros(k.shape, dtype=k.dtype, device=k.device), torch.zeros(v.shape, dtype=v.dtype,
+                                                                                      device=v.device)
     group = hq // hkv
     key = tune_key(q, k)
     delta = torch.empty((hq, n_q), dtype=torch.float32, device=q.device)

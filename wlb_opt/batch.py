@@ -53,7 +53,9 @@ def packed_positions(lengths, offsets) -> np.ndarray:
 
 
 def target_tokens(plan) -> int:
-    """Target tokens of the whole global batch (all replicas and micro-batches of the plan)."""
+    """Target tokens of the whole global batch (all replicas and micro-batches of the plan),
+    without loss masks: each piece's length - 1. With loss masks, count the labels that are
+    not -100 (`WLBStream`'s `step.target_tokens` and `train_step` do)."""
     placed = np.concatenate(plan.micro_batches) if plan.micro_batches else np.zeros(0, np.int64)
     return int((plan.lengths[placed] - 1).sum())
 

@@ -296,6 +296,22 @@ def test_segment_mask_is_bottom_right():
     assert torch.equal(mask, expected)
 
 
+def test_a_table_refilled_in_place_is_validated_and_used_again():
+    """The Triton path validates a table once per tensor; a host buffer refilled through numpy
+    keeps its tensor and version counter, and its new values must still be read and checked."""
+    q, k, v = _qkv(32, 32, 1, 1, 16, torch.float32)
+    buf = np.array([[0, 32, 0, 32]], dtype=np.int32)
+    seg = torch.from_numpy(buf)
+    doc_attention(q, k, v, seg, backend="triton")
+    buf[:] = [[0, 16, 16, 16]]
+    got = doc_attention(q, k, v, seg, backend="triton")
+    torch.testing.assert_close(got, attention_reference(q, k, v, torch.tensor([[0, 16, 16, 16]], dtype=torch.int32))[0].float(),
+                               rtol=1e-5, atol=1e-5)
+    buf[:] = [[0, 40, 0, 999]]
+    with pytest.raises(ValueError, match="query range ends past the 32 rows of q"):
+        doc_attention(q, k, v, seg, backend="triton")
+
+
 # --- registration -------------------------------------------------------------------------
 
 def test_opcheck_custom_ops():
@@ -307,6 +323,15 @@ def test_opcheck_custom_ops():
     for dlse in (None, torch.zeros_like(lse).normal_().masked_fill(torch.isinf(lse), 0)):
         args = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), dlse, seg, 0.25, True)
         torch.library.opcheck(da._bwd_op, args)
+    # the layouts callers pass (transformers' heads-major views; a q whose last dimension is
+    # strided): the fakes declare the outputs' real strides
+    g = torch.Generator().manual_seed(1)
+    k_hm, v_hm = (torch.randn(1, 64, 16, generator=g).transpose(0, 1) for _ in range(2))
+    q_strided = torch.randn(16, 64, 2, generator=g).permute(1, 2, 0)
+    for q_, k_, v_ in ((q.detach(), k_hm, v_hm), (q_strided, k.detach(), v.detach())):
+        torch.library.opcheck(da._fwd_op, (q_, k_, v_, seg, 0.25, True))
+        out, lse = da._fwd_op(q_, k_, v_, seg, 0.25, True)
+        torch.library.opcheck(da._bwd_op, (torch.randn_like(out), q_, k_, v_, out, lse, None, seg, 0.25, True))
 
 
 def test_torch_compile_fullgraph():
