@@ -299,7 +299,7 @@ OVERFLOW_CASES = [
     ("solve_shard.time_limit_beyond_float", lambda: wlb.solve_shard([5, 9], 2, "cpsat", COST, time_limit=10**400),
      ValueError, "time_limit must be a number > 0 seconds"),
     ("solve_shard.seed_2**64", lambda: wlb.solve_shard([5, 9], 2, seed=2**64), ValueError,
-     "seed must be an integer >= 0 and <= 2**63 - 1"),
+     "seed must be an integer >= 0 and <= 2147483647"),  # CP-SAT's seed is 32-bit
     ("solve_shard.workers_2**64", lambda: wlb.solve_shard([5, 9], 2, "cpsat", COST, workers=2**64), ValueError,
      "workers must be an integer >= 1 and"),
 ]
