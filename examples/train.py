@@ -113,6 +113,10 @@ def main() -> None:
     plans, losses = [], []
 
     def train(plan, name: str) -> None:
+        if target_tokens(plan) == 0:  # nothing to learn: no piece placed, or only 1-token pieces (no next token)
+            if dist.get_rank() == 0:
+                print(f"{name}: no target tokens ({len(plan.doc_ids)} pieces of 1 token or none), skipped")
+            return
         shards = wlb.solve_shards(plan, None, args.strategy, cost)  # one per micro-batch; cp: the cost model's
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
