@@ -40,6 +40,7 @@ from typing import Literal
 from ._validate import check_choice, check_int, check_positive_real, is_float, validate_lengths, validate_offsets
 from .cost import CostModel, default_cost
 from .plan import PackPlan, ShardPlan, SolveInfo, chunk_tokens, merge_chunk_rows, merge_chunks
+from .solvers.exact_common import MAX_WORKERS, SEED_MAX
 from .solvers.chunk_rules import (chunks_of, hybrid_assign, hybrid_chunks, per_doc_chunk_sizes, per_doc_chunks,
                                   per_seq_chunks, per_seq_chunks_many)
 
@@ -147,8 +148,8 @@ def solve_shard(
     if not (is_float(token_skew) and token_skew >= 0):
         raise ValueError(f"token_skew must be a number >= 0 (or math.inf), got {token_skew!r}")
     time_limit = check_positive_real("time_limit", time_limit, "seconds", allow_inf=True)
-    workers = check_int("workers", workers, 1, 10_000)  # CP-SAT's most threads
-    seed = check_int("seed", seed, 0, 2**31 - 1)  # CP-SAT's seed is 32-bit
+    workers = check_int("workers", workers, 1, MAX_WORKERS)  # CP-SAT's most threads
+    seed = check_int("seed", seed, 0, SEED_MAX)  # CP-SAT's seed is 32-bit
     if strategy == "cpsat" and len(lengths) > CPSAT_MAX_DOCS:
         raise ValueError(f"strategy 'cpsat' handles at most {CPSAT_MAX_DOCS} documents (its size cap), got "
                          f"{len(lengths)}; use strategy='hybrid' for larger micro-batches")

@@ -56,6 +56,7 @@ from ..cost import CostModel, default_cost
 from ..cost_memory import resolve_max_tokens
 from ..plan import PackPlan
 from ..solvers.deal import deal_to_replicas
+from ..solvers.exact_common import SEED_MAX
 from ..step_pack import solve_pack
 from .calibrate import CALIBRATION_BUDGET, calibrate_thresholds, candidate_thresholds
 from .config import PackerConfig, queue_thresholds
@@ -141,8 +142,8 @@ class WLBPacker:
         if not isinstance(self.cost, CostModel):
             raise ValueError(f"cost must be a wlb_opt.CostModel, got {type(self.cost).__name__}")
         self.dp = self.cost.degree("dp", dp)
-        # the exact methods' solvers take 32-bit seeds (`solvers.exact_common.SEED_MAX`)
-        self.seed = check_int("seed", seed, 0, 2**31 - 1 if self.config.method in ("cpsat", "milp") else INT64_MAX)
+        # the exact methods' solvers take 32-bit seeds
+        self.seed = check_int("seed", seed, 0, SEED_MAX if self.config.method in ("cpsat", "milp") else INT64_MAX)
         self.pp = self.cost.degree("pp", pp)
         # "auto": the largest max_tokens whose worst case fits in memory_bytes (cost_memory.py)
         # pp and dp as given (None: the memory model's own layout)
