@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import numbers
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -43,9 +44,10 @@ def stage_order(stage: int, pp: int, n_micro: int, virtual_stages: int = 1) -> l
     partial last group it deadlocks); ValueError otherwise.
     """
     v = virtual_stages
+    _check_counts(pp, n_micro, v)
     if v > 1 and pp > 1 and n_micro % pp:
         check_pipeline_shape(pp, n_micro, v)
-    if not 0 <= stage < pp:
+    if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or not 0 <= stage < pp:
         raise ValueError(f"stage must be in [0, pp={pp}), got {stage!r}")
     fwd_seq, bwd_seq = [], []
     for g in range(0, n_micro, pp):
@@ -87,11 +89,16 @@ def message_key(op: P2POp, rank: int, pp: int) -> tuple[str, int, int]:
     return op.direction, op.micro, vs - 1 if op.direction == "fwd" else vs + 1
 
 
+def _check_counts(pp: int, n_micro: int, virtual_stages: int) -> None:
+    """ValueError unless pp and virtual_stages are integers >= 1 and n_micro one >= 0."""
+    for name, value in (("pp", pp), ("n_micro", n_micro), ("virtual_stages", virtual_stages)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < (0 if name == "n_micro" else 1):
+            raise ValueError(f"{name} must be an integer >= {0 if name == 'n_micro' else 1}, got {value!r}")
+
+
 def check_pipeline_shape(pp: int, n_micro: int, virtual_stages: int) -> None:
     """ValueError unless (pp, n_micro, virtual_stages) is a schedule this library can run."""
-    for name, value in (("pp", pp), ("n_micro", n_micro), ("virtual_stages", virtual_stages)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "n_micro" else 1):
-            raise ValueError(f"{name} must be an integer >= {0 if name == 'n_micro' else 1}, got {value!r}")
+    _check_counts(pp, n_micro, virtual_stages)
     if virtual_stages > 1 and pp < 2:
         raise ValueError(f"virtual_stages={virtual_stages} needs pp >= 2 (chunks of one rank would send to "
                          "themselves); use virtual_stages=1")

@@ -119,6 +119,19 @@ def test_bad_shapes_are_clear_errors(args, match):
         p2p_schedule(*args)
 
 
+@pytest.mark.parametrize("args, match", [((0, 2, -1), "n_micro must be"), ((0, 2, 3, 0), "virtual_stages must be"),
+                                         ((0, 2, 3, -1), "virtual_stages must be"), ((0, 2, 4.0), "n_micro must be"),
+                                         ((0, 0, 3), "pp must be"), ((0.0, 2, 2), "stage must be"),
+                                         ((True, 2, 2), "stage must be"), ((2, 2, 2), "stage must be")])
+def test_a_stage_order_of_a_bad_shape_is_a_clear_error_not_an_empty_schedule(args, match):
+    with pytest.raises(ValueError, match=match):
+        stage_order(*args)
+
+
+def test_a_stage_order_takes_numpy_integers():
+    assert stage_order(np.int64(1), np.int64(2), np.int64(4), np.int64(2)) == stage_order(1, 2, 4, 2)
+
+
 def test_single_stage_has_no_traffic():
     assert p2p_schedule(1, 5) == [[]]
     assert p2p_schedule(2, 0) == [[], []]
