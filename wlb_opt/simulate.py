@@ -526,12 +526,15 @@ def p2p_seconds(tokens, cost, parallel: ParallelSpec) -> np.ndarray:
 
 
 def allreduce_seconds(cost, parallel: ParallelSpec) -> float:
-    """Ring all-reduce of one stage's bf16 gradients over dp replicas, fully exposed:
-    2 (dp-1)/dp x params / (pp tp) x 2 bytes / network bandwidth. 0 for dp = 1."""
-    if parallel.dp == 1 or cost.model is None or cost.hardware is None:
+    """Ring all-reduce of one stage's bf16 gradients over the n = dp x cp ranks that hold the
+    same weights (the data-parallel replicas and, within each, the context-parallel ranks:
+    the executor sums gradients over both), fully exposed: 2 (n-1)/n x params / (pp tp) x 2
+    bytes / network bandwidth. 0 for n = 1."""
+    n = parallel.dp * parallel.cp
+    if n == 1 or cost.model is None or cost.hardware is None:
         return 0.0
     grads = cost.model.n_params / (parallel.pp * parallel.tp) * 2.0
-    return 2.0 * (parallel.dp - 1) / parallel.dp * grads / (cost.hardware.network_gbps * 1e9)
+    return 2.0 * (n - 1) / n * grads / (cost.hardware.network_gbps * 1e9)
 
 
 def step_layout(plan, cost, parallel: ParallelSpec | None = None) -> ParallelSpec:
@@ -588,7 +591,7 @@ def simulate_step(plan, shards, cost, parallel: ParallelSpec | None = None, *, s
         schedule, virtual_stages: pipeline schedule ("interleaved" with v = 2 by default;
             v = 1 or pp = 1 falls back to "1f1b").
         p2p_s: PP send seconds per micro-batch (default from `p2p_seconds`).
-        allreduce_s: DP gradient sync seconds (default from `allreduce_seconds`).
+        allreduce_s: gradient sync seconds over dp x cp ranks (default from `allreduce_seconds`).
         search_order: pick each replica's micro-batch order by simulation (`best_order`).
         use_dag: networkx DAG (with critical path) or the recurrence twin (faster), where the
             DAG times the step (`blocking_p2p=False`, or pp = 1); the replays keep no critical

@@ -358,3 +358,17 @@ def test_simulate_step_times_1f1b_by_the_executors_blocking_groups(cost7b):
     br = np.tile(step.mb_bwd_s[idx] / pp, (pp, 1))
     assert searched.replica_step_s[0] == pytest.approx(
         wlb.simulate_rendezvous(fr[:, order], br[:, order]).step_time_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("dp, cp", [(1, 2), (2, 1), (2, 4), (1, 8), (1, 1)])
+def test_the_gradient_sync_rings_over_every_rank_that_holds_the_same_weights(dp, cp):
+    """The executor sums gradients over the dp replicas and the cp ranks within each: a ring
+    over n = dp x cp ranks, priced by hand here (2 (n-1)/n x a stage's bf16 gradients)."""
+    from wlb_opt.simulate import allreduce_seconds
+    parallel = wlb.ParallelSpec(tp=8, cp=cp, pp=4, dp=dp)
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), parallel, wlb.HardwareSpec.preset("h100"))
+    n = dp * cp
+    stage_grad_bytes = cost.model.n_params / (4 * 8) * 2
+    by_hand = 2 * (n - 1) / n * stage_grad_bytes / (cost.hardware.network_gbps * 1e9)
+    assert allreduce_seconds(cost, parallel) == pytest.approx(by_hand, rel=1e-12)
+    assert (allreduce_seconds(cost, parallel) > 0) == (n > 1)
