@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._validate import validate_lengths
+
 FIT_TERMS: tuple[str, ...] = ("attn", "linear", "doc_const", "mb_const")
 FEATURE_NAMES: dict[str, str] = {"attn": "causal pairs", "linear": "tokens", "doc_const": "documents",
                                  "mb_const": "micro-batch"}
@@ -69,7 +71,8 @@ def nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _check_samples(samples: list[Sample], what: str) -> None:
-    for s in samples:
+    for i, s in enumerate(samples):
+        validate_lengths(s.lengths, f"{what}: sample {i}'s lengths")
         for phase in ("fwd", "bwd"):
             t = getattr(s, f"{phase}_s")
             if not np.isfinite(t) or t <= 0:
@@ -77,14 +80,31 @@ def _check_samples(samples: list[Sample], what: str) -> None:
                                  f"for lengths {np.asarray(s.lengths).tolist()[:8]}")
 
 
+def _design(samples: list[Sample], what: str) -> np.ndarray:
+    """The samples' features, one row each, once the samples are checked and their features
+    vary independently (full column rank; else no fit can tell the terms apart, and one
+    would put the time of some on others, with a perfect in-sample error)."""
+    if len(samples) < len(FIT_TERMS):
+        raise ValueError(f"{what} needs at least {len(FIT_TERMS)} samples (one per coefficient), "
+                         f"got {len(samples)}")
+    _check_samples(samples, what)
+    A = np.stack([features(s.lengths) for s in samples])
+    scaled = A / np.where(A.max(axis=0) > 0, A.max(axis=0), 1.0)  # the features differ by orders of magnitude
+    rank = np.linalg.matrix_rank(scaled)
+    if rank < len(FIT_TERMS):
+        null = np.abs(np.linalg.svd(scaled)[2][rank:]).max(axis=0)  # the directions the samples do not vary in
+        tied = [FEATURE_NAMES[t] for t, c in zip(FIT_TERMS, null) if c > 1e-6]
+        raise ValueError(f"{what}: the samples' features do not vary independently ({', '.join(tied)} move "
+                         f"together), so their terms cannot be told apart; vary the token count, the document "
+                         f"count and the length spread independently (`sample_micro_batches` does)")
+    return A
+
+
 def fit_terms(samples: list[Sample], layers: int = 1) -> dict[str, dict[str, float]]:
     """{phase: {term: coefficient}} for phase "fwd", "bwd": seconds per feature unit, scaled
-    by `layers` (samples timed on one block, model of `layers` blocks). Plain floats."""
-    if len(samples) < len(FIT_TERMS):
-        raise ValueError(f"fit_cost_model needs at least {len(FIT_TERMS)} samples (one per coefficient), "
-                         f"got {len(samples)}")
-    _check_samples(samples, "fit_cost_model")
-    A = np.stack([features(s.lengths) for s in samples])
+    by `layers` (samples timed on one block, model of `layers` blocks). Plain floats.
+    ValueError for samples whose features do not vary independently."""
+    A = _design(samples, "fit_cost_model")
     coef = {}
     for phase in ("fwd", "bwd"):
         t = np.array([getattr(s, f"{phase}_s") for s in samples], dtype=np.float64)
@@ -105,8 +125,7 @@ def coef_intervals(samples: list[Sample], layers: int = 1, n_fits: int = BOOTSTR
     A term the samples pin down has a narrow interval; one they hardly tell from the others
     (a small per-document or per-micro-batch constant beside a large linear term) a wide one,
     which says how far a profile can be trusted term by term. Plain floats."""
-    _check_samples(samples, "coef_intervals")
-    A = np.stack([features(s.lengths) for s in samples])
+    A = _design(samples, "coef_intervals")
     rng = np.random.default_rng(seed)
     draws = rng.integers(0, len(samples), size=(n_fits, len(samples)))
     out = {}

@@ -75,6 +75,31 @@ def test_fit_needs_enough_valid_samples():
         fit_cost_model([Sample(np.array([3]), 0.0, 1.0)] * 4)
 
 
+def _timed(lengths_list):
+    from wlb_opt.cost_fit import features
+    true = np.array([1e-9, 1e-6, 1e-4, 1e-3])
+    return [Sample(np.array(lengths), float(features(lengths) @ true), 2 * float(features(lengths) @ true))
+            for lengths in lengths_list]
+
+
+@pytest.mark.parametrize("lengths_list, tied", [
+    ([[1000]] * 6, "causal pairs, tokens, documents, micro-batch"),  # one sample six times: a perfect fit of nothing
+    ([[100], [500], [1000], [4000], [9000], [20000]], "documents, micro-batch"),  # one document each
+])
+def test_a_fit_of_samples_whose_features_move_together_names_them(lengths_list, tied):
+    for fit in (fit_cost_model, coef_intervals):
+        with pytest.raises(ValueError, match=f"do not vary independently \\({tied} move together\\)"):
+            fit(_timed(lengths_list))
+
+
+def test_a_fit_refuses_a_sample_of_bad_lengths():
+    good = _timed([[L] * k for L, k in ((100, 1), (500, 3), (1000, 2), (4000, 1), (90, 40))])
+    for bad in ([-5, 2], [2.5, 3], [float("nan")]):
+        with pytest.raises(ValueError, match="sample 0's lengths"):
+            fit_cost_model([Sample(np.array(bad), 1e-3, 2e-3)] + good)
+    assert fit_cost_model(good).coef["fwd"]["attn"] == pytest.approx(1e-9, rel=1e-6)
+
+
 def test_profile_tiny_block_on_cpu(tmp_path):
     pytest.importorskip("torch")
     from wlb_opt.profile import profile_block
