@@ -333,7 +333,9 @@ class CostModel:
     # ------------------------------------------------------------------ memory
     def memory_model_or_analytic(self) -> MemoryModel:
         """The calibrated memory model, else the analytic one of `model`, `parallel` and
-        `hardware` (defaults: bf16, Adam, no recomputation; see `wlb_opt.cost_memory`)."""
+        `hardware` (defaults: bf16, Adam, no recomputation, the 1F1B schedule's in-flight
+        micro-batches: for the interleaved schedule's, set `memory_model` to
+        `MemoryModel.analytic(..., virtual_stages=v)`; see `wlb_opt.cost_memory`)."""
         if self.memory_model is not None:
             return self.memory_model
         if self.model is None or self.hardware is None:

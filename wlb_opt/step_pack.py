@@ -114,7 +114,11 @@ def solve_pack(
         n_micro: micro-batches per DP replica (N).
         max_tokens: token cap of one micro-batch, inclusive (S_max; the window for
             fixed-length methods); "auto": the largest whose worst case fits in
-            `memory_bytes` under the cost model's memory model (`wlb.max_tokens_for`).
+            `memory_bytes` under the cost model's memory model (`wlb.max_tokens_for`). Without
+            a calibrated one it counts the 1F1B schedule's in-flight micro-batches; the
+            interleaved schedule keeps more: set the cost model's `memory_model` to
+            `MemoryModel.analytic(..., virtual_stages=v)`, or pass `max_tokens_for(...,
+            virtual_stages=v)`.
         memory_bytes: bytes of memory per GPU, read with max_tokens="auto" only.
         cost: the cost model the loads are measured with (default: 7B on H100, no parallelism).
         method: one of PACK_METHODS.

@@ -128,6 +128,21 @@ def test_cost_memory_and_solve_pack_auto():
         wlb.solve_pack(lengths, 4, "big", cost)
 
 
+def test_auto_counts_the_interleaved_schedule_with_a_memory_model_of_its_virtual_stages():
+    """"auto" alone counts 1F1B's in-flight micro-batches; the interleaved schedule keeps more,
+    so a cost model given the memory model of its virtual stages sizes S_max for it."""
+    import dataclasses
+    par = wlb.ParallelSpec(tp=8, cp=2, pp=4)
+    cost = wlb.CostModel.analytic(M7B, par, H100)
+    interleaved = dataclasses.replace(cost, memory_model=MemoryModel.analytic(M7B, par, H100, virtual_stages=2))
+    lengths = [1000] * 8
+    one_f_one_b = wlb.solve_pack(lengths, 4, "auto", cost, memory_bytes=80 * GiB).max_tokens
+    two_chunks = wlb.solve_pack(lengths, 4, "auto", interleaved, memory_bytes=80 * GiB).max_tokens
+    assert two_chunks == wlb.max_tokens_for(M7B, par, H100, 80 * GiB, virtual_stages=2) < one_f_one_b
+    assert wlb.WLBPacker(4, "auto", interleaved, memory_bytes=80 * GiB).max_tokens == two_chunks
+    assert interleaved.memory_model.worst_peak(two_chunks) <= 80 * GiB < interleaved.memory_model.worst_peak(one_f_one_b)
+
+
 def test_wlb_packer_max_tokens_auto():
     par = wlb.ParallelSpec(tp=8, cp=2, pp=4)
     cost = wlb.CostModel.analytic(M7B, par, H100)

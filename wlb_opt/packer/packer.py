@@ -113,7 +113,8 @@ class WLBPacker:
         n_micro: micro-batches per DP replica (N).
         max_tokens: token cap of one micro-batch, inclusive (S_max), or "auto": the largest
             whose worst case fits in `memory_bytes` under the cost model's memory model
-            (`wlb.max_tokens_for`; as `solve_pack(max_tokens="auto")`).
+            (`wlb.max_tokens_for`; as `solve_pack(max_tokens="auto")`, which says how to count
+            the interleaved schedule's in-flight micro-batches).
         cost: the cost model that weighs documents (default: `default_cost()`).
         dp: data-parallel replicas; dp x n_micro micro-batches are packed jointly (None: the
             cost model's `parallel.dp`, 1 without a layout; a disagreeing value raises).
