@@ -182,6 +182,8 @@ def sample_micro_batches(window: int, n: int, rng: np.random.Generator) -> list[
     """
     if window < 8:
         raise ValueError(f"window must be >= 8 tokens to sample micro-batches, got {window}")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"n must be an integer >= 0 (micro-batches to sample), got {n!r}")
     out = [np.array([window], dtype=np.int64), np.full(window // 8, 8, dtype=np.int64)]
     while len(out) < n:
         total = int(rng.integers(max(1, window // 4), window + 1))

@@ -100,6 +100,12 @@ def test_a_fit_refuses_a_sample_of_bad_lengths():
     assert fit_cost_model(good).coef["fwd"]["attn"] == pytest.approx(1e-9, rel=1e-6)
 
 
+@pytest.mark.parametrize("n", [-1, 2.0, True])
+def test_sampling_a_bad_number_of_micro_batches_is_refused(n):
+    with pytest.raises(ValueError, match="n must be an integer >= 0"):
+        sample_micro_batches(4096, n, np.random.default_rng(0))
+
+
 def test_profile_tiny_block_on_cpu(tmp_path):
     pytest.importorskip("torch")
     from wlb_opt.profile import profile_block
