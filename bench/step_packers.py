@@ -137,6 +137,8 @@ def repack_stream(batches, cost, n_micro: int, max_tokens: int, warmup: int, exa
     row |= {f"{m}_packing": float(np.mean(v)) for m, v in packing.items()}
     row |= {f"{m}_sim": float(np.mean(v)) for m, v in sim.items()}
     row["steps"] = len(fwd["wlb"])
+    for _ in packer.drain():  # the pieces still queued are trained, and displaced, in the drain (as `parity`)
+        pass
     row["displacement_per_token"] = float(packer.stats()["displacement_per_token"])
     if exact["steps"]:
         row |= dict(exact_steps=exact["steps"], exact_wlb_packing=float(np.mean(exact["wlb"])),

@@ -111,3 +111,18 @@ def test_the_loop_rows_measure_the_steps_parity_measures(lookahead, monkeypatch)
     ref = parity.run_stream(batches, cost, n, int(1.25 * window), warmup=4, method="wlb_phases", lookahead=lookahead)
     assert loop["imbalance"] == pytest.approx(ref["imbalance"], rel=1e-12)
     assert loop["displacement_per_token"] == pytest.approx(ref["delay_per_token"], rel=1e-12)
+
+
+def test_the_repacked_rows_count_the_displacement_of_the_pieces_left_in_the_queues():
+    """The re-packed steps are the defaults' steps: their displacement is the defaults' own,
+    drained (as `parity` and the loop rows count it), not the part trained within the stream."""
+    import wlb_opt as wlb
+    from wlb_opt.workloads import DEFAULT_SEED, global_batches
+
+    window, n = 131072, 4
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), wlb.ParallelSpec(tp=8, cp=2, pp=4),
+                                  wlb.HardwareSpec.preset("h100"))
+    batches = global_batches("prose", window, n * window, 24, seed=DEFAULT_SEED)
+    repacked = step_packers.repack_stream(batches, cost, n, int(1.25 * window), 4, 0, 1.0)
+    loop = step_packers.loop_stream(batches, cost, n, int(1.25 * window), 4, "wlb_phases")
+    assert repacked["displacement_per_token"] == pytest.approx(loop["displacement_per_token"], rel=1e-12)
