@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -184,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="wlb-opt bench frontier", description=" ".join(__doc__.split("\n\n")[0].split()))
     src = p.add_mutually_exclusive_group()
     src.add_argument("--lengths", metavar="FILE", help="document lengths in stream order (.npy, .txt, .jsonl)")
-    src.add_argument("--dist", default="default", choices=sorted(DISTRIBUTIONS), help="built-in distribution")
+    src.add_argument("--dist", default=None, choices=sorted(DISTRIBUTIONS),
+                     help="built-in distribution (default: default; with --offline use --dists)")
     p.add_argument("--steps", type=count, default=None, help=f"global batches (default {STEPS}; --quick {QUICK_STEPS})")
     p.add_argument("--budgets", default=None, help=f"displacement-per-token budgets (default {BUDGETS}; --quick "
                                                    f"{QUICK_BUDGETS})")
@@ -216,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.offline:
         if args.lengths:
             p.error("--offline runs the built-in distributions of --dists, not --lengths")
+        if args.dist:
+            p.error(f"--offline runs the distributions of --dists, not --dist (use --dists {args.dist})")
         unknown = [d for d in (args.dists or "").split(",") if d.strip() and d.strip() not in DISTRIBUTIONS]
         if unknown:
             p.error(f"--dists: unknown distribution(s) {unknown}; valid: {sorted(DISTRIBUTIONS)}")
@@ -223,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
             budgets = parse_budgets(args.budgets) if args.budgets else None
         except ValueError as exc:
             p.error(str(exc))
+        if args.steps is not None and args.steps <= WARMUP:
+            print(f"note: --steps {args.steps} is within the {WARMUP}-step warm-up: the means are over every step",
+                  file=sys.stderr)
         return offline_main(args, argv, cost_from_args(args, parser=p), budgets)
     if args.dists:
         p.error("--dists needs --offline (use --dist for the certified frontier)")
@@ -236,15 +243,22 @@ def main(argv: list[str] | None = None) -> int:
         budgets = parse_budgets(args.budgets or (QUICK_BUDGETS if args.quick else BUDGETS))
     except ValueError as exc:
         p.error(str(exc))
+    if steps <= WARMUP:
+        p.error(f"--steps ({steps}) must be more than the {WARMUP}-step warm-up the means leave out")
     cost = cost_from_args(args, parser=p)
     W, N = args.window, args.n_micro
     max_tokens = int(1.25 * W)
     if args.lengths:
-        batches = global_batches("default", W, N * W, steps, lengths=load_lengths(args.lengths))
+        stream = load_lengths(args.lengths)
+        if int(stream.sum()) < N * W * steps:  # the steps past its end would be empty, scored as balanced
+            p.error(f"--lengths {args.lengths} holds {int(stream.sum())} tokens, fewer than {steps} steps of "
+                    f"{N * W} (--steps {int(stream.sum()) // (N * W)} or fewer)")
+        batches = global_batches("default", W, N * W, steps, lengths=stream)
         source = args.lengths
     else:
-        batches = global_batches(args.dist, W, N * W, steps, seed=DEFAULT_SEED + args.seed)
-        source = f"dist={args.dist}"
+        dist = args.dist or "default"
+        batches = global_batches(dist, W, N * W, steps, seed=DEFAULT_SEED + args.seed)
+        source = f"dist={dist}"
     t0 = time.perf_counter()
     runs = {}
     with warnings.catch_warnings():  # the paper rule warns about its thresholds on every stream; it is on purpose

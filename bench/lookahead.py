@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -48,14 +49,14 @@ DEFAULT_BUDGET = 0.5
 
 
 def _numbers(text: str, name: str, kind: type = float) -> list:
-    """Sorted distinct values >= 0 of a comma-separated option (`kind`: float or int)."""
+    """Sorted distinct finite values >= 0 of a comma-separated option (`kind`: float or int)."""
     what = "numbers" if kind is float else "integers"
     try:
         values = sorted({kind(x) for x in text.split(",")})
     except ValueError:
         raise argparse.ArgumentTypeError(f"{name} must be comma-separated {what}, got {text!r}") from None
-    if not values or values[0] < 0:
-        raise argparse.ArgumentTypeError(f"{name} must be {what} >= 0, got {text!r}")
+    if not values or values[0] < 0 or not all(math.isfinite(v) for v in values):  # nan sorts anywhere
+        raise argparse.ArgumentTypeError(f"{name} must be finite {what} >= 0, got {text!r}")
     return values
 
 

@@ -100,10 +100,15 @@ def main(argv: list[str] | None = None) -> int:
         seeds = [int(x) for x in args.seeds.split(",")]
     except ValueError:
         p.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    if len(set(seeds)) < len(seeds):  # a stream counted twice in every mean
+        p.error(f"--seeds must not repeat a seed, got {args.seeds!r}")
     W, N = args.window, args.n_micro
-    chosen = {k: v for k, v in settings(W).items() if k in args.settings.split(",")}
-    if not chosen:
-        p.error(f"--settings must name some of {sorted(settings(W))}, got {args.settings!r}")
+    named = args.settings.split(",")
+    unknown = [name for name in named if name not in settings(W)]
+    if unknown or len(set(named)) < len(named):
+        p.error(f"--settings must name distinct settings among {sorted(settings(W))}, got {args.settings!r}"
+                + (f" (unknown: {unknown})" if unknown else ""))
+    chosen = {k: v for k, v in settings(W).items() if k in named}
     results: dict[str, list[dict]] = {name: [] for name in chosen}
     floors = []
     for s in progress(seeds, desc="streams", enable=not args.no_progress):

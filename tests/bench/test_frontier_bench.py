@@ -27,6 +27,19 @@ def test_bench_frontier_runs_on_a_short_stream(tmp_path, capsys):
         frontier.main(["--steps", "4", "--budgets", "x", "--out", str(tmp_path)])
 
 
+def test_a_lengths_file_shorter_than_the_steps_is_refused(tmp_path, capsys):
+    """The steps past the stream's end would be empty, each scored as perfectly balanced."""
+    import numpy as np
+    from wlb_opt.bench import frontier
+    from wlb_opt.workloads import document_stream
+
+    short = tmp_path / "short.npy"
+    np.save(short, document_stream(3 * 4 * 131072, "heavy", 1234))
+    with pytest.raises(SystemExit):
+        frontier.main(["--lengths", str(short), "--steps", "40", "--budgets", "0.5", "--out", str(tmp_path)])
+    assert "fewer than 40 steps of 524288 (--steps 3 or fewer)" in capsys.readouterr().err
+
+
 def test_bench_frontier_offline_checks_its_schedules_and_brackets_the_defaults(tmp_path, capsys):
     from wlb_opt.bench import frontier
 

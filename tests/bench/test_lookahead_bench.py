@@ -82,7 +82,9 @@ def test_balance_fwd_plans_on_the_forward_cost_and_measures_the_whole_model(tmp_
 @pytest.mark.parametrize("option, value, message", [("--dists", "real,nope", "--dists must name"),
                                                     ("--lookaheads", "2,4", "must include 0"),
                                                     ("--budgets", "0.4,x", "--budgets must be comma-separated"),
-                                                    ("--seeds", "-1", "--seeds must be integers >= 0"),
+                                                    ("--seeds", "-1", "--seeds must be finite integers >= 0"),
+                                                    ("--limits", "0.4,nan", "--limits must be finite numbers >= 0"),
+                                                    ("--budgets", "inf", "--budgets must be finite numbers >= 0"),
                                                     ("--balance", "bwd", "invalid choice")])
 def test_bad_options_are_usage_errors(option, value, message, capsys):
     with pytest.raises(SystemExit):
