@@ -709,6 +709,9 @@ def test_a_shed_step_defers_what_its_definition_defers_and_keeps_the_rest_in_pla
         check_pack(after, after.lengths, after.max_tokens, ids=after.doc_ids, offsets=after.offsets, cost=COST)
         if got:
             assert after.imbalance < before.imbalance and after.info.extra["shed"] == len(got)
+        # the plan's largest micro-batch cost, summed again here, not the one before the shed
+        assert after.info.objective == pytest.approx(max(COST.micro_batch_cost(after.lengths[mb])
+                                                         for mb in after.micro_batches), rel=1e-12)
         seen["steps"] += 1
         seen["shed"] += len(got)
         return out

@@ -1358,7 +1358,11 @@ class MarginalRelease(GroupRelease):
                                                  dtype=np.int64)
                 exact[h] = np.add.reduce(piece_costs[mb]) + self.bin_const
                 tokens[h] = np.add.reduce(plan.lengths[mb])
-        info = dataclasses.replace(plan.info, extra={**plan.info.extra, "shed": len(shed)})
+        # the plan's own largest cost; a bound or optimality proven for the pieces before the shed is not its own
+        proven = {} if plan.info.bound is None and plan.info.status != "optimal" else dict(
+            bound=None, gap=None, status="feasible" if plan.info.status == "optimal" else plan.info.status)
+        info = dataclasses.replace(plan.info, objective=float(exact.max()) if len(exact) else plan.info.objective,
+                                   extra={**plan.info.extra, "shed": len(shed)}, **proven)
         plan = plan.replace(micro_batches=tuple(micro_batches), deferred=np.append(plan.deferred, shed), loads=exact,
                             tokens=tokens, info=info)
         return result._replace(plan=plan)
