@@ -183,6 +183,10 @@ def prepare(problem: PackProblem) -> ExactData:
     n, m = problem.n_items, problem.n_bins
     if opts.allow_defer:
         carried = problem.lengths[: problem.carried]
+        if int(carried.sum()) > m * int(problem.max_tokens):  # allow_defer defers the others, never these
+            raise ValueError(f"the {problem.carried} carried items hold {int(carried.sum())} tokens, more than "
+                             f"{m} micro-batches x {problem.max_tokens} = {m * int(problem.max_tokens)}: the exact "
+                             "methods place every carried item, even with allow_defer=True; carry fewer")
         check_capacity(carried, m, problem.max_tokens)
         too_long = np.flatnonzero(problem.lengths > problem.max_tokens)
     else:

@@ -468,3 +468,20 @@ def test_carried_documents_that_fit_no_plan_are_named_with_allow_defer(exact_ext
                                          r"of 2 micro-batches of max_tokens=10"):
         wlb.solve_pack([6, 6, 6, 1], 2, 10, unit_cost(), method, carried=3, allow_defer=True, time_limit=LIMIT,
                        deterministic=True, **kw)
+
+
+@pytest.mark.parametrize("method", ["cpsat", "milp"])
+@pytest.mark.parametrize("config", [{}, dict(max_delay=1), dict(release="paper")])
+def test_an_exact_method_packer_drains_a_carry_larger_than_a_step(exact_extra, method, config):
+    """The exact models place every carried piece: the packer carries only those that surely
+    fit a step, so a drain (or a carry past one step) goes on instead of failing for good."""
+    packer = wlb.WLBPacker(1, 100, unit_cost(), config=wlb.PackerConfig(method=method, **config))
+    plans = [packer.pack([20] * 12), packer.pack([])] + list(packer.drain())
+    assert [int(plan.tokens.sum()) for plan in plans] == [100, 100, 40]
+    trained = sorted(int(i) for plan in plans for mb in plan.micro_batches for i in plan.doc_ids[mb])
+    assert trained == list(range(12))  # every piece once
+
+
+def test_solve_pack_names_a_carry_past_capacity_as_such_even_with_allow_defer(ortools):
+    with pytest.raises(ValueError, match="the 3 carried items hold 30 tokens, more than 1 micro-batches x 20 = 20"):
+        wlb.solve_pack([10, 10, 10, 5], 1, 20, unit_cost(), "cpsat", carried=3, allow_defer=True)

@@ -41,6 +41,7 @@ Plans are frozen: each step's plan is built once, from `solve_pack`'s, with `pla
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 import time
 import warnings
@@ -411,9 +412,16 @@ class WLBPacker:
             ids = offsets = lengths = arrival = np.zeros(0, dtype=np.int64)
         # the exact models place every piece unless told they may defer: a step can hold more
         # than its capacity (carried pieces, released outliers), and the packer carries what waits
-        options = dict(allow_defer=True) if self.method in ("cpsat", "milp") else {}
+        carried = len(first)
+        options = {}
+        if self.method in ("cpsat", "milp"):
+            # ... and they must place every carried piece: only those that surely fit are carried
+            # (a drain, or a carry past one step, would fail on every later call), the others
+            # are placed as the model can
+            options, carried = dict(allow_defer=True), _fitting_prefix(lengths[:carried], self.dp * self.n_micro,
+                                                                       self.max_tokens)
         plan = solve_pack(lengths, self.n_micro, self.max_tokens, self.cost, self.method, ids=ids, offsets=offsets,
-                          dp=self.dp, carried=len(first), seed=self.seed, **options)
+                          dp=self.dp, carried=carried, seed=self.seed, **options)
         return pending, plan, arrival
 
     def _commit(self, plan: PackPlan, queues: list[deque], carry: list[HeldPiece]) -> None:
@@ -725,3 +733,15 @@ def _held_keys(queues, carry, ahead: LookaheadBuffer) -> KeySets:
     else:  # the queued pieces, if any, and the carry's table
         groups = [part if isinstance(part, list) else part.table for part in held.parts]
     return KeySets(*groups, *ahead.tables(), ids=[None] * len(groups) + list(ahead.id_sets()))
+
+
+def _fitting_prefix(lengths: np.ndarray, n_bins: int, max_tokens: int) -> int:
+    """How many of `lengths`, from the first, surely fit `n_bins` bins of `max_tokens` tokens
+    together: each placed in turn on the bin of fewest tokens, up to the first that does not
+    fit there (a packing of them that exists)."""
+    room = [0] * n_bins  # tokens per bin, as a heap
+    for k, length in enumerate(lengths.tolist()):
+        if room[0] + length > max_tokens:
+            return k
+        heapq.heapreplace(room, room[0] + length)
+    return len(lengths)
