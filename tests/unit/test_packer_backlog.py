@@ -145,6 +145,28 @@ def test_backlog_limit_can_be_raised_when_a_state_is_reloaded():
         same.load_state_dict(state, max_backlog_tokens=-1)
 
 
+def test_a_state_of_an_explicit_limit_equal_to_the_default_is_not_taken_for_the_default():
+    """The default limit lets a batch pass it by its own tokens beyond a step and bounds the
+    deferrals by two steps; an explicit one of the same value is strict: the two plan apart,
+    so a state of one is refused by the other, and a state of before the mode was recorded
+    loads into either."""
+    batches = [[11, 41, 15, 53, 54, 18, 31], [57, 58, 35, 59, 34, 12, 42, 58], [33, 21, 44, 34, 31, 29, 19],
+               [41, 5, 20, 27, 20, 34, 32, 58], [48, 39, 56], [44, 28, 53, 55, 18, 60, 21, 36],
+               [44, 16, 8, 56, 4, 21, 57, 19, 14], [48, 24, 8]]
+    default = wlb.WLBPacker(2, 100, COST).max_backlog_tokens
+    explicit = wlb.WLBPacker(2, 100, COST, max_backlog_tokens=default)
+    for batch in batches[:2]:
+        explicit.pack(batch)
+    state = json.loads(json.dumps(explicit.state_dict()))
+    with pytest.raises(ValueError, match="config.backlog_burst=False does not match this packer's backlog_burst=True"):
+        wlb.WLBPacker(2, 100, COST).load_state_dict(state)
+    same = wlb.WLBPacker(2, 100, COST, max_backlog_tokens=default)
+    same.load_state_dict(state)
+    assert [explicit.pack(b).digest() for b in batches[2:]] == [same.pack(b).digest() for b in batches[2:]]
+    del state["config"]["backlog_burst"]  # as written before the mode was recorded
+    wlb.WLBPacker(2, 100, COST).load_state_dict(state)
+
+
 def test_default_backlog_limit_counts_one_release_per_queue():
     p = wlb.WLBPacker(2, 100, COST, dp=1, config=wlb.PackerConfig(thresholds=[40, 70], max_delay=4))
     assert p.max_backlog_tokens == (2 + 2) * 2 * 100

@@ -243,7 +243,7 @@ class WLBPacker:
         are a field of their own, with whether they were calibrated)."""
         return dict(n_micro=self.n_micro, max_tokens=self.max_tokens, dp=self.dp, n_queues=self.n_queues,
                     max_delay=self.max_delay, seed=self.seed, max_backlog_tokens=self.max_backlog_tokens,
-                    pp=self.pp, method=self.method, release=self.release,
+                    backlog_burst=self._burst_allowed, pp=self.pp, method=self.method, release=self.release,
                     balance_tolerance=self.balance_tolerance, delay_budget=self.delay_budget,
                     lookahead=self.lookahead, cost_fingerprint=self._fingerprint)
 
@@ -677,6 +677,7 @@ class WLBPacker:
         if max_backlog_tokens is not None:
             max_backlog_tokens = check_int("max_backlog_tokens", max_backlog_tokens, 0)
             config["max_backlog_tokens"] = theirs.get("max_backlog_tokens")
+            config["backlog_burst"] = theirs.get("backlog_burst")
         # checked first: a state of another lookahead also fails decode_state's arrival checks
         if theirs and theirs.get("lookahead", 0) != self.lookahead:
             raise ValueError(f"state_dict field config.lookahead={theirs.get('lookahead', 0)!r} does not match this "

@@ -35,8 +35,12 @@ from ..cost import CostModel
 from .stats import StreamStats
 
 STATE_VERSION = 5
-CONFIG_FIELDS = ("n_micro", "max_tokens", "dp", "n_queues", "max_delay", "seed", "max_backlog_tokens", "pp",
-                 "method", "release", "balance_tolerance", "delay_budget", "lookahead", "cost_fingerprint")
+CONFIG_FIELDS = ("n_micro", "max_tokens", "dp", "n_queues", "max_delay", "seed", "max_backlog_tokens", "backlog_burst",
+                 "pp", "method", "release", "balance_tolerance", "delay_budget", "lookahead", "cost_fingerprint")
+"""The packer's configuration a state records; a packer loads only a state of its own
+(`backlog_burst`: whether the backlog limit is the default one, which a batch may pass by its
+own tokens beyond a step, or an explicit one, which is strict; a state written before it was
+recorded is taken as of either)."""
 
 
 class HeldPiece(NamedTuple):
@@ -290,6 +294,8 @@ def decode_state(state, *, config: dict, auto: bool, thresholds: list[int] | Non
     for name in CONFIG_FIELDS:
         if name == "n_queues" and auto and thresholds is None:
             continue  # an uncalibrated "auto" packer adopts the state's thresholds
+        if name == "backlog_burst" and name not in theirs:
+            continue  # written before the mode was recorded
         if theirs.get(name) != config[name]:
             raise ValueError(f"state_dict field config.{name}={theirs.get(name)!r} does not match this "
                              f"packer's {name}={config[name]!r}; build the packer with the same configuration")
