@@ -197,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="micro-batch sizes of --full (default: 32768 on CUDA, 2048 on CPU)")
     p.add_argument("--head-dim", type=count, default=None, help="--full head dim (default 128 on CUDA, 32 on CPU)")
     args = p.parse_args(argv)
+    from ..profile import profile_device
+    try:
+        profile_device(args.device)  # a device this machine lacks: one line, before any folder is made
+    except ValueError as exc:
+        p.error(str(exc))
     args.out.mkdir(parents=True, exist_ok=True)
     result = dict(provenance=provenance("cp_path", argv), host=host_rows(tuple(args.tokens), device=args.device, repeats=args.repeats))
     (args.out / "cp_path.json").write_text(json.dumps(result, indent=1))  # kept if --full times out

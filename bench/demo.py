@@ -13,6 +13,7 @@ import warnings
 
 from . import e2e
 from ..cost_args import count, natural
+from ..documents import load_lengths
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=natural, default=0)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    try:  # checked here, so that an error shows this command's usage, not the benchmark's it runs
+        e2e.parse_configs(args.configs)
+        if args.lengths:
+            load_lengths(args.lengths)
+    except ValueError as exc:
+        p.error(str(exc))
     data = f"the document lengths of {args.lengths}" if args.lengths else "the default document-length distribution"
     print(f"wlb-opt demo: simulated training steps of paper Table 1's configurations on {data}\n(cost model: "
           "analytic, H100; see docs/benchmarks.md, 'What the simulator models').")

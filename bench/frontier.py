@@ -251,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.lengths:
         stream = load_lengths(args.lengths)
         if int(stream.sum()) < N * W * steps:  # the steps past its end would be empty, scored as balanced
+            most = int(stream.sum()) // (N * W)
             p.error(f"--lengths {args.lengths} holds {int(stream.sum())} tokens, fewer than {steps} steps of "
-                    f"{N * W} (--steps {int(stream.sum()) // (N * W)} or fewer)")
+                    f"{N * W} " + (f"(--steps {most} or fewer)" if most else "(not even one step)"))
         batches = global_batches("default", W, N * W, steps, lengths=stream)
         source = args.lengths
     else:

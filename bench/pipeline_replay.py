@@ -251,9 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             p.error(f"--{name.replace('_', '-')} must be seconds > 0, got {value}")
-    for name in ("bound_draws", "bound_joint"):
-        if getattr(args, name) > args.draws:
+    for name in ("bound_draws", "bound_joint"):  # read only by --bound-per-draw
+        if args.bound_per_draw and getattr(args, name) > args.draws:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be at most --draws ({args.draws})")
+    for name in ("max_pp", "max_micro"):  # the smallest shape replayed is pp = n_micro = 2
+        if getattr(args, name) < 2:
+            p.error(f"--{name.replace('_', '-')} must be an integer >= 2 (a pipeline of 2 stages and 2 micro-batches "
+                    f"at least), got {getattr(args, name)}")
     cost = wlb.CostModel.analytic(wlb.ModelSpec.preset(args.model), hardware=wlb.HardwareSpec.preset(args.hardware))
     lengths = [args.tokens // args.docs] * args.docs
     fwd_s, bwd_s = cost.micro_batch_cost(lengths, "fwd"), cost.micro_batch_cost(lengths, "bwd")

@@ -237,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--n-micro must be comma-separated integers >= 1, got {args.n_micro!r}")
     steps = args.steps or (200 if args.quick else 2000)  # --quick sets only what is not given
     seeds = args.seeds or (1 if args.quick else 3)
+    if steps <= max(lookaheads):  # with lookahead K the first K calls plan nothing: no step would be timed
+        p.error(f"--steps ({steps}) must be more than the largest of --lookaheads ({max(lookaheads)}): with "
+                "lookahead K the first K calls plan nothing")
     cost = cost_from_args(args, parser=p)
     cp = cost.parallel.cp if cost.parallel is not None else 1
     max_tokens = int(1.25 * args.window)

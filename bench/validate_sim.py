@@ -439,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     if not vs_list or vs_list[0] < 1:
         p.error(f"--virtual-stages must be integers >= 1, got {args.virtual_stages!r}")
     for v in vs_list:
+        if v > 1 and args.pp < 2:
+            p.error(f"--virtual-stages {v} needs --pp >= 2 (chunks of one rank would send to themselves); with --pp "
+                    f"{args.pp} give --virtual-stages 1")
         if args.layers < args.pp * v or (v > 1 and args.n_micro % args.pp):
             p.error(f"--virtual-stages {v} needs --layers >= pp x v ({args.pp * v}) and, for v > 1, --n-micro a "
                     f"multiple of --pp (got --layers {args.layers}, --n-micro {args.n_micro})")

@@ -65,6 +65,12 @@ def main() -> None:
         p.error("--check-reference compares in fp64; bf16 is refused there (drop --dtype bf16)")
     if args.fsdp and args.tp > 1:
         p.error("--fsdp with --tp > 1 is not supported yet (2-D FSDP2 + TP)")
+    if args.virtual_stages > 1:
+        from wlb_opt.schedule import check_pipeline_shape
+        try:
+            check_pipeline_shape(args.pp, args.n_micro, args.virtual_stages)
+        except ValueError as exc:
+            p.error(str(exc))
     layout = wlb.ParallelSpec(tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp)  # the one place the layout is built
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"

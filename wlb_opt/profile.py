@@ -545,7 +545,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.hf_config:
-            spec = ModelSpec.from_hf_config(json.loads(Path(args.hf_config).read_text()))
+            try:
+                config = json.loads(Path(args.hf_config).read_text())
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--hf-config {args.hf_config}: not a JSON config ({exc})") from None
+            spec = ModelSpec.from_hf_config(config)
         else:
             spec = ModelSpec.preset(args.model or "tiny")
         dtype = dtype_name(args.dtype) if args.dtype else None

@@ -143,3 +143,12 @@ def test_gantt_shows_one_representative_step_at_equal_tokens():
                    for m in ("plain", "wlb"))
 
     assert all(deviation(k) <= deviation(i) for i in (close or [k]))
+
+
+def test_the_paper_comparison_of_a_subset_counts_what_ran_and_leaves_out_what_did_not():
+    rows = [dict(config="7B-64K", context=65536, method=m, speedup_vs_plain=s)
+            for m, s in (("plain", 1.0), ("fixed", 0.9), ("wlb", 1.2), ("best", 1.22))]
+    lines = e2e.paper_comparison(rows)
+    assert lines[0].startswith("wlb over plain, average of 1: ours 1.20x")
+    assert lines[1].strip() == "64K: ours 1.20x (paper 1.15x)"
+    assert len(lines) == 2 and not any("nan" in line for line in lines)

@@ -81,6 +81,17 @@ CLI_CASES = [
     ("bench.kernel_budget", ["bench", "kernel", "--budget-s", "inf"], "--budget-s: expected a finite number"),
     ("bench.kernel_warmup", ["bench", "kernel", "--warmup", "-1"], "--warmup: expected an integer >= 0"),
     ("bench.cp_path_repeats", ["bench", "cp-path", "--repeats", "0"], "--repeats: expected an integer >= 1"),
+    ("bench.cp_path_device", ["bench", "cp-path", "--device", "bogus", "--out", "/nonexistent/cp_path"],
+     "device 'bogus' is not a torch device name"),
+    ("bench.pipeline_replay_max_pp", ["bench", "pipeline-replay", "--max-pp", "1"], "--max-pp must be an integer >= 2"),
+    ("bench.pipeline_replay_max_micro", ["bench", "pipeline-replay", "--max-micro", "1"],
+     "--max-micro must be an integer >= 2"),
+    ("bench.pipeline_replay_bound_draws", ["bench", "pipeline-replay", "--draws", "1", "--bound-per-draw", "2,2,1"],
+     "--bound-draws 2 must be at most --draws (1)"),
+    ("bench.stream_speed_steps_within_lookahead", ["bench", "stream-speed", "--steps", "3", "--lookaheads", "0,4"],
+     "--steps (3) must be more than the largest of --lookaheads (4)"),
+    ("bench.validate_sim_one_stage_interleaved", ["bench", "validate-sim", "--pp", "1"],
+     "--virtual-stages 2 needs --pp >= 2"),
     ("bench.loss_memory_tokens", ["bench", "loss-memory", "--tokens", "0"], "--tokens: expected an integer >= 1"),
     ("bench.validate_sim_pp", ["bench", "validate-sim", "--pp", "0"], "--pp: expected an integer >= 1"),
     ("bench.validate_sim_layers", ["bench", "validate-sim", "--layers", "0"], "--layers: expected an integer >= 1"),
@@ -108,6 +119,7 @@ CLI_CASES = [
      "--kv-len 32 must be >= the longest --q-lens (64)"),
     ("demo.steps", ["demo", "--steps", "0"], "--steps: expected an integer >= 1"),
     ("demo.seed", ["demo", "--seed", "-1"], "--seed: expected an integer >= 0"),
+    ("demo.configs", ["demo", "--configs", "nope"], "usage: wlb-opt demo [-h] [--out OUT]"),
 ]
 
 
@@ -138,7 +150,12 @@ def cli_file_cases(cost_model):
             ("pack.lengths_too_long", lambda tmp: ["pack", "--lengths", str(_write(tmp, "l.txt", "900\n")),
                                                    "--window", "1000", "--max-tokens", "100"], "900"),
             ("bench.table2_cost", lambda tmp: ["bench", "table2", "--steps", "1", "--cost",
-                                               str(_write(tmp, "c.json", "{"))], "is not JSON")]
+                                               str(_write(tmp, "c.json", "{"))], "is not JSON"),
+            ("profile.hf_config_not_json", lambda tmp: ["profile", "--hf-config", str(_write(tmp, "h.json", "{x"))],
+             "h.json: not a JSON config"),
+            ("bench.frontier_lengths_under_a_step", lambda tmp: ["bench", "frontier", "--steps", "24", "--lengths",
+                                                                 str(_write(tmp, "l.txt", "5\n7\n"))],
+             "(not even one step)")]
     return out
 
 
