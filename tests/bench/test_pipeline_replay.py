@@ -63,8 +63,8 @@ def test_per_draw_mode_records_the_best_draw(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--bound-draw-time", "0"], "--bound-draw-time: expected a number of seconds > 0, got '0'"),
-    (["--bound-draws", "30"], "--bound-draws 30 must be at most --draws (20)"),
-    (["--bound-joint", "21"], "--bound-joint 21 must be at most --draws (20)"),
+    (["--bound-draws", "30", "--bound-per-draw", "2,2,1"], "--bound-draws 30 must be at most --draws (20)"),
+    (["--bound-joint", "21", "--bound-per-draw", "2,2,1"], "--bound-joint 21 must be at most --draws (20)"),
     (["--bound-per-draw", "2,3,2"], "a multiple of pp"),
 ])
 def test_bad_per_draw_arguments_name_the_value(args, message, capsys):
