@@ -444,8 +444,10 @@ class WLBStream:
                              "steps on its own copy; this one does not advance. Checkpoint the state of the last step "
                              "received (step.state: the worker sends it with the step), and resume in a fresh stream")
 
-    def _start(self) -> Iterator[Step]:
-        self._check_not_handed_out("iter()")
+    def _start(self, draining: bool = False) -> Iterator[Step]:
+        """A new iterator after the last step yielded (`draining`: the stream ends now); the
+        checks come first, so a refused call changes nothing."""
+        self._check_not_handed_out("drain()" if draining else "iter()")
         if self._broken is not None:
             raise ValueError(f"this stream stopped on an error of its source ({self._broken}); nothing after the last "
                              "step yielded was trained: resume from that step's state over a corrected source") \
@@ -453,6 +455,8 @@ class WLBStream:
         if self._finished:
             raise ValueError("this stream has ended: every step has been yielded. Build a new stream to train "
                              "again (a stream resumed from its final state yields nothing)")
+        if draining:
+            self._draining = True
         self._generation += 1
         return self._run(self._generation)
 
@@ -468,9 +472,9 @@ class WLBStream:
     def drain(self) -> Iterator[Step]:
         """End the stream now: feed what was read and not yet fed (the rest of a document in
         flight included), then yield the packer's remaining steps. Documents not yet read stay
-        unread. Like `iter()`, it continues after the last step yielded."""
-        self._draining = True
-        return self._start()
+        unread. Like `iter()`, it continues after the last step yielded, and raises where
+        `iter()` raises (the stream is then unchanged)."""
+        return self._start(draining=True)
 
     # ------------------------------------------------------------------ accounting
     @property

@@ -183,6 +183,31 @@ def test_a_stream_given_to_a_worker_refuses_to_report_a_state_it_does_not_have()
     assert in_process.state_dict() == steps[-1].state
 
 
+def test_a_refused_drain_leaves_the_stream_as_it_was():
+    """drain() raises where iter() raises; the stream it refused then trains every token, as if
+    drain() had not been called (it used to end the stream first: a worker handed it out
+    yielded nothing, and a state saved after a source error resumed to a drained stream)."""
+    docs = pairs(long_tail(60, seed=4))
+    total = sum(len(tokens) for _, tokens in docs)
+    stream = make_stream(docs)
+    dataset = stream.as_dataset()
+    with pytest.raises(ValueError, match="drain\\(\\): this stream was given to a DataLoader"):
+        stream.drain()
+    steps = list(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1))
+    assert sum(int(step.plan.tokens.sum()) for step in steps) == total
+    bad = [(i, np.array([1.5]) if i == 1045 else tokens) for i, tokens in docs]
+    broken, got = make_stream(bad), []
+    with pytest.raises(ValueError):
+        for step in broken:
+            got.append(step)
+    with pytest.raises(ValueError, match="stopped on an error of its source"):
+        broken.drain()
+    resumed = make_stream(docs)
+    if got:  # resumed from the last step yielded, over the corrected source
+        resumed.load_state_dict(got[-1].state)
+    assert sum(int(step.plan.tokens.sum()) for step in got + list(resumed)) == total
+
+
 def test_from_dataset_reads_tokens_only_for_the_micro_batches_asked():
     lengths = long_tail(400, seed=3)
 
