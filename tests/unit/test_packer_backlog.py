@@ -220,6 +220,9 @@ def _edit(change):
 BAD_STATES = [
     ("duplicated carry entry", lambda s: s["carry"].append(list(s["carry"][0])), "twice"),
     ("piece queued and carried", lambda s: s["carry"].append(list(s["queues"][0][0])), "twice"),
+    ("pieces of one document that overlap", lambda s: s["carry"].append([s["queues"][0][0][0], s["queues"][0][0][1] + 1,
+                                                                        5, s["queues"][0][0][3]]),
+     "pieces of document .* overlap in the state"),
     ("float length", lambda s: s["carry"][0].__setitem__(2, 90.9), "length must be an integer"),
     ("zero length", lambda s: s["carry"][0].__setitem__(2, 0), "length must be an integer in \\[1, 100\\]"),
     ("negative length", lambda s: s["carry"][0].__setitem__(2, -5), "length must be an integer in \\[1, 100\\]"),

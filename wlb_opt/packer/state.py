@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._validate import check_unique_pieces
 from ..cost import CostModel
 from .stats import StreamStats
 
@@ -355,6 +356,10 @@ def check_ids_issued(loaded: LoadedState, buffered: list[HeldPiece], max_tokens:
                              "lookahead buffer); every piece is held once")
         seen.add(piece.key)
     held = [piece for q in loaded.queues for piece in q] + list(loaded.carry) + list(buffered)
+    if len(held) > 1:  # nor two pieces of one document that overlap: their shared tokens would train twice
+        ids, offsets, lengths = (np.array(column, dtype=np.int64) for column in zip(*((p.id, p.offset, p.length)
+                                                                                      for p in held)))
+        check_unique_pieces(ids, offsets, "in the state", lengths=lengths)
     if loaded.max_id is None:
         if held:
             raise ValueError(f"state_dict field max_id is null (no batch given yet) but the state holds "
