@@ -20,20 +20,14 @@ from ._provenance import provenance
 
 
 def peak_bytes(fn) -> int:
-    """Largest running sum of the memory events torch.profiler records while `fn` runs."""
-    from torch.profiler import ProfilerActivity, profile
+    """Peak CPU bytes allocated while `fn` runs, above what was allocated before
+    (`wlb_opt.profile.measure_peak_bytes`: the running sum of torch.profiler's raw allocation
+    and free events)."""
+    import torch
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    # allocations are charged to the op that made them (its self usage; a parent's total
-    # would count its children twice), frees are "[memory]" events of negative size
-    deltas = [(e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
-              for e in prof.events()]
-    running = peak = 0
-    for _, delta in sorted(d for d in deltas if d[1]):
-        running += delta
-        peak = max(peak, running)
-    return int(peak)
+    from ..profile import measure_peak_bytes
+
+    return measure_peak_bytes(fn, torch.device("cpu"))[1]
 
 
 def run(tokens: int = 8192, dim: int = 256, vocab: int = 32000, chunks=(8192, 2048, 512), seed: int = 0):

@@ -139,15 +139,22 @@ def measure_peak_bytes(fn, device) -> tuple[int, int]:
     os.environ.setdefault("KINETO_LOG_LEVEL", "99")  # read when the profiler starts: no start/stop lines
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         keep = fn()
-    # allocations are charged to the op that made them (self usage: a parent's total would
-    # count its children twice); frees are "[memory]" events of negative size
-    deltas = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
-                    for e in prof.events())
-    running = peak = 0
-    for _, delta in deltas:
-        running += delta
-        peak = max(peak, running)
     del keep
+    return cpu_memory_sums(prof)
+
+
+def cpu_memory_sums(prof) -> tuple[int, int]:
+    """(bytes still allocated at the end, peak bytes) of a `torch.profiler.profile(
+    profile_memory=True)` run: the running sum of every CPU allocation (+) and free (-) the
+    profiler recorded, in the order they happened. The raw events, not the ops' memory
+    columns: an op's net usage, booked when it starts, would already subtract the
+    temporaries its children allocate and free later, which then never show in the peak."""
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and str(e.device_type()) == "DeviceType.CPU"]
+    running = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        running += event.nbytes()
+        peak = max(peak, running)
     return int(running), int(peak)
 
 

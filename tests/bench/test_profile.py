@@ -279,3 +279,26 @@ def test_profile_command_refuses_a_bad_config(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 32}))
     assert main(["profile", "--hf-config", str(tmp_path / "config.json")]) == 2  # a usage error, no traceback
     assert "num_hidden_layers" in capsys.readouterr().err
+
+
+def test_the_cpu_peak_counts_the_temporaries_an_op_allocates_and_frees_inside_itself():
+    """cross_entropy holds its log-softmax (N x V floats) while it runs and frees it before it
+    returns: the peak is at least that tensor, the bytes retained are its scalar result."""
+    import torch
+    import torch.nn.functional as F
+    from wlb_opt.profile import measure_peak_bytes
+
+    x, y = torch.randn(1024, 4096), torch.randint(0, 4096, (1024,))
+    with torch.no_grad():
+        retained, peak = measure_peak_bytes(lambda: F.cross_entropy(x, y), torch.device("cpu"))
+    log_softmax = 1024 * 4096 * 4
+    assert log_softmax <= peak < 2.5 * log_softmax
+    assert 0 < retained < 1024
+
+
+def test_the_cpu_peak_of_a_tensor_made_and_kept():
+    import torch
+    from wlb_opt.profile import measure_peak_bytes
+
+    retained, peak = measure_peak_bytes(lambda: torch.ones(2**20).cumsum(0)[:2**18].clone(), torch.device("cpu"))
+    assert retained >= 2**18 * 4 and peak >= 2 * 2**20 * 4  # the ones and their cumsum at once
