@@ -485,3 +485,24 @@ def test_an_exact_method_packer_drains_a_carry_larger_than_a_step(exact_extra, m
 def test_solve_pack_names_a_carry_past_capacity_as_such_even_with_allow_defer(ortools):
     with pytest.raises(ValueError, match="the 3 carried items hold 30 tokens, more than 1 micro-batches x 20 = 20"):
         wlb.solve_pack([10, 10, 10, 5], 1, 20, unit_cost(), "cpsat", carried=3, allow_defer=True)
+
+
+def test_bench_exact_scores_no_plan_that_cuts_documents_against_the_bounds_for_whole_ones(ortools):
+    """"original" cuts documents at sequence boundaries (less attention work): the Eq. 1 bound,
+    proven for whole documents, is no bound for it, whatever tokens it places."""
+    from types import SimpleNamespace
+
+    from wlb_opt.bench.exact import run_instance, summarise
+
+    window = 4096
+    pieces = np.array([window // 2, window, window // 2])
+    args = SimpleNamespace(workers=1, gap_limit=0.0, time_limit=LIMIT, seed=0)
+    cost = wlb.CostModel.analytic(wlb.ModelSpec.preset("7b"), hardware=wlb.HardwareSpec.preset("h100"))
+    rows = run_instance(pieces, np.arange(3), np.zeros(3, np.int64), 2, window, cost, ["original", "fixed"],
+                        ["cpsat_eq1"], args)
+    by = {r["method"]: r for r in rows}
+    assert not by["original"]["whole"] and not by["original"]["comparable"] and by["original"]["ratio"] is None
+    assert by["fixed"]["whole"] and by["fixed"]["comparable"] and by["fixed"]["ratio"] >= 1 - 1e-9
+    for r in rows:
+        r.update(dist="default", docs_target=3, docs=3, n_micro=2, instance=0, total_tokens=int(pieces.sum()))
+    assert {s["method"]: s["docs"] for s in summarise(rows)} == {"original": 3, "fixed": 3, "cpsat_eq1": 3}
