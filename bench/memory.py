@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss-chunk", type=count, default=512, help="tokens per loss chunk (default 512)")
     p.add_argument("--out", type=Path, default=Path("results/memory"), help="folder for memory.json")
     args = p.parse_args(argv)
+    if args.window < 64:  # the shapes include 64-token documents and a quarter window
+        p.error(f"--window must be an integer >= 64 (the shapes hold 64-token documents), got {args.window}")
     os.environ.setdefault("KINETO_LOG_LEVEL", "99")
     res = run(dim=args.dim, layers=args.layers, vocab=args.vocab, window=args.window, loss_chunk=args.loss_chunk)
     c = res["config"]

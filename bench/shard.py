@@ -215,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         cps = [int(c) for c in args.cps.split(",")]
     except ValueError:
         p.error(f"--cps must be comma-separated integers, got {args.cps!r}")
+    for name, values in (("--strategies", strategies), ("--cps", cps)):
+        if len(set(values)) < len(values):  # a repeated one would be counted twice in every summary
+            p.error(f"{name} must not repeat a value, got {getattr(args, name[2:])!r}")
     show = not args.no_progress
     real = load_lengths(args.lengths) if args.lengths else load_lengths(REAL_FILE)
     real_name = Path(args.lengths).name if args.lengths else "real"

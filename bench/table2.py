@@ -18,7 +18,8 @@ batches (N x window tokens each, `wlb_opt.workloads.global_batches`) feeds every
 - WLB group:           thresholds [W/4, 9W/16] (one pool: only W/4 matters), max_delay=16,
                        release="group", balance_tolerance=1.3 (chosen on other streams).
 - WLB calibrated:      `WLBPacker.calibrate` (2 queues) on a held-out sample of 16 global
-                       batches (another seed), max_delay=8, release="balance".
+                       batches (another seed; with `--lengths`, the file's last batches, up
+                       to 16, never scored), max_delay=8, release="balance".
 - WLB auto:            thresholds="auto" (calibrated on the first global batch), max_delay=8,
                        release="balance" (balance rows: balance_tolerance 1.02, the old default).
 - WLB default:         `WLBPacker(N, max_tokens, cost)`, nothing tuned (wlb_opt.packer.defaults:
@@ -187,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--dist", default="default", choices=sorted(DISTRIBUTIONS),
                      help="built-in length distribution (default: default)")
     p.add_argument("--steps", type=count, default=None, help="global batches (default 200; --quick 40)")
-    p.add_argument("--exact-steps", type=natural, default=None, help="steps for the exact rows (default 8; --quick 4)")
+    p.add_argument("--exact-steps", type=natural, default=None,
+                   help="steps for the exact rows, in whole groups of k (default 8; --quick 4; 0: no exact rows; "
+                        "a row of k above it is skipped)")
     p.add_argument("--exact-time-limit", type=seconds, default=None,
                    help="seconds per exact solve (default 10; --quick 2)")
     p.add_argument("--quick", action="store_true", help="40 steps, 4 exact steps of 2 s (unless given)")
@@ -211,13 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_batch = bins * W
     if args.lengths:
         stream = load_lengths(args.lengths)
-        steps = min(args.steps, int(stream.sum() // tokens_per_batch))
-        if steps < 1:
-            print(f"wlb-opt bench table2: {args.lengths} holds fewer tokens than one global batch ({tokens_per_batch})")
+        whole = int(stream.sum() // tokens_per_batch)
+        if whole < 2:
+            print(f"wlb-opt bench table2: {args.lengths} holds fewer tokens than two global batches "
+                  f"({2 * tokens_per_batch}): one to score, one held out to calibrate on")
             return 2
-        batches = global_batches("default", W, tokens_per_batch, steps, lengths=stream)
+        held_out = min(16, max(1, whole // 4))  # the file's last batches: calibration never sees a scored one
+        steps = min(args.steps, whole - held_out)
+        cut = global_batches("default", W, tokens_per_batch, whole, lengths=stream)
+        batches, sample_batches = cut[:steps], cut[whole - held_out:]
         source = args.lengths
-        sample_batches = batches[:16]  # a user file: calibrate on its first 16 batches
     else:
         batches = global_batches(args.dist, W, tokens_per_batch, args.steps, seed=DEFAULT_SEED + args.seed)
         source = f"dist={args.dist}"
@@ -241,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         if why:
             rows.append(dict(row=name, pending=why))
             continue
-        ex = batches[:max(k, args.exact_steps // k * k)]
+        ex = batches[:args.exact_steps // k * k]  # whole groups of k steps (--exact-steps 0: none)
         if len(ex) < k:
             rows.append(dict(row=name, pending="skip"))
             continue

@@ -31,3 +31,29 @@ def test_table2_bench_runs_small(tmp_path, capsys):
     assert names[:2] == ["original", "fixed greedy k=1"] and "WLB 2 queues" in names and "WLB auto" in names
     assert all(r.get("pending") or r["imbalance"] >= 1.0 for r in data["rows"])
     assert "paper imb" in capsys.readouterr().out
+
+
+def test_table2_of_a_lengths_file_calibrates_on_batches_it_does_not_score(tmp_path, monkeypatch):
+    import numpy as np
+
+    from wlb_opt.bench import table2
+    from wlb_opt.packer import WLBPacker
+
+    window, n_micro = 4096, 2
+    lengths = np.random.default_rng(0).permutation(np.arange(1000, 3400))  # every length once: a document by its length
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(map(str, lengths.tolist())))
+    seen = {}
+    calibrate = WLBPacker.calibrate
+
+    def recorded(self, sample, *args, **kwargs):
+        seen.setdefault("sample", set(np.asarray(sample).tolist()))
+        return calibrate(self, sample, *args, **kwargs)
+
+    monkeypatch.setattr(WLBPacker, "calibrate", recorded)
+    steps = 6
+    assert table2.main(["--lengths", str(path), "--steps", str(steps), "--window", str(window), "--n-micro",
+                        str(n_micro), "--exact-steps", "0", "--no-progress", "--out", str(tmp_path)]) == 0
+    per_batch = n_micro * window
+    scored = set(lengths[np.cumsum(lengths) - lengths < steps * per_batch].tolist())
+    assert seen["sample"] and not seen["sample"] & scored
