@@ -132,6 +132,25 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                                                                 check_weights=True))
         model.load_state_dict(other.state_dict())  # a different state on rank 1: checked again
         seen["weights loaded"] = _outcome(lambda: ex.train_step(model, plan, shards, data=doc_tokens, mesh=mesh))
+        # a checkpoint loaded on rank 1 alone: rank 0, which loaded nothing, compares its weights too
+        model = make_model()
+        seen["weights before a load on one rank"] = _outcome(lambda: ex.train_step(model, plan, shards,
+                                                                                   data=doc_tokens, mesh=mesh))
+        if rank == 1:
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+            state["blocks.0.w1.weight"][0, 0] += 1.0
+            model.load_state_dict(state)
+        seen["weights loaded on one rank"] = _outcome(lambda: ex.train_step(model, plan, shards, data=doc_tokens,
+                                                                            mesh=mesh))
+        # a step without a mesh on rank 0 alone is that process's: no exchange, no roll call
+        from wlb_opt.executor.rollcall import RollCall
+        if rank == 0:
+            calls = RollCall._calls
+            alone, alone_cost = make_plan(1)
+            seen["alone"] = _outcome(lambda: ex.train_step(make_model(), alone, make_shards(alone, alone_cost, 1),
+                                                           data=doc_tokens))
+            seen["alone counted"] = str(RollCall._calls - calls)
+        dist.barrier()
         # tensor parallelism: TP shards are not compared with each other, replicated norms are
         mesh = ex.make_mesh(tp=2)
         plan, cost = make_plan(1)
@@ -187,6 +206,11 @@ def test_ranks_that_must_agree_raise_on_every_rank(tmp_path):
         assert seen["weights remembered"] == "no error"  # checked once for this module
         assert "parameter 'stage 0: blocks.1.w2.weight' differs" in seen["weights forced"], seen["weights forced"]
         assert "parameter 'stage 0: embed.weight' differs" in seen["weights loaded"], seen["weights loaded"]
+        assert seen["weights before a load on one rank"] == "no error"
+        assert "parameter 'stage 0: blocks.0.w1.weight' differs" in seen["weights loaded on one rank"], \
+            seen["weights loaded on one rank"]
+        if rank == 0:
+            assert seen["alone"] == "no error" and seen["alone counted"] == "0", (seen["alone"], seen["alone counted"])
         assert seen["tp same"] == "no error", seen["tp same"]
         assert "parameter 'stage 0: norm.weight' differs" in seen["tp norm"], seen["tp norm"]
 

@@ -177,7 +177,7 @@ def _check_same_plan(plan, shards, group, step) -> str:
 
 def agree_on_step(plan, shards, *, step, where: str, tokens=None, pieces_of=None, finding=None,
                   local_error: BaseException | None = None, weights=None, check_plan: bool = True,
-                  waits=None) -> None:
+                  waits=None, exchange: bool = True, weights_if_asked=None) -> None:
     """The ranks' one exchange before a step; raises on every rank alike unless they agree.
 
     Every rank sends, in one all_gather_object (none when torch.distributed is not
@@ -194,11 +194,15 @@ def agree_on_step(plan, shards, *, step, where: str, tokens=None, pieces_of=None
     `pieces_of(j)` (this rank's `piece_digests` of micro-batch j) to name the document, and
     the per-parameter checksums to name the parameter. `where` prefixes the messages;
     `waits()` is the context each exchange runs in (`reporting_waits`), the verdicts outside it.
+    `exchange=False`: this process's step alone (no mesh), its own checks without a gather.
+    `weights_if_asked()`, given to a rank that sends no `weights`: its checksums, sent in a
+    second exchange that every rank joins when some ranks sent theirs and others did not (a
+    checkpoint loaded on some ranks only: those alone ask for the check).
     """
     summary = None if weights is None else {key: _digest_of(rows) for key, rows in weights.items()}
     mine = {"plan": micro_batch_digests(plan, shards, tokens) if check_plan else None,
             "finding": finding, "weights": summary}
-    per_rank = _gather(mine, waits=waits)
+    per_rank = _gather(mine, waits=waits) if exchange else [mine]
     if check_plan:
         _raise_if_plans_differ([p["plan"] for p in per_rank], step)
     found = [(q, p["finding"]) for q, p in enumerate(per_rank) if p["finding"] is not None]
@@ -217,6 +221,12 @@ def agree_on_step(plan, shards, *, step, where: str, tokens=None, pieces_of=None
             raise RuntimeError(f"{where}{_token_difference(plan, j, pieces)}. Every rank of a model replica (its "
                                "CP, TP and PP ranks) must read the same tokens: the same dataset shard, tokenizer "
                                "and data order")
+    sent = [p["weights"] is not None for p in per_rank]
+    if any(sent) and not all(sent) and weights_if_asked is not None:  # every rank decides this alike
+        if weights is None:
+            weights = weights_if_asked()
+            summary = {key: _digest_of(rows) for key, rows in weights.items()}
+        per_rank = [{"weights": theirs} for theirs in _gather(summary, waits=waits)]
     problem = _weight_difference([p["weights"] for p in per_rank])
     if problem is not None:
         key, groups = problem

@@ -355,7 +355,8 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
     stage over dp x cp, and over tp for what TP does not shard: one checksum per rank and
     kind of replication, in the same exchange); a mismatch raises RuntimeError on every
     rank naming the parameter. None (default): on the first call with these stage modules,
-    and again after a `load_state_dict` reaches them; True: on this call; False: never.
+    and again after a `load_state_dict` reaches them (on any rank: with `check_plan` the ranks
+    that did not load compare theirs too); True: on this call; False: never.
     FSDP2 shards are compared only where replicated (HSDP); docs/reliability.md says what is
     covered. With `check_plan=False` the exchange runs only for this check, which each rank
     decides from its own modules under None: load a state on every rank alike, or pass True
@@ -391,7 +392,9 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
     (for a user's own DDP or FSDP wrapper).
     """
     timeout_s = getattr(mesh, "timeout_s", None)
-    rollcall = RollCall.begin(ROLLCALL_GRACE_S if timeout_s is None else min(ROLLCALL_GRACE_S, timeout_s))
+    # without a mesh the step is this process's alone: no roll call (each rank counts the steps it takes together)
+    rollcall = None if mesh is None else RollCall.begin(ROLLCALL_GRACE_S if timeout_s is None
+                                                        else min(ROLLCALL_GRACE_S, timeout_s))
     try:
         return _train_step(stages, plan, shards, data=data, mesh=mesh, loss_fn=loss_fn, loss_chunk=loss_chunk,
                            reduce_grads=reduce_grads, regather_kv=regather_kv, step=step, backend=backend,
@@ -456,8 +459,8 @@ def _agree_before_step(stages, chunks, plan, shards, packed, finding, local_erro
         finding = None if problem is None else ("vocab", problem)
     owners = list(stages) if isinstance(stages, (list, tuple)) else [stages]
     weights = None
-    if mesh is not None and distributed and check_weights is not False and (
-            check_weights or not all(m in _WEIGHTS_CHECKED for m in owners)):
+    checks_weights = mesh is not None and distributed and check_weights is not False
+    if checks_weights and (check_weights or not all(m in _WEIGHTS_CHECKED for m in owners)):
         weights = weight_checksums(chunks, pp_rank, pp)
     if check_plan or weights is not None:
         mine = [shards[j] if int(plan.replica_of[j]) == dp_rank else None  # the other replicas' are not run here
@@ -469,9 +472,17 @@ def _agree_before_step(stages, chunks, plan, shards, packed, finding, local_erro
             tokens_j, labels_j = packed[j]
             return piece_digests(tokens_j, labels_j, plan.lengths[plan.micro_batches[j]])
 
+        asked = {}
+
+        def weights_if_asked():  # another rank loaded a checkpoint: this one's weights are compared too
+            asked["weights"] = weight_checksums(chunks, pp_rank, pp)
+            return asked["weights"]
+
         agree_on_step(plan, mine, step=step, where=f"{step_words(label)}: ", tokens=tokens, pieces_of=pieces_of,
                       finding=finding, local_error=local_error, weights=weights, check_plan=check_plan,
-                      waits=lambda: waiting("the plan check (all_gather_object of the plan digests)"))
+                      waits=lambda: waiting("the plan check (all_gather_object of the plan digests)"),
+                      exchange=distributed, weights_if_asked=weights_if_asked if checks_weights else None)
+        weights = weights if weights is not None else asked.get("weights")
     if weights is not None:
         _remember_weights_checked(owners)
 
