@@ -14,7 +14,9 @@ ordering, over the seeds:
 - `final_heldout_rel`: the held-out loss at the end relative to "single" (the paper has none);
   "at the end" is the mean over the evaluations after each of the last 8 steps, so that
   fixed-8's pool phase (long documents first in a pool, short ones last) does not decide it;
-  `last_heldout_rel` is the one evaluation after the last step;
+  `last_heldout_rel` is the one evaluation after the last step. Each ordering ends when it
+  has trained every token: one with drain steps (wlb) is evaluated after them, one or more
+  optimizer steps later than "single" (its `steps` says how many it took);
 - displacement and delay per token (steps between a token's global batch and its step);
 - the PP imbalance of the plans (max / mean of modelled micro-batch cost per step) under the
   cost model of the trained model at its window: informative only for a model that small.
