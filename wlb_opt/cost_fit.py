@@ -180,8 +180,8 @@ def sample_micro_batches(window: int, n: int, rng: np.random.Generator) -> list[
     The first two samples are the extremes (one document of `window` tokens, `window` / 8
     documents of 8 tokens), so every fit sees the ends of the range.
     """
-    if window < 8:
-        raise ValueError(f"window must be >= 8 tokens to sample micro-batches, got {window}")
+    if window < 16:  # below, every micro-batch would hold one document: the terms could not be told apart
+        raise ValueError(f"window must be >= 16 tokens to sample micro-batches of several documents, got {window}")
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
         raise ValueError(f"n must be an integer >= 0 (micro-batches to sample), got {n!r}")
     out = [np.array([window], dtype=np.int64), np.full(window // 8, 8, dtype=np.int64)]

@@ -576,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     if samples < 4:
         p.error(f"--samples must be >= 4 (one per fitted term), got {samples}")
     window = args.window or (16384 if on_gpu else 512)
+    if window < 16:  # before anything is timed: micro-batches of one document could not separate the terms
+        p.error(f"--window must be >= 16 tokens (micro-batches of several documents), got {window}")
     if q_lens is not None and args.kv_len is None and max(q_lens) > window:
         p.error(f"--q-lens {args.q_lens} reaches past --window {window} (the default key range is twice the "
                 "longest query within the window); give shorter --q-lens, a longer --window, or --kv-len")

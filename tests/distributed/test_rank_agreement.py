@@ -142,6 +142,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             model.load_state_dict(state)
         seen["weights loaded on one rank"] = _outcome(lambda: ex.train_step(model, plan, shards, data=doc_tokens,
                                                                             mesh=mesh))
+        # ranks that differ in check_weights: the ranks that send checksums are compared, nobody waits
+        seen["weights asked by one rank"] = _outcome(lambda: ex.train_step(
+            make_model(), plan, shards, data=doc_tokens, mesh=mesh, check_weights=rank == 0))
         # a step without a mesh on rank 0 alone is that process's: no exchange, no roll call
         from wlb_opt.executor.rollcall import RollCall
         if rank == 0:
@@ -209,6 +212,7 @@ def test_ranks_that_must_agree_raise_on_every_rank(tmp_path):
         assert seen["weights before a load on one rank"] == "no error"
         assert "parameter 'stage 0: blocks.0.w1.weight' differs" in seen["weights loaded on one rank"], \
             seen["weights loaded on one rank"]
+        assert seen["weights asked by one rank"] == "no error", seen["weights asked by one rank"]
         if rank == 0:
             assert seen["alone"] == "no error" and seen["alone counted"] == "0", (seen["alone"], seen["alone counted"])
         assert seen["tp same"] == "no error", seen["tp same"]

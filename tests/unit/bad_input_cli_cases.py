@@ -115,6 +115,7 @@ CLI_CASES = [
     ("bench.parity_seeds_repeated", ["bench", "parity", "--seeds", "0,0"], "--seeds must not repeat a seed, got '0,0'"),
     ("profile.dtype", ["profile", "--dtype", "bogus"], "dtype must be one of"),
     ("profile.window", ["profile", "--window", "0"], "--window: expected an integer >= 1"),
+    ("profile.window_one_document", ["profile", "--window", "12"], "--window must be >= 16 tokens"),
     ("profile.samples", ["profile", "--samples", "-4"], "--samples: expected an integer >= 1"),
     ("profile.repeats", ["profile", "--repeats", "x"], "--repeats: expected an integer"),
     ("profile.unknown_flag", ["profile", "--gpu"], "unrecognized arguments: --gpu"),

@@ -201,7 +201,7 @@ def agree_on_step(plan, shards, *, step, where: str, tokens=None, pieces_of=None
     """
     summary = None if weights is None else {key: _digest_of(rows) for key, rows in weights.items()}
     mine = {"plan": micro_batch_digests(plan, shards, tokens) if check_plan else None,
-            "finding": finding, "weights": summary}
+            "finding": finding, "weights": summary, "askable": weights_if_asked is not None}
     per_rank = _gather(mine, waits=waits) if exchange else [mine]
     if check_plan:
         _raise_if_plans_differ([p["plan"] for p in per_rank], step)
@@ -222,8 +222,9 @@ def agree_on_step(plan, shards, *, step, where: str, tokens=None, pieces_of=None
                                "CP, TP and PP ranks) must read the same tokens: the same dataset shard, tokenizer "
                                "and data order")
     sent = [p["weights"] is not None for p in per_rank]
-    if any(sent) and not all(sent) and weights_if_asked is not None:  # every rank decides this alike
-        if weights is None:
+    # decided from what every rank sent, so every rank joins the second exchange or none does
+    if any(sent) and any(p["askable"] and p["weights"] is None for p in per_rank):
+        if weights is None and weights_if_asked is not None:
             weights = weights_if_asked()
             summary = {key: _digest_of(rows) for key, rows in weights.items()}
         per_rank = [{"weights": theirs} for theirs in _gather(summary, waits=waits)]
