@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                         "calibration seeds)")
     p.add_argument("--out", type=Path, default=Path("results/cost_check"), help="folder for cost_check.json")
     args = p.parse_args(argv)
+    if args.steps <= 20:  # the planning rows' means leave out a 20-step warm-up
+        p.error(f"--steps ({args.steps}) must be more than the 20-step warm-up the imbalance leaves out")
     try:
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     except ValueError:

@@ -5,7 +5,8 @@
 
 CP attention needs, for every micro-batch, the permutation that restores packed order after
 the K/V all-gather. Built on every call, it costs a numpy sort to validate the shard, an
-argsort, and a pageable host-to-device copy (`packed_order_index`, timed as "before"); the
+argsort, and a pageable host-to-device copy (timed as "before": `_before`, the path as it
+was built on every call; the library's `packed_order_index` now uploads pinned); the
 executor builds it once per ShardPlan and device (`cp_context`), uploads it pinned and
 non-blocking, and every later layer reuses it ("after"). For packed micro-batches of 32K and 128K
 tokens (default distribution, documents of at most 16K tokens, per_doc shards of CP = 4,
@@ -86,10 +87,21 @@ def interleaved_medians(fns: dict, repeats: int, sync=None) -> dict:
             for name, (cpu, wall) in samples.items()}
 
 
+def _before(shard, device):
+    """The index as it was built on every call, before `cp_context`: the shard validated by a
+    sort, the argsort, and a pageable (blocking) host-to-device copy."""
+    import torch
+
+    rank_major = np.concatenate([np.asarray(ix, dtype=np.int64) for ix in shard.rank_indices])
+    if len(rank_major) and not np.array_equal(np.sort(rank_major), np.arange(len(rank_major))):
+        raise ValueError("shard.rank_indices must partition the micro-batch's token positions 0..T-1")
+    return torch.from_numpy(np.argsort(rank_major, kind="stable")).to(device)
+
+
 def host_rows(tokens=(32768, 131072), cp: int = 4, device: str = "cpu", repeats: int = 20, seed: int = DEFAULT_SEED):
     import torch
 
-    from ..executor.cp_attention import CPContext, cp_context, packed_order_index
+    from ..executor.cp_attention import CPContext, cp_context
 
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
     rows = []
@@ -99,7 +111,7 @@ def host_rows(tokens=(32768, 131072), cp: int = 4, device: str = "cpu", repeats:
         cp_context(shard, None, device, rank=0, world=cp)  # built once, as by the first layer
         load = os.getloadavg()
         ms = interleaved_medians({
-            "before": lambda: packed_order_index(shard, device),
+            "before": lambda: _before(shard, device),
             "after_first_layer": lambda: CPContext(shard, 0, cp, torch.device(device)),
             "after_later_layers": lambda: cp_context(shard, None, device, rank=0, world=cp),
         }, repeats, sync)
@@ -197,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="micro-batch sizes of --full (default: 32768 on CUDA, 2048 on CPU)")
     p.add_argument("--head-dim", type=count, default=None, help="--full head dim (default 128 on CUDA, 32 on CPU)")
     args = p.parse_args(argv)
+    if not args.full and (args.full_tokens is not None or args.head_dim is not None):
+        p.error("--full-tokens and --head-dim size the --full run: give --full too")
     from ..profile import profile_device
     try:
         profile_device(args.device)  # a device this machine lacks: one line, before any folder is made

@@ -432,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma list of model chunks per rank to run (1: 1F1B, 2: interleaved; default 1,2)")
     p.add_argument("--out", default="results/validate_sim", help="folder for validate_sim.json")
     args = p.parse_args(argv)
+    if args.window > 131072:  # the documents are 128K-window ones scaled down by 131072 // window
+        p.error(f"--window must be at most 131072 tokens (the stream's 128K documents are scaled down to it), "
+                f"got {args.window}")
     try:
         vs_list = sorted({int(x) for x in args.virtual_stages.split(",") if x.strip()})
     except ValueError:
