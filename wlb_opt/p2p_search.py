@@ -297,7 +297,8 @@ def _dumps(table: dict) -> str:
     """The table as JSON, one shape a line."""
     shapes = sorted(table["meetings"].items(), key=lambda kv: tuple(map(int, kv[0].split(","))))
     rows = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}" for k, v in shapes)
-    return f'{{"search": {json.dumps(table["search"])},\n"meetings": {{\n{rows}\n}}}}\n'
+    searched = f'"searched": {json.dumps(table["searched"], sort_keys=True)},\n' if table.get("searched") else ""
+    return f'{{"search": {json.dumps(table["search"])},\n{searched}"meetings": {{\n{rows}\n}}}}\n'
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,8 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     table = json.loads(out.read_text()) if out.exists() else {}
     search = dict(draws=args.draws, sigma=0.3, seed=9973, iterations=args.iterations, temperature=0.003)
-    # a shape's meetings are kept only where they beat the nominal placement on draws of seed 9974
-    table["search"] = search
+    # a shape's meetings are kept only where they beat the nominal placement, and the meetings
+    # stored for it, on draws of seed 9974. "search" says how the table's shapes were searched;
+    # a shape searched otherwise has its own record in "searched"
+    table.setdefault("search", search)
     meetings = table.setdefault("meetings", {})
     for v in args.v or [2, 4]:
         for pp in range(2, args.max_pp + 1):
@@ -325,10 +328,20 @@ def main(argv: list[str] | None = None) -> int:
                 key = f"{pp},{n_micro},{v}"
                 found, score = search_meetings(pp, n_micro, v, **search)
                 fresh, nominal = compare_on_fresh_draws(pp, n_micro, v, found, draws=args.draws)
-                if fresh < nominal:
+                stored = meetings.get(key)
+                kept = float("inf") if stored is None else compare_on_fresh_draws(
+                    pp, n_micro, v, {tuple(map(int, pair.split(","))): (a, b) for pair, (a, b) in stored.items()},
+                    draws=args.draws)[0]
+                if fresh < min(nominal, kept):
                     meetings[key] = {f"{lo},{hi}": [list(a), list(b)] for (lo, hi), (a, b) in found.items()}
-                else:  # the nominal placement stays (`wlb_opt.schedule._plans` falls back to it)
+                    searched = table.setdefault("searched", {})
+                    if search != table["search"]:
+                        searched[key] = search
+                    else:
+                        searched.pop(key, None)
+                elif stored is None or kept >= nominal:  # the nominal placement (`schedule._plans` falls back to it)
                     meetings.pop(key, None)
+                    table.get("searched", {}).pop(key, None)
                 print(f"pp={pp} n_micro={n_micro} v={v}: score {score:.4f}, on fresh draws {fresh:.4f} "
                       f"(nominal {nominal:.4f}), {sum(len(a) for a, _ in found.values())} meetings, "
                       f"{time.process_time() - started:.0f} s CPU", flush=True)

@@ -104,3 +104,28 @@ def test_every_searched_schedule_completes_under_rendezvous_semantics(pp, n_micr
         res = simulate_rendezvous(f, b, v, p2p_s)
         assert res.step_time_s >= ideal * (1 - 1e-12)
         assert res.stage_busy_s.sum() == pytest.approx(f.sum() + b.sum())
+
+
+def test_a_partial_search_keeps_a_stored_shape_it_does_not_beat_and_records_how_it_searched(tmp_path):
+    """Re-searching one shape with a weaker search keeps the stored meetings unless the new
+    ones beat them on the same fresh draws, and the table's header still describes the
+    shapes searched under it."""
+    import json
+    from pathlib import Path
+
+    from wlb_opt import p2p_search
+
+    shipped = Path(p2p_search.__file__).with_name("p2p_meetings.json")
+    table = json.loads(shipped.read_text())
+    out = tmp_path / "meetings.json"
+    out.write_text(shipped.read_text())
+    assert p2p_search.main(["--v", "2", "--max-pp", "2", "--max-micro", "4", "--draws", "4", "--iterations", "20",
+                            "--out", str(out)]) == 0
+    after = json.loads(out.read_text())
+    assert after["search"] == table["search"]
+    for key in ("2,2,2", "2,4,2"):
+        if after["meetings"].get(key) != table["meetings"].get(key):  # replaced: it beat the stored one
+            assert after["searched"][key]["iterations"] == 20
+    assert after["meetings"]["2,4,2"] == table["meetings"]["2,4,2"]  # 30000 annealing moves beat 20
+    untouched = [k for k in table["meetings"] if not k.startswith("2,")]
+    assert all(after["meetings"][k] == table["meetings"][k] for k in untouched)
