@@ -92,10 +92,9 @@ def _before(shard, device):
     sort, the argsort, and a pageable (blocking) host-to-device copy."""
     import torch
 
-    rank_major = np.concatenate([np.asarray(ix, dtype=np.int64) for ix in shard.rank_indices])
-    if len(rank_major) and not np.array_equal(np.sort(rank_major), np.arange(len(rank_major))):
-        raise ValueError("shard.rank_indices must partition the micro-batch's token positions 0..T-1")
-    return torch.from_numpy(np.argsort(rank_major, kind="stable")).to(device)
+    from ..executor.cp_attention import packed_order
+
+    return torch.from_numpy(packed_order(shard)).to(device)
 
 
 def host_rows(tokens=(32768, 131072), cp: int = 4, device: str = "cpu", repeats: int = 20, seed: int = DEFAULT_SEED):

@@ -59,10 +59,15 @@ def _rank_and_world(group) -> tuple[int, int]:
 
 def packed_order_index(shard, device: torch.device | str = "cpu") -> torch.Tensor:
     """Index that maps the rank-major gather (rank 0's tokens, rank 1's, ...) to packed order."""
+    return _upload(packed_order(shard), device)
+
+
+def packed_order(shard) -> np.ndarray:
+    """`packed_order_index` on the host: the shard validated (a sort), then the argsort."""
     rank_major = np.concatenate([np.asarray(ix, dtype=np.int64) for ix in shard.rank_indices])
     if len(rank_major) and not np.array_equal(np.sort(rank_major), np.arange(len(rank_major))):
         raise ValueError("shard.rank_indices must partition the micro-batch's token positions 0..T-1")
-    return _upload(np.argsort(rank_major, kind="stable"), device)
+    return np.argsort(rank_major, kind="stable")
 
 
 def _upload(arr: np.ndarray, device) -> torch.Tensor:

@@ -177,7 +177,7 @@ def _check_same_plan(plan, shards, group, step) -> str:
 
 def agree_on_step(plan, shards, *, step, where: str, tokens=None, pieces_of=None, finding=None,
                   local_error: BaseException | None = None, weights=None, check_plan: bool = True,
-                  waits=None, exchange: bool = True, weights_if_asked=None) -> None:
+                  waits=None, exchange: bool = True, weights_if_asked=None):
     """The ranks' one exchange before a step; raises on every rank alike unless they agree.
 
     Every rank sends, in one all_gather_object (none when torch.distributed is not
@@ -197,7 +197,8 @@ def agree_on_step(plan, shards, *, step, where: str, tokens=None, pieces_of=None
     `exchange=False`: this process's step alone (no mesh), its own checks without a gather.
     `weights_if_asked()`, given to a rank that sends no `weights`: its checksums, sent in a
     second exchange that every rank joins when some ranks sent theirs and others did not (a
-    checkpoint loaded on some ranks only: those alone ask for the check).
+    checkpoint loaded on some ranks only: those alone ask for the check). Returns this
+    rank's weight checksums as compared (None: it sent none).
     """
     summary = None if weights is None else {key: _digest_of(rows) for key, rows in weights.items()}
     mine = {"plan": micro_batch_digests(plan, shards, tokens) if check_plan else None,
@@ -236,6 +237,7 @@ def agree_on_step(plan, shards, *, step, where: str, tokens=None, pieces_of=None
                            f"(ranks grouped by what they hold: {groups}). Replicas must start from the same weights "
                            "(the same seed, or one checkpoint loaded on every rank); train_step(check_weights=False) "
                            "skips this check")
+    return weights
 
 
 def _token_difference(plan, j: int, per_rank: list) -> str:

@@ -472,17 +472,12 @@ def _agree_before_step(stages, chunks, plan, shards, packed, finding, local_erro
             tokens_j, labels_j = packed[j]
             return piece_digests(tokens_j, labels_j, plan.lengths[plan.micro_batches[j]])
 
-        asked = {}
-
-        def weights_if_asked():  # another rank loaded a checkpoint: this one's weights are compared too
-            asked["weights"] = weight_checksums(chunks, pp_rank, pp)
-            return asked["weights"]
-
-        agree_on_step(plan, mine, step=step, where=f"{step_words(label)}: ", tokens=tokens, pieces_of=pieces_of,
-                      finding=finding, local_error=local_error, weights=weights, check_plan=check_plan,
-                      waits=lambda: waiting("the plan check (all_gather_object of the plan digests)"),
-                      exchange=distributed, weights_if_asked=weights_if_asked if checks_weights else None)
-        weights = weights if weights is not None else asked.get("weights")
+        # another rank loaded a checkpoint: this one's weights are compared too
+        weights = agree_on_step(
+            plan, mine, step=step, where=f"{step_words(label)}: ", tokens=tokens, pieces_of=pieces_of,
+            finding=finding, local_error=local_error, weights=weights, check_plan=check_plan,
+            waits=lambda: waiting("the plan check (all_gather_object of the plan digests)"), exchange=distributed,
+            weights_if_asked=(lambda: weight_checksums(chunks, pp_rank, pp)) if checks_weights else None)
     if weights is not None:
         _remember_weights_checked(owners)
 
