@@ -156,6 +156,17 @@ def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtypes: tu
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
+def _checked_scale(softmax_scale, head_dim: int) -> float:
+    """The softmax scale to use: `softmax_scale`, or 1/sqrt(head_dim) for None. NaN or inf would
+    give NaN output on every row without an error, so anything but a finite number > 0 is refused."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+            or not math.isfinite(softmax_scale) or not softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a finite number > 0 (or None for 1/sqrt(D)), got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
 def doc_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -213,11 +224,7 @@ def doc_attention(
         _check_tensors(q, k, v, _TORCH_DTYPES + _TRITON_DTYPES)  # before q.is_cuda: q may be no tensor
         backend = "triton" if q.is_cuda else "torch"
     _check_tensors(q, k, v, _TORCH_DTYPES if backend == "torch" else _TRITON_DTYPES)
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
-                                      or not math.isfinite(softmax_scale) or not softmax_scale > 0):
-        # NaN or inf would give NaN output on every row without an error
-        raise ValueError(f"softmax_scale must be a finite number > 0 (or None for 1/sqrt(D)), got {softmax_scale!r}")
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = _checked_scale(softmax_scale, q.shape[-1])
 
     if backend == "torch":
         seg = validate_segments(segments, q.shape[0], k.shape[0])

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import numbers
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -728,22 +729,31 @@ class ShardPlan:
     def from_dict(cls, d: dict) -> "ShardPlan":
         """Inverse of `to_dict`. Raises ValueError naming the field if `d` is malformed: a
         missing field, a float where an integer belongs (nothing is truncated), lengths <= 0,
-        offsets < 0, a chunk table that does not tile the pieces (`chunk_table_problem`), or
-        loads that are not one finite number >= 0 per rank."""
+        offsets < 0, a chunk table that does not tile the pieces (`chunk_table_problem`) or is
+        not in its canonical order (`merge_chunks`), or loads that are not one finite number >= 0
+        per rank."""
         if not isinstance(d, Mapping):
             raise ValueError(f"ShardPlan.from_dict needs a dict (ShardPlan.to_dict()), got {type(d).__name__}")
         if d.get("format_version") != SHARD_FORMAT_VERSION:
             raise ValueError(f"ShardPlan format_version {d.get('format_version')!r} is not supported; "
                              f"expected {SHARD_FORMAT_VERSION}")
         try:
-            lengths = exact_integers(d["lengths"], "ShardPlan lengths").astype(np.int64).reshape(-1)
-            offsets = exact_integers(d["offsets"], "ShardPlan offsets").astype(np.int64).reshape(-1)
+            lengths = exact_integers(d["lengths"], "ShardPlan lengths").astype(np.int64)
+            offsets = exact_integers(d["offsets"], "ShardPlan offsets").astype(np.int64)
             chunks = exact_integers(d["chunks"], "ShardPlan chunks").astype(np.int64)
             cp = check_int("cp", d["cp"], 1)
-            loads = np.asarray(d["loads"], dtype=np.float64).reshape(-1)
+            loads = d["loads"]
+            if (not isinstance(loads, (list, tuple, np.ndarray))
+                    or not all(isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)) for x in loads)):
+                raise ValueError(f"ShardPlan.from_dict: loads must be a list of numbers (seconds, one per rank), "
+                                 f"got {loads!r:.80}")
+            loads = np.asarray(loads, dtype=np.float64)
             strategy, info = d["strategy"], SolveInfo.from_dict(dict(d["info"]))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"ShardPlan.from_dict: malformed shard dict ({type(exc).__name__}: {exc})") from None
+        if lengths.ndim != 1 or offsets.ndim != 1:
+            raise ValueError(f"ShardPlan.from_dict: lengths and offsets must be flat lists, got shapes "
+                             f"{lengths.shape} and {offsets.shape}")
         if len(offsets) != len(lengths):
             raise ValueError(f"ShardPlan.from_dict: {len(offsets)} offsets for {len(lengths)} pieces")
         if len(lengths) and (lengths.min() <= 0 or offsets.min() < 0):
@@ -760,6 +770,9 @@ class ShardPlan:
         problem = chunk_table_problem(lengths, cp, chunks)
         if problem is not None:
             raise ValueError(f"ShardPlan.from_dict: {problem}")
+        if not np.array_equal(merge_chunks(lengths, *chunks.T), chunks):  # the rank layout reads them in this order
+            raise ValueError("ShardPlan.from_dict: chunks must be in the order ShardPlan.to_dict writes them (by rank, "
+                             "then packed position, a document's contiguous rows on one rank merged into one)")
         return cls(cp=cp, strategy=strategy, lengths=lengths, offsets=offsets, chunks=chunks, loads=loads,
                    tokens=chunk_tokens(chunks, cp), requested=d.get("requested", ""), info=info)
 

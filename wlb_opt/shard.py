@@ -263,8 +263,8 @@ def solve_shards(plan: PackPlan, cp: int | None = None, strategy: ShardStrategy 
     if not (is_float(token_skew) and token_skew >= 0):
         raise ValueError(f"token_skew must be a number >= 0 (or math.inf), got {token_skew!r}")
     check_positive_real("time_limit", options.get("time_limit", 10.0), "seconds", allow_inf=True)  # as solve_shard
-    check_int("workers", options.get("workers", 1), 1)
-    check_int("seed", options.get("seed", 0), 0)
+    check_int("workers", options.get("workers", 1), 1, MAX_WORKERS)  # as solve_shard
+    check_int("seed", options.get("seed", 0), 0, SEED_MAX)
     full = [k for k, mb in enumerate(mbs) if len(mb)]
     out: list[ShardPlan | None] = [None] * len(mbs)
     if not full:

@@ -523,6 +523,12 @@ def _shard_dict(edit):
     return wlb.ShardPlan.from_dict(d)
 
 
+def _split_rank1_row(chunks):
+    """Rank 1's chunk of document 0 as two contiguous rows (the canonical table merges them)."""
+    at = chunks.index([1, 0, 2, 3])
+    chunks[at:at + 1] = [[1, 0, 2, 1], [1, 0, 3, 2]]
+
+
 SHARD_CASES = (
     [(f"solve_shard.lengths.{label}", (lambda v=v: _shard(v)), ValueError, frag) for label, v, frag in BAD_LENGTHS]
     + _bad_counts("cp", lambda v: _shard(cp=v))
@@ -534,6 +540,11 @@ SHARD_CASES = (
         "the chunks of document 1 do not tile its 4 tokens exactly"),
        ("ShardPlan.from_dict.overlap", lambda: _shard_dict(lambda c: c[0].__setitem__(3, 3)), ValueError,
         "the chunks of document 0 do not tile its 6 tokens exactly"),
+       # the same rows in another order tile the documents too, but each rank's rows are read in order
+       ("ShardPlan.from_dict.reordered_rows", lambda: _shard_dict(lambda c: c.reverse()), ValueError,
+        "chunks must be in the order ShardPlan.to_dict writes them"),
+       ("ShardPlan.from_dict.unmerged_rows", lambda: _shard_dict(_split_rank1_row), ValueError,
+        "chunks must be in the order ShardPlan.to_dict writes them"),
        *[(f"ShardPlan.from_dict.{label}", (lambda ch=ch: _shard_dict_with(**ch)), ValueError, frag)
          for label, ch, frag in [
              ("length_float", dict(lengths=[6, 4.9]), "ShardPlan lengths must hold integers, got 4.9"),
@@ -543,6 +554,10 @@ SHARD_CASES = (
              ("offsets_short", dict(offsets=[0]), "1 offsets for 2 pieces"),
              ("loads_short", dict(loads=[1.0]), "loads must be 2 finite seconds >= 0 (one per rank)"),
              ("loads_nan", dict(loads=[NAN, 1.0]), "loads must be 2 finite seconds"),
+             ("loads_strings", dict(loads=["1.5", "2"]), "loads must be a list of numbers (seconds, one per rank), "
+                                                         "got ['1.5', '2']"),
+             ("loads_bools", dict(loads=[True, False]), "loads must be a list of numbers"),
+             ("lengths_nested", dict(lengths=[[6, 4]]), "lengths and offsets must be flat lists, got shapes (1, 2)"),
              ("chunks_ragged", dict(chunks=[[0, 0, 0]]), "chunks must be rows of"),
              ("info_none", dict(info=None), "malformed shard dict"),
              ("strategy_int", dict(strategy=3), "strategy must be a string")]],
@@ -559,6 +574,10 @@ SHARD_CASES = (
        # a step whose micro-batches are all empty still has its arguments checked
        ("solve_shards.empty_plan_cp", lambda: wlb.solve_shards(wlb.solve_pack([], 2, 10, COST), cp=-1), ValueError,
         "cp must be an integer >= 1, got -1"),
+       ("solve_shards.workers", lambda: wlb.solve_shards(PLAN, 2, "hybrid", workers=10**9), ValueError,
+        "workers must be an integer >= 1 and <= 10000, got 1000000000"),
+       ("solve_shards.seed", lambda: wlb.solve_shards(PLAN, 2, "hybrid", seed=2**40), ValueError,
+        "seed must be an integer >= 0 and <= 2147483647"),
        ("solve_shards.cpsat_unknown_option", lambda: wlb.solve_shards(PLAN, 2, "cpsat", foo=1), ValueError,
         "unknown options ['foo']; solve_shard takes token_skew, time_limit, workers, seed"),
        ("solve_shards.empty_plan_cost", lambda: wlb.solve_shards(wlb.solve_pack([], 2, 10, COST), cost="7b"),
@@ -613,7 +632,8 @@ SIM_CASES = [
 # ---------------------------------------------------------------- kernels and executor (torch)
 def _torch_cases():
     torch = pytest.importorskip("torch")
-    from wlb_opt.executor import check_same_plan, p2p_schedule, split_stages, TinyLM, make_mesh
+    from wlb_opt.executor import (check_same_plan, context_parallel_attention, p2p_schedule, split_stages, TinyLM,
+                                  make_mesh)
     from wlb_opt.kernels import doc_attention
 
     q = torch.randn(32, 2, 16)
@@ -621,6 +641,29 @@ def _torch_cases():
 
     def attn(q=q, k=q, v=q, segments=seg, **kw):
         return doc_attention(q, k, v, segments, **kw)
+
+    def cp_attn(q=q, k=q, v=q, **kw):  # one CP rank, no process group: the checks doc_attention makes
+        return context_parallel_attention(q, k, v, wlb.solve_shard([20, 12], 1, "per_doc"), **kw)
+
+    cp_cases = [
+        ("context_parallel_attention.scale_nan", lambda: cp_attn(softmax_scale=NAN), ValueError,
+         "softmax_scale must be a finite number > 0"),
+        ("context_parallel_attention.scale_zero", lambda: cp_attn(softmax_scale=0.0), ValueError,
+         "softmax_scale must be a finite number > 0"),
+        ("context_parallel_attention.heads", lambda: cp_attn(q=torch.randn(32, 3, 16), k=torch.randn(32, 2, 16),
+                                                              v=torch.randn(32, 2, 16)), ValueError,
+         "query heads (3) must be a multiple of key/value heads (2)"),
+        ("context_parallel_attention.head_dims", lambda: cp_attn(k=torch.randn(32, 2, 8), v=torch.randn(32, 2, 8)),
+         ValueError, "head dims differ: q has 16, k/v have 8"),
+        ("context_parallel_attention.dtypes", lambda: cp_attn(q=q.double()), ValueError, "q, k, v must share a dtype"),
+        ("context_parallel_attention.int_tensors", lambda: cp_attn(q=q.long(), k=q.long(), v=q.long()), ValueError,
+         "q has dtype torch.int64"),
+        ("context_parallel_attention.triton_fp64", lambda: cp_attn(q=q.double(), k=q.double(), v=q.double(),
+                                                                   backend="triton"), ValueError,
+         "q has dtype torch.float64"),
+        ("context_parallel_attention.deterministic", lambda: cp_attn(deterministic="yes"), TypeError,
+         "deterministic must be a bool"),
+    ]
 
     model = TinyLM(vocab=32, dim=16, layers=2, heads=2, kv_heads=1, ffn=32)
     return (
@@ -660,6 +703,7 @@ def _torch_cases():
          ("make_mesh.not_initialised", lambda: make_mesh(cp=2), ValueError, "needs torch.distributed initialised"),
          ("check_same_plan.plan", lambda: check_same_plan("plan"), ValueError, "plan must be a wlb_opt.PackPlan"),
          ("check_same_plan.shards", lambda: check_same_plan(PLAN, shards=3), ValueError, "shards must be")]
+        + cp_cases
     )
 
 

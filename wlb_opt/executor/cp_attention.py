@@ -100,7 +100,10 @@ class CPContext:
         gather_index = np.empty(len(rank_major), dtype=np.int64)
         gather_index[rank_major] = padded_row
         self.gather_index = _upload(gather_index, device)
-        self.segments = torch.from_numpy(np.array(shard.segments[rank], dtype=np.int32))
+        from ..kernels.segments import validate_segments
+
+        segments = validate_segments(shard.segments[rank], counts[rank], len(rank_major))
+        self.segments = torch.from_numpy(segments.astype(np.int32))
 
 
 _CONTEXTS: OrderedDict[tuple, tuple[Any, CPContext]] = OrderedDict()
@@ -351,21 +354,23 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     Returns ``[Tq, Hq, D]``: attention output for this rank's queries.
     """
-    import math
+    from ..kernels import attention_ops as _da
 
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k hold different token counts: {q.shape[0]} vs {k.shape[0]}")
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be one of ['auto', 'triton', 'torch'], got {backend!r}")
     if backend == "auto":
+        _da._check_tensors(q, k, v, _da._TORCH_DTYPES)  # before q.is_cuda: q may be no tensor
         backend = "triton" if q.is_cuda else "torch"
+    _da._check_tensors(q, k, v, _da._TORCH_DTYPES if backend == "torch" else _da._TRITON_DTYPES)
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k hold different token counts: {q.shape[0]} vs {k.shape[0]}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    scale = _da._checked_scale(softmax_scale, q.shape[-1])
     cpx = cp_context(shard, group, q.device)
     if q.shape[0] != cpx.counts[cpx.rank]:
         raise ValueError(f"rank {cpx.rank} holds {cpx.counts[cpx.rank]} tokens in the shard plan, got q with "
                          f"{q.shape[0]} rows")
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     regather = q.is_cuda if regather is None else bool(regather)
     if prefetched is not None and (prefetched.shard is not shard or prefetched.group is not group):
         raise ValueError("prefetched= comes from prefetch_kv of another shard plan or group")
