@@ -371,7 +371,8 @@ def solve_lex(data: ExactData, model: LexModel, *, scale: float, build_s: float,
     solve_s = 0.0
     budget = float(p.time_limit)
     start = data.start_assign
-    placed_target = -data.start_key[0]
+    # a start that leaves a carried document out is no plan: phase 1 then starts from nothing
+    placed_target = -data.start_key[0] if start is not None else 0
     placed_proven = True
 
     # Phase 1 (allow_defer): maximise placed tokens, unless the start already places the maximum.
@@ -443,5 +444,8 @@ def _no_plan_error(name: str, run: PhaseSolve, p: PackProblem, allow_defer: bool
     if run.infeasible:
         return ValueError(f"{name} proved that no plan places every document in {p.n_bins} micro-batches of "
                           f"max_tokens={p.max_tokens} (infeasible); pass allow_defer=True to defer some")
+    if allow_defer:
+        return ValueError(f"{name} found no plan that places the {p.carried} carried documents within "
+                          f"time_limit={p.time_limit} s ({run.status}); raise time_limit")
     return ValueError(f"{name} found no plan that places every document within time_limit={p.time_limit} s "
                       f"({run.status}); raise time_limit or pass allow_defer=True")

@@ -8,7 +8,9 @@ exactly one bin per item (at most one with allow_defer, except carried items), t
 units per second) so T is about 1 and solver tolerances mean the same on every instance; no
 rounding, so the MILP optimum is the float optimum.
 
-Bounds: HiGHS reports its MIP dual bound (`mip_dual_bound`), used directly. CBC through PuLP
+Bounds: HiGHS reports its MIP dual bound (`mip_dual_bound`), widened by a relative 1e-5: its
+feasibility tolerance was seen proving a makespan 2e-7 (relative) above the best plan on
+near-tied weights, and calling that plan "optimal". CBC through PuLP
 exposes none: when CBC proves optimality the bound is objective x (1 - gap_limit) x (1 -
 _CBC_REL_TOLERANCE); otherwise the bound is the one from `bounds.py`, and `status` says so.
 CBC's "optimal" is optimal only up to its tolerances (the cutoff increment that prunes a
@@ -17,7 +19,9 @@ reporting "optimal" 2e-5 above the optimum CP-SAT proved. So CBC runs with a tin
 increment, and the bound it implies is widened by a relative 1e-4 so that it stays a bound.
 CBC's `status` is "Not Solved" when it stops on time with an incumbent; its `sol_status`
 (integer feasible) is read as well.
-The start is passed as a warm start to both (CBC: `warmStart`; HiGHS: `setSolution`).
+The start is passed as a warm start to both (CBC: `warmStart`; HiGHS: `setSolution`), except
+to CBC's phase 1: warm-started there, CBC was seen proving a plan that places fewer tokens
+than the most.
 
 The phases (time split, skipping phase 2 when the start meets the bound, the fallback to the
 start) are exact_common.solve_lex; `_Phases` supplies the PuLP models, one per phase.
@@ -40,6 +44,10 @@ from .problem import PackProblem, PackResult
 BACKENDS = ("cbc", "highs")
 _CBC_REL_TOLERANCE = 1e-4
 """Relative slack between CBC's "optimal" objective and the bound it is taken to prove."""
+_HIGHS_REL_TOLERANCE = 1e-5
+"""Relative slack taken off HiGHS's MIP dual bound: its feasibility tolerance (1e-6 on the
+scaled T >= load rows) lets it prove a makespan a hair above the best plan's, near-ties of
+weights included, so the bound is widened to stay below every plan."""
 _CBC_INCREMENT = 1e-9
 """CBC's cutoff increment on the scaled objective (T ~ 1); its default, 1e-4, prunes better
 solutions closer than that to the incumbent."""
@@ -156,7 +164,10 @@ class _Phases:
         model.prob += model.placed
         model.warm(start)
         # (HiGHS's MIP dual bound is read in phase 2 only: PuLP hands it this maximisation negated)
-        run = self._solve(model, time_limit, start is not None)
+        # CBC, warm-started here with preprocessing off, was seen calling a plan "optimal" that
+        # places fewer tokens than another; cold it found the most. The start stays the
+        # fallback (solve_lex keeps whichever places more).
+        run = self._solve(model, time_limit, start is not None and self.backend != "cbc")
         if run.proven and self.data.options.gap_limit == 0 and run.assign is not None:
             # no bound comes back through PuLP here, but a proven optimum of this integer
             # objective (tokens placed) is its own bound
@@ -194,7 +205,8 @@ class _Phases:
         if self.backend == "highs":
             dual = plan.phase2.bound
             if dual is not None and np.isfinite(dual):
-                return max(bound, dual / self.scale + p.bin_const), " (bound: HiGHS mip_dual_bound)"
+                return (max(bound, dual * (1 - _HIGHS_REL_TOLERANCE) / self.scale + p.bin_const),
+                        " (bound: HiGHS mip_dual_bound, less its tolerance)")
             return bound, ""
         if plan.source is PlanSource.SOLVER and plan.phase2.proven:
             obj = float(p.loads(plan.bins).max() - p.bin_const)

@@ -90,7 +90,12 @@ class SolveInfo:
 
     method: str
     status: str = "heuristic"
-    """"optimal", "feasible", "heuristic", "infeasible", ... (solver-specific detail appended)."""
+    """"optimal", "feasible", "heuristic", "infeasible", ... (solver-specific detail appended).
+
+    An exact method's "optimal" is optimal up to its solver's resolution: CP-SAT's costs are
+    integers of 1e-7 of the start's largest cost, and HiGHS's and CBC's rows hold to about 1e-6
+    relative, so a plan another one beats by less than that (near-tied costs) may be called
+    optimal. `bound` stays below every plan."""
     objective: float | None = None
     """Largest micro-batch cost of the plan (seconds)."""
     bound: float | None = None

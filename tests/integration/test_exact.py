@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import wlb_opt as wlb
+from wlb_opt.cost import default_cost
 from wlb_opt.solvers import exact_common
 from wlb_opt.solvers.exact_common import START_KEPT_STATUS, PhaseSolve, PlanSource
 from wlb_opt.solvers.problem import PackProblem
@@ -275,6 +276,62 @@ def test_driver_without_a_start_or_a_plan_raises():
     data.start_assign = None  # as when no heuristic places every document
     with pytest.raises(ValueError, match=r"stub found no plan .*time_limit=10.0 s \(unknown\)"):
         exact_common.solve_lex(data, _NoPlanModel(lower=0.5, upper=1.0), scale=1.0, build_s=0.0, extra={})
+
+
+def test_driver_with_allow_defer_and_no_plan_in_time_names_the_carried_documents():
+    data = exact_common.prepare(_driver_problem(allow_defer=True))
+    data.start_assign = None
+    with pytest.raises(ValueError, match=r"stub found no plan that places the 0 carried documents within "
+                                         r"time_limit=10.0 s \(unknown\); raise time_limit$"):
+        exact_common.solve_lex(data, _NoPlanModel(lower=0.5, upper=1.0), scale=1.0, build_s=0.0, extra={})
+
+
+def test_driver_runs_phase_1_from_nothing_when_the_start_is_no_plan():
+    # a start that leaves a carried document out is dropped (start_assign None); its placed
+    # tokens are no target phase 2 could be held to
+    data = exact_common.prepare(_driver_problem(allow_defer=True))
+    data.start_assign = None
+    model = _NoPlanModel(lower=0.5, upper=1.0)
+    with pytest.raises(ValueError):
+        exact_common.solve_lex(data, model, scale=1.0, build_s=0.0, extra={})
+    assert model.calls[0] == "maximize_placed"
+
+
+@pytest.mark.parametrize("method, backend", EXACT)
+def test_a_start_that_defers_a_carried_document_leaves_the_problem_solvable(exact_extra, method, backend):
+    # the heuristic start defers carried document 4; the best plan, {5, 4} and {3, 3, 4},
+    # defers the two fresh documents (it used to be "proved infeasible")
+    lengths, cost = np.array([3, 3, 4, 5, 4, 3, 2]), default_cost()
+    tokens, load = brute_force(lengths, cost.doc_cost(lengths), 2, 10, cost.mb_const(), True, carried=5)
+    plan = wlb.solve_pack(lengths, 2, 10, cost, method, backend=backend, carried=5, allow_defer=True,
+                          time_limit=LIMIT, deterministic=True)
+    wlb.check_pack(plan, lengths, 10, cost=cost)
+    assert plan.placed_tokens == tokens == 19
+    assert plan.info.objective == pytest.approx(load, rel=REL_TOL)
+
+
+def test_cbc_claims_the_most_placed_tokens_only_where_it_placed_them(exact_extra):
+    # CBC (warm start, preprocessing off) called phase 1's 39 tokens optimal here; 40 fit
+    lengths, cost = np.array([8, 7, 4, 10, 16, 18, 20]), default_cost()
+    tokens, _ = brute_force(lengths, cost.doc_cost(lengths), 2, 20, cost.mb_const(), True)
+    plan = wlb.solve_pack(lengths, 2, 20, cost, "milp", backend="cbc", allow_defer=True, time_limit=LIMIT,
+                          deterministic=True)
+    assert tokens == 40
+    assert plan.placed_tokens == tokens or "(placed tokens not proven maximal)" in plan.info.status
+
+
+def test_the_highs_bound_stays_below_the_optimum_of_near_tied_weights(exact_extra):
+    from wlb_opt.solvers import milp
+
+    # eight near-tied weights over two bins: HiGHS proved a makespan 2.8e-6 above the best plan's
+    rng = np.random.default_rng(26)
+    n, n_bins = int(rng.integers(5, 9)), int(rng.integers(2, 4))
+    weights = rng.integers(1, 6, n) * (1 + 1e-6 * rng.standard_normal(n))
+    problem = PackProblem(lengths=np.ones(n, dtype=np.int64), weights=weights, n_bins=n_bins, max_tokens=n,
+                          time_limit=LIMIT, options={"deterministic": True}, backend="highs")
+    result = milp.solve(problem)
+    _, best = brute_force([1] * n, weights.tolist(), n_bins, n)
+    assert result.bound <= best
 
 
 @settings(max_examples=30)
