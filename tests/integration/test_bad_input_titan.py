@@ -169,6 +169,17 @@ CASES = [
      "leave parallelism.pipeline_parallel_layers_per_stage at None"),
     ("trainer.virtual_stages", lambda: tt.check_trainer_config(_trainer_config(virtual_stages=0)), ValueError,
      "virtual_stages must be an integer >= 1, got 0"),
+    # torchtitan's pipelining function, which reads it, runs only with PP
+    ("trainer.virtual_stages_without_pp", lambda: tt.check_trainer_config(_trainer_config(virtual_stages=2)),
+     ValueError, "virtual_stages=2 needs pp >= 2"),
+    ("trainer.interleaved_n_micro", lambda: tt.check_trainer_config(_trainer_config(
+        virtual_stages=2, parallelism={"pipeline_parallel_degree": 4},
+        training={"disable_cuda_graphs": True})), ValueError,
+     "the interleaved schedule needs n_micro to be a multiple of pp=4, got n_micro=2"),
+    *[(f"trainer.tp_with_{kind}", (lambda kind=kind: tt.check_trainer_config(_trainer_config(
+        parallelism={"tensor_parallel_degree": 2, "enable_sequence_parallel": False,
+                     f"data_parallel_{kind}_degree": 2}))), ValueError,
+       "tensor_parallel_degree=2 with 2 data-parallel replicas is not supported") for kind in ("replicate", "shard")],
     ("attention.no_boundaries", lambda: tt.WLBAttention()(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4),
                                                           torch.zeros(1, 2, 1, 4)), ValueError,
      "needs the micro-batch's document boundaries"),

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from itertools import chain
 
 import torch
@@ -36,6 +37,7 @@ from torch import nn
 
 from .._optional import require
 from ..executor.model import without_dummy_row
+from ..schedule import check_pipeline_shape
 
 require("torchtitan", "wlb_opt.integrations.torchtitan")
 
@@ -646,9 +648,11 @@ class WLBTrainer(Trainer):
     a stream sharded for another CP degree than `parallelism.context_parallel_degree`, a
     model family `check_family` refuses, `training.local_batch_size` other than the
     packer's n_micro (one packed sequence per micro-batch), gradient accumulation, an
-    `spmd_backend` outside `SPMD_BACKENDS`, sequence parallelism with TP > 1, expert
-    parallelism, weight tying with PP, a loss other than `CrossEntropyLoss` (chunked
-    included), the validator, a custom layer split per pipeline stage."""
+    `spmd_backend` outside `SPMD_BACKENDS`, sequence parallelism with TP > 1, TP > 1 with
+    more than one data-parallel replica (DTensor could not add up the micro-batches'
+    gradients of a row-wise weight), expert parallelism, weight tying with PP, a loss other
+    than `CrossEntropyLoss` (chunked included), the validator, a custom layer split per
+    pipeline stage, `virtual_stages` > 1 without PP or with n_micro not a multiple of it."""
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -768,6 +772,29 @@ def check_trainer_config(config) -> None:
     v = config.virtual_stages
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"WLBTrainer.Config.virtual_stages must be an integer >= 1, got {config.virtual_stages!r}")
+    check_pipeline_shape(parallelism.pipeline_parallel_degree, n_micro, v)  # v > 1 without PP would be ignored
+    dp = _dp_degree(parallelism)
+    if parallelism.tensor_parallel_degree > 1 and dp > 1:
+        # seen on qwen3 (tp 2 x dp 2): DTensor gave one micro-batch's gradient of a row-wise
+        # weight as Partial and the next one's as Shard, which it cannot add up
+        raise ValueError(f"WLBTrainer: tensor_parallel_degree={parallelism.tensor_parallel_degree} with {dp} "
+                         f"data-parallel replicas is not supported (DTensor cannot accumulate the micro-batches' "
+                         f"gradients of the row-wise weights); use TP with CP and PP, or DP without TP")
+
+
+def _dp_degree(parallelism) -> int:
+    """Data-parallel replicas of the layout: replicate x shard degree, a shard degree of -1
+    taking the ranks the other degrees leave (torchtitan's rule; WORLD_SIZE as torchrun sets it,
+    or the process group's size)."""
+    replicate, shard = parallelism.data_parallel_replicate_degree, parallelism.data_parallel_shard_degree
+    if shard == -1:
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        others = (replicate * parallelism.tensor_parallel_degree * parallelism.pipeline_parallel_degree
+                  * getattr(parallelism, "context_parallel_degree", 1))
+        shard = max(world // others, 1)
+    return replicate * shard
 
 
 # ---------------------------------------------------------------------- small configs
