@@ -77,6 +77,11 @@ LABEL_CASES = [
     ("to_hf_labels.ids_2d", lambda: hf.to_hf_labels(torch.zeros(1, 6, dtype=torch.long), [6]), ValueError,
      "1-D tensor"),
     ("to_hf_labels.ids_list", lambda: hf.to_hf_labels([1, 2, 3], [3]), ValueError, "1-D tensor"),
+    ("to_hf_labels.ids_bool", lambda: hf.to_hf_labels(torch.ones(3, dtype=torch.bool), [3]), ValueError,
+     "integer token ids, got input_ids of dtype torch.bool"),
+    ("to_hf_labels.ids_float", lambda: hf.to_hf_labels(torch.arange(3.0), [3]), ValueError,
+     "integer token ids, got input_ids of dtype torch.float32"),
+    ("to_hf_labels.bool_among_lengths", lambda: _labels([True, 5]), ValueError, "True and False are no token counts"),
 ]
 
 SPLIT_CASES = [

@@ -8,6 +8,7 @@ the single-process reference.
 from __future__ import annotations
 
 import copy
+import re
 import socket
 
 import numpy as np
@@ -179,8 +180,14 @@ def test_to_hf_labels_of_an_empty_row_and_bad_boundaries():
     model, _ = models("llama")
     batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": torch.arange(8)[None],
              "cu_seq_lens_q": torch.tensor([0, 5], dtype=torch.int32)}
-    with pytest.raises(ValueError, match="cu_seq_lens_q must rise from 0 to the row's 8 tokens"):
+    with pytest.raises(ValueError, match="cu_seq_lens_q must rise strictly from 0 to the row's 8 tokens"):
         model(**batch)
+    # an empty sequence (flash attention's boundaries may hold one) is named as such
+    for bounds in ([0, 3, 3, 8], [0, 3, 8, 8]):
+        batch["cu_seq_lens_q"] = torch.tensor(bounds, dtype=torch.int32)
+        with pytest.raises(ValueError, match=r"cu_seq_lens_q must rise strictly .* \(no empty sequence\), got "
+                                             + re.escape(str(bounds))):
+            model(**batch)
 
 
 def test_unsupported_models_and_inputs_are_clear_errors():

@@ -74,8 +74,9 @@ def _segments_from_bounds(bounds, n: int) -> np.ndarray:
     from ..kernels.segments import segments_from_lengths
 
     b = np.asarray(bounds.cpu() if isinstance(bounds, torch.Tensor) else bounds, dtype=np.int64).reshape(-1)
-    if b.size < 2 or b[0] != 0 or b[-1] != n or np.any(np.diff(b) < 0):
-        raise ValueError(f"cu_seq_lens_q must rise from 0 to the row's {n} tokens, got {b.tolist()}")
+    if b.size < 2 or b[0] != 0 or b[-1] != n or np.any(np.diff(b) <= 0):
+        raise ValueError(f"cu_seq_lens_q must rise strictly from 0 to the row's {n} tokens (no empty sequence), "
+                         f"got {b.tolist()}")
     return segments_from_lengths(np.diff(b))
 
 
@@ -267,8 +268,9 @@ def _parts(model: nn.Module):
 
 
 # rotary types whose frequencies are fixed by the config: 'dynamic' rescales them, and 'longrope'
-# switches its factors, by the longest sequence the rotary module sees, which in a packed row is
-# the row, not the document (one long document would change the short ones' frequencies)
+# switches its factors, by the largest position the rotary module sees, which in a packed row is
+# the longest document's, not each document's own (one long document would change the short
+# ones' frequencies)
 _STATIC_ROPE = ("default", "linear", "yarn", "llama3")
 
 
@@ -318,8 +320,9 @@ def _refuse_position_dependent(model: nn.Module, decoder: nn.Module) -> None:
     moving = sorted(_rope_types(model, decoder) - set(_STATIC_ROPE))
     if moving:
         raise ValueError(f"{kind} uses rope_type {moving[0]!r} (rope_parameters), whose rotary frequencies are not "
-                         "fixed by the config ('dynamic' and 'longrope' follow the longest sequence seen, which in a "
-                         "packed row is the row, not the document); build the model with a rope_type of "
+                         "fixed by the config ('dynamic' and 'longrope' follow the largest position seen, which in a "
+                         "packed row is the longest document's, not each document's own); build the model with a "
+                         "rope_type of "
                          f"{list(_STATIC_ROPE)} in rope_parameters, e.g. rope_parameters={{'rope_type': 'default', "
                          "'rope_theta': 10000.0}")
     if getattr(cfg, "output_router_logits", False):  # whatever its coefficient is called (JetMoe: aux_loss_coef)
@@ -689,6 +692,11 @@ def to_hf_labels(input_ids: torch.Tensor, lengths) -> torch.Tensor:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"to_hf_labels takes input_ids as a 1-D tensor (one packed row), got {shape}")
+    if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
+        raise ValueError(f"to_hf_labels takes integer token ids, got input_ids of dtype {input_ids.dtype}")
+    if isinstance(lengths, (list, tuple)) and any(isinstance(v, (bool, np.bool_)) for v in lengths):
+        raise ValueError(f"to_hf_labels: lengths must be a 1-D sequence of integers, got {list(lengths)!r} "
+                         "(True and False are no token counts)")
     raw = np.asarray(lengths.cpu() if isinstance(lengths, torch.Tensor) else lengths)
     if raw.ndim != 1 or (raw.size and (raw.dtype == bool or not np.issubdtype(raw.dtype, np.integer))):
         raise ValueError(f"to_hf_labels: lengths must be a 1-D sequence of integers, got {raw.tolist()!r} "
