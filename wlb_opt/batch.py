@@ -27,6 +27,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .tokens import as_mask
+
 IGNORE = -100
 """The label of a token that is not a training target."""
 
@@ -69,10 +71,8 @@ def _document(data, doc_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         tokens, mask = torch.as_tensor(got[0]), got[1]
         if mask is None:
             return tokens, None
-        mask = torch.as_tensor(mask, dtype=torch.bool)
-        if mask.shape != tokens.shape:
-            raise ValueError(f"document {doc_id}: loss mask of shape {tuple(mask.shape)} for {tuple(tokens.shape)} tokens")
-        return tokens, mask
+        # booleans or 0/1 of the document's length: a weight mask (0.1) would read as True
+        return tokens, torch.from_numpy(as_mask(doc_id, mask, len(tokens)))
     return torch.as_tensor(got), None
 
 
@@ -101,8 +101,10 @@ def _piece(data, doc_id: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Ten
         tokens = doc[lo:hi]
         mask = mask[lo:hi] if mask is not None else None
     if mask is None:
-        mask = torch.ones(hi - lo, dtype=torch.bool)
-    return tokens, torch.as_tensor(mask, dtype=torch.bool)
+        return tokens, torch.ones(hi - lo, dtype=torch.bool)
+    # a piece's mask is checked against the piece: one of the wrong length would shift the
+    # targets of the pieces after it
+    return tokens, torch.from_numpy(as_mask(doc_id, mask, hi - lo))
 
 
 def pack_micro_batch(plan, j: int, data) -> tuple[torch.Tensor, torch.Tensor]:

@@ -418,19 +418,30 @@ class WLBStream:
                 return self._emit(plan, started)
 
     def _places_any(self, plan) -> bool:
-        """Whether `plan` places a piece; one that does not (a batch of outliers alone, all
-        queued, or with lookahead an empty buffered batch) is not yielded: nothing trains in
-        it, and a training step needs targets. Its index is skipped and its state (committed
-        by the packer) travels with the next step yielded."""
-        if any(len(mb) for mb in plan.micro_batches):
-            return True
+        """Whether `plan` holds a target to train. One that places nothing (a batch of
+        outliers alone, all queued, or with lookahead an empty buffered batch), or only pieces
+        without a target (pieces of one token, such as the last token of a document one past a
+        multiple of `window`, or pieces whose targets are all masked out), is not yielded:
+        nothing would train in it, and `train_step` refuses a global batch without targets.
+        Its index is skipped, its pieces leave the cache, and its state (committed by the
+        packer) travels with the next step yielded."""
+        placed = [i for mb in plan.micro_batches for i in mb]
+        for i in placed:
+            length = int(plan.lengths[i])
+            if length < 2:
+                continue
+            hit = self._cache.get((int(plan.doc_ids[i]), int(plan.offsets[i])))
+            if hit is None or hit[1] is None or np.count_nonzero(hit[1][1:]):  # Step.target_tokens' count
+                return True
+        for i in placed:
+            self._cache.pop((int(plan.doc_ids[i]), int(plan.offsets[i])), None)
         self._step += 1
         return False
 
     def _run(self, generation: int) -> Iterator[Step]:
         while True:
             if generation != self._generation:
-                raise ValueError("this iterator of the stream was superseded by a later iter() or drain(), which "
+                raise ValueError("this iterator of the stream was superseded by a later iter(), drain() or as_dataset(), which "
                                  "continues after the last step this one yielded; use that one")
             step = self._next_step()
             if step is None:
@@ -639,27 +650,18 @@ class WLBStream:
         num_workers=1)`. More than one worker is refused (the stream is sequential).
 
         The worker plans on its own copy of the stream: from then on this stream's
-        `state_dict()` and `iter()` raise (they would give the state it had when handed out);
+        `state_dict()` and `iter()` raise (they would give the state it had when handed out),
+        and so does an iterator of it taken before (it would yield the worker's steps again);
         checkpoint `step.state` of the last step received. With `num_workers=0` the DataLoader
         iterates this very stream, which then advances as usual. A worker that is not
         persistent starts again from the stream as it was handed out at each pass over the
         DataLoader: make one pass, or pass `persistent_workers=True`."""
-        from torch.utils.data import IterableDataset, get_worker_info
+        from ._stream_dataset import StepDataset  # torch, imported only here
 
         self._check_not_handed_out("as_dataset()")
         self._handed_out = True
-        stream = self
-
-        class _StepDataset(IterableDataset):
-            def __iter__(self):
-                info = get_worker_info()
-                if info is not None and info.num_workers > 1:
-                    raise ValueError(f"a WLBStream runs in at most one DataLoader worker, got num_workers="
-                                     f"{info.num_workers} (steps depend on every step before them)")
-                stream._handed_out = False  # the copy that plans (this process's with num_workers=0)
-                return iter(stream)
-
-        return _StepDataset()
+        self._generation += 1  # an iterator taken before would train the worker's steps again: it raises
+        return StepDataset(self)
 
 
 def cache_bound(stream: WLBStream) -> int:

@@ -11,16 +11,24 @@ import numpy as np
 _INT64_MAX = 2**63 - 1
 
 
-def _first_bad_value(values) -> tuple[int, object] | None:
-    """The first entry of a Python sequence that is not an int64-representable integer."""
+def _first_bad_value(values, allow_bool: bool = False) -> tuple[int, object] | None:
+    """The first entry of a Python sequence that is not an int64-representable integer (nor,
+    with `allow_bool`, a boolean)."""
     for k, v in enumerate(values):
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not -2**63 <= v <= _INT64_MAX:
+        if isinstance(v, (bool, np.bool_)):
+            if allow_bool:
+                continue
+            return k, v
+        if not isinstance(v, (int, np.integer)) or not -2**63 <= v <= _INT64_MAX:
             return k, v
     return None
 
 
 def as_array(doc_id, values, what: str) -> np.ndarray:
     if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor, without importing torch
+        if values.is_floating_point() or values.is_complex():  # numpy has no bfloat16: say what is wrong first
+            raise ValueError(f"document {doc_id}: {what} must hold integers{' or booleans' if what == 'loss_mask' else ''}"
+                             f", got a tensor of dtype {values.dtype}")
         values = values.detach().cpu().numpy()
     if isinstance(values, (list, tuple)) and what != "loss_mask":
         # numpy would read True as 1 and turn ints beyond int64 into floats or objects: look first
@@ -42,11 +50,11 @@ def as_array(doc_id, values, what: str) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"document {doc_id}: {what} must be 1-D, got shape {arr.shape}")
     if arr.dtype.kind == "O" and arr.size:  # objects: integers only, each within int64
-        bad = _first_bad_value(arr.tolist())
+        bad = _first_bad_value(arr.tolist(), allow_bool=what == "loss_mask")
         if bad is not None:
             raise ValueError(f"document {doc_id}: {what}[{bad[0]}] = {bad[1]!r} is not an integer representable in "
                              "int64")
-        arr = arr.astype(np.int64)
+        arr = arr.astype(np.int64)  # (True and False of a loss mask become 1 and 0)
     return arr
 
 

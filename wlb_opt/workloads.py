@@ -105,7 +105,8 @@ def _load_kind(kind: str) -> np.ndarray:
 
 def sample_documents(n: int, dist: Distribution = "default", seed: int = DEFAULT_SEED) -> np.ndarray:
     """`n` document lengths (tokens, uncut) from a named distribution."""
-    rng = np.random.default_rng(seed)
+    n = check_int("n", n, 0)
+    rng = np.random.default_rng(check_int("seed", seed, 0))
     if dist == "default":
         return _mixture(rng, n, **DEFAULT_PARAMS)
     if dist == "light":
@@ -123,6 +124,7 @@ def document_stream(n_tokens: int, dist: Distribution = "default", seed: int = D
     """Document lengths of a stream holding at least `n_tokens` tokens (the shortest prefix
     of the stream that does; none for 0)."""
     n_tokens = check_int("n_tokens", n_tokens, 0)
+    seed = check_int("seed", seed, 0)
     if n_tokens == 0:
         return np.zeros(0, dtype=np.int64)
     out, total, chunk, k = [], 0, 4096, 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 
 import numpy as np
 import pytest
@@ -162,6 +163,27 @@ def test_the_dataloader_worker_path_yields_the_same_steps():
     bad = torch.utils.data.DataLoader(make_stream(docs).as_dataset(), batch_size=None, num_workers=2)
     with pytest.raises(ValueError, match="at most one DataLoader worker"):
         list(bad)
+
+
+def test_the_dataset_travels_to_a_spawned_worker():
+    """Workers started by spawn or forkserver (macOS, CUDA jobs, Linux from Python 3.14)
+    unpickle the dataset: it is a class at module level, and what it yields is the stream's."""
+    docs = pairs(long_tail(200, seed=3))
+    direct = [fingerprint(s) for s in make_stream(docs)]
+    copy_ = pickle.loads(pickle.dumps(make_stream(docs).as_dataset()))  # what a spawned worker receives
+    assert [fingerprint(s) for s in copy_] == direct
+
+
+def test_a_step_without_targets_is_not_yielded_and_its_tokens_are_accounted():
+    """A document one token past a multiple of the window leaves a 1-token piece; alone in a
+    step it holds no target (train_step refuses such a step), so the stream skips it."""
+    stream = wlb.WLBStream([(7, list(range(513)))], wlb.WLBPacker(2, 256), tokens_per_step=512, window=256)
+    steps = list(stream)
+    assert [s.target_tokens for s in steps] == [510]  # the tail's step is skipped: it trains nothing
+    assert stream.cached_tokens == 0
+    masked = wlb.WLBStream([(1, list(range(300)), [True] * 300), (2, [5, 6, 7], [False] * 3),
+                            (3, list(range(100)))], wlb.WLBPacker(2, 300), tokens_per_step=300, window=300)
+    assert [(s.index, s.target_tokens) for s in masked] == [(0, 299), (2, 99)]  # step 1 has every target masked
 
 
 def test_a_stream_given_to_a_worker_refuses_to_report_a_state_it_does_not_have():

@@ -131,10 +131,16 @@ class Ledger:
             assert at == len(packed)
         return placed
 
-    def check(self) -> tuple[int, int]:
-        lost = sum(int((t == 0).sum()) for t in self.trained.values())
+    def check(self, window: int) -> tuple[int, int, int]:
+        """(tokens lost, tokens trained twice, last tokens skipped): a document one token past
+        a multiple of `window` ends in a 1-token piece, which holds no target; the stream does
+        not yield a step of such pieces alone, so that token may go untrained (nothing is lost:
+        no label reads it). Any other untrained token is lost."""
+        untrained = {doc_id: t == 0 for doc_id, t in self.trained.items()}
+        skipped = sum(int(u[-1]) for u in untrained.values() if len(u) % window == 1)
+        lost = sum(int(u.sum()) for u in untrained.values()) - skipped
         twice = sum(int((t > 1).sum()) for t in self.trained.values())
-        return lost, twice
+        return lost, twice, skipped
 
 
 def soak_stream(seed: int, n_docs: int) -> dict:
@@ -163,9 +169,9 @@ def soak_stream(seed: int, n_docs: int) -> dict:
             counts["drain_resumes"] += bool(step.state["draining"])
             stream = resumed_from(step.state, docs, **settings)
             it = iter(stream)
-    lost, twice = ledger.check()
+    lost, twice, skipped = ledger.check(window)
     assert (lost, twice) == (0, 0), f"seed {seed}: {lost} tokens lost, {twice} trained twice ({settings})"
-    assert counts["tokens"] == sum(len(t) for _, t in docs)
+    assert counts["tokens"] + skipped == sum(len(t) for _, t in docs)
     return counts
 
 
@@ -499,7 +505,7 @@ def test_after_a_source_error_the_stream_refuses_to_go_on():
     ledger = Ledger(fixed)
     for step in steps + list(resumed):
         ledger.add(step)
-    assert ledger.check() == (0, 0)
+    assert ledger.check(resumed.window)[:2] == (0, 0)
 
 
 def test_an_overloaded_stream_resumes_with_a_larger_backlog_limit():
@@ -517,4 +523,4 @@ def test_an_overloaded_stream_resumes_with_a_larger_backlog_limit():
     ledger = Ledger(docs)
     for step in steps + list(resumed):
         ledger.add(step)
-    assert ledger.check() == (0, 0)
+    assert ledger.check(resumed.window)[:2] == (0, 0)

@@ -162,6 +162,13 @@ def _tokens(tokens, mask=None):
     return list(_stream([(0, [1, 2, 3]), item], lookahead=0))
 
 
+def _bfloat16(values):
+    """A bfloat16 tensor (numpy has no such dtype)."""
+    import torch
+
+    return torch.tensor(values, dtype=torch.bfloat16)
+
+
 TOKEN_CASES = [
     ("tokens.negative", lambda: _tokens([3, -1]), ValueError, "document 5: tokens[1] = -1 is negative"),
     ("tokens.uint64_wrap", lambda: _tokens(np.array([2**63], dtype=np.uint64)), ValueError,
@@ -178,6 +185,13 @@ TOKEN_CASES = [
     ("mask.values", lambda: _tokens([1, 2, 3], [1, 2, 0]), ValueError, "loss_mask[1] = 2"),
     ("mask.float", lambda: _tokens([1, 2], [0.5, 1.0]), ValueError, "loss_mask must be booleans"),
     ("mask.length", lambda: _tokens([1, 2], [True]), ValueError, "loss mask of 1 entries for 2 tokens"),
+    ("tokens.bfloat16_tensor", lambda: _tokens(_bfloat16([1, 2, 3])), ValueError,
+     "document 5: tokens must hold integers, got a tensor of dtype torch.bfloat16"),
+    ("mask.bfloat16_tensor", lambda: _tokens([1, 2], _bfloat16([1, 1])), ValueError,
+     "document 5: loss_mask must hold integers or booleans, got a tensor of dtype torch.bfloat16"),
+    # the None is named, not the valid True before it
+    ("mask.none_entry", lambda: _tokens([1, 2, 3], [True, None, True]), ValueError,
+     "document 5: loss_mask[1] = None is not an integer"),
     ("id.huge", lambda: list(_stream([(2**63, [1])], lookahead=0)), ValueError,
      "document id 9223372036854775808 does not fit in int64"),
     ("id.too_negative", lambda: list(_stream([(-2**63 - 1, [1])], lookahead=0)), ValueError, "does not fit in int64"),
@@ -193,7 +207,15 @@ def _superseded():
     next(first)
 
 
-ITER_CASES = [("iter.superseded", _superseded, ValueError, "superseded by a later iter()")]
+def _iterated_then_handed_out():
+    stream = _stream()
+    before = iter(stream)
+    stream.as_dataset()
+    next(before)  # it would train the steps the DataLoader's worker trains
+
+
+ITER_CASES = [("iter.before_as_dataset", _iterated_then_handed_out, ValueError, "superseded"),
+              ("iter.superseded", _superseded, ValueError, "superseded by a later iter(), drain() or as_dataset()")]
 
 CASES = STATE_CASES + TOKEN_CASES + ITER_CASES
 

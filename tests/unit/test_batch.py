@@ -3,6 +3,7 @@ one-process twin), one CP rank's rows; the module stays off `import wlb_opt`; ol
 paths still work with a DeprecationWarning."""
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -59,6 +60,26 @@ def test_pack_micro_batch_with_a_loss_mask_and_offsets():
         batch.pack_micro_batch(plan, 0, lambda i: doc_tokens(i)[:2] if i == 2 else doc_tokens(i))
     with pytest.raises(ValueError, match="token ids must be integers"):
         batch.pack_micro_batch(plan, 0, lambda i: doc_tokens(i).float())
+    # a loss mask holds booleans or 0/1 of the document's length: a weight of 0.1 is no target flag
+    for mask, words in (([2] * 40, "loss_mask[0] = 2; a loss mask holds booleans or 0/1"),
+                        ([0.1] * 40, "loss_mask must be booleans"),
+                        ([True] * 39, "loss mask of 39 entries for 40 tokens")):
+        with pytest.raises(ValueError, match=re.escape(f"document 1: {words}")):
+            batch.pack_micro_batch(plan, 0, lambda i, mask=mask: (doc_tokens(i), mask))
+
+
+class _Pieces:
+    """`data` serving pieces, with a loss mask one entry short for document 1's."""
+
+    def piece(self, doc_id, offset, length):
+        return doc_tokens(doc_id)[offset: offset + length], [True] * (length - (doc_id == 1))
+
+
+def test_a_pieces_loss_mask_is_checked_against_the_piece():
+    # one entry short here and one long there would shift the targets of the pieces after it
+    plan = _plan_with_pieces([1, 2], [2, 0], [4, 3])
+    with pytest.raises(ValueError, match=re.escape("document 1: loss mask of 3 entries for 4 tokens")):
+        batch.pack_micro_batch(plan, 0, _Pieces())
 
 
 @pytest.mark.parametrize("kind", ["tensor", "list", "tuple", "numpy", "pair of lists", "pair with no mask",

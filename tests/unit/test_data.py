@@ -62,6 +62,13 @@ def test_distributions_and_errors():
     assert workloads.sample_documents(100, "light", seed=1).min() >= 1
     with pytest.raises(ValueError, match="unknown length distribution"):
         workloads.sample_documents(10, "pareto")
+    for kw, words in ((dict(n=-1), "n must be an integer >= 0, got -1"), (dict(n=2.5), "n must be an integer"),
+                      (dict(n=3, seed=-1), "seed must be an integer >= 0, got -1"),
+                      (dict(n=3, seed=1.5), "seed must be an integer >= 0, got 1.5")):
+        with pytest.raises(ValueError, match=words):
+            workloads.sample_documents(**kw)
+    with pytest.raises(ValueError, match="seed must be an integer >= 0, got -2"):
+        workloads.document_stream(10, seed=-2)
 
 
 def test_heavy_has_the_default_body_and_a_heavier_longer_tail():
