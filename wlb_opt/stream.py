@@ -403,7 +403,7 @@ class WLBStream:
             n = self._next_batch()
             if n:
                 plan = self._feed(n)
-                if plan is not None and self._places_any(plan):  # with lookahead None while it fills
+                if plan is not None and self._trains_any(plan):  # with lookahead None while it fills
                     return self._emit(plan, started)
                 continue
             if not self._draining:
@@ -414,10 +414,10 @@ class WLBStream:
             plan = self.packer._drain_step()  # one step at a time, so each step's state is exact
             if plan is None:
                 return None
-            if self._places_any(plan):
+            if self._trains_any(plan):
                 return self._emit(plan, started)
 
-    def _places_any(self, plan) -> bool:
+    def _trains_any(self, plan) -> bool:
         """Whether `plan` holds a target to train. One that places nothing (a batch of
         outliers alone, all queued, or with lookahead an empty buffered batch), or only pieces
         without a target (pieces of one token, such as the last token of a document one past a
