@@ -441,8 +441,8 @@ class WLBStream:
     def _run(self, generation: int) -> Iterator[Step]:
         while True:
             if generation != self._generation:
-                raise ValueError("this iterator of the stream was superseded by a later iter(), drain() or as_dataset(), which "
-                                 "continues after the last step this one yielded; use that one")
+                raise ValueError("this iterator of the stream was superseded by a later iter(), drain() or "
+                                 "as_dataset(), which continues after the last step this one yielded; use that one")
             step = self._next_step()
             if step is None:
                 self._finished = True
