@@ -98,7 +98,7 @@ def _cases():
         ("train_step.short_document", lambda: step(data=lambda i: doc_tokens(i)[:3]), ValueError,
          "a 1-D tensor of at least"),
         ("train_step.loss_mask_shape", lambda: step(data=lambda i: (doc_tokens(i), torch.ones(2, dtype=torch.bool))),
-         ValueError, "loss mask of shape (2,)"),
+         ValueError, "document 2: loss mask of 2 entries for 300 tokens"),
         ("train_step.loss_chunk_zero", lambda: step(loss_chunk=0), ValueError, "loss_chunk must be an integer >= 1"),
         ("train_step.dp_without_mesh", lambda: step(plan=plan2, shards=make_shards(plan2, cost2, 1)), ValueError,
          "plan has dp=2 replicas; without a mesh train_step runs one replica"),
