@@ -43,6 +43,16 @@ class _Empty(torch.nn.Module):
         return x
 
 
+def _without_hidden():
+    """Two stages of one rank (interleaved) with no `hidden` attribute: the width they send is unknown."""
+    import wlb_opt.executor as ex
+
+    stages = ex.split_stages(make_model(), 1, 2)
+    for stage in stages:
+        del stage.hidden
+    return stages
+
+
 def _bad_rank(shards):
     """The shards with micro-batch 0's first chunk moved to a CP rank the mesh has not."""
     import dataclasses
@@ -74,6 +84,19 @@ def _cases():
         ("train_step.shards_short", lambda: step(shards=shards[:1]), ValueError,
          f"per micro-batch of the plan ({len(plan.micro_batches)}), got 1 entries"),
         ("train_step.data_list", lambda: step(data=[1, 2, 3]), TypeError, "data must be a callable"),
+        # checked on every rank before anything runs (the last stage would find them alone, the others waiting)
+        ("train_step.shard_dict", lambda: step(shards=[s.to_dict() for s in shards]), TypeError,
+         "shards[0] must be a wlb_opt.ShardPlan (or None for an empty slot), got dict"),
+        ("train_step.loss_fn_string", lambda: step(loss_fn="ce"), TypeError,
+         "loss_fn must be None (chunked cross-entropy) or a callable loss_fn(hidden, labels, head), got 'ce'"),
+        ("train_step.record_list", lambda: step(record=[]), TypeError, "record must be None or a StageOutputs, got list"),
+        ("train_step.reduce_grads_string", lambda: step(reduce_grads="no"), TypeError,
+         "reduce_grads must be True or False, got 'no'"),
+        ("train_step.check_plan_string", lambda: step(check_plan="off"), TypeError, "check_plan must be True or False"),
+        ("train_step.backend", lambda: ex.train_step(make_model(), plan, shards, data=doc_tokens, backend="cuda"),
+         ValueError, "backend must be one of ['auto', 'triton', 'torch'], got 'cuda'"),
+        ("train_step.stages_without_hidden", lambda: step(model=_without_hidden()), ValueError,
+         "pipeline stages need a `hidden` attribute"),
         ("train_step.mesh_string", lambda: step(mesh="dp=2"), TypeError, "mesh must be a wlb_opt.executor.Mesh"),
         ("train_step.check_weights_string", lambda: step(check_weights="yes"), ValueError,
          "check_weights must be None (check on the first call with these stages), True or False, got 'yes'"),

@@ -5,7 +5,8 @@
   replicas (they used to differ in size and abort).
 - Gradients accumulated over two `train_step` calls without `zero_grad` are the sum of the
   two steps' (the earlier gradient is not summed over the replicas again).
-- A frozen parameter (requires_grad False) keeps no gradient, as in one process.
+- A frozen parameter (requires_grad False) keeps no gradient, as in one process; a frozen
+  first pipeline stage (pp = 2) leaves the second stage's gradients as in one process.
 - `train_step` without a mesh runs this process's step alone, even where torch.distributed
   is initialised with several ranks.
 """
@@ -49,7 +50,11 @@ def _reference(kind: str) -> dict:
     model = make_model()
     if kind == "frozen":
         model.embed.weight.requires_grad_(False)
-    steps = {"lonely": ["lonely"], "accumulate": ["a", "b"], "frozen": ["a"], "no_mesh": ["a"]}[kind]
+    if kind == "frozen_stage":
+        for param in ex.split_stages(model, 2)[0].parameters():
+            param.requires_grad_(False)
+    steps = {"lonely": ["lonely"], "accumulate": ["a", "b"], "frozen": ["a"], "frozen_stage": ["a"],
+             "no_mesh": ["a"]}[kind]
     for name in steps:
         plan, cost = plans[name]
         one = plan.replace(replica_of=np.zeros(len(plan.micro_batches), dtype=np.int64), dp=1,
@@ -87,6 +92,19 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         plan, cost = plans["a"]
         ex.train_step(model, plan, make_shards(plan, cost, 1), data=doc_tokens, mesh=mesh, backend="torch")
         got["frozen"] = _grads(model)
+        # pp = 2 with the first stage frozen (fine-tuning): its output has no graph, nothing to send back
+        model = make_model()
+        stages = ex.split_stages(model, 2)
+        for param in stages[0].parameters():
+            param.requires_grad_(False)
+        one = plan.replace(replica_of=np.zeros(len(plan.micro_batches), dtype=np.int64), dp=1,
+                           n_micro=len(plan.micro_batches))
+        pp_mesh = ex.make_mesh(pp=2)
+        mine = stages[pp_mesh.pp_rank]
+        ex.train_step(mine, one, make_shards(one, cost, 1), data=doc_tokens, mesh=pp_mesh, backend="torch")
+        held = {id(param) for param in mine.parameters()}
+        got["frozen_stage"] = {n: g for (n, g), param in zip(_grads(model).items(), model.parameters())
+                               if id(param) in held}
         # no mesh: this process's step alone (every replica of the plan, as one), with no exchange
         # with the other rank (which runs another plan here)
         model = make_model()
@@ -104,12 +122,18 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 def test_dp_gradients_equal_one_process(tmp_path):
     mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    for kind in ("lonely", "accumulate", "frozen", "no_mesh"):
+    for kind in ("lonely", "accumulate", "frozen", "frozen_stage", "no_mesh"):
         want = _reference(kind)
+        held = set()
         for rank in range(2):
             got = torch.load(tmp_path / f"rank{rank}.pt")[kind]
+            held |= set(got)
             for name, grad in want.items():
+                if name not in got:  # a pipeline rank holds its own stage's parameters only
+                    assert kind == "frozen_stage", (kind, rank, name)
+                    continue
                 if grad is None:
                     assert got[name] is None, (kind, rank, name)
                 else:
                     assert torch.allclose(got[name], grad, rtol=0, atol=1e-12), (kind, rank, name)
+        assert held == set(want), kind

@@ -303,7 +303,9 @@ class PipelineRunner:
         if vs == self.n_virtual - 1:
             out.backward()
         else:
-            torch.autograd.backward(out, self.inbox.pop(("bwd", k, vs + 1)))
+            grad = self.inbox.pop(("bwd", k, vs + 1))
+            if out.requires_grad:  # a frozen first stage (nothing to train there) has no graph
+                torch.autograd.backward(out, grad)
         if vs != 0:
             self.send_later("bwd", k, vs, x.grad if x.grad is not None else torch.zeros_like(x))
         del x, out

@@ -303,6 +303,9 @@ def stage_layout_problem(chunks, pp_rank: int, pp: int) -> str | None:
     `head`: checked where the chunk has the attribute). Stages split for another pipeline degree fail here, by name,
     instead of deep in a layer."""
     n = pp * len(chunks)
+    if n > 1 and getattr(chunks[0], "hidden", None) is None:
+        return ("pipeline stages need a `hidden` attribute (the activation width they send); use split_stages, or "
+                "set `hidden` on each stage")
     for c, chunk in enumerate(chunks):
         vs = c * pp + pp_rank
         embeds = getattr(chunk, "embed", None) is not None

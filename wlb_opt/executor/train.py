@@ -387,9 +387,9 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
     tokens of logits at a time; it is divided by the target tokens of the whole global batch.
 
     Gradients: chunks sharded with FSDP2 (`apply_fsdp`) reduce-scatter their own over dp x cp,
-    once, after their last micro-batch's backward; the others are summed here over the ranks
-    that hold the same stage (flat buckets). `reduce_grads=False` leaves every gradient local
-    (for a user's own DDP or FSDP wrapper).
+    once, after their last micro-batch's backward (whatever `reduce_grads` says: FSDP2 is the
+    reduction); the others are summed here over the ranks that hold the same stage (flat
+    buckets). `reduce_grads=False` leaves those others local (for a user's own DDP wrapper).
     """
     timeout_s = getattr(mesh, "timeout_s", None)
     # without a mesh the step is this process's alone: no roll call (each rank counts the steps it takes together)
@@ -406,8 +406,11 @@ def train_step(stages, plan, shards: list, *, data, mesh: Mesh | None = None,
         raise
 
 
-def _check_step_arguments(stages, plan, shards, data, mesh, check_weights, loss_chunk) -> None:
-    from ..plan import PackPlan, check_replicas
+def _check_step_arguments(stages, plan, shards, data, mesh, check_weights, loss_chunk, *, loss_fn=None, record=None,
+                          backend="auto", flags=()) -> None:
+    """The arguments every rank checks alike before anything is exchanged: a bad one raises on
+    every rank at once, not on the one rank that first reads it while the others wait."""
+    from ..plan import PackPlan, ShardPlan, check_replicas
 
     if not isinstance(plan, PackPlan):
         raise TypeError(f"plan must be a wlb_opt.PackPlan, got {type(plan).__name__}")
@@ -417,6 +420,20 @@ def _check_step_arguments(stages, plan, shards, data, mesh, check_weights, loss_
         got = f"{len(shards)} entries" if isinstance(shards, (list, tuple)) else type(shards).__name__
         raise ValueError(f"shards must be a list with one ShardPlan (None for an empty slot) per micro-batch of the "
                          f"plan ({len(plan.micro_batches)}), got {got}")
+    bad = next(((j, s) for j, s in enumerate(shards) if s is not None and not isinstance(s, ShardPlan)), None)
+    if bad is not None:
+        raise TypeError(f"shards[{bad[0]}] must be a wlb_opt.ShardPlan (or None for an empty slot), got "
+                        f"{type(bad[1]).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be None (chunked cross-entropy) or a callable loss_fn(hidden, labels, head), "
+                        f"got {loss_fn!r}")
+    if record is not None and not isinstance(record, StageOutputs):
+        raise TypeError(f"record must be None or a StageOutputs, got {type(record).__name__}")
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be one of ['auto', 'triton', 'torch'], got {backend!r}")
+    for name, value in flags:
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
     if not (callable(data) or callable(getattr(data, "piece", None))):
         raise TypeError("data must be a callable data(id) returning a document's token ids (or (ids, loss mask)), "
                         f"or a WLBStream step, got {type(data).__name__}")
@@ -484,7 +501,9 @@ def _agree_before_step(stages, chunks, plan, shards, packed, finding, local_erro
 
 def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce_grads, regather_kv, step, backend,
                 check_plan, check_weights, record, prefetch, rollcall) -> float:
-    _check_step_arguments(stages, plan, shards, data, mesh, check_weights, loss_chunk)
+    _check_step_arguments(stages, plan, shards, data, mesh, check_weights, loss_chunk, loss_fn=loss_fn, record=record,
+                          backend=backend, flags=(("reduce_grads", reduce_grads), ("check_plan", check_plan),
+                                                  ("prefetch", prefetch)))
     step = plan.step if step is None else step
     where = "" if step is None else f"step {step}: "
     label = step if step is not None else f"the step of plan {plan.digest()[:12]}"
@@ -511,9 +530,7 @@ def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce
                        dp_rank=dp_rank, pp_rank=pp_rank, pp=pp, cp=cp, where=where, step=step, label=label,
                        check_plan=check_plan, check_weights=check_weights, distributed=distributed, waiting=waiting)
     device, act_dtype = param.device, activation_dtype(param, chunks[0])
-    hidden = getattr(chunks[0], "hidden", None)
-    if pp * len(chunks) > 1 and hidden is None:
-        raise ValueError("pipeline stages need a `hidden` attribute (activation width); use split_stages")
+    hidden = getattr(chunks[0], "hidden", None)  # checked with the layout, on every rank (stage_layout_problem)
 
     inputs = StepInputs(plan, shards, packed, cp_rank, device)
     holds_loss = pp_rank == pp - 1 and (mesh is None or mesh.tp_rank == 0)
