@@ -9,8 +9,8 @@ units per second) so T is about 1 and solver tolerances mean the same on every i
 rounding, so the MILP optimum is the float optimum.
 
 Bounds: HiGHS reports its MIP dual bound (`mip_dual_bound`), widened by a relative 1e-5: its
-feasibility tolerance was seen proving a makespan 2e-7 (relative) above the best plan on
-near-tied weights, and calling that plan "optimal". CBC through PuLP
+feasibility tolerance lets it prove a makespan a hair above the best plan's on near-tied
+weights (and call that plan "optimal"). CBC through PuLP
 exposes none: when CBC proves optimality the bound is objective x (1 - gap_limit) x (1 -
 _CBC_REL_TOLERANCE); otherwise the bound is the one from `bounds.py`, and `status` says so.
 CBC's "optimal" is optimal only up to its tolerances (the cutoff increment that prunes a

@@ -92,7 +92,9 @@ def _piece(data, doc_id: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Ten
         if got != hi - lo:
             raise ValueError(f"document {doc_id}: the piece at offset {lo} should have {hi - lo} tokens, got "
                              f"{got if got is not None else tuple(tokens.shape)}")
-    else:
+        if mask is not None:  # checked against the piece: one of the wrong length would shift the targets after it
+            mask = torch.from_numpy(as_mask(doc_id, mask, hi - lo))
+    else:  # the document's mask was checked whole (`_document`)
         doc, mask = _document(data, doc_id)
         doc = torch.as_tensor(doc)
         if doc.dim() != 1 or doc.shape[0] < hi:
@@ -100,11 +102,7 @@ def _piece(data, doc_id: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Ten
                              f"holds its tokens [{lo}, {hi}) (a 1-D tensor of at least {hi} tokens is needed)")
         tokens = doc[lo:hi]
         mask = mask[lo:hi] if mask is not None else None
-    if mask is None:
-        return tokens, torch.ones(hi - lo, dtype=torch.bool)
-    # a piece's mask is checked against the piece: one of the wrong length would shift the
-    # targets of the pieces after it
-    return tokens, torch.from_numpy(as_mask(doc_id, mask, hi - lo))
+    return tokens, (torch.ones(hi - lo, dtype=torch.bool) if mask is None else mask)
 
 
 def pack_micro_batch(plan, j: int, data) -> tuple[torch.Tensor, torch.Tensor]:
