@@ -91,6 +91,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         seen["loss_chunk"] = _outcome(lambda: ex.train_step(ex.split_stages(make_model(), 2)[rank], plan,
                                                             make_shards(plan, cost, 1), data=doc_tokens, mesh=mesh,
                                                             loss_chunk=0))
+        # rank 0 interleaves two chunks, rank 1 runs one stage: each is a valid layout on its own
+        stages = ex.split_stages(make_model(), 2, 2)[0::2] if rank == 0 else ex.split_stages(make_model(), 2)[1]
+        seen["chunks"] = _outcome(lambda: ex.train_step(stages, plan, make_shards(plan, cost, 1), data=doc_tokens,
+                                                        mesh=mesh))
         # replicas: one micro-batch of replica 1's sharded for other offsets; replica 0 raises too
         mesh = ex.make_mesh(dp=2)
         plan, cost = make_plan(2)
@@ -195,6 +199,10 @@ def test_ranks_that_must_agree_raise_on_every_rank(tmp_path):
                                          "chunks per rank) is the last virtual stage but has no output projection"), \
             seen["stages"]
         assert seen["stages"].endswith("[pp_rank::2] (found on rank 1)"), seen["stages"]
+        assert seen["chunks"].startswith("ValueError: the step of plan ") and seen["chunks"].endswith(
+            ": ranks hold different numbers of pipeline chunks (virtual stages per rank): 2 on ranks [0]; 1 on "
+            "ranks [1]. Every rank must pass its chunks of one split: split_stages(model, pp=..., "
+            "virtual_stages=V)[pp_rank::pp] with the same V"), seen["chunks"]
         assert seen["loss_chunk"] == "ValueError: loss_chunk must be an integer >= 1 (tokens), got 0", seen
         assert seen["shard"].startswith("ValueError: the shard of micro-batch ") and \
             seen["shard"].endswith("(found on rank 1)"), seen["shard"]

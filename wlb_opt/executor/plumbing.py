@@ -177,7 +177,7 @@ def _check_same_plan(plan, shards, group, step) -> str:
 
 def agree_on_step(plan, shards, *, step, where: str, tokens=None, pieces_of=None, finding=None,
                   local_error: BaseException | None = None, weights=None, check_plan: bool = True,
-                  waits=None, exchange: bool = True, weights_if_asked=None):
+                  waits=None, exchange: bool = True, weights_if_asked=None, chunks: int | None = None):
     """The ranks' one exchange before a step; raises on every rank alike unless they agree.
 
     Every rank sends, in one all_gather_object (none when torch.distributed is not
@@ -202,10 +202,16 @@ def agree_on_step(plan, shards, *, step, where: str, tokens=None, pieces_of=None
     """
     summary = None if weights is None else {key: _digest_of(rows) for key, rows in weights.items()}
     mine = {"plan": micro_batch_digests(plan, shards, tokens) if check_plan else None,
-            "finding": finding, "weights": summary, "askable": weights_if_asked is not None}
+            "finding": finding, "weights": summary, "askable": weights_if_asked is not None, "chunks": chunks}
     per_rank = _gather(mine, waits=waits) if exchange else [mine]
     if check_plan:
         _raise_if_plans_differ([p["plan"] for p in per_rank], step)
+    counts = _ranks_by_value([p["chunks"] for p in per_rank])
+    if len(counts) > 1:
+        by_count = "; ".join(f"{per_rank[ranks[0]]['chunks']} on ranks {ranks}" for ranks in counts)
+        raise ValueError(f"{where}ranks hold different numbers of pipeline chunks (virtual stages per rank): "
+                         f"{by_count}. Every rank must pass its chunks of one split: "
+                         "split_stages(model, pp=..., virtual_stages=V)[pp_rank::pp] with the same V")
     found = [(q, p["finding"]) for q, p in enumerate(per_rank) if p["finding"] is not None]
     if local_error is not None:
         raise local_error

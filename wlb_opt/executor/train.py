@@ -494,7 +494,8 @@ def _agree_before_step(stages, chunks, plan, shards, packed, finding, local_erro
             plan, mine, step=step, where=f"{step_words(label)}: ", tokens=tokens, pieces_of=pieces_of,
             finding=finding, local_error=local_error, weights=weights, check_plan=check_plan,
             waits=lambda: waiting("the plan check (all_gather_object of the plan digests)"), exchange=distributed,
-            weights_if_asked=(lambda: weight_checksums(chunks, pp_rank, pp)) if checks_weights else None)
+            weights_if_asked=(lambda: weight_checksums(chunks, pp_rank, pp)) if checks_weights else None,
+            chunks=len(chunks))
     if weights is not None:
         _remember_weights_checked(owners)
 
@@ -542,7 +543,10 @@ def _train_step(stages, plan, shards, *, data, mesh, loss_fn, loss_chunk, reduce
     forward = _StageForward(chunks, inputs, mbs, pp=pp, cp_group=mesh.cp_group if mesh else SELF_GROUP, backend=backend,
                             regather_kv=regather_kv, prefetch=prefetch, loss_fn=loss_fn, loss_chunk=loss_chunk,
                             total=total)
-    channels = channel_groups(mesh, device) if pp > 1 and len(chunks) > 1 else None  # the interleaved schedule's
+    channels = None
+    if pp > 1 and len(chunks) > 1:  # the interleaved schedule's
+        with waiting("the creation of the interleaved pipeline's channel groups (new_group on every rank)"):
+            channels = channel_groups(mesh, device)
     if channels and device.type == "cuda" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
         warnings.warn("CUDA_DEVICE_MAX_CONNECTIONS=1: the interleaved pipeline's channels post receives ahead on "
                       "their own NCCL streams, which one hardware queue may serialize in launch order (a receive "
