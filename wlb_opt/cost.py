@@ -27,7 +27,7 @@ from typing import Literal
 
 import numpy as np
 
-from ._validate import check_int, check_real, exact_integers, validate_lengths
+from ._validate import bool_position, check_int, check_real, exact_integers, validate_lengths
 from .cost_memory import MemoryModel
 from .specs import HardwareSpec, ModelSpec, ParallelSpec
 
@@ -63,7 +63,7 @@ def validate_phase(phase: str) -> None:
 def _token_counts(values, name: str) -> np.ndarray:
     """`values` as int64 token counts: integers (or whole floats); not strings or bools."""
     arr = np.asarray(values)
-    if arr.dtype.kind not in "iuf":
+    if arr.dtype.kind not in "iuf" or bool_position(values) is not None:
         raise ValueError(f"{name} must be integer token counts, got {values!r:.60}")
     return exact_integers(arr, name).astype(np.int64, copy=False)
 
@@ -84,7 +84,7 @@ def attention_tiles(q_len, kv_len, tile: int) -> np.ndarray:
                              f"{q.shape} and {kv.shape}") from None
     if np.any(q < 0) or np.any(kv < q):
         raise ValueError("attention segments need 0 <= q_len <= kv_len")
-    T = int(tile)
+    T = check_int("tile", tile, 1)
     n_q = -(-q // T)
     s = kv - q
     tiles = np.maximum(n_q - 1, 0) * (-(-s // T)) + n_q * np.maximum(n_q - 1, 0) // 2 + (-(-kv // T))
@@ -135,6 +135,14 @@ class CostModel:
             if value is not None and not isinstance(value, kind):
                 raise ValueError(f"CostModel.{name} must be a {kind.__name__} or None, got {type(value).__name__}")
         self._check_fields()
+        # the fields as plain Python numbers and tuples, copied: a caller's dict changed later
+        # cannot change the model (its cached table would no longer match what it saves), and
+        # to_dict gives JSON that reads back to an equal model
+        object.__setattr__(self, "coef", {p: {t: float(self.coef[p][t]) for t in TERMS} for p in ("fwd", "bwd")})
+        object.__setattr__(self, "tile", int(self.tile))
+        object.__setattr__(self, "eff_q_len", tuple(int(q) for q in self.eff_q_len))
+        object.__setattr__(self, "eff_scale", tuple(float(e) for e in self.eff_scale))
+        object.__setattr__(self, "meta", dict(self.meta))
         # cached vectors: index 0 = fwd, 1 = bwd, 2 = fwd_bwd
         table = np.array([[self.coef[p][t] for t in TERMS] for p in ("fwd", "bwd")], dtype=np.float64)
         object.__setattr__(self, "_table", np.vstack([table, table.sum(axis=0)]))
@@ -176,6 +184,11 @@ class CostModel:
             check_real(f"CostModel.eff_scale[{i}]", e, strict=True, high=1e3)
         if any(b <= a for a, b in zip(self.eff_q_len, self.eff_q_len[1:])):
             raise ValueError(f"CostModel.eff_q_len must strictly increase, got {list(self.eff_q_len)}")
+        if not isinstance(self.meta, dict):
+            raise ValueError(f"CostModel.meta must be a dict (untyped provenance), got {type(self.meta).__name__}")
+        if not isinstance(self.efficiency_source, str):
+            raise ValueError("CostModel.efficiency_source must be a string (where eff_q_len and eff_scale come "
+                             f"from), got {self.efficiency_source!r}")
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -285,6 +298,14 @@ class CostModel:
         attn, linear, comm, doc_const, _ = self._row(phase)
         return attn * (d * (d + 1.0) * 0.5) + (linear + comm) * d + doc_const
 
+    def _phase_costs_valid(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(`_doc_cost_valid` of "fwd_bwd", "fwd", "bwd"), the same values, the terms every
+        phase shares computed once (the streaming packer weighs a step's pieces in all three)."""
+        d = lengths.astype(np.float64)
+        pairs = d * (d + 1.0) * 0.5
+        return tuple(attn * pairs + (linear + comm) * d + doc_const
+                     for attn, linear, comm, doc_const, _ in (self._table[2], self._table[0], self._table[1]))
+
     def doc_cost_terms(self, lengths, phase: Phase = "fwd_bwd") -> dict[str, np.ndarray]:
         """The four terms of doc_cost separately (for breakdowns and plots)."""
         d = validate_lengths(lengths).astype(np.float64)
@@ -300,7 +321,8 @@ class CostModel:
         """Seconds of the token-linear work (GEMMs, element-wise, communication) of `tokens`."""
         _, linear, comm, _, _ = self._row(phase)
         arr = np.asarray(tokens)
-        if arr.dtype.kind not in "iuf" or not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        if (arr.dtype.kind not in "iuf" or bool_position(tokens) is not None or not np.all(np.isfinite(arr))
+                or np.any(arr < 0)):
             raise ValueError(f"tokens must be finite token counts >= 0, got {tokens!r:.60}")
         return (linear + comm) * arr.astype(np.float64)
 
@@ -314,7 +336,10 @@ class CostModel:
 
     def attention_efficiency(self, q_len) -> np.ndarray:
         """Shape-dependent multiplier of achieved attention throughput (see module docstring)."""
-        idx = np.searchsorted(np.asarray(self.eff_q_len), np.asarray(q_len), side="right") - 1
+        q = _token_counts(q_len, "q_len")
+        if np.any(q < 0):
+            raise ValueError(f"q_len must be token counts >= 0, got {q_len!r:.60}")
+        idx = np.searchsorted(np.asarray(self.eff_q_len), q, side="right") - 1
         return np.asarray(self.eff_scale, dtype=np.float64)[np.clip(idx, 0, len(self.eff_scale) - 1)]
 
     def attention_latency(self, q_len, kv_len, phase: Phase = "fwd_bwd"):

@@ -64,7 +64,7 @@ def layout_from_args(args: argparse.Namespace, **overrides: int) -> ParallelSpec
     unknown = sorted(set(overrides) - set(LAYOUT_DIMS))
     if unknown:
         raise ValueError(f"unknown layout degrees {unknown}; valid: {LAYOUT_DIMS}")
-    return ParallelSpec(**{dim: int(overrides.get(dim, getattr(args, dim))) for dim in LAYOUT_DIMS})
+    return ParallelSpec(**{dim: overrides.get(dim, getattr(args, dim)) for dim in LAYOUT_DIMS})  # it checks each
 
 
 def cost_from_args(args: argparse.Namespace, *, parser: argparse.ArgumentParser | None = None,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._validate import validate_lengths
+from ._validate import check_int, is_float, validate_lengths
 
 FIT_TERMS: tuple[str, ...] = ("attn", "linear", "doc_const", "mb_const")
 FEATURE_NAMES: dict[str, str] = {"attn": "causal pairs", "linear": "tokens", "doc_const": "documents",
@@ -70,12 +70,17 @@ def nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
+def _check_layers(layers, what: str) -> int:
+    """`layers` (the blocks the coefficients are scaled to) as an int >= 1."""
+    return check_int(f"{what}: layers", layers, 1)
+
+
 def _check_samples(samples: list[Sample], what: str) -> None:
     for i, s in enumerate(samples):
         validate_lengths(s.lengths, f"{what}: sample {i}'s lengths")
         for phase in ("fwd", "bwd"):
             t = getattr(s, f"{phase}_s")
-            if not np.isfinite(t) or t <= 0:
+            if not is_float(t) or not np.isfinite(t) or t <= 0:
                 raise ValueError(f"{what}: measured {phase} times must be positive and finite, got {t!r} "
                                  f"for lengths {np.asarray(s.lengths).tolist()[:8]}")
 
@@ -104,6 +109,7 @@ def fit_terms(samples: list[Sample], layers: int = 1) -> dict[str, dict[str, flo
     """{phase: {term: coefficient}} for phase "fwd", "bwd": seconds per feature unit, scaled
     by `layers` (samples timed on one block, model of `layers` blocks). Plain floats.
     ValueError for samples whose features do not vary independently."""
+    layers = _check_layers(layers, "fit_cost_model")
     A = _design(samples, "fit_cost_model")
     coef = {}
     for phase in ("fwd", "bwd"):
@@ -125,6 +131,13 @@ def coef_intervals(samples: list[Sample], layers: int = 1, n_fits: int = BOOTSTR
     A term the samples pin down has a narrow interval; one they hardly tell from the others
     (a small per-document or per-micro-batch constant beside a large linear term) a wide one,
     which says how far a profile can be trusted term by term. Plain floats."""
+    layers = _check_layers(layers, "coef_intervals")
+    n_fits = check_int("coef_intervals: n_fits", n_fits, 1)
+    seed = check_int("coef_intervals: seed", seed, 0)
+    if (not isinstance(quantiles, (tuple, list)) or len(quantiles) != 2
+            or not all(is_float(q) and 0 <= q <= 100 for q in quantiles) or not quantiles[0] <= quantiles[1]):
+        raise ValueError(f"coef_intervals: quantiles must be (low, high) percentages with 0 <= low <= high <= 100, "
+                         f"got {quantiles!r}")
     A = _design(samples, "coef_intervals")
     rng = np.random.default_rng(seed)
     draws = rng.integers(0, len(samples), size=(n_fits, len(samples)))
@@ -150,6 +163,7 @@ def validate(coef: dict, heldout: list[Sample], layers: int = 1) -> dict:
     `coef` is scaled for `layers` blocks and the samples were timed on one: both sides are
     compared per block. Returns plain numbers: {"mape": %, "worst": %, "n": count}.
     """
+    layers = _check_layers(layers, "validate")
     if not heldout:
         raise ValueError("validate needs at least one held-out sample")
     _check_samples(heldout, "validate")
@@ -180,8 +194,12 @@ def sample_micro_batches(window: int, n: int, rng: np.random.Generator) -> list[
     The first two samples are the extremes (one document of `window` tokens, `window` / 8
     documents of 8 tokens), so every fit sees the ends of the range.
     """
-    if window < 16:  # below, every micro-batch would hold one document: the terms could not be told apart
-        raise ValueError(f"window must be >= 16 tokens to sample micro-batches of several documents, got {window}")
+    # below 16, every micro-batch would hold one document: the terms could not be told apart
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 16:
+        raise ValueError(f"window must be an integer >= 16 (tokens) to sample micro-batches of several documents, "
+                         f"got {window!r}")
+    if not isinstance(rng, np.random.Generator):
+        raise ValueError(f"rng must be a numpy Generator (np.random.default_rng(seed)), got {type(rng).__name__}")
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
         raise ValueError(f"n must be an integer >= 0 (micro-batches to sample), got {n!r}")
     out = [np.array([window], dtype=np.int64), np.full(window // 8, 8, dtype=np.int64)]

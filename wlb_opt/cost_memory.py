@@ -25,8 +25,9 @@ flash-style, so the quadratic terms are zero unless a calibration finds otherwis
 
 Static bytes per parameter follow the ZeRO paper's convention (Rajbhandari et al. 2020):
 16-bit weights and gradients (2 + 2) plus an fp32 master copy and Adam's two moments (12);
-fp32 training keeps 4 + 4 + 8. FSDP divides all of it by dp and adds the gathered
-working copy of two blocks (the one running and the one prefetched) and the root (the
+fp32 training keeps 4 + 4 + 8. FSDP shards the weights and the optimizer state over dp x cp
+(as `apply_fsdp` does), counts the gradients whole (`MemoryModel.analytic` says why), and adds
+the gathered working copy of two blocks (the one running and the one prefetched) and the root (the
 embedding and LM head stay gathered, as the executor's FSDP2 keeps its root unit).
 """
 from __future__ import annotations

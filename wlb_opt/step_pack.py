@@ -152,7 +152,9 @@ def solve_pack(
     if cost is not None and not isinstance(cost, CostModel):
         raise ValueError(f"cost must be a wlb_opt.CostModel or None, got {type(cost).__name__}")
     cost = cost if cost is not None else default_cost()
-    max_tokens = resolve_max_tokens(max_tokens, cost, memory_bytes, dp=dp)  # dp as given: None keeps the model's
+    known = cost.parallel is not None  # the cost model's layout, else the memory model's own where dp is None
+    max_tokens = resolve_max_tokens(max_tokens, cost, memory_bytes, pp=cost.parallel.pp if known else None,
+                                    dp=cost.degree("dp", dp) if known or dp is not None else None)
     dp = cost.degree("dp", dp)
     if dp * n_micro > MAX_MICRO_BATCHES:
         raise ValueError(f"dp x n_micro must be <= {MAX_MICRO_BATCHES} micro-batches per step (a plan holds an "

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import wlb_opt as wlb
+import wlb_opt.cost_fit  # noqa: F401 (wlb.cost_fit in the tables)
 from bad_input_cli_cases import CLI_CASES, SUBPROCESS_CASES, _write, cli_file_cases
 from wlb_opt.cli import main
 
@@ -111,6 +112,36 @@ def _cost_dict(**changes):
     return d
 
 
+def _layout(**overrides):
+    import argparse
+
+    from wlb_opt.cost_args import add_cost_args, layout_from_args
+
+    parser = argparse.ArgumentParser()
+    add_cost_args(parser, layout=("tp", "cp", "pp", "dp"))
+    return layout_from_args(parser.parse_args([]), **overrides)
+
+
+def _samples(fwd_s=None):
+    from wlb_opt.cost_fit import Sample, sample_micro_batches
+
+    batches = sample_micro_batches(256, 8, np.random.default_rng(0))
+    return [Sample(d, float(d.sum()) * 1e-6 if fwd_s is None else fwd_s, 2e-6 * float(d.sum())) for d in batches]
+
+
+def _fit(layers=1, fwd_s=None):
+    return wlb.cost_fit.fit_terms(_samples(fwd_s), layers=layers)
+
+
+def _validate_fit(layers=1):
+    samples = _samples()
+    return wlb.cost_fit.validate(wlb.cost_fit.fit_terms(samples), samples, layers=layers)
+
+
+def _intervals(**kw):
+    return wlb.cost_fit.coef_intervals(_samples(), **kw)
+
+
 COST_CASES = (
     [(f"CostModel.coef.{term}={label}", (lambda term=term, v=v: wlb.CostModel.from_dict(_cost_dict(**{"coef_" + term: v}))),
       ValueError, f"CostModel.coef['fwd'][{term!r}] must be a finite number")
@@ -180,7 +211,43 @@ COST_CASES = (
         ValueError, "CostModel.tile must be an integer >= 1 and <= 65536"),
        ("CostModel.analytic_exposed", lambda: wlb.CostModel.analytic(wlb.ModelSpec.preset("tiny"),
                                                                       tp_comm_exposed=2.0),
-        ValueError, "tp_comm_exposed")]
+        ValueError, "tp_comm_exposed"),
+       ("CostModel.meta_none", lambda: dataclasses.replace(COST, meta=None), ValueError,
+        "CostModel.meta must be a dict"),
+       ("CostModel.efficiency_source_int", lambda: dataclasses.replace(COST, efficiency_source=5), ValueError,
+        "CostModel.efficiency_source must be a string"),
+       ("CostModel.attention_efficiency_string", lambda: COST.attention_efficiency("a"), ValueError,
+        "q_len must be integer token counts"),
+       ("CostModel.attention_efficiency_nan", lambda: COST.attention_efficiency(math.nan), ValueError,
+        "q_len must hold integers, got nan"),
+       ("CostModel.attention_efficiency_negative", lambda: COST.attention_efficiency(-5), ValueError,
+        "q_len must be token counts >= 0, got -5"),
+       ("CostModel.attention_latency_bool", lambda: COST.attention_latency([True, 3], [4, 4]), ValueError,
+        "q_len must be integer token counts, got [True, 3]"),
+       ("CostModel.linear_cost_bool", lambda: COST.linear_cost([True, 3]), ValueError,
+        "tokens must be finite token counts >= 0, got [True, 3]"),
+       ("attention_tiles.tile_negative", lambda: wlb.cost.attention_tiles(300, 300, -128), ValueError,
+        "tile must be an integer >= 1, got -128"),
+       ("attention_tiles.tile_bool", lambda: wlb.cost.attention_tiles(300, 300, True), ValueError,
+        "tile must be an integer >= 1, got True"),
+       ("cost_args.layout_float", lambda: _layout(dp=2.7), ValueError, "ParallelSpec.dp must be an integer >= 1, got 2.7"),
+       ("cost_args.layout_bool", lambda: _layout(dp=True), ValueError, "ParallelSpec.dp must be an integer >= 1, got True"),
+       ("cost_args.layout_string", lambda: _layout(pp="3"), ValueError, "ParallelSpec.pp must be an integer >= 1, got '3'"),
+       ("cost_fit.fit_layers_zero", lambda: _fit(layers=0), ValueError, "fit_cost_model: layers must be an integer >= 1, got 0"),
+       ("cost_fit.fit_layers_nan", lambda: _fit(layers=math.nan), ValueError, "layers must be an integer >= 1, got nan"),
+       ("cost_fit.fit_layers_bool", lambda: _fit(layers=True), ValueError, "layers must be an integer >= 1, got True"),
+       ("cost_fit.validate_layers_zero", lambda: _validate_fit(layers=0), ValueError,
+        "validate: layers must be an integer >= 1, got 0"),
+       ("cost_fit.intervals_n_fits_zero", lambda: _intervals(n_fits=0), ValueError,
+        "coef_intervals: n_fits must be an integer >= 1, got 0"),
+       ("cost_fit.intervals_quantiles_reversed", lambda: _intervals(quantiles=(90, 10)), ValueError,
+        "quantiles must be (low, high) percentages with 0 <= low <= high <= 100, got (90, 10)"),
+       ("cost_fit.sample_window_float", lambda: wlb.cost_fit.sample_micro_batches(100.0, 4, np.random.default_rng(0)),
+        ValueError, "window must be an integer >= 16 (tokens)"),
+       ("cost_fit.sample_rng_none", lambda: wlb.cost_fit.sample_micro_batches(100, 4, None), ValueError,
+        "rng must be a numpy Generator"),
+       ("cost_fit.sample_time_bool", lambda: _fit(fwd_s=True), ValueError,
+        "measured fwd times must be positive and finite, got True")]
     + [(f"CostModel.doc_cost.{label}", (lambda v=v: COST.doc_cost(v)), ValueError, frag)
        for label, v, frag in BAD_LENGTHS[:8]]
     + [(f"CostModel.micro_batch_cost.{label}", (lambda v=v: COST.micro_batch_cost(v)), ValueError, frag)

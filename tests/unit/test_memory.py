@@ -143,6 +143,23 @@ def test_auto_counts_the_interleaved_schedule_with_a_memory_model_of_its_virtual
     assert interleaved.memory_model.worst_peak(two_chunks) <= 80 * GiB < interleaved.memory_model.worst_peak(one_f_one_b)
 
 
+def test_auto_counts_the_layout_the_packer_plans_not_the_memory_models_own():
+    """A memory model calibrated for another layout (one GPU's: pp=1) beside a cost model for
+    pp=4: "auto" counts the pipeline the packer plans, whether pp is given or taken from the
+    cost model, and solve_pack counts the same."""
+    import dataclasses
+    cost = wlb.CostModel.analytic(M7B, wlb.ParallelSpec(tp=8, cp=2, pp=4), H100)
+    cost = dataclasses.replace(cost, memory_model=MemoryModel.analytic(M7B, wlb.ParallelSpec(tp=8, cp=2), H100))
+    given = wlb.WLBPacker(4, "auto", cost, memory_bytes=40 * GiB, pp=4).max_tokens
+    assert wlb.WLBPacker(4, "auto", cost, memory_bytes=40 * GiB).max_tokens == given
+    assert wlb.solve_pack([1000] * 8, 4, "auto", cost, memory_bytes=40 * GiB).max_tokens == given
+    own = cost.memory_model.max_tokens(40 * GiB)  # pp=1: every layer's weights, one micro-batch in flight
+    assert given != own
+    # without a layout on the cost model, the memory model's own counts
+    free = dataclasses.replace(cost, parallel=None)
+    assert wlb.WLBPacker(4, "auto", free, memory_bytes=40 * GiB).max_tokens == own
+
+
 def test_wlb_packer_max_tokens_auto():
     par = wlb.ParallelSpec(tp=8, cp=2, pp=4)
     cost = wlb.CostModel.analytic(M7B, par, H100)

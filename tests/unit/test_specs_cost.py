@@ -136,6 +136,21 @@ def test_cost_json_round_trip(cost, tmp_path):
         wlb.CostModel.from_dict(data)
 
 
+def test_a_cost_model_holds_its_own_copy_and_round_trips_numpy_numbers():
+    """The coefficients are copied (a caller's dict changed later changes nothing: the model
+    costs and saves what it was built with), and numpy numbers become the Python numbers JSON
+    writes, so the JSON reads back to an equal model."""
+    coef = {p: dict(attn=1e-9, linear=np.float32(1e-6), comm=0.0, doc_const=0.0, mb_const=0) for p in ("fwd", "bwd")}
+    cost = wlb.CostModel(coef=coef, attn_flops_per_pair=1.0, tile=np.int64(64), eff_q_len=[1, np.int64(256)],
+                         eff_scale=[np.float32(0.5), 1.0], meta={"kind": "test"})
+    before = cost.micro_batch_cost([1000])
+    coef["fwd"]["attn"] = 1e-3
+    assert cost.micro_batch_cost([1000]) == before and cost.coef["fwd"]["attn"] == 1e-9
+    back = wlb.CostModel.from_dict(json.loads(json.dumps(cost.to_dict())))
+    assert back == cost and back.micro_batch_cost([1000]) == before
+    assert back.attention_latency(300, 900) == cost.attention_latency(300, 900)
+
+
 def test_cost_model_carries_a_typed_layout(cost, tmp_path):
     assert isinstance(cost.model, wlb.ModelSpec) and isinstance(cost.hardware, wlb.HardwareSpec)
     assert cost.parallel == wlb.ParallelSpec(tp=8, cp=2, pp=4)

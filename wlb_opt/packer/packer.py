@@ -147,9 +147,13 @@ class WLBPacker:
         # the exact methods' solvers take 32-bit seeds
         self.seed = check_int("seed", seed, 0, SEED_MAX if self.config.method in ("cpsat", "milp") else INT64_MAX)
         self.pp = self.cost.degree("pp", pp)
-        # "auto": the largest max_tokens whose worst case fits in memory_bytes (cost_memory.py)
-        # pp and dp as given (None: the memory model's own layout)
-        self.max_tokens = check_max_tokens(resolve_max_tokens(max_tokens, self.cost, memory_bytes, pp=pp, dp=dp))
+        # "auto": the largest max_tokens whose worst case fits in memory_bytes (cost_memory.py),
+        # for the pipeline and replicas this packer plans (given, else the cost model's; the
+        # memory model's own layout where neither says)
+        known = self.cost.parallel is not None
+        self.max_tokens = check_max_tokens(resolve_max_tokens(
+            max_tokens, self.cost, memory_bytes, pp=self.pp if known or pp is not None else None,
+            dp=self.dp if known or dp is not None else None))
         self.thresholds, self.n_queues = queue_thresholds(self.config, self.max_tokens)
         self._auto = self.thresholds is None
         # The notice advises other thresholds; the default pool is meant to hold a majority of
@@ -384,16 +388,17 @@ class WLBPacker:
         parts = held.parts if type(held) is PieceChain else ()
         carry = parts[0] if parts and isinstance(parts[0], FreshPieces) else None  # a carry held as a table leads
         lengths = table[2]  # validated on arrival (`_validate_batch`)
-        weigh = self.cost._doc_cost_valid
-        weights = weigh(lengths)
+        if self.method == "wlb_phases":
+            weights, fwd, bwd = self.cost._phase_costs_valid(lengths)
+        else:
+            weights = self.cost._doc_cost_valid(lengths)
         if self.method == "wlb_fill":
             return FillStepSolver(None, weights, fresh, n_micro=self.n_micro, dp=self.dp,
                                   max_tokens=self.max_tokens, bin_const=self.cost.mb_const(), method=self.method,
                                   table=table, fresh_at=len(held))
         phases = None
         if self.method == "wlb_phases":
-            phases = (weigh(lengths, "fwd"), weigh(lengths, "bwd"), self.cost.mb_const("fwd"),
-                      self.cost.mb_const("bwd"))
+            phases = (fwd, bwd, self.cost.mb_const("fwd"), self.cost.mb_const("bwd"))
         return StepSolver(None, weights, fresh, n_micro=self.n_micro, dp=self.dp, max_tokens=self.max_tokens,
                           bin_const=self.cost.mb_const(), method=self.method, phases=phases, table=table,
                           fresh_at=len(held), carry=carry)
