@@ -96,10 +96,10 @@ def min_placed_weight(lengths, weights, tokens: int) -> float:
     if tokens <= 0 or lengths.size == 0:
         return 0.0
     rate = w / np.maximum(lengths, 1)
-    order = np.argsort(rate, kind="stable")
-    cum_tok = np.cumsum(lengths[order])
-    cum_w = np.cumsum(w[order])
-    j = int(np.searchsorted(cum_tok, tokens))  # first prefix that reaches `tokens`
+    order = rate.argsort(kind="stable")
+    cum_tok = lengths[order].cumsum()
+    cum_w = w[order].cumsum()
+    j = int(cum_tok.searchsorted(tokens))  # first prefix that reaches `tokens`
     if j >= len(order):
         return float(cum_w[-1])
     before_tok = int(cum_tok[j - 1]) if j else 0
@@ -110,7 +110,7 @@ def min_placed_weight(lengths, weights, tokens: int) -> float:
 def densest_order(lengths, weights) -> np.ndarray:
     """Indices of the items in decreasing weight per token."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    return np.argsort(-_as_weights(weights) / np.maximum(lengths, 1), kind="stable")
+    return (-_as_weights(weights) / np.maximum(lengths, 1)).argsort(kind="stable")
 
 
 def densest_first(lengths, weights, order: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -123,8 +123,8 @@ def densest_first(lengths, weights, order: np.ndarray | None = None) -> tuple[np
     if order is None:
         order = densest_order(lengths, w)
     cum_tokens, cum_weights = np.zeros(len(order) + 1, dtype=np.int64), np.zeros(len(order) + 1)
-    np.cumsum(lengths[order], out=cum_tokens[1:])
-    np.cumsum(w[order], out=cum_weights[1:])
+    lengths[order].cumsum(out=cum_tokens[1:])
+    w[order].cumsum(out=cum_weights[1:])
     return cum_tokens, cum_weights
 
 

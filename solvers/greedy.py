@@ -48,14 +48,14 @@ def argsort_descending(key: np.ndarray) -> np.ndarray:
     if key.dtype.kind == "u":  # -key would wrap around
         key = key.astype(np.int64)
     if key.dtype.kind not in "iu" or len(key) < RADIX_FROM:
-        return np.argsort(-key, kind="stable")
+        return (-key).argsort(kind="stable")
     top = int(key.max())
     if int(key.min()) < 0 or top >= 2**32:
-        return np.argsort(-key, kind="stable")
+        return (-key).argsort(kind="stable")
     flipped = top - key.astype(np.int64)  # ascending in `flipped` = descending in `key`
-    order = np.argsort((flipped & 0xFFFF).astype(np.uint16), kind="stable")
+    order = (flipped & 0xFFFF).astype(np.uint16).argsort(kind="stable")
     if top >= 2**16:
-        order = order[np.argsort((flipped[order] >> 16).astype(np.uint16), kind="stable")]
+        order = order[(flipped[order] >> 16).astype(np.uint16).argsort(kind="stable")]
     return order.astype(np.int64)
 
 
@@ -272,7 +272,7 @@ def wlb_assign_lists(sizes: list[int], costs: list[float], n_bins: int, cap: int
             k = len(placed_bin)
             if sorted_from is None:
                 sized = np.asarray(sizes, dtype=np.int64) if sizes_array is None else sizes_array()
-                rises = np.flatnonzero(np.diff(sized) > 0)
+                rises = (sized[1:] > sized[:-1]).nonzero()[0]
                 sorted_from = int(rises[-1]) + 1 if len(rises) else 0
             if k >= sorted_from:
                 j = bisect_left(sizes, tok - cap, k + 1, len(sizes), key=neg)
@@ -468,7 +468,7 @@ def split_by_bin(items: np.ndarray, bins_of: np.ndarray, n_bins: int) -> list[np
 
 def group_by_bin(bins_of: np.ndarray, n_bins: int) -> tuple[np.ndarray, list[int]]:
     """(the stable sort of `bins_of` by bin, where each bin's run ends in it)."""
-    return bin_order(bins_of, n_bins), np.cumsum(np.bincount(bins_of, minlength=n_bins)).tolist()
+    return bin_order(bins_of, n_bins), np.bincount(bins_of, minlength=n_bins).cumsum().tolist()
 
 
 def cut_at(values: np.ndarray, ends: list[int]) -> list[np.ndarray]:
@@ -493,8 +493,8 @@ def bin_order(bins_of: np.ndarray, n_bins: int) -> np.ndarray:
     """`np.argsort(bins_of, kind="stable")` for bin indices in [0, n_bins): as uint16 (numpy's
     radix sort) when the bins fit in 16 bits."""
     if n_bins <= 2**16:
-        return np.argsort(bins_of.astype(np.uint16), kind="stable")
-    return np.argsort(bins_of, kind="stable")
+        return bins_of.astype(np.uint16).argsort(kind="stable")
+    return bins_of.argsort(kind="stable")
 
 
 def bin_tokens(lengths: np.ndarray, bins: list[np.ndarray]) -> np.ndarray:

@@ -181,7 +181,7 @@ def tail_lumps(order: np.ndarray, lengths: np.ndarray, n_bins: int, cap: int, n_
     if n_bins < LUMP_MIN_BINS:
         return None
     sizes = lengths[order]
-    long_at = np.flatnonzero(sizes >= max(1, int(cap * LUMP_SHARE)))
+    long_at = (sizes >= max(1, int(cap * LUMP_SHARE))).nonzero()[0]
     cut = max(n_first, int(long_at[-1]) + 1 if len(long_at) else 0)
     if len(order) - cut < LUMP_MIN_TAIL:
         return None
@@ -195,7 +195,7 @@ def geometric_lumps(sizes: np.ndarray, split: int, finest: int = 1) -> np.ndarra
     so that a lump holds 1 / (2 x 2^b) to 1 / 2^b of what is left; below `finest` x 2^b tokens
     left, every `finest` tokens (1: each item alone there). Integers only (the lumps do not
     depend on a platform's rounding)."""
-    left = np.cumsum(sizes[::-1], dtype=np.int64)[::-1]  # tokens from each item to the end
+    left = sizes[::-1].cumsum(dtype=np.int64)[::-1]  # tokens from each item to the end
     bits = int(split - 1).bit_length()
     octave = np.frexp(np.maximum(left, 1).astype(np.float64))[1].astype(np.int64) - 1  # floor(log2), exact
     key = (octave << 32) | (left >> np.maximum(octave - bits, 0))
@@ -204,7 +204,7 @@ def geometric_lumps(sizes: np.ndarray, split: int, finest: int = 1) -> np.ndarra
         key[fine] = left[fine] // finest
     new = np.ones(len(key), dtype=bool)
     new[1:] = key[1:] != key[:-1]
-    return np.cumsum(new) - 1
+    return new.cumsum() - 1
 
 
 def phases_or_algorithm1(order: np.ndarray, lengths: np.ndarray, weights: np.ndarray, fwd: np.ndarray,

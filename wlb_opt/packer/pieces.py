@@ -190,7 +190,7 @@ def _by_part(pieces: PieceChain, at: np.ndarray):
     are in `at`, the part, their positions in the part)."""
     part_of = np.searchsorted(pieces._starts, at, side="right") - 1
     for k, (part, start) in enumerate(zip(pieces.parts, pieces._starts)):
-        where = np.flatnonzero(part_of == k)
+        where = (part_of == k).nonzero()[0]
         if len(where):
             yield where, part, at[where] - start
 

@@ -211,7 +211,7 @@ def _window_costs(costs: np.ndarray, sizes: np.ndarray, starts: np.ndarray, top:
         rows = padded[starts[:, None] + np.arange(widest)]
         at = (np.arange(len(sizes)), sizes - 1)
         return np.add.accumulate(rows, axis=1)[at], np.maximum.accumulate(rows, axis=1)[at]
-    bounds = np.flatnonzero(np.diff(sizes)) + 1
+    bounds = (sizes[1:] != sizes[:-1]).nonzero()[0] + 1
     total, heaviest = [], []
     for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(sizes)]):
         rows = padded[starts[lo:hi, None] + np.arange(int(sizes[lo]))]
@@ -225,7 +225,7 @@ def _window_sums(values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np
     floats that are multiples of `EARLY_CREDIT_UNIT` (the reliefs), exact in any
     order either way (unlike a sum of arbitrary floats)."""
     prefix = np.zeros(len(values) + 1, dtype=np.float64 if values.dtype.kind == "f" else np.int64)
-    np.cumsum(values, out=prefix[1:])
+    values.cumsum(out=prefix[1:])
     return prefix[ends] - prefix[starts]
 
 
@@ -622,7 +622,7 @@ class GroupRelease(ReleasePolicy):
             if early_only:
                 keep &= early == 1
             if not keep.all():
-                kept = np.flatnonzero(keep)
+                kept = keep.nonzero()[0]
                 sizes, starts, ends, keep = sizes[kept], starts[kept], ends[kept], keep[kept]
         else:
             keep = np.ones(len(sizes), dtype=bool)
@@ -638,7 +638,7 @@ class GroupRelease(ReleasePolicy):
             # a window's cost is summed left to right from its first piece (`_window_costs`)
             costs = np.fromiter(map(ctx.costs.__getitem__, map(_ID_OFFSET, remaining)), dtype=np.float64, count=n)
             if not keep.all():  # only the windows still kept are summed
-                kept = np.flatnonzero(keep)
+                kept = keep.nonzero()[0]
                 sizes, starts, ends, tokens, keep = sizes[kept], starts[kept], ends[kept], tokens[kept], keep[kept]
             total, heaviest_cost = _window_costs(costs, sizes, starts, top)
             heaviest = (heaviest_cost if not ctx.kept else np.maximum(heaviest_cost, ctx.kept[0])) + self.bin_const
@@ -649,7 +649,7 @@ class GroupRelease(ReleasePolicy):
             at_least = heaviest / mean_at_most
             if not ctx.idle:
                 keep &= ~(heaviest > (ctx.limit + 1e-9) * mean_at_most)
-        kept = np.flatnonzero(keep)
+        kept = keep.nonzero()[0]
         tokens_of = tokens[kept].tolist()
         return (sizes[kept].tolist(), starts[kept].tolist(), tokens_of,
                 None if at_least is None else at_least[kept].tolist(),

@@ -227,7 +227,7 @@ class StepSolver:
         if not len(more_idx):
             return head_idx, head_sorted
         more_sorted = more_idx[argsort_descending(self.lengths[more_idx])]
-        at = np.searchsorted(-self.lengths[head_sorted], -self.lengths[more_sorted], side="right")
+        at = (-self.lengths[head_sorted]).searchsorted(-self.lengths[more_sorted], side="right")
         return np.concatenate([head_idx, more_idx]), insert_sorted(head_sorted, at, more_sorted)
 
     def solve(self, first: list[HeldPiece], rest: list[HeldPiece]):
@@ -252,7 +252,7 @@ class StepSolver:
         first_idx = self._first_indices(first)
         rest_idx, rest_sorted = self._sorted_rest(rest)
         # rest before tail among equal lengths: insert at the left end of each run of equals
-        at = np.searchsorted(-self.lengths[tail_sorted], -self.lengths[rest_sorted], side="left")
+        at = (-self.lengths[tail_sorted]).searchsorted(-self.lengths[rest_sorted], side="left")
         order = np.concatenate([first_idx, insert_sorted(tail_sorted, at, rest_sorted)])
         pending_idx = np.concatenate([first_idx, rest_idx, tail_idx])
         # the fresh pieces (a `FreshPieces`) stay a table: a chain of the three, copying none
@@ -290,7 +290,7 @@ class StepSolver:
         than `COARSE_MIN_TAIL`."""
         if not self.lump_tokens:
             return None
-        long_at = np.flatnonzero(self.lengths[order] >= self.lump_tokens)
+        long_at = (self.lengths[order] >= self.lump_tokens).nonzero()[0]
         cut = int(long_at[-1]) + 1 if len(long_at) else 0
         if len(order) - cut < COARSE_MIN_TAIL:
             return None
@@ -386,7 +386,7 @@ class TrialPack:
         pieces after those placed first: `insert_sorted` positions)."""
         s, base, idx = self._solver, self._extends[0], self._group_idx
         ranked = idx[argsort_descending(s.lengths[idx])]
-        return ranked, np.searchsorted(base._merge_keys, 2 * (s.max_tokens - s.lengths[ranked]), side="right")
+        return ranked, base._merge_keys.searchsorted(2 * (s.max_tokens - s.lengths[ranked]), side="right")
 
     def _merged(self, base_order: np.ndarray) -> np.ndarray:
         """`base_order` (the packing's placement order, or a prefix of it that ends after the
@@ -652,7 +652,7 @@ class TrialPack:
         placement order; where each micro-batch ends in that list): the one stable sort by
         micro-batch that `micro_batches` and the plan's sums and tokens share."""
         placed = self._placed_bin
-        kept = np.flatnonzero(placed >= 0)
+        kept = (placed >= 0).nonzero()[0]
         order, ends = group_by_bin(placed[kept], self._solver.dp * self._solver.n_micro)
         return kept[order], ends
 
