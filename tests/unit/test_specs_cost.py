@@ -151,6 +151,15 @@ def test_a_cost_model_holds_its_own_copy_and_round_trips_numpy_numbers():
     assert back.attention_latency(300, 900) == cost.attention_latency(300, 900)
 
 
+def test_the_three_phases_weighed_at_once_are_the_costs_of_each(cost):
+    """The streaming packer weighs a step's pieces in the three phases at once: bit for bit
+    what `doc_cost` gives for each (plans are compared by digest)."""
+    lengths = np.array([1, 2, 17, 500, 4096, 131072, 163840], dtype=np.int64)
+    together = cost._phase_costs_valid(lengths)
+    for phase, values in zip(("fwd_bwd", "fwd", "bwd"), together):
+        assert values.tobytes() == cost.doc_cost(lengths, phase).tobytes(), phase
+
+
 def test_cost_model_carries_a_typed_layout(cost, tmp_path):
     assert isinstance(cost.model, wlb.ModelSpec) and isinstance(cost.hardware, wlb.HardwareSpec)
     assert cost.parallel == wlb.ParallelSpec(tp=8, cp=2, pp=4)
