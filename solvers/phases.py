@@ -26,8 +26,8 @@ From `LUMP_MIN_BINS` (32) bins the short items that end the order go in lumps (`
 consecutive items, each lump one item of their tokens and costs, about 1 / (LUMP_SPLIT x bins)
 of the tail's tokens still to place where it starts. A step of 32 micro-batches holds
 thousands of short pieces, placed when the bins still differ by many of them; the last ones,
-which even the bins out, stay single. A heavy-tailed step then places a third as many items
-or fewer, at the balance of the item-by-item placement (docs/tuning.md, "The plan's short tail
+which even the bins out, stay single. A heavy-tailed step then places several times fewer
+items, at the balance of the item-by-item placement (docs/tuning.md, "The plan's short tail
 in lumps"). Both placements and the fallback see the same lumps; the items before the tail,
 every long piece among them, come first in either, so the fallback defers none of them that
 Algorithm 1 places piece by piece.

@@ -29,7 +29,7 @@
   follows drifts in the data.
 
 The constants were chosen on calibration streams, never on the streams the benchmarks score;
-docs/tuning.md gives what was tried, the measurements and the selection rule.
+docs/tuning.md gives the selection rule, what was tried and what decided each choice.
 `PackerConfig.legacy()` reproduces the packer's earlier defaults.
 """
 from __future__ import annotations
@@ -75,8 +75,8 @@ one at a time, while each lowers the imbalance by more than its tokens are worth
 price (`MarginalRelease._shed`). A step that takes a few outliers is often full to its token cap
 with its longest outlier's micro-batch the heaviest; its short pieces wait a step, in one with
 room. On the calibration streams (4 micro-batches, lookahead 0 and 2, each curve read against the
-curve without it at equal displacement) it lowered the imbalance of all five distributions, and
-at 32 micro-batches of nine of the ten runs (docs/tuning.md)."""
+curve without it at equal displacement) it lowered the imbalance of every distribution, and at
+32 micro-batches of most runs (docs/tuning.md)."""
 TRIM_WITHOUT_GROUPS = True
 """release="marginal": a step that took groups is weighed again, trimmed, against the step
 without them, trimmed too (`MarginalRelease._without_groups_instead`). A group is taken when it
@@ -84,14 +84,13 @@ beats the step without it as that step is; a starved step (a batch of a few shor
 after one of outliers) whose short pieces include one long one is less balanced without the
 outliers than with them, though without that one piece it would be balanced. On the
 calibration streams (4 micro-batches, lookahead 0 and 2, each curve read against the curve
-without it at equal displacement; `HELD_GROUP_STEPS` = 2) it lowered `prose` by 0.004 and
-0.003 and left the other four within 0.0007; at 32 micro-batches it lowered `heavy` and
-`prose` by 0.003-0.006 (docs/tuning.md)."""
+without it at equal displacement; `HELD_GROUP_STEPS` = 2) it lowered `prose` and left the
+other four within noise; at 32 micro-batches it lowered `heavy` and `prose` (docs/tuning.md)."""
 HELD_GROUP_STEPS = 2.0
 """release="marginal": the step without groups is taken only where it gains more than this many
 steps of the groups' relief (`MarginalRelease.held_group_steps`). At 1, on a stream of mostly
-outliers (`prose`, lookahead 4) the groups held back ran the displacement 6% over its budget
-with the feedback at its high; at 2 it stays within (docs/tuning.md)."""
+outliers (`prose`, lookahead 4) the groups held back ran the displacement over its budget with
+the feedback at its high; at 2 it stays within (docs/tuning.md)."""
 REPAIR_FROM = 1.02
 """release="marginal" with method "wlb_phases" or "wlb" (the step packers whose candidates are
 Algorithm 1's packings), steps of fewer than 16 micro-batches (dp x n_micro): a step whose
@@ -99,12 +98,12 @@ imbalance is still above this after its groups, its trim and the step without gr
 more groups of held pieces, one at a time, while the best lowers its score at the groups'
 price (`MarginalRelease._repaired`); these groups may hold several pieces seen ahead. The
 worst steps of a stream of mostly outliers are starved ones (a few medium outliers, little
-else), which a group with one early piece cannot balance: on the scored `prose` stream with
-lookahead 2 the ten worst steps held 88% of the excess over the offline schedule of the same
-reach. On the calibration streams (4 micro-batches, lookahead 0 and 2, each curve read
-against the curve without it at equal displacement) it lowered every distribution with
-lookahead, `prose` by 0.003 and `heavy` by 0.0015, and left lookahead 0 within 0.0002; 1.05
-and 1.1 did about as well (docs/tuning.md). None: no repair."""
+else), which a group with one early piece cannot balance: on `prose` with lookahead 2 a
+few worst steps held most of the excess over the offline schedule of the same reach. On the
+calibration streams (4 micro-batches, lookahead 0 and 2, each curve read against the curve
+without it at equal displacement) it lowered every distribution with lookahead, `prose` and
+`heavy` most, and left lookahead 0 within noise; 1.05 and 1.1 did about as well
+(docs/tuning.md). None: no repair."""
 TARGET_SHARE = 0.9
 """The feedback aims at this share of `delay_budget` (margin for the drain and noise)."""
 # The rule rises from TOLERANCE_LOW at RISE_FROM x target to TOLERANCE_HIGH at RISE_TO x target.

@@ -108,14 +108,14 @@ this many micro-batches (dp x n_micro); at 16 it lost balance on the calibration
 MAX_PACKED = 32
 """On the steps that try the sparse set of groups, a search (a round's groups, or a pair's
 second groups) packs at most this many candidates, in its visiting order (the lowest bounds
-first): on the slowest steps at 32 micro-batches it packed 100 to 180, and the balance of the
-calibration streams held with 32 (docs/tuning.md)."""
+first): the slowest steps at 32 micro-batches packed several times as many, and the balance
+of the calibration streams held with 32 (docs/tuning.md)."""
 MAX_STEP_PACKED = 64
 """On the same steps, all the searches of a step (its rounds and their pairs) pack at most this
 many candidates together; once they have, the step keeps what it has taken and its last round
-chooses among the candidates packed. A median step packs about 14; the slowest steps at 32
-micro-batches packed about 130 (`real` with lookahead 4), and the balance of the calibration
-streams held with 64 (docs/tuning.md)."""
+chooses among the candidates packed. A median step packs far fewer; the slowest steps at 32
+micro-batches (`real` with lookahead 4) packed about twice as many, and the balance of the
+calibration streams held with 64 (docs/tuning.md)."""
 
 REPAIR_ROUNDS = 6
 """A repair (`MarginalRelease._repaired`) takes at most this many groups."""

@@ -280,7 +280,7 @@ class StepSolver:
         while the micro-batches still differ by several of them, go by the dozen, and the
         end that balances the micro-batches at a granularity of about 2.5% of one. The
         longer pieces come first and are placed one by one, so a candidate places or defers
-        its group the same way (docs/tuning.md measures the items saved). The plan a step keeps is
+        its group the same way (docs/tuning.md, "Short pieces in lumps"). The plan a step keeps is
         `solve_pack(method="wlb_phases")`'s (`TrialPack.plan`)."""
         return self.assign_split(*(self.lumped_split(order) or (order, None)), stop)
 
