@@ -30,7 +30,8 @@ masked to the rows of its own segment, so nothing is read out of bounds.
 Softmax runs in base 2 (scores are pre-multiplied by scale * log2(e)). The stored
 log-sum-exp is natural-log, ``[Hq, Tq]``, fp32, as FlashAttention's varlen API returns it.
 Lengths and row indices are runtime values (``do_not_specialize``), so new lengths never
-recompile; row offsets are computed in int64 so that T * H * D may exceed 2**31.
+recompile; row and head offsets are computed in int64 so that T * H * D, and the head
+stride of a head-major view, may exceed 2**31.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def _tile_and_head(n_heads):
     """(tile, head) of this program in the flat work list: the head varies fastest, so the
     heaviest tile runs first for every head and a GQA group's heads run side by side."""
     pid = tl.program_id(0)
-    return pid // n_heads, pid % n_heads
+    return pid // n_heads, (pid % n_heads).to(tl.int64)  # int64: head x head stride may pass 2**31
 
 
 @triton.jit(do_not_specialize=["n_q", "n_heads"])
@@ -149,7 +150,7 @@ def _delta_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
     """delta[h, r] = sum_d O * dO - dLSE (the lse gradient folds into delta: d lse / d s = p)."""
-    head = tl.program_id(1)
+    head = tl.program_id(1).to(tl.int64)  # head x head stride may pass 2**31
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_q
     dims = tl.arange(0, HEAD_DIM)
@@ -280,7 +281,7 @@ def _dkdv_kernel(
     pid = tl.program_id(0)
     per_tile = n_kv_heads * n_split
     tile = pid // per_tile
-    kv_head = (pid % per_tile) // n_split
+    kv_head = ((pid % per_tile) // n_split).to(tl.int64)  # kv_head x head stride may pass 2**31
     split = pid % n_split
     k0 = tl.load(KV_TILES + tile * 3 + 0)
     e_lo = tl.load(KV_TILES + tile * 3 + 1)

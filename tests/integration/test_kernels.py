@@ -178,6 +178,22 @@ def test_triton_block_shapes(configs):
         check_against_reference(*_qkv(180, 180, 1, 1, 16, torch.float32), seg, "triton", check_lse=True)
 
 
+def test_a_head_stride_past_int32():
+    """A query view whose head stride puts head 2 past 2**31 elements (the kernels take
+    strides, so a head-major layout's view is accepted as it is): with head offsets in int64
+    every head reads its own rows, forward and backward (in int32 they fell outside the
+    tensor). Only the pages the view covers are written: the rest of its storage is never
+    touched."""
+    t, h, d, stride = 16, 3, 16, 2**30 + 1024
+    store = torch.empty(2 * stride + t * d, dtype=torch.float16)
+    dense, k, v = _qkv(t, t, h, 1, d, torch.float16)
+    q = store.as_strided((t, h, d), (d, stride, 1))
+    with torch.no_grad():
+        q.copy_(dense)
+    q.requires_grad_()
+    check_against_reference(q, k, v, [[0, t, 0, t]], "triton", check_lse=True)
+
+
 def test_lse_gradient_and_scale():
     seg = np.array([[0, 48, 0, 48], [48, 20, 30, 38]])
     q, k, v = _qkv(70, 70, 2, 1, 32, torch.float32)

@@ -146,6 +146,22 @@ def test_offsets_past_int32():
     assert torch.all(out[:-64] == 0)
 
 
+def test_head_offsets_past_int32():
+    # a head-major [Hq, T, D] tensor seen as [T, Hq, D] (the kernels take strides): the last
+    # head starts past 2**31 elements, in q and in the output, which keeps q's layout
+    hq, d = 4, 128
+    n = (2**31) // ((hq - 1) * d) + 64
+    q = torch.zeros(hq, n, d, device="cuda", dtype=torch.bfloat16)
+    q[:, :64].normal_()
+    q = q.transpose(0, 1)
+    k = torch.randn(64, hq, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(64, hq, d, device="cuda", dtype=torch.bfloat16)
+    seg = np.array([[0, 64, 0, 64]])
+    out = doc_attention(q, k, v, seg)
+    ref, _ = attention_reference(q[:64], k, v, seg, compute_dtype=torch.float32)
+    assert (out[:64].float() - ref).abs().max().item() < 3e-2
+
+
 def test_opcheck_on_cuda():
     seg = torch.tensor([[0, 300, 0, 300], [300, 100, 200, 200]], dtype=torch.int32)
     q, k, v = _qkv(400, 400, 4, 2, 64, torch.float16)
