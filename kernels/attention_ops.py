@@ -156,14 +156,20 @@ def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtypes: tu
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
+_LOG2E = 1.4426950408889634
+_FP32_MAX = 3.4028234663852886e38
+
+
 def _checked_scale(softmax_scale, head_dim: int) -> float:
     """The softmax scale to use: `softmax_scale`, or 1/sqrt(head_dim) for None. NaN or inf would
     give NaN output on every row without an error, so anything but a finite number > 0 is refused."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
-            or not math.isfinite(softmax_scale) or not softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a finite number > 0 (or None for 1/sqrt(D)), got {softmax_scale!r}")
+            or not math.isfinite(softmax_scale) or not softmax_scale > 0
+            or not softmax_scale * _LOG2E < _FP32_MAX):  # the kernels scale scores in fp32 (base 2)
+        raise ValueError(f"softmax_scale must be a finite number > 0 (or None for 1/sqrt(D)) that fp32 holds, "
+                         f"got {softmax_scale!r}")
     return float(softmax_scale)
 
 
@@ -225,6 +231,9 @@ def doc_attention(
         backend = "triton" if q.is_cuda else "torch"
     _check_tensors(q, k, v, _TORCH_DTYPES if backend == "torch" else _TRITON_DTYPES)
     scale = _checked_scale(softmax_scale, q.shape[-1])
+    for name, flag in (("return_lse", return_lse), ("deterministic", deterministic)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
 
     if backend == "torch":
         seg = validate_segments(segments, q.shape[0], k.shape[0])
@@ -238,8 +247,6 @@ def doc_attention(
     if not q.is_cuda and not _launch.interpreting():
         raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before "
                          "the kernels are first used (for CPU tensors); use backend='torch' on CPU")
-    if not isinstance(deterministic, bool):
-        raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
     out, lse = _fwd_op(q, k, v, seg, scale, deterministic)
     return (out, lse) if return_lse else out
 

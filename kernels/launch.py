@@ -116,15 +116,47 @@ def export_tuned() -> dict[str, list[int]]:
 _PINNED: dict[str, BlockConfig] = {}
 
 
+_KERNELS = ("fwd", "dq", "dkdv", "dkdv_atomic")
+
+
+def _is_pow2(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1 and value & (value - 1) == 0
+
+
+def _bucket_problem(bucket) -> str | None:
+    """What is wrong with a pinned bucket's text key (None: one `_bucket` can make)."""
+    parts = bucket.split("/") if isinstance(bucket, str) else []
+    if len(parts) != 6:
+        return "is not 'kernel/dtype/head_dim/group/q/k'"
+    kernel, dtype, *numbers = parts
+    if kernel not in _KERNELS:
+        return f"names kernel {kernel!r}; valid: {_KERNELS}"
+    if dtype not in _DTYPE_NAMES.values():
+        return f"names dtype {dtype!r}; valid: {sorted(_DTYPE_NAMES.values())}"
+    if not all(n.isdigit() for n in numbers) or not all(_is_pow2(int(n)) for n in numbers[2:]) or not int(numbers[1]):
+        return ("needs a head dim, a GQA group >= 1 and power-of-two q and k buckets (the next power of two of the "
+                f"lengths), got {'/'.join(numbers)}")
+    return None
+
+
 def load_tuned(configs: dict | str | os.PathLike) -> None:
-    """Pin buckets to configs (a dict from `export_tuned`, or the path of its JSON file)."""
+    """Pin buckets to configs (a dict from `export_tuned`, or the path of its JSON file).
+    Raises ValueError for a bucket no launch could match (a mistyped key would be ignored,
+    and that rank would autotune) or a config no kernel can run: block sizes are powers of
+    two >= 16, warps a power of two, stages >= 1, all integers."""
     if not isinstance(configs, dict):
         configs = json.loads(open(configs).read())
+    pinned = {}
     for bucket, cfg in configs.items():
-        if len(bucket.split("/")) != 6 or len(cfg) != 4:
-            raise ValueError(f"pinned config {bucket!r}: {cfg!r} is not 'kernel/dtype/head_dim/group/q/k': "
-                             "[block_m, block_n, num_warps, num_stages]")
-        _PINNED[bucket] = BlockConfig(*(int(x) for x in cfg))
+        problem = _bucket_problem(bucket)
+        if problem is not None:
+            raise ValueError(f"pinned config {bucket!r} {problem}")
+        if (not isinstance(cfg, (list, tuple)) or len(cfg) != 4 or not all(_is_pow2(x) for x in cfg[:3])
+                or min(cfg[:2]) < 16 or isinstance(cfg[3], bool) or not isinstance(cfg[3], int) or cfg[3] < 1):
+            raise ValueError(f"pinned config {bucket!r}: {cfg!r} is not [block_m, block_n, num_warps, num_stages] "
+                             "(block sizes powers of two >= 16, num_warps a power of two, num_stages >= 1)")
+        pinned[bucket] = BlockConfig(*cfg)
+    _PINNED.update(pinned)  # all or nothing
 
 
 def _pinned(full_key: tuple) -> BlockConfig | None:

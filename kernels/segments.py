@@ -118,11 +118,16 @@ def attention_flops(segments: Any, n_heads_q: int, head_dim: int, phase: str = "
 
 
 def segments_from_lengths(lengths: Any) -> np.ndarray:
-    """Segment table of a packed causal micro-batch: one full document per row, q == k ranges."""
-    lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    """Segment table of a packed causal micro-batch: one full document per row, q == k ranges.
+    `lengths`: a 1-D sequence of integers >= 1 (ValueError otherwise)."""
+    arr = np.asarray(lengths)
+    has_bool = isinstance(lengths, (list, tuple)) and any(isinstance(x, (bool, np.bool_)) for x in lengths)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu") or has_bool:
+        raise ValueError(f"document lengths must be a 1-D sequence of integers, got {lengths!r:.80}")
+    lengths = arr.astype(np.int64)
     if lengths.size and lengths.min() < 1:
         raise ValueError(f"document lengths must be >= 1, got min {int(lengths.min())}")
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    starts = np.cumsum(lengths) - lengths
     return np.stack([starts, lengths, starts, lengths], axis=1)
 
 

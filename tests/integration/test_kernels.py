@@ -288,8 +288,10 @@ def test_tuned_configs_export_and_pin_round_trip(tmp_path):
         launch._TUNED.clear()
         launch.load_tuned(path)
         assert launch._pinned(key) == launch.BlockConfig(128, 64, 8, 3)
-        with pytest.raises(ValueError, match="block_m"):
+        with pytest.raises(ValueError, match="is not 'kernel/dtype/head_dim/group/q/k'"):
             launch.load_tuned({"fwd/bf16": [1, 2]})
+        with pytest.raises(ValueError, match="block_m"):
+            launch.load_tuned({"fwd/bf16/128/4/16384/16384": [1, 2]})
     finally:
         launch._TUNED.clear(), launch._TUNED.update(saved[0])
         launch._PINNED.clear(), launch._PINNED.update(saved[1])

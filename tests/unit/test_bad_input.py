@@ -701,7 +701,8 @@ def _torch_cases():
     torch = pytest.importorskip("torch")
     from wlb_opt.executor import (check_same_plan, context_parallel_attention, p2p_schedule, split_stages, TinyLM,
                                   make_mesh)
-    from wlb_opt.kernels import doc_attention
+    from wlb_opt.kernels import doc_attention, segments_from_lengths
+    from wlb_opt.kernels.launch import load_tuned
 
     q = torch.randn(32, 2, 16)
     seg = np.array([[0, 32, 0, 32]])
@@ -762,6 +763,30 @@ def _torch_cases():
          ("doc_attention.scale_inf", lambda: attn(softmax_scale=INF), ValueError, "softmax_scale must be a finite"),
          ("doc_attention.scale_zero", lambda: attn(softmax_scale=0.0), ValueError, "softmax_scale must be a finite"),
          ("doc_attention.scale_string", lambda: attn(softmax_scale="0.1"), ValueError, "softmax_scale"),
+         ("doc_attention.scale_past_fp32", lambda: attn(softmax_scale=1e39), ValueError,
+          "softmax_scale must be a finite number > 0 (or None for 1/sqrt(D)) that fp32 holds, got 1e+39"),
+         ("doc_attention.deterministic_torch", lambda: attn(deterministic="no", backend="torch"), ValueError,
+          "deterministic must be True or False, got 'no'"),
+         ("doc_attention.return_lse", lambda: attn(return_lse="no"), ValueError,
+          "return_lse must be True or False, got 'no'"),
+         ("segments_from_lengths.float", lambda: segments_from_lengths([2.7, 3.2]), ValueError,
+          "document lengths must be a 1-D sequence of integers, got [2.7, 3.2]"),
+         ("segments_from_lengths.bool", lambda: segments_from_lengths([True, 3]), ValueError,
+          "document lengths must be a 1-D sequence of integers"),
+         ("segments_from_lengths.nested", lambda: segments_from_lengths([[1, 2], [3, 4]]), ValueError,
+          "document lengths must be a 1-D sequence of integers"),
+         ("load_tuned.block_zero", lambda: load_tuned({"fwd/fp16/64/1/1024/1024": [0, 64, 4, 2]}), ValueError,
+          "is not [block_m, block_n, num_warps, num_stages]"),
+         ("load_tuned.block_not_pow2", lambda: load_tuned({"fwd/fp16/64/1/1024/1024": [48, 64, 4, 2]}), ValueError,
+          "block sizes powers of two >= 16"),
+         ("load_tuned.float", lambda: load_tuned({"fwd/fp16/64/1/1024/1024": [64.9, 64, 4, 2]}), ValueError,
+          "is not [block_m, block_n, num_warps, num_stages]"),
+         ("load_tuned.kernel", lambda: load_tuned({"fwdd/fp16/64/1/1024/1024": [64, 64, 4, 2]}), ValueError,
+          "names kernel 'fwdd'"),
+         ("load_tuned.dtype", lambda: load_tuned({"fwd/bfloat16/64/1/1024/1024": [64, 64, 4, 2]}), ValueError,
+          "names dtype 'bfloat16'"),
+         ("load_tuned.bucket", lambda: load_tuned({"fwd/fp16/64/1/1000/1024": [64, 64, 4, 2]}), ValueError,
+          "power-of-two q and k buckets"),
          ("p2p_schedule.pp", lambda: p2p_schedule(0, 4), ValueError, "pp"),
          ("p2p_schedule.n_micro", lambda: p2p_schedule(2, -1), ValueError, "n_micro"),
          ("p2p_schedule.virtual", lambda: p2p_schedule(2, 4, 0), ValueError, "virtual_stages"),
