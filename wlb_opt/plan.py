@@ -20,9 +20,19 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ._validate import check_index, check_int, exact_integers, read_only, validate_ids, validate_lengths, validate_offsets
+from ._validate import (check_index, check_int, check_unique_pieces, exact_integers, read_only, validate_ids,
+                        validate_lengths, validate_offsets)
 
 PLAN_FORMAT_VERSION = 2  # 2: arrival_step is a field; 1 still loads (arrival in info.extra)
+
+
+def _loads_field(loads) -> np.ndarray:
+    """A plan dict's `loads` as float64 seconds, or ValueError naming the field."""
+    try:
+        return np.asarray(loads, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"PackPlan.from_dict: loads must be numbers (seconds per micro-batch), got "
+                         f"{loads!r:.80}") from None
 
 
 def _freeze(obj, name: str, dtype) -> None:
@@ -178,11 +188,14 @@ class PackPlan:
                 raise ValueError(f"arrival_step needs one entry per piece ({len(self.doc_ids)}), "
                                  f"got {len(self.arrival_step)}")
         if self.step is not None and "step" in names:
-            object.__setattr__(self, "step", int(self.step))
+            object.__setattr__(self, "step", check_int("step", self.step, 0))
 
     def replace(self, **changes) -> "PackPlan":
         """A copy with `changes` applied, frozen too: the changed fields are copied and checked
-        as by the constructor, the others (read-only already) are shared."""
+        as by the constructor, the others (read-only already) are shared. A change of dp,
+        n_micro or replica_of must still give each replica n_micro micro-batches
+        (`check_replicas`), and changed token counts must be the sums of their micro-batches
+        (PlanError otherwise)."""
         unknown = sorted(set(changes) - set(_PLAN_FIELDS))
         if unknown:
             raise TypeError(f"PackPlan.replace() got unknown fields {unknown}; the fields are {list(_PLAN_FIELDS)}")
@@ -190,6 +203,19 @@ class PackPlan:
         for name, value in changes.items():
             object.__setattr__(new, name, value)
         new._freeze_fields(changes)
+        for name in ("dp", "n_micro"):
+            if name in changes:
+                object.__setattr__(new, name, check_int(name, getattr(new, name), 1))
+        if changes.keys() & {"dp", "n_micro", "replica_of"}:
+            if len(new.replica_of) != len(new.micro_batches):
+                raise PlanError(f"plan.replica_of needs one replica per micro-batch ({len(new.micro_batches)}), "
+                                f"got {len(new.replica_of)}")
+            check_replicas(new)
+        if "tokens" in changes:
+            held = [sum(new.lengths[mb].tolist()) for mb in new.micro_batches]
+            if new.tokens.tolist() != held:
+                raise PlanError(f"plan.tokens must be each micro-batch's tokens {held[:8]}, got "
+                                f"{new.tokens.tolist()[:8]}")
         return new
 
     @property
@@ -274,7 +300,7 @@ class PackPlan:
             plan = cls(
                 doc_ids=i64(d["doc_ids"]), lengths=i64(d["lengths"]), offsets=i64(d["offsets"]),
                 micro_batches=[i64(mb) for mb in d["micro_batches"]], replica_of=i64(d["replica_of"]),
-                deferred=i64(d["deferred"]), loads=np.asarray(d["loads"], dtype=np.float64),
+                deferred=i64(d["deferred"]), loads=_loads_field(d["loads"]),
                 tokens=i64(d["tokens"]), n_micro=check_int("n_micro", d["n_micro"], 1),
                 dp=check_int("dp", d["dp"], 1), max_tokens=check_int("max_tokens", d["max_tokens"], 0),
                 step=None if step is None else check_int("step", step, 0), info=SolveInfo.from_dict(info),
@@ -341,9 +367,17 @@ def check_structure(plan: PackPlan) -> None:
     if not len(plan.lengths) == len(plan.offsets) == n:
         raise PlanError(f"plan.doc_ids, lengths and offsets must have one entry per piece, got {n}, "
                         f"{len(plan.lengths)} and {len(plan.offsets)}")
+    for name in ("doc_ids", "lengths", "offsets", "replica_of", "deferred", "tokens", "loads", "arrival_step"):
+        value = getattr(plan, name)
+        if value is not None and value.ndim != 1:
+            raise PlanError(f"plan.{name} must be a list, got an array of shape {value.shape}")
     if n and (plan.lengths.min() <= 0 or plan.offsets.min() < 0):
         raise PlanError("plan.lengths must be > 0 and plan.offsets >= 0, got lengths "
                         f"{plan.lengths.tolist()[:8]} and offsets {plan.offsets.tolist()[:8]}")
+    try:  # a piece is (document id, offset): the same one twice, or overlapping pieces, train tokens twice
+        check_unique_pieces(plan.doc_ids, plan.offsets, "in the plan", lengths=plan.lengths)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
     n_mbs = plan.dp * plan.n_micro
     if len(plan.micro_batches) != n_mbs:
         raise PlanError(f"plan has {len(plan.micro_batches)} micro-batches; dp x n_micro = {n_mbs}")
@@ -374,6 +408,8 @@ def check_structure(plan: PackPlan) -> None:
         held = sum(plan.lengths[mb].tolist())  # Python ints: an int64 sum could wrap
         if held != int(plan.tokens[j]):
             raise PlanError(f"plan.tokens[{j}] = {int(plan.tokens[j])}, but micro-batch {j}'s pieces hold {held}")
+        if plan.max_tokens and held > plan.max_tokens:
+            raise PlanError(f"micro-batch {j} holds {held} tokens, over the plan's own max_tokens={plan.max_tokens}")
 
 
 def check_pack(plan: PackPlan, lengths, max_tokens: int, ids=None, offsets=None, cost=None) -> None:

@@ -368,3 +368,23 @@ def test_profile_on_a_missing_cuda_device_is_one_line_and_exit_2(capsys):
 def test_profile_on_a_device_it_cannot_use_is_one_line_and_exit_2(device, fragment, capsys):
     pytest.importorskip("torch")
     assert fragment in _profile_cli(["profile", "--device", device, "--quick"], capsys)
+
+
+def test_calibration_on_a_one_token_capacity_batches_one_token():
+    """The default bootstrap batch is the capacity / 1.25, at least one token: a packer whose
+    step holds one token calibrates (it raised about a tokens_per_batch nobody passed)."""
+    assert wlb.WLBPacker(1, 1).calibrate([1]) == [1]
+    plan = wlb.WLBPacker(1, 1, config=wlb.PackerConfig(thresholds="auto")).pack([1])
+    assert plan.tokens.tolist() == [1]
+
+
+def test_a_state_taken_after_calibrate_names_the_thresholds_to_build_with():
+    sample = np.random.RandomState(0).randint(1, 101, 60)
+    packer = wlb.WLBPacker(2, 100, None, 2)
+    thresholds = packer.calibrate(sample)
+    packer.pack(sample[:20])
+    with pytest.raises(ValueError, match=r"build this one with config.replace\(thresholds="):
+        wlb.WLBPacker(2, 100, None, 2).load_state_dict(packer.state_dict())
+    again = wlb.WLBPacker(2, 100, None, 2, config=wlb.PackerConfig().replace(thresholds=thresholds))
+    again.load_state_dict(packer.state_dict())
+    assert again.pack(sample[20:40]).digest() == packer.pack(sample[20:40]).digest()

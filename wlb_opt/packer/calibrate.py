@@ -306,7 +306,7 @@ def calibrate_thresholds(packer: WLBPacker, sample_lengths, tokens_per_batch: in
         return None
     n_batches = check_int("n_batches", n_batches, 1)
     if tokens_per_batch is None:
-        tokens_per_batch = min(int(sample.sum()), int(packer.capacity_tokens / 1.25))
+        tokens_per_batch = max(1, min(int(sample.sum()), int(packer.capacity_tokens / 1.25)))
     tokens_per_batch = check_int("tokens_per_batch", tokens_per_batch, 1)
     if budget is not None:
         budget = check_positive_real("budget", budget, "units of work (solver calls)", allow_inf=True)

@@ -602,6 +602,9 @@ class WLBPacker:
         sample = validate_lengths(sample, "sample")
         if not len(sample):
             raise ValueError("sample is empty; candidate thresholds need at least one document length")
+        if sample.max() > self.max_tokens:
+            raise ValueError(f"sample holds {int(sample.max())} tokens > max_tokens={self.max_tokens}; cut documents "
+                             "with wlb_opt.split_documents first")
         tokens_per_batch = check_int("tokens_per_batch", tokens_per_batch, 1)
         return candidate_thresholds(self.cost, sample, tokens_per_batch, self.dp * self.n_micro, self.max_tokens)
 

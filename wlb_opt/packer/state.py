@@ -312,7 +312,8 @@ def decode_state(state, *, config: dict, auto: bool, thresholds: list[int] | Non
     state_thresholds = state.get("thresholds")
     if not auto and state_thresholds != thresholds:
         raise ValueError(f"state_dict field thresholds={state_thresholds!r} does not match this packer's "
-                         f"thresholds={thresholds!r}")
+                         f"thresholds={thresholds!r} (a packer calibrated before the state was taken: build "
+                         f"this one with config.replace(thresholds={state_thresholds!r}))")
     if auto and state.get("auto") is False:
         raise ValueError("state_dict field auto=False: the state has explicit thresholds "
                          f"{state_thresholds!r}; build the packer with thresholds={state_thresholds!r}")
