@@ -194,7 +194,7 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
     model) or "fwd" (on the forward phase alone, bracketed by forward searches only)."""
     if balance not in ("fwd_bwd", "fwd"):
         raise ValueError(f"balance must be 'fwd_bwd' or 'fwd', got {balance!r}")
-    from .frontier import model_window, stream_plans, sum_of_max
+    from .frontier import _finite, model_window, stream_plans, sum_of_max
 
     t0 = time.perf_counter()
     W, N = window, n_micro
@@ -241,6 +241,8 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
         bounds[b] = aggregate_imbalance(r.bound, problem)
     weights = np.full(n_slots, EDGE_WEIGHT)
     weights[warmup:len(batches)] = 1.0
+    measured = np.zeros(n_slots)  # the reported imbalance: steps warmup .. T - 1 (every step of a shorter stream)
+    measured[warmup if warmup < len(batches) else 0:len(batches)] = 1.0
     curve, search_s, streams = [], {}, {"fwd": stream}
     own = {r["displacement_per_token"] for r in rows}
     # the forward search draws the frontier; the other one the heuristics' budgets and the targets'
@@ -270,6 +272,7 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
         seeds = [s for s in in_window if (s[0] >= stream.arrival - lead).all()]
         offline_frontier(searched, N, max_tokens, cost.mb_const(phase), at, early=lead, late=late,
                          outlier_min=outlier_min, starts=seeds, n_slots=n_slots, step_weights=weights,
+                         measure_weights=measured,
                          prices=prices, on_budget=progress, skip_infeasible=True, seeded_starts=seeded_starts)
         search_s[label] = time.perf_counter() - t1
         names = [n for n, s in zip(runs, starts) if any(s is w for w in seeds)]
@@ -304,17 +307,18 @@ def run_distribution(dist: str, cost, *, steps: int, window: int, n_micro: int, 
                               imbalance=check["imbalance"],
                               imbalance_bwd=check["imbalance_bwd"], sim=check["sim"], full_share=check["full_share"],
                               aggregate=agg,
-                              displacement_per_token=check["displacement_per_token"], bound=bounds[s.budget],
+                              displacement_per_token=check["displacement_per_token"], bound=_finite(bounds[s.budget]),
                               source=source, checked=True))
     curve.sort(key=lambda c: (list(OBJECTIVES).index(c["objective"]), -c["max_lead"], c["budget"]))
     for r in rows:
         d = r["displacement_per_token"]
         above = [b for b in all_budgets if b >= d - 1e-12]
-        r["bound"] = bounds[above[0]] if above else None
+        r["bound"] = _finite(bounds[above[0]]) if above else None
         r["gap_lower_aggregate"] = None if r["bound"] is None else r["aggregate"] - r["bound"]
         for objective, lead, prefix in (("fwd", early, ""), ("fwd+bwd", early, "phases_"),
                                         (lead_objective, r["max_lead"], "lead_")):
-            within = [c for c in curve if c["checked"] and c["objective"] == objective and c["max_lead"] == lead
+            # a schedule of a shorter reach is one of this reach too (and every one is a whole-stream one)
+            within = [c for c in curve if c["checked"] and c["objective"] == objective and c["max_lead"] <= lead
                       and c["displacement_per_token"] <= d + 1e-12]
             best = min(within, key=lambda c: c["imbalance"]) if within else None
             r[f"{prefix}offline_imbalance"] = None if best is None else best["imbalance"]

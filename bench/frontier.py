@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import warnings
@@ -310,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         plans_within = [x["aggregate"] for x in rows + realised if x["displacement_per_token"] <= budget + 1e-12]
         frontier.append(dict(budget=budget, status=r.status, seconds=r.seconds, n_binaries=r.n_binaries,
                              model_best=None if r.objective is None else aggregate_imbalance(r.objective, problem),
-                             bound=aggregate_imbalance(r.bound, problem), model_displacement=r.displacement_per_token,
+                             bound=_finite(aggregate_imbalance(r.bound, problem)),
+                             model_displacement=r.displacement_per_token,
                              realised=real, best_plan=min(plans_within, default=None)))
     for row in rows:  # the bound does not increase with the budget: the next budget up bounds this plan
         above = [f for f in frontier if f["budget"] >= row["displacement_per_token"] - 1e-12]
@@ -354,6 +356,12 @@ def _fmt(x) -> str:
     return f"{'-':>6}" if x is None else f"{x:>6.3f}"
 
 
+
+def _finite(bound: float) -> float | None:
+    """A bound as JSON writes it: None for an infeasible budget's infinite one (JSON has no
+    Infinity)."""
+    return bound if math.isfinite(bound) else None
+
 def plot(frontier, rows, path: Path, title: str, offline=None) -> bool:
     """The bound, the best plans and each heuristic on (displacement, aggregate imbalance);
     `offline`: (displacement, aggregate) points of offline schedules, drawn as a line."""
@@ -365,8 +373,8 @@ def plot(frontier, rows, path: Path, title: str, offline=None) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    xs = [f["budget"] for f in frontier]
-    ax.step(xs, [f["bound"] for f in frontier], "k--", where="pre",
+    bounded = sorted((f["budget"], f["bound"]) for f in frontier if f["bound"] is not None)
+    ax.step([b for b, _ in bounded], [v for _, v in bounded], "k--", where="pre",
             label="proven bound (a budget's bound holds from the budget below it)")
     best = [(f["budget"], f["best_plan"]) for f in frontier if f["best_plan"] is not None]
     if best:

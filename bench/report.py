@@ -111,14 +111,19 @@ SECTIONS = (
             "Gap of the heuristic packers to the CP-SAT / MILP optimum or its proven bound.",
             (Table("exact.json", ("summary",)),)),
     Section("frontier", "Certified imbalance-displacement frontier",
-            "Lower bound on imbalance at each displacement budget (HiGHS), with the heuristics beside it.",
+            "Lower bound on the aggregate imbalance (the sum over steps of the heaviest micro-batch's forward cost, "
+            "times N, over the total) at each displacement budget (HiGHS), with the heuristics beside it. It bounds "
+            "the aggregate, not the mean of the steps' imbalances (the `imbalance` columns elsewhere), which a plan "
+            "within the budget may bring below it.",
             (Table("frontier.json", ("frontier",), caption="The frontier."),
              Table("frontier.json", ("heuristics",), caption="The heuristics on the same stream.")),
             meta_file="frontier.json", images="frontier.png"),
     Section("frontier", "Achievable imbalance-displacement frontier (offline schedules)",
             "Per distribution, the best schedule an offline search finds with the whole stream known, at each "
-            "displacement budget, checked independently, beside the proven bound; each default bracketed between "
-            "the two. One search balances the forward cost (the measure), the other the forward plus backward "
+            "displacement budget, checked independently, beside the proven bound on the aggregate imbalance (1 "
+            "where the solver proves nothing better within its time limit: then it brackets nothing); each default "
+            "compared with the best schedule at no more displacement (of any reach up to the one compared with). "
+            "Of the schedules a search finds, the one kept is the best on the reported imbalance. One search balances the forward cost (the measure), the other the forward plus backward "
             "cost, as the defaults do (at their displacements and at the balance targets' 0.40 and 0.45); the "
             "second runs again with each default's own reach (`max_lead`: the most steps a piece may train before "
             "it arrives; the whole-stream searches allow the model's window).",

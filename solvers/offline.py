@@ -730,7 +730,8 @@ def measure(stream: OfflineStream, step: np.ndarray, micro: np.ndarray, n_micro:
 
 def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_const: float, budgets: Sequence[float],
                      *, early: int, late: int, outlier_min: int = 32768, starts: Sequence[np.ndarray] = (),
-                     n_slots: int | None = None, step_weights: np.ndarray | None = None, prices: Sequence[float] = PRICES, sweeps: int = SWEEPS,
+                     n_slots: int | None = None, step_weights: np.ndarray | None = None,
+                     measure_weights: np.ndarray | None = None, prices: Sequence[float] = PRICES, sweeps: int = SWEEPS,
                      seed: int = 0, on_budget: Callable[[OfflineSchedule], None] | None = None,
                      skip_infeasible: bool = False, seeded_starts: int | None = None) -> list[OfflineSchedule]:
     """One `OfflineSchedule` per budget (displacement per token), in ascending budget order.
@@ -738,7 +739,10 @@ def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_co
     `starts`: schedules to start from and never do worse than: a training step per piece (each
     within the window), or a (step, micro-batch) pair of arrays, then also measured as given;
     the schedule that trains every piece at its arrival is always one.
-    `step_weights`: weight of each step in the objective (default 1 each). `on_budget` is
+    `step_weights`: weight of each step in the objective (default 1 each). `measure_weights`
+    (default `step_weights`): the weights of the measure the schedules are read on; of the
+    schedules found within a budget (each start as given among them) the one of least
+    measure is kept, so that no start does better on it than the schedule returned. `on_budget` is
     called with each schedule as it is found (progress). When no schedule is found within a
     budget (a budget of 0 on a stream whose arrivals overflow a step), raises ValueError, or
     with `skip_infeasible` leaves that budget out of the list. `seeded_starts`: at most this
@@ -750,6 +754,10 @@ def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_co
     n_slots = stream.n_steps if n_slots is None else n_slots
     weights = np.ones(n_slots if isinstance(n_slots, (int, np.integer)) else 0) if step_weights is None else \
         np.asarray(step_weights, dtype=np.float64).reshape(-1)
+    measured = weights if measure_weights is None else np.asarray(measure_weights, dtype=np.float64).reshape(-1)
+    if len(measured) != len(weights) or not np.all(np.isfinite(measured)) or (len(measured) and measured.min() < 0):
+        raise ValueError(f"measure_weights must be {len(weights)} finite numbers >= 0 (one per slot), got "
+                         f"{len(measured)}")
     _check_args(stream, n_micro, max_tokens, mb_const, budgets, early, late, outlier_min, weights, tuple(prices), sweeps,
                 n_slots, seeded_starts)
     arrival = stream.arrival
@@ -855,7 +863,7 @@ def offline_frontier(stream: OfflineStream, n_micro: int, max_tokens: int, mb_co
             raise ValueError(f"no schedule found within the displacement budget {budget}: the arrivals overflow a "
                              f"step and the search found no way out within the budget and window")
         source, (step, micro), imb, disp = min((e for e in within if e[3] <= budget + 1e-12),
-                                               key=lambda e: float(np.dot(weights, e[2])))
+                                               key=lambda e: (float(np.dot(measured, e[2])), float(np.dot(weights, e[2]))))
         warm = ("warm", (step, micro), imb, disp)
         sched = OfflineSchedule(step=step, micro_batch=micro, budget=float(budget), displacement_per_token=disp,
                                 step_imbalance=imb, objective=float(np.dot(weights, imb)), source=source,

@@ -78,6 +78,8 @@ def test_bench_frontier_offline_checks_its_schedules_and_brackets_the_defaults(t
         assert b["gap_lower_aggregate"] >= b["gap_achievable_aggregate"] - 1e-6
         assert b["gap_achievable_phases"] == pytest.approx(b["imbalance"] - b["phases_offline_imbalance"])
         assert b["imbalance_bwd"] >= 1.0
+        # the whole stream known, every schedule of a shorter reach is one too: never worse
+        assert b["phases_offline_imbalance"] <= b["lead_offline_imbalance"] + 1e-12
     assert "achievable" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         frontier.main(["--offline", "--dists", "nope", "--out", str(tmp_path)])

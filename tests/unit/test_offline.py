@@ -255,3 +255,23 @@ def test_a_budget_without_a_schedule_raises_or_is_left_out():
     out = offline_frontier(stream, 2, 60, 0.5, [0.0, 1.0], skip_infeasible=True, **kw)
     assert [s.budget for s in out] == [1.0]
     _check(stream, out[0], 2, 60, 1, 1, 3)
+
+
+
+def test_the_schedule_kept_is_the_best_on_the_measure_read():
+    """The search may weigh steps otherwise than the measure the schedules are read on; of the
+    schedules within a budget (each start as given among them) the one kept is the best on
+    `measure_weights`. Here the start moves a short piece out of an edge step into a measured
+    one: better on the search's weights, worse on the measure, so the arrival schedule is kept."""
+    batches, stream = _stream([[60, 60, 10], [60, 60], [60, 60]])
+    start = stream.arrival.copy()
+    start[2] = 1  # the short piece of step 0, a step late
+    d_start = float((np.abs(start - stream.arrival) * stream.lengths).sum() / stream.lengths.sum())
+    weights, measured = np.array([10.0, 1.0, 1.0, 10.0]), np.array([0.0, 1.0, 1.0, 0.0])
+    kw = dict(early=0, late=1, outlier_min=20, starts=[start], n_slots=4, step_weights=weights, prices=(0.0,),
+              sweeps=0)
+    searched = offline_frontier(stream, 2, 300, 0.5, [d_start], **kw)[0]
+    assert searched.step[2] == 1  # the search's own weights prefer the start
+    read = offline_frontier(stream, 2, 300, 0.5, [d_start], measure_weights=measured, **kw)[0]
+    assert read.step[2] == 0 and read.displacement_per_token == 0.0
+    assert np.dot(measured, read.step_imbalance) < np.dot(measured, searched.step_imbalance)
