@@ -212,7 +212,7 @@ class PackPlan:
                                 f"got {len(new.replica_of)}")
             check_replicas(new)
         if "tokens" in changes:
-            held = [sum(new.lengths[mb].tolist()) for mb in new.micro_batches]
+            held = _held_tokens(new)
             if new.tokens.tolist() != held:
                 raise PlanError(f"plan.tokens must be each micro-batch's tokens {held[:8]}, got "
                                 f"{new.tokens.tolist()[:8]}")
@@ -357,6 +357,11 @@ def check_replicas(plan: PackPlan) -> None:
                         f"micro-batches (values in 0 .. {plan.dp - 1}), got {replica_of.tolist()}")
 
 
+def _held_tokens(plan: PackPlan) -> list[int]:
+    """Tokens of each micro-batch, summed from its pieces in Python ints (an int64 sum could wrap)."""
+    return [sum(plan.lengths[mb].tolist()) for mb in plan.micro_batches]
+
+
 def check_structure(plan: PackPlan) -> None:
     """Raise PlanError unless `plan` is a plan in itself, whatever its input: as many doc_ids,
     lengths and offsets, lengths > 0 and offsets >= 0; dp x n_micro micro-batches, n_micro per
@@ -404,8 +409,7 @@ def check_structure(plan: PackPlan) -> None:
                         f"{len(plan.loads)} and {len(plan.tokens)}")
     if n_mbs and (not np.all(np.isfinite(plan.loads)) or plan.loads.min() < 0):
         raise PlanError(f"plan.loads must be finite seconds >= 0, got {plan.loads.tolist()[:8]}")
-    for j, mb in enumerate(plan.micro_batches):
-        held = sum(plan.lengths[mb].tolist())  # Python ints: an int64 sum could wrap
+    for j, held in enumerate(_held_tokens(plan)):
         if held != int(plan.tokens[j]):
             raise PlanError(f"plan.tokens[{j}] = {int(plan.tokens[j])}, but micro-batch {j}'s pieces hold {held}")
         if plan.max_tokens and held > plan.max_tokens:
